@@ -1,0 +1,4 @@
+// Command manager will run the OutboxRelay controller.
+package main
+
+func main() {}

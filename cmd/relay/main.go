@@ -1,0 +1,4 @@
+// Command relay will run the outbox relay loop (the binary in every relay pod).
+package main
+
+func main() {}

@@ -1,0 +1,389 @@
+package testenv
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/segmentio/kafka-go"
+)
+
+// KafkaBroker is a single-node Apache Kafka broker (combined KRaft
+// broker+controller) running on the machine's JVM.
+type KafkaBroker struct {
+	// Port is the client listener's port at 127.0.0.1.
+	Port int
+
+	dir      string
+	libs     string
+	props    string
+	logFile  string
+	mu       sync.Mutex
+	cmd      *exec.Cmd
+	exited   chan struct{}
+	topicSeq atomic.Int64
+}
+
+// StartKafka formats a KRaft storage folder under dir and starts the broker.
+func StartKafka(dir string) (*KafkaBroker, error) {
+	libs, err := findDir("OUTBOX_KAFKA_LIBS", "make deps-kafka", "",
+		filepath.Join(RepoRoot(), "bin", "kafka", "*", "libs"))
+	if err != nil {
+		return nil, fmt.Errorf("Kafka broker jars: %w", err)
+	}
+	if m, _ := filepath.Glob(filepath.Join(libs, "kafka_2.13-*.jar")); len(m) == 0 {
+		return nil, fmt.Errorf("Kafka broker jars: no kafka_2.13-*.jar in %s; run `make deps-kafka`", libs)
+	}
+	if _, err := exec.LookPath(javaBin()); err != nil {
+		return nil, fmt.Errorf("Kafka needs a JDK 17+ (java on PATH or $JAVA_HOME): %w", err)
+	}
+	port, err := FreePort()
+	if err != nil {
+		return nil, err
+	}
+	cport, err := FreePort()
+	if err != nil {
+		return nil, err
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	b := &KafkaBroker{Port: port, dir: dir, libs: libs, props: filepath.Join(dir, "server.properties"), logFile: filepath.Join(dir, "kafka.log")}
+	props := fmt.Sprintf(`process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@127.0.0.1:%[2]d
+listeners=PLAINTEXT://127.0.0.1:%[1]d,CONTROLLER://127.0.0.1:%[2]d
+advertised.listeners=PLAINTEXT://127.0.0.1:%[1]d
+controller.listener.names=CONTROLLER
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+inter.broker.listener.name=PLAINTEXT
+log.dirs=%[3]s
+num.partitions=1
+auto.create.topics.enable=false
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=4
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+min.insync.replicas=1
+`, port, cport, filepath.Join(dir, "data"))
+	if err := os.WriteFile(b.props, []byte(props), 0o644); err != nil {
+		return nil, err
+	}
+	log4j := `status = warn
+appender.out.type = Console
+appender.out.name = OUT
+appender.out.layout.type = PatternLayout
+appender.out.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = WARN
+rootLogger.appenderRef.out.ref = OUT
+logger.kafka.name = kafka.server.KafkaRaftServer
+logger.kafka.level = INFO
+`
+	if err := os.WriteFile(filepath.Join(dir, "log4j2.properties"), []byte(log4j), 0o644); err != nil {
+		return nil, err
+	}
+	var id [16]byte
+	_, _ = rand.Read(id[:])
+	clusterID := base64.RawURLEncoding.EncodeToString(id[:])
+	format := b.java("kafka.tools.StorageTool", "format", "-t", clusterID, "-c", b.props, "--standalone")
+	if out, err := format.CombinedOutput(); err != nil {
+		// Older 4.x storage tools name the flag differently; a static quorum needs none.
+		format = b.java("kafka.tools.StorageTool", "format", "-t", clusterID, "-c", b.props)
+		if out2, err2 := format.CombinedOutput(); err2 != nil {
+			return nil, fmt.Errorf("kafka storage format: %w\n%s\n%s", err2, out, out2)
+		}
+	}
+	if err := b.Start(); err != nil {
+		b.Close()
+		return nil, err
+	}
+	return b, nil
+}
+
+func javaBin() string {
+	if h := os.Getenv("JAVA_HOME"); h != "" {
+		return filepath.Join(h, "bin", "java")
+	}
+	return "java"
+}
+
+func (b *KafkaBroker) java(mainClass string, args ...string) *exec.Cmd {
+	heap := cmpOr(os.Getenv("OUTBOX_KAFKA_HEAP"), "512m")
+	jargs := []string{
+		"-Xmx" + heap, "-Xms128m", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
+		"-Djava.awt.headless=true",
+		"-Dlog4j2.configurationFile=" + filepath.Join(b.dir, "log4j2.properties"),
+		"-cp", filepath.Join(b.libs, "*"), mainClass,
+	}
+	cmd := exec.Command(javaBin(), append(jargs, args...)...)
+	cmd.Dir = b.dir
+	return cmd
+}
+
+func cmpOr(a, b string) string {
+	if a != "" {
+		return a
+	}
+	return b
+}
+
+// Addr is the broker's host:port.
+func (b *KafkaBroker) Addr() string { return fmt.Sprintf("127.0.0.1:%d", b.Port) }
+
+// Start starts the broker process and waits until it serves metadata.
+func (b *KafkaBroker) Start() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.cmd != nil {
+		return errors.New("kafka broker already running")
+	}
+	logf, err := os.OpenFile(b.logFile, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
+	if err != nil {
+		return err
+	}
+	cmd := b.java("kafka.Kafka", b.props)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		logf.Close()
+		return fmt.Errorf("start kafka broker: %w", err)
+	}
+	exited := make(chan struct{})
+	go func() { _ = cmd.Wait(); logf.Close(); close(exited) }()
+	b.cmd, b.exited = cmd, exited
+
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		select {
+		case <-exited:
+			b.cmd = nil
+			return fmt.Errorf("kafka broker exited during start-up; see %s", b.logFile)
+		default:
+		}
+		if err := b.ping(); err == nil {
+			return nil
+		} else if time.Now().After(deadline) {
+			return fmt.Errorf("kafka broker not ready after 90s (%v); see %s", err, b.logFile)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// ping succeeds once the broker answers metadata requests and has a controller.
+func (b *KafkaBroker) ping() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	c := &kafka.Client{Addr: kafka.TCP(b.Addr()), Timeout: 2 * time.Second}
+	md, err := c.Metadata(ctx, &kafka.MetadataRequest{})
+	if err != nil {
+		return err
+	}
+	if len(md.Brokers) == 0 || md.Controller.ID < 0 {
+		return errors.New("no controller yet")
+	}
+	return nil
+}
+
+// Stop stops the broker with SIGTERM (a controlled shutdown) and waits.
+func (b *KafkaBroker) Stop() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.cmd == nil {
+		return nil
+	}
+	_ = syscall.Kill(-b.cmd.Process.Pid, syscall.SIGTERM)
+	select {
+	case <-b.exited:
+	case <-time.After(30 * time.Second):
+		_ = syscall.Kill(-b.cmd.Process.Pid, syscall.SIGKILL)
+		<-b.exited
+	}
+	b.cmd = nil
+	return nil
+}
+
+// Close stops the broker.
+func (b *KafkaBroker) Close() error { return b.Stop() }
+
+var topicChars = regexp.MustCompile(`[^a-zA-Z0-9._-]+`)
+
+// TopicName returns a topic name unique to the test (not created).
+func (b *KafkaBroker) TopicName(t testing.TB, suffix string) string {
+	name := topicChars.ReplaceAllString(t.Name(), "_")
+	if len(name) > 80 {
+		name = name[:80]
+	}
+	return fmt.Sprintf("%s.%d.%s", name, b.topicSeq.Add(1), suffix)
+}
+
+// CreateTopic creates a topic with the given partitions and configs
+// (e.g. "max.message.bytes"="10000") and waits until it has leaders.
+func (b *KafkaBroker) CreateTopic(t testing.TB, name string, partitions int, configs ...string) {
+	t.Helper()
+	if err := b.CreateTopicErr(name, partitions, configs...); err != nil {
+		t.Fatalf("create topic %s: %v", name, err)
+	}
+}
+
+// CreateTopicErr is CreateTopic returning the error.
+func (b *KafkaBroker) CreateTopicErr(name string, partitions int, configs ...string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var entries []kafka.ConfigEntry
+	for i := 0; i+1 < len(configs); i += 2 {
+		entries = append(entries, kafka.ConfigEntry{ConfigName: configs[i], ConfigValue: configs[i+1]})
+	}
+	c := &kafka.Client{Addr: kafka.TCP(b.Addr()), Timeout: 20 * time.Second}
+	res, err := c.CreateTopics(ctx, &kafka.CreateTopicsRequest{Topics: []kafka.TopicConfig{{
+		Topic: name, NumPartitions: partitions, ReplicationFactor: 1, ConfigEntries: entries,
+	}}})
+	if err != nil {
+		return err
+	}
+	if err := res.Errors[name]; err != nil && !errors.Is(err, kafka.TopicAlreadyExists) {
+		return err
+	}
+	for {
+		md, err := c.Metadata(ctx, &kafka.MetadataRequest{Topics: []string{name}})
+		if err == nil && len(md.Topics) == 1 && md.Topics[0].Error == nil && len(md.Topics[0].Partitions) == partitions {
+			ready := true
+			for _, p := range md.Topics[0].Partitions {
+				if p.Leader.ID < 0 {
+					ready = false
+				}
+			}
+			if ready {
+				return nil
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("topic %s has no leaders yet: %w", name, ctx.Err())
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// Consume reads a topic's partitions from the beginning until it holds at
+// least want messages and no more arrive for settle (so duplicates are
+// seen), or until timeout. It returns what it read, sorted by partition
+// and offset; tests assert on the result.
+func (b *KafkaBroker) Consume(t testing.TB, topic string, want int, timeout time.Duration) []kafka.Message {
+	t.Helper()
+	msgs, err := b.ConsumeErr(topic, want, timeout, time.Second)
+	if err != nil {
+		t.Fatalf("consume %s: %v", topic, err)
+	}
+	return msgs
+}
+
+// ConsumeErr is Consume with the settle time as a parameter, returning errors.
+func (b *KafkaBroker) ConsumeErr(topic string, want int, timeout, settle time.Duration) ([]kafka.Message, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	parts, err := b.partitions(ctx, topic)
+	if err != nil {
+		return nil, err
+	}
+	var (
+		mu   sync.Mutex
+		out  []kafka.Message
+		last = time.Now()
+	)
+	rctx, rcancel := context.WithCancel(ctx)
+	defer rcancel()
+	var wg sync.WaitGroup
+	for _, p := range parts {
+		r := kafka.NewReader(kafka.ReaderConfig{
+			Brokers: []string{b.Addr()}, Topic: topic, Partition: p,
+			MinBytes: 1, MaxBytes: 16 << 20, MaxWait: 100 * time.Millisecond,
+		})
+		if err := r.SetOffset(kafka.FirstOffset); err != nil {
+			return nil, err
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer r.Close()
+			for {
+				m, err := r.ReadMessage(rctx)
+				if err != nil {
+					return
+				}
+				mu.Lock()
+				out = append(out, m)
+				last = time.Now()
+				mu.Unlock()
+			}
+		}()
+	}
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+loop:
+	for {
+		select {
+		case <-ctx.Done():
+			break loop
+		case <-tick.C:
+			mu.Lock()
+			done := len(out) >= want && time.Since(last) >= settle
+			mu.Unlock()
+			if done {
+				break loop
+			}
+		}
+	}
+	rcancel()
+	wg.Wait()
+	sort.SliceStable(out, func(i, j int) bool {
+		if out[i].Partition != out[j].Partition {
+			return out[i].Partition < out[j].Partition
+		}
+		return out[i].Offset < out[j].Offset
+	})
+	return out, nil
+}
+
+func (b *KafkaBroker) partitions(ctx context.Context, topic string) ([]int, error) {
+	c := &kafka.Client{Addr: kafka.TCP(b.Addr()), Timeout: 10 * time.Second}
+	md, err := c.Metadata(ctx, &kafka.MetadataRequest{Topics: []string{topic}})
+	if err != nil {
+		return nil, err
+	}
+	if len(md.Topics) != 1 || md.Topics[0].Error != nil {
+		return nil, fmt.Errorf("topic %s: %v", topic, md.Topics)
+	}
+	var ps []int
+	for _, p := range md.Topics[0].Partitions {
+		ps = append(ps, p.ID)
+	}
+	sort.Ints(ps)
+	return ps, nil
+}
+
+// Header returns the value of a message header, or "".
+func Header(m kafka.Message, key string) string {
+	for _, h := range m.Headers {
+		if strings.EqualFold(h.Key, key) {
+			return string(h.Value)
+		}
+	}
+	return ""
+}
+
