@@ -1,4 +1,56 @@
-// Command relay will run the outbox relay loop (the binary in every relay pod).
+// Command relay runs the outbox relay: the process in every relay pod. It
+// moves committed rows of an outbox table to Kafka (see docs/relay.md).
+//
+//	relay --dsn postgres://... --brokers k1:9092 --topic OrderConfirmed=orders.confirmed
+//	relay schema --table app.outbox
+//
+// Every flag can also be set by an environment variable RELAY_<FLAG> (upper
+// case, "-" becomes "_"); a flag on the command line wins.
 package main
 
-func main() {}
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+)
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+func run(args []string, stdout, stderr io.Writer) int {
+	if len(args) > 0 && args[0] == "schema" {
+		return runSchema(args[1:], stdout, stderr)
+	}
+	opts, err := parseFlags(args, stderr)
+	if err != nil {
+		if errors.Is(err, errHelp) {
+			return 0
+		}
+		fmt.Fprintf(stderr, "relay: %v\n", err)
+		return 2
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	if err := serve(ctx, opts); err != nil {
+		opts.logger.Error("relay stopped", "err", err)
+		return 1
+	}
+	return 0
+}
+
+func newLogger(format string, w io.Writer) *slog.Logger {
+	if format == "text" {
+		return slog.New(slog.NewTextHandler(w, nil))
+	}
+	return slog.New(slog.NewJSONHandler(w, nil))
+}
+
+// shutdownGrace bounds how long the process spends stopping after SIGTERM.
+const shutdownGrace = 20 * time.Second

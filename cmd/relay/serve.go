@@ -1,0 +1,88 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/outbox-relay/outbox-operator/relay"
+)
+
+// serve runs the relay and its HTTP endpoints until ctx ends.
+func serve(ctx context.Context, o *options) error {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	o.cfg.Registerer = reg
+	r, err := relay.New(o.cfg)
+	if err != nil {
+		return err
+	}
+	defer r.Close()
+
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { io.WriteString(w, "ok\n") })
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if err := r.Ready(); err != nil {
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		io.WriteString(w, "ok\n")
+	})
+	srv := &http.Server{Addr: o.metricsAddr, Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	srvErr := make(chan error, 1)
+	go func() {
+		if err := srv.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			srvErr <- fmt.Errorf("--metrics-addr %s: %w", o.metricsAddr, err)
+		}
+		close(srvErr)
+	}()
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(sctx)
+	}()
+
+	// Wait for PostgreSQL and Kafka; a missing table, index or topic is fatal.
+	backoff := 250 * time.Millisecond
+	for {
+		err := r.Check(ctx)
+		if err == nil {
+			break
+		}
+		var unreachable *relay.UnreachableError
+		if !errors.As(err, &unreachable) {
+			return fmt.Errorf("start-up check: %w", err)
+		}
+		o.logger.Warn("waiting for dependencies", "err", err)
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-srvErr:
+			return err
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, 5*time.Second)
+	}
+	o.logger.Info("relay started", "table", o.cfg.Table, "brokers", o.cfg.Brokers, "topics", len(o.cfg.Topics), "batch_size", o.cfg.BatchSize)
+
+	runErr := make(chan error, 1)
+	go func() { runErr <- r.Run(ctx) }()
+	select {
+	case err := <-srvErr:
+		if err != nil {
+			return err
+		}
+		return <-runErr
+	case err := <-runErr:
+		o.logger.Info("relay stopped cleanly")
+		return err
+	}
+}

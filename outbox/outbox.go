@@ -1,0 +1,111 @@
+// Package outbox is the application side of the transactional outbox: a
+// service stores its event in the outbox table inside the same pgx.Tx as its
+// business write, and the relay publishes it to Kafka after commit.
+//
+//	tx, _ := pool.Begin(ctx)
+//	defer tx.Rollback(ctx)
+//	... business write with tx ...
+//	err := outbox.Store(ctx, tx, outbox.Entry{EventID: outbox.NewEventID(), ...})
+//	err = tx.Commit(ctx)
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/outbox-relay/outbox-operator/relay"
+)
+
+// Entry is one event to publish. The relay routes it by EventType through
+// its topic map; PartitionKey becomes the Kafka record key, Payload its value.
+type Entry struct {
+	// EventID identifies the event; storing the same id twice stores it once.
+	// Use NewEventID (UUIDv7: time-ordered, index-friendly).
+	EventID       string
+	AggregateType string
+	AggregateID   string
+	EventType     string
+	// Payload is JSON (the column is jsonb).
+	Payload []byte
+	// PartitionKey is the Kafka record key; usually the aggregate id, so one
+	// aggregate's events land on one partition.
+	PartitionKey string
+}
+
+// NewEventID returns a new UUIDv7 string.
+func NewEventID() string {
+	return uuid.Must(uuid.NewV7()).String()
+}
+
+// Writer stores entries into one outbox table.
+type Writer struct {
+	insertSQL string
+}
+
+// NewWriter returns a Writer for table ("outbox" or "schema.outbox"); the
+// name is validated and quoted.
+func NewWriter(table string) (*Writer, error) {
+	t, err := relay.ParseTable(table)
+	if err != nil {
+		return nil, err
+	}
+	return &Writer{insertSQL: `INSERT INTO ` + t.Quoted() + `
+    (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+VALUES ($1, $2, $3, $4, $5, $6)
+ON CONFLICT (event_id) DO NOTHING`}, nil
+}
+
+var defaultWriter = must(NewWriter(relay.DefaultTable))
+
+func must(w *Writer, err error) *Writer {
+	if err != nil {
+		panic(err)
+	}
+	return w
+}
+
+// Store inserts e into the "outbox" table within tx.
+func Store(ctx context.Context, tx pgx.Tx, e Entry) error {
+	return defaultWriter.Store(ctx, tx, e)
+}
+
+// Store inserts e within tx. A repeated EventID is ignored (ON CONFLICT DO
+// NOTHING), so a retried handler does not store its event twice.
+func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
+	if err := e.validate(); err != nil {
+		return err
+	}
+	if _, err := tx.Exec(ctx, w.insertSQL, e.EventID, e.AggregateType, e.AggregateID, e.EventType, e.Payload, e.PartitionKey); err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "22P02" {
+			return fmt.Errorf("outbox store %s: event id or payload malformed: %w", e.EventID, err)
+		}
+		return fmt.Errorf("outbox store %s: %w", e.EventID, err)
+	}
+	return nil
+}
+
+func (e Entry) validate() error {
+	var errs []error
+	if _, err := uuid.Parse(e.EventID); err != nil {
+		errs = append(errs, fmt.Errorf("EventID %q is not a UUID", e.EventID))
+	}
+	if e.EventType == "" {
+		errs = append(errs, errors.New("EventType is empty"))
+	}
+	if e.AggregateType == "" {
+		errs = append(errs, errors.New("AggregateType is empty"))
+	}
+	if len(e.Payload) == 0 {
+		errs = append(errs, errors.New("Payload is empty"))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("outbox entry: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,79 @@
+package relay
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// metrics are the relay's Prometheus collectors (docs/metrics.md).
+type metrics struct {
+	published     *prometheus.CounterVec
+	publishErrors *prometheus.CounterVec
+	batches       prometheus.Counter
+	batchSize     prometheus.Histogram
+	batchDuration prometheus.Histogram
+	claimDuration prometheus.Histogram
+	held          *prometheus.GaugeVec
+	deadLettered  prometheus.Counter
+	backlog       prometheus.Gauge
+	oldestAge     prometheus.Gauge
+	latency       prometheus.Histogram
+}
+
+func newMetrics(reg prometheus.Registerer) *metrics {
+	m := &metrics{
+		published: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_relay_events_published_total",
+			Help: "Outbox rows published to Kafka and marked published, by topic.",
+		}, []string{"topic"}),
+		publishErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_relay_publish_errors_total",
+			Help: "Rows whose publish failed, by reason (transient, permanent, timeout, database).",
+		}, []string{"reason"}),
+		batches: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "outbox_relay_batches_total",
+			Help: "Claim-publish-mark transactions that claimed at least one row.",
+		}),
+		batchSize: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "outbox_relay_batch_size_rows",
+			Help:    "Rows claimed per batch.",
+			Buckets: prometheus.ExponentialBuckets(1, 2, 14),
+		}),
+		batchDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "outbox_relay_batch_duration_seconds",
+			Help:    "Duration of a claim-publish-mark transaction, from begin to commit.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16),
+		}),
+		claimDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "outbox_relay_claim_duration_seconds",
+			Help:    "Duration of the claim query.",
+			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 16),
+		}),
+		held: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "outbox_relay_rows_held",
+			Help: "Unpublished rows the relay holds back, by reason (unroutable: event type not in the topic map; failed: refused by Kafka with no dead-letter topic).",
+		}, []string{"reason"}),
+		deadLettered: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "outbox_relay_dead_lettered_total",
+			Help: "Rows published to the dead-letter topic after a permanent error.",
+		}),
+		backlog: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "outbox_relay_backlog_rows",
+			Help: "Unpublished rows in the table, counted up to a cap (100000).",
+		}),
+		oldestAge: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "outbox_relay_oldest_unpublished_age_seconds",
+			Help: "Age of the oldest unpublished row (0 when none).",
+		}),
+		latency: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "outbox_relay_commit_to_publish_seconds",
+			Help:    "Time from a row's created_at to its acknowledgement by Kafka.",
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 18),
+		}),
+	}
+	for _, r := range []string{"unroutable", "failed"} {
+		m.held.WithLabelValues(r)
+	}
+	if reg != nil {
+		reg.MustRegister(m.published, m.publishErrors, m.batches, m.batchSize, m.batchDuration,
+			m.claimDuration, m.held, m.deadLettered, m.backlog, m.oldestAge, m.latency)
+	}
+	return m
+}
