@@ -1,0 +1,358 @@
+package v1alpha1
+
+import (
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// Condition types of an OutboxRelay.
+const (
+	// ConditionReady is True when the relay runs with every desired replica ready.
+	ConditionReady = "Ready"
+	// ConditionProgressing is True while the relay Deployment rolls out or scales.
+	ConditionProgressing = "Progressing"
+	// ConditionDegraded is True when something needs a human: an invalid spec, a
+	// missing Secret or key, or a Deployment that cannot make progress.
+	ConditionDegraded = "Degraded"
+)
+
+// Condition reasons of an OutboxRelay.
+const (
+	// ReasonAvailable: every desired replica is ready.
+	ReasonAvailable = "Available"
+	// ReasonSuspended: spec.suspend is true; the relay runs zero replicas.
+	ReasonSuspended = "Suspended"
+	// ReasonScaledToZero: spec.replicas is 0.
+	ReasonScaledToZero = "ScaledToZero"
+	// ReasonInvalidSpec: the spec breaks a rule the schema cannot express, or the
+	// API server refused a child built from it; fix the spec.
+	ReasonInvalidSpec = "InvalidSpec"
+	// ReasonSecretNotFound: a Secret the spec references does not exist.
+	ReasonSecretNotFound = "SecretNotFound"
+	// ReasonSecretKeyMissing: a referenced Secret exists but lacks the key.
+	ReasonSecretKeyMissing = "SecretKeyMissing"
+	// ReasonDeploymentUnavailable: fewer replicas are ready than desired.
+	ReasonDeploymentUnavailable = "DeploymentUnavailable"
+	// ReasonRollingOut: the Deployment has not yet brought every replica to the
+	// current pod template.
+	ReasonRollingOut = "RollingOut"
+	// ReasonRolloutComplete: every replica runs the current pod template.
+	ReasonRolloutComplete = "RolloutComplete"
+	// ReasonProgressDeadlineExceeded: the Deployment reports that its rollout is stuck.
+	ReasonProgressDeadlineExceeded = "ProgressDeadlineExceeded"
+	// ReasonAsExpected: nothing is degraded.
+	ReasonAsExpected = "AsExpected"
+	// ReasonResourceConflict: an object with a child's name exists and another
+	// owner controls it; the operator leaves it alone.
+	ReasonResourceConflict = "ResourceConflict"
+)
+
+// OrderingMode says which ordering guarantee the relay gives.
+// +kubebuilder:validation:Enum=None;PartitionKey
+type OrderingMode string
+
+const (
+	// OrderingNone publishes rows as replicas claim them (SKIP LOCKED): no loss,
+	// no duplicates in steady state, no per-key order across replicas.
+	OrderingNone OrderingMode = "None"
+	// OrderingPartitionKey keeps the order of rows that share a partition key.
+	OrderingPartitionKey OrderingMode = "PartitionKey"
+)
+
+// SASLMechanism is a Kafka SASL mechanism.
+// +kubebuilder:validation:Enum=PLAIN;SCRAM-SHA-256;SCRAM-SHA-512
+type SASLMechanism string
+
+const (
+	// SASLPlain is SASL/PLAIN; use it with TLS only.
+	SASLPlain SASLMechanism = "PLAIN"
+	// SASLScramSHA256 is SASL/SCRAM-SHA-256.
+	SASLScramSHA256 SASLMechanism = "SCRAM-SHA-256"
+	// SASLScramSHA512 is SASL/SCRAM-SHA-512.
+	SASLScramSHA512 SASLMechanism = "SCRAM-SHA-512"
+)
+
+// TopicName is a Kafka topic name: 1 to 249 characters from [a-zA-Z0-9._-], not "." or "..".
+// +kubebuilder:validation:MinLength=1
+// +kubebuilder:validation:MaxLength=249
+// +kubebuilder:validation:Pattern=`^[a-zA-Z0-9._-]+$`
+// +kubebuilder:validation:XValidation:rule="self != '.' && self != '..'",message="a Kafka topic name must not be '.' or '..'"
+type TopicName string
+
+// BrokerAddress is a Kafka bootstrap broker as host:port (an IPv6 host in brackets).
+// +kubebuilder:validation:MaxLength=261
+// +kubebuilder:validation:Pattern=`^(\[[0-9a-fA-F:.]+\]|[a-zA-Z0-9]([-a-zA-Z0-9.]*[a-zA-Z0-9])?):[0-9]{1,5}$`
+// +kubebuilder:validation:XValidation:rule="!self.matches(':[0-9]{1,5}$') || (int(self.substring(self.lastIndexOf(':') + 1)) >= 1 && int(self.substring(self.lastIndexOf(':') + 1)) <= 65535)",message="a broker port must be between 1 and 65535"
+type BrokerAddress string
+
+// SecretKeyReference names a key of a Secret in the OutboxRelay's namespace.
+type SecretKeyReference struct {
+	// Name of the Secret.
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
+	Name string `json:"name"`
+
+	// Key in the Secret's data. Default: dsn.
+	// +kubebuilder:default=dsn
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[-._a-zA-Z0-9]+$`
+	// +optional
+	Key string `json:"key,omitempty"`
+}
+
+// SecretReference names a Secret in the OutboxRelay's namespace.
+type SecretReference struct {
+	// Name of the Secret.
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
+	Name string `json:"name"`
+}
+
+// SASLCredentialsReference names the Secret and keys holding SASL credentials.
+type SASLCredentialsReference struct {
+	// Name of the Secret.
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
+	Name string `json:"name"`
+
+	// UsernameKey is the key holding the user name. Default: username.
+	// +kubebuilder:default=username
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[-._a-zA-Z0-9]+$`
+	// +optional
+	UsernameKey string `json:"usernameKey,omitempty"`
+
+	// PasswordKey is the key holding the password. Default: password.
+	// +kubebuilder:default=password
+	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[-._a-zA-Z0-9]+$`
+	// +optional
+	PasswordKey string `json:"passwordKey,omitempty"`
+}
+
+// KafkaSpec says how the relay reaches Kafka.
+type KafkaSpec struct {
+	// Brokers are the bootstrap brokers, each host:port.
+	// +kubebuilder:validation:MinItems=1
+	// +kubebuilder:validation:MaxItems=64
+	// +listType=atomic
+	Brokers []BrokerAddress `json:"brokers"`
+
+	// TLS, when present, makes the relay talk TLS to the brokers.
+	// +optional
+	TLS *KafkaTLS `json:"tls,omitempty"`
+
+	// SASL, when present, makes the relay authenticate with SASL.
+	// +optional
+	SASL *KafkaSASL `json:"sasl,omitempty"`
+}
+
+// KafkaTLS turns on TLS to the brokers. Without a secretRef the relay trusts the
+// system roots and presents no client certificate.
+type KafkaTLS struct {
+	// SecretRef names a Secret mounted read-only at /etc/relay/tls. Its key
+	// ca.crt, when present, is the CA bundle the relay trusts; its keys tls.crt
+	// and tls.key, when present (both or neither), are the client certificate
+	// for mutual TLS (a kubernetes.io/tls Secret fits).
+	// +optional
+	SecretRef *SecretReference `json:"secretRef,omitempty"`
+}
+
+// KafkaSASL makes the relay authenticate to the brokers.
+type KafkaSASL struct {
+	// Mechanism is PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512.
+	Mechanism SASLMechanism `json:"mechanism"`
+
+	// CredentialsSecretRef names the Secret holding the user name and password;
+	// they reach the relay as environment variables from the Secret, never as arguments.
+	CredentialsSecretRef SASLCredentialsReference `json:"credentialsSecretRef"`
+}
+
+// OutboxRelaySpec is the desired state of an OutboxRelay.
+// +kubebuilder:validation:XValidation:rule="!has(self.deadLetterTopic) || !self.topics.exists(k, self.topics[k] == self.deadLetterTopic)",message="spec.deadLetterTopic must not be one of the topics in spec.topics",fieldPath=".deadLetterTopic"
+type OutboxRelaySpec struct {
+	// DSNSecretRef names the Secret key holding the PostgreSQL DSN. The DSN
+	// reaches the relay only as the RELAY_DSN environment variable from this Secret.
+	DSNSecretRef SecretKeyReference `json:"dsnSecretRef"`
+
+	// Table is the outbox table, optionally schema-qualified (schema.table);
+	// each part an unquoted identifier of at most 63 characters. Default: outbox.
+	// +kubebuilder:default=outbox
+	// +kubebuilder:validation:MaxLength=127
+	// +kubebuilder:validation:Pattern=`^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$`
+	// +optional
+	Table string `json:"table,omitempty"`
+
+	// BatchSize is the most rows one claim takes, 1 to 10000. Default: 50.
+	// +kubebuilder:default=50
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=10000
+	// +optional
+	BatchSize int32 `json:"batchSize,omitempty"`
+
+	// PollInterval is how long the relay waits after a short batch, a Go
+	// duration between 10ms and 1h. Default: 200ms.
+	// +kubebuilder:default="200ms"
+	// +kubebuilder:validation:MaxLength=64
+	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
+	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('10ms') && duration(self) <= duration('1h'))",message="spec.pollInterval must be a duration between 10ms and 1h"
+	// +optional
+	PollInterval string `json:"pollInterval,omitempty"`
+
+	// Topics maps each event type to the Kafka topic its rows go to. Event
+	// types are 1 to 255 characters without '=' or ','.
+	// +kubebuilder:validation:MinProperties=1
+	// +kubebuilder:validation:MaxProperties=512
+	// +kubebuilder:validation:XValidation:rule="self.all(k, size(k) >= 1 && size(k) <= 255 && !k.contains('=') && !k.contains(','))",message="spec.topics: event types must be 1 to 255 characters without '=' or ','"
+	Topics map[string]TopicName `json:"topics"`
+
+	// DeadLetterTopic receives rows that cannot be published (for example, an
+	// event type without a topic). It must not be one of the mapped topics.
+	// +optional
+	DeadLetterTopic TopicName `json:"deadLetterTopic,omitempty"`
+
+	// Ordering is None (the default: replicas share rows with SKIP LOCKED, no
+	// per-key order across replicas) or PartitionKey (rows with the same
+	// partition key are published in id order).
+	// +kubebuilder:default=None
+	// +optional
+	Ordering OrderingMode `json:"ordering,omitempty"`
+
+	// Kafka says how to reach the brokers.
+	Kafka KafkaSpec `json:"kafka"`
+
+	// Replicas is the number of relay pods. Default: 1.
+	// +kubebuilder:default=1
+	// +kubebuilder:validation:Minimum=0
+	// +optional
+	Replicas *int32 `json:"replicas,omitempty"`
+
+	// Suspend scales the relay to zero and keeps everything else.
+	// +optional
+	Suspend bool `json:"suspend,omitempty"`
+
+	// Image is the relay image. Default: the operator's configured relay image.
+	// +kubebuilder:validation:MaxLength=512
+	// +optional
+	Image string `json:"image,omitempty"`
+
+	// ImagePullPolicy of the relay container.
+	// +kubebuilder:validation:Enum=Always;IfNotPresent;Never
+	// +optional
+	ImagePullPolicy corev1.PullPolicy `json:"imagePullPolicy,omitempty"`
+
+	// ImagePullSecrets for the relay pods.
+	// +listType=atomic
+	// +optional
+	ImagePullSecrets []corev1.LocalObjectReference `json:"imagePullSecrets,omitempty"`
+
+	// Resources of the relay container. Default: requests of 50m CPU and 64Mi memory.
+	// +optional
+	Resources *corev1.ResourceRequirements `json:"resources,omitempty"`
+
+	// NodeSelector of the relay pods.
+	// +optional
+	NodeSelector map[string]string `json:"nodeSelector,omitempty"`
+
+	// Tolerations of the relay pods.
+	// +listType=atomic
+	// +optional
+	Tolerations []corev1.Toleration `json:"tolerations,omitempty"`
+
+	// Affinity of the relay pods.
+	// +optional
+	Affinity *corev1.Affinity `json:"affinity,omitempty"`
+
+	// PriorityClassName of the relay pods.
+	// +kubebuilder:validation:MaxLength=253
+	// +optional
+	PriorityClassName string `json:"priorityClassName,omitempty"`
+
+	// PodAnnotations are added to the relay pods.
+	// +optional
+	PodAnnotations map[string]string `json:"podAnnotations,omitempty"`
+
+	// PodLabels are added to the relay pods; they cannot override the
+	// app.kubernetes.io labels the operator selects the pods by.
+	// +optional
+	PodLabels map[string]string `json:"podLabels,omitempty"`
+}
+
+// OutboxRelayStatus is the observed state of an OutboxRelay.
+type OutboxRelayStatus struct {
+	// ObservedGeneration is the spec generation this status describes.
+	// +optional
+	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
+
+	// Replicas is the number of relay pods the Deployment runs.
+	// +optional
+	Replicas int32 `json:"replicas,omitempty"`
+
+	// ReadyReplicas is the number of ready relay pods.
+	// +optional
+	ReadyReplicas int32 `json:"readyReplicas,omitempty"`
+
+	// Ready is ready/desired replicas, for display (kubectl get).
+	// +optional
+	Ready string `json:"ready,omitempty"`
+
+	// Selector is the label selector of the relay pods, for the scale subresource and HPAs.
+	// +optional
+	Selector string `json:"selector,omitempty"`
+
+	// TopicCount is the number of mapped event types, for display.
+	// +optional
+	TopicCount int32 `json:"topicCount,omitempty"`
+
+	// Conditions are Ready, Progressing and Degraded.
+	// +listType=map
+	// +listMapKey=type
+	// +optional
+	Conditions []metav1.Condition `json:"conditions,omitempty"`
+}
+
+// OutboxRelay runs a Deployment of transactional-outbox relays that publish
+// the rows of a PostgreSQL outbox table to Kafka.
+//
+// +kubebuilder:object:root=true
+// +kubebuilder:subresource:status
+// +kubebuilder:subresource:scale:specpath=.spec.replicas,statuspath=.status.replicas,selectorpath=.status.selector
+// +kubebuilder:resource:shortName=obr,categories=outbox
+// +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.ready`,description="Ready replicas / desired replicas"
+// +kubebuilder:printcolumn:name="Table",type=string,JSONPath=`.spec.table`
+// +kubebuilder:printcolumn:name="Topics",type=integer,JSONPath=`.status.topicCount`,description="Number of mapped event types"
+// +kubebuilder:printcolumn:name="Status",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`,description="The Ready condition"
+// +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].reason`
+// +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+// +kubebuilder:validation:XValidation:rule="size(self.metadata.name) <= 57 && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",message="metadata.name must be a DNS label of at most 57 characters starting with a letter (children are named <name>-relay)"
+type OutboxRelay struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	// Spec is the desired state.
+	Spec OutboxRelaySpec `json:"spec"`
+
+	// Status is the observed state.
+	// +optional
+	Status OutboxRelayStatus `json:"status,omitempty"`
+}
+
+// OutboxRelayList is a list of OutboxRelays.
+//
+// +kubebuilder:object:root=true
+type OutboxRelayList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata,omitempty"`
+	// Items are the OutboxRelays.
+	Items []OutboxRelay `json:"items"`
+}
+
+func init() {
+	SchemeBuilder.Register(&OutboxRelay{}, &OutboxRelayList{})
+}

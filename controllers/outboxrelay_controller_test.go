@@ -1,0 +1,566 @@
+package controllers
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	appsv1 "k8s.io/api/apps/v1"
+	autoscalingv1 "k8s.io/api/autoscaling/v1"
+	corev1 "k8s.io/api/core/v1"
+	eventsv1 "k8s.io/api/events/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+)
+
+// TestController runs the reconciler in a manager against the real API
+// server; each subtest works in its own namespace.
+func TestController(t *testing.T) {
+	r := startManager(t)
+	c := adminClient(t)
+
+	t.Run("SampleCreatesChildren", func(t *testing.T) { t.Parallel(); testSampleCreatesChildren(t, c) })
+	t.Run("SpecChangesFollowAndNoopWritesNothing", func(t *testing.T) { t.Parallel(); testSpecChanges(t, c, r) })
+	t.Run("ScaleSubresource", func(t *testing.T) { t.Parallel(); testScaleSubresource(t, c) })
+	t.Run("SecretRotationAndDeletion", func(t *testing.T) { t.Parallel(); testSecretRotation(t, c) })
+	t.Run("SecretKeyMissing", func(t *testing.T) { t.Parallel(); testSecretKeyMissing(t, c) })
+	t.Run("StatusFollowsDeployment", func(t *testing.T) { t.Parallel(); testStatusFollowsDeployment(t, c) })
+	t.Run("SuspendAndResume", func(t *testing.T) { t.Parallel(); testSuspend(t, c) })
+	t.Run("InvalidSpecSetsConditionAndEvent", func(t *testing.T) { t.Parallel(); testInvalidSpec(t, c) })
+	t.Run("KafkaTLSAndSASL", func(t *testing.T) { t.Parallel(); testKafkaTLSAndSASL(t, c) })
+	t.Run("ForeignChildIsLeftAlone", func(t *testing.T) { t.Parallel(); testForeignChild(t, c) })
+}
+
+func create(t *testing.T, c client.Client, objs ...client.Object) {
+	t.Helper()
+	for _, o := range objs {
+		require.NoError(t, c.Create(context.Background(), o), "create %T %s", o, o.GetName())
+	}
+}
+
+// update re-reads obj and applies change until the write does not conflict.
+func update[T client.Object](t *testing.T, c client.Client, obj T, change func(T)) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		if err := c.Get(context.Background(), key(obj), obj); err != nil {
+			return false
+		}
+		change(obj)
+		err := c.Update(context.Background(), obj)
+		require.False(t, apierrors.IsInvalid(err), "update refused: %v", err)
+		return err == nil
+	}, eventually, tick)
+}
+
+func hasEvent(t *testing.T, c client.Client, relay *outboxv1alpha1.OutboxRelay, reason string) bool {
+	var evs eventsv1.EventList
+	require.NoError(t, c.List(context.Background(), &evs, client.InNamespace(relay.Namespace)))
+	return slices.ContainsFunc(evs.Items, func(e eventsv1.Event) bool {
+		return e.Regarding.Name == relay.Name && e.Regarding.Kind == "OutboxRelay" &&
+			e.Reason == reason && e.Type == corev1.EventTypeWarning
+	})
+}
+
+func testSampleCreatesChildren(t *testing.T, c client.Client) {
+	ctx := context.Background()
+	ns := newNamespace(t, c)
+	for _, o := range readSamples(t, ns) {
+		require.NoError(t, c.Create(ctx, o), "apply sample %s %s", o.GetKind(), o.GetName())
+	}
+	relay := &outboxv1alpha1.OutboxRelay{}
+	require.NoError(t, c.Get(ctx, client.ObjectKey{Namespace: ns, Name: "orders"}, relay))
+	secret := &corev1.Secret{}
+	require.NoError(t, c.Get(ctx, client.ObjectKey{Namespace: ns, Name: relay.Spec.DSNSecretRef.Name}, secret))
+
+	d := waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })
+	require.True(t, metav1.IsControlledBy(d, relay), "the Deployment is owned by the relay")
+	require.Equal(t, int32(2), *d.Spec.Replicas)
+	require.Equal(t, SelectorLabels(relay), d.Spec.Selector.MatchLabels)
+	pod := d.Spec.Template.Spec
+	require.Len(t, pod.Containers, 1)
+	ct := pod.Containers[0]
+	require.Equal(t, testImage, ct.Image)
+	require.Equal(t, []string{"/relay"}, ct.Command)
+	require.Equal(t, []string{
+		"--table=outbox",
+		"--brokers=127.0.0.1:9092",
+		"--batch-size=50",
+		"--poll-interval=200ms",
+		"--topic=OrderCancelled=orders.cancelled",
+		"--topic=OrderConfirmed=orders.confirmed",
+		"--dead-letter-topic=orders.dead-letter",
+		"--ordering=none",
+		"--metrics-addr=:9090",
+		"--log-format=json",
+	}, ct.Args)
+
+	// The DSN reaches the pod only through a secretKeyRef.
+	require.Len(t, ct.Env, 1)
+	require.Equal(t, "RELAY_DSN", ct.Env[0].Name)
+	require.Empty(t, ct.Env[0].Value)
+	require.Equal(t, &corev1.SecretKeySelector{
+		LocalObjectReference: corev1.LocalObjectReference{Name: "orders-outbox-dsn"}, Key: "dsn",
+	}, ct.Env[0].ValueFrom.SecretKeyRef)
+	raw, err := json.Marshal(d)
+	require.NoError(t, err)
+	require.NotContains(t, string(raw), string(secret.Data["dsn"]), "the DSN must not appear in the Deployment")
+	require.NotContains(t, string(raw), "postgres://")
+
+	// Restricted security context, no service-account token.
+	require.Equal(t, ptr.To(false), pod.AutomountServiceAccountToken)
+	require.Equal(t, ptr.To(true), pod.SecurityContext.RunAsNonRoot)
+	require.Equal(t, corev1.SeccompProfileTypeRuntimeDefault, pod.SecurityContext.SeccompProfile.Type)
+	sc := ct.SecurityContext
+	require.Equal(t, ptr.To(true), sc.RunAsNonRoot)
+	require.Equal(t, ptr.To(true), sc.ReadOnlyRootFilesystem)
+	require.Equal(t, ptr.To(false), sc.AllowPrivilegeEscalation)
+	require.Equal(t, []corev1.Capability{"ALL"}, sc.Capabilities.Drop)
+	require.Empty(t, sc.Capabilities.Add)
+	require.Nil(t, sc.Privileged)
+	require.Equal(t, corev1.SeccompProfileTypeRuntimeDefault, sc.SeccompProfile.Type)
+	require.Equal(t, ptr.To[int64](30), pod.TerminationGracePeriodSeconds)
+
+	// Probes and the metrics port.
+	require.Equal(t, []corev1.ContainerPort{{Name: "metrics", ContainerPort: 9090, Protocol: corev1.ProtocolTCP}}, ct.Ports)
+	require.Equal(t, "/healthz", ct.LivenessProbe.HTTPGet.Path)
+	require.Equal(t, "metrics", ct.LivenessProbe.HTTPGet.Port.String())
+	require.Equal(t, "/readyz", ct.ReadinessProbe.HTTPGet.Path)
+	require.Equal(t, "metrics", ct.ReadinessProbe.HTTPGet.Port.String())
+	require.Equal(t, resource.MustParse("50m"), ct.Resources.Requests[corev1.ResourceCPU])
+	require.NotEmpty(t, d.Spec.Template.Annotations[ConfigHashAnnotation])
+
+	svc := &corev1.Service{}
+	require.Eventually(t, func() bool { return c.Get(ctx, childKey(relay), svc) == nil }, eventually, tick)
+	require.True(t, metav1.IsControlledBy(svc, relay))
+	require.Equal(t, SelectorLabels(relay), svc.Spec.Selector)
+	require.Len(t, svc.Spec.Ports, 1)
+	require.Equal(t, int32(9090), svc.Spec.Ports[0].Port)
+	require.Equal(t, "metrics", svc.Spec.Ports[0].TargetPort.String())
+
+	pdb := &policyv1.PodDisruptionBudget{}
+	require.Eventually(t, func() bool { return c.Get(ctx, childKey(relay), pdb) == nil }, eventually, tick)
+	require.True(t, metav1.IsControlledBy(pdb, relay))
+	require.Equal(t, 1, pdb.Spec.MaxUnavailable.IntValue())
+	require.Equal(t, SelectorLabels(relay), pdb.Spec.Selector.MatchLabels)
+
+	relay = waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return readyReason(o) == outboxv1alpha1.ReasonDeploymentUnavailable
+	})
+	require.Equal(t, relay.Generation, relay.Status.ObservedGeneration)
+	require.Equal(t, int32(2), relay.Status.TopicCount)
+	require.Equal(t, "0/2", relay.Status.Ready)
+	require.Equal(t, "app.kubernetes.io/instance=orders,app.kubernetes.io/name=outbox-relay", relay.Status.Selector)
+}
+
+// resourceVersions of the relay and its children, as the API server has them.
+func resourceVersions(t *testing.T, c client.Client, relay *outboxv1alpha1.OutboxRelay) []string {
+	ctx := context.Background()
+	objs := []client.Object{&outboxv1alpha1.OutboxRelay{}, &appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}}
+	rvs := make([]string, len(objs))
+	for i, o := range objs {
+		k := childKey(relay)
+		if i == 0 {
+			k = key(relay)
+		}
+		require.NoError(t, c.Get(ctx, k, o))
+		rvs[i] = o.GetResourceVersion()
+	}
+	return rvs
+}
+
+func testSpecChanges(t *testing.T, c client.Client, r *OutboxRelayReconciler) {
+	ctx := context.Background()
+	ns := newNamespace(t, c)
+	relay, secret := minimalRelay(ns, "changes")
+	create(t, c, secret, relay)
+	before := waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })
+	require.Equal(t, int32(1), *before.Spec.Replicas)
+	require.True(t, apierrors.IsNotFound(c.Get(ctx, childKey(relay), &policyv1.PodDisruptionBudget{})), "no PDB for one replica")
+
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) {
+		o.Spec.BatchSize = 500
+		o.Spec.Topics["OrderShipped"] = "orders.shipped"
+		o.Spec.Replicas = ptr.To[int32](3)
+	})
+	after := waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return *d.Spec.Replicas == 3 })
+	args := after.Spec.Template.Spec.Containers[0].Args
+	require.Contains(t, args, "--batch-size=500")
+	require.Contains(t, args, "--topic=OrderShipped=orders.shipped")
+	require.Contains(t, args, "--topic=OrderConfirmed=orders.confirmed")
+	require.NotEqual(t, before.Spec.Template.Annotations[ConfigHashAnnotation], after.Spec.Template.Annotations[ConfigHashAnnotation],
+		"a topic change must roll the pods")
+	require.Eventually(t, func() bool { return c.Get(ctx, childKey(relay), &policyv1.PodDisruptionBudget{}) == nil }, eventually, tick)
+	waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return o.Status.ObservedGeneration == o.Generation && o.Status.Ready == "0/3" && o.Status.TopicCount == 2
+	})
+
+	// A pass over an unchanged relay writes nothing. Eventually only waits for
+	// the manager's cache to catch up: a perpetual diff would never settle.
+	req := ctrl.Request{NamespacedName: key(relay)}
+	require.Eventually(t, func() bool {
+		rvs := resourceVersions(t, c, relay)
+		_, err := r.Reconcile(ctx, req)
+		return err == nil && slices.Equal(rvs, resourceVersions(t, c, relay))
+	}, eventually, tick)
+	// The API server drops no-op writes without a new resourceVersion, so also
+	// check that the reconciler sends no write at all.
+	counted := &writeCounter{Client: r.Client}
+	quiet := &OutboxRelayReconciler{Client: counted, Recorder: r.Recorder, RelayImage: r.RelayImage}
+	rvs := resourceVersions(t, c, relay)
+	for range 3 {
+		res, err := quiet.Reconcile(ctx, req)
+		require.NoError(t, err)
+		require.Zero(t, res.RequeueAfter)
+	}
+	require.Equal(t, rvs, resourceVersions(t, c, relay), "a no-op reconcile changed a resourceVersion (relay, Deployment, Service, PDB)")
+	require.Empty(t, counted.writes, "a no-op reconcile sent writes")
+
+	// Someone scaling the Deployment directly is put back.
+	d := &appsv1.Deployment{}
+	require.NoError(t, c.Get(ctx, childKey(relay), d))
+	d.Spec.Replicas = ptr.To[int32](7)
+	require.NoError(t, c.Update(ctx, d))
+	waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return *d.Spec.Replicas == 3 })
+}
+
+func testScaleSubresource(t *testing.T, c client.Client) {
+	ctx := context.Background()
+	ns := newNamespace(t, c)
+	relay, secret := minimalRelay(ns, "scaled")
+	create(t, c, secret, relay)
+	waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })
+
+	// As `kubectl scale outboxrelay scaled --replicas=4` does.
+	scale := &autoscalingv1.Scale{}
+	require.NoError(t, c.SubResource("scale").Get(ctx, relay, scale))
+	require.Equal(t, int32(1), scale.Spec.Replicas)
+	scale.Spec.Replicas = 4
+	require.NoError(t, c.SubResource("scale").Update(ctx, relay, client.WithSubResourceBody(scale)))
+
+	require.NoError(t, c.Get(ctx, key(relay), relay))
+	require.Equal(t, ptr.To[int32](4), relay.Spec.Replicas)
+	waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return *d.Spec.Replicas == 4 })
+	setDeploymentStatus(t, c, childKey(relay), 4)
+
+	want := "app.kubernetes.io/instance=scaled,app.kubernetes.io/name=outbox-relay"
+	require.Eventually(t, func() bool {
+		s := &autoscalingv1.Scale{}
+		return c.SubResource("scale").Get(ctx, relay, s) == nil &&
+			s.Status.Replicas == 4 && s.Status.Selector == want && s.Spec.Replicas == 4
+	}, eventually, tick, "the scale subresource reports replicas and the selector")
+}
+
+func configHash(d *appsv1.Deployment) string {
+	return d.Spec.Template.Annotations[ConfigHashAnnotation]
+}
+
+func testSecretRotation(t *testing.T, c client.Client) {
+	ctx := context.Background()
+	ns := newNamespace(t, c)
+	relay, secret := minimalRelay(ns, "rotated")
+	create(t, c, secret, relay)
+	first := configHash(waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true }))
+
+	update(t, c, secret, func(s *corev1.Secret) { s.Data["dsn"] = []byte("postgres://relay@db-2/rotated") })
+	rotated := configHash(waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return configHash(d) != first }))
+
+	require.NoError(t, c.Delete(ctx, secret))
+	relay = waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return readyReason(o) == outboxv1alpha1.ReasonSecretNotFound
+	})
+	ready := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady)
+	require.Equal(t, metav1.ConditionFalse, ready.Status)
+	require.Contains(t, ready.Message, "rotated-dsn")
+	require.True(t, meta.IsStatusConditionTrue(relay.Status.Conditions, outboxv1alpha1.ConditionDegraded))
+	require.Eventually(t, func() bool { return hasEvent(t, c, relay, outboxv1alpha1.ReasonSecretNotFound) }, eventually, tick)
+	// The running Deployment is left as it was.
+	require.Equal(t, rotated, configHash(waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })))
+
+	create(t, c, &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: secret.Name},
+		StringData: map[string]string{"dsn": "postgres://relay@db-3/rotated"},
+	})
+	waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return readyReason(o) == outboxv1alpha1.ReasonDeploymentUnavailable &&
+			!meta.IsStatusConditionTrue(o.Status.Conditions, outboxv1alpha1.ConditionDegraded)
+	})
+	waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool {
+		return configHash(d) != rotated && configHash(d) != first
+	})
+}
+
+func testSecretKeyMissing(t *testing.T, c client.Client) {
+	ctx := context.Background()
+	ns := newNamespace(t, c)
+	relay, secret := minimalRelay(ns, "nokey")
+	relay.Spec.DSNSecretRef.Key = "url"
+	create(t, c, secret, relay)
+	relay = waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return readyReason(o) == outboxv1alpha1.ReasonSecretKeyMissing
+	})
+	require.Contains(t, meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady).Message, `"url"`)
+	require.True(t, apierrors.IsNotFound(c.Get(ctx, childKey(relay), &appsv1.Deployment{})),
+		"no Deployment is created while the DSN key is missing")
+
+	update(t, c, secret, func(s *corev1.Secret) { s.Data["url"] = []byte("postgres://relay@db/nokey") })
+	d := waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })
+	require.Equal(t, "url", d.Spec.Template.Spec.Containers[0].Env[0].ValueFrom.SecretKeyRef.Key)
+}
+
+func testStatusFollowsDeployment(t *testing.T, c client.Client) {
+	ns := newNamespace(t, c)
+	relay, secret := minimalRelay(ns, "status")
+	relay.Spec.Replicas = ptr.To[int32](2)
+	create(t, c, secret, relay)
+	waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return readyReason(o) == outboxv1alpha1.ReasonDeploymentUnavailable && o.Status.Ready == "0/2"
+	})
+
+	setDeploymentStatus(t, c, childKey(relay), 1)
+	waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return o.Status.ReadyReplicas == 1 && o.Status.Replicas == 2 && o.Status.Ready == "1/2" &&
+			readyReason(o) == outboxv1alpha1.ReasonDeploymentUnavailable
+	})
+
+	setDeploymentStatus(t, c, childKey(relay), 2)
+	got := waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return meta.IsStatusConditionTrue(o.Status.Conditions, outboxv1alpha1.ConditionReady)
+	})
+	require.Equal(t, got.Generation, got.Status.ObservedGeneration)
+	require.Equal(t, int32(2), got.Status.ReadyReplicas)
+	require.Equal(t, "2/2", got.Status.Ready)
+	for typ, want := range map[string]struct {
+		status metav1.ConditionStatus
+		reason string
+	}{
+		outboxv1alpha1.ConditionReady:       {metav1.ConditionTrue, outboxv1alpha1.ReasonAvailable},
+		outboxv1alpha1.ConditionProgressing: {metav1.ConditionFalse, outboxv1alpha1.ReasonRolloutComplete},
+		outboxv1alpha1.ConditionDegraded:    {metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected},
+	} {
+		cond := meta.FindStatusCondition(got.Status.Conditions, typ)
+		require.NotNil(t, cond, typ)
+		require.Equal(t, want.status, cond.Status, typ)
+		require.Equal(t, want.reason, cond.Reason, typ)
+		require.Equal(t, got.Generation, cond.ObservedGeneration, typ)
+	}
+
+	// A new generation: observedGeneration follows and the rollout shows.
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.BatchSize = 10 })
+	got = waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return o.Status.ObservedGeneration == o.Generation && o.Generation > got.Generation
+	})
+	require.True(t, meta.IsStatusConditionTrue(got.Status.Conditions, outboxv1alpha1.ConditionProgressing),
+		"the Deployment has not yet observed the new template")
+
+	// A rollout the Deployment controller gave up on is Degraded.
+	require.Eventually(t, func() bool {
+		d := &appsv1.Deployment{}
+		if err := c.Get(context.Background(), childKey(relay), d); err != nil {
+			return false
+		}
+		d.Status.Conditions = []appsv1.DeploymentCondition{{
+			Type: appsv1.DeploymentProgressing, Status: corev1.ConditionFalse,
+			Reason: "ProgressDeadlineExceeded", Message: "ReplicaSet has timed out progressing",
+		}}
+		return c.Status().Update(context.Background(), d) == nil
+	}, eventually, tick)
+	waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		cond := meta.FindStatusCondition(o.Status.Conditions, outboxv1alpha1.ConditionDegraded)
+		return cond != nil && cond.Status == metav1.ConditionTrue && cond.Reason == outboxv1alpha1.ReasonProgressDeadlineExceeded
+	})
+}
+
+func testSuspend(t *testing.T, c client.Client) {
+	ctx := context.Background()
+	ns := newNamespace(t, c)
+	relay, secret := minimalRelay(ns, "suspended")
+	relay.Spec.Replicas = ptr.To[int32](3)
+	create(t, c, secret, relay)
+	waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return *d.Spec.Replicas == 3 })
+	require.Eventually(t, func() bool { return c.Get(ctx, childKey(relay), &policyv1.PodDisruptionBudget{}) == nil }, eventually, tick)
+
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.Suspend = true })
+	waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return *d.Spec.Replicas == 0 })
+	require.Eventually(t, func() bool {
+		return apierrors.IsNotFound(c.Get(ctx, childKey(relay), &policyv1.PodDisruptionBudget{}))
+	}, eventually, tick, "no PDB while suspended")
+	got := waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return readyReason(o) == outboxv1alpha1.ReasonSuspended
+	})
+	require.Equal(t, ptr.To[int32](3), got.Spec.Replicas, "suspend keeps spec.replicas")
+	require.NoError(t, c.Get(ctx, childKey(relay), &corev1.Service{}), "suspend keeps the Service")
+
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.Suspend = false })
+	waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return *d.Spec.Replicas == 3 })
+	require.Eventually(t, func() bool { return c.Get(ctx, childKey(relay), &policyv1.PodDisruptionBudget{}) == nil }, eventually, tick)
+	waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return readyReason(o) == outboxv1alpha1.ReasonDeploymentUnavailable && o.Status.Ready == "0/3"
+	})
+}
+
+func testInvalidSpec(t *testing.T, c client.Client) {
+	ctx := context.Background()
+	ns := newNamespace(t, c)
+
+	// A rule the schema does not express: pod labels cannot take over the selector.
+	relay, secret := minimalRelay(ns, "badlabels")
+	relay.Spec.PodLabels = map[string]string{"app.kubernetes.io/instance": "someone-else"}
+	create(t, c, secret, relay)
+	relay = waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return readyReason(o) == outboxv1alpha1.ReasonInvalidSpec
+	})
+	require.Contains(t, meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady).Message, "spec.podLabels")
+	require.Eventually(t, func() bool { return hasEvent(t, c, relay, outboxv1alpha1.ReasonInvalidSpec) }, eventually, tick)
+	require.True(t, apierrors.IsNotFound(c.Get(ctx, childKey(relay), &appsv1.Deployment{})))
+
+	// Fixing the spec recovers.
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.PodLabels = map[string]string{"team": "orders"} })
+	d := waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })
+	require.Equal(t, "orders", d.Spec.Template.Labels["team"])
+
+	// The API server refusing the Deployment built from the spec (requests
+	// above limits) is an invalid spec too, not a retry loop.
+	relay2, secret2 := minimalRelay(ns, "badresources")
+	relay2.Spec.Resources = &corev1.ResourceRequirements{
+		Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("2")},
+		Limits:   corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("1")},
+	}
+	create(t, c, secret2, relay2)
+	relay2 = waitRelay(t, c, key(relay2), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return readyReason(o) == outboxv1alpha1.ReasonInvalidSpec
+	})
+	msg := meta.FindStatusCondition(relay2.Status.Conditions, outboxv1alpha1.ConditionReady).Message
+	require.Contains(t, msg, "resources")
+	require.True(t, strings.Contains(msg, "must be less than or equal to cpu limit"), msg)
+}
+
+func testKafkaTLSAndSASL(t *testing.T, c client.Client) {
+	ns := newNamespace(t, c)
+	relay, secret := minimalRelay(ns, "secure")
+	tlsSecret := &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "kafka-tls"},
+		StringData: map[string]string{"ca.crt": "CA", "tls.crt": "CERT", "tls.key": "KEY"},
+	}
+	sasl := &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "kafka-user"},
+		StringData: map[string]string{"user": "relay", "password": "s3cret-pw"},
+	}
+	relay.Spec.Kafka.TLS = &outboxv1alpha1.KafkaTLS{SecretRef: &outboxv1alpha1.SecretReference{Name: tlsSecret.Name}}
+	relay.Spec.Kafka.SASL = &outboxv1alpha1.KafkaSASL{
+		Mechanism:            outboxv1alpha1.SASLScramSHA512,
+		CredentialsSecretRef: outboxv1alpha1.SASLCredentialsReference{Name: sasl.Name, UsernameKey: "user"},
+	}
+	create(t, c, secret, tlsSecret, sasl, relay)
+
+	d := waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })
+	ct := d.Spec.Template.Spec.Containers[0]
+	require.Subset(t, ct.Args, []string{
+		"--kafka-tls",
+		"--kafka-tls-ca-file=/etc/relay/tls/ca.crt",
+		"--kafka-tls-cert-file=/etc/relay/tls/tls.crt",
+		"--kafka-tls-key-file=/etc/relay/tls/tls.key",
+		"--kafka-sasl-mechanism=SCRAM-SHA-512",
+	})
+	require.Equal(t, []corev1.VolumeMount{{Name: "kafka-tls", MountPath: "/etc/relay/tls", ReadOnly: true}}, ct.VolumeMounts)
+	require.Equal(t, "kafka-tls", d.Spec.Template.Spec.Volumes[0].Secret.SecretName)
+	env := map[string]corev1.EnvVar{}
+	for _, e := range ct.Env {
+		require.Empty(t, e.Value, "%s comes from a Secret", e.Name)
+		env[e.Name] = e
+	}
+	require.Equal(t, "user", env["RELAY_KAFKA_SASL_USERNAME"].ValueFrom.SecretKeyRef.Key)
+	require.Equal(t, "password", env["RELAY_KAFKA_SASL_PASSWORD"].ValueFrom.SecretKeyRef.Key)
+	require.Equal(t, "kafka-user", env["RELAY_KAFKA_SASL_PASSWORD"].ValueFrom.SecretKeyRef.Name)
+	raw, err := json.Marshal(d)
+	require.NoError(t, err)
+	require.NotContains(t, string(raw), "s3cret-pw")
+
+	// Rotating the SASL password or the certificate rolls the pods.
+	first := configHash(d)
+	update(t, c, sasl, func(s *corev1.Secret) { s.Data["password"] = []byte("n3w-pw") })
+	second := configHash(waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return configHash(d) != first }))
+	update(t, c, tlsSecret, func(s *corev1.Secret) { s.Data["tls.crt"] = []byte("CERT-2") })
+	waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return configHash(d) != second })
+}
+
+func testForeignChild(t *testing.T, c client.Client) {
+	ctx := context.Background()
+	ns := newNamespace(t, c)
+	relay, secret := minimalRelay(ns, "taken")
+	foreign := &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: ChildName(relay)},
+		Spec:       corev1.ServiceSpec{Ports: []corev1.ServicePort{{Port: 80}}},
+	}
+	create(t, c, foreign, secret, relay)
+	relay = waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return readyReason(o) == outboxv1alpha1.ReasonResourceConflict
+	})
+	got := &corev1.Service{}
+	require.NoError(t, c.Get(ctx, key(foreign), got))
+	require.Equal(t, foreign.ResourceVersion, got.ResourceVersion, "a Service the relay does not own is left alone")
+}
+
+// writeCounter records every write a client sends.
+type writeCounter struct {
+	client.Client
+	mu     sync.Mutex
+	writes []string
+}
+
+func (w *writeCounter) record(verb string, obj client.Object) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.writes = append(w.writes, fmt.Sprintf("%s %T %s", verb, obj, obj.GetName()))
+}
+
+func (w *writeCounter) Create(ctx context.Context, obj client.Object, opts ...client.CreateOption) error {
+	w.record("create", obj)
+	return w.Client.Create(ctx, obj, opts...)
+}
+
+func (w *writeCounter) Update(ctx context.Context, obj client.Object, opts ...client.UpdateOption) error {
+	w.record("update", obj)
+	return w.Client.Update(ctx, obj, opts...)
+}
+
+func (w *writeCounter) Patch(ctx context.Context, obj client.Object, patch client.Patch, opts ...client.PatchOption) error {
+	w.record("patch", obj)
+	return w.Client.Patch(ctx, obj, patch, opts...)
+}
+
+func (w *writeCounter) Delete(ctx context.Context, obj client.Object, opts ...client.DeleteOption) error {
+	w.record("delete", obj)
+	return w.Client.Delete(ctx, obj, opts...)
+}
+
+func (w *writeCounter) Status() client.SubResourceWriter {
+	return &statusCounter{SubResourceWriter: w.Client.Status(), w: w}
+}
+
+type statusCounter struct {
+	client.SubResourceWriter
+	w *writeCounter
+}
+
+func (s *statusCounter) Update(ctx context.Context, obj client.Object, opts ...client.SubResourceUpdateOption) error {
+	s.w.record("update status", obj)
+	return s.SubResourceWriter.Update(ctx, obj, opts...)
+}
+
+func (s *statusCounter) Patch(ctx context.Context, obj client.Object, patch client.Patch, opts ...client.SubResourcePatchOption) error {
+	s.w.record("patch status", obj)
+	return s.SubResourceWriter.Patch(ctx, obj, patch, opts...)
+}

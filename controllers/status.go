@@ -1,0 +1,92 @@
+package controllers
+
+import (
+	"fmt"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+)
+
+// computeStatus derives a relay's status from its spec, the Deployment as
+// observed (nil when there is none) and the problem that stopped the
+// reconcile, if any. Conditions keep their transition times when unchanged.
+func computeStatus(relay *outboxv1alpha1.OutboxRelay, deploy *appsv1.Deployment, prob *problem) outboxv1alpha1.OutboxRelayStatus {
+	st := *relay.Status.DeepCopy()
+	desired := desiredReplicas(relay)
+	st.ObservedGeneration = relay.Generation
+	st.Selector = metav1.FormatLabelSelector(&metav1.LabelSelector{MatchLabels: SelectorLabels(relay)})
+	st.TopicCount = int32(len(relay.Spec.Topics))
+	st.Replicas, st.ReadyReplicas = 0, 0
+	if deploy != nil {
+		st.Replicas, st.ReadyReplicas = deploy.Status.Replicas, deploy.Status.ReadyReplicas
+	}
+	st.Ready = fmt.Sprintf("%d/%d", st.ReadyReplicas, desired)
+
+	set := func(typ string, status metav1.ConditionStatus, reason, msg string) {
+		meta.SetStatusCondition(&st.Conditions, metav1.Condition{
+			Type: typ, Status: status, Reason: reason, Message: msg, ObservedGeneration: relay.Generation,
+		})
+	}
+	if prob != nil {
+		set(outboxv1alpha1.ConditionReady, metav1.ConditionFalse, prob.reason, prob.message)
+		set(outboxv1alpha1.ConditionProgressing, metav1.ConditionFalse, prob.reason, "the operator cannot apply this generation: "+prob.message)
+		set(outboxv1alpha1.ConditionDegraded, metav1.ConditionTrue, prob.reason, prob.message)
+		return st
+	}
+
+	switch {
+	case relay.Spec.Suspend:
+		set(outboxv1alpha1.ConditionReady, metav1.ConditionFalse, outboxv1alpha1.ReasonSuspended, "spec.suspend is true: the relay runs no pods")
+	case desired == 0:
+		set(outboxv1alpha1.ConditionReady, metav1.ConditionFalse, outboxv1alpha1.ReasonScaledToZero, "spec.replicas is 0: the relay runs no pods")
+	case st.ReadyReplicas >= desired:
+		set(outboxv1alpha1.ConditionReady, metav1.ConditionTrue, outboxv1alpha1.ReasonAvailable,
+			fmt.Sprintf("%d of %d replicas ready", st.ReadyReplicas, desired))
+	default:
+		set(outboxv1alpha1.ConditionReady, metav1.ConditionFalse, outboxv1alpha1.ReasonDeploymentUnavailable,
+			fmt.Sprintf("%d of %d replicas ready", st.ReadyReplicas, desired))
+	}
+
+	if rolledOut(deploy, desired) {
+		set(outboxv1alpha1.ConditionProgressing, metav1.ConditionFalse, outboxv1alpha1.ReasonRolloutComplete,
+			fmt.Sprintf("%d replicas run the current pod template", desired))
+	} else {
+		set(outboxv1alpha1.ConditionProgressing, metav1.ConditionTrue, outboxv1alpha1.ReasonRollingOut,
+			"the Deployment is rolling out or scaling to the current spec")
+	}
+
+	if c := deploymentCondition(deploy, appsv1.DeploymentProgressing); c != nil &&
+		c.Status == corev1.ConditionFalse && c.Reason == "ProgressDeadlineExceeded" {
+		set(outboxv1alpha1.ConditionDegraded, metav1.ConditionTrue, outboxv1alpha1.ReasonProgressDeadlineExceeded, c.Message)
+	} else {
+		set(outboxv1alpha1.ConditionDegraded, metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "nothing is degraded")
+	}
+	return st
+}
+
+// rolledOut is the Deployment's own notion of a complete rollout: it has
+// seen its latest spec and every replica is updated and available.
+func rolledOut(d *appsv1.Deployment, desired int32) bool {
+	if d == nil {
+		return false
+	}
+	s := d.Status
+	return s.ObservedGeneration >= d.Generation &&
+		s.UpdatedReplicas == desired && s.Replicas == desired && s.AvailableReplicas == desired
+}
+
+func deploymentCondition(d *appsv1.Deployment, typ appsv1.DeploymentConditionType) *appsv1.DeploymentCondition {
+	if d == nil {
+		return nil
+	}
+	for i := range d.Status.Conditions {
+		if d.Status.Conditions[i].Type == typ {
+			return &d.Status.Conditions[i]
+		}
+	}
+	return nil
+}

@@ -1,0 +1,194 @@
+package controllers
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/internal/testenv"
+)
+
+const (
+	testImage = "example.test/outbox-relay:test"
+	// eventually bounds every wait on the controller.
+	eventually = 20 * time.Second
+	tick       = 50 * time.Millisecond
+)
+
+func TestMain(m *testing.M) { os.Exit(testenv.Run(m, testenv.NeedKube)) }
+
+func newScheme(t testing.TB) *runtime.Scheme {
+	s := runtime.NewScheme()
+	require.NoError(t, clientgoscheme.AddToScheme(s))
+	require.NoError(t, outboxv1alpha1.AddToScheme(s))
+	return s
+}
+
+// adminClient reaches the API server directly (no cache), as kubectl does.
+func adminClient(t testing.TB) client.Client {
+	c, err := client.New(testenv.Kube().Config, client.Options{Scheme: newScheme(t)})
+	require.NoError(t, err)
+	return c
+}
+
+var nsCounter atomic.Int64
+
+// newNamespace gives a test its own namespace. There is no namespace
+// controller in envtest, so namespaces are left behind; names never repeat.
+func newNamespace(t testing.TB, c client.Client) string {
+	name := fmt.Sprintf("t%d-%d", time.Now().UnixNano()%1_000_000, nsCounter.Add(1))
+	require.NoError(t, c.Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}))
+	return name
+}
+
+// startManager runs the reconciler in a manager, as cmd/manager does, until
+// the test ends. It returns the reconciler so tests can drive extra passes.
+func startManager(t *testing.T) *OutboxRelayReconciler {
+	ctx, cancel := context.WithCancel(context.Background())
+	mgr, err := ctrl.NewManager(testenv.Kube().Config, ctrl.Options{
+		Scheme:                 newScheme(t),
+		Metrics:                metricsserver.Options{BindAddress: "0"},
+		HealthProbeBindAddress: "0",
+	})
+	require.NoError(t, err)
+	r := &OutboxRelayReconciler{
+		Client:     mgr.GetClient(),
+		Recorder:   mgr.GetEventRecorder("outbox-operator"),
+		RelayImage: testImage,
+	}
+	require.NoError(t, r.SetupWithManager(ctx, mgr))
+	done := make(chan error, 1)
+	go func() { done <- mgr.Start(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
+	require.True(t, mgr.GetCache().WaitForCacheSync(ctx), "manager cache sync")
+	return r
+}
+
+// readSamples decodes every manifest under config/samples, moved into ns.
+func readSamples(t testing.TB, ns string) []*unstructured.Unstructured {
+	dir := filepath.Join(testenv.RepoRoot(), "config", "samples")
+	files, err := filepath.Glob(filepath.Join(dir, "*.yaml"))
+	require.NoError(t, err)
+	var objs []*unstructured.Unstructured
+	for _, f := range files {
+		if filepath.Base(f) == "kustomization.yaml" {
+			continue
+		}
+		b, err := os.ReadFile(f)
+		require.NoError(t, err)
+		dec := utilyaml.NewYAMLOrJSONDecoder(strings.NewReader(string(b)), 4096)
+		for {
+			u := &unstructured.Unstructured{}
+			if err := dec.Decode(&u.Object); err != nil {
+				require.ErrorContains(t, err, "EOF", f)
+				break
+			}
+			if len(u.Object) == 0 {
+				continue
+			}
+			require.Equal(t, "default", u.GetNamespace(), "%s: samples live in namespace default", f)
+			u.SetNamespace(ns)
+			objs = append(objs, u)
+		}
+	}
+	require.NotEmpty(t, objs)
+	return objs
+}
+
+// minimalRelay is a valid OutboxRelay with few fields set, and its Secret.
+func minimalRelay(ns, name string) (*outboxv1alpha1.OutboxRelay, *corev1.Secret) {
+	secret := &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name + "-dsn"},
+		StringData: map[string]string{"dsn": "postgres://relay@db/" + name},
+	}
+	relay := &outboxv1alpha1.OutboxRelay{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		Spec: outboxv1alpha1.OutboxRelaySpec{
+			DSNSecretRef: outboxv1alpha1.SecretKeyReference{Name: secret.Name},
+			Topics:       map[string]outboxv1alpha1.TopicName{"OrderConfirmed": "orders.confirmed"},
+			Kafka:        outboxv1alpha1.KafkaSpec{Brokers: []outboxv1alpha1.BrokerAddress{"127.0.0.1:9092"}},
+		},
+	}
+	return relay, secret
+}
+
+func key(o client.Object) client.ObjectKey { return client.ObjectKeyFromObject(o) }
+
+func childKey(relay *outboxv1alpha1.OutboxRelay) client.ObjectKey {
+	return client.ObjectKey{Namespace: relay.Namespace, Name: ChildName(relay)}
+}
+
+// waitDeployment waits until the relay's Deployment satisfies ok, and returns it.
+func waitDeployment(t *testing.T, c client.Client, relay *outboxv1alpha1.OutboxRelay, ok func(*appsv1.Deployment) bool) *appsv1.Deployment {
+	t.Helper()
+	d := &appsv1.Deployment{}
+	require.Eventually(t, func() bool {
+		return c.Get(context.Background(), childKey(relay), d) == nil && ok(d)
+	}, eventually, tick, "Deployment %s never reached the expected state", childKey(relay))
+	return d
+}
+
+// waitRelay waits until the OutboxRelay satisfies ok, and returns it.
+func waitRelay(t *testing.T, c client.Client, k client.ObjectKey, ok func(*outboxv1alpha1.OutboxRelay) bool) *outboxv1alpha1.OutboxRelay {
+	t.Helper()
+	relay := &outboxv1alpha1.OutboxRelay{}
+	require.Eventually(t, func() bool {
+		return c.Get(context.Background(), k, relay) == nil && ok(relay)
+	}, eventually, tick, "OutboxRelay %s never reached the expected state", k)
+	return relay
+}
+
+// readyReason is the Ready condition's reason once it describes the current generation.
+func readyReason(relay *outboxv1alpha1.OutboxRelay) string {
+	for _, c := range relay.Status.Conditions {
+		if c.Type == outboxv1alpha1.ConditionReady && c.ObservedGeneration == relay.Generation {
+			return c.Reason
+		}
+	}
+	return ""
+}
+
+// setDeploymentStatus does what the Deployment controller and kubelets would:
+// report every replica of the current template updated, available and ready.
+func setDeploymentStatus(t *testing.T, c client.Client, k client.ObjectKey, ready int32) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		d := &appsv1.Deployment{}
+		if err := c.Get(context.Background(), k, d); err != nil {
+			return false
+		}
+		want := *d.Spec.Replicas
+		d.Status = appsv1.DeploymentStatus{
+			ObservedGeneration: d.Generation,
+			Replicas:           want,
+			UpdatedReplicas:    want,
+			ReadyReplicas:      ready,
+			AvailableReplicas:  ready,
+		}
+		if ready < want {
+			d.Status.UnavailableReplicas = want - ready
+		}
+		return c.Status().Update(context.Background(), d) == nil // retry on conflict
+	}, eventually, tick)
+}
