@@ -94,7 +94,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&keyFile, "kafka-tls-key-file", "", "PEM client key for mutual TLS")
 	fs.StringVar(&saslMech, "kafka-sasl-mechanism", "", "SASL mechanism: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (credentials from RELAY_KAFKA_SASL_USERNAME and RELAY_KAFKA_SASL_PASSWORD)")
 	fs.Usage = func() {
-		fmt.Fprintf(stderr, "usage: relay [flags]\n       relay schema --table NAME\n\nEvery flag can be set as RELAY_<FLAG> in the environment.\n\n")
+		fmt.Fprintf(fs.Output(), "usage: relay [flags]\n       relay schema --table NAME\n\nEvery flag can be set as RELAY_<FLAG> in the environment.\n\n")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {

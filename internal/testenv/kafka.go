@@ -386,4 +386,3 @@ func Header(m kafka.Message, key string) string {
 	}
 	return ""
 }
-

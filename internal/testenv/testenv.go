@@ -159,14 +159,20 @@ func findDir(envVar, makeStep string, marker string, globs ...string) (string, e
 
 func dumpLogTails(dir string) {
 	_ = filepath.WalkDir(dir, func(path string, d os.DirEntry, err error) error {
-		if err != nil || d.IsDir() || !strings.HasSuffix(path, ".log") {
+		if err != nil {
+			return nil
+		}
+		if d.IsDir() && d.Name() == "data" {
+			return filepath.SkipDir // Kafka's and PostgreSQL's own files
+		}
+		if d.IsDir() || !strings.HasSuffix(path, ".log") {
 			return nil
 		}
 		b, err := os.ReadFile(path)
 		if err != nil {
 			return nil
 		}
-		const tail = 4000
+		const tail = 3000
 		if len(b) > tail {
 			b = b[len(b)-tail:]
 		}
@@ -174,4 +180,3 @@ func dumpLogTails(dir string) {
 		return nil
 	})
 }
-

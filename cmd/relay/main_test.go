@@ -1,0 +1,196 @@
+package main_test
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
+	"github.com/outbox-relay/outbox-operator/internal/testenv"
+)
+
+func TestMain(m *testing.M) {
+	os.Exit(testenv.Run(m, testenv.NeedPostgres|testenv.NeedKafka))
+}
+
+// 3. A relay killed with SIGKILL mid-drain, then restarted: none lost,
+// duplicates at most one batch.
+func TestSIGKILLMidDrainLosesNothing(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 4, "E")
+	const n, batch = 30000, 100
+	f.Insert(n, 500, "E")
+	p := outboxtest.StartRelayProcess(t, f.Args("--batch-size", "100"), f.Env()...)
+	require.Eventually(t, func() bool { return f.Unpublished() < n-3000 }, 60*time.Second, 5*time.Millisecond)
+	p.Signal(t, syscall.SIGKILL)
+	p.Wait(t, 10*time.Second)
+	require.Greater(t, f.Unpublished(), 0, "killed mid-drain")
+	outboxtest.StartRelayProcess(t, f.Args("--batch-size", "100"), f.Env()...)
+	f.WaitDrained(0, 2*time.Minute)
+	counts, _ := outboxtest.Deliveries(t, n, f.Topics["E"])
+	dups := outboxtest.RequireAtLeastOnce(t, f.EventIDs(""), counts)
+	require.LessOrEqual(t, dups, batch, "duplicates after a crash are bounded by one batch")
+}
+
+// 8. SIGTERM mid-drain: exit 0 quickly, nothing lost, no row left locked.
+func TestSIGTERMMidDrainExitsCleanly(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 2, "E")
+	const n = 30000
+	f.Insert(n, 100, "E")
+	p := outboxtest.StartRelayProcess(t, f.Args("--batch-size", "200"), f.Env()...)
+	require.Eventually(t, func() bool { return f.Unpublished() < n-2000 }, 60*time.Second, 5*time.Millisecond)
+	start := time.Now()
+	p.Signal(t, syscall.SIGTERM)
+	require.Equal(t, 0, p.Wait(t, 30*time.Second), p.Output())
+	require.Less(t, time.Since(start), 10*time.Second, "exits well inside the grace period")
+	left := f.Unpublished()
+	require.Greater(t, left, 0, "stopped mid-drain")
+	// Every unpublished row can be locked at once: the relay left none locked.
+	require.Equal(t, left, f.Count(`SELECT count(*) FROM (SELECT 1 FROM outbox WHERE published_at IS NULL FOR UPDATE NOWAIT) s`))
+	// What was marked was published exactly once; the rest follows on restart.
+	published := f.EventIDs("WHERE published_at IS NOT NULL")
+	counts, _ := outboxtest.Deliveries(t, len(published), f.Topics["E"])
+	outboxtest.RequireExactlyOnce(t, published, counts)
+
+	outboxtest.StartRelayProcess(t, f.Args("--batch-size", "200"), f.Env()...)
+	f.WaitDrained(0, 2*time.Minute)
+	counts, _ = outboxtest.Deliveries(t, n, f.Topics["E"])
+	outboxtest.RequireExactlyOnce(t, f.EventIDs(""), counts)
+}
+
+// 4. The broker stopped for 10 s mid-drain, then started: nothing lost, the
+// relay recovers by itself. Not parallel: it stops the shared broker.
+func TestBrokerOutageMidDrain(t *testing.T) {
+	f := outboxtest.NewFixture(t, 2, "E")
+	const n = 20000
+	f.Insert(n, 100, "E")
+	p := outboxtest.StartRelayProcess(t, f.Args("--batch-size", "100"), f.Env()...)
+	p.WaitReady(t, 30*time.Second)
+	require.Eventually(t, func() bool { return f.Unpublished() < n-1000 }, 60*time.Second, 5*time.Millisecond)
+	require.NoError(t, testenv.Broker().Stop())
+	stoppedAt := f.Unpublished()
+	time.Sleep(10 * time.Second) // the outage the scenario asks for
+	require.Greater(t, f.Unpublished(), 0)
+	require.InDelta(t, stoppedAt, f.Unpublished(), 200, "nothing is marked while the broker is down")
+	require.NoError(t, testenv.Broker().Start())
+	f.WaitDrained(0, 2*time.Minute)
+	counts, _ := outboxtest.Deliveries(t, n, f.Topics["E"])
+	dups := outboxtest.RequireAtLeastOnce(t, f.EventIDs(""), counts)
+	require.LessOrEqual(t, dups, 100)
+	require.Nil(t, p.Cmd.ProcessState, "the relay kept running through the outage")
+}
+
+// 5. PostgreSQL restarted mid-drain: nothing lost, the relay reconnects by
+// itself. Not parallel: it restarts the shared cluster.
+func TestPostgresRestartMidDrain(t *testing.T) {
+	f := outboxtest.NewFixture(t, 2, "E")
+	const n = 20000
+	f.Insert(n, 100, "E")
+	p := outboxtest.StartRelayProcess(t, f.Args("--batch-size", "100"), f.Env()...)
+	require.Eventually(t, func() bool { return f.Unpublished() < n-1000 }, 60*time.Second, 5*time.Millisecond)
+	require.NoError(t, testenv.PG().Stop())
+	time.Sleep(3 * time.Second) // the outage
+	require.NoError(t, testenv.PG().Start())
+	f.Pool.Reset()
+	f.WaitDrained(0, 2*time.Minute)
+	counts, _ := outboxtest.Deliveries(t, n, f.Topics["E"])
+	dups := outboxtest.RequireAtLeastOnce(t, f.EventIDs(""), counts)
+	require.LessOrEqual(t, dups, 100)
+	require.Nil(t, p.Cmd.ProcessState, "the relay kept running through the restart")
+}
+
+// 9. Bad configuration exits non-zero at once, naming the flag and value.
+func TestBadConfigurationIsRefused(t *testing.T) {
+	t.Parallel()
+	bin := outboxtest.RelayBinary(t)
+	good := []string{"--brokers", "127.0.0.1:9092", "--topic", "E=t"}
+	cases := []struct {
+		args []string
+		env  []string
+		want string
+	}{
+		{good, nil, "--dsn: required"},
+		{append([]string{"--batch-size", "0"}, good...), []string{"RELAY_DSN=postgres://x"}, "--batch-size: 0"},
+		{append([]string{"--batch-size", "10001"}, good...), []string{"RELAY_DSN=postgres://x"}, "--batch-size: 10001"},
+		{append([]string{"--batch-size", "many"}, good...), []string{"RELAY_DSN=postgres://x"}, `invalid value "many" for flag -batch-size`},
+		{append([]string{"--poll-interval", "5ms"}, good...), []string{"RELAY_DSN=postgres://x"}, "--poll-interval: 5ms"},
+		{good, []string{"RELAY_DSN=postgres://x", "RELAY_POLL_INTERVAL=soon"}, `RELAY_POLL_INTERVAL (--poll-interval): "soon"`},
+		{[]string{"--brokers", "nohost", "--topic", "E=t"}, []string{"RELAY_DSN=postgres://x"}, `--brokers: "nohost"`},
+		{[]string{"--brokers", "k:9092"}, []string{"RELAY_DSN=postgres://x"}, "--topics: at least one"},
+		{[]string{"--brokers", "k:9092", "--topic", "E"}, []string{"RELAY_DSN=postgres://x"}, `"E" is not EVENT_TYPE=TOPIC`},
+		{[]string{"--brokers", "k:9092", "--topic", "E=bad topic"}, []string{"RELAY_DSN=postgres://x"}, `--topics: "bad topic"`},
+		{append([]string{"--table", "x;drop table y"}, good...), []string{"RELAY_DSN=postgres://x"}, `--table "x;drop table y"`},
+		{append([]string{"--dead-letter-topic", "t"}, good...), []string{"RELAY_DSN=postgres://x"}, `--dead-letter-topic: "t" is also the topic`},
+		{append([]string{"--log-format", "xml"}, good...), []string{"RELAY_DSN=postgres://x"}, `--log-format: "xml"`},
+		{append([]string{"--ordering", "sorted"}, good...), []string{"RELAY_DSN=postgres://x"}, `--ordering: "sorted"`},
+		{append([]string{"--topics-file", "/nonexistent.yaml"}, good...), []string{"RELAY_DSN=postgres://x"}, "--topics-file: open /nonexistent.yaml"},
+		{append([]string{"--kafka-sasl-mechanism", "GSSAPI"}, good...), []string{"RELAY_DSN=postgres://x", "RELAY_KAFKA_SASL_USERNAME=u", "RELAY_KAFKA_SASL_PASSWORD=p"}, `--kafka-sasl-mechanism: "GSSAPI"`},
+		{append([]string{"--kafka-tls-ca-file", "/nonexistent.pem"}, good...), []string{"RELAY_DSN=postgres://x"}, "--kafka-tls-ca-file"},
+		{append(good, "extra"), []string{"RELAY_DSN=postgres://x"}, `unexpected argument "extra"`},
+	}
+	for _, c := range cases {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		cmd := exec.CommandContext(ctx, bin, c.args...)
+		cmd.Env = append(os.Environ(), c.env...)
+		out, err := cmd.CombinedOutput()
+		cancel()
+		var exit *exec.ExitError
+		require.ErrorAs(t, err, &exit, "%v must fail: %s", c.args, out)
+		require.Equal(t, 2, exit.ExitCode(), "%v: %s", c.args, out)
+		require.Contains(t, string(out), c.want, "%v", c.args)
+		require.Less(t, strings.Count(string(out), "\n"), 4, "one clear message, not a usage dump: %s", out)
+	}
+}
+
+// A missing table or topic at start-up is fatal with a message naming it.
+func TestStartupCheckFailureExits(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	p := outboxtest.StartRelayProcess(t, []string{"--brokers", testenv.Broker().Addr(), "--topic", "E=no.such.topic"}, f.Env()...)
+	require.Equal(t, 1, p.Wait(t, 30*time.Second))
+	require.Contains(t, p.Output(), `topic \"no.such.topic\" (for event type \"E\") does not exist`)
+}
+
+// Flags come from RELAY_* variables too, and --topics-file takes YAML.
+func TestEnvironmentAndTopicsFile(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	other := f.NewTopic("other", 1)
+	file := t.TempDir() + "/topics.yaml"
+	require.NoError(t, os.WriteFile(file, []byte("Other: "+other+"\n"), 0o644))
+	f.Insert(10, 2, "E")
+	f.Insert(10, 2, "Other")
+	outboxtest.StartRelayProcess(t, nil, append(f.Env(),
+		"RELAY_BROKERS="+testenv.Broker().Addr(), "RELAY_TOPIC=E="+f.Topics["E"], "RELAY_TOPICS_FILE="+file,
+		"RELAY_POLL_INTERVAL=20ms")...)
+	f.WaitDrained(0, 30*time.Second)
+	require.Len(t, testenv.Broker().Consume(t, other, 10, 30*time.Second), 10)
+}
+
+func TestSchemaSubcommand(t *testing.T) {
+	t.Parallel()
+	out, err := exec.Command(outboxtest.RelayBinary(t), "schema", "--table", "app.outbox").Output()
+	require.NoError(t, err)
+	require.Contains(t, string(out), `CREATE TABLE IF NOT EXISTS "app"."outbox"`)
+	require.Contains(t, string(out), `WHERE published_at IS NULL`)
+	require.Contains(t, string(out), `autovacuum_vacuum_scale_factor`)
+	// The DDL it prints is what the relay's start-up check accepts.
+	f := outboxtest.NewFixture(t, 1, "E")
+	f.Exec(string(out))
+	f.Exec(`INSERT INTO app.outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key) VALUES (gen_random_uuid(), 'a', 'b', 'E', '{}', 'k')`)
+	outboxtest.StartRelayProcess(t, f.Args("--table", "app.outbox"), f.Env()...)
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM app.outbox WHERE published_at IS NULL`) == 0
+	}, 30*time.Second, 50*time.Millisecond)
+
+	bad, err := exec.Command(outboxtest.RelayBinary(t), "schema", "--table", `x"; drop`).CombinedOutput()
+	require.Error(t, err)
+	require.Contains(t, string(bad), "--table")
+}

@@ -1,0 +1,462 @@
+package relay_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/segmentio/kafka-go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
+	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/relay"
+)
+
+func TestMain(m *testing.M) {
+	os.Exit(testenv.Run(m, testenv.NeedPostgres|testenv.NeedKafka))
+}
+
+// The murmur2 reference must match Kafka's Java Utils.murmur2 (vectors from
+// Kafka's UtilsTest), so the partition assertions below mean what they say.
+func TestJavaMurmur2Reference(t *testing.T) {
+	t.Parallel()
+	vectors := map[string]int32{
+		"21":                         -973932308,
+		"foobar":                     -790332482,
+		"a-little-bit-long-string":   -985981536,
+		"a-little-bit-longer-string": -1486304829,
+		"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8": -58897971,
+		"abc": 479470107,
+	}
+	for key, want := range vectors {
+		// javaPartition over 2^31 partitions exposes the positive hash.
+		require.Equal(t, int(want)&0x7fffffff, outboxtest.JavaPartition([]byte(key), 1<<31-1+1), key)
+	}
+}
+
+// 1. Round trip: every row once, on its mapped topic, with key, headers,
+// payload as stored, on the partition a Java client would pick.
+func TestRoundTrip(t *testing.T) {
+	t.Parallel()
+	types := []string{"OrderConfirmed", "OrderShipped", "OrderCancelled"}
+	f := outboxtest.NewFixture(t, 6, types...)
+	const n = 10000
+	f.Insert(n, 300, types...)
+
+	type stored struct{ eventType, aggType, aggID, key, payload string }
+	want := map[string]stored{}
+	rows, err := f.Pool.Query(context.Background(), `SELECT event_id::text, event_type, aggregate_type, aggregate_id, partition_key, payload::text FROM outbox`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var id string
+		var s stored
+		require.NoError(t, rows.Scan(&id, &s.eventType, &s.aggType, &s.aggID, &s.key, &s.payload))
+		want[id] = s
+	}
+	require.NoError(t, rows.Err())
+	require.Len(t, want, n)
+
+	x := outboxtest.Start(t, f.Config())
+	f.WaitDrained(0, 60*time.Second)
+
+	seen := map[string]int{}
+	for _, et := range types {
+		topic := f.Topics[et]
+		msgs := testenv.Broker().Consume(t, topic, n/3, 60*time.Second)
+		for _, m := range msgs {
+			id := testenv.Header(m, relay.HeaderEventID)
+			seen[id]++
+			s, ok := want[id]
+			require.True(t, ok, "unknown event %s", id)
+			require.Equal(t, et, s.eventType, "event %s on the topic of another type", id)
+			require.Equal(t, s.key, string(m.Key))
+			require.JSONEq(t, s.payload, string(m.Value))
+			require.Equal(t, s.eventType, testenv.Header(m, relay.HeaderEventType))
+			require.Equal(t, s.aggType, testenv.Header(m, relay.HeaderAggregateType))
+			require.Equal(t, s.aggID, testenv.Header(m, relay.HeaderAggregateID))
+			require.Equal(t, outboxtest.JavaPartition(m.Key, 6), m.Partition, "key %s", m.Key)
+		}
+	}
+	counts := map[string]bool{}
+	for id := range want {
+		counts[id] = true
+	}
+	outboxtest.RequireExactlyOnce(t, counts, seen)
+	require.Equal(t, float64(n), outboxtest.MetricValue(t, x.Reg, "outbox_relay_events_published_total"))
+	require.Equal(t, 0, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL OR published_at < created_at`))
+}
+
+// Within one replica, rows reach each partition in id order.
+func TestSingleReplicaKeepsIDOrderPerKey(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 3, "E")
+	f.Insert(3000, 20, "E")
+	outboxtest.Start(t, f.Config())
+	f.WaitDrained(0, 60*time.Second)
+	msgs := testenv.Broker().Consume(t, f.Topics["E"], 3000, 60*time.Second)
+	last := map[string]int{}
+	for _, m := range msgs {
+		var p struct{ Seq int }
+		require.NoError(t, json.Unmarshal(m.Value, &p))
+		require.Greater(t, p.Seq, last[string(m.Key)], "key %s out of order", m.Key)
+		last[string(m.Key)] = p.Seq
+	}
+}
+
+// 2. Four replicas on one table share it: none lost, none duplicated.
+func TestFourReplicasNoLossNoDuplicates(t *testing.T) {
+	t.Parallel()
+	types := []string{"A", "B"}
+	f := outboxtest.NewFixture(t, 8, types...)
+	const n = 50000
+	f.Insert(n, 1000, types...)
+	expected := f.EventIDs("")
+	var rs []*outboxtest.Running
+	for range 4 {
+		rs = append(rs, outboxtest.Start(t, f.Config()))
+	}
+	f.WaitDrained(0, 3*time.Minute)
+	counts, _ := outboxtest.Deliveries(t, n/2, f.Topics["A"], f.Topics["B"])
+	outboxtest.RequireExactlyOnce(t, expected, counts)
+	busy := 0
+	for _, x := range rs {
+		if outboxtest.MetricValue(t, x.Reg, "outbox_relay_events_published_total") > 0 {
+			busy++
+		}
+	}
+	require.GreaterOrEqual(t, busy, 2, "replicas shared the work")
+}
+
+// Rows committed out of id order (an older transaction committing after a
+// newer one was claimed) are still published: the cursor must not skip them.
+func TestLateCommitBehindCursorIsPublished(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	cfg := f.Config()
+	cfg.FullRescanInterval = time.Hour // only the floor scan may find it
+	outboxtest.Start(t, cfg)
+
+	ctx := context.Background()
+	late, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = late.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', 'late', 'E', '{"late":true}', 'late')`)
+	require.NoError(t, err)
+	f.Insert(500, 5, "E") // newer ids, committed first and published
+	f.WaitDrained(0, 30*time.Second)
+	require.NoError(t, late.Commit(ctx))
+	f.WaitDrained(0, 10*time.Second)
+	msgs := testenv.Broker().Consume(t, f.Topics["E"], 501, 30*time.Second)
+	require.Len(t, msgs, 501)
+}
+
+// 6. An unmapped event type is held (not claimed, not blocking the rows
+// behind it, counted) and flows once the map has it.
+func TestUnmappedTypeIsHeldThenFlows(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 2, "Known")
+	f.Insert(100, 10, "Unknown") // first in id order
+	f.Insert(1000, 10, "Known")
+	cfg := f.Config()
+	x := outboxtest.Start(t, cfg)
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND event_type = 'Known'`) == 0
+	}, 30*time.Second, 50*time.Millisecond)
+	require.Equal(t, 100, f.Unpublished(), "unmapped rows stay unpublished")
+	require.Eventually(t, func() bool {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", "unroutable") == 100
+	}, 15*time.Second, 100*time.Millisecond)
+	// No row is left locked while held.
+	require.Equal(t, 100, f.Count(`SELECT count(*) FROM (SELECT 1 FROM outbox WHERE published_at IS NULL FOR UPDATE NOWAIT) s`))
+	x.Stop(t)
+
+	cfg.Topics = map[string]string{"Known": f.Topics["Known"], "Unknown": f.NewTopic("unknown", 2)}
+	outboxtest.Start(t, cfg)
+	f.WaitDrained(0, 30*time.Second)
+	msgs := testenv.Broker().Consume(t, cfg.Topics["Unknown"], 100, 30*time.Second)
+	require.Len(t, msgs, 100)
+}
+
+// 7. A record larger than the topic accepts goes to the dead-letter topic
+// with the error in headers; the rows behind it flow.
+func TestOversizedRecordGoesToDeadLetterTopic(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	f.Topics["E"] = f.NewTopic("small", 2, "max.message.bytes", "2000")
+	dlt := f.NewTopic("dlt", 1)
+	f.Insert(20, 5, "E")
+	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES ('00000000-0000-7000-8000-000000000001', 'Order', 'big', 'E', jsonb_build_object('pad', repeat('y', 5000)), 'big')`)
+	f.Insert(200, 5, "E")
+	cfg := f.Config()
+	cfg.DeadLetterTopic = dlt
+	x := outboxtest.Start(t, cfg)
+	f.WaitDrained(0, 30*time.Second)
+
+	ok := testenv.Broker().Consume(t, f.Topics["E"], 220, 30*time.Second)
+	require.Len(t, ok, 220)
+	dead := testenv.Broker().Consume(t, dlt, 1, 30*time.Second)
+	require.Len(t, dead, 1)
+	require.Equal(t, "00000000-0000-7000-8000-000000000001", testenv.Header(dead[0], relay.HeaderEventID))
+	require.Equal(t, f.Topics["E"], testenv.Header(dead[0], relay.HeaderOriginalTopic))
+	require.Contains(t, strings.ToLower(testenv.Header(dead[0], relay.HeaderError)), "too large")
+	require.Equal(t, 1.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
+}
+
+// 7b. Without a dead-letter topic the refused row is held and reported, and
+// the rows behind it (same partition included) flow.
+func TestOversizedRecordHeldWithoutDeadLetterTopic(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	f.Topics["E"] = f.NewTopic("small", 1, "max.message.bytes", "2000")
+	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', 'big', 'E', jsonb_build_object('pad', repeat('y', 5000)), 'big')`)
+	f.Insert(300, 5, "E")
+	x := outboxtest.Start(t, f.Config())
+	f.WaitDrained(1, 30*time.Second)
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND aggregate_id = 'big'`))
+	require.Eventually(t, func() bool {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", "failed") == 1
+	}, 10*time.Second, 50*time.Millisecond)
+	require.Len(t, testenv.Broker().Consume(t, f.Topics["E"], 300, 30*time.Second), 300)
+}
+
+// faultyWriter fails chosen messages of the first calls with per-message
+// errors, as kafka-go reports a partial batch failure.
+type faultyWriter struct {
+	relay.MessageWriter
+	mu    sync.Mutex
+	calls int
+	fail  func(call int, m kafka.Message) error
+}
+
+func (w *faultyWriter) WriteMessages(ctx context.Context, msgs ...kafka.Message) error {
+	w.mu.Lock()
+	w.calls++
+	call := w.calls
+	w.mu.Unlock()
+	werrs := make(kafka.WriteErrors, len(msgs))
+	var okMsgs []kafka.Message
+	failed := false
+	for i, m := range msgs {
+		if err := w.fail(call, m); err != nil {
+			werrs[i] = err
+			failed = true
+			continue
+		}
+		okMsgs = append(okMsgs, m)
+	}
+	if err := w.MessageWriter.WriteMessages(ctx, okMsgs...); err != nil {
+		return err
+	}
+	if failed {
+		return werrs
+	}
+	return nil
+}
+
+// Only the rows Kafka acknowledged are marked: a per-message transient error
+// leaves its row unpublished, to be published by a later batch.
+func TestOnlyAcknowledgedRowsAreMarked(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 2, "E")
+	f.Insert(200, 10, "E")
+	real := &kafka.Writer{Addr: kafka.TCP(testenv.Broker().Addr()), RequiredAcks: kafka.RequireAll,
+		Balancer: &kafka.Murmur2Balancer{}, BatchTimeout: time.Millisecond}
+	defer real.Close()
+	w := &faultyWriter{MessageWriter: real, fail: func(call int, m kafka.Message) error {
+		if call == 1 && strings.HasSuffix(string(m.Key), "-3") {
+			return kafka.NotLeaderForPartition
+		}
+		return nil
+	}}
+	cfg := f.Config()
+	cfg.BatchSize = 200
+	r, err := relay.NewWithWriter(cfg, w)
+	require.NoError(t, err)
+	defer r.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	// After the first call exactly the 20 rows of key order-3 are unpublished.
+	require.Eventually(t, func() bool { return f.Unpublished() == 0 }, 30*time.Second, 20*time.Millisecond)
+	cancel()
+	require.NoError(t, <-done)
+	counts, _ := outboxtest.Deliveries(t, 200, f.Topics["E"])
+	outboxtest.RequireExactlyOnce(t, f.EventIDs(""), counts)
+	require.GreaterOrEqual(t, w.calls, 2)
+}
+
+// An error that says nothing about delivery (a timeout) marks nothing:
+// the batch is published again (at-least-once, duplicates bounded by the batch).
+func TestAmbiguousPublishErrorMarksNothing(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	f.Insert(30, 3, "E")
+	real := &kafka.Writer{Addr: kafka.TCP(testenv.Broker().Addr()), RequiredAcks: kafka.RequireAll, BatchTimeout: time.Millisecond}
+	defer real.Close()
+	var once sync.Once
+	w := writerFunc(func(ctx context.Context, msgs ...kafka.Message) error {
+		err := real.WriteMessages(ctx, msgs...)
+		var fail error
+		once.Do(func() { fail = context.DeadlineExceeded }) // delivered, but the relay is told it timed out
+		if fail != nil {
+			return fail
+		}
+		return err
+	})
+	r, err := relay.NewWithWriter(f.Config(), w)
+	require.NoError(t, err)
+	defer r.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	f.WaitDrained(0, 30*time.Second)
+	cancel()
+	require.NoError(t, <-done)
+	counts, _ := outboxtest.Deliveries(t, 60, f.Topics["E"])
+	dups := outboxtest.RequireAtLeastOnce(t, f.EventIDs(""), counts)
+	require.Equal(t, 30, dups, "the whole ambiguous batch is published again, nothing more")
+}
+
+type writerFunc func(ctx context.Context, msgs ...kafka.Message) error
+
+func (f writerFunc) WriteMessages(ctx context.Context, msgs ...kafka.Message) error {
+	return f(ctx, msgs...)
+}
+
+// 10. A schema-qualified table works; its name is quoted, never spliced raw.
+func TestSchemaQualifiedTable(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	f.Exec(relay.SchemaDDL(relay.Table{Schema: "app", Name: "events_outbox"}))
+	f.Exec(`INSERT INTO app.events_outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		SELECT gen_random_uuid(), 'A', 'a', 'E', '{}', 'k' FROM generate_series(1, 50)`)
+	cfg := f.Config()
+	cfg.Table = "app.events_outbox"
+	outboxtest.Start(t, cfg)
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM app.events_outbox WHERE published_at IS NULL`) == 0
+	}, 30*time.Second, 50*time.Millisecond)
+	require.Equal(t, 50, f.Unpublished()+50, "the default outbox table was not touched")
+	require.Len(t, testenv.Broker().Consume(t, f.Topics["E"], 50, 30*time.Second), 50)
+}
+
+func TestHostileTableNamesRefused(t *testing.T) {
+	t.Parallel()
+	for _, name := range []string{
+		`outbox; DROP TABLE users`, `"outbox"`, `Outbox`, `a.b.c`, `outbox--`, ``, `.outbox`, `app.`,
+		`o` + strings.Repeat("x", 63), `a b`, `outbox'`,
+	} {
+		_, err := relay.ParseTable(name)
+		require.Error(t, err, "table %q", name)
+		cfg := relay.Config{DSN: "postgres://x", Table: name, Brokers: []string{"k:9092"}, Topics: map[string]string{"E": "t"}}
+		if name == "" {
+			continue // empty means the default
+		}
+		_, err = relay.New(cfg)
+		require.ErrorContains(t, err, "table")
+	}
+	for _, name := range []string{"outbox", "app.outbox", "_x.y_1", strings.Repeat("x", 63)} {
+		_, err := relay.ParseTable(name)
+		require.NoError(t, err, name)
+	}
+}
+
+// Start-up checks name what is missing: the table, a column, the partial
+// index (with its DDL), a topic.
+func TestStartupChecks(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	check := func(cfg relay.Config) error {
+		r, err := relay.New(cfg)
+		require.NoError(t, err)
+		defer r.Close()
+		return r.Check(context.Background())
+	}
+	cfg := f.Config()
+	require.NoError(t, check(cfg))
+
+	cfg.Table = "nope"
+	require.ErrorContains(t, check(cfg), "table nope does not exist")
+
+	cfg = f.Config()
+	cfg.Topics = map[string]string{"E": "missing.topic"}
+	require.ErrorContains(t, check(cfg), `topic "missing.topic" (for event type "E") does not exist`)
+
+	cfg = f.Config()
+	cfg.DeadLetterTopic = "missing.dlt"
+	require.ErrorContains(t, check(cfg), `dead-letter topic "missing.dlt"`)
+
+	cfg = f.Config()
+	cfg.Brokers = []string{"127.0.0.1:1"}
+	err := check(cfg)
+	var unreachable *relay.UnreachableError
+	require.True(t, errors.As(err, &unreachable), "unreachable broker is retryable: %v", err)
+
+	f.Exec(`DROP INDEX ix_outbox_unpublished`)
+	err = check(f.Config())
+	require.ErrorContains(t, err, "no partial index")
+	require.ErrorContains(t, err, `CREATE INDEX CONCURRENTLY "ix_outbox_unpublished" ON "outbox" (id) WHERE published_at IS NULL`)
+
+	f.Exec(`ALTER TABLE outbox DROP COLUMN partition_key`)
+	require.ErrorContains(t, check(f.Config()), "column partition_key is missing")
+
+}
+
+// The claim query uses the partial index even after a large drain leaves the
+// table churned (PITFALLS 10, 11b).
+func TestClaimPlanUsesPartialIndexAfterDrain(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 4, "E")
+	f.Insert(30000, 100, "E")
+	cfg := f.Config()
+	cfg.BatchSize = 500
+	outboxtest.Start(t, cfg)
+	f.WaitDrained(0, 2*time.Minute)
+	f.Exec(`ANALYZE outbox`)
+	f.Insert(10, 5, "E")
+	var plan strings.Builder
+	rows, err := f.Pool.Query(context.Background(), `EXPLAIN SELECT id FROM outbox WHERE published_at IS NULL AND id > 0 AND event_type = ANY('{E}') AND id <> ALL('{}') ORDER BY id LIMIT 500 FOR UPDATE SKIP LOCKED`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var line string
+		require.NoError(t, rows.Scan(&line))
+		plan.WriteString(line + "\n")
+	}
+	require.Contains(t, plan.String(), "ix_outbox_unpublished", plan.String())
+	require.NotContains(t, plan.String(), "Seq Scan", plan.String())
+}
+
+func TestConfigValidationNamesFieldAndValue(t *testing.T) {
+	t.Parallel()
+	ok := relay.Config{DSN: "postgres://x", Brokers: []string{"k:9092"}, Topics: map[string]string{"E": "t"}}
+	cases := map[string]func(c *relay.Config){
+		`batch-size: 20000`:                      func(c *relay.Config) { c.BatchSize = 20000 },
+		`poll-interval: 2h0m0s`:                  func(c *relay.Config) { c.PollInterval = 2 * time.Hour },
+		`brokers: "nohost"`:                      func(c *relay.Config) { c.Brokers = []string{"nohost"} },
+		`brokers: "k:99999" has an invalid port`: func(c *relay.Config) { c.Brokers = []string{"k:99999"} },
+		`topics: "bad topic"`:                    func(c *relay.Config) { c.Topics = map[string]string{"E": "bad topic"} },
+		`topics: ".."`:                           func(c *relay.Config) { c.Topics = map[string]string{"E": ".."} },
+		`topics: empty event type`:               func(c *relay.Config) { c.Topics = map[string]string{"": "t"} },
+		`topics: at least one`:                   func(c *relay.Config) { c.Topics = nil },
+		`dead-letter-topic: "t" is also`:         func(c *relay.Config) { c.DeadLetterTopic = "t" },
+		`dead-letter-topic: "a/b"`:               func(c *relay.Config) { c.DeadLetterTopic = "a/b" },
+		`dsn: required`:                          func(c *relay.Config) { c.DSN = "" },
+		`ordering: "sorted"`:                     func(c *relay.Config) { c.Ordering = "sorted" },
+	}
+	for want, mutate := range cases {
+		c := ok
+		mutate(&c)
+		err := relay.ValidateConfig(c)
+		require.ErrorContains(t, err, want, fmt.Sprintf("%+v", c))
+	}
+	require.NoError(t, relay.ValidateConfig(ok))
+}
