@@ -1,0 +1,84 @@
+// Command orderservice is the seeds' order service as a runnable example: it
+// creates its tables (orders, and the outbox from the relay's DDL), then
+// creates and confirms orders at a steady rate, each confirmation one
+// transaction with its outbox row. Run a relay beside it to see the events
+// reach Kafka.
+//
+//	orderservice --dsn postgres://... --rate 20
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outbox-relay/outbox-operator/examples/orderservice/orders"
+	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relay"
+)
+
+func main() {
+	dsn := flag.String("dsn", os.Getenv("ORDERS_DSN"), "PostgreSQL connection string (or ORDERS_DSN)")
+	table := flag.String("table", relay.DefaultTable, "outbox table")
+	rate := flag.Float64("rate", 20, "orders confirmed per second")
+	count := flag.Int("count", 0, "stop after this many orders (0: run until interrupted)")
+	flag.Parse()
+	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	if *dsn == "" || *rate <= 0 {
+		fmt.Fprintln(os.Stderr, "orderservice: --dsn is required and --rate must be positive")
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, *dsn, *table, *rate, *count, log); err != nil {
+		log.Error("orderservice stopped", "err", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, dsn, table string, rate float64, count int, log *slog.Logger) error {
+	db, err := pgxpool.New(ctx, dsn)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	t, err := relay.ParseTable(table)
+	if err != nil {
+		return err
+	}
+	if _, err := db.Exec(ctx, orders.Schema+"\n"+relay.SchemaDDL(t)); err != nil {
+		return fmt.Errorf("create tables: %w", err)
+	}
+	w, err := outbox.NewWriter(table)
+	if err != nil {
+		return err
+	}
+	h := &orders.ConfirmOrderHandler{DB: db, Outbox: w}
+	tick := time.NewTicker(time.Duration(float64(time.Second) / rate))
+	defer tick.Stop()
+	for i := 1; count == 0 || i <= count; i++ {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick.C:
+		}
+		o := orders.Order{ID: outbox.NewEventID(), CustomerID: fmt.Sprintf("customer-%d", rand.IntN(100)), TotalKopecks: rand.Int64N(1_000_000)}
+		if err := orders.CreateOrder(ctx, db, o); err != nil {
+			return err
+		}
+		evt, err := h.Handle(ctx, o.ID)
+		if err != nil {
+			return err
+		}
+		log.Info("order confirmed", "order_id", o.ID, "event_id", evt.EventID)
+	}
+	return nil
+}

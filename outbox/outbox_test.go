@@ -1,0 +1,125 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/outbox-relay/outbox-operator/examples/orderservice/orders"
+	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
+	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relay"
+)
+
+func TestMain(m *testing.M) {
+	os.Exit(testenv.Run(m, testenv.NeedPostgres|testenv.NeedKafka))
+}
+
+func entry() outbox.Entry {
+	return outbox.Entry{EventID: outbox.NewEventID(), AggregateType: "Order", AggregateID: "o1",
+		EventType: "OrderConfirmed", Payload: []byte(`{"a":1}`), PartitionKey: "o1"}
+}
+
+func TestStoreCommitsWithTheTransaction(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	ctx := context.Background()
+
+	tx, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	e := entry()
+	require.NoError(t, outbox.Store(ctx, tx, e))
+	require.NoError(t, outbox.Store(ctx, tx, e), "the same event id again is ignored")
+	require.NoError(t, tx.Commit(ctx))
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1`, e.EventID))
+
+	tx, err = f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	require.NoError(t, outbox.Store(ctx, tx, entry()))
+	require.NoError(t, tx.Rollback(ctx))
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox`), "a rolled back transaction leaves no event")
+}
+
+func TestStoreValidatesTheEntry(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	ctx := context.Background()
+	tx, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	bad := entry()
+	bad.EventID = "not-a-uuid"
+	bad.EventType = ""
+	err = outbox.Store(ctx, tx, bad)
+	require.ErrorContains(t, err, `EventID "not-a-uuid" is not a UUID`)
+	require.ErrorContains(t, err, "EventType is empty")
+}
+
+func TestNewWriterQuotesAndValidatesTable(t *testing.T) {
+	t.Parallel()
+	_, err := outbox.NewWriter(`outbox; DROP TABLE orders`)
+	require.ErrorContains(t, err, "not a plain identifier")
+
+	f := outboxtest.NewFixture(t, 1)
+	f.Exec(relay.SchemaDDL(relay.Table{Schema: "app", Name: "outbox"}))
+	w, err := outbox.NewWriter("app.outbox")
+	require.NoError(t, err)
+	ctx := context.Background()
+	tx, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	require.NoError(t, w.Store(ctx, tx, entry()))
+	require.NoError(t, tx.Commit(ctx))
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM app.outbox`))
+}
+
+func TestNewEventIDIsUUIDv7InTimeOrder(t *testing.T) {
+	t.Parallel()
+	a := outbox.NewEventID()
+	time.Sleep(2 * time.Millisecond) // v7 ids order by their millisecond timestamp
+	b := outbox.NewEventID()
+	ua, err := uuid.Parse(a)
+	require.NoError(t, err)
+	require.Equal(t, uuid.Version(7), ua.Version())
+	require.Less(t, a, b)
+}
+
+// The seeds' ConfirmOrder handler: the order change and its event commit
+// together, and the relay publishes the event with the order id as key.
+func TestConfirmOrderEndToEnd(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 3, orders.EventTypeOrderConfirmed)
+	f.Exec(orders.Schema)
+	ctx := context.Background()
+	h := &orders.ConfirmOrderHandler{DB: f.Pool, Outbox: mustWriter(t)}
+	o := orders.Order{ID: "order-42", CustomerID: "c-1", TotalKopecks: 12345}
+	require.NoError(t, orders.CreateOrder(ctx, f.Pool, o))
+	evt, err := h.Handle(ctx, o.ID)
+	require.NoError(t, err)
+
+	_, err = h.Handle(ctx, o.ID)
+	require.True(t, errors.Is(err, orders.ErrAlreadyConfirmed))
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox`), "the failed second confirmation stored nothing")
+
+	_, err = h.Handle(ctx, "missing")
+	require.True(t, errors.Is(err, pgx.ErrNoRows))
+
+	outboxtest.Start(t, f.Config())
+	msgs := testenv.Broker().Consume(t, f.Topics[orders.EventTypeOrderConfirmed], 1, 30*time.Second)
+	require.Len(t, msgs, 1)
+	require.Equal(t, "order-42", string(msgs[0].Key))
+	require.Equal(t, evt.EventID, testenv.Header(msgs[0], relay.HeaderEventID))
+	require.Contains(t, string(msgs[0].Value), `"total_rub": 12345`)
+}
+
+func mustWriter(t *testing.T) *outbox.Writer {
+	w, err := outbox.NewWriter("outbox")
+	require.NoError(t, err)
+	return w
+}
