@@ -1,0 +1,194 @@
+package controllers
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+)
+
+// manifest is a valid OutboxRelay as a user would write it; edit changes it.
+func manifest(ns, name string, edit func(spec map[string]any)) *unstructured.Unstructured {
+	spec := map[string]any{
+		"dsnSecretRef": map[string]any{"name": "orders-dsn"},
+		"table":        "outbox",
+		"batchSize":    int64(50),
+		"pollInterval": "200ms",
+		"topics":       map[string]any{"OrderConfirmed": "orders.confirmed", "OrderCancelled": "orders.cancelled"},
+		"kafka":        map[string]any{"brokers": []any{"kafka-0.kafka:9092"}},
+	}
+	if edit != nil {
+		edit(spec)
+	}
+	u := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "outbox.dev/v1alpha1",
+		"kind":       "OutboxRelay",
+		"metadata":   map[string]any{"name": name, "namespace": ns},
+		"spec":       spec,
+	}}
+	return u
+}
+
+func kafka(spec map[string]any) map[string]any { return spec["kafka"].(map[string]any) }
+
+// TestAPIServerRefusesInvalidManifests applies invalid OutboxRelays to the
+// real API server: each is refused with a message naming the field.
+func TestAPIServerRefusesInvalidManifests(t *testing.T) {
+	c := adminClient(t)
+	ns := newNamespace(t, c)
+	long := strings.Repeat("t", 250)
+	ident64 := strings.Repeat("a", 64)
+
+	cases := []struct {
+		name   string
+		edit   func(spec map[string]any)
+		fields []string // each must appear in the error
+	}{
+		{"batchSize zero", func(s map[string]any) { s["batchSize"] = int64(0) }, []string{"spec.batchSize"}},
+		{"batchSize above 10000", func(s map[string]any) { s["batchSize"] = int64(10001) }, []string{"spec.batchSize"}},
+		{"pollInterval below 10ms", func(s map[string]any) { s["pollInterval"] = "9ms" }, []string{"spec.pollInterval"}},
+		{"pollInterval above 1h", func(s map[string]any) { s["pollInterval"] = "61m" }, []string{"spec.pollInterval"}},
+		{"pollInterval not a duration", func(s map[string]any) { s["pollInterval"] = "soon" }, []string{"spec.pollInterval"}},
+		{"pollInterval without unit", func(s map[string]any) { s["pollInterval"] = "200" }, []string{"spec.pollInterval"}},
+		{"topics empty", func(s map[string]any) { s["topics"] = map[string]any{} }, []string{"spec.topics"}},
+		{"topics missing", func(s map[string]any) { delete(s, "topics") }, []string{"spec.topics"}},
+		{"event type empty", func(s map[string]any) { s["topics"] = map[string]any{"": "orders"} }, []string{"spec.topics"}},
+		{"event type with =", func(s map[string]any) { s["topics"] = map[string]any{"a=b": "orders"} }, []string{"spec.topics"}},
+		{"topic with a space", func(s map[string]any) { s["topics"] = map[string]any{"OrderConfirmed": "orders confirmed"} }, []string{"spec.topics"}},
+		{"topic ..", func(s map[string]any) { s["topics"] = map[string]any{"OrderConfirmed": ".."} }, []string{"spec.topics"}},
+		{"topic .", func(s map[string]any) { s["topics"] = map[string]any{"OrderConfirmed": "."} }, []string{"spec.topics"}},
+		{"topic of 250 characters", func(s map[string]any) { s["topics"] = map[string]any{"OrderConfirmed": long} }, []string{"spec.topics"}},
+		{"topic empty", func(s map[string]any) { s["topics"] = map[string]any{"OrderConfirmed": ""} }, []string{"spec.topics"}},
+		{"deadLetterTopic is a mapped topic", func(s map[string]any) { s["deadLetterTopic"] = "orders.cancelled" }, []string{"spec.deadLetterTopic"}},
+		{"deadLetterTopic invalid name", func(s map[string]any) { s["deadLetterTopic"] = "dead/letter" }, []string{"spec.deadLetterTopic"}},
+		{"table with SQL", func(s map[string]any) { s["table"] = "outbox; DROP TABLE orders" }, []string{"spec.table"}},
+		{"table quoted", func(s map[string]any) { s["table"] = `"Outbox"` }, []string{"spec.table"}},
+		{"table three parts", func(s map[string]any) { s["table"] = "db.public.outbox" }, []string{"spec.table"}},
+		{"table identifier of 64 characters", func(s map[string]any) { s["table"] = "public." + ident64 }, []string{"spec.table"}},
+		{"table starting with a digit", func(s map[string]any) { s["table"] = "1outbox" }, []string{"spec.table"}},
+		{"dsnSecretRef missing", func(s map[string]any) { delete(s, "dsnSecretRef") }, []string{"spec.dsnSecretRef"}},
+		{"dsnSecretRef without name", func(s map[string]any) { s["dsnSecretRef"] = map[string]any{"key": "dsn"} }, []string{"spec.dsnSecretRef.name"}},
+		{"dsnSecretRef name not a Secret name", func(s map[string]any) { s["dsnSecretRef"] = map[string]any{"name": "Orders_DSN"} }, []string{"spec.dsnSecretRef.name"}},
+		{"kafka missing", func(s map[string]any) { delete(s, "kafka") }, []string{"spec.kafka"}},
+		{"no brokers", func(s map[string]any) { kafka(s)["brokers"] = []any{} }, []string{"spec.kafka.brokers"}},
+		{"broker without port", func(s map[string]any) { kafka(s)["brokers"] = []any{"kafka-0"} }, []string{"spec.kafka.brokers[0]"}},
+		{"broker port above 65535", func(s map[string]any) { kafka(s)["brokers"] = []any{"kafka-0:9092", "kafka-1:99999"} }, []string{"spec.kafka.brokers[1]", "65535"}},
+		{"broker port zero", func(s map[string]any) { kafka(s)["brokers"] = []any{"kafka-0:0"} }, []string{"spec.kafka.brokers[0]"}},
+		{"broker URL", func(s map[string]any) { kafka(s)["brokers"] = []any{"tcp://kafka-0:9092"} }, []string{"spec.kafka.brokers[0]"}},
+		{"replicas negative", func(s map[string]any) { s["replicas"] = int64(-1) }, []string{"spec.replicas"}},
+		{"ordering unknown", func(s map[string]any) { s["ordering"] = "Strict" }, []string{"spec.ordering"}},
+		{"SASL mechanism unknown", func(s map[string]any) {
+			kafka(s)["sasl"] = map[string]any{"mechanism": "GSSAPI", "credentialsSecretRef": map[string]any{"name": "kafka-user"}}
+		}, []string{"spec.kafka.sasl.mechanism"}},
+		{"SASL without credentials", func(s map[string]any) { kafka(s)["sasl"] = map[string]any{"mechanism": "PLAIN"} }, []string{"spec.kafka.sasl.credentialsSecretRef"}},
+		{"TLS secret name invalid", func(s map[string]any) { kafka(s)["tls"] = map[string]any{"secretRef": map[string]any{"name": "-tls"}} }, []string{"spec.kafka.tls.secretRef.name"}},
+		{"imagePullPolicy unknown", func(s map[string]any) { s["imagePullPolicy"] = "Sometimes" }, []string{"spec.imagePullPolicy"}},
+		{"several fields at once", func(s map[string]any) {
+			s["batchSize"] = int64(0)
+			s["table"] = "x y"
+			kafka(s)["brokers"] = []any{"kafka"}
+		}, []string{"spec.batchSize", "spec.table", "spec.kafka.brokers[0]"}},
+	}
+	require.GreaterOrEqual(t, len(cases), 15)
+	for i, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			err := c.Create(context.Background(), manifest(ns, fmt.Sprintf("invalid-%d", i), tc.edit))
+			require.Error(t, err, "the API server accepted an invalid manifest")
+			t.Log(err)
+			require.True(t, apierrors.IsInvalid(err), "want 422 Invalid, got %v", err)
+			for _, f := range tc.fields {
+				require.ErrorContains(t, err, f)
+			}
+		})
+	}
+
+	t.Run("metadata.name longer than 57 characters", func(t *testing.T) {
+		t.Parallel()
+		err := c.Create(context.Background(), manifest(ns, strings.Repeat("n", 58), nil))
+		require.True(t, apierrors.IsInvalid(err), "want 422 Invalid, got %v", err)
+		require.ErrorContains(t, err, "metadata.name")
+	})
+	t.Run("metadata.name starting with a digit", func(t *testing.T) {
+		t.Parallel()
+		err := c.Create(context.Background(), manifest(ns, "1orders", nil))
+		require.True(t, apierrors.IsInvalid(err), "want 422 Invalid, got %v", err)
+		require.ErrorContains(t, err, "metadata.name")
+	})
+}
+
+// TestAPIServerAcceptsEdgeCases applies valid OutboxRelays at the edges of
+// every rule; the API server must accept them all.
+func TestAPIServerAcceptsEdgeCases(t *testing.T) {
+	c := adminClient(t)
+	ns := newNamespace(t, c)
+	cases := []struct {
+		name string
+		edit func(spec map[string]any)
+	}{
+		{"batchSize 1", func(s map[string]any) { s["batchSize"] = int64(1) }},
+		{"batchSize 10000", func(s map[string]any) { s["batchSize"] = int64(10000) }},
+		{"pollInterval 10ms", func(s map[string]any) { s["pollInterval"] = "10ms" }},
+		{"pollInterval 1h", func(s map[string]any) { s["pollInterval"] = "1h" }},
+		{"pollInterval 0.5s", func(s map[string]any) { s["pollInterval"] = "0.5s" }},
+		{"pollInterval 1m30s", func(s map[string]any) { s["pollInterval"] = "1m30s" }},
+		{"topic of 249 characters", func(s map[string]any) { s["topics"] = map[string]any{"A": strings.Repeat("t", 249)} }},
+		{"topic ... and _-", func(s map[string]any) { s["topics"] = map[string]any{"A": "...", "B": "a_b-c.D9"} }},
+		{"event type with dots and colons", func(s map[string]any) { s["topics"] = map[string]any{"com.example:Order.Confirmed": "orders"} }},
+		{"deadLetterTopic distinct", func(s map[string]any) { s["deadLetterTopic"] = "orders.dlq" }},
+		{"table schema-qualified", func(s map[string]any) { s["table"] = "events.Outbox_2" }},
+		{"table of 63+63 characters", func(s map[string]any) {
+			s["table"] = strings.Repeat("s", 63) + "." + strings.Repeat("t", 63)
+		}},
+		{"table _", func(s map[string]any) { s["table"] = "_" }},
+		{"brokers IPv6, FQDN, ports 1 and 65535", func(s map[string]any) {
+			kafka(s)["brokers"] = []any{"[::1]:1", "kafka-0.kafka.svc.cluster.local:65535", "10.0.0.7:9092"}
+		}},
+		{"replicas 0", func(s map[string]any) { s["replicas"] = int64(0) }},
+		{"ordering PartitionKey", func(s map[string]any) { s["ordering"] = "PartitionKey" }},
+		{"TLS without a Secret, SASL SCRAM", func(s map[string]any) {
+			kafka(s)["tls"] = map[string]any{}
+			kafka(s)["sasl"] = map[string]any{"mechanism": "SCRAM-SHA-256", "credentialsSecretRef": map[string]any{"name": "kafka-user"}}
+		}},
+		{"dsnSecretRef with a dotted name and custom key", func(s map[string]any) {
+			s["dsnSecretRef"] = map[string]any{"name": "orders.db-credentials", "key": "DATABASE_URL"}
+		}},
+	}
+	for i, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			require.NoError(t, c.Create(context.Background(), manifest(ns, fmt.Sprintf("valid-%d", i), tc.edit)))
+		})
+	}
+	t.Run("name of 57 characters", func(t *testing.T) {
+		t.Parallel()
+		require.NoError(t, c.Create(context.Background(), manifest(ns, "n"+strings.Repeat("0", 56), nil)))
+	})
+}
+
+// TestAPIServerDefaults checks the defaults the CRD fills in for a minimal manifest.
+func TestAPIServerDefaults(t *testing.T) {
+	c := adminClient(t)
+	ns := newNamespace(t, c)
+	u := manifest(ns, "minimal", func(s map[string]any) {
+		delete(s, "table")
+		delete(s, "batchSize")
+		delete(s, "pollInterval")
+	})
+	require.NoError(t, c.Create(context.Background(), u))
+	got := &outboxv1alpha1.OutboxRelay{}
+	require.NoError(t, c.Get(context.Background(), key(u), got))
+	require.Equal(t, "outbox", got.Spec.Table)
+	require.Equal(t, int32(50), got.Spec.BatchSize)
+	require.Equal(t, "200ms", got.Spec.PollInterval)
+	require.Equal(t, "dsn", got.Spec.DSNSecretRef.Key)
+	require.Equal(t, int32(1), *got.Spec.Replicas)
+	require.Equal(t, outboxv1alpha1.OrderingNone, got.Spec.Ordering)
+	require.False(t, got.Spec.Suspend)
+}
