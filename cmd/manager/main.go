@@ -1,4 +1,154 @@
-// Command manager will run the OutboxRelay controller.
+// Command manager runs the OutboxRelay controller: it turns OutboxRelays into
+// Deployments of relay pods.
 package main
 
-func main() {}
+import (
+	"cmp"
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"net/http"
+	"os"
+	"strings"
+
+	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/healthz"
+	"sigs.k8s.io/controller-runtime/pkg/log/zap"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/controllers"
+)
+
+// version is the release, set at build time (-ldflags "-X main.version=v0.1.0");
+// the default relay image carries the same tag.
+var version = "latest"
+
+// defaultRelayImage is the image holding /relay (the manager's own image).
+func defaultRelayImage() string { return "ghcr.io/outbox-relay/outbox-operator:" + version }
+
+// config is what the flags and environment say.
+type config struct {
+	metricsAddr, probeAddr  string
+	leaderElect             bool
+	leaderElectionNamespace string
+	relayImage              string
+	// namespaces to watch; empty means every namespace.
+	namespaces []string
+	zap        zap.Options
+}
+
+// parseConfig reads the flags, with RELAY_IMAGE and WATCH_NAMESPACE from the
+// environment (a flag wins over RELAY_IMAGE).
+func parseConfig(args []string, getenv func(string) string) (config, error) {
+	var cfg config
+	fs := flag.NewFlagSet("manager", flag.ContinueOnError)
+	fs.StringVar(&cfg.metricsAddr, "metrics-bind-address", ":8080",
+		"Address the /metrics endpoint binds to; 0 disables it.")
+	fs.StringVar(&cfg.probeAddr, "health-probe-bind-address", ":8081",
+		"Address the /healthz and /readyz endpoints bind to.")
+	fs.BoolVar(&cfg.leaderElect, "leader-elect", false,
+		"Elect a leader so that only one manager replica reconciles at a time.")
+	fs.StringVar(&cfg.leaderElectionNamespace, "leader-election-namespace", "",
+		"Namespace of the leader-election Lease (default: the pod's namespace).")
+	fs.StringVar(&cfg.relayImage, "relay-image", cmp.Or(getenv("RELAY_IMAGE"), defaultRelayImage()),
+		"Relay image for OutboxRelays that set no spec.image (env RELAY_IMAGE).")
+	cfg.zap = zap.Options{Development: false} // JSON logs
+	cfg.zap.BindFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		return cfg, err
+	}
+	if fs.NArg() > 0 {
+		return cfg, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	if cfg.relayImage == "" {
+		return cfg, errors.New("--relay-image (or RELAY_IMAGE) must not be empty")
+	}
+	for _, ns := range strings.Split(getenv("WATCH_NAMESPACE"), ",") {
+		if ns = strings.TrimSpace(ns); ns != "" {
+			cfg.namespaces = append(cfg.namespaces, ns)
+		}
+	}
+	return cfg, nil
+}
+
+// managerOptions turns the config into controller-runtime manager options.
+func managerOptions(cfg config, scheme *runtime.Scheme) ctrl.Options {
+	opts := ctrl.Options{
+		Scheme:                  scheme,
+		Metrics:                 metricsserver.Options{BindAddress: cfg.metricsAddr},
+		HealthProbeBindAddress:  cfg.probeAddr,
+		LeaderElection:          cfg.leaderElect,
+		LeaderElectionID:        "outbox-operator.outbox.dev",
+		LeaderElectionNamespace: cfg.leaderElectionNamespace,
+		// The manager exits right after it stops leading, so handing the lease
+		// over at once is safe and spares the next leader the lease timeout.
+		LeaderElectionReleaseOnCancel: true,
+	}
+	if len(cfg.namespaces) > 0 {
+		opts.Cache.DefaultNamespaces = map[string]cache.Config{}
+		for _, ns := range cfg.namespaces {
+			opts.Cache.DefaultNamespaces[ns] = cache.Config{}
+		}
+	}
+	return opts
+}
+
+// run starts the manager and blocks until ctx ends or the manager fails.
+func run(ctx context.Context, cfg config, restCfg *rest.Config) error {
+	scheme := runtime.NewScheme()
+	if err := clientgoscheme.AddToScheme(scheme); err != nil {
+		return err
+	}
+	if err := outboxv1alpha1.AddToScheme(scheme); err != nil {
+		return err
+	}
+	mgr, err := ctrl.NewManager(restCfg, managerOptions(cfg, scheme))
+	if err != nil {
+		return fmt.Errorf("create manager: %w", err)
+	}
+	r := &controllers.OutboxRelayReconciler{
+		Client:     mgr.GetClient(),
+		Recorder:   mgr.GetEventRecorder("outbox-operator"),
+		RelayImage: cfg.relayImage,
+	}
+	if err := r.SetupWithManager(ctx, mgr); err != nil {
+		return fmt.Errorf("set up the OutboxRelay controller: %w", err)
+	}
+	if err := mgr.AddHealthzCheck("healthz", healthz.Ping); err != nil {
+		return err
+	}
+	// Ready once the caches have synced, so a rollout waits for a working manager.
+	if err := mgr.AddReadyzCheck("readyz", func(req *http.Request) error {
+		if !mgr.GetCache().WaitForCacheSync(req.Context()) {
+			return errors.New("caches not synced")
+		}
+		return nil
+	}); err != nil {
+		return err
+	}
+	ctrl.Log.Info("starting manager", "version", version, "relayImage", cfg.relayImage,
+		"namespaces", cfg.namespaces, "leaderElect", cfg.leaderElect)
+	return mgr.Start(ctx)
+}
+
+func main() {
+	cfg, err := parseConfig(os.Args[1:], os.Getenv)
+	if errors.Is(err, flag.ErrHelp) {
+		return
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "manager:", err)
+		os.Exit(2)
+	}
+	ctrl.SetLogger(zap.New(zap.UseFlagOptions(&cfg.zap)))
+	if err := run(ctrl.SetupSignalHandler(), cfg, ctrl.GetConfigOrDie()); err != nil {
+		ctrl.Log.Error(err, "manager stopped")
+		os.Exit(1)
+	}
+}

@@ -1,0 +1,158 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	appsv1 "k8s.io/api/apps/v1"
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/internal/testenv"
+)
+
+func TestMain(m *testing.M) { os.Exit(testenv.Run(m, testenv.NeedKube)) }
+
+func env(vars map[string]string) func(string) string {
+	return func(k string) string { return vars[k] }
+}
+
+func TestParseConfig(t *testing.T) {
+	t.Parallel()
+	cfg, err := parseConfig(nil, env(nil))
+	require.NoError(t, err)
+	require.Equal(t, ":8080", cfg.metricsAddr)
+	require.Equal(t, ":8081", cfg.probeAddr)
+	require.False(t, cfg.leaderElect)
+	require.Equal(t, "ghcr.io/outbox-relay/outbox-operator:"+version, cfg.relayImage)
+	require.Empty(t, cfg.namespaces)
+	require.Nil(t, managerOptions(cfg, runtime.NewScheme()).Cache.DefaultNamespaces, "all namespaces")
+
+	cfg, err = parseConfig(nil, env(map[string]string{"RELAY_IMAGE": "reg/relay:env", "WATCH_NAMESPACE": "a, b,"}))
+	require.NoError(t, err)
+	require.Equal(t, "reg/relay:env", cfg.relayImage)
+	require.Equal(t, []string{"a", "b"}, cfg.namespaces)
+	require.Len(t, managerOptions(cfg, runtime.NewScheme()).Cache.DefaultNamespaces, 2)
+
+	cfg, err = parseConfig([]string{"--relay-image=reg/relay:flag", "--leader-elect", "--metrics-bind-address=0"},
+		env(map[string]string{"RELAY_IMAGE": "reg/relay:env"}))
+	require.NoError(t, err)
+	require.Equal(t, "reg/relay:flag", cfg.relayImage, "the flag wins over the environment")
+	opts := managerOptions(cfg, runtime.NewScheme())
+	require.True(t, opts.LeaderElection)
+	require.Equal(t, "outbox-operator.outbox.dev", opts.LeaderElectionID)
+	require.Equal(t, "0", opts.Metrics.BindAddress)
+
+	_, err = parseConfig([]string{"--relay-image="}, env(nil))
+	require.ErrorContains(t, err, "relay-image")
+	_, err = parseConfig([]string{"stray"}, env(nil))
+	require.ErrorContains(t, err, "unexpected arguments")
+	_, err = parseConfig([]string{"--no-such-flag"}, env(nil))
+	require.Error(t, err)
+}
+
+func get(url string) (int, string) {
+	resp, err := http.Get(url)
+	if err != nil {
+		return 0, err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// TestManagerRuns starts the manager as main does (leader election, one
+// watched namespace, probes, metrics) against the real API server.
+func TestManagerRuns(t *testing.T) {
+	ctx := context.Background()
+	scheme := runtime.NewScheme()
+	require.NoError(t, clientgoscheme.AddToScheme(scheme))
+	require.NoError(t, outboxv1alpha1.AddToScheme(scheme))
+	c, err := client.New(testenv.Kube().Config, client.Options{Scheme: scheme})
+	require.NoError(t, err)
+	watched, ignored := "watched", "ignored"
+	for _, ns := range []string{watched, ignored} {
+		require.NoError(t, c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}))
+	}
+
+	metricsPort, err := testenv.FreePort()
+	require.NoError(t, err)
+	probePort, err := testenv.FreePort()
+	require.NoError(t, err)
+	cfg, err := parseConfig([]string{
+		fmt.Sprintf("--metrics-bind-address=127.0.0.1:%d", metricsPort),
+		fmt.Sprintf("--health-probe-bind-address=127.0.0.1:%d", probePort),
+		"--leader-elect", "--leader-election-namespace=default",
+		"--relay-image=reg/relay:test",
+	}, env(map[string]string{"WATCH_NAMESPACE": watched}))
+	require.NoError(t, err)
+
+	runCtx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- run(runCtx, cfg, testenv.Kube().Config) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			require.NoError(t, err)
+		case <-time.After(30 * time.Second):
+			t.Error("the manager did not stop within 30s")
+		}
+	})
+
+	probes := fmt.Sprintf("http://127.0.0.1:%d", probePort)
+	require.Eventually(t, func() bool { code, _ := get(probes + "/healthz"); return code == http.StatusOK }, 30*time.Second, 100*time.Millisecond)
+	require.Eventually(t, func() bool { code, _ := get(probes + "/readyz"); return code == http.StatusOK }, 30*time.Second, 100*time.Millisecond)
+
+	lease := &coordinationv1.Lease{}
+	require.Eventually(t, func() bool {
+		return c.Get(ctx, client.ObjectKey{Namespace: "default", Name: "outbox-operator.outbox.dev"}, lease) == nil &&
+			lease.Spec.HolderIdentity != nil
+	}, 30*time.Second, 100*time.Millisecond, "the manager takes the leader-election Lease")
+
+	// A relay in an unwatched namespace is created first and must stay untouched.
+	for _, ns := range []string{ignored, watched} {
+		require.NoError(t, c.Create(ctx, &corev1.Secret{
+			ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "dsn"},
+			StringData: map[string]string{"dsn": "postgres://x"},
+		}))
+		require.NoError(t, c.Create(ctx, &outboxv1alpha1.OutboxRelay{
+			ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "orders"},
+			Spec: outboxv1alpha1.OutboxRelaySpec{
+				DSNSecretRef: outboxv1alpha1.SecretKeyReference{Name: "dsn"},
+				Topics:       map[string]outboxv1alpha1.TopicName{"OrderConfirmed": "orders.confirmed"},
+				Kafka:        outboxv1alpha1.KafkaSpec{Brokers: []outboxv1alpha1.BrokerAddress{"127.0.0.1:9092"}},
+			},
+		}))
+	}
+	d := &appsv1.Deployment{}
+	require.Eventually(t, func() bool {
+		return c.Get(ctx, client.ObjectKey{Namespace: watched, Name: "orders-relay"}, d) == nil
+	}, 30*time.Second, 100*time.Millisecond)
+	require.Equal(t, "reg/relay:test", d.Spec.Template.Spec.Containers[0].Image)
+	require.Eventually(t, func() bool {
+		relay := &outboxv1alpha1.OutboxRelay{}
+		return c.Get(ctx, client.ObjectKey{Namespace: watched, Name: "orders"}, relay) == nil && relay.Status.ObservedGeneration > 0
+	}, 30*time.Second, 100*time.Millisecond)
+
+	ignoredRelay := &outboxv1alpha1.OutboxRelay{}
+	require.NoError(t, c.Get(ctx, client.ObjectKey{Namespace: ignored, Name: "orders"}, ignoredRelay))
+	require.Zero(t, ignoredRelay.Status.ObservedGeneration, "a relay outside WATCH_NAMESPACE is not reconciled")
+	err = c.Get(ctx, client.ObjectKey{Namespace: ignored, Name: "orders-relay"}, &appsv1.Deployment{})
+	require.True(t, client.IgnoreNotFound(err) == nil && err != nil, "no Deployment outside WATCH_NAMESPACE")
+
+	code, body := get(fmt.Sprintf("http://127.0.0.1:%d/metrics", metricsPort))
+	require.Equal(t, http.StatusOK, code)
+	require.Contains(t, body, `controller_runtime_reconcile_total{controller="outboxrelay"`)
+}
