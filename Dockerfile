@@ -1,22 +1,30 @@
-# Multi-stage build of the two static binaries (manager and relay) into a
-# distroless nonroot image. No Docker engine runs on the project's build
-# machines; this file is kept conventional and correct for users' CI.
+# One image holds both binaries: /manager (the operator, the entrypoint) and
+# /relay (what relay pods run; the operator sets command: ["/relay"]).
+#
+#   docker build --build-arg VERSION=v0.1.0 -t ghcr.io/outbox-relay/outbox-operator:v0.1.0 .
+
 FROM golang:1.26 AS build
+ARG VERSION=latest
+ARG TARGETOS=linux
+ARG TARGETARCH
 WORKDIR /src
+# Dependencies first, so source edits reuse the module cache layer.
 COPY go.mod go.sum ./
 RUN go mod download
 COPY api/ api/
+COPY cmd/ cmd/
 COPY controllers/ controllers/
 COPY relay/ relay/
-COPY cmd/ cmd/
+COPY outbox/ outbox/
 COPY internal/ internal/
-ARG TARGETOS=linux
-ARG TARGETARCH=amd64
-RUN CGO_ENABLED=0 GOOS=$TARGETOS GOARCH=$TARGETARCH go build -trimpath -ldflags="-s -w" -o /out/manager ./cmd/manager && \
-    CGO_ENABLED=0 GOOS=$TARGETOS GOARCH=$TARGETARCH go build -trimpath -ldflags="-s -w" -o /out/relay ./cmd/relay
+ENV CGO_ENABLED=0
+RUN GOOS=$TARGETOS GOARCH=$TARGETARCH go build -trimpath -ldflags "-s -w -X main.version=${VERSION}" -o /out/manager ./cmd/manager && \
+    GOOS=$TARGETOS GOARCH=$TARGETARCH go build -trimpath -ldflags "-s -w" -o /out/relay ./cmd/relay
 
+# Static binaries on distroless: no shell, no package manager, user 65532.
 FROM gcr.io/distroless/static-debian12:nonroot
 COPY --from=build /out/manager /manager
 COPY --from=build /out/relay /relay
 USER 65532:65532
+EXPOSE 8080 8081 9090
 ENTRYPOINT ["/manager"]

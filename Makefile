@@ -51,7 +51,7 @@ generate: $(CONTROLLER_GEN) ## Generate DeepCopy methods for the API types.
 
 .PHONY: manifests
 manifests: $(CONTROLLER_GEN) ## Generate the CRD and RBAC manifests under config/.
-	$(CONTROLLER_GEN) rbac:roleName=outbox-operator crd paths="./api/..." paths="./controllers/..." \
+	$(CONTROLLER_GEN) rbac:roleName=manager-role crd paths="./api/..." paths="./controllers/..." \
 		output:crd:artifacts:config=config/crd/bases output:rbac:artifacts:config=config/rbac
 
 .PHONY: test

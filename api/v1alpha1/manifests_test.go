@@ -33,7 +33,7 @@ func controllerGen(t *testing.T) string {
 func TestCommittedManifestsAreFresh(t *testing.T) {
 	root := testenv.RepoRoot()
 	out := t.TempDir()
-	cmd := exec.Command(controllerGen(t), "rbac:roleName=outbox-operator", "crd",
+	cmd := exec.Command(controllerGen(t), "rbac:roleName=manager-role", "crd",
 		"paths=./api/...", "paths=./controllers/...",
 		"output:crd:artifacts:config="+filepath.Join(out, "crd"),
 		"output:rbac:artifacts:config="+filepath.Join(out, "rbac"))
