@@ -1,0 +1,389 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/segmentio/kafka-go"
+)
+
+// claimSQL is the relay's claim (cursor form, PITFALLS 11a) and markSQL its mark.
+const (
+	claimSQL = `SELECT id, event_id::text, event_type, aggregate_type, aggregate_id, partition_key, payload, created_at
+FROM outbox
+WHERE published_at IS NULL AND id > $1
+ORDER BY id
+LIMIT $2
+FOR UPDATE SKIP LOCKED`
+	markSQL = `UPDATE outbox SET published_at = now() WHERE id = ANY($1)`
+)
+
+// runCeiling measures scenario 1: the claim+mark loop with no Kafka, the
+// limit any relay can approach on this machine.
+func runCeiling(ctx context.Context, o *options, e *benchEnv, rep *report) error {
+	type tc struct{ batch, loops int }
+	var cases []tc
+	for _, b := range o.batches {
+		cases = append(cases, tc{b, 1})
+	}
+	// Four loops at batch 50 show where the database saturates (scaling).
+	cases = append(cases, tc{50, 4})
+	for _, c := range cases {
+		reps, err := repeat(o, func(i int) (map[string]float64, error) {
+			if err := e.freshTable(ctx, o.rows); err != nil {
+				return nil, err
+			}
+			if err := ceilingLoops(ctx, e.dsn, c.batch, c.loops); err != nil {
+				return nil, err
+			}
+			done, rate, err := e.drainSpan(ctx)
+			if err != nil {
+				return nil, err
+			}
+			if done != o.rows {
+				return nil, fmt.Errorf("ceiling marked %d of %d rows", done, o.rows)
+			}
+			logf("ceiling batch=%d loops=%d rep %d: %.0f rows/s", c.batch, c.loops, i+1, rate)
+			return map[string]float64{"events_per_s": rate}, nil
+		})
+		if err != nil {
+			return err
+		}
+		rep.add("ceiling", fmt.Sprintf("batch=%d loops=%d", c.batch, c.loops), map[string]any{"batch": c.batch, "loops": c.loops}, reps)
+	}
+	return nil
+}
+
+// ceilingLoops runs loops claim+mark loops, each on its own connection,
+// until the table has no unpublished row left.
+func ceilingLoops(ctx context.Context, dsn string, batch, loops int) error {
+	var wg sync.WaitGroup
+	errs := make([]error, loops)
+	for l := range loops {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[l] = ceilingLoop(ctx, dsn, batch)
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+func ceilingLoop(ctx context.Context, dsn string, batch int) error {
+	conn, err := pgConnect(ctx, dsn)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.Background())
+	var cursor int64
+	ids := make([]int64, 0, batch)
+	for ctx.Err() == nil {
+		ids = ids[:0]
+		err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+			rows, err := tx.Query(ctx, claimSQL, cursor, batch)
+			if err != nil {
+				return err
+			}
+			var (
+				id                    int64
+				eid, et, at, aid, key string
+				payload               []byte
+				created               time.Time
+			)
+			_, err = pgx.ForEachRow(rows, []any{&id, &eid, &et, &at, &aid, &key, &payload, &created}, func() error {
+				ids = append(ids, id)
+				return nil
+			})
+			if err != nil {
+				return err
+			}
+			if len(ids) == 0 {
+				return nil
+			}
+			cursor = ids[len(ids)-1]
+			_, err = tx.Exec(ctx, markSQL, ids)
+			return err
+		})
+		if err != nil {
+			return fmt.Errorf("ceiling loop: %w", err)
+		}
+		if len(ids) == 0 {
+			return nil
+		}
+	}
+	return ctx.Err()
+}
+
+// orderingAvailable starts `relay --ordering mode` once and reports whether it
+// comes up; a mode the relay refuses is "not available" with its message.
+func orderingAvailable(ctx context.Context, o *options, e *benchEnv, mode string) (bool, string, error) {
+	if v, ok := e.orderingProbe[mode]; ok {
+		return v == "", v, nil
+	}
+	if err := e.freshTable(ctx, 0); err != nil {
+		return false, "", err
+	}
+	topic, err := e.newTopic(o, "probe")
+	if err != nil {
+		return false, "", err
+	}
+	defer e.deleteTopic(topic)
+	p, err := e.startRelay(e.relayArgs(topic, 50, mode))
+	if err != nil {
+		return false, "", err
+	}
+	rerr := p.waitReady(ctx, 30*time.Second)
+	p.stop()
+	msg := ""
+	if rerr != nil {
+		msg = rerr.Error()
+		logf("ordering %s: not available: %s", mode, msg)
+	}
+	if e.orderingProbe == nil {
+		e.orderingProbe = map[string]string{}
+	}
+	e.orderingProbe[mode] = msg
+	return msg == "", msg, nil
+}
+
+// relayDrain runs replicas relay processes over a fresh table of o.rows rows
+// until every row is published, and returns events/s, CPU seconds per 10k
+// events (all processes, start to stop) and the largest peak RSS in MiB.
+func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas int, ordering string) (map[string]float64, error) {
+	if err := e.freshTable(ctx, o.rows); err != nil {
+		return nil, err
+	}
+	topic, err := e.newTopic(o, fmt.Sprintf("drain-b%d-r%d", batch, replicas))
+	if err != nil {
+		return nil, err
+	}
+	defer e.deleteTopic(topic)
+	var procs []*relayProc
+	defer func() {
+		for _, p := range procs {
+			p.stop()
+		}
+	}()
+	for range replicas {
+		p, err := e.startRelay(e.relayArgs(topic, batch, ordering))
+		if err != nil {
+			return nil, err
+		}
+		procs = append(procs, p)
+	}
+	deadline := time.Now().Add(o.drainTimeout)
+	for {
+		var sum float64
+		for _, p := range procs {
+			select {
+			case <-p.exited:
+				return nil, fmt.Errorf("relay exited during the drain: %s", lastLines(p.out.String(), 5))
+			default:
+			}
+			n, _ := p.published()
+			sum += n
+		}
+		if sum >= float64(o.rows) {
+			break
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("drain not done after %s: %.0f of %d published", o.drainTimeout, sum, o.rows)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+	// The counter moves before the commit: wait for the marks to land.
+	for i := 0; ; i++ {
+		n, err := e.unpublished(ctx)
+		if err != nil {
+			return nil, err
+		}
+		if n == 0 {
+			break
+		}
+		if i > 200 {
+			return nil, fmt.Errorf("%d rows still unpublished after the relays reported all published", n)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	var cpu, hwm float64
+	for _, p := range procs {
+		c, err := cpuSeconds(p.cmd.Process.Pid)
+		if err != nil {
+			return nil, err
+		}
+		_, h, err := memKiB(p.cmd.Process.Pid)
+		if err != nil {
+			return nil, err
+		}
+		cpu += c
+		hwm = max(hwm, h)
+	}
+	done, rate, err := e.drainSpan(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if done != o.rows {
+		return nil, fmt.Errorf("%d of %d rows marked published", done, o.rows)
+	}
+	return map[string]float64{
+		"events_per_s":  rate,
+		"cpu_s_per_10k": cpu / float64(o.rows) * 10_000,
+		"peak_rss_mib":  hwm / 1024,
+	}, nil
+}
+
+// runDrain measures scenario 2 (and 7): one relay process draining a
+// pre-inserted backlog at each batch size, per ordering mode.
+func runDrain(ctx context.Context, o *options, e *benchEnv, rep *report) error {
+	for _, mode := range o.orderings {
+		ok, msg, err := orderingAvailable(ctx, o, e, mode)
+		if err != nil {
+			return err
+		}
+		if !ok {
+			rep.note("drain", mode, "not available: "+msg)
+			continue
+		}
+		for _, b := range o.batches {
+			reps, err := repeat(o, func(i int) (map[string]float64, error) {
+				m, err := relayDrain(ctx, o, e, b, 1, mode)
+				if err == nil {
+					logf("drain ordering=%s batch=%d rep %d: %.0f events/s, %.2f CPU s/10k", mode, b, i+1, m["events_per_s"], m["cpu_s_per_10k"])
+				}
+				return m, err
+			})
+			if err != nil {
+				return err
+			}
+			rep.add("drain", fmt.Sprintf("ordering=%s batch=%d", mode, b), map[string]any{"ordering": mode, "batch": b, "replicas": 1}, reps)
+		}
+	}
+	return nil
+}
+
+// runScaling measures scenario 4: 1, 2, 4 replicas at batch 50.
+func runScaling(ctx context.Context, o *options, e *benchEnv, rep *report) error {
+	const batch = 50
+	for _, mode := range o.orderings {
+		ok, msg, err := orderingAvailable(ctx, o, e, mode)
+		if err != nil {
+			return err
+		}
+		if !ok {
+			rep.note("scaling", mode, "not available: "+msg)
+			continue
+		}
+		for _, n := range o.replicas {
+			reps, err := repeat(o, func(i int) (map[string]float64, error) {
+				m, err := relayDrain(ctx, o, e, batch, n, mode)
+				if err == nil {
+					logf("scaling ordering=%s replicas=%d rep %d: %.0f events/s", mode, n, i+1, m["events_per_s"])
+				}
+				return m, err
+			})
+			if err != nil {
+				return err
+			}
+			rep.add("scaling", fmt.Sprintf("ordering=%s replicas=%d", mode, n), map[string]any{"ordering": mode, "batch": batch, "replicas": n}, reps)
+		}
+	}
+	return nil
+}
+
+// runSeeds measures scenario 3: the seeds' shape — claim through the pool
+// outside a transaction, then one WriteMessages and one UPDATE per row — with
+// the relay's Writer settings, on the same data, for a fixed time (it is an
+// order of magnitude slower than the relay, so a full drain would dominate
+// the run).
+func runSeeds(ctx context.Context, o *options, e *benchEnv, rep *report) error {
+	const batch = 50
+	reps, err := repeat(o, func(i int) (map[string]float64, error) {
+		if err := e.freshTable(ctx, o.rows); err != nil {
+			return nil, err
+		}
+		topic, err := e.newTopic(o, "seeds")
+		if err != nil {
+			return nil, err
+		}
+		defer e.deleteTopic(topic)
+		if err := seedsShape(ctx, e, topic, batch, o.seedsFor); err != nil {
+			return nil, err
+		}
+		done, rate, err := e.drainSpan(ctx)
+		if err != nil {
+			return nil, err
+		}
+		logf("seeds' shape rep %d: %.0f events/s (%d rows in %s)", i+1, rate, done, o.seedsFor)
+		return map[string]float64{"events_per_s": rate, "rows": float64(done)}, nil
+	})
+	if err != nil {
+		return err
+	}
+	rep.add("seeds", fmt.Sprintf("batch=%d", batch), map[string]any{"batch": batch, "duration_s": o.seedsFor.Seconds()}, reps)
+	return nil
+}
+
+func seedsShape(ctx context.Context, e *benchEnv, topic string, batch int, d time.Duration) error {
+	w := &kafka.Writer{
+		Addr:         kafka.TCP(e.kafka.Addr()),
+		Balancer:     &kafka.Murmur2Balancer{},
+		RequiredAcks: kafka.RequireAll,
+		BatchTimeout: time.Microsecond,
+		BatchSize:    batch,
+		BatchBytes:   1 << 20,
+		MaxAttempts:  3,
+	}
+	defer w.Close()
+	end := time.Now().Add(d)
+	for time.Now().Before(end) && ctx.Err() == nil {
+		// The seeds' claim: FOR UPDATE SKIP LOCKED through the pool, whose
+		// implicit transaction ends (and drops the locks) with the SELECT.
+		rows, err := e.pool.Query(ctx, `SELECT id, event_id::text, event_type, aggregate_type, aggregate_id, partition_key, payload
+FROM outbox WHERE published_at IS NULL ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED`, batch)
+		if err != nil {
+			return err
+		}
+		type r struct {
+			id                  int64
+			eid, et, at, aid, k string
+			payload             []byte
+		}
+		var claimed []r
+		var x r
+		_, err = pgx.ForEachRow(rows, []any{&x.id, &x.eid, &x.et, &x.at, &x.aid, &x.k, &x.payload}, func() error {
+			claimed = append(claimed, x)
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		if len(claimed) == 0 {
+			return nil
+		}
+		for _, c := range claimed {
+			if time.Now().After(end) {
+				return nil
+			}
+			err := w.WriteMessages(ctx, kafka.Message{Topic: topic, Key: []byte(c.k), Value: c.payload, Headers: []kafka.Header{
+				{Key: "event_id", Value: []byte(c.eid)}, {Key: "event_type", Value: []byte(c.et)},
+				{Key: "aggregate_type", Value: []byte(c.at)}, {Key: "aggregate_id", Value: []byte(c.aid)},
+			}})
+			if err != nil {
+				return fmt.Errorf("seeds' shape publish: %w", err)
+			}
+			if _, err := e.pool.Exec(ctx, `UPDATE outbox SET published_at = now() WHERE id = $1`, c.id); err != nil {
+				return err
+			}
+		}
+	}
+	return ctx.Err()
+}

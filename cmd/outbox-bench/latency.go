@@ -1,0 +1,277 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"slices"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/segmentio/kafka-go"
+
+	"github.com/outbox-relay/outbox-operator/relay"
+)
+
+// runLatency measures scenario 5 (and the relay's steady-state footprint):
+// producers insert one row per transaction at a fixed rate for a fixed time
+// while one relay with the default batch size and poll interval runs; a
+// consumer on the same machine notes when each event arrives, and the
+// latency is that time minus the row's created_at (one clock).
+func runLatency(ctx context.Context, o *options, e *benchEnv, rep *report) error {
+	for _, rate := range o.rates {
+		m, err := latencyRun(ctx, o, e, rate)
+		if err != nil {
+			return err
+		}
+		logf("latency rate=%d: achieved %.0f/s, p50 %.0f ms, p95 %.0f ms, p99 %.0f ms, backlog %.0f→%.0f, RSS %.1f MiB",
+			rate, m["achieved_per_s"], m["p50_ms"], m["p95_ms"], m["p99_ms"], m["backlog_start"], m["backlog_end"], m["relay_rss_mib"])
+		rep.add("latency", fmt.Sprintf("rate=%d", rate), map[string]any{"rate": rate, "duration_s": o.latencyFor.Seconds(),
+			"producers": o.producers, "batch": relay.DefaultBatchSize, "poll_interval": relay.DefaultPollInterval.String()},
+			[]map[string]float64{m})
+	}
+	return nil
+}
+
+func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int) (map[string]float64, error) {
+	if err := e.freshTable(ctx, 0); err != nil {
+		return nil, err
+	}
+	topic, err := e.newTopic(o, fmt.Sprintf("latency-%d", rate))
+	if err != nil {
+		return nil, err
+	}
+	defer e.deleteTopic(topic)
+
+	// Consumer first, one reader per partition from the first offset.
+	var (
+		mu   sync.Mutex
+		recv = map[string]time.Time{}
+	)
+	cctx, ccancel := context.WithCancel(ctx)
+	defer ccancel()
+	var cwg sync.WaitGroup
+	for p := range o.partitions {
+		rd := kafka.NewReader(kafka.ReaderConfig{
+			Brokers: []string{e.kafka.Addr()}, Topic: topic, Partition: p,
+			MinBytes: 1, MaxBytes: 8 << 20, MaxWait: 100 * time.Millisecond, ReadLagInterval: -1,
+		})
+		if err := rd.SetOffset(kafka.FirstOffset); err != nil {
+			return nil, err
+		}
+		cwg.Add(1)
+		go func() {
+			defer cwg.Done()
+			defer rd.Close()
+			for {
+				msg, err := rd.ReadMessage(cctx)
+				if err != nil {
+					return
+				}
+				now := time.Now()
+				for _, h := range msg.Headers {
+					if h.Key == relay.HeaderEventID {
+						mu.Lock()
+						recv[string(h.Value)] = now
+						mu.Unlock()
+					}
+				}
+			}
+		}()
+	}
+	defer cwg.Wait()
+	defer ccancel()
+
+	p, err := e.startRelay(e.relayArgs(topic, relay.DefaultBatchSize, ""))
+	if err != nil {
+		return nil, err
+	}
+	defer p.stop()
+	if err := p.waitReady(ctx, 30*time.Second); err != nil {
+		return nil, err
+	}
+	cpu0, _ := cpuSeconds(p.cmd.Process.Pid)
+
+	// Producers: open loop, each client on its own schedule of rate/producers.
+	var inserted atomic.Int64
+	start := time.Now()
+	end := start.Add(o.latencyFor)
+	interval := time.Duration(float64(time.Second) * float64(o.producers) / float64(rate))
+	errs := make([]error, o.producers)
+	var pwg sync.WaitGroup
+	for c := range o.producers {
+		pwg.Add(1)
+		go func() {
+			defer pwg.Done()
+			conn, err := pgConnect(ctx, e.dsn)
+			if err != nil {
+				errs[c] = err
+				return
+			}
+			defer conn.Close(context.Background())
+			next := start.Add(time.Duration(c) * interval / time.Duration(o.producers))
+			for seq := 0; ; seq++ {
+				if d := time.Until(next); d > 0 {
+					time.Sleep(d)
+				}
+				if !time.Now().Before(end) || ctx.Err() != nil {
+					return
+				}
+				key := fmt.Sprintf("order-%d", (c*1_000_003+seq)%1000)
+				_, err := conn.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+VALUES ($1, 'Order', $2, $3, jsonb_build_object('seq', $4::int, 'order_id', $2::text, 'pad', repeat('x', 240)), $2)`,
+					uuid.New(), key, eventType, seq)
+				if err != nil {
+					errs[c] = fmt.Errorf("producer insert: %w", err)
+					return
+				}
+				inserted.Add(1)
+				next = next.Add(interval)
+			}
+		}()
+	}
+	// Sample the relay's RSS in the second half (steady state).
+	var rssMax float64
+	sampleDone := make(chan struct{})
+	go func() {
+		defer close(sampleDone)
+		t := time.NewTicker(time.Second)
+		defer t.Stop()
+		for time.Now().Before(end) {
+			<-t.C
+			if time.Since(start) > o.latencyFor/2 {
+				if rss, _, err := memKiB(p.cmd.Process.Pid); err == nil {
+					rssMax = max(rssMax, rss)
+				}
+			}
+		}
+	}()
+	pwg.Wait()
+	produceEnd := time.Now()
+	<-sampleDone
+	for _, err := range errs {
+		if err != nil {
+			return nil, err
+		}
+	}
+	cpu1, _ := cpuSeconds(p.cmd.Process.Pid)
+	n := int(inserted.Load())
+	// Let the relay and the consumer catch up (bounded).
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		mu.Lock()
+		got := len(recv)
+		mu.Unlock()
+		if got >= n || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	ccancel()
+
+	// Join receive times with created_at.
+	rows, err := e.pool.Query(ctx, `SELECT event_id::text, created_at FROM outbox`)
+	if err != nil {
+		return nil, err
+	}
+	type ev struct{ created, recv time.Time }
+	var evs []ev
+	for rows.Next() {
+		var id string
+		var created time.Time
+		if err := rows.Scan(&id, &created); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		mu.Lock()
+		r, ok := recv[id]
+		mu.Unlock()
+		evs = append(evs, ev{created, r})
+		_ = ok
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	var lat []float64
+	thirds := make([][]float64, 3)
+	consumed := 0
+	for _, x := range evs {
+		if x.recv.IsZero() {
+			continue
+		}
+		consumed++
+		ms := float64(x.recv.Sub(x.created).Microseconds()) / 1000
+		lat = append(lat, ms)
+		i := int(3 * x.created.Sub(start).Seconds() / o.latencyFor.Seconds())
+		thirds[min(max(i, 0), 2)] = append(thirds[min(max(i, 0), 2)], ms)
+	}
+	sort.Float64s(lat)
+	for _, t := range thirds {
+		sort.Float64s(t)
+	}
+	// Backlog per second: rows created but not yet received at that instant.
+	secs := int(o.latencyFor / time.Second)
+	backlog := make([]float64, secs)
+	for s := range secs {
+		at := start.Add(time.Duration(s+1) * time.Second)
+		for _, x := range evs {
+			if !x.created.After(at) && (x.recv.IsZero() || x.recv.After(at)) {
+				backlog[s]++
+			}
+		}
+	}
+	// Flat: the last 10 s hold no more than the first 10 s (after 2 s of
+	// warm-up) plus a quarter second of events; growth would mean the relay
+	// does not keep up.
+	w := min(10, max(1, (secs-2)/2))
+	first := mean(backlog[min(2, secs-w) : min(2, secs-w)+w])
+	last := mean(backlog[secs-w:])
+	flat := last <= first+0.25*float64(rate)
+	return map[string]float64{
+		"inserted":        float64(n),
+		"consumed":        float64(consumed),
+		"achieved_per_s":  float64(n) / produceEnd.Sub(start).Seconds(),
+		"p50_ms":          pct(lat, 0.50),
+		"p95_ms":          pct(lat, 0.95),
+		"p99_ms":          pct(lat, 0.99),
+		"max_ms":          pct(lat, 1),
+		"p99_ms_w1":       pct(thirds[0], 0.99),
+		"p99_ms_w2":       pct(thirds[1], 0.99),
+		"p99_ms_w3":       pct(thirds[2], 0.99),
+		"backlog_start":   first,
+		"backlog_end":     last,
+		"backlog_max":     slices.Max(backlog),
+		"backlog_flat":    b2f(flat && consumed == n),
+		"relay_cpu_cores": (cpu1 - cpu0) / o.latencyFor.Seconds(),
+		"relay_rss_mib":   rssMax / 1024,
+	}, nil
+}
+
+func pct(sorted []float64, q float64) float64 {
+	if len(sorted) == 0 {
+		return math.NaN()
+	}
+	i := int(math.Ceil(q*float64(len(sorted)))) - 1
+	return sorted[min(max(i, 0), len(sorted)-1)]
+}
+
+func mean(vs []float64) float64 {
+	if len(vs) == 0 {
+		return math.NaN()
+	}
+	var s float64
+	for _, v := range vs {
+		s += v
+	}
+	return s / float64(len(vs))
+}
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}

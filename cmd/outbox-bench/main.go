@@ -1,0 +1,288 @@
+// Command outbox-bench measures the relay side by side with the limits of
+// this machine in one run: the PostgreSQL claim+mark ceiling, the relay
+// binary draining a pre-inserted backlog, the seeds' naive shape, scaling
+// over replicas, steady-state latency, and footprint (issue 6). It starts
+// its own PostgreSQL (fsync on) and Kafka broker from `make deps`, runs the
+// real relay binary as separate processes, and writes a Markdown report and
+// a JSON file of every repetition.
+//
+//	outbox-bench                     # the full run (make bench)
+//	outbox-bench -quick              # a ~2-minute subset (make bench-quick)
+//	outbox-bench -scenarios ceiling,drain,seeds   # issue 3's numbers (make bench-relay)
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// options is the parsed command line.
+type options struct {
+	scenarios     []string
+	quick         bool
+	reps          int
+	rows          int
+	batches       []int
+	replicas      []int
+	orderings     []string
+	partitions    int
+	seedsFor      time.Duration
+	rates         []int
+	latencyFor    time.Duration
+	producers     int
+	relays        int // OutboxRelays for the operator footprint
+	outMD         string
+	outJSON       string
+	profileDir    string
+	relayBin      string
+	managerChild  string // internal: run the operator manager against this kubeconfig
+	keepWorkDir   bool
+	fsync         bool
+	drainTimeout  time.Duration
+	seedsRowLimit int
+}
+
+var allScenarios = []string{"ceiling", "drain", "seeds", "scaling", "latency", "footprint", "profile"}
+
+func parseFlags(args []string) (*options, error) {
+	fs := flag.NewFlagSet("outbox-bench", flag.ContinueOnError)
+	o := &options{}
+	var scenarios, batches, replicas, orderings, rates string
+	fs.StringVar(&scenarios, "scenarios", strings.Join(allScenarios, ","), "comma-separated scenarios to run: "+strings.Join(allScenarios, ","))
+	fs.BoolVar(&o.quick, "quick", false, "a ~2-minute subset: fewer rows, one repetition, short latency runs, no operator or profile")
+	fs.IntVar(&o.reps, "reps", 0, "repetitions of each scenario; the median is reported (default 3, quick 1)")
+	fs.IntVar(&o.rows, "rows", 0, "pre-inserted rows per drain (default 200000, quick 30000)")
+	fs.StringVar(&batches, "batches", "50,500", "batch sizes for the ceiling and the drain")
+	fs.StringVar(&replicas, "replicas", "1,2,4", "replica counts for the scaling scenario (batch 50)")
+	fs.StringVar(&orderings, "orderings", "none,partition-key", "relay --ordering modes for drain and scaling (a mode the relay refuses is reported as not available)")
+	fs.IntVar(&o.partitions, "partitions", 8, "partitions of each benchmark topic")
+	fs.DurationVar(&o.seedsFor, "seeds-duration", 0, "how long the seeds' shape drains (it is ~10x slower; default 25s, quick 8s)")
+	fs.StringVar(&rates, "rates", "1000,5000", "steady-state insert rates (events/s) for the latency scenario")
+	fs.DurationVar(&o.latencyFor, "latency-duration", 0, "duration of each steady-state run (default 60s, quick 12s)")
+	fs.IntVar(&o.producers, "producers", 8, "producer clients in the latency scenario")
+	fs.IntVar(&o.relays, "operator-relays", 500, "OutboxRelays the operator reconciles in the footprint scenario")
+	fs.StringVar(&o.outMD, "out-md", "", "Markdown report (default docs/benchmarks.md; quick: bench/quick.md)")
+	fs.StringVar(&o.outJSON, "out-json", "", "JSON results (default bench/results.json; quick: bench/quick-results.json)")
+	fs.StringVar(&o.profileDir, "profile-dir", "bench/profiles", "where the relay's pprof profiles go")
+	fs.StringVar(&o.relayBin, "relay-bin", "", "relay binary to run (default: go build ./cmd/relay into the work folder)")
+	fs.StringVar(&o.managerChild, "manager-child", "", "internal: run the operator manager with this kubeconfig until SIGTERM")
+	fs.BoolVar(&o.keepWorkDir, "keep", false, "keep the work folder (PostgreSQL, Kafka and relay logs)")
+	fs.BoolVar(&o.fsync, "fsync", true, "run PostgreSQL with fsync and synchronous_commit on")
+	fs.DurationVar(&o.drainTimeout, "drain-timeout", 5*time.Minute, "give up on one drain after this long")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if o.managerChild != "" {
+		return o, nil
+	}
+	o.scenarios = splitList(scenarios)
+	for _, s := range o.scenarios {
+		if !slices.Contains(allScenarios, s) {
+			return nil, fmt.Errorf("-scenarios: unknown scenario %q (want some of %s)", s, strings.Join(allScenarios, ","))
+		}
+	}
+	var err error
+	if o.batches, err = intList("batches", batches); err != nil {
+		return nil, err
+	}
+	if o.replicas, err = intList("replicas", replicas); err != nil {
+		return nil, err
+	}
+	if o.rates, err = intList("rates", rates); err != nil {
+		return nil, err
+	}
+	o.orderings = splitList(orderings)
+	def := func(v *int, full, quick int) {
+		if *v == 0 {
+			*v = full
+			if o.quick {
+				*v = quick
+			}
+		}
+	}
+	defD := func(v *time.Duration, full, quick time.Duration) {
+		if *v == 0 {
+			*v = full
+			if o.quick {
+				*v = quick
+			}
+		}
+	}
+	def(&o.reps, 3, 1)
+	def(&o.rows, 200_000, 30_000)
+	defD(&o.seedsFor, 25*time.Second, 8*time.Second)
+	defD(&o.latencyFor, 60*time.Second, 12*time.Second)
+	if o.quick && !flagSet(fs, "scenarios") {
+		o.scenarios = []string{"ceiling", "drain", "seeds", "scaling", "latency"}
+	}
+	if o.outMD == "" {
+		o.outMD = "docs/benchmarks.md"
+		if o.quick || flagSet(fs, "scenarios") {
+			o.outMD = "bench/quick.md"
+		}
+	}
+	if o.outJSON == "" {
+		o.outJSON = "bench/results.json"
+		if o.quick || flagSet(fs, "scenarios") {
+			o.outJSON = "bench/quick-results.json"
+		}
+	}
+	return o, nil
+}
+
+func flagSet(fs *flag.FlagSet, name string) bool {
+	set := false
+	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+func intList(name, s string) ([]int, error) {
+	var out []int
+	for _, p := range splitList(s) {
+		var n int
+		if _, err := fmt.Sscan(p, &n); err != nil || n <= 0 {
+			return nil, fmt.Errorf("-%s: %q is not a positive integer", name, p)
+		}
+		out = append(out, n)
+	}
+	return out, nil
+}
+
+func main() {
+	os.Exit(run(os.Args[1:]))
+}
+
+func run(args []string) int {
+	o, err := parseFlags(args)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "outbox-bench:", err)
+		return 2
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	if o.managerChild != "" {
+		if err := runManagerChild(ctx, o.managerChild); err != nil {
+			fmt.Fprintln(os.Stderr, "outbox-bench manager:", err)
+			return 1
+		}
+		return 0
+	}
+	if err := bench(ctx, o); err != nil {
+		fmt.Fprintln(os.Stderr, "outbox-bench:", err)
+		return 1
+	}
+	return 0
+}
+
+// bench runs the chosen scenarios and writes the report.
+func bench(ctx context.Context, o *options) error {
+	if o.fsync {
+		os.Setenv("OUTBOX_PG_FSYNC", "on")
+	}
+	root, err := repoRoot()
+	if err != nil {
+		return err
+	}
+	if err := os.Chdir(root); err != nil {
+		return err
+	}
+	work, err := os.MkdirTemp("", "outbox-bench-")
+	if err != nil {
+		return err
+	}
+	failed := true
+	defer func() {
+		if o.keepWorkDir || failed {
+			logf("work folder (logs) kept in %s", work)
+			return
+		}
+		os.RemoveAll(work)
+	}()
+	start := time.Now()
+	env, err := startEnv(ctx, o, work)
+	if err != nil {
+		return err
+	}
+	defer env.close()
+	rep := newReport(o, env)
+	if err := runScenarios(ctx, o, env, rep); err != nil {
+		return err
+	}
+	rep.Duration = time.Since(start).Round(time.Second).String()
+	if err := rep.write(o); err != nil {
+		return err
+	}
+	fmt.Print(rep.tables())
+	logf("done in %s; wrote %s and %s", rep.Duration, o.outMD, o.outJSON)
+	failed = false
+	return nil
+}
+
+func runScenarios(ctx context.Context, o *options, env *benchEnv, rep *report) error {
+	want := func(s string) bool { return slices.Contains(o.scenarios, s) }
+	steps := []struct {
+		name string
+		fn   func(context.Context, *options, *benchEnv, *report) error
+	}{
+		{"ceiling", runCeiling},
+		{"drain", runDrain},
+		{"seeds", runSeeds},
+		{"scaling", runScaling},
+		{"latency", runLatency},
+		{"profile", runProfile},
+		{"footprint", runFootprint},
+	}
+	for _, s := range steps {
+		if !want(s.name) {
+			continue
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		t0 := time.Now()
+		logf("== %s", s.name)
+		if err := s.fn(ctx, o, env, rep); err != nil {
+			return fmt.Errorf("scenario %s: %w", s.name, err)
+		}
+		logf("== %s done in %s", s.name, time.Since(t0).Round(time.Second))
+	}
+	return nil
+}
+
+func logf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "%s "+format+"\n", append([]any{time.Now().Format("15:04:05")}, args...)...)
+}
+
+// repoRoot finds the folder holding go.mod, from the working directory up.
+func repoRoot() (string, error) {
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", err
+	}
+	for d := dir; ; d = filepath.Dir(d) {
+		if b, err := os.ReadFile(filepath.Join(d, "go.mod")); err == nil && strings.Contains(string(b), "module github.com/outbox-relay/outbox-operator") {
+			return d, nil
+		}
+		if filepath.Dir(d) == d {
+			return "", fmt.Errorf("run from inside the outbox-operator repository (no go.mod above %s)", dir)
+		}
+	}
+}

@@ -1,0 +1,379 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"sort"
+	"strings"
+	"time"
+)
+
+// report is everything one run measured; it becomes bench/results.json and
+// the generated part of docs/benchmarks.md.
+type report struct {
+	Date       string            `json:"date"`
+	Commit     string            `json:"commit"`
+	GoVersion  string            `json:"go_version"`
+	CPUModel   string            `json:"cpu_model"`
+	CPUs       int               `json:"cpus"`
+	PostgreSQL string            `json:"postgresql"`
+	Kafka      string            `json:"kafka"`
+	Fsync      bool              `json:"postgres_fsync"`
+	Quick      bool              `json:"quick"`
+	Reps       int               `json:"reps"`
+	Rows       int               `json:"rows"`
+	Partitions int               `json:"partitions"`
+	Duration   string            `json:"duration"`
+	Results    []*result         `json:"results"`
+	Notes      map[string]string `json:"notes,omitempty"`
+	Targets    []target          `json:"targets"`
+	Profile    *profileSummary   `json:"profile,omitempty"`
+}
+
+// result is one case of one scenario: each metric's value per repetition and median.
+type result struct {
+	Scenario string               `json:"scenario"`
+	Case     string               `json:"case"`
+	Params   map[string]any       `json:"params"`
+	Median   map[string]float64   `json:"median"`
+	Reps     []map[string]float64 `json:"reps"`
+}
+
+type target struct {
+	Name     string `json:"name"`
+	Want     string `json:"want"`
+	Measured string `json:"measured"`
+	Status   string `json:"status"` // met, missed, not measured
+	Why      string `json:"why,omitempty"`
+}
+
+func newReport(o *options, e *benchEnv) *report {
+	r := &report{
+		Date: time.Now().UTC().Format(time.RFC3339), Commit: gitCommit(), GoVersion: runtime.Version(),
+		CPUModel: cpuModel(), CPUs: runtime.NumCPU(), PostgreSQL: e.pgVer, Kafka: kafkaVersion(),
+		Fsync: o.fsync, Quick: o.quick, Reps: o.reps, Rows: o.rows, Partitions: o.partitions,
+		Notes: map[string]string{},
+	}
+	return r
+}
+
+// repeat runs fn o.reps times and returns each repetition's metrics.
+func repeat(o *options, fn func(i int) (map[string]float64, error)) ([]map[string]float64, error) {
+	var out []map[string]float64
+	for i := range o.reps {
+		m, err := fn(i)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, m)
+	}
+	return out, nil
+}
+
+func (r *report) add(scenario, cas string, params map[string]any, reps []map[string]float64) {
+	res := &result{Scenario: scenario, Case: cas, Params: params, Reps: reps, Median: map[string]float64{}}
+	keys := map[string]bool{}
+	for _, m := range reps {
+		for k, v := range m {
+			if math.IsNaN(v) || math.IsInf(v, 0) {
+				delete(m, k) // JSON has no NaN; a missing value means "no sample"
+				continue
+			}
+			keys[k] = true
+		}
+	}
+	for k := range keys {
+		var vs []float64
+		for _, m := range reps {
+			if v, ok := m[k]; ok {
+				vs = append(vs, v)
+			}
+		}
+		res.Median[k] = median(vs)
+	}
+	r.Results = append(r.Results, res)
+}
+
+func (r *report) note(scenario, cas, msg string) { r.Notes[scenario+" "+cas] = msg }
+
+func (r *report) get(scenario, cas, metric string) (float64, bool) {
+	for _, x := range r.Results {
+		if x.Scenario == scenario && x.Case == cas {
+			v, ok := x.Median[metric]
+			return v, ok
+		}
+	}
+	return 0, false
+}
+
+func median(vs []float64) float64 {
+	if len(vs) == 0 {
+		return math.NaN()
+	}
+	s := slices.Clone(vs)
+	sort.Float64s(s)
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+// evaluate compares the medians with the targets of issue 6.
+func (r *report) evaluate(o *options) {
+	r.Targets = nil
+	add := func(name, want string, measured float64, have bool, ok bool, format string) {
+		t := target{Name: name, Want: want, Status: "not measured"}
+		if have {
+			t.Measured = fmt.Sprintf(format, measured)
+			t.Status = map[bool]string{true: "met", false: "missed"}[ok]
+		}
+		r.Targets = append(r.Targets, t)
+	}
+	b500, ok1 := r.get("drain", "ordering=none batch=500", "events_per_s")
+	c500, ok2 := r.get("ceiling", "batch=500 loops=1", "events_per_s")
+	add("one replica at batch 500 vs the claim+mark ceiling at batch 500", "≥ 60%", 100*b500/c500, ok1 && ok2, b500/c500 >= 0.60, "%.0f%%")
+	b50, ok1 := r.get("drain", "ordering=none batch=50", "events_per_s")
+	s50, ok2 := r.get("seeds", "batch=50", "events_per_s")
+	add("one replica at batch 50 vs the seeds' shape", "≥ 10×", b50/s50, ok1 && ok2, b50/s50 >= 10, "%.1f×")
+	r4, ok1 := r.get("scaling", "ordering=none replicas=4", "events_per_s")
+	r1, ok2 := r.get("scaling", "ordering=none replicas=1", "events_per_s")
+	add("4 replicas vs 1 at batch 50", "≥ 1.5×", r4/r1, ok1 && ok2, r4/r1 >= 1.5, "%.2f×")
+	p99, ok1 := r.get("latency", "rate=1000", "p99_ms")
+	add("commit-to-consumed p99 at 1,000 events/s (default poll interval)", "≤ 300 ms", p99, ok1, p99 <= 300, "%.0f ms")
+	flat, ok1 := r.get("latency", "rate=5000", "backlog_flat")
+	grow, _ := r.get("latency", "rate=5000", "backlog_end")
+	add("backlog at 5,000 events/s", "flat", grow, ok1, flat == 1, "flat=%v"+fmt.Sprintf(" (end-of-run backlog %.0f rows)", grow))
+	if ok1 {
+		r.Targets[len(r.Targets)-1].Measured = map[bool]string{true: "flat", false: "growing"}[flat == 1] + fmt.Sprintf(" (last-10 s backlog %.0f rows)", grow)
+	}
+	rss := math.NaN()
+	for _, x := range r.Results {
+		if x.Scenario == "latency" {
+			if v, ok := x.Median["relay_rss_mib"]; ok && !(v <= rss) {
+				rss = v
+			}
+		}
+	}
+	add("relay RSS at steady state (largest of the latency runs)", "≤ 64 MiB", rss, !math.IsNaN(rss), rss <= 64, "%.1f MiB")
+	n := o.relays
+	t, ok1 := r.get("footprint", fmt.Sprintf("relays=%d", n), "ready_s")
+	add(fmt.Sprintf("%d OutboxRelays Ready", n), "≤ 60 s", t, ok1, t <= 60, "%.1f s")
+	m, ok1 := r.get("footprint", fmt.Sprintf("relays=%d", n), "manager_rss_mib")
+	add("manager RSS with them", "≤ 150 MiB", m, ok1, m <= 150, "%.1f MiB")
+}
+
+func (r *report) write(o *options) error {
+	r.evaluate(o)
+	b, err := json.MarshalIndent(r, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(filepath.Dir(o.outJSON), 0o755); err != nil {
+		return err
+	}
+	if err := os.WriteFile(o.outJSON, append(b, '\n'), 0o644); err != nil {
+		return err
+	}
+	return writeMarkdown(o.outMD, r.markdown())
+}
+
+const (
+	genBegin = "<!-- BEGIN GENERATED by cmd/outbox-bench: do not edit by hand -->"
+	genEnd   = "<!-- END GENERATED -->"
+)
+
+// writeMarkdown replaces the generated block of path, keeping the
+// hand-written sections around it.
+func writeMarkdown(path, generated string) error {
+	block := genBegin + "\n" + generated + genEnd + "\n"
+	old, err := os.ReadFile(path)
+	var out string
+	switch {
+	case err == nil && bytes.Contains(old, []byte(genBegin)) && bytes.Contains(old, []byte(genEnd)):
+		s := string(old)
+		i := strings.Index(s, genBegin)
+		j := strings.Index(s, genEnd) + len(genEnd)
+		out = s[:i] + strings.TrimSuffix(block, "\n") + s[j:]
+	default:
+		out = "# Benchmarks\n\nProduced by `make bench` (cmd/outbox-bench).\n\n" + block
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return err
+	}
+	return os.WriteFile(path, []byte(out), 0o644)
+}
+
+func (r *report) markdown() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "Run of %s at commit `%s`: %d × %s, Go %s, PostgreSQL %s (fsync %s), Kafka %s (one KRaft broker on the JVM, same machine), topics of %d partitions. ",
+		r.Date, r.Commit, r.CPUs, r.CPUModel, strings.TrimPrefix(r.GoVersion, "go"), r.PostgreSQL, onOff(r.Fsync), r.Kafka, r.Partitions)
+	fmt.Fprintf(&b, "Each scenario ran %d time(s); medians are shown, every repetition is in `bench/results.json`. Drains use %d pre-inserted rows of ~300-byte JSON. The whole run took %s.\n\n",
+		r.Reps, r.Rows, r.Duration)
+	b.WriteString(r.tables())
+	return b.String()
+}
+
+func onOff(v bool) string {
+	if v {
+		return "on"
+	}
+	return "off"
+}
+
+// tables renders every measured scenario and the targets as Markdown tables.
+func (r *report) tables() string {
+	var b strings.Builder
+	reps := func(x *result, k, f string) string {
+		var parts []string
+		for _, m := range x.Reps {
+			parts = append(parts, fmt.Sprintf(f, m[k]))
+		}
+		return strings.Join(parts, " / ")
+	}
+	section := func(scenario, title, header string, row func(x *result) string) {
+		var rows []string
+		for _, x := range r.Results {
+			if x.Scenario == scenario {
+				rows = append(rows, row(x))
+			}
+		}
+		var notes []string
+		for k, v := range r.Notes {
+			if strings.HasPrefix(k, scenario+" ") {
+				notes = append(notes, fmt.Sprintf("- `%s`: %s", strings.TrimPrefix(k, scenario+" "), v))
+			}
+		}
+		if len(rows) == 0 && len(notes) == 0 {
+			return
+		}
+		sort.Strings(notes)
+		fmt.Fprintf(&b, "### %s\n\n", title)
+		if len(rows) > 0 {
+			b.WriteString(header + "\n")
+			for _, l := range rows {
+				b.WriteString(l + "\n")
+			}
+			b.WriteString("\n")
+		}
+		for _, n := range notes {
+			b.WriteString(n + "\n")
+		}
+		if len(notes) > 0 {
+			b.WriteString("\n")
+		}
+	}
+	section("ceiling", "1. Ceiling: PostgreSQL claim+mark, no Kafka",
+		"| batch | loops | rows/s (median) | repetitions |\n| ---: | ---: | ---: | --- |",
+		func(x *result) string {
+			return fmt.Sprintf("| %v | %v | %.0f | %s |", x.Params["batch"], x.Params["loops"], x.Median["events_per_s"], reps(x, "events_per_s", "%.0f"))
+		})
+	section("drain", "2. Relay drain: one relay process, pre-inserted backlog",
+		"| ordering | batch | events/s (median) | vs ceiling | CPU s / 10k events | peak RSS MiB | repetitions (events/s) |\n| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+		func(x *result) string {
+			ratio := "–"
+			if c, ok := r.get("ceiling", fmt.Sprintf("batch=%v loops=1", x.Params["batch"]), "events_per_s"); ok {
+				ratio = fmt.Sprintf("%.0f%%", 100*x.Median["events_per_s"]/c)
+			}
+			return fmt.Sprintf("| %v | %v | %.0f | %s | %.2f | %.1f | %s |", x.Params["ordering"], x.Params["batch"], x.Median["events_per_s"], ratio,
+				x.Median["cpu_s_per_10k"], x.Median["peak_rss_mib"], reps(x, "events_per_s", "%.0f"))
+		})
+	section("seeds", "3. The seeds' shape: claim through the pool, one WriteMessages and one UPDATE per row",
+		"| batch | events/s (median) | relay batch 50 / seeds | repetitions |\n| ---: | ---: | ---: | --- |",
+		func(x *result) string {
+			ratio := "–"
+			if d, ok := r.get("drain", "ordering=none batch=50", "events_per_s"); ok {
+				ratio = fmt.Sprintf("%.1f×", d/x.Median["events_per_s"])
+			}
+			return fmt.Sprintf("| %v | %.0f | %s | %s |", x.Params["batch"], x.Median["events_per_s"], ratio, reps(x, "events_per_s", "%.0f"))
+		})
+	section("scaling", "4. Scaling: replicas draining one table, batch 50",
+		"| ordering | replicas | events/s (median) | vs 1 replica | CPU s / 10k (all replicas) | repetitions |\n| --- | ---: | ---: | ---: | ---: | --- |",
+		func(x *result) string {
+			ratio := "–"
+			if one, ok := r.get("scaling", fmt.Sprintf("ordering=%v replicas=1", x.Params["ordering"]), "events_per_s"); ok {
+				ratio = fmt.Sprintf("%.2f×", x.Median["events_per_s"]/one)
+			}
+			return fmt.Sprintf("| %v | %v | %.0f | %s | %.2f | %s |", x.Params["ordering"], x.Params["replicas"], x.Median["events_per_s"], ratio,
+				x.Median["cpu_s_per_10k"], reps(x, "events_per_s", "%.0f"))
+		})
+	section("latency", "5. Steady state: one relay (defaults: batch 50, poll 200 ms), producers inserting one row per transaction",
+		"| target events/s | achieved inserts/s | consumed | p50 ms | p95 ms | p99 ms | max ms | p99 per third (ms) | backlog first / last 10 s (rows) | backlog flat | relay CPU (cores) | relay RSS MiB |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | ---: |",
+		func(x *result) string {
+			m := x.Median
+			return fmt.Sprintf("| %v | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f / %.0f / %.0f | %.0f / %.0f | %s | %.2f | %.1f |",
+				x.Params["rate"], m["achieved_per_s"], m["consumed"], m["p50_ms"], m["p95_ms"], m["p99_ms"], m["max_ms"],
+				m["p99_ms_w1"], m["p99_ms_w2"], m["p99_ms_w3"], m["backlog_start"], m["backlog_end"],
+				map[bool]string{true: "yes", false: "no"}[m["backlog_flat"] == 1], m["relay_cpu_cores"], m["relay_rss_mib"])
+		})
+	section("footprint", "6. Footprint: the operator reconciling OutboxRelays in envtest",
+		"| OutboxRelays | created in s | all Ready in s | manager RSS MiB | manager peak RSS MiB | manager CPU s |\n| ---: | ---: | ---: | ---: | ---: | ---: |",
+		func(x *result) string {
+			m := x.Median
+			return fmt.Sprintf("| %v | %.1f | %.1f | %.1f | %.1f | %.1f |", x.Params["relays"], m["created_s"], m["ready_s"], m["manager_rss_mib"], m["manager_peak_rss_mib"], m["manager_cpu_s"])
+		})
+	if r.Profile != nil {
+		p := r.Profile
+		fmt.Fprintf(&b, "### Profile of the relay at batch %d (in-process relay.Run, %d rows, %.0f events/s)\n\n", p.Batch, p.Rows, p.EventsPerS)
+		fmt.Fprintf(&b, "CPU (top by cumulative time, `go tool pprof -top -cum`):\n\n```\n%s```\n\n", p.CPUTop)
+		fmt.Fprintf(&b, "Allocations during the drain (top by allocated bytes, flat):\n\n```\n%s```\n\n", p.AllocTop)
+	}
+	if len(r.Targets) > 0 {
+		b.WriteString("### Targets (issue 6)\n\n| target | wanted | measured | status |\n| --- | --- | --- | --- |\n")
+		for _, t := range r.Targets {
+			fmt.Fprintf(&b, "| %s | %s | %s | %s |\n", t.Name, t.Want, cmpOr(t.Measured, "–"), t.Status)
+		}
+		b.WriteString("\n")
+	}
+	return b.String()
+}
+
+func cmpOr(a, b string) string {
+	if a != "" {
+		return a
+	}
+	return b
+}
+
+func gitCommit() string {
+	out, err := exec.Command("git", "rev-parse", "--short", "HEAD").Output()
+	if err != nil {
+		return "unknown"
+	}
+	c := strings.TrimSpace(string(out))
+	if st, err := exec.Command("git", "status", "--porcelain", "--untracked-files=no").Output(); err == nil && len(bytes.TrimSpace(st)) > 0 {
+		c += " (with uncommitted changes)"
+	}
+	return c
+}
+
+func cpuModel() string {
+	b, err := os.ReadFile("/proc/cpuinfo")
+	if err != nil {
+		return "unknown CPU"
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if k, v, ok := strings.Cut(l, ":"); ok && strings.TrimSpace(k) == "model name" {
+			return strings.TrimSpace(v)
+		}
+	}
+	return "unknown CPU"
+}
+
+func kafkaVersion() string {
+	libs := os.Getenv("OUTBOX_KAFKA_LIBS")
+	if libs == "" {
+		m, _ := filepath.Glob("bin/kafka/*/libs")
+		if len(m) == 0 {
+			return "unknown"
+		}
+		libs = m[len(m)-1]
+	}
+	return filepath.Base(filepath.Dir(libs))
+}
