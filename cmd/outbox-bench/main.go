@@ -50,14 +50,14 @@ type options struct {
 	seedsRowLimit int
 }
 
-var allScenarios = []string{"ceiling", "drain", "seeds", "scaling", "latency", "footprint", "profile"}
+var allScenarios = []string{"ceiling", "drain", "seeds", "scaling", "latency", "breakdown", "profile", "footprint"}
 
 func parseFlags(args []string) (*options, error) {
 	fs := flag.NewFlagSet("outbox-bench", flag.ContinueOnError)
 	o := &options{}
 	var scenarios, batches, replicas, orderings, rates string
 	fs.StringVar(&scenarios, "scenarios", strings.Join(allScenarios, ","), "comma-separated scenarios to run: "+strings.Join(allScenarios, ","))
-	fs.BoolVar(&o.quick, "quick", false, "a ~2-minute subset: fewer rows, one repetition, short latency runs, no operator or profile")
+	fs.BoolVar(&o.quick, "quick", false, "a ~2-minute subset: fewer rows, one repetition, short latency runs, no operator footprint")
 	fs.IntVar(&o.reps, "reps", 0, "repetitions of each scenario; the median is reported (default 3, quick 1)")
 	fs.IntVar(&o.rows, "rows", 0, "pre-inserted rows per drain (default 200000, quick 30000)")
 	fs.StringVar(&batches, "batches", "50,500", "batch sizes for the ceiling and the drain")
@@ -121,7 +121,7 @@ func parseFlags(args []string) (*options, error) {
 	defD(&o.seedsFor, 25*time.Second, 8*time.Second)
 	defD(&o.latencyFor, 60*time.Second, 12*time.Second)
 	if o.quick && !flagSet(fs, "scenarios") {
-		o.scenarios = []string{"ceiling", "drain", "seeds", "scaling", "latency"}
+		o.scenarios = []string{"ceiling", "drain", "seeds", "scaling", "latency", "breakdown", "profile"}
 	}
 	if o.outMD == "" {
 		o.outMD = "docs/benchmarks.md"
@@ -247,8 +247,12 @@ func runScenarios(ctx context.Context, o *options, env *benchEnv, rep *report) e
 		{"seeds", runSeeds},
 		{"scaling", runScaling},
 		{"latency", runLatency},
+		{"breakdown", runBreakdown},
 		{"profile", runProfile},
 		{"footprint", runFootprint},
+	}
+	if err := warmUp(ctx, o, env); err != nil {
+		return fmt.Errorf("warm-up: %w", err)
 	}
 	for _, s := range steps {
 		if !want(s.name) {

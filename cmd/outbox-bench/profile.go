@@ -9,9 +9,11 @@ import (
 	"runtime"
 	"runtime/pprof"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/segmentio/kafka-go"
 
 	"github.com/outbox-relay/outbox-operator/relay"
 )
@@ -151,4 +153,100 @@ func published(reg *prometheus.Registry) float64 {
 		}
 	}
 	return sum
+}
+
+// timedWriter measures the time the relay spends in WriteMessages.
+type timedWriter struct {
+	w     *kafka.Writer
+	calls atomic.Int64
+	nanos atomic.Int64
+}
+
+func (t *timedWriter) WriteMessages(ctx context.Context, msgs ...kafka.Message) error {
+	start := time.Now()
+	err := t.w.WriteMessages(ctx, msgs...)
+	t.nanos.Add(int64(time.Since(start)))
+	t.calls.Add(1)
+	return err
+}
+
+// runBreakdown splits one batch's wall time into claim, publish and the
+// rest (mark and commit) for each batch size: an in-process relay with a
+// Writer configured as relay.New configures its own, wrapped in a timer.
+func runBreakdown(ctx context.Context, o *options, e *benchEnv, rep *report) error {
+	for _, batch := range o.batches {
+		reps, err := repeat(&options{reps: 1}, func(int) (map[string]float64, error) {
+			if err := e.freshTable(ctx, o.rows); err != nil {
+				return nil, err
+			}
+			topic, err := e.newTopic(o, fmt.Sprintf("breakdown-%d", batch))
+			if err != nil {
+				return nil, err
+			}
+			defer e.deleteTopic(topic)
+			tw := &timedWriter{w: &kafka.Writer{
+				Addr: kafka.TCP(e.kafka.Addr()), Balancer: &kafka.Murmur2Balancer{}, RequiredAcks: kafka.RequireAll,
+				BatchTimeout: time.Microsecond, BatchSize: batch, BatchBytes: 1 << 20, MaxAttempts: 3,
+				WriteBackoffMin: 50 * time.Millisecond, WriteBackoffMax: 500 * time.Millisecond,
+				ReadTimeout: relay.DefaultPublishTimeout, WriteTimeout: relay.DefaultPublishTimeout,
+			}}
+			defer tw.w.Close()
+			reg := prometheus.NewRegistry()
+			r, err := relay.NewWithWriter(relay.Config{DSN: e.dsn, Brokers: []string{e.kafka.Addr()}, Topics: map[string]string{eventType: topic},
+				BatchSize: batch, Registerer: reg}, tw)
+			if err != nil {
+				return nil, err
+			}
+			defer r.Close()
+			if err := r.Check(ctx); err != nil {
+				return nil, err
+			}
+			rctx, cancel := context.WithCancel(ctx)
+			done := make(chan error, 1)
+			go func() { done <- r.Run(rctx) }()
+			for published(reg) < float64(o.rows) {
+				select {
+				case err := <-done:
+					cancel()
+					return nil, fmt.Errorf("relay stopped during the drain: %v", err)
+				case <-time.After(100 * time.Millisecond):
+				}
+			}
+			cancel()
+			if err := <-done; err != nil {
+				return nil, err
+			}
+			_, rate, err := e.drainSpan(ctx)
+			if err != nil {
+				return nil, err
+			}
+			bs, bn := histogram(reg, "outbox_relay_batch_duration_seconds")
+			cs, cn := histogram(reg, "outbox_relay_claim_duration_seconds")
+			batchMS, claimMS := 1000*bs/bn, 1000*cs/cn
+			publishMS := float64(tw.nanos.Load()) / 1e6 / float64(tw.calls.Load())
+			logf("breakdown batch=%d: %.0f events/s; per batch %.2f ms = claim %.2f + publish %.2f + mark/commit %.2f",
+				batch, rate, batchMS, claimMS, publishMS, batchMS-claimMS-publishMS)
+			return map[string]float64{"events_per_s": rate, "batch_ms": batchMS, "claim_ms": claimMS, "publish_ms": publishMS,
+				"mark_commit_ms": batchMS - claimMS - publishMS}, nil
+		})
+		if err != nil {
+			return err
+		}
+		rep.add("breakdown", fmt.Sprintf("batch=%d", batch), map[string]any{"batch": batch}, reps)
+	}
+	return nil
+}
+
+// histogram returns a histogram's sum and count from the registry.
+func histogram(reg *prometheus.Registry, name string) (sum, count float64) {
+	mfs, _ := reg.Gather()
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			for _, m := range mf.GetMetric() {
+				sum += m.GetHistogram().GetSampleSum()
+				count += float64(m.GetHistogram().GetSampleCount())
+			}
+		}
+	}
+	return sum, count
 }
