@@ -58,8 +58,12 @@ func startEnv(ctx context.Context, o *options, work string) (*benchEnv, error) {
 	if needKafka {
 		logf("starting Kafka")
 		if e.kafka, err = testenv.StartKafka(filepath.Join(work, "kafka")); err != nil {
-			e.close()
-			return nil, err
+			// A start-up on a busy machine can time out; try once more.
+			logf("Kafka did not start (%v); trying again", err)
+			if e.kafka, err = testenv.StartKafka(filepath.Join(work, "kafka2")); err != nil {
+				e.close()
+				return nil, err
+			}
 		}
 	}
 	if err := e.pg.Exec(ctx, "postgres", "CREATE DATABASE bench"); err != nil {

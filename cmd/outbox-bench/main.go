@@ -64,7 +64,7 @@ func parseFlags(args []string) (*options, error) {
 	fs.StringVar(&replicas, "replicas", "1,2,4", "replica counts for the scaling scenario (batch 50)")
 	fs.StringVar(&orderings, "orderings", "none,partition-key", "relay --ordering modes for drain and scaling (a mode the relay refuses is reported as not available)")
 	fs.IntVar(&o.partitions, "partitions", 8, "partitions of each benchmark topic")
-	fs.DurationVar(&o.seedsFor, "seeds-duration", 0, "how long the seeds' shape drains (it is ~10x slower; default 25s, quick 8s)")
+	fs.DurationVar(&o.seedsFor, "seeds-duration", 0, "how long the seeds' shape drains (it is ~10x slower; default 15s, quick 8s)")
 	fs.StringVar(&rates, "rates", "1000,5000", "steady-state insert rates (events/s) for the latency scenario")
 	fs.DurationVar(&o.latencyFor, "latency-duration", 0, "duration of each steady-state run (default 60s, quick 12s)")
 	fs.IntVar(&o.producers, "producers", 8, "producer clients in the latency scenario")
@@ -118,7 +118,7 @@ func parseFlags(args []string) (*options, error) {
 	}
 	def(&o.reps, 3, 1)
 	def(&o.rows, 200_000, 30_000)
-	defD(&o.seedsFor, 25*time.Second, 8*time.Second)
+	defD(&o.seedsFor, 15*time.Second, 8*time.Second)
 	defD(&o.latencyFor, 60*time.Second, 12*time.Second)
 	if o.quick && !flagSet(fs, "scenarios") {
 		o.scenarios = []string{"ceiling", "drain", "seeds", "scaling", "latency", "breakdown", "profile"}
@@ -237,15 +237,17 @@ func bench(ctx context.Context, o *options) error {
 }
 
 func runScenarios(ctx context.Context, o *options, env *benchEnv, rep *report) error {
-	want := func(s string) bool { return slices.Contains(o.scenarios, s) }
+	want := func(s string) bool {
+		if s == "throughput" {
+			return slices.ContainsFunc(o.scenarios, func(x string) bool { return x == "ceiling" || x == "drain" || x == "seeds" || x == "scaling" })
+		}
+		return slices.Contains(o.scenarios, s)
+	}
 	steps := []struct {
 		name string
 		fn   func(context.Context, *options, *benchEnv, *report) error
 	}{
-		{"ceiling", runCeiling},
-		{"drain", runDrain},
-		{"seeds", runSeeds},
-		{"scaling", runScaling},
+		{"throughput", runRounds},
 		{"latency", runLatency},
 		{"breakdown", runBreakdown},
 		{"profile", runProfile},

@@ -1,0 +1,156 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"slices"
+)
+
+// benchCase is one measured configuration of a throughput scenario.
+type benchCase struct {
+	scenario, name string
+	params         map[string]any
+	run            func(ctx context.Context) (map[string]float64, error)
+	reps           []map[string]float64
+}
+
+// runRounds measures scenarios 1–4 (and 7) in rounds: each round runs every
+// case once, and the rounds repeat, so a slow minute of this shared machine
+// lands on all cases alike instead of on one. Ratios between cases are taken
+// within each round, and their median is reported.
+func runRounds(ctx context.Context, o *options, e *benchEnv, rep *report) error {
+	want := func(s string) bool { return slices.Contains(o.scenarios, s) }
+	var cases []*benchCase
+	if want("ceiling") {
+		type tc struct{ batch, loops int }
+		var tcs []tc
+		for _, b := range o.batches {
+			tcs = append(tcs, tc{b, 1})
+		}
+		// Four loops at batch 50 show where the database saturates (scaling).
+		tcs = append(tcs, tc{50, 4})
+		for _, c := range tcs {
+			cases = append(cases, &benchCase{scenario: "ceiling", name: fmt.Sprintf("batch=%d loops=%d", c.batch, c.loops),
+				params: map[string]any{"batch": c.batch, "loops": c.loops},
+				run: func(ctx context.Context) (map[string]float64, error) {
+					if err := e.freshTable(ctx, o.rows); err != nil {
+						return nil, err
+					}
+					if err := ceilingLoops(ctx, e.dsn, c.batch, c.loops); err != nil {
+						return nil, err
+					}
+					done, rate, err := e.drainSpan(ctx)
+					if err != nil {
+						return nil, err
+					}
+					if done != o.rows {
+						return nil, fmt.Errorf("ceiling marked %d of %d rows", done, o.rows)
+					}
+					return map[string]float64{"events_per_s": rate}, nil
+				}})
+		}
+	}
+	for _, mode := range o.orderings {
+		if !want("drain") && !want("scaling") {
+			break
+		}
+		ok, msg, err := orderingAvailable(ctx, o, e, mode)
+		if err != nil {
+			return err
+		}
+		if !ok {
+			for _, s := range []string{"drain", "scaling"} {
+				if want(s) {
+					rep.note(s, "ordering="+mode, "not available: "+msg)
+				}
+			}
+			continue
+		}
+		if want("drain") {
+			for _, b := range o.batches {
+				cases = append(cases, &benchCase{scenario: "drain", name: fmt.Sprintf("ordering=%s batch=%d", mode, b),
+					params: map[string]any{"ordering": mode, "batch": b, "replicas": 1},
+					run:    func(ctx context.Context) (map[string]float64, error) { return relayDrain(ctx, o, e, b, 1, mode) }})
+			}
+		}
+		if want("scaling") {
+			for _, n := range o.replicas {
+				cases = append(cases, &benchCase{scenario: "scaling", name: fmt.Sprintf("ordering=%s replicas=%d", mode, n),
+					params: map[string]any{"ordering": mode, "batch": 50, "replicas": n},
+					run:    func(ctx context.Context) (map[string]float64, error) { return relayDrain(ctx, o, e, 50, n, mode) }})
+			}
+		}
+	}
+	if want("seeds") {
+		const batch = 50
+		cases = append(cases, &benchCase{scenario: "seeds", name: fmt.Sprintf("batch=%d", batch),
+			params: map[string]any{"batch": batch, "duration_s": o.seedsFor.Seconds()},
+			run: func(ctx context.Context) (map[string]float64, error) {
+				if err := e.freshTable(ctx, o.rows); err != nil {
+					return nil, err
+				}
+				topic, err := e.newTopic(o, "seeds")
+				if err != nil {
+					return nil, err
+				}
+				defer e.deleteTopic(topic)
+				if err := seedsShape(ctx, e, topic, batch, o.seedsFor); err != nil {
+					return nil, err
+				}
+				done, rate, err := e.drainSpan(ctx)
+				return map[string]float64{"events_per_s": rate, "rows": float64(done)}, err
+			}})
+	}
+	for round := range o.reps {
+		logf("-- round %d of %d", round+1, o.reps)
+		for _, c := range cases {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			m, err := c.run(ctx)
+			if err != nil {
+				return fmt.Errorf("%s %s: %w", c.scenario, c.name, err)
+			}
+			c.reps = append(c.reps, m)
+			extra := ""
+			if v, ok := m["cpu_s_per_10k"]; ok {
+				extra = fmt.Sprintf(", %.2f CPU s/10k", v)
+			}
+			logf("%s %s: %.0f events/s%s", c.scenario, c.name, m["events_per_s"], extra)
+		}
+	}
+	for _, c := range cases {
+		rep.add(c.scenario, c.name, c.params, c.reps)
+	}
+	// Ratios within each round, then their median.
+	find := func(scenario, name string) *benchCase {
+		for _, c := range cases {
+			if c.scenario == scenario && c.name == name {
+				return c
+			}
+		}
+		return nil
+	}
+	ratio := func(key string, num, den *benchCase) {
+		if num == nil || den == nil {
+			return
+		}
+		var vs []float64
+		for i := range min(len(num.reps), len(den.reps)) {
+			vs = append(vs, num.reps[i]["events_per_s"]/den.reps[i]["events_per_s"])
+		}
+		rep.Ratios[key] = ratioResult{Median: median(vs), Rounds: vs}
+	}
+	for _, b := range o.batches {
+		ratio(fmt.Sprintf("drain none batch %d / ceiling batch %d", b, b), find("drain", fmt.Sprintf("ordering=none batch=%d", b)), find("ceiling", fmt.Sprintf("batch=%d loops=1", b)))
+		ratio(fmt.Sprintf("drain partition-key batch %d / ceiling batch %d", b, b), find("drain", fmt.Sprintf("ordering=partition-key batch=%d", b)), find("ceiling", fmt.Sprintf("batch=%d loops=1", b)))
+	}
+	ratio("drain none batch 50 / seeds' shape", find("drain", "ordering=none batch=50"), find("seeds", "batch=50"))
+	for _, mode := range o.orderings {
+		for _, n := range o.replicas {
+			ratio(fmt.Sprintf("scaling %s %d replicas / 1", mode, n), find("scaling", fmt.Sprintf("ordering=%s replicas=%d", mode, n)), find("scaling", fmt.Sprintf("ordering=%s replicas=1", mode)))
+		}
+	}
+	ratio("ceiling batch 50 4 loops / 1 loop", find("ceiling", "batch=50 loops=4"), find("ceiling", "batch=50 loops=1"))
+	return nil
+}
