@@ -350,3 +350,14 @@ func pgConnect(ctx context.Context, dsn string) (*pgx.Conn, error) {
 	cfg.RuntimeParams["plan_cache_mode"] = "force_custom_plan"
 	return pgx.ConnectConfig(ctx, cfg)
 }
+
+// xactCommits is the benchmark database's committed transactions so far.
+func (e *benchEnv) xactCommits(ctx context.Context) (float64, error) {
+	var n float64
+	// pg_stat_database is refreshed when a session reports; clear the snapshot.
+	if _, err := e.pool.Exec(ctx, "SELECT pg_stat_clear_snapshot()"); err != nil {
+		return 0, err
+	}
+	err := e.pool.QueryRow(ctx, `SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()`).Scan(&n)
+	return n, err
+}

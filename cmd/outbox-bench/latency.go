@@ -22,21 +22,86 @@ import (
 // consumer on the same machine notes when each event arrives, and the
 // latency is that time minus the row's created_at (one clock).
 func runLatency(ctx context.Context, o *options, e *benchEnv, rep *report) error {
+	type tc struct {
+		rate int
+		poll time.Duration
+	}
+	var cases []tc
 	for _, rate := range o.rates {
-		m, err := latencyRun(ctx, o, e, rate)
+		cases = append(cases, tc{rate, relay.DefaultPollInterval})
+	}
+	// The poll interval's side of the trade-off, at the first rate.
+	for _, poll := range o.latencyPolls {
+		if poll != relay.DefaultPollInterval && len(o.rates) > 0 {
+			cases = append(cases, tc{o.rates[0], poll})
+		}
+	}
+	for _, c := range cases {
+		m, err := latencyRun(ctx, o, e, c.rate, c.poll)
 		if err != nil {
 			return err
 		}
-		logf("latency rate=%d: achieved %.0f/s, p50 %.0f ms, p95 %.0f ms, p99 %.0f ms, backlog %.0f→%.0f, RSS %.1f MiB",
-			rate, m["achieved_per_s"], m["p50_ms"], m["p95_ms"], m["p99_ms"], m["backlog_start"], m["backlog_end"], m["relay_rss_mib"])
-		rep.add("latency", fmt.Sprintf("rate=%d", rate), map[string]any{"rate": rate, "duration_s": o.latencyFor.Seconds(),
-			"producers": o.producers, "batch": relay.DefaultBatchSize, "poll_interval": relay.DefaultPollInterval.String()},
+		name := fmt.Sprintf("rate=%d", c.rate)
+		if c.poll != relay.DefaultPollInterval {
+			name += " poll=" + c.poll.String()
+		}
+		logf("latency %s: achieved %.0f/s, p50 %.0f ms, p95 %.0f ms, p99 %.0f ms, backlog %.0f→%.0f, RSS %.1f MiB",
+			name, m["achieved_per_s"], m["p50_ms"], m["p95_ms"], m["p99_ms"], m["backlog_start"], m["backlog_end"], m["relay_rss_mib"])
+		rep.add("latency", name, map[string]any{"rate": c.rate, "duration_s": o.latencyFor.Seconds(),
+			"producers": o.producers, "batch": relay.DefaultBatchSize, "poll_interval": c.poll.String()},
 			[]map[string]float64{m})
 	}
 	return nil
 }
 
-func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int) (map[string]float64, error) {
+// runIdle measures the other side of the poll interval: what an idle relay
+// costs the database (transactions/s) and itself (CPU), per poll interval.
+func runIdle(ctx context.Context, o *options, e *benchEnv, rep *report) error {
+	for _, poll := range o.idlePolls {
+		if err := e.freshTable(ctx, 0); err != nil {
+			return err
+		}
+		topic, err := e.newTopic(o, "idle")
+		if err != nil {
+			return err
+		}
+		p, err := e.startRelay(e.relayArgs(topic, relay.DefaultBatchSize, "", "--poll-interval", poll.String()))
+		if err != nil {
+			return err
+		}
+		m, err := func() (map[string]float64, error) {
+			defer p.stop()
+			if err := p.waitReady(ctx, 30*time.Second); err != nil {
+				return nil, err
+			}
+			time.Sleep(2 * time.Second)
+			x0, err := e.xactCommits(ctx)
+			if err != nil {
+				return nil, err
+			}
+			c0, _ := cpuSeconds(p.cmd.Process.Pid)
+			t0 := time.Now()
+			time.Sleep(o.idleFor)
+			x1, err := e.xactCommits(ctx)
+			if err != nil {
+				return nil, err
+			}
+			c1, _ := cpuSeconds(p.cmd.Process.Pid)
+			d := time.Since(t0).Seconds()
+			// The two xactCommits reads are themselves one transaction each.
+			return map[string]float64{"db_xacts_per_s": (x1 - x0 - 1) / d, "relay_cpu_millicores": 1000 * (c1 - c0) / d}, nil
+		}()
+		e.deleteTopic(topic)
+		if err != nil {
+			return err
+		}
+		logf("idle poll=%s: %.1f database transactions/s, relay %.1f millicores", poll, m["db_xacts_per_s"], m["relay_cpu_millicores"])
+		rep.add("idle", "poll="+poll.String(), map[string]any{"poll_interval": poll.String(), "duration_s": o.idleFor.Seconds()}, []map[string]float64{m})
+	}
+	return nil
+}
+
+func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll time.Duration) (map[string]float64, error) {
 	if err := e.freshTable(ctx, 0); err != nil {
 		return nil, err
 	}
@@ -85,7 +150,7 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int) (map[str
 	defer cwg.Wait()
 	defer ccancel()
 
-	p, err := e.startRelay(e.relayArgs(topic, relay.DefaultBatchSize, ""))
+	p, err := e.startRelay(e.relayArgs(topic, relay.DefaultBatchSize, "", "--poll-interval", poll.String()))
 	if err != nil {
 		return nil, err
 	}

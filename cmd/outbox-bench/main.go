@@ -26,31 +26,33 @@ import (
 
 // options is the parsed command line.
 type options struct {
-	scenarios     []string
-	quick         bool
-	reps          int
-	rows          int
-	batches       []int
-	replicas      []int
-	orderings     []string
-	partitions    int
-	seedsFor      time.Duration
-	rates         []int
-	latencyFor    time.Duration
-	producers     int
-	relays        int // OutboxRelays for the operator footprint
-	outMD         string
-	outJSON       string
-	profileDir    string
-	relayBin      string
-	managerChild  string // internal: run the operator manager against this kubeconfig
-	keepWorkDir   bool
-	fsync         bool
-	drainTimeout  time.Duration
-	seedsRowLimit int
+	scenarios    []string
+	quick        bool
+	reps         int
+	rows         int
+	batches      []int
+	replicas     []int
+	orderings    []string
+	partitions   int
+	seedsFor     time.Duration
+	rates        []int
+	latencyFor   time.Duration
+	producers    int
+	relays       int // OutboxRelays for the operator footprint
+	outMD        string
+	outJSON      string
+	profileDir   string
+	relayBin     string
+	managerChild string // internal: run the operator manager against this kubeconfig
+	keepWorkDir  bool
+	fsync        bool
+	drainTimeout time.Duration
+	latencyPolls []time.Duration
+	idlePolls    []time.Duration
+	idleFor      time.Duration
 }
 
-var allScenarios = []string{"ceiling", "drain", "seeds", "scaling", "latency", "breakdown", "profile", "footprint"}
+var allScenarios = []string{"ceiling", "drain", "seeds", "scaling", "latency", "idle", "breakdown", "profile", "footprint"}
 
 func parseFlags(args []string) (*options, error) {
 	fs := flag.NewFlagSet("outbox-bench", flag.ContinueOnError)
@@ -67,6 +69,10 @@ func parseFlags(args []string) (*options, error) {
 	fs.DurationVar(&o.seedsFor, "seeds-duration", 0, "how long the seeds' shape drains (it is ~10x slower; default 15s, quick 8s)")
 	fs.StringVar(&rates, "rates", "1000,5000", "steady-state insert rates (events/s) for the latency scenario")
 	fs.DurationVar(&o.latencyFor, "latency-duration", 0, "duration of each steady-state run (default 60s, quick 12s)")
+	var latencyPolls, idlePolls string
+	fs.StringVar(&latencyPolls, "latency-polls", "200ms,50ms", "poll intervals for the latency scenario; other than the default (200ms), only at the first rate")
+	fs.StringVar(&idlePolls, "idle-polls", "20ms,200ms,1s", "poll intervals whose idle cost is measured")
+	fs.DurationVar(&o.idleFor, "idle-duration", 10*time.Second, "how long each idle relay is watched")
 	fs.IntVar(&o.producers, "producers", 8, "producer clients in the latency scenario")
 	fs.IntVar(&o.relays, "operator-relays", 500, "OutboxRelays the operator reconciles in the footprint scenario")
 	fs.StringVar(&o.outMD, "out-md", "", "Markdown report (default docs/benchmarks.md; quick: bench/quick.md)")
@@ -100,6 +106,18 @@ func parseFlags(args []string) (*options, error) {
 		return nil, err
 	}
 	o.orderings = splitList(orderings)
+	for _, l := range []struct {
+		name, s string
+		into    *[]time.Duration
+	}{{"latency-polls", latencyPolls, &o.latencyPolls}, {"idle-polls", idlePolls, &o.idlePolls}} {
+		for _, p := range splitList(l.s) {
+			d, err := time.ParseDuration(p)
+			if err != nil || d < 10*time.Millisecond {
+				return nil, fmt.Errorf("-%s: %q is not a duration of at least 10ms", l.name, p)
+			}
+			*l.into = append(*l.into, d)
+		}
+	}
 	def := func(v *int, full, quick int) {
 		if *v == 0 {
 			*v = full
@@ -117,11 +135,14 @@ func parseFlags(args []string) (*options, error) {
 		}
 	}
 	def(&o.reps, 3, 1)
+	if o.quick && !flagSet(fs, "idle-duration") {
+		o.idleFor = 4 * time.Second
+	}
 	def(&o.rows, 200_000, 30_000)
 	defD(&o.seedsFor, 15*time.Second, 8*time.Second)
 	defD(&o.latencyFor, 60*time.Second, 12*time.Second)
 	if o.quick && !flagSet(fs, "scenarios") {
-		o.scenarios = []string{"ceiling", "drain", "seeds", "scaling", "latency", "breakdown", "profile"}
+		o.scenarios = []string{"ceiling", "drain", "seeds", "scaling", "latency", "idle", "breakdown", "profile"}
 	}
 	if o.outMD == "" {
 		o.outMD = "docs/benchmarks.md"
@@ -249,6 +270,7 @@ func runScenarios(ctx context.Context, o *options, env *benchEnv, rep *report) e
 	}{
 		{"throughput", runRounds},
 		{"latency", runLatency},
+		{"idle", runIdle},
 		{"breakdown", runBreakdown},
 		{"profile", runProfile},
 		{"footprint", runFootprint},
