@@ -35,6 +35,11 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 help: ## Show this help.
 	@awk 'BEGIN {FS = ":.*##"; printf "\nUsage:\n  make \033[36m<target>\033[0m\n"} /^[a-zA-Z_0-9-]+:.*?##/ { printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2 } /^##@/ { printf "\n\033[1m%s\033[0m\n", substr($$0, 5) } ' $(MAKEFILE_LIST)
 
+.PHONY: demo
+demo: deps build ## Run the whole system on this machine (stack, config/samples, order service, live view); Ctrl-C stops it.
+	CGO_ENABLED=0 go build -o $(LOCALBIN)/demo ./cmd/demo
+	$(LOCALBIN)/demo -bin $(LOCALBIN) -dir $(CURDIR)/.demo
+
 ##@ Development
 
 .PHONY: fmt
