@@ -1,0 +1,443 @@
+// Package e2e runs the whole system on this machine, as `make demo` does
+// (internal/localcluster: PostgreSQL, Kafka, kube-apiserver + etcd, the real
+// manager and relay binaries, the local pod runner), and checks the issue's
+// seven scenarios in order against the sample OutboxRelay.
+package e2e
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/cli-utils/pkg/kstatus/status"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/internal/localcluster"
+	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relay"
+)
+
+const (
+	ns         = "default"
+	relayName  = "orders"
+	deployName = "orders-relay"
+	confirmed  = "orders.confirmed"
+	shipped    = "orders.shipped"
+	// rate is the order service's confirmations per second.
+	rate = 100
+	// batchSize is the sample's spec.batchSize: a crash may duplicate one batch.
+	batchSize = 50
+)
+
+var (
+	stack  *localcluster.Stack
+	topDir string
+)
+
+func TestMain(m *testing.M) { os.Exit(runMain(m)) }
+
+func runMain(m *testing.M) (code int) {
+	var err error
+	topDir, err = os.MkdirTemp("", "outbox-e2e-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "e2e:", err)
+		return 1
+	}
+	defer func() {
+		if code == 0 {
+			os.RemoveAll(topDir)
+		} else {
+			fmt.Fprintf(os.Stderr, "e2e: logs of the stack (manager, pod runner, relays, PostgreSQL, Kafka, API server) are kept in %s\n", topDir)
+		}
+	}()
+	// Built here, so the test works from a clean clone without `make build`.
+	managerBin, relayBin, err := localcluster.BuildBinaries(filepath.Join(topDir, "bin"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "e2e:", err)
+		return 1
+	}
+	logf, err := os.Create(filepath.Join(topDir, "e2e.log"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "e2e:", err)
+		return 1
+	}
+	defer logf.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	stack, err = localcluster.Start(ctx, localcluster.Options{
+		Dir:           filepath.Join(topDir, "stack"),
+		ManagerBinary: managerBin,
+		RelayBinary:   relayBin,
+		Log:           slog.New(slog.NewTextHandler(logf, nil)),
+	})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "e2e: start the local stack:", err)
+		return 1
+	}
+	defer func() {
+		if err := stack.Close(); err != nil {
+			fmt.Fprintln(os.Stderr, "e2e: stop the local stack:", err)
+			code = 1
+		}
+	}()
+	if err := stack.PrepareOrders(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, "e2e:", err)
+		return 1
+	}
+	return m.Run()
+}
+
+// TestEndToEnd runs the scenarios in order: each starts from the state the
+// previous one left, as an operator's user would go through them.
+func TestEndToEnd(t *testing.T) {
+	db, err := pgxpool.New(context.Background(), stack.OrdersDSN("postgres"))
+	require.NoError(t, err)
+	t.Cleanup(db.Close)
+	col := newCollector(stack.Kafka.Addr())
+	t.Cleanup(col.close)
+	col.watch(t, confirmed, localcluster.SampleTopics[confirmed])
+	t.Cleanup(func() {
+		if t.Failed() {
+			dumpFile(t, filepath.Join(stack.Dir, "logs", "manager.log"))
+			dumpFile(t, filepath.Join(topDir, "e2e.log"))
+		}
+	})
+	e := &e2e{db: db, col: col}
+	for _, s := range []struct {
+		name string
+		run  func(*testing.T)
+	}{
+		{"1_apply_samples_ready_and_exactly_once", e.applySamples},
+		{"2_scale_to_3_and_back_while_writing", e.scale},
+		{"3_sigkill_a_relay", e.sigkill},
+		{"4_rotate_the_dsn_secret", e.rotateDSN},
+		{"5_new_event_type_in_the_topic_map", e.newEventType},
+		{"6_reapply_is_a_no_op_and_kstatus", e.reapply},
+		{"7_delete_the_outboxrelay", e.deleteRelay},
+	} {
+		if !t.Run(s.name, s.run) {
+			t.FailNow() // later scenarios build on this one
+		}
+	}
+	// Over the whole run: everything read from orders.confirmed came from
+	// the order service, and the only duplicates are scenario 3's.
+	deliveries, distinct := col.total(confirmed)
+	t.Logf("orders.confirmed: %d deliveries of %d distinct events over the whole run", deliveries, distinct)
+	require.LessOrEqual(t, deliveries-distinct, batchSize)
+}
+
+type e2e struct {
+	db  *pgxpool.Pool
+	col *collector
+	// applied is the folder of the manifests last applied.
+	applied string
+	// kstatusDuringRoll records what kstatus said during scenario 5's roll.
+	kstatusDuringRoll map[status.Status]int
+}
+
+func (e *e2e) relay(t *testing.T) *outboxv1alpha1.OutboxRelay {
+	t.Helper()
+	var r outboxv1alpha1.OutboxRelay
+	require.NoError(t, stack.Client.Get(context.Background(), types.NamespacedName{Namespace: ns, Name: relayName}, &r))
+	return &r
+}
+
+// waitRolledOut waits until the OutboxRelay reports n of n ready for its
+// current generation and the pod runner runs exactly n ready processes of
+// one pod template, which it returns.
+func (e *e2e) waitRolledOut(t *testing.T, n int, timeout time.Duration) []localcluster.Pod {
+	t.Helper()
+	var pods []localcluster.Pod
+	var why string
+	ok := assertEventually(timeout, func() bool {
+		r := e.relay(t)
+		c := meta.FindStatusCondition(r.Status.Conditions, outboxv1alpha1.ConditionReady)
+		pods = stack.Runner.Pods(ns, deployName)
+		switch {
+		case r.Status.ObservedGeneration != r.Generation:
+			why = "generation not observed"
+		case c == nil || c.Status != metav1.ConditionTrue:
+			why = fmt.Sprintf("Ready condition %+v", c)
+		case r.Status.Ready != fmt.Sprintf("%d/%d", n, n):
+			why = "status.ready " + r.Status.Ready
+		case len(pods) != n:
+			why = fmt.Sprintf("%d processes", len(pods))
+		default:
+			for _, p := range pods {
+				if !p.Ready || p.Revision != pods[0].Revision {
+					why = fmt.Sprintf("processes %+v", pods)
+					return false
+				}
+			}
+			return true
+		}
+		return false
+	})
+	require.True(t, ok, "not rolled out to %d replicas within %s: %s", n, timeout, why)
+	return pods
+}
+
+func assertEventually(timeout time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(timeout)
+	for {
+		if cond() {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// 1. kubectl apply of config/samples: Ready within 60s, then every event
+// written arrives on Kafka exactly once.
+func (e *e2e) applySamples(t *testing.T) {
+	w := startWriter(t, e.db, rate)
+	e.applied = manifests(t, nil)
+	start := time.Now()
+	out := kubectl(t, "apply", "-k", e.applied)
+	require.Contains(t, out, "outboxrelay.outbox.dev/orders created")
+	e.waitRolledOut(t, 1, 60*time.Second)
+	t.Logf("OutboxRelay Ready %s after kubectl apply", time.Since(start).Round(100*time.Millisecond))
+	require.Eventually(t, func() bool { return w.count() >= 2*rate }, 30*time.Second, 50*time.Millisecond)
+	ids := w.stop(t)
+	requireDelivered(t, e.col, e.db, confirmed, ids, 0)
+}
+
+// 2. Scale to 3 and back to 1 while writing: no loss, no duplicate.
+func (e *e2e) scale(t *testing.T) {
+	w := startWriter(t, e.db, rate)
+	kubectl(t, "scale", "obr/"+relayName, "--replicas=3")
+	e.waitRolledOut(t, 3, 60*time.Second)
+	n := w.count()
+	require.Eventually(t, func() bool { return w.count() >= n+rate }, 30*time.Second, 50*time.Millisecond)
+	kubectl(t, "scale", "obr/"+relayName, "--replicas=1")
+	e.waitRolledOut(t, 1, 60*time.Second)
+	n = w.count()
+	require.Eventually(t, func() bool { return w.count() >= n+rate }, 30*time.Second, 50*time.Millisecond)
+	ids := w.stop(t)
+	requireDelivered(t, e.col, e.db, confirmed, ids, 0)
+}
+
+// 3. SIGKILL the relay: the runner restarts it; nothing lost, at most one
+// batch duplicated.
+func (e *e2e) sigkill(t *testing.T) {
+	w := startWriter(t, e.db, rate)
+	before := e.waitRolledOut(t, 1, 30*time.Second)[0]
+	n := w.count()
+	require.Eventually(t, func() bool { return w.count() >= n+rate/2 }, 30*time.Second, 50*time.Millisecond)
+	require.NoError(t, syscall.Kill(before.PID, syscall.SIGKILL))
+	require.Eventually(t, func() bool {
+		pods := stack.Runner.Pods(ns, deployName)
+		return len(pods) == 1 && pods[0].Ready && pods[0].PID != before.PID && pods[0].Restarts == before.Restarts+1
+	}, 30*time.Second, 50*time.Millisecond, "the pod runner did not restart the killed relay")
+	e.waitRolledOut(t, 1, 30*time.Second)
+	n = w.count()
+	require.Eventually(t, func() bool { return w.count() >= n+rate }, 30*time.Second, 50*time.Millisecond)
+	ids := w.stop(t)
+	requireDelivered(t, e.col, e.db, confirmed, ids, batchSize)
+}
+
+// 4. The DSN Secret rotated to a second role with the same grants: the
+// relays roll onto it and continue; nothing lost.
+func (e *e2e) rotateDSN(t *testing.T) {
+	const rotated = "relay_rotated"
+	ctx := context.Background()
+	require.NoError(t, stack.CreateRelayRole(ctx, rotated))
+	w := startWriter(t, e.db, rate)
+	before := e.waitRolledOut(t, 1, 30*time.Second)[0]
+	require.Contains(t, strings.Join(before.Env, " "), "postgres://relay:")
+	e.applied = manifests(t, func(name string, b []byte) []byte {
+		return []byte(strings.ReplaceAll(string(b), "postgres://relay:relay@", "postgres://"+rotated+":"+rotated+"@"))
+	})
+	out := kubectl(t, "apply", "-k", e.applied)
+	require.Contains(t, out, "secret/orders-outbox-dsn configured")
+	require.Contains(t, out, "outboxrelay.outbox.dev/orders unchanged")
+	require.Eventually(t, func() bool {
+		pods := stack.Runner.Pods(ns, deployName)
+		return len(pods) == 1 && pods[0].Revision != before.Revision && pods[0].Ready
+	}, 60*time.Second, 50*time.Millisecond, "the relay did not roll after the Secret changed")
+	after := e.waitRolledOut(t, 1, 30*time.Second)[0]
+	require.Contains(t, strings.Join(after.Env, " "), "postgres://"+rotated+":")
+	// The relay's sessions now belong to the new role only.
+	require.Eventually(t, func() bool {
+		var oldRole, newRole int
+		err := e.db.QueryRow(ctx, `SELECT count(*) FILTER (WHERE usename = $1), count(*) FILTER (WHERE usename = $2)
+			FROM pg_stat_activity WHERE datname = $3`, localcluster.RelayRole, rotated, localcluster.OrdersDatabase).Scan(&oldRole, &newRole)
+		return err == nil && oldRole == 0 && newRole > 0
+	}, 30*time.Second, 100*time.Millisecond, "relay sessions still use the old role")
+	n := w.count()
+	require.Eventually(t, func() bool { return w.count() >= n+rate }, 30*time.Second, 50*time.Millisecond)
+	ids := w.stop(t)
+	requireDelivered(t, e.col, e.db, confirmed, ids, 0)
+}
+
+// 5. A new event type added to the topic map with kubectl apply: the pods
+// roll and the new type flows to its topic. Its rows written before the
+// change were held by the relay (unroutable) and go out after it.
+func (e *e2e) newEventType(t *testing.T) {
+	require.NoError(t, stack.Kafka.CreateTopicErr(shipped, 1))
+	e.col.watch(t, shipped, 1)
+	shippedIDs := e.writeShipped(t, 20)
+	before := e.waitRolledOut(t, 1, 30*time.Second)[0]
+
+	rotatedDir := e.applied
+	e.applied = manifests(t, func(name string, b []byte) []byte {
+		if name == "outbox_v1alpha1_outboxrelay.yaml" {
+			return []byte(strings.Replace(string(b), "    OrderCancelled: orders.cancelled\n",
+				"    OrderCancelled: orders.cancelled\n    OrderShipped: "+shipped+"\n", 1))
+		}
+		b, err := os.ReadFile(filepath.Join(rotatedDir, name)) // keep the rotated Secret
+		require.NoError(t, err)
+		return b
+	})
+	// Record kstatus while the pods roll.
+	seen := map[status.Status]int{}
+	stopWatch := make(chan struct{})
+	watchDone := make(chan struct{})
+	go func() {
+		defer close(watchDone)
+		for {
+			select {
+			case <-stopWatch:
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
+			if s, err := computeKstatus(relayName); err == nil {
+				seen[s]++
+			}
+		}
+	}()
+	out := kubectl(t, "apply", "-k", e.applied)
+	require.Contains(t, out, "outboxrelay.outbox.dev/orders configured")
+	require.Eventually(t, func() bool {
+		pods := stack.Runner.Pods(ns, deployName)
+		return len(pods) == 1 && pods[0].Revision != before.Revision && pods[0].Ready
+	}, 60*time.Second, 50*time.Millisecond, "the relay did not roll after the topic map changed")
+	e.waitRolledOut(t, 1, 30*time.Second)
+	close(stopWatch)
+	<-watchDone
+	e.kstatusDuringRoll = seen
+	t.Logf("kstatus of the OutboxRelay during the roll (samples every 20ms): %v", seen)
+	require.Contains(t, strings.Join(stack.Runner.Pods(ns, deployName)[0].Env, " "), "relay_rotated", "the rotated DSN was kept")
+
+	more := e.writeShipped(t, 20)
+	requireDelivered(t, e.col, e.db, shipped, append(shippedIDs, more...), 0)
+	missing, _ := e.col.deliveries(confirmed, shippedIDs)
+	require.Len(t, missing, len(shippedIDs), "OrderShipped events must not reach %s", confirmed)
+}
+
+// writeShipped stores n OrderShipped events with the outbox writer.
+func (e *e2e) writeShipped(t *testing.T, n int) []string {
+	t.Helper()
+	ctx := context.Background()
+	w, err := outbox.NewWriter(relay.DefaultTable)
+	require.NoError(t, err)
+	var ids []string
+	for i := 0; i < n; i++ {
+		tx, err := e.db.Begin(ctx)
+		require.NoError(t, err)
+		id := outbox.NewEventID()
+		require.NoError(t, w.Store(ctx, tx, outbox.Entry{EventID: id, AggregateType: "Order", AggregateID: fmt.Sprintf("order-%d", i),
+			EventType: "OrderShipped", Payload: []byte(`{"shipped":true}`), PartitionKey: fmt.Sprintf("order-%d", i)}))
+		require.NoError(t, tx.Commit(ctx))
+		ids = append(ids, id)
+	}
+	return ids
+}
+
+// 6. Applying the same manifests again changes nothing, kubectl diff is
+// empty, and kstatus judges the OutboxRelay Current once ready and
+// InProgress while it rolls out a change.
+func (e *e2e) reapply(t *testing.T) {
+	ctx := context.Background()
+	e.waitRolledOut(t, 1, 30*time.Second)
+	rv := resourceVersions(t)
+	out := kubectl(t, "apply", "-k", e.applied)
+	// Client-side apply always reports a Secret written with stringData as
+	// "configured" (the live object holds data, so the patch is never empty);
+	// the server finds nothing to change, as the resourceVersions show below.
+	require.Contains(t, out, "outboxrelay.outbox.dev/orders unchanged")
+	diff, err := stack.Kubectl(ctx, "diff", "-k", e.applied)
+	require.NoError(t, err, "kubectl diff found differences:\n%s", diff)
+	require.Empty(t, strings.TrimSpace(string(diff)))
+	// Nothing was written: not the relay, not a child, not a status.
+	require.Never(t, func() bool {
+		now := resourceVersions(t)
+		for k, v := range rv {
+			if now[k] != v {
+				t.Logf("%s changed: %s -> %s", k, v, now[k])
+				return true
+			}
+		}
+		return false
+	}, 3*time.Second, 250*time.Millisecond, "re-applying the same manifests changed an object")
+	require.Equal(t, status.CurrentStatus, kstatusOf(t, relayName))
+
+	// A rollout in progress (scaling to 2) is InProgress, then Current.
+	kubectl(t, "scale", "obr/"+relayName, "--replicas=2")
+	require.Eventually(t, func() bool { return kstatusOf(t, relayName) == status.InProgressStatus },
+		10*time.Second, 10*time.Millisecond, "kstatus never said InProgress while scaling to 2")
+	e.waitRolledOut(t, 2, 60*time.Second)
+	require.Equal(t, status.CurrentStatus, kstatusOf(t, relayName))
+}
+
+func resourceVersions(t *testing.T) map[string]string {
+	t.Helper()
+	ctx := context.Background()
+	out := map[string]string{}
+	for name, obj := range map[string]client.Object{
+		"outboxrelay": &outboxv1alpha1.OutboxRelay{}, "deployment": &appsv1.Deployment{}, "service": &corev1.Service{},
+	} {
+		key := types.NamespacedName{Namespace: ns, Name: deployName}
+		if name == "outboxrelay" {
+			key.Name = relayName
+		}
+		require.NoError(t, stack.Client.Get(ctx, key, obj))
+		out[name] = obj.GetResourceVersion()
+	}
+	var sec corev1.Secret
+	require.NoError(t, stack.Client.Get(ctx, types.NamespacedName{Namespace: ns, Name: "orders-outbox-dsn"}, &sec))
+	out["secret"] = sec.ResourceVersion
+	return out
+}
+
+// 7. Deleting the OutboxRelay: its children carry controller owner
+// references to it (the garbage collector, absent here, deletes them in a
+// cluster), and its relay processes stop.
+func (e *e2e) deleteRelay(t *testing.T) {
+	ctx := context.Background()
+	r := e.relay(t)
+	pods := e.waitRolledOut(t, 2, 30*time.Second)
+	for _, obj := range []client.Object{&appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}} {
+		require.NoError(t, stack.Client.Get(ctx, types.NamespacedName{Namespace: ns, Name: deployName}, obj))
+		ref := metav1.GetControllerOf(obj)
+		require.NotNil(t, ref, "%T has no controller reference", obj)
+		require.Equal(t, r.UID, ref.UID, "%T is not controlled by the OutboxRelay", obj)
+		require.Equal(t, "OutboxRelay", ref.Kind)
+		require.True(t, ref.BlockOwnerDeletion != nil && *ref.BlockOwnerDeletion, "%T: blockOwnerDeletion", obj)
+	}
+	kubectl(t, "delete", "obr/"+relayName, "--wait=true")
+	require.Eventually(t, func() bool { return len(stack.Runner.Pods(ns, deployName)) == 0 }, 30*time.Second, 50*time.Millisecond)
+	for _, p := range pods {
+		require.Eventually(t, func() bool { return errors.Is(syscall.Kill(p.PID, 0), syscall.ESRCH) },
+			40*time.Second, 50*time.Millisecond, "relay process %d still running", p.PID)
+	}
+}
