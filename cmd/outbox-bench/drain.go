@@ -115,6 +115,9 @@ func orderingAvailable(ctx context.Context, o *options, e *benchEnv, mode string
 	return msg == "", msg, nil
 }
 
+// stallAfter ends a drain that stopped making progress (rows stranded).
+const stallAfter = 45 * time.Second
+
 // relayDrain runs replicas relay processes over a fresh table of o.rows rows
 // until every row is published, and returns events/s, CPU seconds per 10k
 // events (all processes, start to stop) and the largest peak RSS in MiB.
@@ -141,6 +144,8 @@ func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas in
 		procs = append(procs, p)
 	}
 	deadline := time.Now().Add(o.drainTimeout)
+	var last float64
+	lastMove := time.Now()
 	for {
 		var sum float64
 		for _, p := range procs {
@@ -154,6 +159,14 @@ func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas in
 		}
 		if sum >= float64(o.rows) {
 			break
+		}
+		if sum > last {
+			last, lastMove = sum, time.Now()
+		}
+		if time.Since(lastMove) > stallAfter {
+			unpub, _ := e.unpublished(ctx)
+			return nil, fmt.Errorf("drain stalled: no progress for %s with %d of %d rows unpublished; last relay log: %s",
+				stallAfter, unpub, o.rows, lastLines(procs[0].out.String(), 3))
 		}
 		if time.Now().After(deadline) {
 			return nil, fmt.Errorf("drain not done after %s: %.0f of %d published", o.drainTimeout, sum, o.rows)

@@ -253,6 +253,9 @@ func bench(ctx context.Context, o *options) error {
 	}
 	fmt.Print(rep.tables())
 	logf("done in %s; wrote %s and %s", rep.Duration, o.outMD, o.outJSON)
+	if len(rep.Failed) > 0 {
+		return fmt.Errorf("scenarios failed: %v (see the notes in %s)", rep.Failed, o.outMD)
+	}
 	failed = false
 	return nil
 }
@@ -288,7 +291,13 @@ func runScenarios(ctx context.Context, o *options, env *benchEnv, rep *report) e
 		t0 := time.Now()
 		logf("== %s", s.name)
 		if err := s.fn(ctx, o, env, rep); err != nil {
-			return fmt.Errorf("scenario %s: %w", s.name, err)
+			if ctx.Err() != nil {
+				return fmt.Errorf("scenario %s: %w", s.name, err)
+			}
+			// One broken scenario must not cost the others' results.
+			logf("scenario %s failed: %v", s.name, err)
+			rep.note(s.name, "error", err.Error())
+			rep.Failed = append(rep.Failed, s.name)
 		}
 		logf("== %s done in %s", s.name, time.Since(t0).Round(time.Second))
 	}

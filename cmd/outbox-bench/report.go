@@ -33,6 +33,7 @@ type report struct {
 	Duration   string            `json:"duration"`
 	Results    []*result         `json:"results"`
 	Notes      map[string]string `json:"notes,omitempty"`
+	Failed     []string          `json:"failed_scenarios,omitempty"`
 	// Ratios are taken within each round (cases measured minutes apart, not
 	// hours), and the median of the rounds is reported.
 	Ratios  map[string]ratioResult `json:"ratios"`

@@ -12,6 +12,7 @@ type benchCase struct {
 	params         map[string]any
 	run            func(ctx context.Context) (map[string]float64, error)
 	reps           []map[string]float64
+	failed         string // why the case stopped, when it failed
 }
 
 // runRounds measures scenarios 1–4 (and 7) in rounds: each round runs every
@@ -107,9 +108,19 @@ func runRounds(ctx context.Context, o *options, e *benchEnv, rep *report) error 
 			if err := ctx.Err(); err != nil {
 				return err
 			}
+			if c.failed != "" {
+				continue
+			}
 			m, err := c.run(ctx)
 			if err != nil {
-				return fmt.Errorf("%s %s: %w", c.scenario, c.name, err)
+				if ctx.Err() != nil {
+					return err
+				}
+				// Report the failure with the case and go on with the others.
+				c.failed = fmt.Sprintf("failed in round %d: %v", round+1, err)
+				logf("%s %s: %s", c.scenario, c.name, c.failed)
+				rep.note(c.scenario, c.name, c.failed)
+				continue
 			}
 			c.reps = append(c.reps, m)
 			extra := ""
@@ -120,7 +131,9 @@ func runRounds(ctx context.Context, o *options, e *benchEnv, rep *report) error 
 		}
 	}
 	for _, c := range cases {
-		rep.add(c.scenario, c.name, c.params, c.reps)
+		if c.failed == "" {
+			rep.add(c.scenario, c.name, c.params, c.reps)
+		}
 	}
 	// Ratios within each round, then their median.
 	find := func(scenario, name string) *benchCase {
@@ -132,7 +145,7 @@ func runRounds(ctx context.Context, o *options, e *benchEnv, rep *report) error 
 		return nil
 	}
 	ratio := func(key string, num, den *benchCase) {
-		if num == nil || den == nil {
+		if num == nil || den == nil || num.failed != "" || den.failed != "" {
 			return
 		}
 		var vs []float64
