@@ -227,8 +227,10 @@ func (r *Runner) sync(ctx context.Context, d *appsv1.Deployment) appsv1.Deployme
 			if ran > 30*time.Second {
 				p.restarts = 0
 			}
-			p.restartAt = now.Add(min(time.Second<<min(p.restarts, 5), 30*time.Second))
+			backoff := min(time.Second<<min(p.restarts, 5), 30*time.Second)
+			p.restartAt = now.Add(backoff)
 			p.restarts++
+			time.AfterFunc(backoff, r.poke(key))
 			p.proc = nil
 		}
 	}
