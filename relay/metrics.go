@@ -15,6 +15,8 @@ type metrics struct {
 	backlog       prometheus.Gauge
 	oldestAge     prometheus.Gauge
 	latency       prometheus.Histogram
+	buckets       prometheus.Gauge
+	blockedKeys   prometheus.Gauge
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -67,13 +69,21 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Help:    "Time from a row's created_at to its acknowledgement by Kafka.",
 			Buckets: prometheus.ExponentialBuckets(0.001, 2, 18),
 		}),
+		buckets: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "outbox_relay_ordering_buckets_owned",
+			Help: "Key-hash buckets (of 64) this replica publishes in partition-key ordering mode.",
+		}),
+		blockedKeys: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "outbox_relay_ordering_blocked_keys",
+			Help: "Partition keys held back in partition-key ordering mode because an earlier row of the key could not be published yet.",
+		}),
 	}
 	for _, r := range []string{"unroutable", "failed"} {
 		m.held.WithLabelValues(r)
 	}
 	if reg != nil {
 		reg.MustRegister(m.published, m.publishErrors, m.batches, m.batchSize, m.batchDuration,
-			m.claimDuration, m.held, m.deadLettered, m.backlog, m.oldestAge, m.latency)
+			m.claimDuration, m.held, m.deadLettered, m.backlog, m.oldestAge, m.latency, m.buckets, m.blockedKeys)
 	}
 	return m
 }

@@ -26,6 +26,7 @@ const (
 	acked outcome = iota
 	transient
 	permanent
+	skipped // not sent in this batch; stays unpublished
 )
 
 func (r *Relay) message(x row) kafka.Message {
@@ -55,17 +56,60 @@ func messageSize(m kafka.Message) int {
 // the rows to mark published: those Kafka acknowledged, and those that went
 // to the dead-letter topic. Rows refused permanently without a dead-letter
 // topic are held. The error reports rows that failed transiently.
+//
+// In partition-key ordering mode a row that cannot be published now (its
+// type is unmapped, Kafka refused it, the byte budget ran out) stops the
+// later rows of its key in this batch, and its key is kept out of claims
+// for a while, so no row is ever published ahead of an older row of its key.
 func (r *Relay) publish(ctx context.Context, rows []row) ([]int64, error) {
+	ordered := r.cfg.Ordering == OrderingPartitionKey
+	now := time.Now()
+	// firstStop[key] is the index of the key's first row that cannot go out
+	// now; the key's later rows wait (ordered mode).
+	firstStop := map[string]int{}
+	stopped := func(key string, i int) bool { j, ok := firstStop[key]; return ok && j < i }
+	stopAt := func(key string, i int) {
+		if _, ok := firstStop[key]; !ok {
+			firstStop[key] = i
+		}
+	}
+	block := func(key string, i int, d time.Duration) {
+		stopAt(key, i)
+		r.blockKey(key, now.Add(d))
+	}
+
 	msgs := make([]kafka.Message, 0, len(rows))
 	idx := make([]int, 0, len(rows)) // msgs[i] is rows[idx[i]]
 	outcomes := make([]outcome, len(rows))
 	errs := make([]error, len(rows))
+	budget := orderedByteBudget
 	for i, x := range rows {
-		m := r.message(x)
-		if messageSize(m) > maxMessageBytes {
-			// kafka-go refuses the whole call for one oversized record; decide it here.
-			outcomes[i], errs[i] = permanent, kafka.MessageSizeTooLarge
+		if ordered && stopped(x.partitionKey, i) {
+			outcomes[i] = skipped
 			continue
+		}
+		if _, ok := r.cfg.Topics[x.eventType]; !ok {
+			// Only claimed in ordered mode: the key waits for the map.
+			outcomes[i] = skipped
+			block(x.partitionKey, i, r.cfg.HeldRetryInterval)
+			continue
+		}
+		m := r.message(x)
+		size := messageSize(m)
+		if size > maxMessageBytes {
+			// kafka-go refuses the whole call for one oversized record; decide
+			// it here. Its key's later rows wait for its dead-lettering.
+			outcomes[i], errs[i] = permanent, kafka.MessageSizeTooLarge
+			stopAt(x.partitionKey, i)
+			continue
+		}
+		if ordered {
+			// One produce batch per partition keeps a key's rows all-or-nothing.
+			if budget -= size; budget < 0 {
+				outcomes[i] = skipped
+				stopAt(x.partitionKey, i)
+				continue
+			}
 		}
 		msgs = append(msgs, m)
 		idx = append(idx, i)
@@ -74,43 +118,85 @@ func (r *Relay) publish(ctx context.Context, rows []row) ([]int64, error) {
 
 	published := make([]int64, 0, len(rows))
 	var transientErr error
-	now := time.Now()
+	sent, failed := len(msgs), 0
 	for i, x := range rows {
+		key := x.partitionKey
+		if outcomes[i] == skipped {
+			continue
+		}
 		if outcomes[i] == permanent {
+			if ordered && stopped(key, i) {
+				continue // an older row of the key is not out yet
+			}
 			// A partition batch fails as a whole; send this row alone to
 			// learn whether it is the culprit.
-			r.write(ctx, []kafka.Message{r.message(x)}, func(_ int, o outcome, err error) { outcomes[i], errs[i] = o, err })
-			if messageSize(r.message(x)) > maxMessageBytes {
-				outcomes[i], errs[i] = permanent, kafka.MessageSizeTooLarge
+			if messageSize(r.message(x)) <= maxMessageBytes {
+				r.write(ctx, []kafka.Message{r.message(x)}, func(_ int, o outcome, err error) { outcomes[i], errs[i] = o, err })
 			}
 		}
 		switch outcomes[i] {
 		case acked:
+			if ordered && stopped(key, i) {
+				r.log.Error("a row was acknowledged after an older row of its key failed; its order may be broken",
+					"id", x.id, "partition_key", key)
+			}
 			published = append(published, x.id)
 			r.m.published.WithLabelValues(r.cfg.Topics[x.eventType]).Inc()
 			r.m.latency.Observe(now.Sub(x.createdAt).Seconds())
+			delete(r.keyBackoff, key)
 		case transient:
 			r.m.publishErrors.WithLabelValues("transient").Inc()
+			failed++
 			transientErr = errs[i]
+			if ordered && !stopped(key, i) {
+				d := min(max(2*r.keyBackoff[key], 100*time.Millisecond), r.cfg.MaxBackoff)
+				r.keyBackoff[key] = d
+				block(key, i, jitter(d))
+			}
 		case permanent:
 			r.m.publishErrors.WithLabelValues("permanent").Inc()
 			if r.deadLetter(ctx, x, errs[i]) {
 				published = append(published, x.id)
-			} else {
-				r.held[x.id] = now
-				r.log.Error("row refused by Kafka and held; it is retried later", "id", x.id, "event_id", x.eventID,
-					"event_type", x.eventType, "topic", r.cfg.Topics[x.eventType], "err", errs[i])
+				continue
 			}
+			r.held[x.id] = now
+			if ordered {
+				block(key, i, r.cfg.HeldRetryInterval)
+			}
+			r.log.Error("row refused by Kafka and held; it is retried later", "id", x.id, "event_id", x.eventID,
+				"event_type", x.eventType, "topic", r.cfg.Topics[x.eventType], "err", errs[i])
 		}
 	}
 	r.m.held.WithLabelValues("failed").Set(float64(len(r.held)))
+	// Move the cursor back before the first row left unpublished (failed
+	// transiently, or not sent), so the next claims find it at once.
+	done := make(map[int64]bool, len(published))
+	for _, id := range published {
+		done[id] = true
+	}
+	for _, x := range rows {
+		if _, isHeld := r.held[x.id]; !done[x.id] && !isHeld {
+			r.cursor = min(r.cursor, x.id-1)
+			break
+		}
+	}
 	if transientErr != nil {
 		r.setKafkaErr(transientErr)
-		return published, fmt.Errorf("publish to Kafka: %w", transientErr)
+		if !ordered || failed == sent {
+			// Back off the whole loop: Kafka is failing everything (or, without
+			// ordering, the failed rows are simply claimed again first).
+			return published, fmt.Errorf("publish to Kafka: %w", transientErr)
+		}
+		return published, nil // only some keys failed; they are blocked, the rest flows
 	}
 	r.setKafkaErr(nil)
 	return published, nil
 }
+
+// orderedByteBudget caps the bytes one ordered batch sends, so that every
+// partition's share fits one produce request (kafka-go's BatchBytes) and is
+// appended all or nothing.
+const orderedByteBudget = maxMessageBytes * 9 / 10
 
 // write sends msgs in one call and reports each message's outcome.
 func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int, outcome, error)) {

@@ -51,6 +51,12 @@ type Relay struct {
 	lastShort bool
 	held      map[int64]time.Time // rows refused permanently with no dead-letter topic
 
+	// OrderingPartitionKey state.
+	own         owner
+	fairShare   int
+	blockedKeys map[string]time.Time // keys whose next row cannot be published yet
+	keyBackoff  map[string]time.Duration
+
 	mu         sync.Mutex
 	unroutable map[string]bool // event types already logged as unmapped
 	dbErr      atomic.Pointer[error]
@@ -77,9 +83,6 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	if cfg.Ordering == OrderingPartitionKey {
-		return nil, errors.New("ordering: partition-key is not implemented yet; use none")
-	}
 	table, _ := ParseTable(cfg.Table)
 	pcfg, err := pgxpool.ParseConfig(cfg.DSN)
 	if err != nil {
@@ -102,15 +105,17 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 	}
 	transport := &kafka.Transport{TLS: cfg.TLS, SASL: cfg.SASL, DialTimeout: 5 * time.Second, MetadataTTL: 30 * time.Second, ClientID: "outbox-relay"}
 	r := &Relay{
-		cfg:        cfg,
-		table:      table,
-		pool:       pool,
-		writer:     w,
-		client:     &kafka.Client{Addr: kafka.TCP(cfg.Brokers...), Timeout: 10 * time.Second, Transport: transport},
-		m:          newMetrics(cfg.Registerer),
-		log:        cfg.Logger.With("table", table.String()),
-		held:       map[int64]time.Time{},
-		unroutable: map[string]bool{},
+		cfg:         cfg,
+		table:       table,
+		pool:        pool,
+		writer:      w,
+		client:      &kafka.Client{Addr: kafka.TCP(cfg.Brokers...), Timeout: 10 * time.Second, Transport: transport},
+		m:           newMetrics(cfg.Registerer),
+		log:         cfg.Logger.With("table", table.String()),
+		held:        map[int64]time.Time{},
+		blockedKeys: map[string]time.Time{},
+		keyBackoff:  map[string]time.Duration{},
+		unroutable:  map[string]bool{},
 	}
 	if w == nil {
 		r.kwriter = &kafka.Writer{
@@ -142,6 +147,17 @@ WHERE published_at IS NULL AND id > $1 AND event_type = ANY($2) AND id <> ALL($3
 ORDER BY id
 LIMIT $4
 FOR UPDATE SKIP LOCKED`
+	if cfg.Ordering == OrderingPartitionKey {
+		// Every mapped or unmapped row of the replica's buckets is claimed in
+		// id order: an unpublishable row must stop the later rows of its key.
+		r.claimSQL = `SELECT id, event_id::text, event_type, aggregate_type, aggregate_id, partition_key, payload, created_at
+FROM ` + q + `
+WHERE published_at IS NULL AND id > $1 AND id <> ALL($2) AND partition_key <> ALL($3)
+  AND ` + bucketSQL + ` = ANY($4)
+ORDER BY id
+LIMIT $5
+FOR UPDATE SKIP LOCKED`
+	}
 	r.markSQL = `UPDATE ` + q + ` SET published_at = now() WHERE id = ANY($1)`
 	errNotChecked := errors.New("not connected yet")
 	r.dbErr.Store(&errNotChecked)
@@ -149,8 +165,9 @@ FOR UPDATE SKIP LOCKED`
 	return r, nil
 }
 
-// Close releases the database pool and the Kafka writer.
+// Close releases the database connections and the Kafka writer.
 func (r *Relay) Close() error {
+	r.dropOwner()
 	r.pool.Close()
 	if r.kwriter != nil {
 		return r.kwriter.Close()
@@ -237,6 +254,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	statsDone := make(chan struct{})
 	go func() { defer close(statsDone); r.statsLoop(ctx) }()
 	defer func() { <-statsDone }()
+	defer r.dropOwner() // hand this replica's buckets to the others at once
 
 	var backoff time.Duration
 	for ctx.Err() == nil {
@@ -297,7 +315,7 @@ func (r *Relay) scanFrom(now time.Time) int64 {
 		r.floorMark = r.cursor
 		return 0
 	case r.lastShort || now.After(r.nextFloor):
-		from := r.floorMark
+		from := min(r.floorMark, r.cursor) // the cursor may have moved back since
 		r.floorMark = r.cursor
 		r.nextFloor = now.Add(time.Second)
 		return from
@@ -316,16 +334,33 @@ func (r *Relay) processBatch(ctx context.Context) (int, error) {
 	start := time.Now()
 	r.releaseHeld(start)
 
-	tx, err := r.pool.Begin(bctx)
+	var db interface {
+		Begin(context.Context) (pgx.Tx, error)
+	} = r.pool
+	if r.cfg.Ordering == OrderingPartitionKey {
+		if err := r.ensureOwner(bctx, start); err != nil {
+			r.setDBErr(err)
+			return 0, err
+		}
+		if len(r.own.mine) == 0 {
+			return 0, nil // every bucket is taken by other replicas
+		}
+		db = r.own.conn
+	}
+	tx, err := db.Begin(bctx)
 	if err != nil {
+		r.dropOwner()
 		r.setDBErr(err)
 		r.m.publishErrors.WithLabelValues("database").Inc()
 		return 0, fmt.Errorf("begin claim transaction on %s: %w", r.table, err)
 	}
 	defer tx.Rollback(bctx) //nolint:errcheck // no-op after commit
 
-	rows, err := r.claim(bctx, tx, r.scanFrom(start))
+	// Unblocking a key rescans from the start: take the key list first.
+	blocked := r.blockedKeyList(start)
+	rows, err := r.claim(bctx, tx, r.scanFrom(start), blocked)
 	if err != nil {
+		r.dropOwner()
 		r.setDBErr(err)
 		r.m.publishErrors.WithLabelValues("database").Inc()
 		return 0, err
@@ -335,17 +370,25 @@ func (r *Relay) processBatch(ctx context.Context) (int, error) {
 	if len(rows) == 0 {
 		return 0, tx.Commit(bctx)
 	}
-	r.cursor = max(r.cursor, rows[len(rows)-1].id)
+	if last := rows[len(rows)-1].id; len(rows) == r.cfg.BatchSize {
+		// A full batch from a rescan may end below the cursor: the rows
+		// between are unclaimed, so the cursor must come back to here.
+		r.cursor = last
+	} else {
+		r.cursor = max(r.cursor, last)
+	}
 
 	published, perr := r.publish(bctx, rows)
 	if len(published) > 0 {
 		if _, err := tx.Exec(bctx, r.markSQL, published); err != nil {
+			r.dropOwner()
 			r.setDBErr(err)
 			r.m.publishErrors.WithLabelValues("database").Inc()
 			return 0, fmt.Errorf("mark %d rows published in %s: %w", len(published), r.table, err)
 		}
 	}
 	if err := tx.Commit(bctx); err != nil {
+		r.dropOwner()
 		r.setDBErr(err)
 		r.m.publishErrors.WithLabelValues("database").Inc()
 		return 0, fmt.Errorf("commit batch on %s: %w", r.table, err)
@@ -361,12 +404,18 @@ func (r *Relay) processBatch(ctx context.Context) (int, error) {
 	return len(rows), nil
 }
 
-func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64) ([]row, error) {
+func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, blocked []string) ([]row, error) {
 	held := make([]int64, 0, len(r.held))
 	for id := range r.held {
 		held = append(held, id)
 	}
-	rs, err := tx.Query(ctx, r.claimSQL, from, r.types, held, r.cfg.BatchSize)
+	var rs pgx.Rows
+	var err error
+	if r.cfg.Ordering == OrderingPartitionKey {
+		rs, err = tx.Query(ctx, r.claimSQL, from, held, blocked, r.own.mine, r.cfg.BatchSize)
+	} else {
+		rs, err = tx.Query(ctx, r.claimSQL, from, r.types, held, r.cfg.BatchSize)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("claim batch from %s: %w", r.table, err)
 	}
@@ -389,6 +438,7 @@ func (r *Relay) releaseHeld(now time.Time) {
 	for id, since := range r.held {
 		if now.Sub(since) >= r.cfg.HeldRetryInterval {
 			delete(r.held, id)
+			r.rescanSoon() // the row is behind the cursor
 		}
 	}
 	r.m.held.WithLabelValues("failed").Set(float64(len(r.held)))

@@ -1,0 +1,252 @@
+package relay_test
+
+import (
+	"context"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/segmentio/kafka-go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
+	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/relay"
+)
+
+// idsByEvent maps event ids to row ids.
+func idsByEvent(t *testing.T, f *outboxtest.Fixture) map[string]int64 {
+	rows, err := f.Pool.Query(context.Background(), `SELECT event_id::text, id FROM outbox`)
+	require.NoError(t, err)
+	out := map[string]int64{}
+	for rows.Next() {
+		var e string
+		var id int64
+		require.NoError(t, rows.Scan(&e, &id))
+		out[e] = id
+	}
+	require.NoError(t, rows.Err())
+	return out
+}
+
+// orderViolations counts, per key, rows that arrived after a newer row of
+// the same key, once repeated event ids are dropped (first delivery kept).
+func orderViolations(t *testing.T, msgs []kafka.Message, ids map[string]int64) (violations int, keys int) {
+	seen := map[string]bool{}
+	last := map[string]int64{}
+	for _, m := range msgs {
+		e := testenv.Header(m, relay.HeaderEventID)
+		if seen[e] {
+			continue
+		}
+		seen[e] = true
+		id, ok := ids[e]
+		require.True(t, ok, "unknown event %s", e)
+		k := string(m.Key)
+		if id < last[k] {
+			violations++
+			if violations <= 5 {
+				t.Logf("key %s: row %d (partition %d offset %d) after row %d", k, id, m.Partition, m.Offset, last[k])
+			}
+		}
+		last[k] = max(last[k], id)
+	}
+	return violations, len(last)
+}
+
+// 1. Four replicas in partition-key mode, one SIGKILLed and restarted, one
+// added and one removed mid-drain: nothing lost, every key in order.
+func TestPartitionKeyOrderSurvivesScalingAndCrashes(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 8, "E")
+	const n = 50000
+	f.Insert(n, 500, "E")
+	args := f.Args("--ordering", "partition-key", "--batch-size", "100")
+	var procs []*outboxtest.Proc
+	for range 4 {
+		procs = append(procs, outboxtest.StartRelayProcess(t, args, f.Env()...))
+	}
+	progress := func(left int) {
+		require.Eventually(t, func() bool { return f.Unpublished() <= left }, 2*time.Minute, 5*time.Millisecond)
+	}
+	progress(n * 8 / 10)
+	procs[1].Signal(t, syscall.SIGKILL)
+	procs[1].Wait(t, 10*time.Second)
+	progress(n * 7 / 10)
+	outboxtest.StartRelayProcess(t, args, f.Env()...) // restarted
+	progress(n * 5 / 10)
+	outboxtest.StartRelayProcess(t, args, f.Env()...) // added
+	progress(n * 3 / 10)
+	procs[2].Signal(t, syscall.SIGTERM) // removed
+	require.Equal(t, 0, procs[2].Wait(t, 30*time.Second))
+	f.WaitDrained(0, 3*time.Minute)
+
+	counts, msgs := outboxtest.Deliveries(t, n, f.Topics["E"])
+	outboxtest.RequireAtLeastOnce(t, f.EventIDs(""), counts)
+	violations, keys := orderViolations(t, msgs, idsByEvent(t, f))
+	require.Equal(t, 500, keys)
+	require.Zero(t, violations, "rows of a key published out of id order")
+}
+
+// slowFirstWriter delays its first call, as a replica stalled mid-batch.
+type slowFirstWriter struct {
+	w     relay.MessageWriter
+	calls atomic.Int32
+	delay time.Duration
+}
+
+func (s *slowFirstWriter) WriteMessages(ctx context.Context, msgs ...kafka.Message) error {
+	if s.calls.Add(1) == 1 {
+		time.Sleep(s.delay)
+	}
+	return s.w.WriteMessages(ctx, msgs...)
+}
+
+func newKafkaWriter(t *testing.T) *kafka.Writer {
+	w := &kafka.Writer{Addr: kafka.TCP(testenv.Broker().Addr()), RequiredAcks: kafka.RequireAll,
+		Balancer: &kafka.Murmur2Balancer{}, BatchTimeout: time.Microsecond}
+	t.Cleanup(func() { w.Close() })
+	return w
+}
+
+// 3 (and the mode's purpose). Two replicas, the first stalled in its first
+// publish: with ordering none the second overtakes it and keys go out of
+// order; with partition-key they cannot. Deterministic: the stall is injected.
+func TestOrderingModeMatters(t *testing.T) {
+	t.Parallel()
+	run := func(mode relay.Ordering) (violations int) {
+		f := outboxtest.NewFixture(t, 4, "E")
+		f.Insert(2000, 10, "E")
+		cfg := f.Config()
+		cfg.Ordering = mode
+		cfg.BatchSize = 100
+		stalled, err := relay.NewWithWriter(cfg, &slowFirstWriter{w: newKafkaWriter(t), delay: 3 * time.Second})
+		require.NoError(t, err)
+		defer stalled.Close()
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		done := make(chan error, 1)
+		go func() { done <- stalled.Run(ctx) }()
+		// Let the stalled replica claim its first batch before the other starts.
+		require.Eventually(t, func() bool {
+			return f.Count(`SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay' AND state = 'idle in transaction'`) > 0
+		}, 10*time.Second, 5*time.Millisecond)
+		other, err := relay.NewWithWriter(cfg, newKafkaWriter(t))
+		require.NoError(t, err)
+		defer other.Close()
+		go func() { _ = other.Run(ctx) }()
+		f.WaitDrained(0, time.Minute)
+		cancel()
+		<-done
+		_, msgs := outboxtest.Deliveries(t, 2000, f.Topics["E"])
+		v, _ := orderViolations(t, msgs, idsByEvent(t, f))
+		return v
+	}
+	require.Positive(t, run(relay.OrderingNone), "without ordering a stalled replica is overtaken")
+	require.Zero(t, run(relay.OrderingPartitionKey), "partition-key ordering keeps every key in order")
+}
+
+// keyFailWriter fails every message of one key (transiently) while failing is set.
+type keyFailWriter struct {
+	w       relay.MessageWriter
+	key     string
+	failing atomic.Bool
+}
+
+func (k *keyFailWriter) WriteMessages(ctx context.Context, msgs ...kafka.Message) error {
+	if !k.failing.Load() {
+		return k.w.WriteMessages(ctx, msgs...)
+	}
+	werrs := make(kafka.WriteErrors, len(msgs))
+	var pass []kafka.Message
+	var passIdx []int
+	bad := false
+	for i, m := range msgs {
+		if string(m.Key) == k.key {
+			werrs[i] = kafka.LeaderNotAvailable
+			bad = true
+			continue
+		}
+		pass = append(pass, m)
+		passIdx = append(passIdx, i)
+	}
+	if len(pass) > 0 {
+		if err := k.w.WriteMessages(ctx, pass...); err != nil {
+			return err
+		}
+	}
+	if bad {
+		return werrs
+	}
+	return nil
+}
+
+// 2. A row whose publish keeps failing blocks only its key; other keys flow;
+// when the failure clears the key resumes, in order.
+func TestFailingKeyBlocksOnlyItself(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 4, "E")
+	f.Insert(3000, 30, "E") // keys order-0 .. order-29
+	w := &keyFailWriter{w: newKafkaWriter(t), key: "order-7"}
+	w.failing.Store(true)
+	cfg := f.Config()
+	cfg.Ordering = relay.OrderingPartitionKey
+	cfg.MaxBackoff = 500 * time.Millisecond
+	r, err := relay.NewWithWriter(cfg, w)
+	require.NoError(t, err)
+	defer r.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = r.Run(ctx) }()
+
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND partition_key <> 'order-7'`) == 0
+	}, time.Minute, 20*time.Millisecond, "other keys flow")
+	require.Equal(t, 100, f.Unpublished(), "the failing key's rows all wait")
+	w.failing.Store(false)
+	f.WaitDrained(0, 30*time.Second)
+
+	counts, msgs := outboxtest.Deliveries(t, 3000, f.Topics["E"])
+	outboxtest.RequireExactlyOnce(t, f.EventIDs(""), counts)
+	v, _ := orderViolations(t, msgs, idsByEvent(t, f))
+	require.Zero(t, v)
+}
+
+// Unmapped rows hold back the later rows of their key only, in partition-key mode.
+func TestPartitionKeyUnmappedTypeHoldsItsKey(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 2, "E")
+	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', 'x', 'Unmapped', '{}', 'order-3')`)
+	f.Insert(500, 10, "E")
+	cfg := f.Config()
+	cfg.Ordering = relay.OrderingPartitionKey
+	outboxtest.Start(t, cfg)
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND partition_key <> 'order-3'`) == 0
+	}, 30*time.Second, 20*time.Millisecond)
+	require.Equal(t, 51, f.Unpublished(), "order-3 waits behind its unmapped row")
+}
+
+// Buckets are shared out between live replicas and taken over when one goes.
+func TestPartitionKeyBucketsRebalance(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	cfg := f.Config()
+	cfg.Ordering = relay.OrderingPartitionKey
+	a := outboxtest.Start(t, cfg)
+	owned := func(x *outboxtest.Running) float64 {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_ordering_buckets_owned")
+	}
+	require.Eventually(t, func() bool { return owned(a) == 64 }, 10*time.Second, 20*time.Millisecond)
+	b := outboxtest.Start(t, cfg)
+	require.Eventually(t, func() bool { return owned(a) == 32 && owned(b) == 32 }, 15*time.Second, 20*time.Millisecond)
+	a.Stop(t)
+	require.Eventually(t, func() bool { return owned(b) == 64 }, 15*time.Second, 20*time.Millisecond)
+	f.Insert(100, 10, "E")
+	f.WaitDrained(0, 10*time.Second)
+}
+
+var _ = pgx.Identifier{}
