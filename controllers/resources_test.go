@@ -229,8 +229,8 @@ func TestComputeStatus(t *testing.T) {
 		"partly ready":   {2, false, deploy(2, 2, 1), nil, conds{"False/DeploymentUnavailable", "True/RollingOut", "False/AsExpected"}, "1/2"},
 		"no deployment":  {1, false, nil, nil, conds{"False/DeploymentUnavailable", "True/RollingOut", "False/AsExpected"}, "0/1"},
 		"rolling out":    {2, false, deploy(3, 1, 2), nil, conds{"True/Available", "True/RollingOut", "False/AsExpected"}, "2/2"},
-		"suspended":      {2, true, deploy(0, 0, 0), nil, conds{"False/Suspended", "False/RolloutComplete", "False/AsExpected"}, "0/0"},
-		"scaled to zero": {0, false, deploy(0, 0, 0), nil, conds{"False/ScaledToZero", "False/RolloutComplete", "False/AsExpected"}, "0/0"},
+		"suspended":      {2, true, deploy(0, 0, 0), nil, conds{"True/Suspended", "False/RolloutComplete", "False/AsExpected"}, "0/0"},
+		"scaled to zero": {0, false, deploy(0, 0, 0), nil, conds{"True/ScaledToZero", "False/RolloutComplete", "False/AsExpected"}, "0/0"},
 		"secret missing": {1, false, deploy(1, 1, 1), &problem{reason: outboxv1alpha1.ReasonSecretNotFound, message: "gone"}, conds{"False/SecretNotFound", "False/SecretNotFound", "True/SecretNotFound"}, "1/1"},
 		"invalid spec":   {1, false, nil, &problem{reason: outboxv1alpha1.ReasonInvalidSpec, message: "bad"}, conds{"False/InvalidSpec", "False/InvalidSpec", "True/InvalidSpec"}, "0/1"},
 	} {

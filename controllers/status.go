@@ -35,14 +35,24 @@ func computeStatus(relay *outboxv1alpha1.OutboxRelay, deploy *appsv1.Deployment,
 		set(outboxv1alpha1.ConditionReady, metav1.ConditionFalse, prob.reason, prob.message)
 		set(outboxv1alpha1.ConditionProgressing, metav1.ConditionFalse, prob.reason, "the operator cannot apply this generation: "+prob.message)
 		set(outboxv1alpha1.ConditionDegraded, metav1.ConditionTrue, prob.reason, prob.message)
+		set(outboxv1alpha1.ConditionReconciling, metav1.ConditionFalse, prob.reason, "stalled: "+prob.message)
+		set(outboxv1alpha1.ConditionStalled, metav1.ConditionTrue, prob.reason, prob.message)
 		return st
 	}
 
 	switch {
-	case relay.Spec.Suspend:
-		set(outboxv1alpha1.ConditionReady, metav1.ConditionFalse, outboxv1alpha1.ReasonSuspended, "spec.suspend is true: the relay runs no pods")
-	case desired == 0:
-		set(outboxv1alpha1.ConditionReady, metav1.ConditionFalse, outboxv1alpha1.ReasonScaledToZero, "spec.replicas is 0: the relay runs no pods")
+	case relay.Spec.Suspend || desired == 0:
+		// No pods by request is the desired state: Ready once they are gone,
+		// so GitOps tools judge a suspended relay healthy, not progressing.
+		reason, msg := outboxv1alpha1.ReasonScaledToZero, "spec.replicas is 0: the relay runs no pods"
+		if relay.Spec.Suspend {
+			reason, msg = outboxv1alpha1.ReasonSuspended, "spec.suspend is true: the relay runs no pods"
+		}
+		status := metav1.ConditionTrue
+		if deploy != nil && deploy.Status.Replicas > 0 {
+			status, msg = metav1.ConditionFalse, msg+" (stopping the running ones)"
+		}
+		set(outboxv1alpha1.ConditionReady, status, reason, msg)
 	case st.ReadyReplicas >= desired:
 		set(outboxv1alpha1.ConditionReady, metav1.ConditionTrue, outboxv1alpha1.ReasonAvailable,
 			fmt.Sprintf("%d of %d replicas ready", st.ReadyReplicas, desired))
@@ -59,11 +69,31 @@ func computeStatus(relay *outboxv1alpha1.OutboxRelay, deploy *appsv1.Deployment,
 			"the Deployment is rolling out or scaling to the current spec")
 	}
 
+	stalled := false
 	if c := deploymentCondition(deploy, appsv1.DeploymentProgressing); c != nil &&
 		c.Status == corev1.ConditionFalse && c.Reason == "ProgressDeadlineExceeded" {
+		stalled = true
 		set(outboxv1alpha1.ConditionDegraded, metav1.ConditionTrue, outboxv1alpha1.ReasonProgressDeadlineExceeded, c.Message)
+		set(outboxv1alpha1.ConditionStalled, metav1.ConditionTrue, outboxv1alpha1.ReasonProgressDeadlineExceeded, c.Message)
 	} else {
 		set(outboxv1alpha1.ConditionDegraded, metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "nothing is degraded")
+		set(outboxv1alpha1.ConditionStalled, metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "nothing is stalled")
+	}
+
+	// kstatus reads Reconciling: True until the current template runs on
+	// every desired replica and they are ready (a Secret-triggered roll
+	// changes no generation, so observedGeneration alone cannot show it).
+	switch ready := st.ReadyReplicas >= desired; {
+	case stalled:
+		set(outboxv1alpha1.ConditionReconciling, metav1.ConditionFalse, outboxv1alpha1.ReasonProgressDeadlineExceeded, "stalled")
+	case !rolledOut(deploy, desired):
+		set(outboxv1alpha1.ConditionReconciling, metav1.ConditionTrue, outboxv1alpha1.ReasonRollingOut,
+			"the Deployment is rolling out or scaling to the current spec")
+	case !ready && desired > 0:
+		set(outboxv1alpha1.ConditionReconciling, metav1.ConditionTrue, outboxv1alpha1.ReasonDeploymentUnavailable,
+			fmt.Sprintf("%d of %d replicas ready", st.ReadyReplicas, desired))
+	default:
+		set(outboxv1alpha1.ConditionReconciling, metav1.ConditionFalse, outboxv1alpha1.ReasonRolloutComplete, "the relay matches its spec")
 	}
 	return st
 }

@@ -14,6 +14,13 @@ const (
 	// ConditionDegraded is True when something needs a human: an invalid spec, a
 	// missing Secret or key, or a Deployment that cannot make progress.
 	ConditionDegraded = "Degraded"
+	// ConditionReconciling is True while the relay is not yet where its spec
+	// says (rolling out, scaling, replicas not ready). It and ConditionStalled
+	// are the abnormal-true conditions kstatus (and so Argo CD and Flux) reads.
+	ConditionReconciling = "Reconciling"
+	// ConditionStalled is True when progress needs a human: an invalid spec,
+	// a missing Secret, a Deployment past its progress deadline.
+	ConditionStalled = "Stalled"
 )
 
 // Condition reasons of an OutboxRelay.
@@ -310,7 +317,7 @@ type OutboxRelayStatus struct {
 	// +optional
 	TopicCount int32 `json:"topicCount,omitempty"`
 
-	// Conditions are Ready, Progressing and Degraded.
+	// Conditions are Ready, Progressing, Degraded, Reconciling and Stalled.
 	// +listType=map
 	// +listMapKey=type
 	// +optional

@@ -1,0 +1,58 @@
+package controllers
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	appsv1 "k8s.io/api/apps/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/cli-utils/pkg/kstatus/status"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+)
+
+// The status the operator writes reads right to kstatus, the health logic
+// Argo CD and Flux use: InProgress while rolling out (including a roll with
+// no generation change, as a Secret rotation makes), Failed when stalled,
+// Current when ready.
+func TestStatusReadsRightToKstatus(t *testing.T) {
+	t.Parallel()
+	deploy := func(gen, observed, replicas, updated, ready int32) *appsv1.Deployment {
+		return &appsv1.Deployment{
+			ObjectMeta: metav1.ObjectMeta{Generation: int64(gen)},
+			Status: appsv1.DeploymentStatus{
+				ObservedGeneration: int64(observed), Replicas: replicas, UpdatedReplicas: updated,
+				ReadyReplicas: ready, AvailableReplicas: ready,
+			},
+		}
+	}
+	for name, tc := range map[string]struct {
+		replicas int32
+		deploy   *appsv1.Deployment
+		prob     *problem
+		want     status.Status
+	}{
+		"ready":                          {2, deploy(2, 2, 2, 2, 2), nil, status.CurrentStatus},
+		"template roll, surge":           {2, deploy(3, 3, 3, 1, 3), nil, status.InProgressStatus},
+		"template not yet observed":      {2, deploy(3, 2, 2, 2, 2), nil, status.InProgressStatus},
+		"scaling up":                     {3, deploy(2, 2, 2, 2, 2), nil, status.InProgressStatus},
+		"no deployment yet":              {1, nil, nil, status.InProgressStatus},
+		"pods not ready":                 {1, deploy(1, 1, 1, 1, 0), nil, status.InProgressStatus},
+		"invalid spec":                   {1, nil, &problem{reason: outboxv1alpha1.ReasonInvalidSpec, message: "bad"}, status.FailedStatus},
+		"secret missing":                 {1, deploy(1, 1, 1, 1, 1), &problem{reason: outboxv1alpha1.ReasonSecretNotFound, message: "gone"}, status.FailedStatus},
+		"scaled to zero, pods gone":      {0, deploy(1, 1, 0, 0, 0), nil, status.CurrentStatus},
+		"scaled to zero, pods remaining": {0, deploy(1, 1, 1, 1, 1), nil, status.InProgressStatus},
+	} {
+		relay := unitRelay()
+		relay.Spec.Replicas = ptr.To(tc.replicas)
+		relay.Status = computeStatus(relay, tc.deploy, tc.prob)
+		obj, err := runtime.DefaultUnstructuredConverter.ToUnstructured(relay)
+		require.NoError(t, err)
+		res, err := status.Compute(&unstructured.Unstructured{Object: obj})
+		require.NoError(t, err, name)
+		require.Equal(t, tc.want, res.Status, "%s: %s", name, res.Message)
+	}
+}
