@@ -336,6 +336,9 @@ func (e *e2e) newEventType(t *testing.T) {
 	<-watchDone
 	e.kstatusDuringRoll = seen
 	t.Logf("kstatus of the OutboxRelay during the roll (samples every 20ms): %v", seen)
+	require.Positive(t, seen[status.InProgressStatus], "kstatus said InProgress while the pods rolled: %v", seen)
+	require.Eventually(t, func() bool { s, err := computeKstatus(relayName); return err == nil && s == status.CurrentStatus },
+		30*time.Second, 50*time.Millisecond, "kstatus says Current once the roll is done")
 	require.Contains(t, strings.Join(stack.Runner.Pods(ns, deployName)[0].Env, " "), "relay_rotated", "the rotated DSN was kept")
 
 	more := e.writeShipped(t, 20)
