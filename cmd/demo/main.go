@@ -87,8 +87,8 @@ func run(ctx context.Context, dir, bin string, rate float64) (err error) {
 	if err := stack.RenderSamples(samples, nil); err != nil {
 		return err
 	}
-	say("» kubectl apply -k config/samples (rendered to %s with this stack's Kafka and PostgreSQL ports)", samples)
-	out, err := stack.Kubectl(ctx, "apply", "-k", samples)
+	say("» kubectl apply -f config/samples (rendered to %s with this stack's Kafka and PostgreSQL ports)", samples)
+	out, err := stack.Kubectl(ctx, "apply", "-f", samples)
 	if err != nil {
 		return err
 	}

@@ -80,7 +80,7 @@ func render(stack *localcluster.Stack, s snapshot) string {
 	line(" read from Kafka    %8d   (topic orders.confirmed, %d partitions)", s.consumedCount, localcluster.SampleTopics["orders.confirmed"])
 	line("")
 	if !s.relayFound {
-		line(" OutboxRelay default/orders: not found (kubectl apply -k .demo/samples to bring it back)")
+		line(" OutboxRelay default/orders: not found (kubectl apply -f .demo/samples to bring it back)")
 	} else {
 		line(" OutboxRelay orders  replicas ready %s (desired %d)   Ready=%s %s", orDash(s.ready), s.desired, orDash(s.condition), s.reason)
 	}

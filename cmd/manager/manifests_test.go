@@ -64,7 +64,7 @@ func TestDeployManifestsApply(t *testing.T) {
 		}
 	}
 
-	kubectl(t, nil, "apply", "-k", "config/samples")
+	kubectl(t, nil, "apply", "-f", "config/samples")
 	relay := &outboxv1alpha1.OutboxRelay{}
 	require.NoError(t, c.Get(ctx, client.ObjectKey{Namespace: "default", Name: "orders"}, relay))
 	require.Len(t, relay.Spec.Topics, 2)

@@ -212,7 +212,7 @@ func (e *e2e) applySamples(t *testing.T) {
 	w := startWriter(t, e.db, rate)
 	e.applied = manifests(t, nil)
 	start := time.Now()
-	out := kubectl(t, "apply", "-k", e.applied)
+	out := kubectl(t, "apply", "-f", e.applied)
 	require.Contains(t, out, "outboxrelay.outbox.dev/orders created")
 	e.waitRolledOut(t, 1, 60*time.Second)
 	t.Logf("OutboxRelay Ready %s after kubectl apply", time.Since(start).Round(100*time.Millisecond))
@@ -267,7 +267,7 @@ func (e *e2e) rotateDSN(t *testing.T) {
 	e.applied = manifests(t, func(name string, b []byte) []byte {
 		return []byte(strings.ReplaceAll(string(b), "postgres://relay:relay@", "postgres://"+rotated+":"+rotated+"@"))
 	})
-	out := kubectl(t, "apply", "-k", e.applied)
+	out := kubectl(t, "apply", "-f", e.applied)
 	require.Contains(t, out, "secret/orders-outbox-dsn configured")
 	require.Contains(t, out, "outboxrelay.outbox.dev/orders unchanged")
 	require.Eventually(t, func() bool {
@@ -325,7 +325,7 @@ func (e *e2e) newEventType(t *testing.T) {
 			}
 		}
 	}()
-	out := kubectl(t, "apply", "-k", e.applied)
+	out := kubectl(t, "apply", "-f", e.applied)
 	require.Contains(t, out, "outboxrelay.outbox.dev/orders configured")
 	require.Eventually(t, func() bool {
 		pods := stack.Runner.Pods(ns, deployName)
@@ -373,12 +373,12 @@ func (e *e2e) reapply(t *testing.T) {
 	ctx := context.Background()
 	e.waitRolledOut(t, 1, 30*time.Second)
 	rv := resourceVersions(t)
-	out := kubectl(t, "apply", "-k", e.applied)
+	out := kubectl(t, "apply", "-f", e.applied)
 	// Client-side apply always reports a Secret written with stringData as
 	// "configured" (the live object holds data, so the patch is never empty);
 	// the server finds nothing to change, as the resourceVersions show below.
 	require.Contains(t, out, "outboxrelay.outbox.dev/orders unchanged")
-	diff, err := stack.Kubectl(ctx, "diff", "-k", e.applied)
+	diff, err := stack.Kubectl(ctx, "diff", "-f", e.applied)
 	require.NoError(t, err, "kubectl diff found differences:\n%s", diff)
 	require.Empty(t, strings.TrimSpace(string(diff)))
 	// Nothing was written: not the relay, not a child, not a status.
