@@ -43,6 +43,11 @@ func runManagerChild(ctx context.Context, kubeconfig string) error {
 	if err != nil {
 		return err
 	}
+	// As ctrl.GetConfig, which cmd/manager uses: no client-side rate limit
+	// (the API server's priority and fairness applies), not client-go's 5 QPS.
+	if cfg.QPS == 0 {
+		cfg.QPS = -1
+	}
 	s, err := scheme()
 	if err != nil {
 		return err
