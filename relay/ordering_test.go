@@ -124,22 +124,20 @@ func TestOrderingModeMatters(t *testing.T) {
 		cfg.BatchSize = 100
 		stalled, err := relay.NewWithWriter(cfg, &slowFirstWriter{w: newKafkaWriter(t), delay: 3 * time.Second})
 		require.NoError(t, err)
-		defer stalled.Close()
 		ctx, cancel := context.WithCancel(context.Background())
-		defer cancel()
 		done := make(chan error, 1)
 		go func() { done <- stalled.Run(ctx) }()
+		defer func() { cancel(); <-done; stalled.Close() }()
 		// Let the stalled replica claim its first batch before the other starts.
 		require.Eventually(t, func() bool {
 			return f.Count(`SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay' AND state = 'idle in transaction'`) > 0
 		}, 10*time.Second, 5*time.Millisecond)
 		other, err := relay.NewWithWriter(cfg, newKafkaWriter(t))
 		require.NoError(t, err)
-		defer other.Close()
-		go func() { _ = other.Run(ctx) }()
+		otherDone := make(chan error, 1)
+		go func() { otherDone <- other.Run(ctx) }()
+		defer func() { cancel(); <-otherDone; other.Close() }()
 		f.WaitDrained(0, time.Minute)
-		cancel()
-		<-done
 		_, msgs := outboxtest.Deliveries(t, 2000, f.Topics["E"])
 		v, _ := orderViolations(t, msgs, idsByEvent(t, f))
 		return v
@@ -196,10 +194,10 @@ func TestFailingKeyBlocksOnlyItself(t *testing.T) {
 	cfg.MaxBackoff = 500 * time.Millisecond
 	r, err := relay.NewWithWriter(cfg, w)
 	require.NoError(t, err)
-	defer r.Close()
 	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go func() { _ = r.Run(ctx) }()
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	defer func() { cancel(); <-done; r.Close() }() // Close only after Run returned
 
 	require.Eventually(t, func() bool {
 		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND partition_key <> 'order-7'`) == 0

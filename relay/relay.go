@@ -165,7 +165,8 @@ FOR UPDATE SKIP LOCKED`
 	return r, nil
 }
 
-// Close releases the database connections and the Kafka writer.
+// Close releases the database connections and the Kafka writer. Call it
+// after Run has returned.
 func (r *Relay) Close() error {
 	r.dropOwner()
 	r.pool.Close()
