@@ -10,6 +10,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/go-logr/logr"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -39,6 +40,7 @@ func scheme() (*runtime.Scheme, error) {
 // runManagerChild is the operator's manager (what cmd/manager runs), in its
 // own process so its RSS is the manager's alone.
 func runManagerChild(ctx context.Context, kubeconfig string) error {
+	ctrl.SetLogger(logr.Discard())
 	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
 	if err != nil {
 		return err
