@@ -2,6 +2,8 @@ package main_test
 
 import (
 	"context"
+	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"strings"
@@ -76,11 +78,15 @@ func TestBrokerOutageMidDrain(t *testing.T) {
 	require.Eventually(t, func() bool { return f.Unpublished() < n-1000 }, 60*time.Second, 5*time.Millisecond)
 	require.NoError(t, testenv.Broker().Stop())
 	stoppedAt := f.Unpublished()
-	time.Sleep(10 * time.Second) // the outage the scenario asks for
+	outageEnds := time.Now().Add(10 * time.Second) // the outage the scenario asks for
+	require.Eventually(t, func() bool { return readyz(p) == http.StatusServiceUnavailable }, 10*time.Second, 50*time.Millisecond,
+		"/readyz fails while Kafka is unreachable")
+	time.Sleep(time.Until(outageEnds))
 	require.Greater(t, f.Unpublished(), 0)
 	require.InDelta(t, stoppedAt, f.Unpublished(), 200, "nothing is marked while the broker is down")
 	require.NoError(t, testenv.Broker().Start())
 	f.WaitDrained(0, 2*time.Minute)
+	require.Eventually(t, func() bool { return readyz(p) == http.StatusOK }, 30*time.Second, 50*time.Millisecond)
 	counts, _ := outboxtest.Deliveries(t, n, f.Topics["E"])
 	dups := outboxtest.RequireAtLeastOnce(t, f.EventIDs(""), counts)
 	require.LessOrEqual(t, dups, 100)
@@ -172,6 +178,45 @@ func TestEnvironmentAndTopicsFile(t *testing.T) {
 		"RELAY_POLL_INTERVAL=20ms")...)
 	f.WaitDrained(0, 30*time.Second)
 	require.Len(t, testenv.Broker().Consume(t, other, 10, 30*time.Second), 10)
+}
+
+func readyz(p *outboxtest.Proc) int {
+	resp, err := http.Get("http://" + p.MetricsAddr + "/readyz")
+	if err != nil {
+		return 0
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+// The binary serves its metrics, health and readiness.
+func TestMetricsEndpoint(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	f.Insert(120, 4, "E")
+	p := outboxtest.StartRelayProcess(t, f.Args(), f.Env()...)
+	p.WaitReady(t, 30*time.Second)
+	f.WaitDrained(0, 30*time.Second)
+	var body string
+	require.Eventually(t, func() bool {
+		resp, err := http.Get("http://" + p.MetricsAddr + "/metrics")
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		body = string(b)
+		return strings.Contains(body, `outbox_relay_events_published_total{topic="`+f.Topics["E"]+`"} 120`)
+	}, 15*time.Second, 100*time.Millisecond)
+	for _, name := range []string{"outbox_relay_batches_total", "outbox_relay_claim_duration_seconds_bucket",
+		"outbox_relay_backlog_rows", "outbox_relay_oldest_unpublished_age_seconds", "outbox_relay_rows_held{reason=\"unroutable\"}",
+		"outbox_relay_commit_to_publish_seconds_count 120", "process_resident_memory_bytes"} {
+		require.Contains(t, body, name)
+	}
+	resp, err := http.Get("http://" + p.MetricsAddr + "/healthz")
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
 }
 
 func TestSchemaSubcommand(t *testing.T) {

@@ -35,6 +35,13 @@ type KafkaBroker struct {
 	cmd      *exec.Cmd
 	exited   chan struct{}
 	topicSeq atomic.Int64
+	// transport is replaced at every Start: kafka-go caches connections per
+	// transport, and those to a stopped broker answer with EOF.
+	transport atomic.Pointer[kafka.Transport]
+}
+
+func (b *KafkaBroker) client(timeout time.Duration) *kafka.Client {
+	return &kafka.Client{Addr: kafka.TCP(b.Addr()), Timeout: timeout, Transport: b.transport.Load()}
 }
 
 // StartKafka formats a KRaft storage folder under dir and starts the broker.
@@ -157,6 +164,10 @@ func (b *KafkaBroker) Start() error {
 	if err != nil {
 		return err
 	}
+	if old := b.transport.Load(); old != nil {
+		old.CloseIdleConnections()
+	}
+	b.transport.Store(&kafka.Transport{})
 	cmd := b.java("kafka.Kafka", b.props)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
@@ -189,8 +200,7 @@ func (b *KafkaBroker) Start() error {
 func (b *KafkaBroker) ping() error {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
-	c := &kafka.Client{Addr: kafka.TCP(b.Addr()), Timeout: 2 * time.Second}
-	md, err := c.Metadata(ctx, &kafka.MetadataRequest{})
+	md, err := b.client(2*time.Second).Metadata(ctx, &kafka.MetadataRequest{})
 	if err != nil {
 		return err
 	}
@@ -249,7 +259,7 @@ func (b *KafkaBroker) CreateTopicErr(name string, partitions int, configs ...str
 	for i := 0; i+1 < len(configs); i += 2 {
 		entries = append(entries, kafka.ConfigEntry{ConfigName: configs[i], ConfigValue: configs[i+1]})
 	}
-	c := &kafka.Client{Addr: kafka.TCP(b.Addr()), Timeout: 20 * time.Second}
+	c := b.client(20 * time.Second)
 	res, err := c.CreateTopics(ctx, &kafka.CreateTopicsRequest{Topics: []kafka.TopicConfig{{
 		Topic: name, NumPartitions: partitions, ReplicationFactor: 1, ConfigEntries: entries,
 	}}})
@@ -312,6 +322,7 @@ func (b *KafkaBroker) ConsumeErr(topic string, want int, timeout, settle time.Du
 	for _, p := range parts {
 		r := kafka.NewReader(kafka.ReaderConfig{
 			Brokers: []string{b.Addr()}, Topic: topic, Partition: p,
+			Dialer: &kafka.Dialer{Timeout: 10 * time.Second},
 			MinBytes: 1, MaxBytes: 16 << 20, MaxWait: 100 * time.Millisecond,
 		})
 		if err := r.SetOffset(kafka.FirstOffset); err != nil {
@@ -361,8 +372,7 @@ loop:
 }
 
 func (b *KafkaBroker) partitions(ctx context.Context, topic string) ([]int, error) {
-	c := &kafka.Client{Addr: kafka.TCP(b.Addr()), Timeout: 10 * time.Second}
-	md, err := c.Metadata(ctx, &kafka.MetadataRequest{Topics: []string{topic}})
+	md, err := b.client(10*time.Second).Metadata(ctx, &kafka.MetadataRequest{Topics: []string{topic}})
 	if err != nil {
 		return nil, err
 	}
