@@ -19,6 +19,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -231,8 +232,7 @@ func testSpecChanges(t *testing.T, c client.Client, r *OutboxRelayReconciler) {
 	// Someone scaling the Deployment directly is put back.
 	d := &appsv1.Deployment{}
 	require.NoError(t, c.Get(ctx, childKey(relay), d))
-	d.Spec.Replicas = ptr.To[int32](7)
-	require.NoError(t, c.Update(ctx, d))
+	update(t, c, d, func(d *appsv1.Deployment) { d.Spec.Replicas = ptr.To[int32](7) })
 	waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return *d.Spec.Replicas == 3 })
 }
 
@@ -244,11 +244,20 @@ func testScaleSubresource(t *testing.T, c client.Client) {
 	waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })
 
 	// As `kubectl scale outboxrelay scaled --replicas=4` does.
-	scale := &autoscalingv1.Scale{}
-	require.NoError(t, c.SubResource("scale").Get(ctx, relay, scale))
-	require.Equal(t, int32(1), scale.Spec.Replicas)
-	scale.Spec.Replicas = 4
-	require.NoError(t, c.SubResource("scale").Update(ctx, relay, client.WithSubResourceBody(scale)))
+	// The controller writes status meanwhile: retry on conflict, as kubectl does.
+	first := true
+	require.NoError(t, retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		scale := &autoscalingv1.Scale{}
+		if err := c.SubResource("scale").Get(ctx, relay, scale); err != nil {
+			return err
+		}
+		if first {
+			require.Equal(t, int32(1), scale.Spec.Replicas)
+			first = false
+		}
+		scale.Spec.Replicas = 4
+		return c.SubResource("scale").Update(ctx, relay, client.WithSubResourceBody(scale))
+	}))
 
 	require.NoError(t, c.Get(ctx, key(relay), relay))
 	require.Equal(t, ptr.To[int32](4), relay.Spec.Replicas)

@@ -105,9 +105,14 @@ logger.kafka.level = INFO
 	if err := os.WriteFile(filepath.Join(dir, "log4j2.properties"), []byte(log4j), 0o644); err != nil {
 		return nil, err
 	}
-	var id [16]byte
-	_, _ = rand.Read(id[:])
-	clusterID := base64.RawURLEncoding.EncodeToString(id[:])
+	// A cluster id is a URL-safe base64 UUID; like Kafka's Uuid.randomUuid,
+	// never one starting with "-", which the storage tool would read as a flag.
+	var clusterID string
+	for clusterID == "" || clusterID[0] == '-' {
+		var id [16]byte
+		_, _ = rand.Read(id[:])
+		clusterID = base64.RawURLEncoding.EncodeToString(id[:])
+	}
 	format := b.java("kafka.tools.StorageTool", "format", "-t", clusterID, "-c", b.props, "--standalone")
 	if out, err := format.CombinedOutput(); err != nil {
 		// Older 4.x storage tools name the flag differently; a static quorum needs none.
