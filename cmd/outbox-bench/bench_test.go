@@ -32,6 +32,9 @@ func TestBenchQuick(t *testing.T) {
 	require.NoError(t, err)
 	var rep report
 	require.NoError(t, json.Unmarshal(b, &rep))
+	for k, v := range rep.Notes {
+		require.NotContains(t, v, "failed", "case %s", k)
+	}
 	seen := map[string]bool{}
 	for _, r := range rep.Results {
 		seen[r.Scenario] = true

@@ -227,6 +227,9 @@ func seedsShape(ctx context.Context, e *benchEnv, topic string, batch int, d tim
 		BatchSize:    batch,
 		BatchBytes:   1 << 20,
 		MaxAttempts:  3,
+		// Its own transport, as the relay has: the shared default one caches
+		// metadata from before this run's topic existed.
+		Transport: &kafka.Transport{},
 	}
 	defer w.Close()
 	end := time.Now().Add(d)

@@ -189,6 +189,7 @@ func runBreakdown(ctx context.Context, o *options, e *benchEnv, rep *report) err
 				BatchTimeout: time.Microsecond, BatchSize: batch, BatchBytes: 1 << 20, MaxAttempts: 3,
 				WriteBackoffMin: 50 * time.Millisecond, WriteBackoffMax: 500 * time.Millisecond,
 				ReadTimeout: relay.DefaultPublishTimeout, WriteTimeout: relay.DefaultPublishTimeout,
+				Transport: &kafka.Transport{},
 			}}
 			defer tw.w.Close()
 			reg := prometheus.NewRegistry()
