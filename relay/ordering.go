@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -48,6 +49,16 @@ func (r *Relay) ensureOwner(ctx context.Context, now time.Time) error {
 		// meet, replicas of different tables never do.
 		o.memberClass = int32(oid&0x1fffffff) << 1
 		o.bucketClass = o.memberClass | 1
+		// A replica that stops working but keeps its connection (frozen,
+		// partitioned) would keep its buckets forever: the server ends an
+		// owner session left idle longer than the loop ever leaves it.
+		// (idle_session_timeout exists from PostgreSQL 14 on.)
+		timeout := 2*max(r.cfg.PollInterval, r.cfg.MaxBackoff) + 10*time.Second
+		if _, err := conn.Exec(ctx, `SELECT set_config('idle_session_timeout', $1, false)
+			WHERE current_setting('server_version_num')::int >= 140000`, strconv.FormatInt(timeout.Milliseconds(), 10)); err != nil {
+			conn.Close(ctx)
+			return fmt.Errorf("set idle_session_timeout on the ordering session: %w", err)
+		}
 		if _, err := conn.Exec(ctx, `SELECT pg_advisory_lock_shared($1::int4, 0)`, o.memberClass); err != nil {
 			conn.Close(ctx)
 			return fmt.Errorf("join the replicas of %s: %w", r.table, err)

@@ -248,3 +248,32 @@ func TestPartitionKeyBucketsRebalance(t *testing.T) {
 }
 
 var _ = pgx.Identifier{}
+
+// A replica that freezes (SIGSTOP: alive, connected, doing nothing) loses its
+// buckets to the others, which drain its keys in order; when it wakes it
+// rejoins without breaking order.
+func TestFrozenReplicaLosesItsBuckets(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 4, "E")
+	args := f.Args("--ordering", "partition-key", "--batch-size", "50")
+	frozen := outboxtest.StartRelayProcess(t, args, f.Env()...)
+	frozen.WaitReady(t, 30*time.Second)
+	other := outboxtest.StartRelayProcess(t, args, f.Env()...)
+	other.WaitReady(t, 30*time.Second)
+	f.Insert(1000, 100, "E")
+	f.WaitDrained(0, 30*time.Second) // both work; buckets are split
+	frozen.Signal(t, syscall.SIGSTOP)
+	f.Insert(5000, 100, "E")
+	// The frozen replica's owner session is ended by idle_session_timeout
+	// (2 × max(poll, backoff) + 10 s = 20 s by default); its buckets pass on.
+	f.WaitDrained(0, 90*time.Second)
+	frozen.Signal(t, syscall.SIGCONT)
+	f.Insert(1000, 100, "E")
+	f.WaitDrained(0, 60*time.Second)
+
+	counts, msgs := outboxtest.Deliveries(t, 7000, f.Topics["E"])
+	outboxtest.RequireAtLeastOnce(t, f.EventIDs(""), counts)
+	v, _ := orderViolations(t, msgs, idsByEvent(t, f))
+	require.Zero(t, v)
+	require.Nil(t, frozen.Cmd.ProcessState, "the frozen replica recovered by itself")
+}

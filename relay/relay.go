@@ -97,6 +97,11 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 	// A generic plan made while the table was tiny can stay a sequential
 	// scan as it grows (PITFALLS 11b): always plan with the real parameters.
 	rp["plan_cache_mode"] = "force_custom_plan"
+	// Let the server notice a vanished relay within about 30 s, not the
+	// OS default of hours: its row and bucket locks are released then.
+	rp["tcp_keepalives_idle"] = "15"
+	rp["tcp_keepalives_interval"] = "5"
+	rp["tcp_keepalives_count"] = "3"
 	pcfg.MaxConns = 3
 	pcfg.ConnConfig.ConnectTimeout = 5 * time.Second
 	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
