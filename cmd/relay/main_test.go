@@ -102,10 +102,12 @@ func TestPostgresRestartMidDrain(t *testing.T) {
 	p := outboxtest.StartRelayProcess(t, f.Args("--batch-size", "100"), f.Env()...)
 	require.Eventually(t, func() bool { return f.Unpublished() < n-1000 }, 60*time.Second, 5*time.Millisecond)
 	require.NoError(t, testenv.PG().Stop())
-	time.Sleep(3 * time.Second) // the outage
+	require.Eventually(t, func() bool { return readyz(p) == http.StatusServiceUnavailable }, 15*time.Second, 50*time.Millisecond,
+		"/readyz fails while PostgreSQL is unreachable")
 	require.NoError(t, testenv.PG().Start())
 	f.Pool.Reset()
 	f.WaitDrained(0, 2*time.Minute)
+	require.Eventually(t, func() bool { return readyz(p) == http.StatusOK }, 30*time.Second, 50*time.Millisecond)
 	counts, _ := outboxtest.Deliveries(t, n, f.Topics["E"])
 	dups := outboxtest.RequireAtLeastOnce(t, f.EventIDs(""), counts)
 	require.LessOrEqual(t, dups, 100)
