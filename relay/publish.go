@@ -130,8 +130,8 @@ func (r *Relay) publish(ctx context.Context, rows []row) ([]int64, error) {
 			}
 			// A partition batch fails as a whole; send this row alone to
 			// learn whether it is the culprit.
-			if messageSize(r.message(x)) <= maxMessageBytes {
-				r.write(ctx, []kafka.Message{r.message(x)}, func(_ int, o outcome, err error) { outcomes[i], errs[i] = o, err })
+			if m := r.message(x); messageSize(m) <= maxMessageBytes {
+				r.write(ctx, []kafka.Message{m}, func(_ int, o outcome, err error) { outcomes[i], errs[i] = o, err })
 			}
 		}
 		switch outcomes[i] {

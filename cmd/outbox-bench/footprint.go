@@ -17,12 +17,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
-	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
-	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
@@ -82,13 +79,13 @@ func runFootprint(ctx context.Context, o *options, e *benchEnv, rep *report) err
 
 func operatorRun(ctx context.Context, o *options, e *benchEnv) (map[string]float64, error) {
 	logf("starting kube-apiserver and etcd (envtest)")
-	kube, err := startKube(filepath.Join(e.work, "kube"))
+	kube, err := testenv.StartKube(filepath.Join(e.work, "kube"))
 	if err != nil {
 		return nil, err
 	}
-	defer kube.Stop() //nolint:errcheck // best effort at the end
+	defer kube.Close() //nolint:errcheck // best effort at the end
 	kubeconfig := filepath.Join(e.work, "kubeconfig")
-	if err := writeKubeconfig(kube.Config, kubeconfig); err != nil {
+	if err := kube.WriteKubeconfig(kubeconfig); err != nil {
 		return nil, err
 	}
 	s, err := scheme()
@@ -246,43 +243,4 @@ func isConflict(err error) bool {
 		return se.Status().Code == 409
 	}
 	return false
-}
-
-// writeKubeconfig saves the envtest admin credentials for the manager process.
-func writeKubeconfig(rc *rest.Config, path string) error {
-	cfg := clientcmdapi.NewConfig()
-	cfg.Clusters["envtest"] = &clientcmdapi.Cluster{Server: rc.Host, CertificateAuthorityData: rc.CAData}
-	cfg.AuthInfos["admin"] = &clientcmdapi.AuthInfo{ClientCertificateData: rc.CertData, ClientKeyData: rc.KeyData, Token: rc.BearerToken}
-	cfg.Contexts["envtest"] = &clientcmdapi.Context{Cluster: "envtest", AuthInfo: "admin"}
-	cfg.CurrentContext = "envtest"
-	return clientcmd.WriteToFile(*cfg, path)
-}
-
-// startKube is testenv.StartKube with a /16 service range: every OutboxRelay
-// owns a ClusterIP Service, and envtest's default 10.0.0.0/24 holds only 253
-// of them besides the kubernetes Service.
-func startKube(dir string) (*envtest.Environment, error) {
-	assets := os.Getenv("KUBEBUILDER_ASSETS")
-	if assets == "" {
-		m, _ := filepath.Glob(filepath.Join(testenv.RepoRoot(), "bin", "k8s", "*"))
-		if len(m) == 0 {
-			return nil, fmt.Errorf("kube-apiserver not found: run `make deps-kube`")
-		}
-		assets = m[len(m)-1]
-	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return nil, err
-	}
-	env := &envtest.Environment{
-		BinaryAssetsDirectory:    assets,
-		CRDDirectoryPaths:        []string{filepath.Join(testenv.RepoRoot(), "config", "crd", "bases")},
-		ErrorIfCRDPathMissing:    true,
-		ControlPlaneStartTimeout: 2 * time.Minute,
-		ControlPlaneStopTimeout:  time.Minute,
-	}
-	env.ControlPlane.GetAPIServer().Configure().Set("service-cluster-ip-range", "10.96.0.0/16")
-	if _, err := env.Start(); err != nil {
-		return nil, fmt.Errorf("start envtest from %s: %w", assets, err)
-	}
-	return env, nil
 }

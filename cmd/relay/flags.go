@@ -70,10 +70,10 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.SetOutput(io.Discard) // errors are returned and printed once by run
 	var (
 		dsn, table, brokers, topicsFile, dlt, metricsAddr, logFormat, ordering string
-		batchSize                                                             int
-		pollInterval, publishTimeout                                          time.Duration
-		useTLS                                                                bool
-		caFile, certFile, keyFile, saslMech                                   string
+		batchSize                                                              int
+		pollInterval, publishTimeout                                           time.Duration
+		useTLS                                                                 bool
+		caFile, certFile, keyFile, saslMech                                    string
 	)
 	topics := topicFlag{}
 	fs.StringVar(&dsn, "dsn", "", "PostgreSQL connection string (pass it as RELAY_DSN from a Secret)")

@@ -53,7 +53,7 @@ type Stack struct {
 	// Kafka is the single-node broker.
 	Kafka *testenv.KafkaBroker
 	// Kube is the API server and etcd.
-	Kube *Kube
+	Kube *testenv.KubeEnv
 	// Runner is the local pod runner.
 	Runner *Runner
 	// Client reaches the API server as admin.
@@ -117,7 +117,7 @@ func Start(ctx context.Context, opts Options) (s *Stack, err error) {
 	}()
 	go func() {
 		defer wg.Done()
-		s.Kube, kubeErr = StartKube(filepath.Join(dir, "kube"))
+		s.Kube, kubeErr = testenv.StartKube(filepath.Join(dir, "kube"))
 		if kubeErr == nil {
 			progress("kube-apiserver " + s.Kube.Config.Host + " (with etcd, CRDs installed)")
 		}

@@ -327,7 +327,7 @@ func (b *KafkaBroker) ConsumeErr(topic string, want int, timeout, settle time.Du
 	for _, p := range parts {
 		r := kafka.NewReader(kafka.ReaderConfig{
 			Brokers: []string{b.Addr()}, Topic: topic, Partition: p,
-			Dialer: &kafka.Dialer{Timeout: 10 * time.Second},
+			Dialer:   &kafka.Dialer{Timeout: 10 * time.Second},
 			MinBytes: 1, MaxBytes: 16 << 20, MaxWait: 100 * time.Millisecond,
 		})
 		if err := r.SetOffset(kafka.FirstOffset); err != nil {
