@@ -17,8 +17,6 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-
-	"github.com/outbox-relay/outbox-operator/relay"
 )
 
 // Entry is one event to publish. The relay routes it by EventType through
@@ -50,7 +48,7 @@ type Writer struct {
 // NewWriter returns a Writer for table ("outbox" or "schema.outbox"); the
 // name is validated and quoted.
 func NewWriter(table string) (*Writer, error) {
-	t, err := relay.ParseTable(table)
+	t, err := ParseTable(table)
 	if err != nil {
 		return nil, err
 	}
@@ -60,7 +58,7 @@ VALUES ($1, $2, $3, $4, $5, $6)
 ON CONFLICT (event_id) DO NOTHING`}, nil
 }
 
-var defaultWriter = must(NewWriter(relay.DefaultTable))
+var defaultWriter = must(NewWriter(DefaultTable))
 
 func must(w *Writer, err error) *Writer {
 	if err != nil {

@@ -68,7 +68,7 @@ func TestNewWriterQuotesAndValidatesTable(t *testing.T) {
 	require.ErrorContains(t, err, "not a plain identifier")
 
 	f := outboxtest.NewFixture(t, 1)
-	f.Exec(relay.SchemaDDL(relay.Table{Schema: "app", Name: "outbox"}))
+	f.Exec(outbox.SchemaDDL(outbox.Table{Schema: "app", Name: "outbox"}))
 	w, err := outbox.NewWriter("app.outbox")
 	require.NoError(t, err)
 	ctx := context.Background()

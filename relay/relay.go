@@ -20,6 +20,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/segmentio/kafka-go"
 )
 
@@ -31,7 +32,7 @@ type MessageWriter interface {
 // Relay is one relay process's loop over one outbox table.
 type Relay struct {
 	cfg     Config
-	table   Table
+	table   outbox.Table
 	pool    *pgxpool.Pool
 	writer  MessageWriter
 	kwriter *kafka.Writer // nil when a MessageWriter was injected
@@ -83,7 +84,7 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	table, _ := ParseTable(cfg.Table)
+	table, _ := outbox.ParseTable(cfg.Table)
 	pcfg, err := pgxpool.ParseConfig(cfg.DSN)
 	if err != nil {
 		return nil, fmt.Errorf("dsn: %w", err)

@@ -16,6 +16,7 @@ import (
 
 	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relay"
 )
 
@@ -347,7 +348,7 @@ func (f writerFunc) WriteMessages(ctx context.Context, msgs ...kafka.Message) er
 func TestSchemaQualifiedTable(t *testing.T) {
 	t.Parallel()
 	f := outboxtest.NewFixture(t, 1, "E")
-	f.Exec(relay.SchemaDDL(relay.Table{Schema: "app", Name: "events_outbox"}))
+	f.Exec(outbox.SchemaDDL(outbox.Table{Schema: "app", Name: "events_outbox"}))
 	f.Exec(`INSERT INTO app.events_outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 		SELECT gen_random_uuid(), 'A', 'a', 'E', '{}', 'k' FROM generate_series(1, 50)`)
 	cfg := f.Config()
@@ -366,7 +367,7 @@ func TestHostileTableNamesRefused(t *testing.T) {
 		`outbox; DROP TABLE users`, `"outbox"`, `Outbox`, `a.b.c`, `outbox--`, ``, `.outbox`, `app.`,
 		`o` + strings.Repeat("x", 63), `a b`, `outbox'`,
 	} {
-		_, err := relay.ParseTable(name)
+		_, err := outbox.ParseTable(name)
 		require.Error(t, err, "table %q", name)
 		cfg := relay.Config{DSN: "postgres://x", Table: name, Brokers: []string{"k:9092"}, Topics: map[string]string{"E": "t"}}
 		if name == "" {
@@ -376,7 +377,7 @@ func TestHostileTableNamesRefused(t *testing.T) {
 		require.ErrorContains(t, err, "table")
 	}
 	for _, name := range []string{"outbox", "app.outbox", "_x.y_1", strings.Repeat("x", 63)} {
-		_, err := relay.ParseTable(name)
+		_, err := outbox.ParseTable(name)
 		require.NoError(t, err, name)
 	}
 }

@@ -13,7 +13,6 @@ import (
 
 	"github.com/outbox-relay/outbox-operator/examples/orderservice/orders"
 	"github.com/outbox-relay/outbox-operator/outbox"
-	"github.com/outbox-relay/outbox-operator/relay"
 )
 
 // orderService is examples/orderservice running in the demo's process: it
@@ -33,7 +32,7 @@ func startOrderService(ctx context.Context, dsn string, rate float64, log *slog.
 	if err != nil {
 		return nil, err
 	}
-	w, err := outbox.NewWriter(relay.DefaultTable)
+	w, err := outbox.NewWriter(outbox.DefaultTable)
 	if err != nil {
 		db.Close()
 		return nil, err

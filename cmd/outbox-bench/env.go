@@ -21,7 +21,7 @@ import (
 	"github.com/segmentio/kafka-go"
 
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
-	"github.com/outbox-relay/outbox-operator/relay"
+	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
 // eventType is the one event type the benchmark tables hold.
@@ -108,7 +108,7 @@ func (e *benchEnv) freshTable(ctx context.Context, n int) error {
 	if _, err := e.pool.Exec(ctx, "DROP TABLE IF EXISTS outbox"); err != nil {
 		return err
 	}
-	if _, err := e.pool.Exec(ctx, relay.SchemaDDL(relay.Table{Name: "outbox"})); err != nil {
+	if _, err := e.pool.Exec(ctx, outbox.SchemaDDL(outbox.Table{Name: "outbox"})); err != nil {
 		return fmt.Errorf("create outbox table: %w", err)
 	}
 	if n > 0 {

@@ -13,6 +13,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/segmentio/kafka-go"
 
+	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 	"github.com/outbox-relay/outbox-operator/relay"
 )
 
@@ -28,11 +29,11 @@ func runLatency(ctx context.Context, o *options, e *benchEnv, rep *report) error
 	}
 	var cases []tc
 	for _, rate := range o.rates {
-		cases = append(cases, tc{rate, relay.DefaultPollInterval})
+		cases = append(cases, tc{rate, relayconfig.DefaultPollInterval})
 	}
 	// The poll interval's side of the trade-off, at the first rate.
 	for _, poll := range o.latencyPolls {
-		if poll != relay.DefaultPollInterval && len(o.rates) > 0 {
+		if poll != relayconfig.DefaultPollInterval && len(o.rates) > 0 {
 			cases = append(cases, tc{o.rates[0], poll})
 		}
 	}
@@ -42,13 +43,13 @@ func runLatency(ctx context.Context, o *options, e *benchEnv, rep *report) error
 			return err
 		}
 		name := fmt.Sprintf("rate=%d", c.rate)
-		if c.poll != relay.DefaultPollInterval {
+		if c.poll != relayconfig.DefaultPollInterval {
 			name += " poll=" + c.poll.String()
 		}
 		logf("latency %s: achieved %.0f/s, p50 %.0f ms, p95 %.0f ms, p99 %.0f ms, backlog %.0f→%.0f, RSS %.1f MiB",
 			name, m["achieved_per_s"], m["p50_ms"], m["p95_ms"], m["p99_ms"], m["backlog_start"], m["backlog_end"], m["relay_rss_mib"])
 		rep.add("latency", name, map[string]any{"rate": c.rate, "duration_s": o.latencyFor.Seconds(),
-			"producers": o.producers, "batch": relay.DefaultBatchSize, "poll_interval": c.poll.String()},
+			"producers": o.producers, "batch": relayconfig.DefaultBatchSize, "poll_interval": c.poll.String()},
 			[]map[string]float64{m})
 	}
 	return nil
@@ -65,7 +66,7 @@ func runIdle(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 		if err != nil {
 			return err
 		}
-		p, err := e.startRelay(e.relayArgs(topic, relay.DefaultBatchSize, "", "--poll-interval", poll.String()))
+		p, err := e.startRelay(e.relayArgs(topic, relayconfig.DefaultBatchSize, "", "--poll-interval", poll.String()))
 		if err != nil {
 			return err
 		}
@@ -150,7 +151,7 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 	defer cwg.Wait()
 	defer ccancel()
 
-	p, err := e.startRelay(e.relayArgs(topic, relay.DefaultBatchSize, "", "--poll-interval", poll.String()))
+	p, err := e.startRelay(e.relayArgs(topic, relayconfig.DefaultBatchSize, "", "--poll-interval", poll.String()))
 	if err != nil {
 		return nil, err
 	}

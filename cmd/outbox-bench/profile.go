@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/segmentio/kafka-go"
 
+	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 	"github.com/outbox-relay/outbox-operator/relay"
 )
 
@@ -188,7 +189,7 @@ func runBreakdown(ctx context.Context, o *options, e *benchEnv, rep *report) err
 				Addr: kafka.TCP(e.kafka.Addr()), Balancer: &kafka.Murmur2Balancer{}, RequiredAcks: kafka.RequireAll,
 				BatchTimeout: time.Microsecond, BatchSize: batch, BatchBytes: 1 << 20, MaxAttempts: 3,
 				WriteBackoffMin: 50 * time.Millisecond, WriteBackoffMax: 500 * time.Millisecond,
-				ReadTimeout: relay.DefaultPublishTimeout, WriteTimeout: relay.DefaultPublishTimeout,
+				ReadTimeout: relayconfig.DefaultPublishTimeout, WriteTimeout: relayconfig.DefaultPublishTimeout,
 				Transport: &kafka.Transport{},
 			}}
 			defer tw.w.Close()

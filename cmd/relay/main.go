@@ -17,7 +17,8 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
-	"time"
+
+	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 )
 
 func main() {
@@ -28,9 +29,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	if len(args) > 0 && args[0] == "schema" {
 		return runSchema(args[1:], stdout, stderr)
 	}
-	opts, err := parseFlags(args, stderr)
+	opts, err := parseFlags(args, os.LookupEnv, stderr)
 	if err != nil {
-		if errors.Is(err, errHelp) {
+		if errors.Is(err, relayconfig.ErrHelp) {
 			return 0
 		}
 		fmt.Fprintf(stderr, "relay: %v\n", err)
@@ -51,6 +52,3 @@ func newLogger(format string, w io.Writer) *slog.Logger {
 	}
 	return slog.New(slog.NewJSONHandler(w, nil))
 }
-
-// shutdownGrace bounds how long the process spends stopping after SIGTERM.
-const shutdownGrace = 20 * time.Second

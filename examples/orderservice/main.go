@@ -22,12 +22,11 @@ import (
 
 	"github.com/outbox-relay/outbox-operator/examples/orderservice/orders"
 	"github.com/outbox-relay/outbox-operator/outbox"
-	"github.com/outbox-relay/outbox-operator/relay"
 )
 
 func main() {
 	dsn := flag.String("dsn", os.Getenv("ORDERS_DSN"), "PostgreSQL connection string (or ORDERS_DSN)")
-	table := flag.String("table", relay.DefaultTable, "outbox table")
+	table := flag.String("table", outbox.DefaultTable, "outbox table")
 	rate := flag.Float64("rate", 20, "orders confirmed per second")
 	count := flag.Int("count", 0, "stop after this many orders (0: run until interrupted)")
 	flag.Parse()
@@ -50,11 +49,11 @@ func run(ctx context.Context, dsn, table string, rate float64, count int, log *s
 		return err
 	}
 	defer db.Close()
-	t, err := relay.ParseTable(table)
+	t, err := outbox.ParseTable(table)
 	if err != nil {
 		return err
 	}
-	if _, err := db.Exec(ctx, orders.Schema+"\n"+relay.SchemaDDL(t)); err != nil {
+	if _, err := db.Exec(ctx, orders.Schema+"\n"+outbox.SchemaDDL(t)); err != nil {
 		return fmt.Errorf("create tables: %w", err)
 	}
 	w, err := outbox.NewWriter(table)

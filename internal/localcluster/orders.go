@@ -13,7 +13,7 @@ import (
 
 	"github.com/outbox-relay/outbox-operator/examples/orderservice/orders"
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
-	"github.com/outbox-relay/outbox-operator/relay"
+	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
 // The sample (config/samples) names these; the stack provides them.
@@ -54,7 +54,7 @@ func (s *Stack) PrepareOrders(ctx context.Context) error {
 	if err := s.Postgres.Exec(ctx, "postgres", "CREATE DATABASE "+OrdersDatabase); err != nil {
 		return fmt.Errorf("create database %s: %w", OrdersDatabase, err)
 	}
-	if err := s.Postgres.Exec(ctx, OrdersDatabase, orders.Schema+"\n"+relay.SchemaDDL(relay.Table{Name: relay.DefaultTable})); err != nil {
+	if err := s.Postgres.Exec(ctx, OrdersDatabase, orders.Schema+"\n"+outbox.SchemaDDL(outbox.Table{Name: outbox.DefaultTable})); err != nil {
 		return fmt.Errorf("create the order service's tables: %w", err)
 	}
 	if err := s.CreateRelayRole(ctx, RelayRole); err != nil {
@@ -74,7 +74,7 @@ func (s *Stack) PrepareOrders(ctx context.Context) error {
 func (s *Stack) CreateRelayRole(ctx context.Context, role string) error {
 	id := pgx.Identifier{role}.Sanitize()
 	sql := fmt.Sprintf(`CREATE ROLE %s LOGIN PASSWORD %s; GRANT SELECT, UPDATE ON %s TO %s;`,
-		id, quoteLiteral(role), pgx.Identifier{relay.DefaultTable}.Sanitize(), id)
+		id, quoteLiteral(role), pgx.Identifier{outbox.DefaultTable}.Sanitize(), id)
 	if err := s.Postgres.Exec(ctx, OrdersDatabase, sql); err != nil {
 		return fmt.Errorf("create role %s: %w", role, err)
 	}

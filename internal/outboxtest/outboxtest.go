@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relay"
 )
 
@@ -37,7 +38,7 @@ func NewFixture(t *testing.T, partitions int, eventTypes ...string) *Fixture {
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	f := &Fixture{T: t, DSN: dsn, Pool: pool, Table: "outbox", Topics: map[string]string{}}
-	f.Exec(relay.SchemaDDL(relay.Table{Name: "outbox"}))
+	f.Exec(outbox.SchemaDDL(outbox.Table{Name: "outbox"}))
 	for _, et := range eventTypes {
 		f.Topics[et] = f.NewTopic(strings.ToLower(et), partitions)
 	}

@@ -30,7 +30,6 @@ import (
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 	"github.com/outbox-relay/outbox-operator/internal/localcluster"
 	"github.com/outbox-relay/outbox-operator/outbox"
-	"github.com/outbox-relay/outbox-operator/relay"
 )
 
 const (
@@ -351,7 +350,7 @@ func (e *e2e) newEventType(t *testing.T) {
 func (e *e2e) writeShipped(t *testing.T, n int) []string {
 	t.Helper()
 	ctx := context.Background()
-	w, err := outbox.NewWriter(relay.DefaultTable)
+	w, err := outbox.NewWriter(outbox.DefaultTable)
 	require.NoError(t, err)
 	var ids []string
 	for i := 0; i < n; i++ {

@@ -35,7 +35,7 @@ type writer struct {
 
 func startWriter(t *testing.T, db *pgxpool.Pool, rate float64) *writer {
 	t.Helper()
-	w, err := outbox.NewWriter(relay.DefaultTable)
+	w, err := outbox.NewWriter(outbox.DefaultTable)
 	require.NoError(t, err)
 	h := &orders.ConfirmOrderHandler{DB: db, Outbox: w}
 	ctx, cancel := context.WithCancel(context.Background())

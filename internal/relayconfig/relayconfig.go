@@ -1,0 +1,524 @@
+// Package relayconfig is the contract between the operator and the relay
+// process: the relay's flag and environment names, their defaults and
+// ranges, the rules for table names, event types, topics and brokers, and
+// the two directions of the command line (Settings.Args builds it, Parse
+// reads it back). The operator builds a relay pod's arguments with it,
+// cmd/relay parses them with it and the relay library validates its Config
+// with the same rules, so a setting changes in one place.
+package relayconfig
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"maps"
+	"net"
+	"os"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"sigs.k8s.io/yaml"
+
+	"github.com/outbox-relay/outbox-operator/outbox"
+)
+
+// Flag names of the relay command.
+const (
+	FlagDSN               = "dsn"
+	FlagTable             = "table"
+	FlagBrokers           = "brokers"
+	FlagTopic             = "topic"
+	FlagTopicsFile        = "topics-file"
+	FlagDeadLetterTopic   = "dead-letter-topic"
+	FlagBatchSize         = "batch-size"
+	FlagMaxBatchBytes     = "max-batch-bytes"
+	FlagPollInterval      = "poll-interval"
+	FlagPublishTimeout    = "publish-timeout"
+	FlagOrdering          = "ordering"
+	FlagStallTimeout      = "stall-timeout"
+	FlagMetricsAddr       = "metrics-addr"
+	FlagLogFormat         = "log-format"
+	FlagKafkaTLS          = "kafka-tls"
+	FlagKafkaTLSCAFile    = "kafka-tls-ca-file"
+	FlagKafkaTLSCertFile  = "kafka-tls-cert-file"
+	FlagKafkaTLSKeyFile   = "kafka-tls-key-file"
+	FlagKafkaSASLMech     = "kafka-sasl-mechanism"
+	flagKafkaSASLUsername = "kafka-sasl-username" // environment only
+	flagKafkaSASLPassword = "kafka-sasl-password" // environment only
+)
+
+// EnvPrefix starts the environment variable of every flag: RELAY_<FLAG>,
+// upper case, "-" as "_". A flag on the command line wins over it.
+const EnvPrefix = "RELAY_"
+
+// EnvName is the environment variable that sets a flag.
+func EnvName(flagName string) string {
+	return EnvPrefix + strings.ToUpper(strings.ReplaceAll(flagName, "-", "_"))
+}
+
+// Environment variables that carry secrets; they never appear as arguments.
+var (
+	EnvDSN          = EnvName(FlagDSN)
+	EnvSASLUsername = EnvName(flagKafkaSASLUsername)
+	EnvSASLPassword = EnvName(flagKafkaSASLPassword)
+)
+
+// Ordering is the per-key ordering mode, as the relay's --ordering takes it.
+type Ordering string
+
+const (
+	// OrderingNone: rows are published in id order within one replica;
+	// across replicas no per-key order is promised.
+	OrderingNone Ordering = "none"
+	// OrderingPartitionKey: each partition key's rows reach Kafka in id
+	// order, with any number of replicas.
+	OrderingPartitionKey Ordering = "partition-key"
+)
+
+// Orderings are the valid Ordering values.
+var Orderings = []Ordering{OrderingNone, OrderingPartitionKey}
+
+// SASL mechanisms the relay speaks.
+const (
+	SASLPlain       = "PLAIN"
+	SASLScramSHA256 = "SCRAM-SHA-256"
+	SASLScramSHA512 = "SCRAM-SHA-512"
+)
+
+// SASLMechanisms are the valid --kafka-sasl-mechanism values.
+var SASLMechanisms = []string{SASLPlain, SASLScramSHA256, SASLScramSHA512}
+
+// Log formats.
+var LogFormats = []string{"json", "text"}
+
+// Defaults and ranges.
+const (
+	DefaultTable          = outbox.DefaultTable
+	DefaultBatchSize      = 50
+	MinBatchSize          = 1
+	MaxBatchSize          = 10000
+	DefaultMaxBatchBytes  = 4 << 20
+	MinMaxBatchBytes      = 64 << 10
+	MaxMaxBatchBytes      = 256 << 20
+	DefaultPollInterval   = 200 * time.Millisecond
+	MinPollInterval       = 10 * time.Millisecond
+	MaxPollInterval       = time.Hour
+	DefaultPublishTimeout = 10 * time.Second
+	MinPublishTimeout     = time.Second
+	MaxPublishTimeout     = 5 * time.Minute
+	DefaultStallTimeout   = 2 * time.Minute
+	MinStallTimeout       = 5 * time.Second
+	MaxStallTimeout       = 24 * time.Hour
+	DefaultOrdering       = OrderingNone
+	DefaultLogFormat      = "json"
+	// MetricsPort is where a relay pod serves /metrics, /healthz and /readyz.
+	MetricsPort = 9090
+	// MaxTopics is the most event types one relay maps.
+	MaxTopics = 512
+	// MaxEventTypeLength is the longest event type, in characters.
+	MaxEventTypeLength = 255
+	// MaxTopicLength is Kafka's longest topic name.
+	MaxTopicLength = 249
+)
+
+// DefaultMetricsAddr is --metrics-addr's default.
+var DefaultMetricsAddr = ":" + strconv.Itoa(MetricsPort)
+
+// Patterns the OutboxRelay schema carries too (a test compares them).
+const (
+	// TablePattern is a table name, NAME or SCHEMA.NAME.
+	TablePattern = outbox.TablePattern
+	// TopicPattern is a Kafka topic name's characters; "." and ".." are refused besides.
+	TopicPattern = `^[a-zA-Z0-9._-]+$`
+	// EventTypePattern: no '=' or ',' (the --topic syntax) and no surrounding space.
+	EventTypePattern = `^[^=,\s]([^=,]*[^=,\s])?$`
+	// BrokerPattern is host:port, an IPv6 host in brackets.
+	BrokerPattern = `^(\[[0-9a-fA-F:.]+\]|[a-zA-Z0-9]([-a-zA-Z0-9.]*[a-zA-Z0-9])?):[0-9]{1,5}$`
+)
+
+var (
+	topicRE     = regexp.MustCompile(TopicPattern)
+	eventTypeRE = regexp.MustCompile(EventTypePattern)
+	brokerRE    = regexp.MustCompile(BrokerPattern)
+)
+
+// Settings are the relay's settings as its command line carries them.
+type Settings struct {
+	// DSN is the PostgreSQL connection string; it travels in RELAY_DSN, never as an argument.
+	DSN             string
+	Table           string
+	Brokers         []string
+	Topics          map[string]string
+	DeadLetterTopic string
+	BatchSize       int
+	MaxBatchBytes   int
+	PollInterval    time.Duration
+	PublishTimeout  time.Duration
+	Ordering        Ordering
+	// StallTimeout: /readyz fails when no batch completes, or rows wait and
+	// none is published, for this long.
+	StallTimeout time.Duration
+	MetricsAddr  string
+	LogFormat    string
+	KafkaTLS     bool
+	// Kafka TLS files: CA bundle, client certificate and key (PEM).
+	KafkaTLSCAFile, KafkaTLSCertFile, KafkaTLSKeyFile string
+	// KafkaSASLMechanism is empty (no SASL) or one of SASLMechanisms.
+	KafkaSASLMechanism string
+	// SASL credentials; they travel in the environment, never as arguments.
+	KafkaSASLUsername, KafkaSASLPassword string
+}
+
+// Defaults are the settings of a relay given no flags.
+func Defaults() Settings {
+	return Settings{
+		Table:          DefaultTable,
+		BatchSize:      DefaultBatchSize,
+		MaxBatchBytes:  DefaultMaxBatchBytes,
+		PollInterval:   DefaultPollInterval,
+		PublishTimeout: DefaultPublishTimeout,
+		Ordering:       DefaultOrdering,
+		StallTimeout:   DefaultStallTimeout,
+		MetricsAddr:    DefaultMetricsAddr,
+		LogFormat:      DefaultLogFormat,
+	}
+}
+
+// Args is the command line that gives a relay s, in a fixed order so a pod
+// template built from it is stable. Secrets (DSN, SASL credentials) are
+// never among the arguments: pass them in the environment (EnvDSN,
+// EnvSASLUsername, EnvSASLPassword).
+func (s Settings) Args() []string {
+	arg := func(name, v string) string { return "--" + name + "=" + v }
+	args := []string{
+		arg(FlagTable, s.Table),
+		arg(FlagBrokers, strings.Join(s.Brokers, ",")),
+		arg(FlagBatchSize, strconv.Itoa(s.BatchSize)),
+		arg(FlagMaxBatchBytes, strconv.Itoa(s.MaxBatchBytes)),
+		arg(FlagPollInterval, s.PollInterval.String()),
+		arg(FlagPublishTimeout, s.PublishTimeout.String()),
+		arg(FlagStallTimeout, s.StallTimeout.String()),
+	}
+	for _, et := range slices.Sorted(maps.Keys(s.Topics)) {
+		args = append(args, arg(FlagTopic, et+"="+s.Topics[et]))
+	}
+	if s.DeadLetterTopic != "" {
+		args = append(args, arg(FlagDeadLetterTopic, s.DeadLetterTopic))
+	}
+	args = append(args, arg(FlagOrdering, string(s.Ordering)), arg(FlagMetricsAddr, s.MetricsAddr), arg(FlagLogFormat, s.LogFormat))
+	if s.KafkaTLS {
+		args = append(args, "--"+FlagKafkaTLS)
+	}
+	for _, f := range []struct{ name, v string }{
+		{FlagKafkaTLSCAFile, s.KafkaTLSCAFile}, {FlagKafkaTLSCertFile, s.KafkaTLSCertFile},
+		{FlagKafkaTLSKeyFile, s.KafkaTLSKeyFile}, {FlagKafkaSASLMech, s.KafkaSASLMechanism},
+	} {
+		if f.v != "" {
+			args = append(args, arg(f.name, f.v))
+		}
+	}
+	return args
+}
+
+// ErrHelp is returned by Parse for -h or --help, after the usage is written.
+var ErrHelp = flag.ErrHelp
+
+// Parse reads the relay's command line, filling each flag not given from
+// its RELAY_<FLAG> variable (looked up through lookupEnv), and validates the
+// result. Errors name the flag (or variable) and the bad value. For -h it
+// writes the usage to usage and returns ErrHelp.
+func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer) (Settings, error) {
+	s := Defaults()
+	fs := flag.NewFlagSet("relay", flag.ContinueOnError)
+	fs.SetOutput(io.Discard) // errors are returned, and printed once by the caller
+	var brokers, topicsFile string
+	topics := topicsValue{}
+	fs.StringVar(&s.DSN, FlagDSN, "", "PostgreSQL connection string (pass it as "+EnvDSN+" from a Secret)")
+	fs.StringVar(&s.Table, FlagTable, DefaultTable, "outbox table, NAME or SCHEMA.NAME")
+	fs.StringVar(&brokers, FlagBrokers, "", "Kafka bootstrap brokers, comma-separated host:port")
+	fs.IntVar(&s.BatchSize, FlagBatchSize, DefaultBatchSize, fmt.Sprintf("most rows claimed per transaction (%d..%d)", MinBatchSize, MaxBatchSize))
+	fs.IntVar(&s.MaxBatchBytes, FlagMaxBatchBytes, DefaultMaxBatchBytes, fmt.Sprintf("most payload bytes claimed per transaction; a larger row is claimed alone (%d..%d)", MinMaxBatchBytes, MaxMaxBatchBytes))
+	fs.DurationVar(&s.PollInterval, FlagPollInterval, DefaultPollInterval, fmt.Sprintf("sleep after a short batch (%s..%s)", MinPollInterval, MaxPollInterval))
+	fs.DurationVar(&s.PublishTimeout, FlagPublishTimeout, DefaultPublishTimeout, fmt.Sprintf("deadline of one batch's publish (%s..%s)", MinPublishTimeout, MaxPublishTimeout))
+	fs.DurationVar(&s.StallTimeout, FlagStallTimeout, DefaultStallTimeout, fmt.Sprintf("/readyz fails when no batch completes, or rows wait and none is published, for this long (%s..%s)", MinStallTimeout, MaxStallTimeout))
+	fs.Var(topics, FlagTopic, "EVENT_TYPE=TOPIC mapping (repeatable, or comma-separated)")
+	fs.StringVar(&topicsFile, FlagTopicsFile, "", "YAML or JSON file mapping event types to topics")
+	fs.StringVar(&s.DeadLetterTopic, FlagDeadLetterTopic, "", "topic for rows Kafka refuses permanently (default: hold them)")
+	fs.StringVar(&s.MetricsAddr, FlagMetricsAddr, DefaultMetricsAddr, "address serving /metrics, /healthz and /readyz")
+	fs.StringVar(&s.LogFormat, FlagLogFormat, DefaultLogFormat, "log format: "+strings.Join(LogFormats, " or "))
+	fs.Func(FlagOrdering, "per-key ordering: none or partition-key (default none)", func(v string) error { s.Ordering = Ordering(v); return nil })
+	fs.BoolVar(&s.KafkaTLS, FlagKafkaTLS, false, "connect to Kafka over TLS")
+	fs.StringVar(&s.KafkaTLSCAFile, FlagKafkaTLSCAFile, "", "PEM CA bundle to verify the brokers (default: system roots)")
+	fs.StringVar(&s.KafkaTLSCertFile, FlagKafkaTLSCertFile, "", "PEM client certificate for mutual TLS")
+	fs.StringVar(&s.KafkaTLSKeyFile, FlagKafkaTLSKeyFile, "", "PEM client key for mutual TLS")
+	fs.StringVar(&s.KafkaSASLMechanism, FlagKafkaSASLMech, "", "SASL mechanism: "+strings.Join(SASLMechanisms, ", ")+" (credentials from "+EnvSASLUsername+" and "+EnvSASLPassword+")")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			fmt.Fprintf(usage, "usage: relay [flags]\n       relay schema --table NAME\n\nEvery flag can be set as %s<FLAG> in the environment.\n\n", EnvPrefix)
+			fs.SetOutput(usage)
+			fs.PrintDefaults()
+			return s, ErrHelp
+		}
+		return s, err
+	}
+	if fs.NArg() > 0 {
+		return s, fmt.Errorf("unexpected argument %q", fs.Arg(0))
+	}
+	if err := applyEnv(fs, lookupEnv); err != nil {
+		return s, err
+	}
+	s.KafkaSASLUsername, _ = lookupEnv(EnvSASLUsername)
+	s.KafkaSASLPassword, _ = lookupEnv(EnvSASLPassword)
+	if topicsFile != "" {
+		if err := readTopicsFile(topicsFile, topics); err != nil {
+			return s, fmt.Errorf("--%s: %w", FlagTopicsFile, err)
+		}
+	}
+	if len(topics) > 0 {
+		s.Topics = map[string]string(topics)
+	}
+	for _, b := range strings.Split(brokers, ",") {
+		if b = strings.TrimSpace(b); b != "" {
+			s.Brokers = append(s.Brokers, b)
+		}
+	}
+	if err := s.Validate(); err != nil {
+		return s, err
+	}
+	return s, nil
+}
+
+// Validate checks every setting and names each bad flag and its value.
+func (s Settings) Validate() error {
+	errs := []error{
+		flagErr(FlagTable, CheckTable(s.Table)),
+		flagErr(FlagBrokers, CheckBrokers(s.Brokers)),
+		flagErr(FlagTopic, CheckTopics(s.Topics, s.DeadLetterTopic)),
+		flagErr(FlagBatchSize, CheckBatchSize(s.BatchSize)),
+		flagErr(FlagMaxBatchBytes, CheckMaxBatchBytes(s.MaxBatchBytes)),
+		flagErr(FlagPollInterval, CheckPollInterval(s.PollInterval)),
+		flagErr(FlagPublishTimeout, CheckPublishTimeout(s.PublishTimeout)),
+		flagErr(FlagStallTimeout, CheckStallTimeout(s.StallTimeout)),
+		flagErr(FlagOrdering, CheckOrdering(s.Ordering)),
+	}
+	if s.DeadLetterTopic != "" {
+		errs = append(errs, flagErr(FlagDeadLetterTopic, CheckTopic(s.DeadLetterTopic)))
+	}
+	if !slices.Contains(LogFormats, s.LogFormat) {
+		errs = append(errs, fmt.Errorf("--%s: %q is not one of %s", FlagLogFormat, s.LogFormat, strings.Join(LogFormats, ", ")))
+	}
+	if (s.KafkaTLSCertFile == "") != (s.KafkaTLSKeyFile == "") {
+		errs = append(errs, fmt.Errorf("--%s and --%s go together", FlagKafkaTLSCertFile, FlagKafkaTLSKeyFile))
+	}
+	if m := s.KafkaSASLMechanism; m != "" {
+		switch {
+		case !slices.Contains(SASLMechanisms, m):
+			errs = append(errs, fmt.Errorf("--%s: %q is not one of %s", FlagKafkaSASLMech, m, strings.Join(SASLMechanisms, ", ")))
+		case m == SASLPlain && !s.TLSEnabled():
+			errs = append(errs, fmt.Errorf("--%s: %s sends the password in clear text; it needs --%s", FlagKafkaSASLMech, m, FlagKafkaTLS))
+		case s.KafkaSASLUsername == "" || s.KafkaSASLPassword == "":
+			errs = append(errs, fmt.Errorf("--%s %s needs %s and %s", FlagKafkaSASLMech, m, EnvSASLUsername, EnvSASLPassword))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// TLSEnabled reports whether the relay talks TLS to Kafka.
+func (s Settings) TLSEnabled() bool {
+	return s.KafkaTLS || s.KafkaTLSCAFile != "" || s.KafkaTLSCertFile != ""
+}
+
+func flagErr(name string, err error) error {
+	if err == nil {
+		return nil
+	}
+	return fmt.Errorf("--%s: %w", name, err)
+}
+
+// CheckTable applies the table-name rule.
+func CheckTable(s string) error {
+	_, err := outbox.ParseTable(s)
+	return err
+}
+
+// CheckBatchSize applies --batch-size's range.
+func CheckBatchSize(n int) error {
+	if n < MinBatchSize || n > MaxBatchSize {
+		return fmt.Errorf("%d is outside %d..%d", n, MinBatchSize, MaxBatchSize)
+	}
+	return nil
+}
+
+// CheckMaxBatchBytes applies --max-batch-bytes' range.
+func CheckMaxBatchBytes(n int) error {
+	if n < MinMaxBatchBytes || n > MaxMaxBatchBytes {
+		return fmt.Errorf("%d is outside %d..%d", n, MinMaxBatchBytes, MaxMaxBatchBytes)
+	}
+	return nil
+}
+
+func checkDuration(d, lo, hi time.Duration) error {
+	if d < lo || d > hi {
+		return fmt.Errorf("%s is outside %s..%s", d, lo, hi)
+	}
+	return nil
+}
+
+// CheckPollInterval applies --poll-interval's range.
+func CheckPollInterval(d time.Duration) error { return checkDuration(d, MinPollInterval, MaxPollInterval) }
+
+// CheckPublishTimeout applies --publish-timeout's range.
+func CheckPublishTimeout(d time.Duration) error {
+	return checkDuration(d, MinPublishTimeout, MaxPublishTimeout)
+}
+
+// CheckStallTimeout applies --stall-timeout's range.
+func CheckStallTimeout(d time.Duration) error { return checkDuration(d, MinStallTimeout, MaxStallTimeout) }
+
+// CheckOrdering accepts the Orderings.
+func CheckOrdering(o Ordering) error {
+	if !slices.Contains(Orderings, o) {
+		return fmt.Errorf("%q is not one of none, partition-key", o)
+	}
+	return nil
+}
+
+// CheckTopic applies Kafka's topic-name rule.
+func CheckTopic(t string) error {
+	if !topicRE.MatchString(t) || len(t) > MaxTopicLength || t == "." || t == ".." {
+		return fmt.Errorf("%q is not a valid Kafka topic name ([a-zA-Z0-9._-], 1-%d characters, not . or ..)", t, MaxTopicLength)
+	}
+	return nil
+}
+
+// CheckEventType applies the event-type rule.
+func CheckEventType(et string) error {
+	if !eventTypeRE.MatchString(et) || len([]rune(et)) > MaxEventTypeLength {
+		return fmt.Errorf("event type %q must be 1 to %d characters without '=' or ',' and without surrounding space", et, MaxEventTypeLength)
+	}
+	return nil
+}
+
+// CheckTopics checks a topic map and that the dead-letter topic is none of its topics.
+func CheckTopics(topics map[string]string, deadLetter string) error {
+	if len(topics) == 0 {
+		return errors.New("at least one EVENT_TYPE=TOPIC mapping is required")
+	}
+	if len(topics) > MaxTopics {
+		return fmt.Errorf("%d event types mapped, at most %d", len(topics), MaxTopics)
+	}
+	var errs []error
+	for _, et := range slices.Sorted(maps.Keys(topics)) {
+		topic := topics[et]
+		if err := CheckEventType(et); err != nil {
+			errs = append(errs, err)
+		}
+		if err := CheckTopic(topic); err != nil {
+			errs = append(errs, fmt.Errorf("event type %q: %w", et, err))
+		}
+		if deadLetter != "" && topic == deadLetter {
+			errs = append(errs, fmt.Errorf("%q (event type %q) is also the dead-letter topic", topic, et))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// CheckBrokers needs at least one host:port.
+func CheckBrokers(brokers []string) error {
+	if len(brokers) == 0 {
+		return errors.New("at least one host:port is required")
+	}
+	var errs []error
+	for _, b := range brokers {
+		if err := CheckBroker(b); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// CheckBroker applies the host:port rule.
+func CheckBroker(b string) error {
+	if !brokerRE.MatchString(b) {
+		return fmt.Errorf("%q is not host:port", b)
+	}
+	_, port, _ := net.SplitHostPort(b)
+	if p, err := strconv.Atoi(port); err != nil || p < 1 || p > 65535 {
+		return fmt.Errorf("%q has an invalid port %q (1..65535)", b, port)
+	}
+	return nil
+}
+
+// topicsValue collects repeated --topic EVENT_TYPE=TOPIC values.
+type topicsValue map[string]string
+
+func (t topicsValue) String() string {
+	parts := make([]string, 0, len(t))
+	for _, k := range slices.Sorted(maps.Keys(t)) {
+		parts = append(parts, k+"="+t[k])
+	}
+	return strings.Join(parts, ",")
+}
+
+// Set takes EVENT_TYPE=TOPIC, or several separated by commas (the form the
+// RELAY_TOPIC environment variable uses). Event types cannot hold '=' or
+// ',' (CheckEventType), so the split is unambiguous.
+func (t topicsValue) Set(v string) error {
+	for _, kv := range strings.Split(v, ",") {
+		if strings.TrimSpace(kv) == "" {
+			continue
+		}
+		et, topic, ok := strings.Cut(kv, "=")
+		if !ok || et == "" || topic == "" {
+			return fmt.Errorf("%q is not EVENT_TYPE=TOPIC", kv)
+		}
+		if prev, dup := t[et]; dup && prev != topic {
+			return fmt.Errorf("event type %q is mapped twice (%q and %q)", et, prev, topic)
+		}
+		t[et] = topic
+	}
+	return nil
+}
+
+// applyEnv sets every flag not given on the command line from RELAY_<FLAG>.
+func applyEnv(fs *flag.FlagSet, lookupEnv func(string) (string, bool)) error {
+	given := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	var err error
+	fs.VisitAll(func(f *flag.Flag) {
+		if given[f.Name] || err != nil {
+			return
+		}
+		env := EnvName(f.Name)
+		if v, ok := lookupEnv(env); ok {
+			if e := f.Value.Set(v); e != nil {
+				err = fmt.Errorf("%s (--%s): %q: %v", env, f.Name, v, e)
+			}
+		}
+	})
+	return err
+}
+
+func readTopicsFile(path string, into topicsValue) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	var m map[string]string
+	if err := yaml.UnmarshalStrict(b, &m); err != nil {
+		return fmt.Errorf("%s: want a map of event type to topic: %w", path, err)
+	}
+	for _, et := range slices.Sorted(maps.Keys(m)) {
+		if err := CheckEventType(et); err != nil {
+			return fmt.Errorf("%s: %w", path, err)
+		}
+		if err := into.Set(et + "=" + m[et]); err != nil {
+			return fmt.Errorf("%s: %w", path, err)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,141 @@
+package outbox
+
+import (
+	"fmt"
+	"regexp"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// DefaultTable is the outbox table's name when none is configured.
+const DefaultTable = "outbox"
+
+// IdentifierPattern is one part of a table name: a plain, unquoted PostgreSQL
+// identifier. Anything needing quotes (upper case, spaces, quotes, dots
+// inside a part) is refused, so a configured name can never change the SQL
+// it is spliced into, and PostgreSQL's case folding never surprises anyone.
+const IdentifierPattern = `[a-z_][a-z0-9_]{0,62}`
+
+// TablePattern is a whole table name, NAME or SCHEMA.NAME. The OutboxRelay
+// schema carries the same pattern (a test compares them).
+const TablePattern = `^` + IdentifierPattern + `(\.` + IdentifierPattern + `)?$`
+
+var identRE = regexp.MustCompile(`^` + IdentifierPattern + `$`)
+
+// Table is a validated, optionally schema-qualified outbox table name.
+type Table struct {
+	Schema string // "" means the search_path
+	Name   string
+}
+
+// ParseTable validates "name" or "schema.name": each part a lower-case
+// identifier of at most 63 bytes.
+func ParseTable(s string) (Table, error) {
+	parts := strings.Split(s, ".")
+	if len(parts) > 2 {
+		return Table{}, fmt.Errorf("table %q: want NAME or SCHEMA.NAME", s)
+	}
+	for _, p := range parts {
+		if !identRE.MatchString(p) {
+			return Table{}, fmt.Errorf("table %q: %q is not a plain identifier (lower-case letters, digits and _, starting with a letter or _, at most 63 characters)", s, p)
+		}
+	}
+	if len(parts) == 2 {
+		return Table{Schema: parts[0], Name: parts[1]}, nil
+	}
+	return Table{Name: parts[0]}, nil
+}
+
+// String is the name as configured.
+func (t Table) String() string {
+	if t.Schema == "" {
+		return t.Name
+	}
+	return t.Schema + "." + t.Name
+}
+
+// Quoted is the name quoted for SQL.
+func (t Table) Quoted() string {
+	if t.Schema == "" {
+		return pgx.Identifier{t.Name}.Sanitize()
+	}
+	return pgx.Identifier{t.Schema, t.Name}.Sanitize()
+}
+
+// IndexName is the conventional name of the table's partial index on unpublished rows.
+func (t Table) IndexName() string {
+	n := "ix_" + t.Name + "_unpublished"
+	if len(n) > 63 {
+		n = n[:63]
+	}
+	return n
+}
+
+// Column is one column of the outbox table as the relay reads it.
+type Column struct {
+	Name string
+	// Types are the column types the relay accepts, the DDL's first.
+	Types []string
+	// NotNull: the relay refuses a table where this column allows NULL.
+	NotNull bool
+}
+
+// Columns are the columns the relay reads or writes.
+var Columns = []Column{
+	{"id", []string{"bigint", "integer"}, true},
+	{"event_id", []string{"uuid", "text", "character varying"}, true},
+	{"aggregate_type", []string{"text", "character varying"}, true},
+	{"aggregate_id", []string{"text", "character varying"}, true},
+	{"event_type", []string{"text", "character varying"}, true},
+	{"payload", []string{"jsonb", "json", "bytea", "text"}, true},
+	{"partition_key", []string{"text", "character varying"}, true},
+	{"created_at", []string{"timestamp with time zone"}, true},
+	{"published_at", []string{"timestamp with time zone"}, false},
+}
+
+// SchemaDDL returns the DDL of an outbox table: its columns, the partial
+// index the relay claims through, and per-table autovacuum settings for a
+// queue table whose every row is updated once and pruned later.
+func SchemaDDL(t Table) string {
+	q := t.Quoted()
+	idx := pgx.Identifier{t.IndexName()}.Sanitize()
+	var b strings.Builder
+	if t.Schema != "" {
+		fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n\n", pgx.Identifier{t.Schema}.Sanitize())
+	}
+	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %[1]s (
+    id             bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    event_id       uuid        NOT NULL UNIQUE,
+    aggregate_type text        NOT NULL,
+    aggregate_id   text        NOT NULL,
+    event_type     text        NOT NULL,
+    payload        jsonb       NOT NULL,
+    partition_key  text        NOT NULL,
+    created_at     timestamptz NOT NULL DEFAULT now(),
+    published_at   timestamptz
+);
+
+-- The relay claims through this index only: it holds just the unpublished rows.
+CREATE INDEX IF NOT EXISTS %[2]s
+    ON %[1]s (id)
+    WHERE published_at IS NULL;
+
+-- Every row is inserted, updated once (published_at, never a HOT update
+-- because the column is in the index predicate) and later deleted:
+-- vacuum early and often so dead index entries do not pile up.
+ALTER TABLE %[1]s SET (
+    autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_insert_scale_factor = 0.01,
+    autovacuum_analyze_scale_factor = 0.02,
+    autovacuum_vacuum_cost_delay = 0,
+    fillfactor = 90
+);
+
+-- Prune published rows periodically (e.g. from pg_cron), in small batches:
+-- DELETE FROM %[1]s WHERE id IN (
+--     SELECT id FROM %[1]s WHERE published_at < now() - interval '1 day' LIMIT 10000);
+`, q, idx)
+	return b.String()
+}

@@ -1,0 +1,84 @@
+package relay
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/outbox-relay/outbox-operator/outbox"
+)
+
+// querier is what CheckSchema needs of a pool or connection.
+type querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// CheckSchema verifies that the table exists with the columns and types the
+// relay needs, that the columns it reads are NOT NULL, and that a partial
+// index on published_at IS NULL exists. The error names each problem and
+// the DDL that fixes it.
+func CheckSchema(ctx context.Context, conn querier, t outbox.Table) error {
+	var oid uint32
+	err := conn.QueryRow(ctx, `SELECT to_regclass($1)::oid`, t.Quoted()).Scan(&oid)
+	if err != nil || oid == 0 {
+		return fmt.Errorf("table %s does not exist; create it with the DDL from `relay schema --table %s`", t, t)
+	}
+	rows, err := conn.Query(ctx, `
+		SELECT a.attname, format_type(a.atttypid, NULL), a.attnotnull
+		FROM pg_attribute a
+		WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped`, oid)
+	if err != nil {
+		return fmt.Errorf("read columns of %s: %w", t, err)
+	}
+	type col struct {
+		typ     string
+		notNull bool
+	}
+	have := map[string]col{}
+	for rows.Next() {
+		var name string
+		var c col
+		if err := rows.Scan(&name, &c.typ, &c.notNull); err != nil {
+			return fmt.Errorf("read columns of %s: %w", t, err)
+		}
+		have[name] = c
+	}
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("read columns of %s: %w", t, err)
+	}
+	var problems []string
+	for _, want := range outbox.Columns {
+		c, ok := have[want.Name]
+		switch {
+		case !ok:
+			problems = append(problems, fmt.Sprintf("column %s is missing (want %s)", want.Name, want.Types[0]))
+		case !slices.Contains(want.Types, c.typ):
+			problems = append(problems, fmt.Sprintf("column %s has type %s (want one of %s)", want.Name, c.typ, strings.Join(want.Types, ", ")))
+		case want.NotNull && !c.notNull:
+			problems = append(problems, fmt.Sprintf("column %s allows NULL; fix it with: ALTER TABLE %s ALTER COLUMN %s SET NOT NULL",
+				want.Name, t.Quoted(), pgx.Identifier{want.Name}.Sanitize()))
+		}
+	}
+	if len(problems) > 0 {
+		return fmt.Errorf("table %s: %s", t, strings.Join(problems, "; "))
+	}
+	var hasIndex bool
+	err = conn.QueryRow(ctx, `
+		SELECT EXISTS (
+			SELECT 1 FROM pg_index i
+			WHERE i.indrelid = $1 AND i.indisvalid
+			  AND i.indkey[0] = (SELECT attnum FROM pg_attribute WHERE attrelid = $1 AND attname = 'id')
+			  AND regexp_replace(pg_get_expr(i.indpred, i.indrelid), '[()]', '', 'g') = 'published_at IS NULL')`, oid).Scan(&hasIndex)
+	if err != nil {
+		return fmt.Errorf("read indexes of %s: %w", t, err)
+	}
+	if !hasIndex {
+		return fmt.Errorf("table %s has no partial index on (id) WHERE published_at IS NULL; without it every claim scans the table. Create it with: CREATE INDEX CONCURRENTLY %s ON %s (id) WHERE published_at IS NULL",
+			t, pgx.Identifier{t.IndexName()}.Sanitize(), t.Quoted())
+	}
+	return nil
+}
