@@ -30,7 +30,7 @@ import (
 // TestController runs the reconciler in a manager against the real API
 // server; each subtest works in its own namespace.
 func TestController(t *testing.T) {
-	r := startManager(t)
+	r, mgr := startManager(t)
 	c := adminClient(t)
 
 	t.Run("SampleCreatesChildren", func(t *testing.T) { t.Parallel(); testSampleCreatesChildren(t, c) })
@@ -43,6 +43,9 @@ func TestController(t *testing.T) {
 	t.Run("InvalidSpecSetsConditionAndEvent", func(t *testing.T) { t.Parallel(); testInvalidSpec(t, c) })
 	t.Run("KafkaTLSAndSASL", func(t *testing.T) { t.Parallel(); testKafkaTLSAndSASL(t, c) })
 	t.Run("ForeignChildIsLeftAlone", func(t *testing.T) { t.Parallel(); testForeignChild(t, c) })
+	t.Run("OrderingSwitchUsesRecreate", func(t *testing.T) { t.Parallel(); testOrderingSwitch(t, c) })
+	t.Run("ImageAllowList", func(t *testing.T) { t.Parallel(); testImageAllowList(t, c) })
+	t.Run("SecretsCachedWithoutData", func(t *testing.T) { t.Parallel(); testSecretsCachedWithoutData(t, c, mgr) })
 }
 
 func create(t *testing.T, c client.Client, objs ...client.Object) {
@@ -89,7 +92,7 @@ func testSampleCreatesChildren(t *testing.T, c client.Client) {
 	d := waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })
 	require.True(t, metav1.IsControlledBy(d, relay), "the Deployment is owned by the relay")
 	require.Equal(t, int32(2), *d.Spec.Replicas)
-	require.Equal(t, SelectorLabels(relay), d.Spec.Selector.MatchLabels)
+	require.Equal(t, selectorLabels(relay), d.Spec.Selector.MatchLabels)
 	pod := d.Spec.Template.Spec
 	require.Len(t, pod.Containers, 1)
 	ct := pod.Containers[0]
@@ -99,7 +102,10 @@ func testSampleCreatesChildren(t *testing.T, c client.Client) {
 		"--table=outbox",
 		"--brokers=127.0.0.1:9092",
 		"--batch-size=50",
+		"--max-batch-bytes=4194304",
 		"--poll-interval=200ms",
+		"--publish-timeout=10s",
+		"--stall-timeout=2m0s",
 		"--topic=OrderCancelled=orders.cancelled",
 		"--topic=OrderConfirmed=orders.confirmed",
 		"--dead-letter-topic=orders.dead-letter",
@@ -141,12 +147,12 @@ func testSampleCreatesChildren(t *testing.T, c client.Client) {
 	require.Equal(t, "/readyz", ct.ReadinessProbe.HTTPGet.Path)
 	require.Equal(t, "metrics", ct.ReadinessProbe.HTTPGet.Port.String())
 	require.Equal(t, resource.MustParse("50m"), ct.Resources.Requests[corev1.ResourceCPU])
-	require.NotEmpty(t, d.Spec.Template.Annotations[ConfigHashAnnotation])
+	require.NotEmpty(t, d.Spec.Template.Annotations[configHashAnnotation])
 
 	svc := &corev1.Service{}
 	require.Eventually(t, func() bool { return c.Get(ctx, childKey(relay), svc) == nil }, eventually, tick)
 	require.True(t, metav1.IsControlledBy(svc, relay))
-	require.Equal(t, SelectorLabels(relay), svc.Spec.Selector)
+	require.Equal(t, selectorLabels(relay), svc.Spec.Selector)
 	require.Len(t, svc.Spec.Ports, 1)
 	require.Equal(t, int32(9090), svc.Spec.Ports[0].Port)
 	require.Equal(t, "metrics", svc.Spec.Ports[0].TargetPort.String())
@@ -155,7 +161,7 @@ func testSampleCreatesChildren(t *testing.T, c client.Client) {
 	require.Eventually(t, func() bool { return c.Get(ctx, childKey(relay), pdb) == nil }, eventually, tick)
 	require.True(t, metav1.IsControlledBy(pdb, relay))
 	require.Equal(t, 1, pdb.Spec.MaxUnavailable.IntValue())
-	require.Equal(t, SelectorLabels(relay), pdb.Spec.Selector.MatchLabels)
+	require.Equal(t, selectorLabels(relay), pdb.Spec.Selector.MatchLabels)
 
 	relay = waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
 		return readyReason(o) == outboxv1alpha1.ReasonDeploymentUnavailable
@@ -192,7 +198,7 @@ func testSpecChanges(t *testing.T, c client.Client, r *OutboxRelayReconciler) {
 	require.True(t, apierrors.IsNotFound(c.Get(ctx, childKey(relay), &policyv1.PodDisruptionBudget{})), "no PDB for one replica")
 
 	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) {
-		o.Spec.BatchSize = 500
+		o.Spec.BatchSize = ptr.To[int32](500)
 		o.Spec.Topics["OrderShipped"] = "orders.shipped"
 		o.Spec.Replicas = ptr.To[int32](3)
 	})
@@ -201,7 +207,7 @@ func testSpecChanges(t *testing.T, c client.Client, r *OutboxRelayReconciler) {
 	require.Contains(t, args, "--batch-size=500")
 	require.Contains(t, args, "--topic=OrderShipped=orders.shipped")
 	require.Contains(t, args, "--topic=OrderConfirmed=orders.confirmed")
-	require.NotEqual(t, before.Spec.Template.Annotations[ConfigHashAnnotation], after.Spec.Template.Annotations[ConfigHashAnnotation],
+	require.NotEqual(t, before.Spec.Template.Annotations[configHashAnnotation], after.Spec.Template.Annotations[configHashAnnotation],
 		"a topic change must roll the pods")
 	require.Eventually(t, func() bool { return c.Get(ctx, childKey(relay), &policyv1.PodDisruptionBudget{}) == nil }, eventually, tick)
 	waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
@@ -219,7 +225,8 @@ func testSpecChanges(t *testing.T, c client.Client, r *OutboxRelayReconciler) {
 	// The API server drops no-op writes without a new resourceVersion, so also
 	// check that the reconciler sends no write at all.
 	counted := &writeCounter{Client: r.Client}
-	quiet := &OutboxRelayReconciler{Client: counted, Recorder: r.Recorder, RelayImage: r.RelayImage}
+	quiet := &OutboxRelayReconciler{Client: counted, APIReader: r.APIReader, Recorder: r.Recorder,
+		RelayImage: r.RelayImage, AllowedImages: r.AllowedImages}
 	rvs := resourceVersions(t, c, relay)
 	for range 3 {
 		res, err := quiet.Reconcile(ctx, req)
@@ -273,7 +280,7 @@ func testScaleSubresource(t *testing.T, c client.Client) {
 }
 
 func configHash(d *appsv1.Deployment) string {
-	return d.Spec.Template.Annotations[ConfigHashAnnotation]
+	return d.Spec.Template.Annotations[configHashAnnotation]
 }
 
 func testSecretRotation(t *testing.T, c client.Client) {
@@ -284,7 +291,12 @@ func testSecretRotation(t *testing.T, c client.Client) {
 	first := configHash(waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true }))
 
 	update(t, c, secret, func(s *corev1.Secret) { s.Data["dsn"] = []byte("postgres://relay@db-2/rotated") })
-	rotated := configHash(waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return configHash(d) != first }))
+	second := configHash(waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return configHash(d) != first }))
+	// Back to the first DSN: a hash of the data would return to the first
+	// value; the hash of the Secret's version moves on.
+	update(t, c, secret, func(s *corev1.Secret) { s.Data["dsn"] = []byte("postgres://relay@db/rotated") })
+	rotated := configHash(waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return configHash(d) != second }))
+	require.NotEqual(t, first, rotated, "the config hash is not derived from the Secret's data")
 
 	require.NoError(t, c.Delete(ctx, secret))
 	relay = waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
@@ -367,7 +379,7 @@ func testStatusFollowsDeployment(t *testing.T, c client.Client) {
 	}
 
 	// A new generation: observedGeneration follows and the rollout shows.
-	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.BatchSize = 10 })
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.BatchSize = ptr.To[int32](10) })
 	got = waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
 		return o.Status.ObservedGeneration == o.Generation && o.Generation > got.Generation
 	})
@@ -510,7 +522,7 @@ func testForeignChild(t *testing.T, c client.Client) {
 	ns := newNamespace(t, c)
 	relay, secret := minimalRelay(ns, "taken")
 	foreign := &corev1.Service{
-		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: ChildName(relay)},
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: childName(relay)},
 		Spec:       corev1.ServiceSpec{Ports: []corev1.ServicePort{{Port: 80}}},
 	}
 	create(t, c, foreign, secret, relay)
@@ -520,6 +532,87 @@ func testForeignChild(t *testing.T, c client.Client) {
 	got := &corev1.Service{}
 	require.NoError(t, c.Get(ctx, key(foreign), got))
 	require.Equal(t, foreign.ResourceVersion, got.ResourceVersion, "a Service the relay does not own is left alone")
+}
+
+// testOrderingSwitch: the rollout that changes the ordering mode uses
+// Recreate until it has replaced every pod, then the Deployment goes back to
+// RollingUpdate.
+func testOrderingSwitch(t *testing.T, c client.Client) {
+	ns := newNamespace(t, c)
+	relay, secret := minimalRelay(ns, "switch")
+	relay.Spec.Replicas = ptr.To[int32](2)
+	create(t, c, secret, relay)
+	d := waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })
+	require.Equal(t, appsv1.RollingUpdateDeploymentStrategyType, d.Spec.Strategy.Type)
+	setDeploymentStatus(t, c, childKey(relay), 2)
+
+	hasArg := func(d *appsv1.Deployment, arg string) bool {
+		return slices.Contains(d.Spec.Template.Spec.Containers[0].Args, arg)
+	}
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.Ordering = outboxv1alpha1.OrderingPartitionKey })
+	d = waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return hasArg(d, "--ordering=partition-key") })
+	require.Equal(t, appsv1.RecreateDeploymentStrategyType, d.Spec.Strategy.Type, "the mode switch rolls out with Recreate")
+	require.Nil(t, d.Spec.Strategy.RollingUpdate)
+
+	// Another change while old pods may still run keeps Recreate.
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.BatchSize = ptr.To[int32](77) })
+	d = waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return hasArg(d, "--batch-size=77") })
+	require.Equal(t, appsv1.RecreateDeploymentStrategyType, d.Spec.Strategy.Type)
+
+	// The rollout completes: back to RollingUpdate, with the API server's defaults.
+	setDeploymentStatus(t, c, childKey(relay), 2)
+	d = waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool {
+		return d.Spec.Strategy.Type == appsv1.RollingUpdateDeploymentStrategyType
+	})
+	require.NotNil(t, d.Spec.Strategy.RollingUpdate)
+	require.True(t, hasArg(d, "--ordering=partition-key"))
+
+	// And the way back.
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.Ordering = outboxv1alpha1.OrderingNone })
+	d = waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return hasArg(d, "--ordering=none") })
+	require.Equal(t, appsv1.RecreateDeploymentStrategyType, d.Spec.Strategy.Type, "PartitionKey -> None uses Recreate too")
+}
+
+func testImageAllowList(t *testing.T, c client.Client) {
+	ctx := context.Background()
+	ns := newNamespace(t, c)
+	relay, secret := minimalRelay(ns, "image")
+	relay.Spec.Image = "evil.test/relay:1"
+	create(t, c, secret, relay)
+	relay = waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return readyReason(o) == outboxv1alpha1.ReasonInvalidSpec
+	})
+	msg := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady).Message
+	for _, want := range []string{"spec.image", "evil.test/relay:1", allowedPrefix} {
+		require.Contains(t, msg, want)
+	}
+	require.Eventually(t, func() bool { return hasEvent(t, c, relay, outboxv1alpha1.ReasonInvalidSpec) }, eventually, tick)
+	require.True(t, apierrors.IsNotFound(c.Get(ctx, childKey(relay), &appsv1.Deployment{})), "no pods from a refused image")
+
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.Image = allowedPrefix + "relay:2" })
+	d := waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })
+	require.Equal(t, allowedPrefix+"relay:2", d.Spec.Template.Spec.Containers[0].Image)
+}
+
+// testSecretsCachedWithoutData: the manager's cache knows a referenced Secret
+// by metadata only, and without the annotation `kubectl apply` copies the
+// data into.
+func testSecretsCachedWithoutData(t *testing.T, c client.Client, mgr ctrl.Manager) {
+	ctx := context.Background()
+	ns := newNamespace(t, c)
+	relay, secret := minimalRelay(ns, "cached")
+	secret.Annotations = map[string]string{
+		"kubectl.kubernetes.io/last-applied-configuration": `{"stringData":{"dsn":"postgres://relay:hunter2@db/cached"}}`,
+	}
+	create(t, c, secret, relay)
+	waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })
+
+	cached := &metav1.PartialObjectMetadata{}
+	cached.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Secret"))
+	require.Eventually(t, func() bool { return mgr.GetCache().Get(ctx, key(secret), cached) == nil }, eventually, tick)
+	require.NotEmpty(t, cached.ResourceVersion)
+	require.Empty(t, cached.Annotations, "the cache keeps no annotation that may hold Secret data")
+	require.Empty(t, cached.ManagedFields)
 }
 
 // writeCounter records every write a client sends.

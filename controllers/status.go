@@ -11,6 +11,13 @@ import (
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 )
 
+// problem is why a relay cannot run as specified: it becomes the Ready reason.
+type problem struct {
+	reason, message string
+	// requeue: a dependency may appear without an event we watch.
+	requeue bool
+}
+
 // computeStatus derives a relay's status from its spec, the Deployment as
 // observed (nil when there is none) and the problem that stopped the
 // reconcile, if any. Conditions keep their transition times when unchanged.
@@ -18,7 +25,7 @@ func computeStatus(relay *outboxv1alpha1.OutboxRelay, deploy *appsv1.Deployment,
 	st := *relay.Status.DeepCopy()
 	desired := desiredReplicas(relay)
 	st.ObservedGeneration = relay.Generation
-	st.Selector = metav1.FormatLabelSelector(&metav1.LabelSelector{MatchLabels: SelectorLabels(relay)})
+	st.Selector = metav1.FormatLabelSelector(&metav1.LabelSelector{MatchLabels: selectorLabels(relay)})
 	st.TopicCount = int32(len(relay.Spec.Topics))
 	st.Replicas, st.ReadyReplicas = 0, 0
 	if deploy != nil {
@@ -119,4 +126,18 @@ func deploymentCondition(d *appsv1.Deployment, typ appsv1.DeploymentConditionTyp
 		}
 	}
 	return nil
+}
+
+// recordProblem emits a Warning event when the relay newly has a problem (or
+// a new generation still has it), so events do not repeat on every resync.
+func (r *OutboxRelayReconciler) recordProblem(before, after *outboxv1alpha1.OutboxRelay, prob *problem) {
+	if prob == nil || r.Recorder == nil {
+		return
+	}
+	old := meta.FindStatusCondition(before.Status.Conditions, outboxv1alpha1.ConditionReady)
+	if old != nil && old.Reason == prob.reason && old.Message == prob.message &&
+		before.Status.ObservedGeneration == after.Generation {
+		return
+	}
+	r.Recorder.Eventf(after, nil, corev1.EventTypeWarning, prob.reason, "Reconcile", "%s", prob.message)
 }

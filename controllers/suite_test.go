@@ -30,6 +30,8 @@ import (
 
 const (
 	testImage = "example.test/outbox-relay:test"
+	// allowedPrefix is the test manager's --allowed-relay-images.
+	allowedPrefix = "registry.test/relays/"
 	// eventually bounds every wait on the controller.
 	eventually = 20 * time.Second
 	tick       = 50 * time.Millisecond
@@ -62,21 +64,24 @@ func newNamespace(t testing.TB, c client.Client) string {
 }
 
 // startManager runs the reconciler in a manager, as cmd/manager does, until
-// the test ends. It returns the reconciler so tests can drive extra passes.
-func startManager(t *testing.T) *OutboxRelayReconciler {
+// the test ends. It returns the reconciler, so tests can drive extra passes,
+// and the manager, whose cache tests look into. Images under allowedPrefix
+// pass the image allow-list.
+func startManager(t *testing.T) (*OutboxRelayReconciler, ctrl.Manager) {
 	ctx, cancel := context.WithCancel(context.Background())
-	mgr, err := ctrl.NewManager(testenv.Kube().Config, ctrl.Options{
+	mgr, err := ctrl.NewManager(testenv.Kube().Config, ManagerOptions(ctrl.Options{
 		Scheme:                 newScheme(t),
 		Metrics:                metricsserver.Options{BindAddress: "0"},
 		HealthProbeBindAddress: "0",
 		// -count=N runs TestController again in the same process.
 		Controller: config.Controller{SkipNameValidation: ptr.To(true)},
-	})
+	}))
 	require.NoError(t, err)
 	r := &OutboxRelayReconciler{
-		Client:     mgr.GetClient(),
-		Recorder:   mgr.GetEventRecorder("outbox-operator"),
-		RelayImage: testImage,
+		Client:        mgr.GetClient(),
+		Recorder:      mgr.GetEventRecorder("outbox-operator"),
+		RelayImage:    testImage,
+		AllowedImages: []string{allowedPrefix},
 	}
 	require.NoError(t, r.SetupWithManager(ctx, mgr))
 	done := make(chan error, 1)
@@ -86,7 +91,7 @@ func startManager(t *testing.T) *OutboxRelayReconciler {
 		require.NoError(t, <-done)
 	})
 	require.True(t, mgr.GetCache().WaitForCacheSync(ctx), "manager cache sync")
-	return r
+	return r, mgr
 }
 
 // readSamples decodes every manifest under config/samples, moved into ns.
@@ -140,7 +145,7 @@ func minimalRelay(ns, name string) (*outboxv1alpha1.OutboxRelay, *corev1.Secret)
 func key(o client.Object) client.ObjectKey { return client.ObjectKeyFromObject(o) }
 
 func childKey(relay *outboxv1alpha1.OutboxRelay) client.ObjectKey {
-	return client.ObjectKey{Namespace: relay.Namespace, Name: ChildName(relay)}
+	return client.ObjectKey{Namespace: relay.Namespace, Name: childName(relay)}
 }
 
 // waitDeployment waits until the relay's Deployment satisfies ok, and returns it.

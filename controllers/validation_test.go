@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/utils/ptr"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 )
@@ -72,6 +73,13 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		{"table three parts", func(s map[string]any) { s["table"] = "db.public.outbox" }, []string{"spec.table"}},
 		{"table identifier of 64 characters", func(s map[string]any) { s["table"] = "public." + ident64 }, []string{"spec.table"}},
 		{"table starting with a digit", func(s map[string]any) { s["table"] = "1outbox" }, []string{"spec.table"}},
+		{"table in upper case", func(s map[string]any) { s["table"] = "events.Outbox_2" }, []string{"spec.table"}},
+		{"maxBatchBytes below 64 KiB", func(s map[string]any) { s["maxBatchBytes"] = int64(65535) }, []string{"spec.maxBatchBytes"}},
+		{"maxBatchBytes above 256 MiB", func(s map[string]any) { s["maxBatchBytes"] = int64(268435457) }, []string{"spec.maxBatchBytes"}},
+		{"event type with a leading space", func(s map[string]any) { s["topics"] = map[string]any{" OrderConfirmed": "orders"} }, []string{"spec.topics"}},
+		{"SASL PLAIN without TLS", func(s map[string]any) {
+			kafka(s)["sasl"] = map[string]any{"mechanism": "PLAIN", "credentialsSecretRef": map[string]any{"name": "kafka-user"}}
+		}, []string{"spec.kafka.sasl.mechanism", "spec.kafka.tls"}},
 		{"dsnSecretRef missing", func(s map[string]any) { delete(s, "dsnSecretRef") }, []string{"spec.dsnSecretRef"}},
 		{"dsnSecretRef without name", func(s map[string]any) { s["dsnSecretRef"] = map[string]any{"key": "dsn"} }, []string{"spec.dsnSecretRef.name"}},
 		{"dsnSecretRef name not a Secret name", func(s map[string]any) { s["dsnSecretRef"] = map[string]any{"name": "Orders_DSN"} }, []string{"spec.dsnSecretRef.name"}},
@@ -142,7 +150,12 @@ func TestAPIServerAcceptsEdgeCases(t *testing.T) {
 		{"topic ... and _-", func(s map[string]any) { s["topics"] = map[string]any{"A": "...", "B": "a_b-c.D9"} }},
 		{"event type with dots and colons", func(s map[string]any) { s["topics"] = map[string]any{"com.example:Order.Confirmed": "orders"} }},
 		{"deadLetterTopic distinct", func(s map[string]any) { s["deadLetterTopic"] = "orders.dlq" }},
-		{"table schema-qualified", func(s map[string]any) { s["table"] = "events.Outbox_2" }},
+		{"table schema-qualified", func(s map[string]any) { s["table"] = "events.outbox_2" }},
+		{"maxBatchBytes 64 KiB", func(s map[string]any) { s["maxBatchBytes"] = int64(65536) }},
+		{"SASL PLAIN with TLS", func(s map[string]any) {
+			kafka(s)["tls"] = map[string]any{}
+			kafka(s)["sasl"] = map[string]any{"mechanism": "PLAIN", "credentialsSecretRef": map[string]any{"name": "kafka-user"}}
+		}},
 		{"table of 63+63 characters", func(s map[string]any) {
 			s["table"] = strings.Repeat("s", 63) + "." + strings.Repeat("t", 63)
 		}},
@@ -185,7 +198,8 @@ func TestAPIServerDefaults(t *testing.T) {
 	got := &outboxv1alpha1.OutboxRelay{}
 	require.NoError(t, c.Get(context.Background(), key(u), got))
 	require.Equal(t, "outbox", got.Spec.Table)
-	require.Equal(t, int32(50), got.Spec.BatchSize)
+	require.Equal(t, ptr.To[int32](50), got.Spec.BatchSize)
+	require.Equal(t, ptr.To[int32](4<<20), got.Spec.MaxBatchBytes)
 	require.Equal(t, "200ms", got.Spec.PollInterval)
 	require.Equal(t, "dsn", got.Spec.DSNSecretRef.Key)
 	require.Equal(t, int32(1), *got.Spec.Replicas)

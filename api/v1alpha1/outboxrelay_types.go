@@ -54,6 +54,19 @@ const (
 	ReasonResourceConflict = "ResourceConflict"
 )
 
+// Default keys of the referenced Secrets. The `+kubebuilder:default` markers
+// below repeat them as literals (markers cannot name a constant); a test
+// compares the generated CRD's defaults with these, and the operator falls
+// back to them for objects that never went through the API server.
+const (
+	// DefaultDSNKey is the default of dsnSecretRef.key.
+	DefaultDSNKey = "dsn"
+	// DefaultSASLUsernameKey is the default of credentialsSecretRef.usernameKey.
+	DefaultSASLUsernameKey = "username"
+	// DefaultSASLPasswordKey is the default of credentialsSecretRef.passwordKey.
+	DefaultSASLPasswordKey = "password"
+)
+
 // OrderingMode says which ordering guarantee the relay gives.
 // +kubebuilder:validation:Enum=None;PartitionKey
 type OrderingMode string
@@ -144,6 +157,7 @@ type SASLCredentialsReference struct {
 }
 
 // KafkaSpec says how the relay reaches Kafka.
+// +kubebuilder:validation:XValidation:rule="!has(self.sasl) || self.sasl.mechanism != 'PLAIN' || has(self.tls)",message="SASL PLAIN sends the password in clear text: set spec.kafka.tls (tls: {} uses the system roots) or use SCRAM",fieldPath=".sasl.mechanism"
 type KafkaSpec struct {
 	// Brokers are the bootstrap brokers, each host:port.
 	// +kubebuilder:validation:MinItems=1
@@ -173,7 +187,7 @@ type KafkaTLS struct {
 
 // KafkaSASL makes the relay authenticate to the brokers.
 type KafkaSASL struct {
-	// Mechanism is PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512.
+	// Mechanism is PLAIN (only together with tls), SCRAM-SHA-256 or SCRAM-SHA-512.
 	Mechanism SASLMechanism `json:"mechanism"`
 
 	// CredentialsSecretRef names the Secret holding the user name and password;
@@ -189,10 +203,11 @@ type OutboxRelaySpec struct {
 	DSNSecretRef SecretKeyReference `json:"dsnSecretRef"`
 
 	// Table is the outbox table, optionally schema-qualified (schema.table);
-	// each part an unquoted identifier of at most 63 characters. Default: outbox.
+	// each part a plain lower-case PostgreSQL identifier ([a-z_][a-z0-9_]*)
+	// of at most 63 characters, so it never needs quoting. Default: outbox.
 	// +kubebuilder:default=outbox
 	// +kubebuilder:validation:MaxLength=127
-	// +kubebuilder:validation:Pattern=`^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$`
+	// +kubebuilder:validation:Pattern=`^[a-z_][a-z0-9_]{0,62}(\.[a-z_][a-z0-9_]{0,62})?$`
 	// +optional
 	Table string `json:"table,omitempty"`
 
@@ -201,22 +216,31 @@ type OutboxRelaySpec struct {
 	// +kubebuilder:validation:Minimum=1
 	// +kubebuilder:validation:Maximum=10000
 	// +optional
-	BatchSize int32 `json:"batchSize,omitempty"`
+	BatchSize *int32 `json:"batchSize,omitempty"`
+
+	// MaxBatchBytes is the most payload bytes one claim takes, 65536 (64 KiB)
+	// to 268435456 (256 MiB); a larger row is claimed alone. Default: 4194304 (4 MiB).
+	// +kubebuilder:default=4194304
+	// +kubebuilder:validation:Minimum=65536
+	// +kubebuilder:validation:Maximum=268435456
+	// +optional
+	MaxBatchBytes *int32 `json:"maxBatchBytes,omitempty"`
 
 	// PollInterval is how long the relay waits after a short batch, a Go
 	// duration between 10ms and 1h. Default: 200ms.
 	// +kubebuilder:default="200ms"
 	// +kubebuilder:validation:MaxLength=64
 	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
-	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('10ms') && duration(self) <= duration('1h'))",message="spec.pollInterval must be a duration between 10ms and 1h"
+	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('10ms') && duration(self) <= duration('1h0m0s'))",message="spec.pollInterval must be a duration between 10ms and 1h"
 	// +optional
 	PollInterval string `json:"pollInterval,omitempty"`
 
-	// Topics maps each event type to the Kafka topic its rows go to. Event
-	// types are 1 to 255 characters without '=' or ','.
+	// Topics maps each event type to the Kafka topic its rows go to; at most
+	// 512 entries. Event types are 1 to 255 characters without '=' or ','
+	// (the relay's --topic syntax) and without surrounding whitespace.
 	// +kubebuilder:validation:MinProperties=1
 	// +kubebuilder:validation:MaxProperties=512
-	// +kubebuilder:validation:XValidation:rule="self.all(k, size(k) >= 1 && size(k) <= 255 && !k.contains('=') && !k.contains(','))",message="spec.topics: event types must be 1 to 255 characters without '=' or ','"
+	// +kubebuilder:validation:XValidation:rule=`self.all(k, size(k) <= 255 && k.matches(r'^[^=,\s]([^=,]*[^=,\s])?$'))`,message="spec.topics: event types must be 1 to 255 characters without '=' or ',' and without surrounding whitespace"
 	Topics map[string]TopicName `json:"topics"`
 
 	// DeadLetterTopic receives rows that cannot be published (for example, an

@@ -155,6 +155,16 @@ func (in *OutboxRelayList) DeepCopyObject() runtime.Object {
 func (in *OutboxRelaySpec) DeepCopyInto(out *OutboxRelaySpec) {
 	*out = *in
 	out.DSNSecretRef = in.DSNSecretRef
+	if in.BatchSize != nil {
+		in, out := &in.BatchSize, &out.BatchSize
+		*out = new(int32)
+		**out = **in
+	}
+	if in.MaxBatchBytes != nil {
+		in, out := &in.MaxBatchBytes, &out.MaxBatchBytes
+		*out = new(int32)
+		**out = **in
+	}
 	if in.Topics != nil {
 		in, out := &in.Topics, &out.Topics
 		*out = make(map[string]TopicName, len(*in))

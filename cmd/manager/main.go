@@ -38,6 +38,8 @@ type config struct {
 	leaderElect             bool
 	leaderElectionNamespace string
 	relayImage              string
+	// allowedImages are the prefixes an OutboxRelay's spec.image must start with; empty allows any.
+	allowedImages []string
 	// namespaces to watch; empty means every namespace.
 	namespaces []string
 	zap        zap.Options
@@ -58,6 +60,11 @@ func parseConfig(args []string, getenv func(string) string) (config, error) {
 		"Namespace of the leader-election Lease (default: the pod's namespace).")
 	fs.StringVar(&cfg.relayImage, "relay-image", cmp.Or(getenv("RELAY_IMAGE"), defaultRelayImage()),
 		"Relay image for OutboxRelays that set no spec.image (env RELAY_IMAGE).")
+	var allowed string
+	fs.StringVar(&allowed, "allowed-relay-images", "",
+		"Comma-separated image prefixes an OutboxRelay's spec.image must start with (end each with / or : so that\n"+
+			"registry.example/relays/ does not also admit registry.example/relays-other/); empty allows any image.\n"+
+			"The --relay-image is always allowed.")
 	cfg.zap = zap.Options{Development: false} // JSON logs
 	cfg.zap.BindFlags(fs)
 	if err := fs.Parse(args); err != nil {
@@ -69,15 +76,24 @@ func parseConfig(args []string, getenv func(string) string) (config, error) {
 	if cfg.relayImage == "" {
 		return cfg, errors.New("--relay-image (or RELAY_IMAGE) must not be empty")
 	}
-	for _, ns := range strings.Split(getenv("WATCH_NAMESPACE"), ",") {
-		if ns = strings.TrimSpace(ns); ns != "" {
-			cfg.namespaces = append(cfg.namespaces, ns)
-		}
-	}
+	cfg.allowedImages = splitList(allowed)
+	cfg.namespaces = splitList(getenv("WATCH_NAMESPACE"))
 	return cfg, nil
 }
 
-// managerOptions turns the config into controller-runtime manager options.
+// splitList splits a comma-separated list, dropping blanks.
+func splitList(s string) []string {
+	var out []string
+	for _, v := range strings.Split(s, ",") {
+		if v = strings.TrimSpace(v); v != "" {
+			out = append(out, v)
+		}
+	}
+	return out
+}
+
+// managerOptions turns the config into controller-runtime manager options,
+// with the cache and client settings the reconciler needs to hold no Secret data.
 func managerOptions(cfg config, scheme *runtime.Scheme) ctrl.Options {
 	opts := ctrl.Options{
 		Scheme:                  scheme,
@@ -96,7 +112,7 @@ func managerOptions(cfg config, scheme *runtime.Scheme) ctrl.Options {
 			opts.Cache.DefaultNamespaces[ns] = cache.Config{}
 		}
 	}
-	return opts
+	return controllers.ManagerOptions(opts)
 }
 
 // run starts the manager and blocks until ctx ends or the manager fails.
@@ -113,9 +129,11 @@ func run(ctx context.Context, cfg config, restCfg *rest.Config) error {
 		return fmt.Errorf("create manager: %w", err)
 	}
 	r := &controllers.OutboxRelayReconciler{
-		Client:     mgr.GetClient(),
-		Recorder:   mgr.GetEventRecorder("outbox-operator"),
-		RelayImage: cfg.relayImage,
+		Client:        mgr.GetClient(),
+		APIReader:     mgr.GetAPIReader(),
+		Recorder:      mgr.GetEventRecorder("outbox-operator"),
+		RelayImage:    cfg.relayImage,
+		AllowedImages: cfg.allowedImages,
 	}
 	if err := r.SetupWithManager(ctx, mgr); err != nil {
 		return fmt.Errorf("set up the OutboxRelay controller: %w", err)
@@ -133,7 +151,7 @@ func run(ctx context.Context, cfg config, restCfg *rest.Config) error {
 		return err
 	}
 	ctrl.Log.Info("starting manager", "version", version, "relayImage", cfg.relayImage,
-		"namespaces", cfg.namespaces, "leaderElect", cfg.leaderElect)
+		"allowedRelayImages", cfg.allowedImages, "namespaces", cfg.namespaces, "leaderElect", cfg.leaderElect)
 	return mgr.Start(ctx)
 }
 

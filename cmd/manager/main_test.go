@@ -54,6 +54,23 @@ func TestParseConfig(t *testing.T) {
 	require.Equal(t, "outbox-operator.outbox.dev", opts.LeaderElectionID)
 	require.Equal(t, "0", opts.Metrics.BindAddress)
 
+	cfg, err = parseConfig([]string{"--allowed-relay-images= registry.example/relays/ ,,ghcr.io/acme/relay@"}, env(nil))
+	require.NoError(t, err)
+	require.Equal(t, []string{"registry.example/relays/", "ghcr.io/acme/relay@"}, cfg.allowedImages)
+	cfg, err = parseConfig(nil, env(nil))
+	require.NoError(t, err)
+	require.Empty(t, cfg.allowedImages, "no allow-list by default: any image")
+
+	// Secrets: never read through the cache, and stripped by it.
+	opts = managerOptions(cfg, runtime.NewScheme())
+	require.Len(t, opts.Client.Cache.DisableFor, 1)
+	require.IsType(t, &corev1.Secret{}, opts.Client.Cache.DisableFor[0])
+	require.Len(t, opts.Cache.ByObject, 1)
+	for obj, byObject := range opts.Cache.ByObject {
+		require.IsType(t, &corev1.Secret{}, obj)
+		require.NotNil(t, byObject.Transform)
+	}
+
 	_, err = parseConfig([]string{"--relay-image="}, env(nil))
 	require.ErrorContains(t, err, "relay-image")
 	_, err = parseConfig([]string{"stray"}, env(nil))
@@ -95,6 +112,7 @@ func TestManagerRuns(t *testing.T) {
 		fmt.Sprintf("--health-probe-bind-address=127.0.0.1:%d", probePort),
 		"--leader-elect", "--leader-election-namespace=default",
 		"--relay-image=reg/relay:test",
+		"--allowed-relay-images=reg/relays/",
 	}, env(map[string]string{"WATCH_NAMESPACE": watched}))
 	require.NoError(t, err)
 

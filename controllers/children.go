@@ -12,7 +12,6 @@ import (
 	"maps"
 	"slices"
 	"strings"
-	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -23,25 +22,26 @@ import (
 	"k8s.io/utils/ptr"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 )
 
-const (
-	// SpecHashAnnotation on a child holds the hash of the spec the operator
-	// last wrote; an equal hash means there is nothing to update.
-	SpecHashAnnotation = "outbox.dev/spec-hash"
-	// ConfigHashAnnotation on the pod template hashes the relay's
-	// configuration and the data of every Secret it references, so a rotated
-	// DSN or credential rolls the pods.
-	ConfigHashAnnotation = "outbox.dev/config-hash"
+// This file builds the desired children from an OutboxRelay with pure
+// functions: no client, no API server.
 
-	// ContainerName is the relay container's name.
-	ContainerName = "relay"
-	// MetricsPortName names the relay's metrics/health port.
-	MetricsPortName = "metrics"
-	// MetricsPort is the port the relay serves /metrics, /healthz and /readyz on.
-	MetricsPort = 9090
-	// TLSMountPath is where the Kafka TLS Secret is mounted.
-	TLSMountPath = "/etc/relay/tls"
+const (
+	// specHashAnnotation on a child holds the hash of the spec the operator
+	// last wrote; an equal hash means there is nothing to update.
+	specHashAnnotation = "outbox.dev/spec-hash"
+	// configHashAnnotation on the pod template hashes the relay's
+	// configuration and the identity and version (UID, resourceVersion) of
+	// every Secret it references, never their data, so a rotated DSN or
+	// credential rolls the pods.
+	configHashAnnotation = "outbox.dev/config-hash"
+
+	// containerName is the relay container's name.
+	containerName = "relay"
+	// metricsPortName names the relay's metrics/health port.
+	metricsPortName = "metrics"
 
 	// The relay exits within ~10s of SIGTERM; 30s leaves room for a slow broker.
 	terminationGracePeriodSeconds = 30
@@ -54,53 +54,19 @@ const (
 	labelManagedBy = "app.kubernetes.io/managed-by"
 )
 
-// ChildName is the name of the Deployment, Service and PodDisruptionBudget of a relay.
-func ChildName(relay *outboxv1alpha1.OutboxRelay) string { return relay.Name + "-relay" }
+// childName is the name of the Deployment, Service and PodDisruptionBudget of a relay.
+func childName(relay *outboxv1alpha1.OutboxRelay) string { return relay.Name + "-relay" }
 
-// SelectorLabels select the pods of one relay.
-func SelectorLabels(relay *outboxv1alpha1.OutboxRelay) map[string]string {
+// selectorLabels select the pods of one relay.
+func selectorLabels(relay *outboxv1alpha1.OutboxRelay) map[string]string {
 	return map[string]string{labelName: "outbox-relay", labelInstance: relay.Name}
 }
 
 func commonLabels(relay *outboxv1alpha1.OutboxRelay) map[string]string {
-	l := SelectorLabels(relay)
+	l := selectorLabels(relay)
 	l[labelComponent] = "relay"
 	l[labelManagedBy] = "outbox-operator"
 	return l
-}
-
-// secretInputs is what the relay's pods depend on from the referenced Secrets.
-type secretInputs struct {
-	// Hash covers the data of every referenced key (and the whole TLS Secret).
-	Hash string
-	// TLSCA and TLSClientCert say which files the TLS Secret provides.
-	TLSCA, TLSClientCert bool
-}
-
-// specError is a spec problem the CRD schema cannot express.
-type specError struct{ msg string }
-
-func (e *specError) Error() string { return e.msg }
-
-// validateSpec re-checks what the schema cannot express.
-func validateSpec(relay *outboxv1alpha1.OutboxRelay) error {
-	spec := &relay.Spec
-	d, err := time.ParseDuration(spec.PollInterval)
-	if spec.PollInterval != "" && (err != nil || d < 10*time.Millisecond || d > time.Hour) {
-		return &specError{fmt.Sprintf("spec.pollInterval %q is not a duration between 10ms and 1h", spec.PollInterval)}
-	}
-	for _, k := range slices.Sorted(maps.Keys(spec.PodLabels)) {
-		if _, reserved := commonLabels(relay)[k]; reserved {
-			return &specError{fmt.Sprintf("spec.podLabels must not set %s: the operator owns it", k)}
-		}
-	}
-	if _, reserved := spec.PodAnnotations[ConfigHashAnnotation]; reserved {
-		return &specError{fmt.Sprintf("spec.podAnnotations must not set %s: the operator owns it", ConfigHashAnnotation)}
-	}
-	if len(spec.Topics) == 0 {
-		return &specError{"spec.topics must map at least one event type"}
-	}
-	return nil
 }
 
 // desiredReplicas is what the Deployment should run: zero when suspended.
@@ -111,60 +77,17 @@ func desiredReplicas(relay *outboxv1alpha1.OutboxRelay) int32 {
 	return ptr.Deref(relay.Spec.Replicas, 1)
 }
 
-// relayArgs are the relay's command-line arguments, in a fixed order so the
-// pod template is stable. The DSN and SASL credentials are never among them.
-func relayArgs(relay *outboxv1alpha1.OutboxRelay, in secretInputs) []string {
-	spec := &relay.Spec
-	brokers := make([]string, len(spec.Kafka.Brokers))
-	for i, b := range spec.Kafka.Brokers {
-		brokers[i] = string(b)
-	}
-	ordering := "none"
-	if spec.Ordering == outboxv1alpha1.OrderingPartitionKey {
-		ordering = "partition-key"
-	}
-	args := []string{
-		"--table=" + cmp.Or(spec.Table, "outbox"),
-		"--brokers=" + strings.Join(brokers, ","),
-		fmt.Sprintf("--batch-size=%d", cmp.Or(spec.BatchSize, 50)),
-		"--poll-interval=" + cmp.Or(spec.PollInterval, "200ms"),
-	}
-	for _, eventType := range slices.Sorted(maps.Keys(spec.Topics)) {
-		args = append(args, fmt.Sprintf("--topic=%s=%s", eventType, spec.Topics[eventType]))
-	}
-	if spec.DeadLetterTopic != "" {
-		args = append(args, "--dead-letter-topic="+string(spec.DeadLetterTopic))
-	}
-	args = append(args,
-		"--ordering="+ordering,
-		fmt.Sprintf("--metrics-addr=:%d", MetricsPort),
-		"--log-format=json",
-	)
-	if tls := spec.Kafka.TLS; tls != nil {
-		args = append(args, "--kafka-tls")
-		if in.TLSCA {
-			args = append(args, "--kafka-tls-ca-file="+TLSMountPath+"/ca.crt")
-		}
-		if in.TLSClientCert {
-			args = append(args,
-				"--kafka-tls-cert-file="+TLSMountPath+"/tls.crt",
-				"--kafka-tls-key-file="+TLSMountPath+"/tls.key")
-		}
-	}
-	if sasl := spec.Kafka.SASL; sasl != nil {
-		args = append(args, "--kafka-sasl-mechanism="+string(sasl.Mechanism))
-	}
-	return args
-}
-
+// relayEnv carries the secrets: the DSN and the SASL credentials, each from a
+// secretKeyRef, never as a value or an argument.
 func relayEnv(relay *outboxv1alpha1.OutboxRelay) []corev1.EnvVar {
 	spec := &relay.Spec
-	env := []corev1.EnvVar{secretEnv("RELAY_DSN", spec.DSNSecretRef.Name, cmp.Or(spec.DSNSecretRef.Key, "dsn"))}
+	env := []corev1.EnvVar{secretEnv(relayconfig.EnvDSN, spec.DSNSecretRef.Name,
+		cmp.Or(spec.DSNSecretRef.Key, outboxv1alpha1.DefaultDSNKey))}
 	if sasl := spec.Kafka.SASL; sasl != nil {
 		ref := sasl.CredentialsSecretRef
 		env = append(env,
-			secretEnv("RELAY_KAFKA_SASL_USERNAME", ref.Name, cmp.Or(ref.UsernameKey, "username")),
-			secretEnv("RELAY_KAFKA_SASL_PASSWORD", ref.Name, cmp.Or(ref.PasswordKey, "password")))
+			secretEnv(relayconfig.EnvSASLUsername, ref.Name, cmp.Or(ref.UsernameKey, outboxv1alpha1.DefaultSASLUsernameKey)),
+			secretEnv(relayconfig.EnvSASLPassword, ref.Name, cmp.Or(ref.PasswordKey, outboxv1alpha1.DefaultSASLPasswordKey)))
 	}
 	return env
 }
@@ -183,18 +106,54 @@ func defaultResources() corev1.ResourceRequirements {
 	}}
 }
 
-// relayDeployment builds the desired relay Deployment. defaultImage is used
-// when the spec names no image.
-func relayDeployment(relay *outboxv1alpha1.OutboxRelay, defaultImage string, in secretInputs) (*appsv1.Deployment, error) {
-	if err := validateSpec(relay); err != nil {
+// templateOrdering is the --ordering the relay container of d runs with.
+func templateOrdering(d *appsv1.Deployment) relayconfig.Ordering {
+	for _, c := range d.Spec.Template.Spec.Containers {
+		if c.Name != containerName {
+			continue
+		}
+		for _, a := range slices.Backward(c.Args) { // the last one wins, as in flag parsing
+			if v, ok := strings.CutPrefix(a, "--"+relayconfig.FlagOrdering+"="); ok {
+				return relayconfig.Ordering(v)
+			}
+		}
+	}
+	return relayconfig.DefaultOrdering
+}
+
+// rolloutStrategy is Recreate while the relay switches ordering mode, so
+// that no replica of the old mode runs beside one of the new: from the
+// rollout that changes --ordering until that rollout has replaced every
+// pod. Otherwise it is RollingUpdate (the API server's 25% surge and
+// unavailability). current is the Deployment as it runs, nil when none.
+func rolloutStrategy(current *appsv1.Deployment, ordering relayconfig.Ordering) appsv1.DeploymentStrategy {
+	recreate := appsv1.DeploymentStrategy{Type: appsv1.RecreateDeploymentStrategyType}
+	switch {
+	case current == nil:
+	case templateOrdering(current) != ordering:
+		return recreate
+	case current.Spec.Strategy.Type == appsv1.RecreateDeploymentStrategyType &&
+		!rolledOut(current, ptr.Deref(current.Spec.Replicas, 1)):
+		return recreate
+	}
+	return appsv1.DeploymentStrategy{Type: appsv1.RollingUpdateDeploymentStrategyType}
+}
+
+// relayDeployment builds the desired relay Deployment, or says which spec
+// fields keep it from being built. in is what the referenced Secrets
+// provide; current is the Deployment as it runs (nil when none), which
+// decides the rollout strategy.
+func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, in secretInputs, current *appsv1.Deployment) (*appsv1.Deployment, error) {
+	if err := validateSpec(relay, img); err != nil {
+		return nil, err
+	}
+	settings, err := relaySettings(relay, in)
+	if err != nil {
 		return nil, err
 	}
 	spec := &relay.Spec
-	image := cmp.Or(spec.Image, defaultImage)
-	if image == "" {
-		return nil, &specError{"spec.image is empty and the operator has no default relay image"}
-	}
-	args := relayArgs(relay, in)
+	image := cmp.Or(spec.Image, img.fallback)
+	args := settings.Args()
 	env := relayEnv(relay)
 
 	podLabels := maps.Clone(spec.PodLabels)
@@ -206,26 +165,26 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, defaultImage string, in 
 	if podAnnotations == nil {
 		podAnnotations = map[string]string{}
 	}
-	podAnnotations[ConfigHashAnnotation] = hashOf(struct {
-		Image   string
-		Args    []string
-		Env     []corev1.EnvVar
-		Secrets string
-	}{image, args, env, in.Hash})
+	podAnnotations[configHashAnnotation] = hashOf(struct {
+		Image          string
+		Args           []string
+		Env            []corev1.EnvVar
+		SecretVersions string
+	}{image, args, env, in.Versions})
 
 	resources := defaultResources()
 	if spec.Resources != nil {
 		resources = *spec.Resources.DeepCopy()
 	}
 	container := corev1.Container{
-		Name:            ContainerName,
+		Name:            containerName,
 		Image:           image,
 		ImagePullPolicy: spec.ImagePullPolicy,
 		Command:         []string{"/relay"},
 		Args:            args,
 		Env:             env,
 		Ports: []corev1.ContainerPort{{
-			Name: MetricsPortName, ContainerPort: MetricsPort, Protocol: corev1.ProtocolTCP,
+			Name: metricsPortName, ContainerPort: relayconfig.MetricsPort, Protocol: corev1.ProtocolTCP,
 		}},
 		LivenessProbe:  httpProbe("/healthz", 3),
 		ReadinessProbe: httpProbe("/readyz", 1),
@@ -264,7 +223,7 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, defaultImage string, in 
 			}},
 		}}
 		podSpec.Containers[0].VolumeMounts = []corev1.VolumeMount{{
-			Name: "kafka-tls", MountPath: TLSMountPath, ReadOnly: true,
+			Name: "kafka-tls", MountPath: tlsMountPath, ReadOnly: true,
 		}}
 	}
 
@@ -273,7 +232,8 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, defaultImage string, in 
 		ObjectMeta: childMeta(relay),
 		Spec: appsv1.DeploymentSpec{
 			Replicas:             ptr.To(desiredReplicas(relay)),
-			Selector:             &metav1.LabelSelector{MatchLabels: SelectorLabels(relay)},
+			Selector:             &metav1.LabelSelector{MatchLabels: selectorLabels(relay)},
+			Strategy:             rolloutStrategy(current, settings.Ordering),
 			RevisionHistoryLimit: ptr.To[int32](3),
 			Template: corev1.PodTemplateSpec{
 				ObjectMeta: metav1.ObjectMeta{Labels: podLabels, Annotations: podAnnotations},
@@ -281,14 +241,14 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, defaultImage string, in 
 			},
 		},
 	}
-	d.Annotations[SpecHashAnnotation] = hashOf(d.Spec)
+	d.Annotations[specHashAnnotation] = hashOf(d.Spec)
 	return d, nil
 }
 
 func httpProbe(path string, failureThreshold int32) *corev1.Probe {
 	return &corev1.Probe{
 		ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{
-			Path: path, Port: intstr.FromString(MetricsPortName), Scheme: corev1.URISchemeHTTP,
+			Path: path, Port: intstr.FromString(metricsPortName), Scheme: corev1.URISchemeHTTP,
 		}},
 		PeriodSeconds:    10,
 		TimeoutSeconds:   2,
@@ -304,14 +264,14 @@ func relayService(relay *outboxv1alpha1.OutboxRelay) *corev1.Service {
 		ObjectMeta: childMeta(relay),
 		Spec: corev1.ServiceSpec{
 			Type:     corev1.ServiceTypeClusterIP,
-			Selector: SelectorLabels(relay),
+			Selector: selectorLabels(relay),
 			Ports: []corev1.ServicePort{{
-				Name: MetricsPortName, Port: MetricsPort, Protocol: corev1.ProtocolTCP,
-				TargetPort: intstr.FromString(MetricsPortName),
+				Name: metricsPortName, Port: relayconfig.MetricsPort, Protocol: corev1.ProtocolTCP,
+				TargetPort: intstr.FromString(metricsPortName),
 			}},
 		},
 	}
-	s.Annotations[SpecHashAnnotation] = hashOf(s.Spec)
+	s.Annotations[specHashAnnotation] = hashOf(s.Spec)
 	return s
 }
 
@@ -326,27 +286,21 @@ func relayPDB(relay *outboxv1alpha1.OutboxRelay) *policyv1.PodDisruptionBudget {
 		ObjectMeta: childMeta(relay),
 		Spec: policyv1.PodDisruptionBudgetSpec{
 			MaxUnavailable: ptr.To(intstr.FromInt32(1)),
-			Selector:       &metav1.LabelSelector{MatchLabels: SelectorLabels(relay)},
+			Selector:       &metav1.LabelSelector{MatchLabels: selectorLabels(relay)},
 		},
 	}
-	p.Annotations[SpecHashAnnotation] = hashOf(p.Spec)
+	p.Annotations[specHashAnnotation] = hashOf(p.Spec)
 	return p
 }
 
+// childMeta is a child's name, namespace and labels; ensure adds the
+// controller reference when it creates the child.
 func childMeta(relay *outboxv1alpha1.OutboxRelay) metav1.ObjectMeta {
 	return metav1.ObjectMeta{
-		Name:        ChildName(relay),
+		Name:        childName(relay),
 		Namespace:   relay.Namespace,
 		Labels:      commonLabels(relay),
 		Annotations: map[string]string{},
-		OwnerReferences: []metav1.OwnerReference{{
-			APIVersion:         outboxv1alpha1.GroupVersion.String(),
-			Kind:               "OutboxRelay",
-			Name:               relay.Name,
-			UID:                relay.UID,
-			Controller:         ptr.To(true),
-			BlockOwnerDeletion: ptr.To(true),
-		}},
 	}
 }
 

@@ -1,0 +1,161 @@
+package v1alpha1_test
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"sigs.k8s.io/yaml"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
+	"github.com/outbox-relay/outbox-operator/internal/testenv"
+)
+
+// schema is the part of an OpenAPI v3 schema the CRD's rules live in.
+type schema struct {
+	Pattern              string             `json:"pattern"`
+	Minimum              *float64           `json:"minimum"`
+	Maximum              *float64           `json:"maximum"`
+	MinLength            *int               `json:"minLength"`
+	MaxLength            *int               `json:"maxLength"`
+	MinProperties        *int               `json:"minProperties"`
+	MaxProperties        *int               `json:"maxProperties"`
+	Default              json.RawMessage    `json:"default"`
+	Enum                 []string           `json:"enum"`
+	Properties           map[string]*schema `json:"properties"`
+	Items                *schema            `json:"items"`
+	AdditionalProperties *schema            `json:"additionalProperties"`
+	Validations          []struct {
+		Rule, Message, FieldPath string
+	} `json:"x-kubernetes-validations"`
+}
+
+// at walks a dotted path; "[]" steps into array items, "{}" into map values.
+func (s *schema) at(t *testing.T, path string) *schema {
+	t.Helper()
+	cur := s
+	for _, step := range strings.Split(path, ".") {
+		switch step {
+		case "[]":
+			cur = cur.Items
+		case "{}":
+			cur = cur.AdditionalProperties
+		default:
+			cur = cur.Properties[step]
+		}
+		require.NotNil(t, cur, "the CRD has no %s (at %q)", path, step)
+	}
+	return cur
+}
+
+func (s *schema) rules() []string {
+	var rules []string
+	for _, v := range s.Validations {
+		rules = append(rules, v.Rule)
+	}
+	return rules
+}
+
+// committedSchema is the OutboxRelay schema as config/crd/bases holds it.
+func committedSchema(t *testing.T) *schema {
+	b, err := os.ReadFile(filepath.Join(testenv.RepoRoot(), "config", "crd", "bases", "outbox.dev_outboxrelays.yaml"))
+	require.NoError(t, err)
+	var crd struct {
+		Spec struct {
+			Versions []struct {
+				Name   string
+				Schema struct {
+					OpenAPIV3Schema *schema `json:"openAPIV3Schema"`
+				}
+			}
+		}
+	}
+	require.NoError(t, yaml.Unmarshal(b, &crd))
+	require.Len(t, crd.Spec.Versions, 1)
+	require.Equal(t, outboxv1alpha1.GroupVersion.Version, crd.Spec.Versions[0].Name)
+	return crd.Spec.Versions[0].Schema.OpenAPIV3Schema
+}
+
+func number(t *testing.T, want int, got *float64, what string) {
+	t.Helper()
+	require.NotNil(t, got, what)
+	require.Equal(t, float64(want), *got, what)
+}
+
+func defaultOf(t *testing.T, s *schema, want any) {
+	t.Helper()
+	wantJSON, err := json.Marshal(want)
+	require.NoError(t, err)
+	require.JSONEq(t, string(wantJSON), string(s.Default))
+}
+
+// TestCRDMatchesRelayContract compares every rule the OutboxRelay schema
+// shares with the relay (patterns, bounds, defaults, CEL ranges) with
+// internal/relayconfig's constants. The kubebuilder markers must be
+// literals, so this is what keeps them from drifting apart: a marker
+// changed without the constant (or the reverse) fails here.
+func TestCRDMatchesRelayContract(t *testing.T) {
+	t.Parallel()
+	root := committedSchema(t)
+	spec := root.at(t, "spec")
+
+	table := spec.at(t, "table")
+	require.Equal(t, relayconfig.TablePattern, table.Pattern, "spec.table pattern")
+	defaultOf(t, table, relayconfig.DefaultTable)
+	require.NotNil(t, table.MaxLength)
+	require.Equal(t, 63+1+63, *table.MaxLength, "spec.table maxLength: the longest SCHEMA.NAME the pattern admits")
+
+	batch := spec.at(t, "batchSize")
+	number(t, relayconfig.MinBatchSize, batch.Minimum, "spec.batchSize minimum")
+	number(t, relayconfig.MaxBatchSize, batch.Maximum, "spec.batchSize maximum")
+	defaultOf(t, batch, relayconfig.DefaultBatchSize)
+
+	bytes := spec.at(t, "maxBatchBytes")
+	number(t, relayconfig.MinMaxBatchBytes, bytes.Minimum, "spec.maxBatchBytes minimum")
+	number(t, relayconfig.MaxMaxBatchBytes, bytes.Maximum, "spec.maxBatchBytes maximum")
+	defaultOf(t, bytes, relayconfig.DefaultMaxBatchBytes)
+
+	poll := spec.at(t, "pollInterval")
+	defaultOf(t, poll, relayconfig.DefaultPollInterval.String())
+	require.Contains(t, poll.rules(), fmt.Sprintf(
+		"!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('%s') && duration(self) <= duration('%s'))",
+		relayconfig.MinPollInterval, relayconfig.MaxPollInterval), "spec.pollInterval CEL range")
+
+	topics := spec.at(t, "topics")
+	require.NotNil(t, topics.MaxProperties)
+	require.Equal(t, relayconfig.MaxTopics, *topics.MaxProperties, "spec.topics maxProperties")
+	require.Contains(t, topics.rules(), fmt.Sprintf("self.all(k, size(k) <= %d && k.matches(r'%s'))",
+		relayconfig.MaxEventTypeLength, relayconfig.EventTypePattern), "spec.topics event-type rule")
+
+	// Every topic name: the map's values and the dead-letter topic.
+	for _, path := range []string{"topics.{}", "deadLetterTopic"} {
+		topic := spec.at(t, path)
+		require.Equal(t, relayconfig.TopicPattern, topic.Pattern, "spec.%s pattern", path)
+		require.NotNil(t, topic.MaxLength)
+		require.Equal(t, relayconfig.MaxTopicLength, *topic.MaxLength, "spec.%s maxLength", path)
+		require.Contains(t, topic.rules(), "self != '.' && self != '..'", "spec.%s refuses . and ..", path)
+	}
+
+	require.Equal(t, relayconfig.BrokerPattern, spec.at(t, "kafka.brokers.[]").Pattern, "spec.kafka.brokers pattern")
+
+	require.ElementsMatch(t, relayconfig.SASLMechanisms, spec.at(t, "kafka.sasl.mechanism").Enum, "SASL mechanisms")
+	require.Contains(t, spec.at(t, "kafka").rules(),
+		fmt.Sprintf("!has(self.sasl) || self.sasl.mechanism != '%s' || has(self.tls)", relayconfig.SASLPlain),
+		"SASL PLAIN needs TLS, as the relay requires")
+
+	// The operator maps each API ordering to one relay ordering (a controllers
+	// test covers the mapping); here: one enum value per relay ordering.
+	ordering := spec.at(t, "ordering")
+	require.Equal(t, []string{string(outboxv1alpha1.OrderingNone), string(outboxv1alpha1.OrderingPartitionKey)}, ordering.Enum)
+	require.Len(t, ordering.Enum, len(relayconfig.Orderings), "one API ordering per relay ordering")
+	defaultOf(t, ordering, outboxv1alpha1.OrderingNone)
+
+	defaultOf(t, spec.at(t, "dsnSecretRef.key"), outboxv1alpha1.DefaultDSNKey)
+	defaultOf(t, spec.at(t, "kafka.sasl.credentialsSecretRef.usernameKey"), outboxv1alpha1.DefaultSASLUsernameKey)
+	defaultOf(t, spec.at(t, "kafka.sasl.credentialsSecretRef.passwordKey"), outboxv1alpha1.DefaultSASLPasswordKey)
+}

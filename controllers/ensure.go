@@ -1,0 +1,175 @@
+package controllers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+)
+
+// This file writes the children: one way for all of them (a spec-hash
+// annotation plus a merge patch of the fields the operator owns).
+
+// ensureChildren validates the spec, reads the referenced Secrets and ensures
+// every child. current is the relay's Deployment as it runs (nil when none).
+// It returns the Deployment as written, or a nil Deployment and the problem
+// that kept it from writing the children.
+func (r *OutboxRelayReconciler) ensureChildren(ctx context.Context, relay *outboxv1alpha1.OutboxRelay, current *appsv1.Deployment) (*appsv1.Deployment, *problem, error) {
+	img := images{fallback: r.RelayImage, allowed: r.AllowedImages}
+	if err := validateSpec(relay, img); err != nil {
+		return nil, &problem{reason: outboxv1alpha1.ReasonInvalidSpec, message: err.Error()}, nil
+	}
+	in, prob, err := r.readSecrets(ctx, relay)
+	if err != nil || prob != nil {
+		return nil, prob, err
+	}
+	desired, err := relayDeployment(relay, img, in, current)
+	if err != nil {
+		return nil, &problem{reason: outboxv1alpha1.ReasonInvalidSpec, message: err.Error()}, nil
+	}
+	deploy, err := ensure(ctx, r.Client, relay, desired, &appsv1.Deployment{},
+		func(cur, want *appsv1.Deployment) bool { return *cur.Spec.Replicas != *want.Spec.Replicas },
+		func(cur, want *appsv1.Deployment) {
+			cur.Spec.Replicas = want.Spec.Replicas
+			cur.Spec.RevisionHistoryLimit = want.Spec.RevisionHistoryLimit
+			cur.Spec.Template = want.Spec.Template
+			// Keep the API server's rollingUpdate defaults when the type stays.
+			if cur.Spec.Strategy.Type != want.Spec.Strategy.Type {
+				cur.Spec.Strategy = want.Spec.Strategy
+			}
+		})
+	if prob, err := childProblem(err); prob != nil || err != nil {
+		return nil, prob, err
+	}
+	_, err = ensure(ctx, r.Client, relay, relayService(relay), &corev1.Service{}, nil,
+		func(cur, want *corev1.Service) {
+			cur.Spec.Type = want.Spec.Type
+			cur.Spec.Selector = want.Spec.Selector
+			cur.Spec.Ports = want.Spec.Ports
+		})
+	if prob, err := childProblem(err); prob != nil || err != nil {
+		return nil, prob, err
+	}
+	if prob, err := childProblem(r.ensurePDB(ctx, relay)); prob != nil || err != nil {
+		return nil, prob, err
+	}
+	return deploy, nil, nil
+}
+
+// ensurePDB writes the PodDisruptionBudget, or deletes the one this relay
+// owns when it runs fewer than two replicas.
+func (r *OutboxRelayReconciler) ensurePDB(ctx context.Context, relay *outboxv1alpha1.OutboxRelay) error {
+	if want := relayPDB(relay); want != nil {
+		_, err := ensure(ctx, r.Client, relay, want, &policyv1.PodDisruptionBudget{}, nil,
+			func(cur, want *policyv1.PodDisruptionBudget) { cur.Spec = want.Spec })
+		return err
+	}
+	cur := &policyv1.PodDisruptionBudget{}
+	err := r.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, cur)
+	if apierrors.IsNotFound(err) || (err == nil && !metav1.IsControlledBy(cur, relay)) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("get PodDisruptionBudget %s: %w", childName(relay), err)
+	}
+	if err := r.Delete(ctx, cur, client.Preconditions{UID: &cur.UID}); client.IgnoreNotFound(err) != nil {
+		return fmt.Errorf("delete PodDisruptionBudget %s: %w", cur.Name, err)
+	}
+	return nil
+}
+
+// currentDeployment is the relay's Deployment as the cache has it, or nil
+// when there is none or another owner controls it.
+func (r *OutboxRelayReconciler) currentDeployment(ctx context.Context, relay *outboxv1alpha1.OutboxRelay) (*appsv1.Deployment, error) {
+	d := &appsv1.Deployment{}
+	err := r.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, d)
+	switch {
+	case apierrors.IsNotFound(err):
+		return nil, nil
+	case err != nil:
+		return nil, fmt.Errorf("get Deployment %s: %w", childName(relay), err)
+	case !metav1.IsControlledBy(d, relay):
+		return nil, nil
+	}
+	return d, nil
+}
+
+// conflictError: a child's name is taken by an object another owner controls.
+type conflictError struct{ msg string }
+
+func (e *conflictError) Error() string { return e.msg }
+
+// childProblem sorts an error from writing a child: the API server refusing
+// what the spec produced is InvalidSpec (retrying cannot help), a name taken
+// by someone else is a conflict, anything else is transient.
+func childProblem(err error) (*problem, error) {
+	var conflict *conflictError
+	switch {
+	case err == nil:
+		return nil, nil
+	case errors.As(err, &conflict):
+		return &problem{reason: outboxv1alpha1.ReasonResourceConflict, message: conflict.msg}, nil
+	case apierrors.IsInvalid(err):
+		return &problem{reason: outboxv1alpha1.ReasonInvalidSpec, message: err.Error()}, nil
+	default:
+		return nil, err
+	}
+}
+
+// ensure creates want (controlled by relay), or patches the existing object
+// when its spec-hash annotation differs from want's or drifted says it
+// changed underneath us. merge copies the fields the operator owns from
+// want into the existing object; fields the API server defaulted stay, so
+// an unchanged relay causes no write at all.
+func ensure[T client.Object](ctx context.Context, c client.Client, relay *outboxv1alpha1.OutboxRelay,
+	want, cur T, drifted func(cur, want T) bool, merge func(cur, want T)) (T, error) {
+	kind := fmt.Sprintf("%T", want)[1:]
+	err := c.Get(ctx, client.ObjectKeyFromObject(want), cur)
+	if apierrors.IsNotFound(err) {
+		if err := controllerutil.SetControllerReference(relay, want, c.Scheme()); err != nil {
+			return want, fmt.Errorf("own %s %s: %w", kind, want.GetName(), err)
+		}
+		if err := c.Create(ctx, want); err != nil {
+			return want, fmt.Errorf("create %s %s: %w", kind, want.GetName(), err)
+		}
+		return want, nil
+	}
+	if err != nil {
+		return cur, fmt.Errorf("get %s %s: %w", kind, want.GetName(), err)
+	}
+	if !metav1.IsControlledBy(cur, relay) {
+		return cur, &conflictError{fmt.Sprintf("%s %s exists and is not controlled by this OutboxRelay", kind, cur.GetName())}
+	}
+	if cur.GetAnnotations()[specHashAnnotation] == want.GetAnnotations()[specHashAnnotation] &&
+		(drifted == nil || !drifted(cur, want)) {
+		return cur, nil
+	}
+	patch := client.MergeFromWithOptions(cur.DeepCopyObject().(client.Object), client.MergeFromWithOptimisticLock{})
+	labels, annotations := cur.GetLabels(), cur.GetAnnotations()
+	if labels == nil {
+		labels = map[string]string{}
+	}
+	if annotations == nil {
+		annotations = map[string]string{}
+	}
+	maps.Copy(labels, want.GetLabels())
+	maps.Copy(annotations, want.GetAnnotations())
+	cur.SetLabels(labels)
+	cur.SetAnnotations(annotations)
+	merge(cur, want)
+	if err := c.Patch(ctx, cur, patch); err != nil {
+		return cur, fmt.Errorf("patch %s %s: %w", kind, cur.GetName(), err)
+	}
+	return cur, nil
+}

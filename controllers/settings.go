@@ -1,0 +1,164 @@
+package controllers
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"time"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
+)
+
+// tlsMountPath is where the Kafka TLS Secret is mounted in a relay pod.
+const tlsMountPath = "/etc/relay/tls"
+
+// orderings maps the API's ordering modes to the relay's.
+var orderings = map[outboxv1alpha1.OrderingMode]relayconfig.Ordering{
+	outboxv1alpha1.OrderingNone:         relayconfig.OrderingNone,
+	outboxv1alpha1.OrderingPartitionKey: relayconfig.OrderingPartitionKey,
+}
+
+// relaySettings are the relay settings an OutboxRelay means: every API value
+// becomes its relay value here and nowhere else. A field the spec leaves
+// empty takes the relay's default, which the CRD's default equals. Secret
+// values are not among them (the pod gets them from the Secrets); in says
+// which TLS files the TLS Secret provides. The only error is a value that
+// cannot be put on a command line at all; rules are checked by checkSettings.
+func relaySettings(relay *outboxv1alpha1.OutboxRelay, in secretInputs) (relayconfig.Settings, error) {
+	spec := &relay.Spec
+	s := relayconfig.Defaults()
+	s.Table = cmp.Or(spec.Table, s.Table)
+	for _, b := range spec.Kafka.Brokers {
+		s.Brokers = append(s.Brokers, string(b))
+	}
+	if len(spec.Topics) > 0 {
+		s.Topics = make(map[string]string, len(spec.Topics))
+		for eventType, topic := range spec.Topics {
+			s.Topics[eventType] = string(topic)
+		}
+	}
+	s.DeadLetterTopic = string(spec.DeadLetterTopic)
+	if spec.BatchSize != nil {
+		s.BatchSize = int(*spec.BatchSize)
+	}
+	if spec.MaxBatchBytes != nil {
+		s.MaxBatchBytes = int(*spec.MaxBatchBytes)
+	}
+	if spec.PollInterval != "" {
+		d, err := time.ParseDuration(spec.PollInterval)
+		if err != nil {
+			return s, fmt.Errorf("spec.pollInterval: %q is not a duration", spec.PollInterval)
+		}
+		s.PollInterval = d
+	}
+	ordering, ok := orderings[cmp.Or(spec.Ordering, outboxv1alpha1.OrderingNone)]
+	if !ok {
+		return s, fmt.Errorf("spec.ordering: %q is not %s or %s", spec.Ordering, outboxv1alpha1.OrderingNone, outboxv1alpha1.OrderingPartitionKey)
+	}
+	s.Ordering = ordering
+	if spec.Kafka.TLS != nil {
+		s.KafkaTLS = true
+		if in.TLSCA {
+			s.KafkaTLSCAFile = tlsMountPath + "/ca.crt"
+		}
+		if in.TLSClientCert {
+			s.KafkaTLSCertFile, s.KafkaTLSKeyFile = tlsMountPath+"/tls.crt", tlsMountPath+"/tls.key"
+		}
+	}
+	if sasl := spec.Kafka.SASL; sasl != nil {
+		s.KafkaSASLMechanism = string(sasl.Mechanism)
+	}
+	return s, nil
+}
+
+// specFields names the spec field behind each relay flag the operator sets.
+var specFields = map[string]string{
+	relayconfig.FlagTable:           "spec.table",
+	relayconfig.FlagBrokers:         "spec.kafka.brokers",
+	relayconfig.FlagTopic:           "spec.topics",
+	relayconfig.FlagDeadLetterTopic: "spec.deadLetterTopic",
+	relayconfig.FlagBatchSize:       "spec.batchSize",
+	relayconfig.FlagMaxBatchBytes:   "spec.maxBatchBytes",
+	relayconfig.FlagPollInterval:    "spec.pollInterval",
+	relayconfig.FlagOrdering:        "spec.ordering",
+	relayconfig.FlagKafkaSASLMech:   "spec.kafka.sasl.mechanism",
+}
+
+// checkSettings is the relay's own verdict on s (Settings.Validate), so a
+// spec the relay would refuse is reported instead of becoming pods that
+// crash-loop. The SASL credentials are placeholders: the real ones reach
+// the pod from a Secret at run time. Errors name the spec field, not the flag.
+func checkSettings(s relayconfig.Settings) error {
+	if s.KafkaSASLMechanism != "" {
+		s.KafkaSASLUsername, s.KafkaSASLPassword = "from-secret", "from-secret"
+	}
+	err := s.Validate()
+	if err == nil {
+		return nil
+	}
+	errs := []error{err}
+	if joined, ok := err.(interface{ Unwrap() []error }); ok {
+		errs = joined.Unwrap()
+	}
+	msgs := make([]string, 0, len(errs))
+	for _, e := range errs {
+		msg := e.Error()
+		for _, flag := range slices.Sorted(maps.Keys(specFields)) {
+			if rest, ok := strings.CutPrefix(msg, "--"+flag+": "); ok {
+				msg = specFields[flag] + ": " + rest
+				break
+			}
+		}
+		msgs = append(msgs, msg)
+	}
+	return errors.New(strings.Join(msgs, "; "))
+}
+
+// images is the operator's relay-image configuration.
+type images struct {
+	// fallback is the image of relays whose spec names none.
+	fallback string
+	// allowed are the prefixes spec.image must start with; none allows any.
+	allowed []string
+}
+
+// validateSpec re-checks what the CRD schema cannot express, or expresses
+// only as a copy of the relay's rules: the relay's own verdict on the
+// settings, the operator's image allow-list, and the labels and
+// annotations the operator reserves. It names every spec field at fault.
+func validateSpec(relay *outboxv1alpha1.OutboxRelay, img images) error {
+	spec := &relay.Spec
+	var errs []string
+	for k := range spec.PodLabels {
+		if _, reserved := commonLabels(relay)[k]; reserved {
+			errs = append(errs, fmt.Sprintf("spec.podLabels must not set %s: the operator selects the pods by it", k))
+		}
+	}
+	if _, reserved := spec.PodAnnotations[configHashAnnotation]; reserved {
+		errs = append(errs, fmt.Sprintf("spec.podAnnotations must not set %s: the operator owns it", configHashAnnotation))
+	}
+	switch {
+	case spec.Image == "" && img.fallback == "":
+		errs = append(errs, "spec.image is empty and the operator has no default relay image")
+	case spec.Image != "" && spec.Image != img.fallback && len(img.allowed) > 0 &&
+		!slices.ContainsFunc(img.allowed, func(p string) bool { return strings.HasPrefix(spec.Image, p) }):
+		errs = append(errs, fmt.Sprintf("spec.image %q does not start with an allowed prefix (the operator's --allowed-relay-images: %s)",
+			spec.Image, strings.Join(img.allowed, ", ")))
+	}
+	s, err := relaySettings(relay, secretInputs{})
+	if err == nil {
+		err = checkSettings(s)
+	}
+	if err != nil {
+		errs = append(errs, err.Error())
+	}
+	slices.Sort(errs)
+	if len(errs) == 0 {
+		return nil
+	}
+	return errors.New(strings.Join(errs, "; "))
+}
