@@ -117,7 +117,7 @@ func (c Config) validate() error {
 	errs = append(errs,
 		field(relayconfig.FlagTable, relayconfig.CheckTable(c.Table)),
 		field(relayconfig.FlagBrokers, relayconfig.CheckBrokers(c.Brokers)),
-		field("topics", relayconfig.CheckTopics(c.Topics, c.DeadLetterTopic)),
+		field("topics", relayconfig.CheckTopics(c.Topics)),
 		field(relayconfig.FlagBatchSize, relayconfig.CheckBatchSize(c.BatchSize)),
 		field(relayconfig.FlagMaxBatchBytes, relayconfig.CheckMaxBatchBytes(c.MaxBatchBytes)),
 		field(relayconfig.FlagPollInterval, relayconfig.CheckPollInterval(c.PollInterval)),
@@ -126,7 +126,7 @@ func (c Config) validate() error {
 		field(relayconfig.FlagOrdering, relayconfig.CheckOrdering(c.Ordering)),
 	)
 	if c.DeadLetterTopic != "" {
-		errs = append(errs, field(relayconfig.FlagDeadLetterTopic, relayconfig.CheckTopic(c.DeadLetterTopic)))
+		errs = append(errs, field(relayconfig.FlagDeadLetterTopic, relayconfig.CheckDeadLetterTopic(c.DeadLetterTopic, c.Topics)))
 	}
 	return errors.Join(errs...)
 }

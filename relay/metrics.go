@@ -17,6 +17,7 @@ type metrics struct {
 	latency       prometheus.Histogram
 	buckets       prometheus.Gauge
 	blockedKeys   prometheus.Gauge
+	stalled       *prometheus.GaugeVec
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -27,7 +28,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		}, []string{"topic"}),
 		publishErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "outbox_relay_publish_errors_total",
-			Help: "Rows whose publish failed, by reason (transient, permanent, timeout, database).",
+			Help: "Rows whose publish failed, by reason (transient, permanent, topic_unavailable), and failed database calls (database).",
 		}, []string{"reason"}),
 		batches: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "outbox_relay_batches_total",
@@ -50,7 +51,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		}),
 		held: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "outbox_relay_rows_held",
-			Help: "Unpublished rows the relay holds back, by reason (unroutable: event type not in the topic map; failed: refused by Kafka with no dead-letter topic).",
+			Help: "Unpublished rows the relay holds back, by reason (unroutable: event type not in the topic map; invalid_row: a NULL in a column the relay reads; topic_unavailable: the topic is missing or not writable; too_large: larger than its topic and the dead-letter topic take; refused: refused by Kafka with no dead-letter topic).",
 		}, []string{"reason"}),
 		deadLettered: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "outbox_relay_dead_lettered_total",
@@ -77,13 +78,20 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Name: "outbox_relay_ordering_blocked_keys",
 			Help: "Partition keys held back in partition-key ordering mode because an earlier row of the key could not be published yet.",
 		}),
+		stalled: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "outbox_relay_stalled",
+			Help: "1 while the relay is stalled for the reason (batch_failing, no_progress, rows_waiting, mode_conflict, loop_wedged), else 0. Any 1 fails /readyz; loop_wedged also fails /healthz.",
+		}, []string{"reason"}),
 	}
-	for _, r := range []string{"unroutable", "failed"} {
+	for _, r := range heldReasons {
 		m.held.WithLabelValues(r)
+	}
+	for _, r := range stallReasons {
+		m.stalled.WithLabelValues(r)
 	}
 	if reg != nil {
 		reg.MustRegister(m.published, m.publishErrors, m.batches, m.batchSize, m.batchDuration,
-			m.claimDuration, m.held, m.deadLettered, m.backlog, m.oldestAge, m.latency, m.buckets, m.blockedKeys)
+			m.claimDuration, m.held, m.deadLettered, m.backlog, m.oldestAge, m.latency, m.buckets, m.blockedKeys, m.stalled)
 	}
 	return m
 }

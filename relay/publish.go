@@ -20,18 +20,25 @@ const (
 	HeaderOriginalTopic = "outbox_original_topic"
 )
 
+// outcome is what became of one claimed row in a batch.
 type outcome int
 
 const (
-	acked outcome = iota
-	transient
-	permanent
-	skipped // not sent in this batch; stays unpublished
+	skipped   outcome = iota // not sent in this batch; stays unpublished
+	acked                    // Kafka acknowledged it
+	transient                // failed in a way a retry may fix
+	permanent                // Kafka will never take this record
+	topicDown                // its topic is unavailable
 )
 
-func (r *Relay) message(x row) kafka.Message {
+// errTooLarge is the error a record larger than its topic takes gets.
+func errTooLarge(size, limit int, topic string) error {
+	return fmt.Errorf("record of %d bytes is larger than topic %s takes (%d): %w", size, topic, limit, kafka.MessageSizeTooLarge)
+}
+
+func (r *Relay) message(x row, topic string) kafka.Message {
 	return kafka.Message{
-		Topic: r.cfg.Topics[x.eventType],
+		Topic: topic,
 		Key:   []byte(x.partitionKey),
 		Value: x.payload,
 		Headers: []kafka.Header{
@@ -52,151 +59,189 @@ func messageSize(m kafka.Message) int {
 	return n
 }
 
-// publish writes the batch in one WriteMessages call and returns the ids of
-// the rows to mark published: those Kafka acknowledged, and those that went
-// to the dead-letter topic. Rows refused permanently without a dead-letter
-// topic are held. The error reports rows that failed transiently.
-//
-// In partition-key ordering mode a row that cannot be published now (its
-// type is unmapped, Kafka refused it, the byte budget ran out) stops the
-// later rows of its key in this batch, and its key is kept out of claims
-// for a while, so no row is ever published ahead of an older row of its key.
-func (r *Relay) publish(ctx context.Context, rows []row) ([]int64, error) {
-	ordered := r.cfg.Ordering == OrderingPartitionKey
-	now := time.Now()
-	// firstStop[key] is the index of the key's first row that cannot go out
-	// now; the key's later rows wait (ordered mode).
-	firstStop := map[string]int{}
-	stopped := func(key string, i int) bool { j, ok := firstStop[key]; return ok && j < i }
-	stopAt := func(key string, i int) {
-		if _, ok := firstStop[key]; !ok {
-			firstStop[key] = i
-		}
-	}
-	block := func(key string, i int, d time.Duration) {
-		stopAt(key, i)
-		r.blockKey(key, now.Add(d))
-	}
+// batch is one claimed batch on its way to Kafka: each row's outcome and error.
+type batch struct {
+	rows []row
+	out  []outcome
+	errs []error
+}
 
-	msgs := make([]kafka.Message, 0, len(rows))
-	idx := make([]int, 0, len(rows)) // msgs[i] is rows[idx[i]]
-	outcomes := make([]outcome, len(rows))
-	errs := make([]error, len(rows))
-	budget := orderedByteBudget
-	for i, x := range rows {
-		if ordered && stopped(x.partitionKey, i) {
-			outcomes[i] = skipped
-			continue
+// publish sends the batch and returns the ids of the rows to mark
+// published: those Kafka acknowledged, and those that went to the
+// dead-letter topic. A row that cannot go out now is held or left for a
+// later batch, and never stops the rows of other keys or topics; the
+// ordering mode decides what it does to the later rows of its key. The
+// error reports rows that failed transiently when the loop should back off.
+func (r *Relay) publish(ctx context.Context, rows []row) ([]int64, error) {
+	now := time.Now()
+	b := &batch{rows: rows, out: make([]outcome, len(rows)), errs: make([]error, len(rows))}
+	var msgs []kafka.Message
+	var idx []int // msgs[j] is rows[idx[j]]
+	for i := range rows {
+		if m, ok := r.admit(b, i, now); ok {
+			msgs = append(msgs, m)
+			idx = append(idx, i)
 		}
-		if _, ok := r.cfg.Topics[x.eventType]; !ok {
-			// Only claimed in ordered mode: the key waits for the map.
-			outcomes[i] = skipped
-			block(x.partitionKey, i, r.cfg.HeldRetryInterval)
-			continue
-		}
-		m := r.message(x)
-		size := messageSize(m)
-		if size > maxMessageBytes {
-			// kafka-go refuses the whole call for one oversized record; decide
-			// it here. Its key's later rows wait for its dead-lettering.
-			outcomes[i], errs[i] = permanent, kafka.MessageSizeTooLarge
-			stopAt(x.partitionKey, i)
-			continue
-		}
-		if ordered {
-			// One produce batch per partition keeps a key's rows all-or-nothing.
-			if budget -= size; budget < 0 {
-				outcomes[i] = skipped
-				stopAt(x.partitionKey, i)
-				continue
-			}
-		}
-		msgs = append(msgs, m)
-		idx = append(idx, i)
 	}
-	r.write(ctx, msgs, func(j int, o outcome, err error) { outcomes[idx[j]], errs[idx[j]] = o, err })
+	r.send(ctx, b, msgs, idx)
 
 	published := make([]int64, 0, len(rows))
 	var transientErr error
-	sent, failed := len(msgs), 0
+	failed := 0
 	for i, x := range rows {
-		key := x.partitionKey
-		if outcomes[i] == skipped {
-			continue
-		}
-		if outcomes[i] == permanent {
-			if ordered && stopped(key, i) {
-				continue // an older row of the key is not out yet
-			}
+		if b.out[i] == permanent && !r.mode.stopped(x, i) && len(msgs) > 1 {
 			// A partition batch fails as a whole; send this row alone to
 			// learn whether it is the culprit.
-			if m := r.message(x); messageSize(m) <= maxMessageBytes {
-				r.write(ctx, []kafka.Message{m}, func(_ int, o outcome, err error) { outcomes[i], errs[i] = o, err })
+			if m := r.message(x, r.cfg.Topics[x.eventType]); messageSize(m) <= r.topics.limit(m.Topic) {
+				r.write(ctx, []kafka.Message{m}, func(_ int, o outcome, err error) { b.out[i], b.errs[i] = o, err })
 			}
 		}
-		switch outcomes[i] {
+		switch b.out[i] {
 		case acked:
-			if ordered && stopped(key, i) {
+			if r.mode.stopped(x, i) {
 				r.log.Error("a row was acknowledged after an older row of its key failed; its order may be broken",
-					"id", x.id, "partition_key", key)
+					"id", x.id, "partition_key", x.partitionKey)
 			}
 			published = append(published, x.id)
 			r.m.published.WithLabelValues(r.cfg.Topics[x.eventType]).Inc()
 			r.m.latency.Observe(now.Sub(x.createdAt).Seconds())
-			delete(r.keyBackoff, key)
+			r.mode.sent(x)
 		case transient:
 			r.m.publishErrors.WithLabelValues("transient").Inc()
 			failed++
-			transientErr = errs[i]
-			if ordered && !stopped(key, i) {
-				d := min(max(2*r.keyBackoff[key], 100*time.Millisecond), r.cfg.MaxBackoff)
-				r.keyBackoff[key] = d
-				block(key, i, jitter(d))
-			}
+			transientErr = b.errs[i]
+			r.mode.failed(x, i, now)
+		case topicDown:
+			r.m.publishErrors.WithLabelValues(HeldTopicUnavailable).Inc()
+			r.topicFailed(r.cfg.Topics[x.eventType], x, b.errs[i], now)
+			r.mode.stop(x, i, now.Add(r.cfg.MaxBackoff))
 		case permanent:
 			r.m.publishErrors.WithLabelValues("permanent").Inc()
-			if r.deadLetter(ctx, x, errs[i]) {
+			if r.deadLetter(ctx, x, b.errs[i]) {
 				published = append(published, x.id)
+				r.mode.stop(x, i, time.Time{}) // its key's later rows go in the next batch
 				continue
 			}
-			r.held[x.id] = now
-			if ordered {
-				block(key, i, r.cfg.HeldRetryInterval)
+			reason := HeldRefused
+			if errors.Is(b.errs[i], kafka.MessageSizeTooLarge) || errors.As(b.errs[i], new(kafka.MessageTooLargeError)) {
+				reason = HeldTooLarge
 			}
-			r.log.Error("row refused by Kafka and held; it is retried later", "id", x.id, "event_id", x.eventID,
-				"event_type", x.eventType, "topic", r.cfg.Topics[x.eventType], "err", errs[i])
-		}
-	}
-	r.m.held.WithLabelValues("failed").Set(float64(len(r.held)))
-	// Move the cursor back before the first row left unpublished (failed
-	// transiently, or not sent), so the next claims find it at once.
-	done := make(map[int64]bool, len(published))
-	for _, id := range published {
-		done[id] = true
-	}
-	for _, x := range rows {
-		if _, isHeld := r.held[x.id]; !done[x.id] && !isHeld {
-			r.cursor = min(r.cursor, x.id-1)
-			break
+			until := now.Add(r.cfg.HeldRetryInterval)
+			r.held.hold(r.log, x, reason, until, b.errs[i])
+			r.mode.stop(x, i, until)
 		}
 	}
 	if transientErr != nil {
 		r.setKafkaErr(transientErr)
-		if !ordered || failed == sent {
-			// Back off the whole loop: Kafka is failing everything (or, without
-			// ordering, the failed rows are simply claimed again first).
+		if r.mode.backOff(failed, len(msgs)) {
 			return published, fmt.Errorf("publish to Kafka: %w", transientErr)
 		}
-		return published, nil // only some keys failed; they are blocked, the rest flows
+		return published, nil // only some keys failed; they wait, the rest flows
 	}
-	r.setKafkaErr(nil)
+	if len(msgs) > 0 {
+		r.setKafkaErr(nil)
+	}
 	return published, nil
 }
 
-// orderedByteBudget caps the bytes one ordered batch sends, so that every
-// partition's share fits one produce request (kafka-go's BatchBytes) and is
-// appended all or nothing.
-const orderedByteBudget = maxMessageBytes * 9 / 10
+// admit decides whether row i can be sent in this batch and builds its record.
+func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
+	x := b.rows[i]
+	if r.mode.stopped(x, i) {
+		return kafka.Message{}, false // an older row of its key is not out yet
+	}
+	if x.nullColumns != "" {
+		// Never sent: a NULL payload would be a tombstone, a NULL id or type unroutable.
+		until := now.Add(r.cfg.HeldRetryInterval)
+		r.held.hold(r.log, x, HeldInvalidRow, until, fmt.Errorf("NULL in %s", x.nullColumns))
+		r.mode.stop(x, i, until)
+		return kafka.Message{}, false
+	}
+	topic, ok := r.cfg.Topics[x.eventType]
+	if !ok {
+		// Only partition-key claims return unmapped rows: the key waits for the map.
+		r.mode.stop(x, i, now.Add(r.cfg.HeldRetryInterval))
+		return kafka.Message{}, false
+	}
+	if !r.topics.available(topic, now) {
+		r.mode.stop(x, i, now.Add(r.cfg.MaxBackoff))
+		return kafka.Message{}, false
+	}
+	m := r.message(x, topic)
+	if size, limit := messageSize(m), r.topics.limit(topic); size > limit {
+		// Decided here: sent, it would fail the whole partition batch.
+		b.out[i], b.errs[i] = permanent, errTooLarge(size, limit, topic)
+		r.mode.stop(x, i, time.Time{})
+		return kafka.Message{}, false
+	}
+	return m, true
+}
+
+// send writes the admitted records in one call. When that call fails as a
+// whole because of one topic (kafka-go resolves every topic before sending
+// anything, so one unknown or forbidden topic fails them all), each topic
+// is sent on its own, so the others still go out.
+func (r *Relay) send(ctx context.Context, b *batch, msgs []kafka.Message, idx []int) {
+	var whole error
+	r.write(ctx, msgs, func(j int, o outcome, err error) {
+		b.out[idx[j]], b.errs[idx[j]] = o, err
+		if j == 0 && o == topicDown {
+			whole = err
+		}
+	})
+	if whole == nil || !allSame(b, idx, topicDown) || len(topicsOf(msgs)) < 2 {
+		return
+	}
+	for _, topic := range topicsOf(msgs) {
+		var tm []kafka.Message
+		var ti []int
+		for j, m := range msgs {
+			if i := idx[j]; m.Topic == topic {
+				if r.mode.stopped(b.rows[i], i) {
+					b.out[i] = skipped // an older row of its key failed in another topic
+					continue
+				}
+				tm, ti = append(tm, m), append(ti, i)
+			}
+		}
+		r.write(ctx, tm, func(j int, o outcome, err error) { b.out[ti[j]], b.errs[ti[j]] = o, err })
+		for _, i := range ti {
+			if b.out[i] != acked {
+				r.mode.stop(b.rows[i], i, time.Time{})
+			}
+		}
+	}
+}
+
+func allSame(b *batch, idx []int, o outcome) bool {
+	for _, i := range idx {
+		if b.out[i] != o {
+			return false
+		}
+	}
+	return true
+}
+
+// topicsOf lists the distinct topics of msgs in order of first appearance.
+func topicsOf(msgs []kafka.Message) []string {
+	var ts []string
+	seen := map[string]bool{}
+	for _, m := range msgs {
+		if !seen[m.Topic] {
+			seen[m.Topic] = true
+			ts = append(ts, m.Topic)
+		}
+	}
+	return ts
+}
+
+// topicFailed holds a topic's rows for a backoff, logging once per outage.
+func (r *Relay) topicFailed(topic string, x row, err error, now time.Time) {
+	if r.topics.markDown(topic, err, now, r.cfg.HeldRetryInterval) {
+		r.log.Error("topic unavailable; its rows are held and the topic is retried", "topic", topic,
+			"id", x.id, "event_id", x.eventID, "reason", HeldTopicUnavailable, "err", err)
+	}
+}
 
 // write sends msgs in one call and reports each message's outcome.
 func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int, outcome, error)) {
@@ -209,7 +254,10 @@ func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int
 	var werrs kafka.WriteErrors
 	switch {
 	case err == nil:
-		for j := range msgs {
+		for j, m := range msgs {
+			if r.topics.markUp(m.Topic) {
+				r.log.Info("topic available again", "topic", m.Topic)
+			}
 			report(j, acked, nil)
 		}
 	case errors.As(err, &werrs) && len(werrs) == len(msgs):
@@ -217,11 +265,17 @@ func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int
 			switch {
 			case e == nil:
 				report(j, acked, nil)
+			case isTopicUnavailable(e):
+				report(j, topicDown, e)
 			case isPermanent(e):
 				report(j, permanent, e)
 			default:
 				report(j, transient, e)
 			}
+		}
+	case isTopicUnavailable(err):
+		for j := range msgs {
+			report(j, topicDown, err)
 		}
 	default:
 		// Timeouts and connection errors say nothing about what was
@@ -232,41 +286,25 @@ func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int
 	}
 }
 
-// isPermanent reports errors that retrying the same record cannot fix.
-func isPermanent(err error) bool {
-	var tooLarge kafka.MessageTooLargeError
-	if errors.As(err, &tooLarge) {
-		return true
-	}
-	var kerr kafka.Error
-	if errors.As(err, &kerr) {
-		switch kerr {
-		case kafka.MessageSizeTooLarge, kafka.RecordListTooLarge, kafka.InvalidTopic,
-			kafka.InvalidRecord, kafka.TopicAuthorizationFailed, kafka.UnsupportedForMessageFormat,
-			kafka.PolicyViolation:
-			return true
-		}
-	}
-	return false
-}
-
-// deadLetter publishes a refused row to the dead-letter topic and reports
-// whether Kafka acknowledged it there.
+// deadLetter publishes a refused row, payload and all, to the dead-letter
+// topic and reports whether Kafka acknowledged it there. A row that does not
+// fit the dead-letter topic either is not sent (it is held).
 func (r *Relay) deadLetter(ctx context.Context, x row, cause error) bool {
 	if r.cfg.DeadLetterTopic == "" {
 		return false
 	}
-	m := r.message(x)
+	m := r.message(x, r.cfg.Topics[x.eventType])
 	m.Headers = append(m.Headers,
 		kafka.Header{Key: HeaderError, Value: []byte(cause.Error())},
 		kafka.Header{Key: HeaderOriginalTopic, Value: []byte(m.Topic)})
 	m.Topic = r.cfg.DeadLetterTopic
+	if size, limit := messageSize(m), r.topics.limit(m.Topic); size > limit {
+		r.log.Error("row fits neither its topic nor the dead-letter topic; it is held", "id", x.id, "event_id", x.eventID,
+			"bytes", size, "dead_letter_limit", limit)
+		return false
+	}
 	ok := false
 	var dlErr error
-	if messageSize(m) > maxMessageBytes {
-		// Too big for any topic: keep the record's metadata, drop the payload from the copy.
-		m.Value = nil
-	}
 	r.write(ctx, []kafka.Message{m}, func(_ int, o outcome, err error) { ok, dlErr = o == acked, err })
 	if !ok {
 		r.log.Error("dead-letter publish failed", "id", x.id, "event_id", x.eventID, "err", dlErr)

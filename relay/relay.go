@@ -3,7 +3,7 @@
 // the batch with acks=all, and marks what Kafka acknowledged, all in one
 // transaction, so any number of replicas share a table without duplicates in
 // steady state and nothing is lost when a process, the broker or the
-// database fails (docs/relay.md).
+// database fails (docs/relay.md, docs/architecture.md).
 package relay
 
 import (
@@ -20,8 +20,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/segmentio/kafka-go"
+
+	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
 // MessageWriter is the part of *kafka.Writer the relay uses; tests inject faults through it.
@@ -33,40 +34,38 @@ type MessageWriter interface {
 type Relay struct {
 	cfg     Config
 	table   outbox.Table
+	sql     SQL
 	pool    *pgxpool.Pool
 	writer  MessageWriter
 	kwriter *kafka.Writer // nil when a MessageWriter was injected
 	client  *kafka.Client
 	m       *metrics
 	log     *slog.Logger
-	types   []string // mapped event types
-
-	claimSQL string
-	markSQL  string
+	types   []string // mapped event types, sorted
 
 	// Loop state, owned by Run's goroutine.
-	cursor    int64 // highest id this replica claimed
-	floorMark int64 // cursor at the previous floor scan
-	nextFloor time.Time
-	nextFull  time.Time
-	lastShort bool
-	held      map[int64]time.Time // rows refused permanently with no dead-letter topic
+	mode   strategy
+	member *member
+	cur    cursor
+	held   *heldRows
 
-	// OrderingPartitionKey state.
-	own         owner
-	fairShare   int
-	blockedKeys map[string]time.Time // keys whose next row cannot be published yet
-	keyBackoff  map[string]time.Duration
-
+	// Shared with the stats loop and the probes.
+	topics     *topicState
+	health     *health
+	filter     atomic.Pointer[claimFilter] // the last claim's filters, for the stall check
 	mu         sync.Mutex
 	unroutable map[string]bool // event types already logged as unmapped
 	dbErr      atomic.Pointer[error]
 	kafkaErr   atomic.Pointer[error]
 }
 
-// maxMessageBytes is the writer's batch byte cap; a single record above it
-// is refused before it is sent (Kafka's default max.message.bytes).
-const maxMessageBytes = 1 << 20
+// claimFilter is what the last claim left out, so the stall check counts
+// only the rows this replica could claim.
+type claimFilter struct {
+	types []string
+	held  []int64
+	keys  []string
+}
 
 // New validates cfg and prepares a relay. It connects lazily: Check and Run
 // open the connections.
@@ -95,8 +94,9 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 	// hangs, PostgreSQL ends the transaction and releases the rows.
 	rp["idle_in_transaction_session_timeout"] = strconv.FormatInt((cfg.PublishTimeout + 20*time.Second).Milliseconds(), 10)
 	rp["statement_timeout"] = "30000"
-	// A generic plan made while the table was tiny can stay a sequential
-	// scan as it grows (PITFALLS 11b): always plan with the real parameters.
+	// pgx prepares statements, and a generic plan made while the table was
+	// tiny can stay a sequential scan as it grows (seen here: 28.7 ms per
+	// mark at 300k rows): always plan with the real parameters.
 	rp["plan_cache_mode"] = "force_custom_plan"
 	// With statistics older than the backlog (a busy table between two
 	// ANALYZEs) the planner takes "id > cursor" for a handful of rows and
@@ -116,19 +116,24 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 		return nil, fmt.Errorf("dsn: %w", err)
 	}
 	transport := &kafka.Transport{TLS: cfg.TLS, SASL: cfg.SASL, DialTimeout: 5 * time.Second, MetadataTTL: 30 * time.Second, ClientID: "outbox-relay"}
+	now := time.Now()
 	r := &Relay{
-		cfg:         cfg,
-		table:       table,
-		pool:        pool,
-		writer:      w,
-		client:      &kafka.Client{Addr: kafka.TCP(cfg.Brokers...), Timeout: 10 * time.Second, Transport: transport},
-		m:           newMetrics(cfg.Registerer),
-		log:         cfg.Logger.With("table", table.String()),
-		held:        map[int64]time.Time{},
-		blockedKeys: map[string]time.Time{},
-		keyBackoff:  map[string]time.Duration{},
-		unroutable:  map[string]bool{},
+		cfg:        cfg,
+		table:      table,
+		sql:        NewSQL(table),
+		pool:       pool,
+		writer:     w,
+		client:     &kafka.Client{Addr: kafka.TCP(cfg.Brokers...), Timeout: 10 * time.Second, Transport: transport},
+		m:          newMetrics(cfg.Registerer),
+		log:        cfg.Logger.With("table", table.String()),
+		member:     &member{mode: cfg.Ordering},
+		cur:        cursor{fullRescan: cfg.FullRescanInterval},
+		held:       newHeldRows(),
+		topics:     newTopicState(),
+		health:     newHealth(cfg.StallTimeout, batchDeadline(cfg)+cfg.StallTimeout, now),
+		unroutable: map[string]bool{},
 	}
+	r.mode = newStrategy(r)
 	if w == nil {
 		r.kwriter = &kafka.Writer{
 			Addr:         kafka.TCP(cfg.Brokers...),
@@ -136,9 +141,12 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 			RequiredAcks: kafka.RequireAll,
 			// The writer batches per partition and a partial batch waits
 			// BatchTimeout; the relay hands over whole batches, so send at once.
-			BatchTimeout:    time.Microsecond,
-			BatchSize:       cfg.BatchSize,
-			BatchBytes:      maxMessageBytes,
+			BatchTimeout: time.Microsecond,
+			BatchSize:    cfg.BatchSize,
+			// The relay checks each record against its topic's limit and
+			// the claim's byte budget bounds a call; the writer adds no cap
+			// of its own, so a partition's share of a call is one request.
+			BatchBytes:      1 << 30,
 			MaxAttempts:     3,
 			WriteBackoffMin: 50 * time.Millisecond,
 			WriteBackoffMax: 500 * time.Millisecond,
@@ -152,35 +160,19 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 		r.types = append(r.types, t)
 	}
 	slices.Sort(r.types)
-	q := table.Quoted()
-	r.claimSQL = `SELECT id, event_id::text, event_type, aggregate_type, aggregate_id, partition_key, payload, created_at
-FROM ` + q + `
-WHERE published_at IS NULL AND id > $1 AND event_type = ANY($2) AND id <> ALL($3)
-ORDER BY id
-LIMIT $4
-FOR UPDATE SKIP LOCKED`
-	if cfg.Ordering == OrderingPartitionKey {
-		// Every mapped or unmapped row of the replica's buckets is claimed in
-		// id order: an unpublishable row must stop the later rows of its key.
-		r.claimSQL = `SELECT id, event_id::text, event_type, aggregate_type, aggregate_id, partition_key, payload, created_at
-FROM ` + q + `
-WHERE published_at IS NULL AND id > $1 AND id <> ALL($2) AND partition_key <> ALL($3)
-  AND ` + bucketSQL + ` = ANY($4)
-ORDER BY id
-LIMIT $5
-FOR UPDATE SKIP LOCKED`
-	}
-	r.markSQL = `UPDATE ` + q + ` SET published_at = now() WHERE id = ANY($1)`
 	errNotChecked := errors.New("not connected yet")
 	r.dbErr.Store(&errNotChecked)
 	r.kafkaErr.Store(&errNotChecked)
 	return r, nil
 }
 
+// batchDeadline bounds one batch from begin to commit, even after SIGTERM.
+func batchDeadline(cfg Config) time.Duration { return cfg.PublishTimeout + 15*time.Second }
+
 // Close releases the database connections and the Kafka writer. Call it
 // after Run has returned.
 func (r *Relay) Close() error {
-	r.dropOwner()
+	r.leave()
 	r.pool.Close()
 	if r.kwriter != nil {
 		return r.kwriter.Close()
@@ -188,8 +180,9 @@ func (r *Relay) Close() error {
 	return nil
 }
 
-// Check verifies the table's columns and partial index and that every
-// mapped topic (and the dead-letter topic) exists in Kafka.
+// Check verifies the table's columns and partial index, that every mapped
+// topic (and the dead-letter topic) exists in Kafka, and reads each topic's
+// largest record size from the broker.
 func (r *Relay) Check(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
@@ -222,7 +215,13 @@ func (r *Relay) Check(ctx context.Context) error {
 	if r.cfg.DeadLetterTopic != "" && !exists[r.cfg.DeadLetterTopic] {
 		missing = append(missing, fmt.Errorf("dead-letter topic %q does not exist in Kafka", r.cfg.DeadLetterTopic))
 	}
-	return errors.Join(missing...)
+	if err := errors.Join(missing...); err != nil {
+		return err
+	}
+	if err := r.topics.refreshLimits(ctx, r.client, r.allTopics(), r.cfg.HeldRetryInterval); err != nil {
+		r.log.Warn("could not read the topics' record size limits; assuming Kafka's default", "err", err, "bytes", defaultMaxRecordBytes)
+	}
+	return nil
 }
 
 // UnreachableError is a Check failure because PostgreSQL or Kafka could not
@@ -242,19 +241,48 @@ func (r *Relay) allTopics() []string {
 	if r.cfg.DeadLetterTopic != "" {
 		ts = append(ts, r.cfg.DeadLetterTopic)
 	}
+	slices.Sort(ts)
 	return ts
+}
+
+// availableTypes are the mapped event types whose topic may be written now.
+func (r *Relay) availableTypes(now time.Time) []string {
+	types := make([]string, 0, len(r.types))
+	for _, et := range r.types {
+		if r.topics.available(r.cfg.Topics[et], now) {
+			types = append(types, et)
+		}
+	}
+	return types
 }
 
 func (r *Relay) setDBErr(err error)    { r.dbErr.Store(&err) }
 func (r *Relay) setKafkaErr(err error) { r.kafkaErr.Store(&err) }
 
-// Ready returns nil while the relay can reach PostgreSQL and Kafka.
+// Ready returns nil while the relay can reach PostgreSQL and Kafka and
+// events flow: it fails on each stall (see the Stall reasons). Its message
+// never holds the connection errors themselves (they may name the
+// database's host, user and database; the logs have them).
 func (r *Relay) Ready() error {
 	if err := *r.dbErr.Load(); err != nil {
-		return fmt.Errorf("postgres: %w", err)
+		return errors.New("postgres: unreachable")
 	}
 	if err := *r.kafkaErr.Load(); err != nil {
-		return fmt.Errorf("kafka: %w", err)
+		return errors.New("kafka: unreachable")
+	}
+	stalls := r.health.stalls(time.Now())
+	for _, reason := range stallReasons {
+		if msg, ok := stalls[reason]; ok {
+			return fmt.Errorf("stalled (%s): %s", reason, msg)
+		}
+	}
+	return nil
+}
+
+// Live returns nil unless the loop itself is wedged.
+func (r *Relay) Live() error {
+	if msg, ok := r.health.stalls(time.Now())[StallLoopWedged]; ok {
+		return fmt.Errorf("stalled (%s): %s", StallLoopWedged, msg)
 	}
 	return nil
 }
@@ -267,20 +295,22 @@ func (r *Relay) Run(ctx context.Context) error {
 	statsDone := make(chan struct{})
 	go func() { defer close(statsDone); r.statsLoop(ctx) }()
 	defer func() { <-statsDone }()
-	defer r.dropOwner() // hand this replica's buckets to the others at once
+	defer r.leave() // hand this replica's buckets to the others at once
 
 	var backoff time.Duration
 	for ctx.Err() == nil {
-		n, err := r.processBatch(ctx)
+		now := time.Now()
+		r.health.iteration(now)
+		n, full, err := r.processBatch(ctx)
 		if err != nil {
+			r.health.batchFailed(now, err)
 			backoff = min(max(2*backoff, 100*time.Millisecond), r.cfg.MaxBackoff)
 			r.log.Warn("batch failed; retrying", "err", err, "backoff", backoff)
 			sleep(ctx, jitter(backoff))
 			continue
 		}
 		backoff = 0
-		r.lastShort = n < r.cfg.BatchSize
-		if r.lastShort {
+		if n == 0 || !full {
 			sleep(ctx, jitter(r.cfg.PollInterval))
 		}
 	}
@@ -311,148 +341,114 @@ type row struct {
 	partitionKey  string
 	payload       []byte
 	createdAt     time.Time
+	nullColumns   string // the columns that were NULL, comma-separated
 }
 
-// scanFrom picks where this claim starts in the index. Claims normally
-// continue after the cursor, so they do not walk the dead index entries of
-// rows already published (PITFALLS 11a). A row whose id was taken before the
-// cursor but that committed later would be behind it: a floor scan (after
-// each short batch, and at least every second) starts at the cursor of the
-// previous floor scan, and a full rescan from the start runs every
-// FullRescanInterval for transactions that stayed open longer than that.
-func (r *Relay) scanFrom(now time.Time) int64 {
-	switch {
-	case now.After(r.nextFull):
-		r.nextFull = now.Add(r.cfg.FullRescanInterval)
-		r.nextFloor = now.Add(time.Second)
-		r.floorMark = r.cursor
-		return 0
-	case r.lastShort || now.After(r.nextFloor):
-		from := min(r.floorMark, r.cursor) // the cursor may have moved back since
-		r.floorMark = r.cursor
-		r.nextFloor = now.Add(time.Second)
-		return from
-	default:
-		return r.cursor
-	}
-}
-
-// processBatch runs one claim-publish-mark transaction and returns the number
-// of rows claimed.
-func (r *Relay) processBatch(ctx context.Context) (int, error) {
+// processBatch runs one claim–publish–mark transaction. It returns the rows
+// claimed and whether the claim was full (so the loop drains on at once).
+func (r *Relay) processBatch(ctx context.Context) (int, bool, error) {
 	// Once begun, a batch finishes even if ctx is cancelled (SIGTERM): the
 	// publish has its own deadline and the transaction is short.
-	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout+15*time.Second)
+	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
 	defer cancel()
 	start := time.Now()
-	r.releaseHeld(start)
-
-	var db interface {
-		Begin(context.Context) (pgx.Tx, error)
-	} = r.pool
-	if r.cfg.Ordering == OrderingPartitionKey {
-		if err := r.ensureOwner(bctx, start); err != nil {
-			r.setDBErr(err)
-			return 0, err
-		}
-		if len(r.own.mine) == 0 {
-			return 0, nil // every bucket is taken by other replicas
-		}
-		db = r.own.conn
+	if r.held.release(start) {
+		r.cur.rescanSoon() // released rows are behind the cursor
+	}
+	db, err := r.mode.prepare(bctx, start)
+	if err != nil {
+		return 0, false, r.dbFailed(err)
+	}
+	if db == nil {
+		r.health.batchDone(start, 0, 0)
+		return 0, false, nil
 	}
 	tx, err := db.Begin(bctx)
 	if err != nil {
-		r.dropOwner()
-		r.setDBErr(err)
-		r.m.publishErrors.WithLabelValues("database").Inc()
-		return 0, fmt.Errorf("begin claim transaction on %s: %w", r.table, err)
+		return 0, false, r.dbFailed(fmt.Errorf("begin claim transaction on %s: %w", r.table, err))
 	}
 	defer tx.Rollback(bctx) //nolint:errcheck // no-op after commit
 
-	// Unblocking a key rescans from the start: take the key list first.
-	blocked := r.blockedKeyList(start)
-	rows, err := r.claim(bctx, tx, r.scanFrom(start), blocked)
+	types, keys := r.mode.waiting(start) // before the cursor: an expired filter moves it back
+	held := r.held.ids()
+	r.filter.Store(&claimFilter{types: types, held: held, keys: keys})
+	rows, full, err := r.claim(bctx, tx, r.cur.from(start), held, types, keys)
 	if err != nil {
-		r.dropOwner()
-		r.setDBErr(err)
-		r.m.publishErrors.WithLabelValues("database").Inc()
-		return 0, err
+		return 0, false, r.dbFailed(err)
 	}
 	r.setDBErr(nil)
 	r.m.claimDuration.Observe(time.Since(start).Seconds())
+	r.cur.claimed(rows, full)
 	if len(rows) == 0 {
-		return 0, tx.Commit(bctx)
-	}
-	if last := rows[len(rows)-1].id; len(rows) == r.cfg.BatchSize {
-		// A full batch from a rescan may end below the cursor: the rows
-		// between are unclaimed, so the cursor must come back to here.
-		r.cursor = last
-	} else {
-		r.cursor = max(r.cursor, last)
+		r.health.batchDone(start, 0, 0)
+		return 0, false, r.commit(bctx, tx)
 	}
 
 	published, perr := r.publish(bctx, rows)
 	if len(published) > 0 {
-		if _, err := tx.Exec(bctx, r.markSQL, published); err != nil {
-			r.dropOwner()
-			r.setDBErr(err)
-			r.m.publishErrors.WithLabelValues("database").Inc()
-			return 0, fmt.Errorf("mark %d rows published in %s: %w", len(published), r.table, err)
+		if _, err := tx.Exec(bctx, r.sql.Mark, published); err != nil {
+			return 0, false, r.dbFailed(fmt.Errorf("mark %d rows published in %s: %w", len(published), r.table, err))
 		}
 	}
-	if err := tx.Commit(bctx); err != nil {
-		r.dropOwner()
-		r.setDBErr(err)
-		r.m.publishErrors.WithLabelValues("database").Inc()
-		return 0, fmt.Errorf("commit batch on %s: %w", r.table, err)
+	if err := r.commit(bctx, tx); err != nil {
+		return 0, false, err
+	}
+	done := make(map[int64]bool, len(published))
+	for _, id := range published {
+		done[id] = true
+	}
+	r.cur.settled(rows, func(id int64) bool { return done[id] || r.held.isHeld(id) })
+	for _, reason := range []string{HeldInvalidRow, HeldTooLarge, HeldRefused} {
+		r.m.held.WithLabelValues(reason).Set(float64(r.held.count(reason)))
 	}
 	r.m.batches.Inc()
 	r.m.batchSize.Observe(float64(len(rows)))
 	r.m.batchDuration.Observe(time.Since(start).Seconds())
 	if perr != nil {
 		// Rows that were not acknowledged stay unpublished and are claimed
-		// again after the backoff; a short count keeps the loop from draining.
-		return 0, perr
+		// again after the backoff.
+		return 0, false, perr
 	}
-	return len(rows), nil
+	r.health.batchDone(start, len(rows), len(published))
+	return len(rows), full, nil
 }
 
-func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, blocked []string) ([]row, error) {
-	held := make([]int64, 0, len(r.held))
-	for id := range r.held {
-		held = append(held, id)
-	}
-	var rs pgx.Rows
-	var err error
-	if r.cfg.Ordering == OrderingPartitionKey {
-		rs, err = tx.Query(ctx, r.claimSQL, from, held, blocked, r.own.mine, r.cfg.BatchSize)
-	} else {
-		rs, err = tx.Query(ctx, r.claimSQL, from, r.types, held, r.cfg.BatchSize)
-	}
+// claim runs the mode's claim and reads the rows, and whether the claim was
+// full: it locked as many rows as the batch size, or the byte budget cut it.
+func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, held []int64, types, keys []string) ([]row, bool, error) {
+	rs, err := r.mode.claim(ctx, tx, from, held, types, keys)
 	if err != nil {
-		return nil, fmt.Errorf("claim batch from %s: %w", r.table, err)
+		return nil, false, fmt.Errorf("claim batch from %s: %w", r.table, err)
 	}
 	out := make([]row, 0, r.cfg.BatchSize)
+	var locked int
 	for rs.Next() {
 		var x row
-		if err := rs.Scan(&x.id, &x.eventID, &x.eventType, &x.aggregateType, &x.aggregateID, &x.partitionKey, &x.payload, &x.createdAt); err != nil {
+		if err := rs.Scan(&x.id, &x.eventID, &x.eventType, &x.aggregateType, &x.aggregateID, &x.partitionKey,
+			&x.payload, &x.createdAt, &x.nullColumns, &locked); err != nil {
 			rs.Close()
-			return nil, fmt.Errorf("claim batch from %s: %w", r.table, err)
+			return nil, false, fmt.Errorf("claim batch from %s: %w", r.table, err)
 		}
 		out = append(out, x)
 	}
 	if err := rs.Err(); err != nil {
-		return nil, fmt.Errorf("claim batch from %s: %w", r.table, err)
+		return nil, false, fmt.Errorf("claim batch from %s: %w", r.table, err)
 	}
-	return out, nil
+	return out, locked == r.cfg.BatchSize || len(out) < locked, nil
 }
 
-func (r *Relay) releaseHeld(now time.Time) {
-	for id, since := range r.held {
-		if now.Sub(since) >= r.cfg.HeldRetryInterval {
-			delete(r.held, id)
-			r.rescanSoon() // the row is behind the cursor
-		}
+func (r *Relay) commit(ctx context.Context, tx pgx.Tx) error {
+	if err := tx.Commit(ctx); err != nil {
+		return r.dbFailed(fmt.Errorf("commit batch on %s: %w", r.table, err))
 	}
-	r.m.held.WithLabelValues("failed").Set(float64(len(r.held)))
+	return nil
+}
+
+// dbFailed records a database failure: the membership session goes (its
+// transaction and locks with it) and /readyz says the database is failing.
+func (r *Relay) dbFailed(err error) error {
+	r.leave()
+	r.setDBErr(err)
+	r.m.publishErrors.WithLabelValues("database").Inc()
+	return err
 }

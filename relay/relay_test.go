@@ -226,7 +226,7 @@ func TestOversizedRecordHeldWithoutDeadLetterTopic(t *testing.T) {
 	f.WaitDrained(1, 30*time.Second)
 	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND aggregate_id = 'big'`))
 	require.Eventually(t, func() bool {
-		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", "failed") == 1
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", "too_large") == 1
 	}, 10*time.Second, 50*time.Millisecond)
 	require.Len(t, testenv.Broker().Consume(t, f.Topics["E"], 300, 30*time.Second), 300)
 }
@@ -455,9 +455,9 @@ func TestConfigValidationNamesFieldAndValue(t *testing.T) {
 		`poll-interval: 2h0m0s`:                  func(c *relay.Config) { c.PollInterval = 2 * time.Hour },
 		`brokers: "nohost"`:                      func(c *relay.Config) { c.Brokers = []string{"nohost"} },
 		`brokers: "k:99999" has an invalid port`: func(c *relay.Config) { c.Brokers = []string{"k:99999"} },
-		`topics: "bad topic"`:                    func(c *relay.Config) { c.Topics = map[string]string{"E": "bad topic"} },
-		`topics: ".."`:                           func(c *relay.Config) { c.Topics = map[string]string{"E": ".."} },
-		`topics: empty event type`:               func(c *relay.Config) { c.Topics = map[string]string{"": "t"} },
+		`topics: event type "E": "bad topic"`:    func(c *relay.Config) { c.Topics = map[string]string{"E": "bad topic"} },
+		`topics: event type "E": ".."`:           func(c *relay.Config) { c.Topics = map[string]string{"E": ".."} },
+		`topics: event type "" must be`:          func(c *relay.Config) { c.Topics = map[string]string{"": "t"} },
 		`topics: at least one`:                   func(c *relay.Config) { c.Topics = nil },
 		`dead-letter-topic: "t" is also`:         func(c *relay.Config) { c.DeadLetterTopic = "t" },
 		`dead-letter-topic: "a/b"`:               func(c *relay.Config) { c.DeadLetterTopic = "a/b" },

@@ -7,8 +7,8 @@ import (
 	"github.com/segmentio/kafka-go"
 )
 
-// statsInterval is how often the backlog gauges are refreshed and the
-// connections probed for /readyz.
+// statsInterval is how often the backlog gauges, the topics' state and the
+// stall check are refreshed and the connections probed for /readyz.
 const statsInterval = 5 * time.Second
 
 // backlogCap bounds the backlog count so it stays cheap on a huge table.
@@ -30,7 +30,32 @@ func (r *Relay) statsLoop(ctx context.Context) {
 func (r *Relay) refreshStats(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, 4*time.Second)
 	defer cancel()
-	q := r.table.Quoted()
+	r.refreshKafka(ctx)
+	r.refreshBacklog(ctx)
+	stalls := r.health.stalls(time.Now())
+	for _, reason := range stallReasons {
+		_, stalled := stalls[reason]
+		r.m.stalled.WithLabelValues(reason).Set(boolGauge(stalled))
+	}
+}
+
+// refreshKafka probes the brokers and re-reads the topics' record limits.
+func (r *Relay) refreshKafka(ctx context.Context) {
+	if _, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: r.allTopics()}); err != nil {
+		if ctx.Err() == nil {
+			r.setKafkaErr(err)
+		}
+		return
+	}
+	r.setKafkaErr(nil)
+	if err := r.topics.refreshLimits(ctx, r.client, r.allTopics(), r.cfg.HeldRetryInterval); err != nil {
+		r.log.Debug("could not refresh the topics' record size limits", "err", err)
+	}
+}
+
+// refreshBacklog counts the unpublished rows, those held by type, the age
+// of the oldest one and of the oldest one this replica could claim.
+func (r *Relay) refreshBacklog(ctx context.Context) {
 	tx, err := r.pool.Begin(ctx)
 	if err != nil {
 		if ctx.Err() == nil {
@@ -45,55 +70,61 @@ func (r *Relay) refreshStats(ctx context.Context) {
 	if _, err := tx.Exec(ctx, `SET LOCAL enable_bitmapscan = on`); err != nil {
 		return
 	}
-	rows, err := tx.Query(ctx, `SELECT event_type, count(*) FROM (SELECT event_type FROM `+q+
-		` WHERE published_at IS NULL LIMIT $1) s GROUP BY 1`, backlogCap)
+	rows, err := tx.Query(ctx, r.sql.BacklogByType, backlogCap)
 	if err != nil {
 		if ctx.Err() == nil {
 			r.setDBErr(err)
 		}
 		return
 	}
-	var backlog, unroutable int64
+	down := r.topics.downTopics()
+	var backlog, unroutable, unavailable int64
 	var newTypes []string
 	for rows.Next() {
-		var et string
+		var et *string
 		var n int64
 		if err := rows.Scan(&et, &n); err != nil {
 			rows.Close()
 			return
 		}
 		backlog += n
-		if _, ok := r.cfg.Topics[et]; !ok {
-			unroutable += n
-			r.mu.Lock()
-			if !r.unroutable[et] {
-				r.unroutable[et] = true
-				newTypes = append(newTypes, et)
-			}
-			r.mu.Unlock()
+		if et == nil {
+			continue // NULL event types are claimed (and held as invalid) in partition-key mode only
 		}
+		topic, mapped := r.cfg.Topics[*et]
+		if _, isDown := down[topic]; mapped && isDown {
+			unavailable += n
+		}
+		if mapped {
+			continue
+		}
+		unroutable += n
+		r.mu.Lock()
+		if !r.unroutable[*et] {
+			r.unroutable[*et] = true
+			newTypes = append(newTypes, *et)
+		}
+		r.mu.Unlock()
 	}
 	if rows.Err() != nil {
 		return
 	}
 	for _, et := range newTypes {
-		r.log.Warn("rows with an event type missing from the topic map are held until it is mapped", "event_type", et)
+		r.log.Warn("rows with an event type missing from the topic map are held until it is mapped",
+			"event_type", et, "reason", HeldUnroutable)
 	}
 	r.m.backlog.Set(float64(backlog))
-	r.m.held.WithLabelValues("unroutable").Set(float64(unroutable))
+	r.m.held.WithLabelValues(HeldUnroutable).Set(float64(unroutable))
+	r.m.held.WithLabelValues(HeldTopicUnavailable).Set(float64(unavailable))
 
 	var age float64
-	err = tx.QueryRow(ctx, `SELECT COALESCE((SELECT extract(epoch FROM now() - created_at)::float8 FROM `+q+
-		` WHERE published_at IS NULL ORDER BY id LIMIT 1), 0)`).Scan(&age)
-	if err == nil {
+	if err := tx.QueryRow(ctx, r.sql.OldestAge).Scan(&age); err == nil {
 		r.m.oldestAge.Set(age)
 		r.setDBErr(nil)
 	}
-	if _, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: r.allTopics()}); err != nil {
-		if ctx.Err() == nil {
-			r.setKafkaErr(err)
+	if f := r.filter.Load(); f != nil {
+		if err := tx.QueryRow(ctx, r.sql.OldestWaiting, f.types, f.held, f.keys).Scan(&age); err == nil {
+			r.health.setOldestWaiting(time.Duration(age * float64(time.Second)))
 		}
-	} else {
-		r.setKafkaErr(nil)
 	}
 }

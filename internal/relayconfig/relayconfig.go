@@ -286,10 +286,11 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 			s.Brokers = append(s.Brokers, b)
 		}
 	}
-	if err := s.Validate(); err != nil {
-		return s, err
+	var errs []error
+	if s.DSN == "" {
+		errs = append(errs, fmt.Errorf("--%s: required (set %s)", FlagDSN, EnvDSN))
 	}
-	return s, nil
+	return s, errors.Join(append(errs, s.Validate())...)
 }
 
 // Validate checks every setting and names each bad flag and its value.
@@ -297,7 +298,7 @@ func (s Settings) Validate() error {
 	errs := []error{
 		flagErr(FlagTable, CheckTable(s.Table)),
 		flagErr(FlagBrokers, CheckBrokers(s.Brokers)),
-		flagErr(FlagTopic, CheckTopics(s.Topics, s.DeadLetterTopic)),
+		flagErr(FlagTopic, CheckTopics(s.Topics)),
 		flagErr(FlagBatchSize, CheckBatchSize(s.BatchSize)),
 		flagErr(FlagMaxBatchBytes, CheckMaxBatchBytes(s.MaxBatchBytes)),
 		flagErr(FlagPollInterval, CheckPollInterval(s.PollInterval)),
@@ -306,7 +307,7 @@ func (s Settings) Validate() error {
 		flagErr(FlagOrdering, CheckOrdering(s.Ordering)),
 	}
 	if s.DeadLetterTopic != "" {
-		errs = append(errs, flagErr(FlagDeadLetterTopic, CheckTopic(s.DeadLetterTopic)))
+		errs = append(errs, flagErr(FlagDeadLetterTopic, CheckDeadLetterTopic(s.DeadLetterTopic, s.Topics)))
 	}
 	if !slices.Contains(LogFormats, s.LogFormat) {
 		errs = append(errs, fmt.Errorf("--%s: %q is not one of %s", FlagLogFormat, s.LogFormat, strings.Join(LogFormats, ", ")))
@@ -403,8 +404,8 @@ func CheckEventType(et string) error {
 	return nil
 }
 
-// CheckTopics checks a topic map and that the dead-letter topic is none of its topics.
-func CheckTopics(topics map[string]string, deadLetter string) error {
+// CheckTopics checks a topic map.
+func CheckTopics(topics map[string]string) error {
 	if len(topics) == 0 {
 		return errors.New("at least one EVENT_TYPE=TOPIC mapping is required")
 	}
@@ -420,11 +421,22 @@ func CheckTopics(topics map[string]string, deadLetter string) error {
 		if err := CheckTopic(topic); err != nil {
 			errs = append(errs, fmt.Errorf("event type %q: %w", et, err))
 		}
-		if deadLetter != "" && topic == deadLetter {
-			errs = append(errs, fmt.Errorf("%q (event type %q) is also the dead-letter topic", topic, et))
-		}
 	}
 	return errors.Join(errs...)
+}
+
+// CheckDeadLetterTopic checks the dead-letter topic's name and that it is
+// none of the mapped topics.
+func CheckDeadLetterTopic(deadLetter string, topics map[string]string) error {
+	if err := CheckTopic(deadLetter); err != nil {
+		return err
+	}
+	for _, et := range slices.Sorted(maps.Keys(topics)) {
+		if topics[et] == deadLetter {
+			return fmt.Errorf("%q is also the topic of event type %q", deadLetter, et)
+		}
+	}
+	return nil
 }
 
 // CheckBrokers needs at least one host:port.

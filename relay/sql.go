@@ -1,0 +1,90 @@
+package relay
+
+import "github.com/outbox-relay/outbox-operator/outbox"
+
+// SQL holds every statement the relay runs against the outbox table, built
+// once per table. The benchmark runs the same statements.
+type SQL struct {
+	// Claim locks the next unpublished rows of the mapped event types, in id
+	// order, skipping rows other replicas hold. Arguments: $1 the id to
+	// start after, $2 the event types, $3 ids to leave out, $4 the most rows,
+	// $5 the byte budget. See claimColumns for the result.
+	Claim string
+	// ClaimBuckets is Claim for partition-key ordering: every row of the
+	// replica's key-hash buckets, whatever its type (an unpublishable row
+	// must stop the later rows of its key). Arguments: $1 the id to start
+	// after, $2 ids to leave out, $3 keys to leave out, $4 the buckets,
+	// $5 the most rows, $6 the byte budget.
+	ClaimBuckets string
+	// Mark sets published_at on the rows whose ids are $1.
+	Mark string
+	// BacklogByType counts unpublished rows per event type, up to $1 rows
+	// in all (NULL event types count under NULL).
+	BacklogByType string
+	// OldestAge is the age in seconds of the oldest unpublished row, 0 when none.
+	OldestAge string
+	// OldestWaiting is the age in seconds of the oldest row of event types
+	// $1, leaving out ids $2 and keys $3: what a claim could take. 0 when none.
+	OldestWaiting string
+}
+
+// bucketSQL is the key-hash bucket of a row, the same in every replica. A
+// NULL key hashes as ” so the row is claimed (and held as invalid), not
+// stranded in no bucket.
+const bucketSQL = `(hashtext(COALESCE(partition_key, '')) & 63)`
+
+// claimColumns is what a claim returns per row. No column can fail the scan:
+// NULLs come back as empty values and null_columns names them, so one bad
+// row is held on its own instead of failing the claim for every replica.
+// The size is the payload's text length: the stored size can be a small
+// compressed form of a large value, which would let a claim take far more
+// bytes than the budget.
+const claimColumns = `id,
+    COALESCE(event_id::text, '') AS event_id, COALESCE(event_type, '') AS event_type,
+    COALESCE(aggregate_type, '') AS aggregate_type, COALESCE(aggregate_id, '') AS aggregate_id,
+    COALESCE(partition_key, '') AS partition_key, payload, COALESCE(created_at, 'epoch') AS created_at,
+    concat_ws(',',
+        CASE WHEN event_id IS NULL THEN 'event_id' END, CASE WHEN event_type IS NULL THEN 'event_type' END,
+        CASE WHEN aggregate_type IS NULL THEN 'aggregate_type' END, CASE WHEN aggregate_id IS NULL THEN 'aggregate_id' END,
+        CASE WHEN partition_key IS NULL THEN 'partition_key' END, CASE WHEN payload IS NULL THEN 'payload' END,
+        CASE WHEN created_at IS NULL THEN 'created_at' END) AS null_columns,
+    COALESCE(octet_length(payload::text), 0) AS size`
+
+// budgeted wraps a locking claim so it returns rows in id order while their
+// payloads fit the byte budget (always at least one row), and how many rows
+// the claim locked (a batch cut by the budget is a full batch, not a short one).
+func budgeted(claim, budgetArg string) string {
+	return `WITH c AS (` + claim + `)
+SELECT id, event_id, event_type, aggregate_type, aggregate_id, partition_key, payload, created_at, null_columns,
+       (SELECT count(*) FROM c) AS locked
+FROM (SELECT c.*, sum(size) OVER (ORDER BY id) - size AS before FROM c) s
+WHERE before < ` + budgetArg + `
+ORDER BY id`
+}
+
+// NewSQL builds the statements for table t.
+func NewSQL(t outbox.Table) SQL {
+	q := t.Quoted()
+	return SQL{
+		Claim: budgeted(`SELECT `+claimColumns+`
+    FROM `+q+`
+    WHERE published_at IS NULL AND id > $1 AND event_type = ANY($2) AND id <> ALL($3)
+    ORDER BY id
+    LIMIT $4
+    FOR UPDATE SKIP LOCKED`, "$5"),
+		ClaimBuckets: budgeted(`SELECT `+claimColumns+`
+    FROM `+q+`
+    WHERE published_at IS NULL AND id > $1 AND id <> ALL($2) AND COALESCE(partition_key, '') <> ALL($3)
+      AND `+bucketSQL+` = ANY($4)
+    ORDER BY id
+    LIMIT $5
+    FOR UPDATE SKIP LOCKED`, "$6"),
+		Mark:          `UPDATE ` + q + ` SET published_at = now() WHERE id = ANY($1)`,
+		BacklogByType: `SELECT event_type, count(*) FROM (SELECT event_type FROM ` + q + ` WHERE published_at IS NULL LIMIT $1) s GROUP BY 1`,
+		OldestAge: `SELECT COALESCE((SELECT extract(epoch FROM now() - created_at)::float8 FROM ` + q +
+			` WHERE published_at IS NULL ORDER BY id LIMIT 1), 0)`,
+		OldestWaiting: `SELECT COALESCE((SELECT extract(epoch FROM now() - created_at)::float8 FROM ` + q +
+			` WHERE published_at IS NULL AND event_type = ANY($1) AND id <> ALL($2) AND COALESCE(partition_key, '') <> ALL($3)
+			  ORDER BY id LIMIT 1), 0)`,
+	}
+}

@@ -1,0 +1,160 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/segmentio/kafka-go"
+)
+
+// defaultMaxRecordBytes is Kafka's default max.message.bytes, used for a
+// topic until the broker has told its own.
+const defaultMaxRecordBytes = 1048588
+
+// topicState is what the relay knows of each topic it writes: whether it is
+// available now, and the largest record it takes. The loop reads it; the
+// stats loop refreshes it from the broker.
+type topicState struct {
+	mu       sync.Mutex
+	down     map[string]*topicOutage
+	maxBytes map[string]int
+}
+
+// topicOutage is a topic the relay may not write to for now (unknown, deleted,
+// not authorized, refused by policy). Its rows are held, the other topics'
+// rows flow, and the topic is tried again after a growing backoff.
+type topicOutage struct {
+	until   time.Time
+	backoff time.Duration
+	err     error
+}
+
+func newTopicState() *topicState {
+	return &topicState{down: map[string]*topicOutage{}, maxBytes: map[string]int{}}
+}
+
+// available reports whether rows of topic may be sent now.
+func (s *topicState) available(topic string, now time.Time) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	d, ok := s.down[topic]
+	return !ok || !now.Before(d.until)
+}
+
+// markDown holds topic's rows for a backoff that doubles, up to limit, each
+// time the topic fails again. It reports whether the topic was up before.
+func (s *topicState) markDown(topic string, err error, now time.Time, limit time.Duration) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	d, wasDown := s.down[topic]
+	if !wasDown {
+		d = &topicOutage{}
+		s.down[topic] = d
+	}
+	d.backoff = min(max(2*d.backoff, 100*time.Millisecond), limit)
+	d.until = now.Add(jitter(d.backoff))
+	d.err = err
+	return !wasDown
+}
+
+// markUp clears topic after a successful write. It reports whether it was down.
+func (s *topicState) markUp(topic string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, ok := s.down[topic]
+	delete(s.down, topic)
+	return ok
+}
+
+// downTopics returns the topics held now, with why.
+func (s *topicState) downTopics() map[string]error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make(map[string]error, len(s.down))
+	for t, d := range s.down {
+		out[t] = d.err
+	}
+	return out
+}
+
+// limit is the largest record topic takes, as the broker last said.
+func (s *topicState) limit(topic string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if n, ok := s.maxBytes[topic]; ok {
+		return n
+	}
+	return defaultMaxRecordBytes
+}
+
+// refreshLimits reads max.message.bytes of every topic from the broker (a
+// topic's value is its own setting or the broker's message.max.bytes).
+// Unknown topics are marked down, and topics that exist again are tried at once.
+func (s *topicState) refreshLimits(ctx context.Context, c *kafka.Client, topics []string, limit time.Duration) error {
+	req := &kafka.DescribeConfigsRequest{}
+	for _, t := range topics {
+		req.Resources = append(req.Resources, kafka.DescribeConfigRequestResource{
+			ResourceType: kafka.ResourceTypeTopic, ResourceName: t, ConfigNames: []string{"max.message.bytes"},
+		})
+	}
+	resp, err := c.DescribeConfigs(ctx, req)
+	if err != nil {
+		return fmt.Errorf("describe topic configs: %w", err)
+	}
+	now := time.Now()
+	for _, res := range resp.Resources {
+		if res.Error != nil {
+			if errors.Is(res.Error, kafka.UnknownTopicOrPartition) {
+				s.markDown(res.ResourceName, res.Error, now, limit)
+			}
+			continue
+		}
+		for _, e := range res.ConfigEntries {
+			if n, err := strconv.Atoi(e.ConfigValue); err == nil && e.ConfigName == "max.message.bytes" && n > 0 {
+				s.mu.Lock()
+				s.maxBytes[res.ResourceName] = n
+				if d, ok := s.down[res.ResourceName]; ok && errors.Is(d.err, kafka.UnknownTopicOrPartition) {
+					d.until = now // it exists again
+				}
+				s.mu.Unlock()
+			}
+		}
+	}
+	return nil
+}
+
+// isTopicUnavailable reports errors that concern a whole topic and that an
+// operator fixes (create the topic, grant the ACL, relax the policy): the
+// topic's rows are held and retried, never dead-lettered.
+func isTopicUnavailable(err error) bool {
+	var kerr kafka.Error
+	if errors.As(err, &kerr) {
+		switch kerr {
+		case kafka.UnknownTopicOrPartition, kafka.TopicAuthorizationFailed, kafka.ClusterAuthorizationFailed,
+			kafka.PolicyViolation, kafka.InvalidTopic, kafka.SASLAuthenticationFailed:
+			return true
+		}
+	}
+	return false
+}
+
+// isPermanent reports errors that retrying the same record cannot fix.
+func isPermanent(err error) bool {
+	var tooLarge kafka.MessageTooLargeError
+	if errors.As(err, &tooLarge) {
+		return true
+	}
+	var kerr kafka.Error
+	if errors.As(err, &kerr) {
+		switch kerr {
+		case kafka.MessageSizeTooLarge, kafka.RecordListTooLarge, kafka.InvalidRecord,
+			kafka.UnsupportedForMessageFormat:
+			return true
+		}
+	}
+	return false
+}
