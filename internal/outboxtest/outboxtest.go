@@ -1,11 +1,16 @@
-// Package outboxtest holds test fixtures shared by the relay's, the relay
-// binary's and the end-to-end tests: an outbox table in a fresh database,
-// topics, row generators, in-process relays and delivery assertions.
+// Package outboxtest holds the fixtures the relay's, the relay binary's and
+// the outbox writer's tests share — an outbox table in a fresh database,
+// topics, row generators, in-process relays, relay processes, metrics and
+// delivery assertions — and the benchmark uses the same generators, relays
+// and metric readers through the functions that take no *testing.T.
 package outboxtest
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -20,16 +25,21 @@ import (
 	"github.com/outbox-relay/outbox-operator/relay"
 )
 
-// fixture is one test's database, outbox table and topics.
+// Fixture is one test's database, outbox table and topics.
 type Fixture struct {
-	T      *testing.T
-	DSN    string
-	Pool   *pgxpool.Pool
-	Table  string
-	Topics map[string]string // event type -> topic
+	// T is the test the fixture belongs to.
+	T *testing.T
+	// DSN reaches the test's database as the superuser.
+	DSN string
+	// Pool is a pool on DSN.
+	Pool *pgxpool.Pool
+	// Table is the outbox table, "outbox".
+	Table string
+	// Topics maps each event type to its topic.
+	Topics map[string]string
 }
 
-// newFixture creates a database with an outbox table (the shipped DDL) and
+// NewFixture creates a database with an outbox table (the shipped DDL) and
 // one topic per event type, each with partitions partitions.
 func NewFixture(t *testing.T, partitions int, eventTypes ...string) *Fixture {
 	t.Helper()
@@ -45,18 +55,21 @@ func NewFixture(t *testing.T, partitions int, eventTypes ...string) *Fixture {
 	return f
 }
 
+// NewTopic creates a topic unique to the test and returns its name.
 func (f *Fixture) NewTopic(suffix string, partitions int, configs ...string) string {
 	name := testenv.Broker().TopicName(f.T, suffix)
 	testenv.Broker().CreateTopic(f.T, name, partitions, configs...)
 	return name
 }
 
+// Exec runs a statement in the test's database.
 func (f *Fixture) Exec(sql string, args ...any) {
 	f.T.Helper()
 	_, err := f.Pool.Exec(context.Background(), sql, args...)
 	require.NoError(f.T, err)
 }
 
+// Count runs a query returning one number.
 func (f *Fixture) Count(sql string, args ...any) int {
 	f.T.Helper()
 	var n int
@@ -64,22 +77,32 @@ func (f *Fixture) Count(sql string, args ...any) int {
 	return n
 }
 
-// insert adds n rows cycling through eventTypes and keys distinct partition
-// keys, with ~300-byte JSON payloads.
+// Insert adds rows as InsertRows does.
 func (f *Fixture) Insert(n, keys int, eventTypes ...string) {
 	f.T.Helper()
-	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+	require.NoError(f.T, InsertRows(context.Background(), f.Pool, n, keys, eventTypes...))
+}
+
+// InsertRows adds n rows to the outbox table, cycling through eventTypes
+// and keys distinct partition keys, with ~300-byte JSON payloads.
+func InsertRows(ctx context.Context, db *pgxpool.Pool, n, keys int, eventTypes ...string) error {
+	_, err := db.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 SELECT gen_random_uuid(), 'Order', 'order-' || (g % $2), ($3::text[])[1 + g % cardinality($3::text[])],
        jsonb_build_object('seq', g, 'order_id', 'order-' || (g % $2), 'pad', repeat('x', 240)),
        'order-' || (g % $2)
 FROM generate_series(1, $1) g`, n, keys, eventTypes)
+	if err != nil {
+		return fmt.Errorf("insert %d outbox rows: %w", n, err)
+	}
+	return nil
 }
 
+// Unpublished counts the rows not yet published.
 func (f *Fixture) Unpublished() int {
 	return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL`)
 }
 
-// config is a relay configuration for the fixture with fast polling.
+// Config is a relay configuration for the fixture with fast polling.
 func (f *Fixture) Config() relay.Config {
 	return relay.Config{
 		DSN:          f.DSN,
@@ -91,55 +114,111 @@ func (f *Fixture) Config() relay.Config {
 	}
 }
 
-// running is an in-process relay started by start.
+// Running is an in-process relay started by Start or RunRelay.
 type Running struct {
-	R      *relay.Relay
-	cancel context.CancelFunc
-	done   chan error
-	Reg    *prometheus.Registry
+	// R is the relay.
+	R *relay.Relay
+	// Reg is the relay's own metrics registry.
+	Reg *prometheus.Registry
+
+	cancel   context.CancelFunc
+	finished chan struct{} // closed when Run returned, with runErr set
+	runErr   error
+	stopOnce sync.Once
+	stopErr  error
 }
 
-func (x *Running) Stop(t *testing.T) {
-	t.Helper()
-	x.cancel()
-	select {
-	case err := <-x.done:
-		require.NoError(t, err)
-	case <-time.After(30 * time.Second):
-		t.Fatal("relay did not stop within 30s")
-	}
-}
-
-// start runs a relay in this process until the test ends (or stop).
-func Start(t *testing.T, cfg relay.Config) *Running {
-	t.Helper()
+// RunRelay builds a relay from cfg with its own metrics registry (replacing
+// cfg.Registerer) and, when w is not nil, w as its Kafka writer; checks it
+// (relay.Check); and runs it in this process until Close.
+func RunRelay(cfg relay.Config, w relay.MessageWriter) (*Running, error) {
 	reg := prometheus.NewRegistry()
 	cfg.Registerer = reg
-	r, err := relay.New(cfg)
-	require.NoError(t, err)
-	require.NoError(t, r.Check(context.Background()))
-	ctx, cancel := context.WithCancel(context.Background())
-	x := &Running{R: r, cancel: cancel, done: make(chan error, 1), Reg: reg}
-	go func() { x.done <- r.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case <-x.done:
-		case <-time.After(30 * time.Second):
-		}
+	var r *relay.Relay
+	var err error
+	if w == nil {
+		r, err = relay.New(cfg)
+	} else {
+		r, err = relay.NewWithWriter(cfg, w)
+	}
+	if err != nil {
+		return nil, err
+	}
+	if err := r.Check(context.Background()); err != nil {
 		r.Close()
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	x := &Running{R: r, Reg: reg, cancel: cancel, finished: make(chan struct{})}
+	go func() { x.runErr = r.Run(ctx); close(x.finished) }()
+	return x, nil
+}
+
+// Published is the relay's outbox_relay_events_published_total.
+func (x *Running) Published() float64 {
+	v, _, _ := ReadMetric(x.Reg, "outbox_relay_events_published_total")
+	return v
+}
+
+// WaitPublished waits until the relay has published n events; it fails if
+// the relay stops first or ctx ends.
+func (x *Running) WaitPublished(ctx context.Context, n int) error {
+	for x.Published() < float64(n) {
+		select {
+		case <-x.finished:
+			return fmt.Errorf("relay stopped after publishing %.0f of %d events: %v", x.Published(), n, x.runErr)
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	return nil
+}
+
+// stop ends Run and returns its error; it gives up after 30s.
+func (x *Running) stop() error {
+	x.stopOnce.Do(func() {
+		x.cancel()
+		select {
+		case <-x.finished:
+			x.stopErr = x.runErr
+		case <-time.After(30 * time.Second):
+			x.stopErr = errors.New("relay did not stop within 30s")
+		}
 	})
+	return x.stopErr
+}
+
+// Stop ends Run and fails the test if it did not end cleanly.
+func (x *Running) Stop(t *testing.T) {
+	t.Helper()
+	require.NoError(t, x.stop())
+}
+
+// Close ends Run, closes the relay and returns Run's error.
+func (x *Running) Close() error {
+	err := x.stop()
+	x.R.Close()
+	return err
+}
+
+// Start runs a relay in this process until the test ends (or Stop).
+func Start(t *testing.T, cfg relay.Config) *Running {
+	t.Helper()
+	x, err := RunRelay(cfg, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = x.Close() })
 	return x
 }
 
-// waitDrained waits until no row is unpublished (beyond keep).
+// WaitDrained waits until no row is unpublished (beyond keep).
 func (f *Fixture) WaitDrained(keep int, timeout time.Duration) {
 	f.T.Helper()
 	require.Eventually(f.T, func() bool { return f.Unpublished() <= keep }, timeout, 50*time.Millisecond,
 		"outbox not drained: %d rows unpublished", f.Unpublished())
 }
 
-// eventIDs returns every row's event id.
+// EventIDs returns the event ids of the rows a WHERE clause (or "") selects.
 func (f *Fixture) EventIDs(where string) map[string]bool {
 	f.T.Helper()
 	rows, err := f.Pool.Query(context.Background(), `SELECT event_id::text FROM outbox `+where)
@@ -153,7 +232,8 @@ func (f *Fixture) EventIDs(where string) map[string]bool {
 	return out
 }
 
-// deliveries counts how often each event id arrived on the topics.
+// Deliveries reads the topics back and counts how often each event id
+// arrived; it also returns every message read.
 func Deliveries(t *testing.T, want int, topics ...string) (map[string]int, []kafka.Message) {
 	t.Helper()
 	counts := map[string]int{}
@@ -168,7 +248,7 @@ func Deliveries(t *testing.T, want int, topics ...string) (map[string]int, []kaf
 	return counts, all
 }
 
-// requireExactlyOnce asserts every expected id arrived exactly once and nothing else arrived.
+// RequireExactlyOnce asserts every expected id arrived exactly once and nothing else arrived.
 func RequireExactlyOnce(t *testing.T, expected map[string]bool, counts map[string]int) {
 	t.Helper()
 	var missing, dup, extra int
@@ -190,7 +270,7 @@ func RequireExactlyOnce(t *testing.T, expected map[string]bool, counts map[strin
 	require.Zero(t, extra, "unexpected events")
 }
 
-// requireAtLeastOnce asserts none was lost and returns the number of extra deliveries.
+// RequireAtLeastOnce asserts none was lost and returns the number of extra deliveries.
 func RequireAtLeastOnce(t *testing.T, expected map[string]bool, counts map[string]int) int {
 	t.Helper()
 	missing, dups := 0, 0
@@ -206,7 +286,7 @@ func RequireAtLeastOnce(t *testing.T, expected map[string]bool, counts map[strin
 	return dups
 }
 
-// javaPartition is the partition the Java client's default partitioner picks
+// JavaPartition is the partition the Java client's default partitioner picks
 // for a key: murmur2 (Kafka's variant) of the key bytes, made positive, modulo
 // the partition count. Written from the Java source, independently of kafka-go.
 func JavaPartition(key []byte, partitions int) int {
@@ -241,15 +321,27 @@ func JavaPartition(key []byte, partitions int) int {
 	return int(h&0x7fffffff) % partitions
 }
 
+// MetricValue is ReadMetric's value, failing the test on error.
 func MetricValue(t *testing.T, reg *prometheus.Registry, name string, labels ...string) float64 {
 	t.Helper()
-	mfs, err := reg.Gather()
+	v, _, err := ReadMetric(reg, name, labels...)
 	require.NoError(t, err)
+	return v
+}
+
+// ReadMetric reads a metric from g, summed over the series whose labels
+// match labels (name, value pairs): a counter's or a gauge's value, or a
+// histogram's observation count (value) and the sum of its observations
+// (sum). A metric g does not hold reads as 0.
+func ReadMetric(g prometheus.Gatherer, name string, labels ...string) (value, sum float64, err error) {
+	mfs, err := g.Gather()
+	if err != nil {
+		return 0, 0, fmt.Errorf("gather metrics: %w", err)
+	}
 	for _, mf := range mfs {
 		if mf.GetName() != name {
 			continue
 		}
-		var sum float64
 	metric:
 		for _, m := range mf.GetMetric() {
 			for i := 0; i+1 < len(labels); i += 2 {
@@ -265,14 +357,14 @@ func MetricValue(t *testing.T, reg *prometheus.Registry, name string, labels ...
 			}
 			switch {
 			case m.Counter != nil:
-				sum += m.Counter.GetValue()
+				value += m.Counter.GetValue()
 			case m.Gauge != nil:
-				sum += m.Gauge.GetValue()
+				value += m.Gauge.GetValue()
 			case m.Histogram != nil:
-				sum += float64(m.Histogram.GetSampleCount())
+				value += float64(m.Histogram.GetSampleCount())
+				sum += m.Histogram.GetSampleSum()
 			}
 		}
-		return sum
 	}
-	return 0
+	return value, sum, nil
 }

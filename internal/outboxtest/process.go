@@ -1,10 +1,7 @@
 package outboxtest
 
 import (
-	"bytes"
-	"fmt"
-	"net/http"
-	"os"
+	"context"
 	"os/exec"
 	"path/filepath"
 	"sync"
@@ -14,6 +11,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/outbox-relay/outbox-operator/internal/devproc"
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
 )
 
@@ -27,40 +25,25 @@ var (
 func RelayBinary(t testing.TB) string {
 	t.Helper()
 	buildOnce.Do(func() {
-		relayBin = filepath.Join(testenv.LogDir(), "relay")
-		out, err := exec.Command("go", "build", "-o", relayBin, filepath.Join(testenv.RepoRoot(), "cmd", "relay")).CombinedOutput()
-		if err != nil {
-			buildErr = fmt.Errorf("go build ./cmd/relay: %w\n%s", err, out)
+		var bins []string
+		bins, buildErr = devproc.Build(filepath.Join(testenv.LogDir(), "bin"), "./cmd/relay")
+		if buildErr == nil {
+			relayBin = bins[0]
 		}
 	})
 	require.NoError(t, buildErr)
 	return relayBin
 }
 
-// Proc is a relay process.
+// Proc is a relay process started by StartRelayProcess: the test-only face
+// of devproc.Proc.
 type Proc struct {
-	Cmd         *exec.Cmd
+	// Cmd is the command; Cmd.ProcessState stays nil while it runs.
+	Cmd *exec.Cmd
+	// MetricsAddr serves /metrics, /healthz and /readyz.
 	MetricsAddr string
-	out         *syncBuffer
-	exited      chan struct{}
-	exitErr     error
-}
 
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
+	p *devproc.Proc
 }
 
 // StartRelayProcess runs the relay binary with args (plus --metrics-addr on
@@ -68,61 +51,39 @@ func (s *syncBuffer) String() string {
 // logged if the test fails.
 func StartRelayProcess(t *testing.T, args []string, env ...string) *Proc {
 	t.Helper()
-	port, err := testenv.FreePort()
+	p, err := devproc.StartRelay(RelayBinary(t), args, env...)
 	require.NoError(t, err)
-	p := &Proc{MetricsAddr: fmt.Sprintf("127.0.0.1:%d", port), out: &syncBuffer{}, exited: make(chan struct{})}
-	p.Cmd = exec.Command(RelayBinary(t), append(args, "--metrics-addr", p.MetricsAddr, "--log-format", "text")...)
-	p.Cmd.Env = append(os.Environ(), env...)
-	p.Cmd.Stdout, p.Cmd.Stderr = p.out, p.out
-	require.NoError(t, p.Cmd.Start())
-	go func() { p.exitErr = p.Cmd.Wait(); close(p.exited) }()
 	t.Cleanup(func() {
-		_ = p.Cmd.Process.Kill()
-		<-p.exited
+		p.Kill()
 		if t.Failed() {
-			t.Logf("relay %d output:\n%s", p.Cmd.Process.Pid, p.out.String())
+			t.Logf("relay %d output:\n%s", p.Pid(), p.Output())
 		}
 	})
-	return p
+	return &Proc{Cmd: p.Cmd, MetricsAddr: p.Addr, p: p}
 }
 
 // WaitReady waits until /readyz answers 200.
 func (p *Proc) WaitReady(t *testing.T, timeout time.Duration) {
 	t.Helper()
-	require.Eventually(t, func() bool {
-		select {
-		case <-p.exited:
-			return false
-		default:
-		}
-		resp, err := http.Get("http://" + p.MetricsAddr + "/readyz")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == http.StatusOK
-	}, timeout, 50*time.Millisecond, "relay not ready; output:\n%s", p.out.String())
+	require.NoError(t, p.p.WaitReady(context.Background(), timeout))
 }
 
 // Signal sends sig to the process.
 func (p *Proc) Signal(t *testing.T, sig syscall.Signal) {
 	t.Helper()
-	require.NoError(t, p.Cmd.Process.Signal(sig))
+	require.NoError(t, p.p.Signal(sig))
 }
 
 // Wait waits for the process to exit and returns its exit code.
 func (p *Proc) Wait(t *testing.T, timeout time.Duration) int {
 	t.Helper()
-	select {
-	case <-p.exited:
-	case <-time.After(timeout):
-		t.Fatalf("relay did not exit within %s; output:\n%s", timeout, p.out.String())
-	}
-	return p.Cmd.ProcessState.ExitCode()
+	code, err := p.p.Wait(timeout)
+	require.NoError(t, err)
+	return code
 }
 
 // Output is what the process printed so far.
-func (p *Proc) Output() string { return p.out.String() }
+func (p *Proc) Output() string { return p.p.Output() }
 
 // Args returns the relay flags for the fixture.
 func (f *Fixture) Args(extra ...string) []string {

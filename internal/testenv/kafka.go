@@ -1,6 +1,7 @@
 package testenv
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/base64"
@@ -136,7 +137,7 @@ func javaBin() string {
 }
 
 func (b *KafkaBroker) java(mainClass string, args ...string) *exec.Cmd {
-	heap := cmpOr(os.Getenv("OUTBOX_KAFKA_HEAP"), "512m")
+	heap := cmp.Or(os.Getenv("OUTBOX_KAFKA_HEAP"), "512m")
 	jargs := []string{
 		"-Xmx" + heap, "-Xms128m", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
 		"-Djava.awt.headless=true",
@@ -146,13 +147,6 @@ func (b *KafkaBroker) java(mainClass string, args ...string) *exec.Cmd {
 	cmd := exec.Command(javaBin(), append(jargs, args...)...)
 	cmd.Dir = b.dir
 	return cmd
-}
-
-func cmpOr(a, b string) string {
-	if a != "" {
-		return a
-	}
-	return b
 }
 
 // Addr is the broker's host:port.
@@ -240,11 +234,32 @@ var topicChars = regexp.MustCompile(`[^a-zA-Z0-9._-]+`)
 
 // TopicName returns a topic name unique to the test (not created).
 func (b *KafkaBroker) TopicName(t testing.TB, suffix string) string {
-	name := topicChars.ReplaceAllString(t.Name(), "_")
+	return b.UniqueTopic(t.Name(), suffix)
+}
+
+// UniqueTopic returns a topic name no other call returns, made of prefix
+// (cut to 80 characters, characters a topic name cannot hold replaced), a
+// sequence number and suffix. The topic is not created.
+func (b *KafkaBroker) UniqueTopic(prefix, suffix string) string {
+	name := topicChars.ReplaceAllString(prefix, "_")
 	if len(name) > 80 {
 		name = name[:80]
 	}
 	return fmt.Sprintf("%s.%d.%s", name, b.topicSeq.Add(1), suffix)
+}
+
+// DeleteTopic deletes a topic, freeing the broker's disk.
+func (b *KafkaBroker) DeleteTopic(name string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	res, err := b.client(20*time.Second).DeleteTopics(ctx, &kafka.DeleteTopicsRequest{Topics: []string{name}})
+	if err != nil {
+		return fmt.Errorf("delete topic %s: %w", name, err)
+	}
+	if err := res.Errors[name]; err != nil {
+		return fmt.Errorf("delete topic %s: %w", name, err)
+	}
+	return nil
 }
 
 // CreateTopic creates a topic with the given partitions and configs
@@ -312,42 +327,19 @@ func (b *KafkaBroker) Consume(t testing.TB, topic string, want int, timeout time
 func (b *KafkaBroker) ConsumeErr(topic string, want int, timeout, settle time.Duration) ([]kafka.Message, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	parts, err := b.partitions(ctx, topic)
-	if err != nil {
-		return nil, err
-	}
 	var (
 		mu   sync.Mutex
 		out  []kafka.Message
 		last = time.Now()
 	)
-	rctx, rcancel := context.WithCancel(ctx)
-	defer rcancel()
-	var wg sync.WaitGroup
-	for _, p := range parts {
-		r := kafka.NewReader(kafka.ReaderConfig{
-			Brokers: []string{b.Addr()}, Topic: topic, Partition: p,
-			Dialer:   &kafka.Dialer{Timeout: 10 * time.Second},
-			MinBytes: 1, MaxBytes: 16 << 20, MaxWait: 100 * time.Millisecond,
-		})
-		if err := r.SetOffset(kafka.FirstOffset); err != nil {
-			return nil, err
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer r.Close()
-			for {
-				m, err := r.ReadMessage(rctx)
-				if err != nil {
-					return
-				}
-				mu.Lock()
-				out = append(out, m)
-				last = time.Now()
-				mu.Unlock()
-			}
-		}()
+	r, err := b.ReadTopic(ctx, topic, func(m kafka.Message) {
+		mu.Lock()
+		out = append(out, m)
+		last = time.Now()
+		mu.Unlock()
+	})
+	if err != nil {
+		return nil, err
 	}
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()
@@ -365,8 +357,7 @@ loop:
 			}
 		}
 	}
-	rcancel()
-	wg.Wait()
+	r.Close()
 	sort.SliceStable(out, func(i, j int) bool {
 		if out[i].Partition != out[j].Partition {
 			return out[i].Partition < out[j].Partition
@@ -374,6 +365,57 @@ loop:
 		return out[i].Offset < out[j].Offset
 	})
 	return out, nil
+}
+
+// TopicReader reads a topic in the background; see ReadTopic.
+type TopicReader struct {
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+}
+
+// ReadTopic reads every partition of topic from its first offset, as an
+// independent consumer does, and hands each message to fn until ctx ends or
+// Close is called. fn runs on one goroutine per partition, so it must be
+// safe for concurrent use; within a partition it sees messages in order.
+func (b *KafkaBroker) ReadTopic(ctx context.Context, topic string, fn func(kafka.Message)) (*TopicReader, error) {
+	parts, err := b.partitions(ctx, topic)
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	tr := &TopicReader{cancel: cancel}
+	for _, p := range parts {
+		r := kafka.NewReader(kafka.ReaderConfig{
+			Brokers: []string{b.Addr()}, Topic: topic, Partition: p,
+			Dialer:   &kafka.Dialer{Timeout: 10 * time.Second},
+			MinBytes: 1, MaxBytes: 16 << 20, MaxWait: 100 * time.Millisecond,
+			ReadLagInterval: -1, // no lag reports: they are extra requests nobody reads
+		})
+		if err := r.SetOffset(kafka.FirstOffset); err != nil {
+			r.Close()
+			tr.Close()
+			return nil, fmt.Errorf("read topic %s partition %d: %w", topic, p, err)
+		}
+		tr.wg.Add(1)
+		go func() {
+			defer tr.wg.Done()
+			defer r.Close()
+			for {
+				m, err := r.ReadMessage(ctx)
+				if err != nil {
+					return
+				}
+				fn(m)
+			}
+		}()
+	}
+	return tr, nil
+}
+
+// Close stops reading and returns once fn is no longer called.
+func (r *TopicReader) Close() {
+	r.cancel()
+	r.wg.Wait()
 }
 
 func (b *KafkaBroker) partitions(ctx context.Context, topic string) ([]int, error) {

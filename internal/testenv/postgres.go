@@ -162,17 +162,34 @@ func (c *PostgresCluster) NewDatabase(t testing.TB) string {
 	name = fmt.Sprintf("t%d_%s", c.dbSeq.Add(1), name)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	if err := c.Exec(ctx, "postgres", "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
-		t.Fatalf("create database %s: %v", name, err)
+	dsn, err := c.CreateDatabase(ctx, name)
+	if err != nil {
+		t.Fatal(err)
 	}
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
-		if err := c.Exec(ctx, "postgres", "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
-			t.Logf("drop database %s: %v", name, err)
+		if err := c.DropDatabase(ctx, name); err != nil {
+			t.Log(err)
 		}
 	})
-	return c.DSN(name)
+	return dsn
+}
+
+// CreateDatabase creates a database and returns its DSN.
+func (c *PostgresCluster) CreateDatabase(ctx context.Context, name string) (string, error) {
+	if err := c.Exec(ctx, "postgres", "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+		return "", fmt.Errorf("create database %s: %w", name, err)
+	}
+	return c.DSN(name), nil
+}
+
+// DropDatabase drops a database, disconnecting its sessions.
+func (c *PostgresCluster) DropDatabase(ctx context.Context, name string) error {
+	if err := c.Exec(ctx, "postgres", "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
+		return fmt.Errorf("drop database %s: %w", name, err)
+	}
+	return nil
 }
 
 // Exec runs statements in a database as the superuser.

@@ -117,10 +117,44 @@ func Run(m *testing.M, needs Needs) (code int) {
 	return m.Run()
 }
 
-// RepoRoot is the repository's top folder (where go.mod is).
+// RepoRoot is the repository's top folder (where go.mod is); see FindRepoRoot.
 func RepoRoot() string {
+	root, err := FindRepoRoot()
+	if err != nil {
+		return compiledRoot()
+	}
+	return root
+}
+
+// FindRepoRoot returns the repository this package was compiled from, or
+// else the first one above the working directory: a binary built with
+// -trimpath knows no source path.
+func FindRepoRoot() (string, error) {
+	if root := compiledRoot(); isRepoRoot(root) {
+		return root, nil
+	}
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", err
+	}
+	for d := dir; ; d = filepath.Dir(d) {
+		if isRepoRoot(d) {
+			return d, nil
+		}
+		if filepath.Dir(d) == d {
+			return "", fmt.Errorf("run from inside the outbox-operator repository (no go.mod of it above %s)", dir)
+		}
+	}
+}
+
+func compiledRoot() string {
 	_, file, _, _ := runtime.Caller(0)
 	return filepath.Clean(filepath.Join(filepath.Dir(file), "..", ".."))
+}
+
+func isRepoRoot(dir string) bool {
+	b, err := os.ReadFile(filepath.Join(dir, "go.mod"))
+	return err == nil && strings.Contains(string(b), "module github.com/outbox-relay/outbox-operator\n")
 }
 
 // FreePort returns a TCP port on 127.0.0.1 that was free a moment ago.
