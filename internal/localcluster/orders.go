@@ -5,13 +5,13 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outbox-relay/outbox-operator/examples/orderservice/orders"
+	"github.com/outbox-relay/outbox-operator/internal/devproc"
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
 	"github.com/outbox-relay/outbox-operator/outbox"
 )
@@ -33,13 +33,11 @@ var SampleTopics = map[string]int{"orders.confirmed": 3, "orders.cancelled": 1, 
 
 // BuildBinaries builds cmd/manager and cmd/relay into dir.
 func BuildBinaries(dir string) (manager, relayBin string, err error) {
-	cmd := exec.Command("go", "build", "-o", dir+string(filepath.Separator), "./cmd/manager", "./cmd/relay")
-	cmd.Dir = testenv.RepoRoot()
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", "", fmt.Errorf("go build ./cmd/manager ./cmd/relay: %w\n%s", err, out)
+	bins, err := devproc.Build(dir, "./cmd/manager", "./cmd/relay")
+	if err != nil {
+		return "", "", err
 	}
-	return filepath.Join(dir, "manager"), filepath.Join(dir, "relay"), nil
+	return bins[0], bins[1], nil
 }
 
 // OrdersDSN is the DSN of the orders database as role.
@@ -51,8 +49,8 @@ func (s *Stack) OrdersDSN(role string) string {
 // database with the order service's tables (orders, and the outbox from the
 // relay's DDL), the relay role with its grants, and the sample's topics.
 func (s *Stack) PrepareOrders(ctx context.Context) error {
-	if err := s.Postgres.Exec(ctx, "postgres", "CREATE DATABASE "+OrdersDatabase); err != nil {
-		return fmt.Errorf("create database %s: %w", OrdersDatabase, err)
+	if _, err := s.Postgres.CreateDatabase(ctx, OrdersDatabase); err != nil {
+		return err
 	}
 	if err := s.Postgres.Exec(ctx, OrdersDatabase, orders.Schema+"\n"+outbox.SchemaDDL(outbox.Table{Name: outbox.DefaultTable})); err != nil {
 		return fmt.Errorf("create the order service's tables: %w", err)

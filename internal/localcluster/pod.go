@@ -3,20 +3,17 @@ package localcluster
 import (
 	"context"
 	"fmt"
-	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strings"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
-	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/internal/devproc"
+	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 )
 
 // pod is one replica of a Deployment: a slot the runner keeps a process in.
@@ -34,28 +31,16 @@ type pod struct {
 	lastErr error
 }
 
-func (p *pod) ready() bool { return p.proc != nil && p.proc.ready.Load() && !p.proc.hasExited() }
+func (p *pod) ready() bool { return p.proc != nil && p.proc.ready.Load() && !p.proc.HasExited() }
 
-// process is one running relay.
+// process is one running relay, probed for readiness as the kubelet does.
 type process struct {
-	cmd         *exec.Cmd
-	metricsAddr string
-	readyPath   string
-	logPath     string
-	env         []string
-	started     time.Time
-	ready       atomic.Bool
-	exited      chan struct{}
-	stopProbe   context.CancelFunc
-}
-
-func (p *process) hasExited() bool {
-	select {
-	case <-p.exited:
-		return true
-	default:
-		return false
-	}
+	*devproc.Proc
+	logPath   string
+	env       []string
+	started   time.Time
+	ready     atomic.Bool
+	stopProbe context.CancelFunc
 }
 
 // startProcess runs the pod template's first container whose command the
@@ -79,50 +64,35 @@ func (r *Runner) startProcess(ctx context.Context, ns string, p *pod, onChange f
 	if err != nil {
 		return nil, err
 	}
-	port, err := testenv.FreePort()
-	if err != nil {
-		return nil, err
-	}
-	addr := fmt.Sprintf("127.0.0.1:%d", port)
-	args := withMetricsAddr(append(append([]string{}, c.Command[1:]...), c.Args...), addr)
-	if err := os.MkdirAll(r.opts.LogDir, 0o755); err != nil {
-		return nil, err
-	}
 	logPath := filepath.Join(r.opts.LogDir, fmt.Sprintf("%s_%s_%d.log", ns, p.name, p.restarts))
-	logf, err := os.Create(logPath)
-	if err != nil {
-		return nil, err
-	}
-	cmd := exec.Command(bin, args...)
-	// A pod sees only its own environment, not the runner's.
-	cmd.Env = append([]string{"PATH=" + os.Getenv("PATH"), "HOME=" + os.TempDir()}, env...)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	// Its own process group (Ctrl-C in the demo's terminal does not reach it
-	// directly) and killed if the runner dies.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		logf.Close()
-		return nil, fmt.Errorf("start %s: %w", bin, err)
-	}
-	readyPath := "/readyz"
-	if pr := c.ReadinessProbe; pr != nil && pr.HTTPGet != nil && pr.HTTPGet.Path != "" {
+	readyPath := ""
+	if pr := c.ReadinessProbe; pr != nil && pr.HTTPGet != nil {
 		readyPath = pr.HTTPGet.Path
 	}
+	dp, err := devproc.Start(devproc.Options{
+		Binary: bin,
+		Args:   append(append([]string{}, c.Command[1:]...), c.Args...),
+		// A pod sees only its own environment, not the runner's.
+		Env:       append([]string{"PATH=" + os.Getenv("PATH"), "HOME=" + os.TempDir()}, env...),
+		AddrFlag:  "--" + relayconfig.FlagMetricsAddr,
+		ReadyPath: readyPath,
+		LogPath:   logPath,
+	})
+	if err != nil {
+		return nil, err
+	}
 	probeCtx, stopProbe := context.WithCancel(context.Background())
-	proc := &process{cmd: cmd, metricsAddr: addr, readyPath: readyPath, logPath: logPath, env: env,
-		started: time.Now(), exited: make(chan struct{}), stopProbe: stopProbe}
+	proc := &process{Proc: dp, logPath: logPath, env: env, started: time.Now(), stopProbe: stopProbe}
 	r.liveMu.Lock()
 	r.live[proc] = struct{}{}
 	r.liveMu.Unlock()
 	go func() {
-		_ = cmd.Wait()
-		logf.Close()
+		<-dp.Exited()
 		r.liveMu.Lock()
 		delete(r.live, proc)
 		r.liveMu.Unlock()
 		stopProbe()
 		proc.ready.Store(false)
-		close(proc.exited)
 		onChange()
 	}()
 	go proc.probe(probeCtx, onChange)
@@ -132,7 +102,6 @@ func (r *Runner) startProcess(ctx context.Context, ns string, p *pod, onChange f
 // probe polls the readiness endpoint every 250ms (the relay template says
 // every 10s; locally a faster probe keeps the demo and the test brisk).
 func (p *process) probe(ctx context.Context, onChange func()) {
-	hc := &http.Client{Timeout: 2 * time.Second}
 	t := time.NewTicker(250 * time.Millisecond)
 	defer t.Stop()
 	for {
@@ -141,11 +110,7 @@ func (p *process) probe(ctx context.Context, onChange func()) {
 			return
 		case <-t.C:
 		}
-		ok := false
-		if resp, err := hc.Get("http://" + p.metricsAddr + p.readyPath); err == nil {
-			resp.Body.Close()
-			ok = resp.StatusCode == http.StatusOK
-		}
+		ok := p.Ready()
 		if p.ready.Swap(ok) != ok {
 			onChange()
 		}
@@ -153,37 +118,12 @@ func (p *process) probe(ctx context.Context, onChange func()) {
 }
 
 // terminate stops the process as the kubelet stops a container: SIGTERM,
-// then SIGKILL after the grace period. It returns at once; done closes when
-// the process is gone.
+// then SIGKILL after the grace period. It returns at once; Exited closes
+// when the process is gone.
 func (p *process) terminate(grace time.Duration) {
 	p.stopProbe()
 	p.ready.Store(false)
-	go func() { _ = stopGroup(p.cmd.Process.Pid, p.exited, grace) }()
-}
-
-// withMetricsAddr replaces the value of --metrics-addr (either form), or
-// appends the flag.
-func withMetricsAddr(args []string, addr string) []string {
-	out := make([]string, 0, len(args)+1)
-	found := false
-	for i := 0; i < len(args); i++ {
-		a := args[i]
-		switch {
-		case a == "--metrics-addr" || a == "-metrics-addr":
-			out = append(out, "--metrics-addr="+addr)
-			i++ // skip the value
-			found = true
-		case strings.HasPrefix(a, "--metrics-addr=") || strings.HasPrefix(a, "-metrics-addr="):
-			out = append(out, "--metrics-addr="+addr)
-			found = true
-		default:
-			out = append(out, a)
-		}
-	}
-	if !found {
-		out = append(out, "--metrics-addr="+addr)
-	}
-	return out
+	go p.Stop(grace)
 }
 
 // resolveEnv turns a container's env into NAME=value strings, reading

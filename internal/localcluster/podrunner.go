@@ -220,10 +220,10 @@ func (r *Runner) sync(ctx context.Context, d *appsv1.Deployment) appsv1.Deployme
 	// Crashed processes restart in place, with a back-off (1s doubling to
 	// 30s, reset after 30s of running) like the kubelet's CrashLoopBackOff.
 	for _, p := range pods {
-		if p.proc != nil && p.proc.hasExited() {
+		if p.proc != nil && p.proc.HasExited() {
 			ran := now.Sub(p.proc.started)
-			r.log.Warn("relay process exited; restarting", "pod", p.name, "pid", p.proc.cmd.Process.Pid,
-				"exit", p.proc.cmd.ProcessState.String(), "ran", ran.Round(time.Millisecond), "log", p.proc.logPath)
+			r.log.Warn("relay process exited; restarting", "pod", p.name, "pid", p.proc.Pid(),
+				"exit", p.proc.Cmd.ProcessState.String(), "ran", ran.Round(time.Millisecond), "log", p.proc.logPath)
 			if ran > 30*time.Second {
 				p.restarts = 0
 			}
@@ -246,7 +246,7 @@ func (r *Runner) sync(ctx context.Context, d *appsv1.Deployment) appsv1.Deployme
 	recreate := d.Spec.Strategy.Type == appsv1.RecreateDeploymentStrategyType
 	stop := func(p *pod, why string) {
 		if p.proc != nil {
-			r.log.Info("stopping relay process", "pod", p.name, "pid", p.proc.cmd.Process.Pid, "why", why)
+			r.log.Info("stopping relay process", "pod", p.name, "pid", p.proc.Pid(), "why", why)
 			p.proc.terminate(grace)
 		}
 	}
@@ -312,7 +312,7 @@ func (r *Runner) sync(ctx context.Context, d *appsv1.Deployment) appsv1.Deployme
 			continue
 		}
 		p.lastErr = nil
-		r.log.Info("started relay process", "pod", p.name, "pid", proc.cmd.Process.Pid, "metrics", proc.metricsAddr, "log", proc.logPath)
+		r.log.Info("started relay process", "pod", p.name, "pid", proc.Pid(), "metrics", proc.Addr, "log", proc.logPath)
 		p.proc = proc
 	}
 	r.sets[key] = append(slices.Clone(newPods), oldPods...)
@@ -408,7 +408,7 @@ func (r *Runner) stop(key types.NamespacedName, why string) {
 	}
 	for _, p := range pods {
 		if p.proc != nil {
-			r.log.Info("stopping relay process", "pod", p.name, "pid", p.proc.cmd.Process.Pid, "why", why)
+			r.log.Info("stopping relay process", "pod", p.name, "pid", p.proc.Pid(), "why", why)
 			p.proc.terminate(time.Duration(ptr.Deref(p.template.Spec.TerminationGracePeriodSeconds, 30)) * time.Second)
 		}
 	}
@@ -431,7 +431,7 @@ func (r *Runner) StopAll() {
 		p.terminate(15 * time.Second)
 	}
 	for _, p := range procs {
-		<-p.exited
+		<-p.Exited()
 	}
 }
 
@@ -463,7 +463,7 @@ func (r *Runner) Pods(namespace, deployment string) []Pod {
 	for _, p := range r.sets[types.NamespacedName{Namespace: namespace, Name: deployment}] {
 		x := Pod{Name: p.name, Revision: p.revision, Restarts: p.restarts, Ready: p.ready()}
 		if p.proc != nil {
-			x.PID, x.MetricsAddr, x.LogPath = p.proc.cmd.Process.Pid, p.proc.metricsAddr, p.proc.logPath
+			x.PID, x.MetricsAddr, x.LogPath = p.proc.Pid(), p.proc.Addr, p.proc.logPath
 			x.Env = slices.Clone(p.proc.env)
 		}
 		out = append(out, x)

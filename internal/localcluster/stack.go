@@ -11,14 +11,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -26,6 +23,7 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"github.com/outbox-relay/outbox-operator/internal/devproc"
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
 )
 
@@ -63,8 +61,6 @@ type Stack struct {
 	// Dir is Options.Dir.
 	Dir string
 
-	manager  *exec.Cmd
-	mgrDone  chan struct{}
 	stopRun  context.CancelFunc
 	runDone  chan error
 	closeMu  sync.Mutex
@@ -75,7 +71,7 @@ type Stack struct {
 // Start brings the stack up. On error, what was started is stopped.
 func Start(ctx context.Context, opts Options) (s *Stack, err error) {
 	if opts.Log == nil {
-		opts.Log = slog.New(slog.NewTextHandler(io.Discard, nil))
+		opts.Log = slog.New(slog.DiscardHandler)
 	}
 	progress := opts.Progress
 	if progress == nil {
@@ -184,55 +180,16 @@ func (s *Stack) Kubectl(ctx context.Context, args ...string) ([]byte, error) {
 // startManager runs the real manager binary with the admin kubeconfig and
 // waits until its readiness endpoint answers.
 func (s *Stack) startManager(ctx context.Context, bin string) error {
-	if _, err := os.Stat(bin); err != nil {
-		return fmt.Errorf("manager binary: %w (run `make build`)", err)
-	}
-	probe, err := testenv.FreePort()
+	logPath := filepath.Join(s.Dir, "logs", "manager.log")
+	p, err := devproc.StartManager(bin, s.Kubeconfig, logPath)
 	if err != nil {
 		return err
 	}
-	logf, err := os.Create(filepath.Join(s.Dir, "logs", "manager.log"))
-	if err != nil {
-		return err
+	s.closers = append(s.closers, func() error { p.Stop(10 * time.Second); return nil })
+	if err := p.WaitReady(ctx, 60*time.Second); err != nil {
+		return fmt.Errorf("manager: %w; see %s", err, logPath)
 	}
-	cmd := exec.Command(bin,
-		"--metrics-bind-address=0",
-		fmt.Sprintf("--health-probe-bind-address=127.0.0.1:%d", probe),
-		"--leader-elect=false")
-	cmd.Env = append(os.Environ(), "KUBECONFIG="+s.Kubeconfig)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		logf.Close()
-		return fmt.Errorf("start manager: %w", err)
-	}
-	s.manager, s.mgrDone = cmd, make(chan struct{})
-	go func() { _ = cmd.Wait(); logf.Close(); close(s.mgrDone) }()
-	s.closers = append(s.closers, s.stopManager)
-	url := fmt.Sprintf("http://127.0.0.1:%d/readyz", probe)
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		select {
-		case <-s.mgrDone:
-			return fmt.Errorf("manager exited during start-up; see %s", logf.Name())
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(100 * time.Millisecond):
-		}
-		if resp, err := http.Get(url); err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return nil
-			}
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("manager not ready after 60s; see %s", logf.Name())
-		}
-	}
-}
-
-func (s *Stack) stopManager() error {
-	return stopGroup(s.manager.Process.Pid, s.mgrDone, 10*time.Second)
+	return nil
 }
 
 // Close stops everything, in reverse order: pod runner (and every relay
@@ -257,23 +214,4 @@ func (s *Stack) Close() error {
 		errs = append(errs, s.closers[i]())
 	}
 	return errors.Join(errs...)
-}
-
-// stopGroup sends SIGTERM to a process group, waits for done up to grace,
-// then sends SIGKILL and waits.
-func stopGroup(pid int, done <-chan struct{}, grace time.Duration) error {
-	select {
-	case <-done:
-		return nil
-	default:
-	}
-	_ = syscall.Kill(-pid, syscall.SIGTERM)
-	select {
-	case <-done:
-		return nil
-	case <-time.After(grace):
-	}
-	_ = syscall.Kill(-pid, syscall.SIGKILL)
-	<-done
-	return nil
 }
