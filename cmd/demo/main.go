@@ -13,7 +13,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"math/rand/v2"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -101,7 +100,7 @@ func run(ctx context.Context, dir, bin string, rate float64) (err error) {
 		return err
 	}
 	defer svc.Close()
-	tail, err := startTail(ctx, stack.Kafka.Addr(), "orders.confirmed", localcluster.SampleTopics["orders.confirmed"])
+	tail, err := startTail(ctx, stack.Kafka, "orders.confirmed")
 	if err != nil {
 		return err
 	}
@@ -155,6 +154,3 @@ func isTerminal(f *os.File) bool {
 	st, err := f.Stat()
 	return err == nil && st.Mode()&os.ModeCharDevice != 0
 }
-
-// jitterID is a short random id for demo customers.
-func jitterID() string { return fmt.Sprintf("customer-%02d", rand.IntN(100)) }

@@ -4,8 +4,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -16,15 +14,16 @@ import (
 )
 
 // orderService is examples/orderservice running in the demo's process: it
-// creates an order and confirms it with the seeds' ConfirmOrder handler (the
-// order update and its outbox row in one transaction), rate times a second.
+// creates an order and confirms it with the example's ConfirmOrder handler
+// (the order update and its outbox row in one transaction), rate times a
+// second.
 type orderService struct {
 	db        *pgxpool.Pool
 	confirmed atomic.Int64
 	failures  atomic.Int64
 	lastErr   atomic.Pointer[string]
 	cancel    context.CancelFunc
-	wg        sync.WaitGroup
+	done      chan struct{}
 }
 
 func startOrderService(ctx context.Context, dsn string, rate float64, log *slog.Logger) (*orderService, error) {
@@ -39,35 +38,20 @@ func startOrderService(ctx context.Context, dsn string, rate float64, log *slog.
 	}
 	h := &orders.ConfirmOrderHandler{DB: db, Outbox: w}
 	ctx, cancel := context.WithCancel(ctx)
-	s := &orderService{db: db, cancel: cancel}
-	s.wg.Add(1)
+	s := &orderService{db: db, cancel: cancel, done: make(chan struct{})}
 	go func() {
-		defer s.wg.Done()
-		tick := time.NewTicker(time.Duration(float64(time.Second) / rate))
-		defer tick.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-tick.C:
-			}
-			o := orders.Order{ID: outbox.NewEventID(), CustomerID: jitterID(), TotalKopecks: rand.Int64N(1_000_000)}
-			err := orders.CreateOrder(ctx, db, o)
-			if err == nil {
-				_, err = h.Handle(ctx, o.ID)
-			}
+		defer close(s.done)
+		_ = orders.ConfirmOrders(ctx, h, rate, 0, func(_ orders.Order, _ orders.OrderConfirmedEvent, err error) error {
 			if err != nil {
-				if ctx.Err() != nil {
-					return
-				}
 				s.failures.Add(1)
 				msg := err.Error()
 				s.lastErr.Store(&msg)
 				log.Warn("confirm order", "err", err)
-				continue
+				return nil // the demo goes on; the screen shows the failures
 			}
 			s.confirmed.Add(1)
-		}
+			return nil
+		})
 	}()
 	return s, nil
 }
@@ -75,7 +59,7 @@ func startOrderService(ctx context.Context, dsn string, rate float64, log *slog.
 // Close stops the service and closes its pool.
 func (s *orderService) Close() {
 	s.cancel()
-	s.wg.Wait()
+	<-s.done
 	s.db.Close()
 }
 

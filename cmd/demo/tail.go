@@ -8,6 +8,7 @@ import (
 
 	"github.com/segmentio/kafka-go"
 
+	"github.com/outbox-relay/outbox-operator/internal/testenv"
 	"github.com/outbox-relay/outbox-operator/relay"
 )
 
@@ -25,41 +26,19 @@ type consumed struct {
 // tail reads a topic's partitions from the start, like any consumer of the
 // relay's events would, and keeps a count and the last few events.
 type tail struct {
-	topic   string
-	mu      sync.Mutex
-	count   int64
-	last    []consumed
-	readers []*kafka.Reader
-	cancel  context.CancelFunc
-	wg      sync.WaitGroup
+	mu     sync.Mutex
+	count  int64
+	last   []consumed
+	reader *testenv.TopicReader
 }
 
 const keepLast = 6
 
-func startTail(ctx context.Context, broker, topic string, partitions int) (*tail, error) {
-	ctx, cancel := context.WithCancel(ctx)
-	t := &tail{topic: topic, cancel: cancel}
-	for p := 0; p < partitions; p++ {
-		r := kafka.NewReader(kafka.ReaderConfig{
-			Brokers: []string{broker}, Topic: topic, Partition: p,
-			MinBytes: 1, MaxBytes: 4 << 20, MaxWait: 200 * time.Millisecond,
-		})
-		if err := r.SetOffset(kafka.FirstOffset); err != nil {
-			cancel()
-			return nil, err
-		}
-		t.readers = append(t.readers, r)
-		t.wg.Add(1)
-		go func() {
-			defer t.wg.Done()
-			for {
-				m, err := r.ReadMessage(ctx)
-				if err != nil {
-					return
-				}
-				t.add(m)
-			}
-		}()
+func startTail(ctx context.Context, broker *testenv.KafkaBroker, topic string) (*tail, error) {
+	t := &tail{}
+	var err error
+	if t.reader, err = broker.ReadTopic(ctx, topic, t.add); err != nil {
+		return nil, err
 	}
 	return t, nil
 }
@@ -71,12 +50,8 @@ func (t *tail) add(m kafka.Message) {
 		TotalRUB   int64  `json:"total_rub"`
 	}
 	_ = json.Unmarshal(m.Value, &evt)
-	c := consumed{at: m.Time, partition: m.Partition, offset: m.Offset, orderID: evt.OrderID, customer: evt.CustomerID, kopecks: evt.TotalRUB}
-	for _, h := range m.Headers {
-		if h.Key == relay.HeaderEventID {
-			c.eventID = string(h.Value)
-		}
-	}
+	c := consumed{at: m.Time, partition: m.Partition, offset: m.Offset, eventID: testenv.Header(m, relay.HeaderEventID),
+		orderID: evt.OrderID, customer: evt.CustomerID, kopecks: evt.TotalRUB}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.count++
@@ -92,11 +67,5 @@ func (t *tail) snapshot() (int64, []consumed) {
 	return t.count, append([]consumed(nil), t.last...)
 }
 
-// Close stops the readers.
-func (t *tail) Close() {
-	t.cancel()
-	t.wg.Wait()
-	for _, r := range t.readers {
-		r.Close()
-	}
-}
+// Close stops reading.
+func (t *tail) Close() { t.reader.Close() }

@@ -1,4 +1,4 @@
-// Command orderservice is the seeds' order service as a runnable example: it
+// Command orderservice is the example order service, runnable: it
 // creates its tables (orders, and the outbox from the relay's DDL), then
 // creates and confirms orders at a steady rate, each confirmation one
 // transaction with its outbox row. Run a relay beside it to see the events
@@ -12,11 +12,9 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"os"
 	"os/signal"
 	"syscall"
-	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -61,23 +59,11 @@ func run(ctx context.Context, dsn, table string, rate float64, count int, log *s
 		return err
 	}
 	h := &orders.ConfirmOrderHandler{DB: db, Outbox: w}
-	tick := time.NewTicker(time.Duration(float64(time.Second) / rate))
-	defer tick.Stop()
-	for i := 1; count == 0 || i <= count; i++ {
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-tick.C:
-		}
-		o := orders.Order{ID: outbox.NewEventID(), CustomerID: fmt.Sprintf("customer-%d", rand.IntN(100)), TotalKopecks: rand.Int64N(1_000_000)}
-		if err := orders.CreateOrder(ctx, db, o); err != nil {
-			return err
-		}
-		evt, err := h.Handle(ctx, o.ID)
+	return orders.ConfirmOrders(ctx, h, rate, count, func(o orders.Order, evt orders.OrderConfirmedEvent, err error) error {
 		if err != nil {
 			return err
 		}
 		log.Info("order confirmed", "order_id", o.ID, "event_id", evt.EventID)
-	}
-	return nil
+		return nil
+	})
 }

@@ -1,7 +1,7 @@
 // Package e2e runs the whole system on this machine, as `make demo` does
 // (internal/localcluster: PostgreSQL, Kafka, kube-apiserver + etcd, the real
-// manager and relay binaries, the local pod runner), and checks the issue's
-// seven scenarios in order against the sample OutboxRelay.
+// manager and relay binaries, the local pod runner), and goes through seven
+// scenarios of an operator's user, in order, against the sample OutboxRelay.
 package e2e
 
 import (
@@ -108,9 +108,9 @@ func TestEndToEnd(t *testing.T) {
 	db, err := pgxpool.New(context.Background(), stack.OrdersDSN("postgres"))
 	require.NoError(t, err)
 	t.Cleanup(db.Close)
-	col := newCollector(stack.Kafka.Addr())
+	col := newCollector(stack.Kafka)
 	t.Cleanup(col.close)
-	col.watch(t, confirmed, localcluster.SampleTopics[confirmed])
+	col.watch(t, confirmed)
 	t.Cleanup(func() {
 		if t.Failed() {
 			dumpFile(t, filepath.Join(stack.Dir, "logs", "manager.log"))
@@ -293,7 +293,7 @@ func (e *e2e) rotateDSN(t *testing.T) {
 // change were held by the relay (unroutable) and go out after it.
 func (e *e2e) newEventType(t *testing.T) {
 	require.NoError(t, stack.Kafka.CreateTopicErr(shipped, 1))
-	e.col.watch(t, shipped, 1)
+	e.col.watch(t, shipped)
 	shippedIDs := e.writeShipped(t, 20)
 	before := e.waitRolledOut(t, 1, 30*time.Second)[0]
 

@@ -2,7 +2,6 @@ package e2e
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"strings"
 	"sync"
@@ -18,12 +17,13 @@ import (
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 	"github.com/outbox-relay/outbox-operator/examples/orderservice/orders"
+	"github.com/outbox-relay/outbox-operator/internal/testenv"
 	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relay"
 )
 
 // writer is the example order service confirming orders at a steady rate
-// (the seeds' ConfirmOrder handler: order update and outbox row in one
+// (its ConfirmOrder handler: order update and outbox row in one
 // transaction). It remembers the event id of every committed confirmation.
 type writer struct {
 	cancel context.CancelFunc
@@ -42,31 +42,16 @@ func startWriter(t *testing.T, db *pgxpool.Pool, rate float64) *writer {
 	wr := &writer{cancel: cancel, done: make(chan struct{})}
 	go func() {
 		defer close(wr.done)
-		tick := time.NewTicker(time.Duration(float64(time.Second) / rate))
-		defer tick.Stop()
-		for i := 0; ; i++ {
-			select {
-			case <-ctx.Done():
-				return
-			case <-tick.C:
-			}
-			o := orders.Order{ID: outbox.NewEventID(), CustomerID: fmt.Sprintf("customer-%d", i%50), TotalKopecks: int64(100 + i)}
-			// A confirmation cut off by stop is neither counted nor an error.
-			err := orders.CreateOrder(context.Background(), db, o)
-			if err == nil {
-				var evt orders.OrderConfirmedEvent
-				if evt, err = h.Handle(context.Background(), o.ID); err == nil {
-					wr.mu.Lock()
-					wr.ids = append(wr.ids, evt.EventID)
-					wr.mu.Unlock()
-				}
-			}
+		_ = orders.ConfirmOrders(ctx, h, rate, 0, func(_ orders.Order, evt orders.OrderConfirmedEvent, err error) error {
+			wr.mu.Lock()
+			defer wr.mu.Unlock()
 			if err != nil {
-				wr.mu.Lock()
 				wr.errs = append(wr.errs, err)
-				wr.mu.Unlock()
+			} else {
+				wr.ids = append(wr.ids, evt.EventID)
 			}
-		}
+			return nil
+		})
 	}()
 	t.Cleanup(func() { wr.cancel(); <-wr.done })
 	return wr
@@ -94,62 +79,46 @@ func (w *writer) stop(t *testing.T) []string {
 // collector reads topics from the beginning for the whole test, like an
 // independent consumer, counting deliveries per event id.
 type collector struct {
-	broker string
-	ctx    context.Context
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
-	mu     sync.Mutex
-	counts map[string]map[string]int // topic -> event id -> deliveries
-	next   map[string]map[int]int64  // topic -> partition -> next offset read
+	broker  *testenv.KafkaBroker
+	readers []*testenv.TopicReader
+	mu      sync.Mutex
+	counts  map[string]map[string]int // topic -> event id -> deliveries
+	next    map[string]map[int]int64  // topic -> partition -> next offset read
 }
 
-func newCollector(broker string) *collector {
-	ctx, cancel := context.WithCancel(context.Background())
-	return &collector{broker: broker, ctx: ctx, cancel: cancel,
-		counts: map[string]map[string]int{}, next: map[string]map[int]int64{}}
+func newCollector(broker *testenv.KafkaBroker) *collector {
+	return &collector{broker: broker, counts: map[string]map[string]int{}, next: map[string]map[int]int64{}}
 }
 
-func (c *collector) watch(t *testing.T, topic string, partitions int) {
+// watch starts reading topic.
+func (c *collector) watch(t *testing.T, topic string) {
 	t.Helper()
 	c.mu.Lock()
 	c.counts[topic], c.next[topic] = map[string]int{}, map[int]int64{}
 	c.mu.Unlock()
-	for p := 0; p < partitions; p++ {
-		r := kafka.NewReader(kafka.ReaderConfig{Brokers: []string{c.broker}, Topic: topic, Partition: p,
-			MinBytes: 1, MaxBytes: 8 << 20, MaxWait: 100 * time.Millisecond})
-		require.NoError(t, r.SetOffset(kafka.FirstOffset))
-		c.wg.Add(1)
-		go func() {
-			defer c.wg.Done()
-			defer r.Close()
-			for {
-				m, err := r.ReadMessage(c.ctx)
-				if err != nil {
-					return
-				}
-				var id string
-				for _, h := range m.Headers {
-					if h.Key == relay.HeaderEventID {
-						id = string(h.Value)
-					}
-				}
-				c.mu.Lock()
-				c.counts[topic][id]++
-				c.next[topic][m.Partition] = m.Offset + 1
-				c.mu.Unlock()
-			}
-		}()
-	}
+	r, err := c.broker.ReadTopic(context.Background(), topic, func(m kafka.Message) {
+		id := testenv.Header(m, relay.HeaderEventID)
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		c.counts[topic][id]++
+		c.next[topic][m.Partition] = m.Offset + 1
+	})
+	require.NoError(t, err)
+	c.readers = append(c.readers, r)
 }
 
-func (c *collector) close() { c.cancel(); c.wg.Wait() }
+func (c *collector) close() {
+	for _, r := range c.readers {
+		r.Close()
+	}
+}
 
 // waitCaughtUp waits until every message the broker holds on topic has been
 // read. Called once the outbox rows are marked published, it sees every
 // delivery there will be, duplicates included.
 func (c *collector) waitCaughtUp(t *testing.T, topic string) {
 	t.Helper()
-	cl := &kafka.Client{Addr: kafka.TCP(c.broker), Timeout: 10 * time.Second}
+	cl := &kafka.Client{Addr: kafka.TCP(c.broker.Addr()), Timeout: 10 * time.Second}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	md, err := cl.Metadata(ctx, &kafka.MetadataRequest{Topics: []string{topic}})

@@ -1,4 +1,4 @@
-// Package orders is the seeds' order service, built on the project's outbox
+// Package orders is an example order service built on the project's outbox
 // writer: ConfirmOrder changes an order and stores its OrderConfirmed event
 // in the outbox within one transaction, so the event exists if and only if
 // the confirmation committed. The relay then publishes it to Kafka.
@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -116,11 +117,39 @@ func (h *ConfirmOrderHandler) Handle(ctx context.Context, orderID string) (Order
 	return evt, tx.Commit(ctx)
 }
 
-// CreateOrder inserts a new order (the demo's source of work).
+// CreateOrder inserts a new order.
 func CreateOrder(ctx context.Context, db *pgxpool.Pool, o Order) error {
 	_, err := db.Exec(ctx, `INSERT INTO orders (id, customer_id, total_kopecks) VALUES ($1, $2, $3)`, o.ID, o.CustomerID, o.TotalKopecks)
 	if err != nil {
 		return fmt.Errorf("create order %s: %w", o.ID, err)
+	}
+	return nil
+}
+
+// ConfirmOrders creates and confirms random orders, rate a second, until ctx
+// ends or, when count > 0, count orders were tried; it hands each outcome to
+// report, and stops with the error report returns. A confirmation under way
+// when ctx ends runs to its end, so its outcome is a real one.
+func ConfirmOrders(ctx context.Context, h *ConfirmOrderHandler, rate float64, count int,
+	report func(o Order, evt OrderConfirmedEvent, err error) error) error {
+	tick := time.NewTicker(time.Duration(float64(time.Second) / rate))
+	defer tick.Stop()
+	for i := 1; count == 0 || i <= count; i++ {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick.C:
+		}
+		o := Order{ID: outbox.NewEventID(), CustomerID: fmt.Sprintf("customer-%02d", rand.IntN(100)), TotalKopecks: rand.Int64N(1_000_000)}
+		octx := context.WithoutCancel(ctx)
+		var evt OrderConfirmedEvent
+		err := CreateOrder(octx, h.DB, o)
+		if err == nil {
+			evt, err = h.Handle(octx, o.ID)
+		}
+		if err := report(o, evt, err); err != nil {
+			return err
+		}
 	}
 	return nil
 }
