@@ -9,9 +9,15 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/segmentio/kafka-go"
+
+	"github.com/outbox-relay/outbox-operator/internal/devproc"
 )
 
-// claimSQL is the relay's claim (cursor form, PITFALLS 11a) and markSQL its mark.
+// claimSQL is the relay's claim in its plainest form and markSQL its mark:
+// the ceiling measures what PostgreSQL itself allows. The claim reads past a
+// cursor (id > $1) rather than from the start of the table: a scan from the
+// start would wade through the dead index entries every marked row leaves
+// until vacuum removes them, and slow down as the drain goes on.
 const (
 	claimSQL = `SELECT id, event_id::text, event_type, aggregate_type, aggregate_id, partition_key, payload, created_at
 FROM outbox
@@ -101,8 +107,8 @@ func orderingAvailable(ctx context.Context, o *options, e *benchEnv, mode string
 	if err != nil {
 		return false, "", err
 	}
-	rerr := p.waitReady(ctx, 30*time.Second)
-	p.stop()
+	rerr := p.WaitReady(ctx, 30*time.Second)
+	stopRelay(p)
 	msg := ""
 	if rerr != nil {
 		msg = rerr.Error()
@@ -130,10 +136,10 @@ func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas in
 		return nil, err
 	}
 	defer e.deleteTopic(topic)
-	var procs []*relayProc
+	var procs []*devproc.Proc
 	defer func() {
 		for _, p := range procs {
-			p.stop()
+			stopRelay(p)
 		}
 	}()
 	for range replicas {
@@ -149,12 +155,10 @@ func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas in
 	for {
 		var sum float64
 		for _, p := range procs {
-			select {
-			case <-p.exited:
-				return nil, fmt.Errorf("relay exited during the drain: %s", lastLines(p.out.String(), 5))
-			default:
+			if p.HasExited() {
+				return nil, fmt.Errorf("relay exited during the drain: %s", p.Tail(5))
 			}
-			n, _ := p.published()
+			n, _ := published(p)
 			sum += n
 		}
 		if sum >= float64(o.rows) {
@@ -166,7 +170,7 @@ func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas in
 		if time.Since(lastMove) > stallAfter {
 			unpub, _ := e.unpublished(ctx)
 			return nil, fmt.Errorf("drain stalled: no progress for %s with %d of %d rows unpublished; last relay log: %s",
-				stallAfter, unpub, o.rows, lastLines(procs[0].out.String(), 3))
+				stallAfter, unpub, o.rows, procs[0].Tail(3))
 		}
 		if time.Now().After(deadline) {
 			return nil, fmt.Errorf("drain not done after %s: %.0f of %d published", o.drainTimeout, sum, o.rows)
@@ -193,11 +197,11 @@ func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas in
 	}
 	var cpu, hwm float64
 	for _, p := range procs {
-		c, err := cpuSeconds(p.cmd.Process.Pid)
+		c, err := cpuSeconds(p.Pid())
 		if err != nil {
 			return nil, err
 		}
-		_, h, err := memKiB(p.cmd.Process.Pid)
+		_, h, err := memKiB(p.Pid())
 		if err != nil {
 			return nil, err
 		}
@@ -218,7 +222,19 @@ func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas in
 	}, nil
 }
 
-func seedsShape(ctx context.Context, e *benchEnv, topic string, batch int, d time.Duration) error {
+// naiveRow is a row as the naive shape claims it.
+type naiveRow struct {
+	ID                                                  int64
+	EventID, EventType, AggregateType, AggregateID, Key string
+	Payload                                             []byte
+}
+
+// naiveShape drains the table for d the way a hand-written relay commonly
+// does, to measure what the relay's design buys (scenario "seeds"): claim a
+// batch with FOR UPDATE SKIP LOCKED through the pool, whose implicit
+// transaction ends (and drops the locks) with the SELECT, then publish and
+// mark one row at a time, with the relay's Writer settings.
+func naiveShape(ctx context.Context, e *benchEnv, topic string, batch int, d time.Duration) error {
 	w := &kafka.Writer{
 		Addr:         kafka.TCP(e.kafka.Addr()),
 		Balancer:     &kafka.Murmur2Balancer{},
@@ -234,42 +250,27 @@ func seedsShape(ctx context.Context, e *benchEnv, topic string, batch int, d tim
 	defer w.Close()
 	end := time.Now().Add(d)
 	for time.Now().Before(end) && ctx.Err() == nil {
-		// The seeds' claim: FOR UPDATE SKIP LOCKED through the pool, whose
-		// implicit transaction ends (and drops the locks) with the SELECT.
 		rows, err := e.pool.Query(ctx, `SELECT id, event_id::text, event_type, aggregate_type, aggregate_id, partition_key, payload
 FROM outbox WHERE published_at IS NULL ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED`, batch)
 		if err != nil {
 			return err
 		}
-		type r struct {
-			id                  int64
-			eid, et, at, aid, k string
-			payload             []byte
-		}
-		var claimed []r
-		var x r
-		_, err = pgx.ForEachRow(rows, []any{&x.id, &x.eid, &x.et, &x.at, &x.aid, &x.k, &x.payload}, func() error {
-			claimed = append(claimed, x)
-			return nil
-		})
-		if err != nil {
+		claimed, err := pgx.CollectRows(rows, pgx.RowToStructByPos[naiveRow])
+		if err != nil || len(claimed) == 0 {
 			return err
-		}
-		if len(claimed) == 0 {
-			return nil
 		}
 		for _, c := range claimed {
 			if time.Now().After(end) {
 				return nil
 			}
-			err := w.WriteMessages(ctx, kafka.Message{Topic: topic, Key: []byte(c.k), Value: c.payload, Headers: []kafka.Header{
-				{Key: "event_id", Value: []byte(c.eid)}, {Key: "event_type", Value: []byte(c.et)},
-				{Key: "aggregate_type", Value: []byte(c.at)}, {Key: "aggregate_id", Value: []byte(c.aid)},
+			err := w.WriteMessages(ctx, kafka.Message{Topic: topic, Key: []byte(c.Key), Value: c.Payload, Headers: []kafka.Header{
+				{Key: "event_id", Value: []byte(c.EventID)}, {Key: "event_type", Value: []byte(c.EventType)},
+				{Key: "aggregate_type", Value: []byte(c.AggregateType)}, {Key: "aggregate_id", Value: []byte(c.AggregateID)},
 			}})
 			if err != nil {
-				return fmt.Errorf("seeds' shape publish: %w", err)
+				return fmt.Errorf("naive shape publish: %w", err)
 			}
-			if _, err := e.pool.Exec(ctx, `UPDATE outbox SET published_at = now() WHERE id = $1`, c.id); err != nil {
+			if _, err := e.pool.Exec(ctx, `UPDATE outbox SET published_at = now() WHERE id = $1`, c.ID); err != nil {
 				return err
 			}
 		}

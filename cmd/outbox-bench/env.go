@@ -2,24 +2,22 @@ package main
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
-	"sync"
-	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/segmentio/kafka-go"
 
+	"github.com/outbox-relay/outbox-operator/internal/devproc"
+	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
 	"github.com/outbox-relay/outbox-operator/outbox"
 )
@@ -27,17 +25,17 @@ import (
 // eventType is the one event type the benchmark tables hold.
 const eventType = "OrderConfirmed"
 
-// benchEnv is the PostgreSQL cluster, the Kafka broker and the relay binary
+// benchEnv is the PostgreSQL cluster, the Kafka broker and the binaries
 // every scenario shares.
 type benchEnv struct {
-	work     string
-	pg       *testenv.PostgresCluster
-	kafka    *testenv.KafkaBroker
-	relayBin string
-	dsn      string // the benchmark database
-	pool     *pgxpool.Pool
-	seq      int
-	pgVer    string
+	work       string
+	pg         *testenv.PostgresCluster
+	kafka      *testenv.KafkaBroker
+	relayBin   string
+	managerBin string
+	dsn        string // the benchmark database
+	pool       *pgxpool.Pool
+	pgVer      string
 
 	orderingProbe map[string]string // mode -> "" when available, else why not
 }
@@ -45,12 +43,7 @@ type benchEnv struct {
 func startEnv(ctx context.Context, o *options, work string) (*benchEnv, error) {
 	e := &benchEnv{work: work}
 	var err error
-	needKafka := false
-	for _, s := range o.scenarios {
-		if s != "ceiling" && s != "footprint" {
-			needKafka = true
-		}
-	}
+	needKafka := slices.ContainsFunc(o.scenarios, func(s string) bool { return s != "ceiling" && s != "footprint" })
 	logf("starting PostgreSQL (fsync %v)", o.fsync)
 	if e.pg, err = testenv.StartPostgres(filepath.Join(work, "postgres")); err != nil {
 		return nil, err
@@ -66,24 +59,37 @@ func startEnv(ctx context.Context, o *options, work string) (*benchEnv, error) {
 			}
 		}
 	}
-	if err := e.pg.Exec(ctx, "postgres", "CREATE DATABASE bench"); err != nil {
+	if e.dsn, err = e.pg.CreateDatabase(ctx, "bench"); err != nil {
 		e.close()
-		return nil, fmt.Errorf("create database: %w", err)
+		return nil, err
 	}
-	e.dsn = e.pg.DSN("bench")
 	if e.pool, err = pgxpool.New(ctx, e.dsn); err != nil {
 		e.close()
 		return nil, err
 	}
 	_ = e.pool.QueryRow(ctx, "SHOW server_version").Scan(&e.pgVer)
 	e.relayBin = o.relayBin
+	var pkgs []string
 	if e.relayBin == "" && needKafka {
-		e.relayBin = filepath.Join(work, "relay")
-		logf("building the relay binary (go build ./cmd/relay)")
-		out, err := exec.CommandContext(ctx, "go", "build", "-o", e.relayBin, "./cmd/relay").CombinedOutput()
+		pkgs = append(pkgs, "./cmd/relay")
+	}
+	if slices.Contains(o.scenarios, "footprint") {
+		pkgs = append(pkgs, "./cmd/manager")
+	}
+	if len(pkgs) > 0 {
+		logf("building %s", strings.Join(pkgs, " and "))
+		bins, err := devproc.Build(filepath.Join(work, "bin"), pkgs...)
 		if err != nil {
 			e.close()
-			return nil, fmt.Errorf("go build ./cmd/relay: %w\n%s", err, out)
+			return nil, err
+		}
+		for _, b := range bins {
+			switch filepath.Base(b) {
+			case "relay":
+				e.relayBin = b
+			case "manager":
+				e.managerBin = b
+			}
 		}
 	}
 	return e, nil
@@ -112,12 +118,8 @@ func (e *benchEnv) freshTable(ctx context.Context, n int) error {
 		return fmt.Errorf("create outbox table: %w", err)
 	}
 	if n > 0 {
-		if _, err := e.pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
-SELECT gen_random_uuid(), 'Order', 'order-' || (g % 1000), $2,
-       jsonb_build_object('seq', g, 'order_id', 'order-' || (g % 1000), 'pad', repeat('x', 240)),
-       'order-' || (g % 1000)
-FROM generate_series(1, $1) g`, n, eventType); err != nil {
-			return fmt.Errorf("insert %d rows: %w", n, err)
+		if err := outboxtest.InsertRows(ctx, e.pool, n, 1000, eventType); err != nil {
+			return err
 		}
 	}
 	for _, q := range []string{"VACUUM ANALYZE outbox", "CHECKPOINT"} {
@@ -130,17 +132,16 @@ FROM generate_series(1, $1) g`, n, eventType); err != nil {
 
 // newTopic creates a fresh topic for one run.
 func (e *benchEnv) newTopic(o *options, name string) (string, error) {
-	e.seq++
-	topic := fmt.Sprintf("bench.%d.%s", e.seq, name)
+	topic := e.kafka.UniqueTopic("bench", name)
 	return topic, e.kafka.CreateTopicErr(topic, o.partitions)
 }
 
-// deleteTopic frees the broker's disk after a run.
+// deleteTopic frees the broker's disk after a run; a topic left behind
+// costs only disk, so a failure is logged, not returned.
 func (e *benchEnv) deleteTopic(topic string) {
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	c := &kafka.Client{Addr: kafka.TCP(e.kafka.Addr()), Timeout: 20 * time.Second}
-	_, _ = c.DeleteTopics(ctx, &kafka.DeleteTopicsRequest{Topics: []string{topic}})
+	if err := e.kafka.DeleteTopic(topic); err != nil {
+		logf("%v", err)
+	}
 }
 
 // drainSpan reads the drain's rate from the database's own timestamps:
@@ -169,34 +170,6 @@ func (e *benchEnv) unpublished(ctx context.Context) (int, error) {
 	return n, err
 }
 
-// relayProc is one relay binary process.
-type relayProc struct {
-	cmd         *exec.Cmd
-	metricsAddr string
-	out         *syncBuffer
-	exited      chan struct{}
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.b.Len() > 1<<20 {
-		return len(p), nil // enough to diagnose; do not grow without bound
-	}
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // relayArgs are the flags of a benchmark relay; poll interval and the
 // rest stay at their defaults unless extra says otherwise.
 func (e *benchEnv) relayArgs(topic string, batch int, ordering string, extra ...string) []string {
@@ -208,72 +181,18 @@ func (e *benchEnv) relayArgs(topic string, batch int, ordering string, extra ...
 	return append(args, extra...)
 }
 
-func (e *benchEnv) startRelay(args []string) (*relayProc, error) {
-	port, err := testenv.FreePort()
-	if err != nil {
-		return nil, err
-	}
-	p := &relayProc{metricsAddr: fmt.Sprintf("127.0.0.1:%d", port), out: &syncBuffer{}, exited: make(chan struct{})}
-	p.cmd = exec.Command(e.relayBin, append(args, "--metrics-addr", p.metricsAddr, "--log-format", "text")...)
-	p.cmd.Env = append(os.Environ(), "RELAY_DSN="+e.dsn)
-	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
-	p.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := p.cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start relay: %w", err)
-	}
-	go func() { _ = p.cmd.Wait(); close(p.exited) }()
-	return p, nil
+// startRelay runs the relay binary on the benchmark database.
+func (e *benchEnv) startRelay(args []string) (*devproc.Proc, error) {
+	return devproc.StartRelay(e.relayBin, args, "RELAY_DSN="+e.dsn)
 }
 
-// waitReady waits until /readyz answers 200, or reports why the process exited.
-func (p *relayProc) waitReady(ctx context.Context, timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
-	for {
-		select {
-		case <-p.exited:
-			return fmt.Errorf("relay exited (%v): %s", p.cmd.ProcessState, lastLines(p.out.String(), 5))
-		default:
-		}
-		resp, err := http.Get("http://" + p.metricsAddr + "/readyz")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return nil
-			}
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("relay not ready after %s: %s", timeout, lastLines(p.out.String(), 5))
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
-}
+// stopRelay sends SIGTERM and waits; the relay finishes its batch and exits.
+func stopRelay(p *devproc.Proc) { p.Stop(30 * time.Second) }
 
-func lastLines(s string, n int) string {
-	lines := strings.Split(strings.TrimSpace(s), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, " | ")
-}
-
-// stop sends SIGTERM and waits; the relay finishes its batch and exits.
-func (p *relayProc) stop() {
-	_ = p.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-p.exited:
-	case <-time.After(30 * time.Second):
-		_ = p.cmd.Process.Kill()
-		<-p.exited
-	}
-}
-
-// published scrapes outbox_relay_events_published_total from /metrics.
-func (p *relayProc) published() (float64, error) {
-	resp, err := http.Get("http://" + p.metricsAddr + "/metrics")
+// published scrapes outbox_relay_events_published_total from a relay
+// process's /metrics.
+func published(p *devproc.Proc) (float64, error) {
+	resp, err := http.Get("http://" + p.Addr + "/metrics")
 	if err != nil {
 		return 0, err
 	}

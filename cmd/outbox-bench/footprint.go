@@ -3,71 +3,28 @@ package main
 import (
 	"context"
 	"fmt"
-	"os"
-	"os/exec"
 	"path/filepath"
 	"sync"
-	"syscall"
 	"time"
 
-	"github.com/go-logr/logr"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
-	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
-	"k8s.io/client-go/tools/clientcmd"
-	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
-	"github.com/outbox-relay/outbox-operator/controllers"
+	"github.com/outbox-relay/outbox-operator/internal/devproc"
+	"github.com/outbox-relay/outbox-operator/internal/localcluster"
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
 )
 
-func scheme() (*runtime.Scheme, error) {
-	s := runtime.NewScheme()
-	if err := clientgoscheme.AddToScheme(s); err != nil {
-		return nil, err
-	}
-	return s, outboxv1alpha1.AddToScheme(s)
-}
-
-// runManagerChild is the operator's manager (what cmd/manager runs), in its
-// own process so its RSS is the manager's alone.
-func runManagerChild(ctx context.Context, kubeconfig string) error {
-	ctrl.SetLogger(logr.Discard())
-	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
-	if err != nil {
-		return err
-	}
-	// As ctrl.GetConfig, which cmd/manager uses: no client-side rate limit
-	// (the API server's priority and fairness applies), not client-go's 5 QPS.
-	if cfg.QPS == 0 {
-		cfg.QPS = -1
-	}
-	s, err := scheme()
-	if err != nil {
-		return err
-	}
-	mgr, err := ctrl.NewManager(cfg, ctrl.Options{Scheme: s, Metrics: metricsserver.Options{BindAddress: "0"}, HealthProbeBindAddress: "0"})
-	if err != nil {
-		return err
-	}
-	r := &controllers.OutboxRelayReconciler{Client: mgr.GetClient(), Recorder: mgr.GetEventRecorder("outbox-operator"), RelayImage: "example.test/outbox-relay:bench"}
-	if err := r.SetupWithManager(ctx, mgr); err != nil {
-		return err
-	}
-	return mgr.Start(ctx)
-}
-
-// runFootprint measures scenario 6's operator part: the manager reconciling
-// o.relays OutboxRelays (each with its Secret) in envtest while this process
-// plays the kubelets (every Deployment's status set to all replicas ready),
-// until every OutboxRelay is Ready; and the manager process's RSS then. The
-// relay's RSS is measured in the latency scenario.
+// runFootprint measures the operator's footprint: the manager binary
+// reconciling o.relays OutboxRelays (each with its Secret) in envtest while
+// this process plays the kubelets (every Deployment's status set to all
+// replicas ready), until every OutboxRelay is Ready; and the manager
+// process's RSS then. The relay's RSS is measured in the latency scenario.
 func runFootprint(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 	reps, err := repeat(&options{reps: min(o.reps, 1)}, func(int) (map[string]float64, error) { return operatorRun(ctx, o, e) })
 	if err != nil {
@@ -88,11 +45,7 @@ func operatorRun(ctx context.Context, o *options, e *benchEnv) (map[string]float
 	if err := kube.WriteKubeconfig(kubeconfig); err != nil {
 		return nil, err
 	}
-	s, err := scheme()
-	if err != nil {
-		return nil, err
-	}
-	c, err := client.New(kube.Config, client.Options{Scheme: s})
+	c, err := client.New(kube.Config, client.Options{Scheme: localcluster.Scheme()})
 	if err != nil {
 		return nil, err
 	}
@@ -100,28 +53,18 @@ func operatorRun(ctx context.Context, o *options, e *benchEnv) (map[string]float
 	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}); err != nil {
 		return nil, err
 	}
-	self, err := os.Executable()
+	// The manager binary as users run it, in its own process so its RSS is
+	// the manager's alone; error-level logs only, so logging does not weigh
+	// on the measurement.
+	logPath := filepath.Join(e.work, "manager.log")
+	mgr, err := devproc.StartManager(e.managerBin, kubeconfig, logPath, "--zap-log-level=error")
 	if err != nil {
 		return nil, err
 	}
-	out := &syncBuffer{}
-	mgr := exec.Command(self, "-manager-child", kubeconfig)
-	mgr.Stdout, mgr.Stderr = out, out
-	mgr.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := mgr.Start(); err != nil {
-		return nil, err
+	defer mgr.Stop(30 * time.Second)
+	if err := mgr.WaitReady(ctx, 60*time.Second); err != nil {
+		return nil, fmt.Errorf("manager: %w; see %s", err, logPath)
 	}
-	exited := make(chan struct{})
-	go func() { _ = mgr.Wait(); close(exited) }()
-	defer func() {
-		_ = mgr.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-exited:
-		case <-time.After(30 * time.Second):
-			_ = mgr.Process.Kill()
-			<-exited
-		}
-	}()
 
 	start := time.Now()
 	// Create the Secrets and OutboxRelays from 8 clients, as an apply of many files would.
@@ -168,10 +111,8 @@ func operatorRun(ctx context.Context, o *options, e *benchEnv) (map[string]float
 	deadline := time.Now().Add(5 * time.Minute)
 	var ready int
 	for {
-		select {
-		case <-exited:
-			return nil, fmt.Errorf("manager exited: %s", lastLines(out.String(), 10))
-		default:
+		if mgr.HasExited() {
+			return nil, fmt.Errorf("manager exited: %s", mgr.Tail(10))
 		}
 		if err := markDeploymentsReady(ctx, c, ns); err != nil {
 			return nil, err
@@ -197,11 +138,11 @@ func operatorRun(ctx context.Context, o *options, e *benchEnv) (map[string]float
 	}
 	readyAfter := time.Since(start)
 	time.Sleep(2 * time.Second) // let the post-Ready reconciles settle before reading memory
-	rss, hwm, err := memKiB(mgr.Process.Pid)
+	rss, hwm, err := memKiB(mgr.Pid())
 	if err != nil {
 		return nil, err
 	}
-	cpu, _ := cpuSeconds(mgr.Process.Pid)
+	cpu, _ := cpuSeconds(mgr.Pid())
 	logf("operator: %d OutboxRelays Ready in %s; manager RSS %.1f MiB (peak %.1f)", o.relays, readyAfter.Round(time.Millisecond), rss/1024, hwm/1024)
 	return map[string]float64{
 		"created_s":            created.Seconds(),
@@ -230,17 +171,9 @@ func markDeploymentsReady(ctx context.Context, c client.Client, ns string) error
 		}
 		d.Status = appsv1.DeploymentStatus{ObservedGeneration: d.Generation, Replicas: want, UpdatedReplicas: want,
 			ReadyReplicas: want, AvailableReplicas: want}
-		if err := c.Status().Update(ctx, d); err != nil && !isConflict(err) {
+		if err := c.Status().Update(ctx, d); err != nil && !apierrors.IsConflict(err) {
 			return fmt.Errorf("set status of Deployment %s: %w", d.Name, err)
 		}
 	}
 	return nil
-}
-
-func isConflict(err error) bool {
-	type statusErr interface{ Status() metav1.Status }
-	if se, ok := err.(statusErr); ok {
-		return se.Status().Code == 409
-	}
-	return false
 }

@@ -14,10 +14,11 @@ import (
 	"github.com/segmentio/kafka-go"
 
 	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
+	"github.com/outbox-relay/outbox-operator/internal/testenv"
 	"github.com/outbox-relay/outbox-operator/relay"
 )
 
-// runLatency measures scenario 5 (and the relay's steady-state footprint):
+// runLatency measures the steady state (and the relay's footprint in it):
 // producers insert one row per transaction at a fixed rate for a fixed time
 // while one relay with the default batch size and poll interval runs; a
 // consumer on the same machine notes when each event arrives, and the
@@ -71,8 +72,8 @@ func runIdle(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 			return err
 		}
 		m, err := func() (map[string]float64, error) {
-			defer p.stop()
-			if err := p.waitReady(ctx, 30*time.Second); err != nil {
+			defer stopRelay(p)
+			if err := p.WaitReady(ctx, 30*time.Second); err != nil {
 				return nil, err
 			}
 			time.Sleep(2 * time.Second)
@@ -80,14 +81,14 @@ func runIdle(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 			if err != nil {
 				return nil, err
 			}
-			c0, _ := cpuSeconds(p.cmd.Process.Pid)
+			c0, _ := cpuSeconds(p.Pid())
 			t0 := time.Now()
 			time.Sleep(o.idleFor)
 			x1, err := e.xactCommits(ctx)
 			if err != nil {
 				return nil, err
 			}
-			c1, _ := cpuSeconds(p.cmd.Process.Pid)
+			c1, _ := cpuSeconds(p.Pid())
 			d := time.Since(t0).Seconds()
 			// The two xactCommits reads are themselves one transaction each.
 			return map[string]float64{"db_xacts_per_s": (x1 - x0 - 1) / d, "relay_cpu_millicores": 1000 * (c1 - c0) / d}, nil
@@ -112,51 +113,29 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 	}
 	defer e.deleteTopic(topic)
 
-	// Consumer first, one reader per partition from the first offset.
+	// Consumer first: every partition from the first offset.
 	var (
 		mu   sync.Mutex
 		recv = map[string]time.Time{}
 	)
-	cctx, ccancel := context.WithCancel(ctx)
-	defer ccancel()
-	var cwg sync.WaitGroup
-	for p := range o.partitions {
-		rd := kafka.NewReader(kafka.ReaderConfig{
-			Brokers: []string{e.kafka.Addr()}, Topic: topic, Partition: p,
-			MinBytes: 1, MaxBytes: 8 << 20, MaxWait: 100 * time.Millisecond, ReadLagInterval: -1,
-		})
-		if err := rd.SetOffset(kafka.FirstOffset); err != nil {
-			return nil, err
-		}
-		cwg.Add(1)
-		go func() {
-			defer cwg.Done()
-			defer rd.Close()
-			for {
-				msg, err := rd.ReadMessage(cctx)
-				if err != nil {
-					return
-				}
-				now := time.Now()
-				for _, h := range msg.Headers {
-					if h.Key == relay.HeaderEventID {
-						mu.Lock()
-						recv[string(h.Value)] = now
-						mu.Unlock()
-					}
-				}
-			}
-		}()
+	consumer, err := e.kafka.ReadTopic(ctx, topic, func(m kafka.Message) {
+		now := time.Now()
+		id := testenv.Header(m, relay.HeaderEventID)
+		mu.Lock()
+		recv[id] = now
+		mu.Unlock()
+	})
+	if err != nil {
+		return nil, err
 	}
-	defer cwg.Wait()
-	defer ccancel()
+	defer consumer.Close()
 
 	p, err := e.startRelay(e.relayArgs(topic, relayconfig.DefaultBatchSize, "", "--poll-interval", poll.String()))
 	if err != nil {
 		return nil, err
 	}
-	defer p.stop()
-	if err := p.waitReady(ctx, 30*time.Second); err != nil {
+	defer stopRelay(p)
+	if err := p.WaitReady(ctx, 30*time.Second); err != nil {
 		return nil, err
 	}
 	// Producers: open loop, each client on its own schedule of rate/producers.
@@ -209,13 +188,13 @@ VALUES ($1, 'Order', $2, $3, jsonb_build_object('seq', $4::int, 'order_id', $2::
 	go func() {
 		defer close(sampleDone)
 		time.Sleep(time.Until(start))
-		cpu0, _ = cpuSeconds(p.cmd.Process.Pid)
+		cpu0, _ = cpuSeconds(p.Pid())
 		t := time.NewTicker(time.Second)
 		defer t.Stop()
 		for time.Now().Before(end) {
 			<-t.C
 			if time.Since(start) > o.latencyFor/2 {
-				if rss, _, err := memKiB(p.cmd.Process.Pid); err == nil {
+				if rss, _, err := memKiB(p.Pid()); err == nil {
 					rssMax = max(rssMax, rss)
 				}
 			}
@@ -229,7 +208,7 @@ VALUES ($1, 'Order', $2, $3, jsonb_build_object('seq', $4::int, 'order_id', $2::
 			return nil, err
 		}
 	}
-	cpu1, _ := cpuSeconds(p.cmd.Process.Pid)
+	cpu1, _ := cpuSeconds(p.Pid())
 	n := int(inserted.Load())
 	// Let the relay and the consumer catch up (bounded).
 	deadline := time.Now().Add(60 * time.Second)
@@ -242,7 +221,7 @@ VALUES ($1, 'Order', $2, $3, jsonb_build_object('seq', $4::int, 'order_id', $2::
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	ccancel()
+	consumer.Close()
 
 	// Join receive times with created_at.
 	rows, err := e.pool.Query(ctx, `SELECT event_id::text, created_at FROM outbox ORDER BY id`)

@@ -1,14 +1,16 @@
 // Command outbox-bench measures the relay side by side with the limits of
 // this machine in one run: the PostgreSQL claim+mark ceiling, the relay
-// binary draining a pre-inserted backlog, the seeds' naive shape, scaling
-// over replicas, steady-state latency, and footprint (issue 6). It starts
-// its own PostgreSQL (fsync on) and Kafka broker from `make deps`, runs the
-// real relay binary as separate processes, and writes a Markdown report and
-// a JSON file of every repetition.
+// binary draining a pre-inserted backlog, the naive shape of a hand-written
+// relay (scenario "seeds"), scaling over replicas, steady-state latency, the
+// idle cost of the poll interval, and the footprint of the relay and the
+// operator, each against the targets in report.go. It starts its own
+// PostgreSQL (fsync on) and Kafka broker from `make deps`, runs the real
+// relay and manager binaries as separate processes, and writes a Markdown
+// report and a JSON file of every repetition.
 //
 //	outbox-bench                     # the full run (make bench)
 //	outbox-bench -quick              # a ~2-minute subset (make bench-quick)
-//	outbox-bench -scenarios ceiling,drain,seeds   # issue 3's numbers (make bench-relay)
+//	outbox-bench -scenarios ceiling,drain,seeds   # the relay's throughput alone (make bench-relay)
 package main
 
 import (
@@ -17,11 +19,13 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"slices"
 	"strings"
 	"syscall"
 	"time"
+	"unicode"
+
+	"github.com/outbox-relay/outbox-operator/internal/testenv"
 )
 
 // options is the parsed command line.
@@ -43,7 +47,6 @@ type options struct {
 	outJSON      string
 	profileDir   string
 	relayBin     string
-	managerChild string // internal: run the operator manager against this kubeconfig
 	keepWorkDir  bool
 	fsync        bool
 	drainTimeout time.Duration
@@ -66,7 +69,7 @@ func parseFlags(args []string) (*options, error) {
 	fs.StringVar(&replicas, "replicas", "1,2,4", "replica counts for the scaling scenario (batch 50)")
 	fs.StringVar(&orderings, "orderings", "none,partition-key", "relay --ordering modes for drain and scaling (a mode the relay refuses is reported as not available)")
 	fs.IntVar(&o.partitions, "partitions", 8, "partitions of each benchmark topic")
-	fs.DurationVar(&o.seedsFor, "seeds-duration", 0, "how long the seeds' shape drains (it is ~10x slower; default 15s, quick 8s)")
+	fs.DurationVar(&o.seedsFor, "seeds-duration", 0, "how long the naive shape (scenario seeds) drains (it is ~10x slower; default 15s, quick 8s)")
 	fs.StringVar(&rates, "rates", "1000,5000", "steady-state insert rates (events/s) for the latency scenario")
 	fs.DurationVar(&o.latencyFor, "latency-duration", 0, "duration of each steady-state run (default 60s, quick 12s)")
 	var latencyPolls, idlePolls string
@@ -79,15 +82,11 @@ func parseFlags(args []string) (*options, error) {
 	fs.StringVar(&o.outJSON, "out-json", "", "JSON results (default bench/results.json; quick: bench/quick-results.json)")
 	fs.StringVar(&o.profileDir, "profile-dir", "bench/profiles", "where the relay's pprof profiles go")
 	fs.StringVar(&o.relayBin, "relay-bin", "", "relay binary to run (default: go build ./cmd/relay into the work folder)")
-	fs.StringVar(&o.managerChild, "manager-child", "", "internal: run the operator manager with this kubeconfig until SIGTERM")
 	fs.BoolVar(&o.keepWorkDir, "keep", false, "keep the work folder (PostgreSQL, Kafka and relay logs)")
 	fs.BoolVar(&o.fsync, "fsync", true, "run PostgreSQL with fsync and synchronous_commit on")
 	fs.DurationVar(&o.drainTimeout, "drain-timeout", 5*time.Minute, "give up on one drain after this long")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
-	}
-	if o.managerChild != "" {
-		return o, nil
 	}
 	o.scenarios = splitList(scenarios)
 	for _, s := range o.scenarios {
@@ -165,14 +164,9 @@ func flagSet(fs *flag.FlagSet, name string) bool {
 	return set
 }
 
+// splitList splits a list flag's value at commas, dropping blanks.
 func splitList(s string) []string {
-	var out []string
-	for _, p := range strings.Split(s, ",") {
-		if p = strings.TrimSpace(p); p != "" {
-			out = append(out, p)
-		}
-	}
-	return out
+	return strings.FieldsFunc(s, func(r rune) bool { return r == ',' || unicode.IsSpace(r) })
 }
 
 func intList(name, s string) ([]int, error) {
@@ -199,13 +193,6 @@ func run(args []string) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
-	if o.managerChild != "" {
-		if err := runManagerChild(ctx, o.managerChild); err != nil {
-			fmt.Fprintln(os.Stderr, "outbox-bench manager:", err)
-			return 1
-		}
-		return 0
-	}
 	if err := bench(ctx, o); err != nil {
 		fmt.Fprintln(os.Stderr, "outbox-bench:", err)
 		return 1
@@ -218,7 +205,7 @@ func bench(ctx context.Context, o *options) error {
 	if o.fsync {
 		os.Setenv("OUTBOX_PG_FSYNC", "on")
 	}
-	root, err := repoRoot()
+	root, err := testenv.FindRepoRoot()
 	if err != nil {
 		return err
 	}
@@ -306,20 +293,4 @@ func runScenarios(ctx context.Context, o *options, env *benchEnv, rep *report) e
 
 func logf(format string, args ...any) {
 	fmt.Fprintf(os.Stderr, "%s "+format+"\n", append([]any{time.Now().Format("15:04:05")}, args...)...)
-}
-
-// repoRoot finds the folder holding go.mod, from the working directory up.
-func repoRoot() (string, error) {
-	dir, err := os.Getwd()
-	if err != nil {
-		return "", err
-	}
-	for d := dir; ; d = filepath.Dir(d) {
-		if b, err := os.ReadFile(filepath.Join(d, "go.mod")); err == nil && strings.Contains(string(b), "module github.com/outbox-relay/outbox-operator") {
-			return d, nil
-		}
-		if filepath.Dir(d) == d {
-			return "", fmt.Errorf("run from inside the outbox-operator repository (no go.mod above %s)", dir)
-		}
-	}
 }

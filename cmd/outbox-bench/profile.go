@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/segmentio/kafka-go"
 
+	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
 	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 	"github.com/outbox-relay/outbox-operator/relay"
 )
@@ -30,9 +31,10 @@ type profileSummary struct {
 	AllocTop   string  `json:"alloc_top"`
 }
 
-// runProfile drains a backlog with relay.New/Run in this process (the binary
-// has no pprof endpoint) under the CPU profiler, at the batch size that
-// drained fastest, and keeps the allocation profile of the drain alone.
+// runProfile drains a backlog with an in-process relay (the binary has no
+// pprof endpoint) under the CPU profiler, at the batch size that drained
+// fastest, and keeps the allocation profile of the drain alone (with the
+// relay's start-up checks, a few queries).
 func runProfile(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 	batch, best := 500, 0.0
 	for _, b := range o.batches {
@@ -48,16 +50,6 @@ func runProfile(ctx context.Context, o *options, e *benchEnv, rep *report) error
 		return err
 	}
 	defer e.deleteTopic(topic)
-	reg := prometheus.NewRegistry()
-	r, err := relay.New(relay.Config{DSN: e.dsn, Brokers: []string{e.kafka.Addr()}, Topics: map[string]string{eventType: topic},
-		BatchSize: batch, Registerer: reg})
-	if err != nil {
-		return err
-	}
-	defer r.Close()
-	if err := r.Check(ctx); err != nil {
-		return err
-	}
 	if err := os.MkdirAll(o.profileDir, 0o755); err != nil {
 		return err
 	}
@@ -71,27 +63,13 @@ func runProfile(ctx context.Context, o *options, e *benchEnv, rep *report) error
 	if err != nil {
 		return err
 	}
+	defer f.Close()
 	if err := pprof.StartCPUProfile(f); err != nil {
-		f.Close()
 		return err
 	}
-	rctx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- r.Run(rctx) }()
-	for published(reg) < float64(o.rows) {
-		select {
-		case err := <-done:
-			cancel()
-			pprof.StopCPUProfile()
-			f.Close()
-			return fmt.Errorf("relay stopped during the profiled drain: %v", err)
-		case <-time.After(100 * time.Millisecond):
-		}
-	}
+	_, err = inProcessDrain(ctx, e, topic, batch, o.rows, nil)
 	pprof.StopCPUProfile()
-	f.Close()
-	cancel()
-	if err := <-done; err != nil {
+	if err != nil {
 		return err
 	}
 	if err := writeProfile("allocs", allocFile); err != nil {
@@ -112,6 +90,22 @@ func runProfile(ctx context.Context, o *options, e *benchEnv, rep *report) error
 	logf("profile at batch %d: %.0f events/s; %s, %s", batch, rate, cpuFile, allocFile)
 	rep.Profile = &profileSummary{Batch: batch, Rows: o.rows, EventsPerS: rate, CPUFile: cpuFile, AllocFile: allocFile, CPUTop: cpuTop, AllocTop: allocTop}
 	return nil
+}
+
+// inProcessDrain runs a relay in this process on the benchmark table until
+// it has published rows events, then stops it, and returns the relay's
+// metrics; w, when not nil, is its Kafka writer.
+func inProcessDrain(ctx context.Context, e *benchEnv, topic string, batch, rows int, w relay.MessageWriter) (*prometheus.Registry, error) {
+	x, err := outboxtest.RunRelay(relay.Config{DSN: e.dsn, Brokers: []string{e.kafka.Addr()}, Topics: map[string]string{eventType: topic},
+		BatchSize: batch}, w)
+	if err != nil {
+		return nil, err
+	}
+	defer x.Close()
+	if err := x.WaitPublished(ctx, rows); err != nil {
+		return nil, err
+	}
+	return x.Reg, x.Close()
 }
 
 func writeProfile(name, path string) error {
@@ -138,22 +132,6 @@ func pprofTop(args ...string) (string, error) {
 		keep = append(keep, l)
 	}
 	return strings.TrimLeft(strings.Join(keep, "\n"), "\n"), nil
-}
-
-func published(reg *prometheus.Registry) float64 {
-	mfs, err := reg.Gather()
-	if err != nil {
-		return 0
-	}
-	var sum float64
-	for _, mf := range mfs {
-		if mf.GetName() == "outbox_relay_events_published_total" {
-			for _, m := range mf.GetMetric() {
-				sum += m.GetCounter().GetValue()
-			}
-		}
-	}
-	return sum
 }
 
 // timedWriter measures the time the relay spends in WriteMessages.
@@ -193,37 +171,22 @@ func runBreakdown(ctx context.Context, o *options, e *benchEnv, rep *report) err
 				Transport: &kafka.Transport{},
 			}}
 			defer tw.w.Close()
-			reg := prometheus.NewRegistry()
-			r, err := relay.NewWithWriter(relay.Config{DSN: e.dsn, Brokers: []string{e.kafka.Addr()}, Topics: map[string]string{eventType: topic},
-				BatchSize: batch, Registerer: reg}, tw)
+			reg, err := inProcessDrain(ctx, e, topic, batch, o.rows, tw)
 			if err != nil {
-				return nil, err
-			}
-			defer r.Close()
-			if err := r.Check(ctx); err != nil {
-				return nil, err
-			}
-			rctx, cancel := context.WithCancel(ctx)
-			done := make(chan error, 1)
-			go func() { done <- r.Run(rctx) }()
-			for published(reg) < float64(o.rows) {
-				select {
-				case err := <-done:
-					cancel()
-					return nil, fmt.Errorf("relay stopped during the drain: %v", err)
-				case <-time.After(100 * time.Millisecond):
-				}
-			}
-			cancel()
-			if err := <-done; err != nil {
 				return nil, err
 			}
 			_, rate, err := e.drainSpan(ctx)
 			if err != nil {
 				return nil, err
 			}
-			bs, bn := histogram(reg, "outbox_relay_batch_duration_seconds")
-			cs, cn := histogram(reg, "outbox_relay_claim_duration_seconds")
+			bn, bs, err := outboxtest.ReadMetric(reg, "outbox_relay_batch_duration_seconds")
+			if err != nil {
+				return nil, err
+			}
+			cn, cs, err := outboxtest.ReadMetric(reg, "outbox_relay_claim_duration_seconds")
+			if err != nil {
+				return nil, err
+			}
 			batchMS, claimMS := 1000*bs/bn, 1000*cs/cn
 			publishMS := float64(tw.nanos.Load()) / 1e6 / float64(tw.calls.Load())
 			logf("breakdown batch=%d: %.0f events/s; per batch %.2f ms = claim %.2f + publish %.2f + mark/commit %.2f",
@@ -237,18 +200,4 @@ func runBreakdown(ctx context.Context, o *options, e *benchEnv, rep *report) err
 		rep.add("breakdown", fmt.Sprintf("batch=%d", batch), map[string]any{"batch": batch}, reps)
 	}
 	return nil
-}
-
-// histogram returns a histogram's sum and count from the registry.
-func histogram(reg *prometheus.Registry, name string) (sum, count float64) {
-	mfs, _ := reg.Gather()
-	for _, mf := range mfs {
-		if mf.GetName() == name {
-			for _, m := range mf.GetMetric() {
-				sum += m.GetHistogram().GetSampleSum()
-				count += float64(m.GetHistogram().GetSampleCount())
-			}
-		}
-	}
-	return sum, count
 }

@@ -15,10 +15,11 @@ type benchCase struct {
 	failed         string // why the case stopped, when it failed
 }
 
-// runRounds measures scenarios 1–4 (and 7) in rounds: each round runs every
-// case once, and the rounds repeat, so a slow minute of this shared machine
-// lands on all cases alike instead of on one. Ratios between cases are taken
-// within each round, and their median is reported.
+// runRounds measures the throughput scenarios (ceiling, drain, seeds,
+// scaling) in rounds: each round runs every case once, and the rounds
+// repeat, so a slow minute of this shared machine lands on all cases alike
+// instead of on one. Ratios between cases are taken within each round, and
+// their median is reported.
 func runRounds(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 	want := func(s string) bool { return slices.Contains(o.scenarios, s) }
 	var cases []*benchCase
@@ -95,7 +96,7 @@ func runRounds(ctx context.Context, o *options, e *benchEnv, rep *report) error 
 					return nil, err
 				}
 				defer e.deleteTopic(topic)
-				if err := seedsShape(ctx, e, topic, batch, o.seedsFor); err != nil {
+				if err := naiveShape(ctx, e, topic, batch, o.seedsFor); err != nil {
 					return nil, err
 				}
 				done, rate, err := e.drainSpan(ctx)
@@ -158,7 +159,7 @@ func runRounds(ctx context.Context, o *options, e *benchEnv, rep *report) error 
 		ratio(fmt.Sprintf("drain none batch %d / ceiling batch %d", b, b), find("drain", fmt.Sprintf("ordering=none batch=%d", b)), find("ceiling", fmt.Sprintf("batch=%d loops=1", b)))
 		ratio(fmt.Sprintf("drain partition-key batch %d / ceiling batch %d", b, b), find("drain", fmt.Sprintf("ordering=partition-key batch=%d", b)), find("ceiling", fmt.Sprintf("batch=%d loops=1", b)))
 	}
-	ratio("drain none batch 50 / seeds' shape", find("drain", "ordering=none batch=50"), find("seeds", "batch=50"))
+	ratio("drain none batch 50 / naive shape", find("drain", "ordering=none batch=50"), find("seeds", "batch=50"))
 	for _, mode := range o.orderings {
 		for _, n := range o.replicas {
 			ratio(fmt.Sprintf("scaling %s %d replicas / 1", mode, n), find("scaling", fmt.Sprintf("ordering=%s replicas=%d", mode, n)), find("scaling", fmt.Sprintf("ordering=%s replicas=1", mode)))
