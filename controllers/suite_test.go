@@ -2,6 +2,7 @@ package controllers
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -37,7 +38,17 @@ const (
 	tick       = 50 * time.Millisecond
 )
 
-func TestMain(m *testing.M) { os.Exit(testenv.Run(m, testenv.NeedKube)) }
+func TestMain(m *testing.M) {
+	needs := testenv.NeedKube
+	// A fuzzing worker process runs only FuzzSpecRoundTrip, which needs no
+	// API server; one per worker would cost seconds each and outlive a
+	// fuzzer that is stopped.
+	flag.Parse()
+	if f := flag.Lookup("test.fuzzworker"); f != nil && f.Value.String() == "true" {
+		needs = 0
+	}
+	os.Exit(testenv.Run(m, needs))
+}
 
 func newScheme(t testing.TB) *runtime.Scheme {
 	s := runtime.NewScheme()
