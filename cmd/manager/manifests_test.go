@@ -6,13 +6,19 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
@@ -72,4 +78,89 @@ func TestDeployManifestsApply(t *testing.T) {
 	for _, col := range []string{"READY", "TABLE", "TOPICS", "STATUS", "REASON", "AGE", "outbox"} {
 		require.Contains(t, string(out), col)
 	}
+}
+
+// TestNamespacedOverlayIsEnough renders config/namespaced, applies it, and
+// runs the manager as that overlay's service account (impersonated): with
+// nothing but the overlay's Roles in one namespace it reconciles an
+// OutboxRelay there, and it cannot read a Secret anywhere else.
+func TestNamespacedOverlayIsEnough(t *testing.T) {
+	const ns, sa = "outbox-relays", "outbox-operator-controller-manager"
+	ctx := context.Background()
+	scheme := runtime.NewScheme()
+	require.NoError(t, clientgoscheme.AddToScheme(scheme))
+	require.NoError(t, outboxv1alpha1.AddToScheme(scheme))
+	admin, err := client.New(testenv.Kube().Config, client.Options{Scheme: scheme})
+	require.NoError(t, err)
+	require.NoError(t, admin.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}))
+
+	rendered := kubectl(t, nil, "kustomize", "config/namespaced")
+	for _, kind := range []string{"kind: ClusterRole\n", "kind: ClusterRoleBinding\n", "kind: Namespace\n"} {
+		require.NotContains(t, string(rendered), kind, "the overlay grants nothing cluster-wide and leaves the namespace alone")
+	}
+	kubectl(t, rendered, "apply", "--server-side", "--force-conflicts", "-f", "-")
+	d := &appsv1.Deployment{}
+	require.NoError(t, admin.Get(ctx, client.ObjectKey{Namespace: ns, Name: sa}, d))
+	watch := ""
+	for _, e := range d.Spec.Template.Spec.Containers[0].Env {
+		if e.Name == "WATCH_NAMESPACE" {
+			watch = e.Value
+		}
+	}
+	require.Equal(t, ns, watch)
+	binding := &rbacv1.RoleBinding{}
+	require.NoError(t, admin.Get(ctx, client.ObjectKey{Namespace: ns, Name: "outbox-operator-manager-rolebinding"}, binding))
+	require.Equal(t, "Role", binding.RoleRef.Kind)
+
+	asSA := rest.CopyConfig(testenv.Kube().Config)
+	asSA.Impersonate = rest.ImpersonationConfig{UserName: "system:serviceaccount:" + ns + ":" + sa}
+	saClient, err := client.New(asSA, client.Options{Scheme: scheme})
+	require.NoError(t, err)
+	err = saClient.Get(ctx, client.ObjectKey{Namespace: "default", Name: "any"}, &corev1.Secret{})
+	require.True(t, apierrors.IsForbidden(err), "a Secret outside the namespace: want Forbidden, got %v", err)
+
+	cfg, err := parseConfig([]string{"--metrics-bind-address=0", "--health-probe-bind-address=0",
+		"--leader-elect", "--leader-election-namespace=" + ns, "--relay-image=reg/relay:test"},
+		env(map[string]string{"WATCH_NAMESPACE": watch}))
+	require.NoError(t, err)
+	runCtx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- run(runCtx, cfg, asSA) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			require.NoError(t, err)
+		case <-time.After(30 * time.Second):
+			t.Error("the manager did not stop within 30s")
+		}
+	})
+
+	require.NoError(t, admin.Create(ctx, &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "dsn"},
+		StringData: map[string]string{"dsn": "postgres://x"},
+	}))
+	require.NoError(t, admin.Create(ctx, &outboxv1alpha1.OutboxRelay{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "orders"},
+		Spec: outboxv1alpha1.OutboxRelaySpec{
+			DSNSecretRef: outboxv1alpha1.SecretKeyReference{Name: "dsn"},
+			Topics:       map[string]outboxv1alpha1.TopicName{"OrderConfirmed": "orders.confirmed"},
+			Kafka:        outboxv1alpha1.KafkaSpec{Brokers: []outboxv1alpha1.BrokerAddress{"127.0.0.1:9092"}},
+		},
+	}))
+	require.Eventually(t, func() bool {
+		return admin.Get(ctx, client.ObjectKey{Namespace: ns, Name: "orders-relay"}, &appsv1.Deployment{}) == nil
+	}, 60*time.Second, 100*time.Millisecond, "the manager, with the overlay's Role only, creates the relay Deployment")
+	require.Eventually(t, func() bool {
+		relay := &outboxv1alpha1.OutboxRelay{}
+		if admin.Get(ctx, client.ObjectKey{Namespace: ns, Name: "orders"}, relay) != nil {
+			return false
+		}
+		for _, c := range relay.Status.Conditions {
+			if c.Type == outboxv1alpha1.ConditionReady {
+				return strings.Contains(c.Reason, outboxv1alpha1.ReasonDeploymentUnavailable)
+			}
+		}
+		return false
+	}, 30*time.Second, 100*time.Millisecond, "and writes its status")
 }
