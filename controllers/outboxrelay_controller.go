@@ -44,12 +44,14 @@ type OutboxRelayReconciler struct {
 	AllowedImages []string
 }
 
-// The Secret rule: get reads a referenced Secret (uncached); list and watch
-// feed the metadata-only watch. RBAC cannot grant metadata alone, so the
-// manager's code, not its role, keeps it from holding Secret data.
+// Least privilege: status is only patched; finalizers/update lets the owner
+// references block the owner's deletion. Secrets: get reads a referenced one
+// (uncached); list and watch feed the metadata-only watch. RBAC cannot grant
+// metadata alone, so the manager's code, not its role, keeps it from holding
+// Secret data.
 //
 // +kubebuilder:rbac:groups=outbox.dev,resources=outboxrelays,verbs=get;list;watch
-// +kubebuilder:rbac:groups=outbox.dev,resources=outboxrelays/status,verbs=get;update;patch
+// +kubebuilder:rbac:groups=outbox.dev,resources=outboxrelays/status,verbs=patch
 // +kubebuilder:rbac:groups=outbox.dev,resources=outboxrelays/finalizers,verbs=update
 // +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;create;patch
 // +kubebuilder:rbac:groups="",resources=services,verbs=get;list;watch;create;patch

@@ -31,8 +31,10 @@ const (
 	ReasonSuspended = "Suspended"
 	// ReasonScaledToZero: spec.replicas is 0.
 	ReasonScaledToZero = "ScaledToZero"
-	// ReasonInvalidSpec: the spec breaks a rule the schema cannot express, or the
-	// API server refused a child built from it; fix the spec.
+	// ReasonInvalidSpec: the spec breaks a rule the schema cannot express (the
+	// relay would refuse its settings, spec.image is not under an allowed
+	// prefix, a reserved pod label or annotation), or the API server refused a
+	// child built from it; no pods are built from it. Fix the spec.
 	ReasonInvalidSpec = "InvalidSpec"
 	// ReasonSecretNotFound: a Secret the spec references does not exist.
 	ReasonSecretNotFound = "SecretNotFound"
@@ -243,14 +245,17 @@ type OutboxRelaySpec struct {
 	// +kubebuilder:validation:XValidation:rule=`self.all(k, size(k) <= 255 && k.matches(r'^[^=,\s]([^=,]*[^=,\s])?$'))`,message="spec.topics: event types must be 1 to 255 characters without '=' or ',' and without surrounding whitespace"
 	Topics map[string]TopicName `json:"topics"`
 
-	// DeadLetterTopic receives rows that cannot be published (for example, an
-	// event type without a topic). It must not be one of the mapped topics.
+	// DeadLetterTopic receives the rows Kafka refuses permanently (a record too
+	// large, an invalid topic, a policy or authorization refusal); without it
+	// such rows are held and retried. Rows of an unmapped event type are held
+	// either way. It must not be one of the mapped topics.
 	// +optional
 	DeadLetterTopic TopicName `json:"deadLetterTopic,omitempty"`
 
 	// Ordering is None (the default: replicas share rows with SKIP LOCKED, no
 	// per-key order across replicas) or PartitionKey (rows with the same
-	// partition key are published in id order).
+	// partition key are published in id order). A change rolls out with the
+	// Recreate strategy, so relays of the two modes never run side by side.
 	// +kubebuilder:default=None
 	// +optional
 	Ordering OrderingMode `json:"ordering,omitempty"`
@@ -269,6 +274,8 @@ type OutboxRelaySpec struct {
 	Suspend bool `json:"suspend,omitempty"`
 
 	// Image is the relay image. Default: the operator's configured relay image.
+	// The operator's --allowed-relay-images may restrict it to some prefixes.
+	// Whoever sets it runs that image with the Secrets this relay references.
 	// +kubebuilder:validation:MaxLength=512
 	// +optional
 	Image string `json:"image,omitempty"`

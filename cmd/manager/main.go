@@ -116,7 +116,9 @@ func managerOptions(cfg config, scheme *runtime.Scheme) ctrl.Options {
 }
 
 // run starts the manager and blocks until ctx ends or the manager fails.
-func run(ctx context.Context, cfg config, restCfg *rest.Config) error {
+// tweaks adjust the manager options (tests running two managers in one
+// process turn off controller-runtime's unique-name check).
+func run(ctx context.Context, cfg config, restCfg *rest.Config, tweaks ...func(*ctrl.Options)) error {
 	scheme := runtime.NewScheme()
 	if err := clientgoscheme.AddToScheme(scheme); err != nil {
 		return err
@@ -124,7 +126,11 @@ func run(ctx context.Context, cfg config, restCfg *rest.Config) error {
 	if err := outboxv1alpha1.AddToScheme(scheme); err != nil {
 		return err
 	}
-	mgr, err := ctrl.NewManager(restCfg, managerOptions(cfg, scheme))
+	opts := managerOptions(cfg, scheme)
+	for _, tweak := range tweaks {
+		tweak(&opts)
+	}
+	mgr, err := ctrl.NewManager(restCfg, opts)
 	if err != nil {
 		return fmt.Errorf("create manager: %w", err)
 	}

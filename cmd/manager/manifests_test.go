@@ -19,6 +19,8 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
+	"k8s.io/utils/ptr"
+	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
@@ -125,7 +127,11 @@ func TestNamespacedOverlayIsEnough(t *testing.T) {
 	require.NoError(t, err)
 	runCtx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
-	go func() { done <- run(runCtx, cfg, asSA) }()
+	go func() {
+		done <- run(runCtx, cfg, asSA, func(o *ctrl.Options) {
+			o.Controller.SkipNameValidation = ptr.To(true) // TestManagerRuns has run one in this process
+		})
+	}()
 	t.Cleanup(func() {
 		cancel()
 		select {
