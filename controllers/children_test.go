@@ -286,7 +286,7 @@ func TestImageAllowList(t *testing.T) {
 	t.Parallel()
 	img := images{fallback: "ghcr.io/outbox-relay/outbox-operator:v1", allowed: []string{"registry.example/relays/", "ghcr.io/acme/relay@"}}
 	for image, ok := range map[string]bool{
-		"":                                        true, // the operator's own image
+		"": true, // the operator's own image
 		"ghcr.io/outbox-relay/outbox-operator:v1": true, // named explicitly
 		"registry.example/relays/relay:2":         true,
 		"ghcr.io/acme/relay@sha256:0123":          true,
