@@ -22,7 +22,8 @@ import (
 // Entry is one event to publish. The relay routes it by EventType through
 // its topic map; PartitionKey becomes the Kafka record key, Payload its value.
 type Entry struct {
-	// EventID identifies the event; storing the same id twice stores it once.
+	// EventID identifies the event. Storing the same entry twice stores it
+	// once; storing another entry under an existing id is ErrEventIDConflict.
 	// Use NewEventID (UUIDv7: time-ordered, index-friendly).
 	EventID       string
 	AggregateType string
@@ -40,9 +41,14 @@ func NewEventID() string {
 	return uuid.Must(uuid.NewV7()).String()
 }
 
+// ErrEventIDConflict: an event with the entry's EventID is stored already,
+// with other content. A retried handler that stores the same entry again
+// does not get it; two different events under one id do.
+var ErrEventIDConflict = errors.New("outbox: event id already stored with different content")
+
 // Writer stores entries into one outbox table.
 type Writer struct {
-	insertSQL string
+	insertSQL, sameSQL string
 }
 
 // NewWriter returns a Writer for table ("outbox" or "schema.outbox"); the
@@ -52,10 +58,15 @@ func NewWriter(table string) (*Writer, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Writer{insertSQL: `INSERT INTO ` + t.Quoted() + `
+	return &Writer{
+		insertSQL: `INSERT INTO ` + t.Quoted() + `
     (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 VALUES ($1, $2, $3, $4, $5, $6)
-ON CONFLICT (event_id) DO NOTHING`}, nil
+ON CONFLICT (event_id) DO NOTHING`,
+		sameSQL: `SELECT EXISTS (SELECT 1 FROM ` + t.Quoted() + `
+    WHERE event_id = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND event_type = $4
+      AND payload = $5 AND partition_key = $6)`,
+	}, nil
 }
 
 var defaultWriter = must(NewWriter(DefaultTable))
@@ -72,18 +83,31 @@ func Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 	return defaultWriter.Store(ctx, tx, e)
 }
 
-// Store inserts e within tx. A repeated EventID is ignored (ON CONFLICT DO
-// NOTHING), so a retried handler does not store its event twice.
+// Store inserts e within tx. Storing an entry whose EventID is stored
+// already is a no-op when the content is the same (a retried handler does
+// not store its event twice) and ErrEventIDConflict when it is not.
 func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 	if err := e.validate(); err != nil {
 		return err
 	}
-	if _, err := tx.Exec(ctx, w.insertSQL, e.EventID, e.AggregateType, e.AggregateID, e.EventType, e.Payload, e.PartitionKey); err != nil {
+	args := []any{e.EventID, e.AggregateType, e.AggregateID, e.EventType, e.Payload, e.PartitionKey}
+	tag, err := tx.Exec(ctx, w.insertSQL, args...)
+	if err != nil {
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == "22P02" {
 			return fmt.Errorf("outbox store %s: event id or payload malformed: %w", e.EventID, err)
 		}
 		return fmt.Errorf("outbox store %s: %w", e.EventID, err)
+	}
+	if tag.RowsAffected() == 1 {
+		return nil
+	}
+	var same bool
+	if err := tx.QueryRow(ctx, w.sameSQL, args...).Scan(&same); err != nil {
+		return fmt.Errorf("outbox store %s: compare with the stored event: %w", e.EventID, err)
+	}
+	if !same {
+		return fmt.Errorf("outbox store %s: %w", e.EventID, ErrEventIDConflict)
 	}
 	return nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"os/exec"
 	"testing"
 	"time"
 
@@ -36,7 +37,10 @@ func TestStoreCommitsWithTheTransaction(t *testing.T) {
 	require.NoError(t, err)
 	e := entry()
 	require.NoError(t, outbox.Store(ctx, tx, e))
-	require.NoError(t, outbox.Store(ctx, tx, e), "the same event id again is ignored")
+	require.NoError(t, outbox.Store(ctx, tx, e), "the same entry again is ignored")
+	other := e
+	other.Payload = []byte(`{"a":2}`)
+	require.ErrorIs(t, outbox.Store(ctx, tx, other), outbox.ErrEventIDConflict, "another event under the same id is an error")
 	require.NoError(t, tx.Commit(ctx))
 	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1`, e.EventID))
 
@@ -122,4 +126,15 @@ func mustWriter(t *testing.T) *outbox.Writer {
 	w, err := outbox.NewWriter("outbox")
 	require.NoError(t, err)
 	return w
+}
+
+// The writer library is a leaf: a service that writes events compiles no
+// Kafka client, no Prometheus client and no relay.
+func TestWriterIsALeaf(t *testing.T) {
+	t.Parallel()
+	out, err := exec.Command("go", "list", "-deps", "github.com/outbox-relay/outbox-operator/outbox").CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	for _, heavy := range []string{"github.com/segmentio/kafka-go", "github.com/prometheus/", "github.com/outbox-relay/outbox-operator/relay"} {
+		require.NotContains(t, string(out), heavy)
+	}
 }

@@ -182,6 +182,7 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 // anything, so one unknown or forbidden topic fails them all), each topic
 // is sent on its own, so the others still go out.
 func (r *Relay) send(ctx context.Context, b *batch, msgs []kafka.Message, idx []int) {
+	defer r.recheckUnknown(ctx, b, idx)
 	var whole error
 	r.write(ctx, msgs, func(j int, o outcome, err error) {
 		b.out[idx[j]], b.errs[idx[j]] = o, err
@@ -209,6 +210,29 @@ func (r *Relay) send(ctx context.Context, b *batch, msgs []kafka.Message, idx []
 			if b.out[i] != acked {
 				r.mode.stop(b.rows[i], i, time.Time{})
 			}
+		}
+	}
+}
+
+// recheckUnknown asks the broker about each topic a write called unknown:
+// the writer's cached metadata can lag behind a topic that was just
+// created, and such a topic is only slow, not unavailable (a transient
+// failure, retried at once).
+func (r *Relay) recheckUnknown(ctx context.Context, b *batch, idx []int) {
+	exists := map[string]bool{}
+	for _, i := range idx {
+		if b.out[i] != topicDown || !errors.Is(b.errs[i], kafka.UnknownTopicOrPartition) {
+			continue
+		}
+		topic := r.cfg.Topics[b.rows[i].eventType]
+		known, checked := exists[topic]
+		if !checked {
+			md, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: []string{topic}})
+			known = err == nil && len(md.Topics) == 1 && md.Topics[0].Error == nil && len(md.Topics[0].Partitions) > 0
+			exists[topic] = known
+		}
+		if known {
+			b.out[i] = transient
 		}
 	}
 }

@@ -264,17 +264,17 @@ func (r *Relay) setKafkaErr(err error) { r.kafkaErr.Store(&err) }
 // never holds the connection errors themselves (they may name the
 // database's host, user and database; the logs have them).
 func (r *Relay) Ready() error {
-	if err := *r.dbErr.Load(); err != nil {
-		return errors.New("postgres: unreachable")
-	}
-	if err := *r.kafkaErr.Load(); err != nil {
-		return errors.New("kafka: unreachable")
-	}
 	stalls := r.health.stalls(time.Now())
 	for _, reason := range stallReasons {
 		if msg, ok := stalls[reason]; ok {
 			return fmt.Errorf("stalled (%s): %s", reason, msg)
 		}
+	}
+	if err := *r.dbErr.Load(); err != nil {
+		return errors.New("postgres: unreachable")
+	}
+	if err := *r.kafkaErr.Load(); err != nil {
+		return errors.New("kafka: unreachable")
 	}
 	return nil
 }

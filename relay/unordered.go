@@ -33,5 +33,5 @@ func (u *unordered) backOff(failed, _ int) bool { return failed > 0 }
 func (u *unordered) left()                      {}
 
 func (u *unordered) waiting(now time.Time) ([]string, []string) {
-	return u.r.availableTypes(now), nil
+	return u.r.availableTypes(now), []string{} // not nil: a NULL array matches no row
 }

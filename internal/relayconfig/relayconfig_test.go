@@ -1,0 +1,129 @@
+package relayconfig_test
+
+import (
+	"bytes"
+	"errors"
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
+)
+
+func env(m map[string]string) func(string) (string, bool) {
+	return func(k string) (string, bool) { v, ok := m[k]; return v, ok }
+}
+
+func valid() relayconfig.Settings {
+	s := relayconfig.Defaults()
+	s.DSN = "postgres://x"
+	s.Brokers = []string{"k1:9092", "[::1]:9093"}
+	s.Topics = map[string]string{"OrderConfirmed": "orders.confirmed", "Order Shipped": "orders_shipped"}
+	return s
+}
+
+// Args and Parse are inverses for valid settings.
+func TestArgsRoundTrip(t *testing.T) {
+	t.Parallel()
+	cases := map[string]func(s *relayconfig.Settings){
+		"defaults": func(*relayconfig.Settings) {},
+		"everything": func(s *relayconfig.Settings) {
+			s.Table = "app.outbox_2"
+			s.DeadLetterTopic = "dlt"
+			s.BatchSize = relayconfig.MaxBatchSize
+			s.MaxBatchBytes = relayconfig.MinMaxBatchBytes
+			s.PollInterval = relayconfig.MinPollInterval
+			s.PublishTimeout = relayconfig.MaxPublishTimeout
+			s.StallTimeout = 90 * time.Second
+			s.Ordering = relayconfig.OrderingPartitionKey
+			s.LogFormat = "text"
+			s.KafkaTLS = true
+			s.KafkaTLSCAFile, s.KafkaTLSCertFile, s.KafkaTLSKeyFile = "/tls/ca.crt", "/tls/tls.crt", "/tls/tls.key"
+			s.KafkaSASLMechanism = relayconfig.SASLPlain
+			s.KafkaSASLUsername, s.KafkaSASLPassword = "u", "s3cret"
+		},
+	}
+	for name, mutate := range cases {
+		s := valid()
+		mutate(&s)
+		require.NoError(t, s.Validate(), name)
+		got, err := relayconfig.Parse(s.Args(), env(map[string]string{
+			relayconfig.EnvDSN: s.DSN, relayconfig.EnvSASLUsername: s.KafkaSASLUsername, relayconfig.EnvSASLPassword: s.KafkaSASLPassword,
+		}), nil)
+		require.NoError(t, err, name)
+		require.Equal(t, s, got, name)
+		for _, a := range s.Args() {
+			require.NotContains(t, a, "postgres://", "the DSN is never an argument")
+			require.NotContains(t, a, "s3cret", "nor a password")
+		}
+	}
+}
+
+// FuzzArgsRoundTrip: any settings that validate survive Args then Parse.
+func FuzzArgsRoundTrip(f *testing.F) {
+	f.Add("outbox", "E", "t", 50, int64(200*time.Millisecond), "none", false)
+	f.Add("app.x_1", "Order Shipped", "a.b-c_d", 10000, int64(time.Hour), "partition-key", true)
+	f.Fuzz(func(t *testing.T, table, eventType, topic string, batch int, poll int64, ordering string, tls bool) {
+		s := relayconfig.Defaults()
+		s.DSN = "postgres://x"
+		s.Table, s.Brokers, s.Topics = table, []string{"k:9092"}, map[string]string{eventType: topic}
+		s.BatchSize, s.PollInterval, s.Ordering, s.KafkaTLS = batch, time.Duration(poll), relayconfig.Ordering(ordering), tls
+		if s.Validate() != nil {
+			return
+		}
+		got, err := relayconfig.Parse(s.Args(), env(map[string]string{relayconfig.EnvDSN: s.DSN}), nil)
+		require.NoError(t, err)
+		require.Equal(t, s, got)
+	})
+}
+
+// Every error names the flag and the value.
+func TestParseNamesFlagAndValue(t *testing.T) {
+	t.Parallel()
+	good := []string{"--brokers=k:9092", "--topic=E=t"}
+	dsn := env(map[string]string{relayconfig.EnvDSN: "postgres://x"})
+	cases := map[string][]string{
+		`--max-batch-bytes: 1024 is outside 65536..268435456`: {"--max-batch-bytes=1024"},
+		`--stall-timeout: 1s is outside 5s..24h0m0s`:          {"--stall-timeout=1s"},
+		`--publish-timeout: 0s is outside 1s..5m0s`:           {"--publish-timeout=0s"},
+		`--kafka-sasl-mechanism: PLAIN sends the password in clear text; it needs --kafka-tls`: {"--kafka-sasl-mechanism=PLAIN"},
+		`--topic: event type " E" must be`:                                                    {"--topic= E=t2"},
+		`--brokers: "k:0" has an invalid port`:                                                {"--brokers=k:0"},
+	}
+	for want, extra := range cases {
+		_, err := relayconfig.Parse(append(good, extra...), dsn, nil)
+		require.ErrorContains(t, err, want)
+	}
+	_, err := relayconfig.Parse([]string{"-h"}, dsn, &bytes.Buffer{})
+	require.True(t, errors.Is(err, relayconfig.ErrHelp))
+}
+
+// docs/relay.md's flag table lists every flag, with the defaults the relay has.
+func TestDocsFlagTableMatches(t *testing.T) {
+	t.Parallel()
+	doc, err := os.ReadFile("../../docs/relay.md")
+	require.NoError(t, err)
+	var usage bytes.Buffer
+	_, err = relayconfig.Parse([]string{"-h"}, env(nil), &usage)
+	require.ErrorIs(t, err, relayconfig.ErrHelp)
+	for _, m := range regexp.MustCompile(`(?m)^  -([a-z-]+)`).FindAllStringSubmatch(usage.String(), -1) {
+		require.Contains(t, string(doc), "`--"+m[1], "docs/relay.md lists --%s", m[1])
+	}
+	rows := regexp.MustCompile("(?m)^\\| `--([a-z-]+)` \\| `([^`]*)` \\|").FindAllStringSubmatch(string(doc), -1)
+	require.NotEmpty(t, rows)
+	defaults := map[string]string{}
+	for _, a := range relayconfig.Defaults().Args() {
+		name, value, _ := strings.Cut(strings.TrimPrefix(a, "--"), "=")
+		defaults[name] = value
+	}
+	defaults[relayconfig.FlagKafkaTLS] = "false"
+	for _, r := range rows {
+		want, ok := defaults[r[1]]
+		require.True(t, ok, "docs/relay.md gives a default for --%s, which has none", r[1])
+		require.Equal(t, want, r[2], "default of --%s", r[1])
+	}
+}

@@ -1,0 +1,322 @@
+package relay_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/segmentio/kafka-go"
+	"github.com/stretchr/testify/require"
+
+	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
+	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/relay"
+)
+
+var modes = []relay.Ordering{relay.OrderingNone, relay.OrderingPartitionKey}
+
+// run starts a relay with an optional injected writer until the test ends.
+func run(t *testing.T, cfg relay.Config, w relay.MessageWriter) *outboxtest.Running {
+	t.Helper()
+	x, err := outboxtest.RunRelay(cfg, w)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = x.Close() })
+	return x
+}
+
+// readyFailsWith waits until Ready names reason, and checks the stall gauge
+// says so too once the stats loop has run.
+func readyFailsWith(t *testing.T, x *outboxtest.Running, reason string, within time.Duration) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		err := x.R.Ready()
+		return err != nil && strings.Contains(err.Error(), "("+reason+")")
+	}, within, 50*time.Millisecond, "Ready must fail with %s; it says %v", reason, x.R.Ready())
+	require.Eventually(t, func() bool {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_stalled", "reason", reason) == 1
+	}, 10*time.Second, 100*time.Millisecond)
+}
+
+// A table whose read columns allow NULL is refused at start-up, naming the
+// column and the statement that fixes it.
+func TestStartupRefusesNullableColumns(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	f.Exec(`ALTER TABLE outbox ALTER COLUMN payload DROP NOT NULL, ALTER COLUMN partition_key DROP NOT NULL`)
+	r, err := relay.New(f.Config())
+	require.NoError(t, err)
+	defer r.Close()
+	err = r.Check(context.Background())
+	require.ErrorContains(t, err, `column payload allows NULL; fix it with: ALTER TABLE "outbox" ALTER COLUMN "payload" SET NOT NULL`)
+	require.ErrorContains(t, err, `ALTER TABLE "outbox" ALTER COLUMN "partition_key" SET NOT NULL`)
+}
+
+// A NULL that appears after start-up (a column altered later) holds its
+// row alone (invalid_row): never a tombstone, never a failed claim for
+// everyone; rows of other keys flow, in both ordering modes.
+func TestNullsAfterStartupAreHeldAlone(t *testing.T) {
+	t.Parallel()
+	for _, mode := range modes {
+		t.Run(string(mode), func(t *testing.T) {
+			t.Parallel()
+			f := outboxtest.NewFixture(t, 2, "E")
+			cfg := f.Config()
+			cfg.Ordering = mode
+			x := run(t, cfg, nil) // checked while every column was NOT NULL
+			f.Exec(`ALTER TABLE outbox ALTER COLUMN payload DROP NOT NULL, ALTER COLUMN partition_key DROP NOT NULL,
+				ALTER COLUMN created_at DROP NOT NULL, ALTER COLUMN event_type DROP NOT NULL`)
+			f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at) VALUES
+				(gen_random_uuid(), 'Order', 'a', 'E', NULL, 'bad-1', now()),
+				(gen_random_uuid(), 'Order', 'b', 'E', '{}', NULL, now()),
+				(gen_random_uuid(), 'Order', 'c', 'E', '{}', 'bad-3', NULL),
+				(gen_random_uuid(), 'Order', 'd', NULL, '{}', 'bad-4', now())`)
+			f.Insert(300, 10, "E")
+			f.WaitDrained(4, 30*time.Second)
+			// Without ordering a NULL type is never claimed (no mapping can
+			// match it); with partition-key ordering every row of the
+			// replica's buckets is claimed, so it is held too.
+			want := 3.0
+			if mode == relay.OrderingPartitionKey {
+				want = 4
+			}
+			require.Eventually(t, func() bool {
+				return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldInvalidRow) == want
+			}, 10*time.Second, 50*time.Millisecond)
+			require.Equal(t, 4, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND aggregate_id IN ('a','b','c','d')`))
+			_, msgs := outboxtest.Deliveries(t, 300, f.Topics["E"])
+			for _, m := range msgs {
+				require.NotNil(t, m.Value, "no tombstone")
+			}
+			require.NoError(t, x.R.Ready(), "held rows are not a stall")
+		})
+	}
+}
+
+// A row larger than the batch's byte budget is claimed and sent alone; no
+// claim commits an empty batch.
+func TestRowLargerThanByteBudgetIsSentAlone(t *testing.T) {
+	t.Parallel()
+	for _, mode := range modes {
+		t.Run(string(mode), func(t *testing.T) {
+			t.Parallel()
+			f := outboxtest.NewFixture(t, 1, "E")
+			f.Insert(20, 3, "E")
+			f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+				SELECT gen_random_uuid(), 'Order', 'big', 'E', jsonb_build_object('pad', repeat('y', 200000)), 'order-1'
+				FROM generate_series(1, 3)`)
+			f.Insert(20, 3, "E")
+			cfg := f.Config()
+			cfg.Ordering = mode
+			cfg.MaxBatchBytes = 64 << 10
+			x := run(t, cfg, nil)
+			f.WaitDrained(0, 30*time.Second)
+			_, msgs := outboxtest.Deliveries(t, 43, f.Topics["E"])
+			big := 0
+			for _, m := range msgs {
+				if len(m.Value) > 200000 {
+					big++
+				}
+			}
+			require.Equal(t, 3, big)
+			require.NoError(t, x.R.Ready())
+		})
+	}
+}
+
+// A mapped topic deleted mid-drain holds only its rows (topic_unavailable);
+// the other topic drains completely; recreated, its rows follow.
+func TestDeletedTopicHoldsOnlyItsRows(t *testing.T) {
+	t.Parallel()
+	for _, mode := range modes {
+		t.Run(string(mode), func(t *testing.T) {
+			t.Parallel()
+			f := outboxtest.NewFixture(t, 2, "A", "B")
+			const n = 6000
+			f.Insert(n, 100, "A", "B") // every key has one type
+			cfg := f.Config()
+			cfg.Ordering = mode
+			cfg.BatchSize = 100
+			cfg.HeldRetryInterval = 2 * time.Second
+			x := run(t, cfg, nil)
+			require.Eventually(t, func() bool { return f.Unpublished() < n-500 }, 30*time.Second, 5*time.Millisecond)
+			client := &kafka.Client{Addr: kafka.TCP(testenv.Broker().Addr()), Timeout: 10 * time.Second}
+			resp, err := client.DeleteTopics(context.Background(), &kafka.DeleteTopicsRequest{Topics: []string{f.Topics["B"]}})
+			require.NoError(t, err)
+			require.NoError(t, resp.Errors[f.Topics["B"]])
+
+			require.Eventually(t, func() bool {
+				return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND event_type = 'A'`) == 0
+			}, 60*time.Second, 50*time.Millisecond, "the other topic drains")
+			require.Positive(t, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND event_type = 'B'`))
+			require.Eventually(t, func() bool {
+				return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTopicUnavailable) > 0
+			}, 15*time.Second, 100*time.Millisecond)
+
+			require.Eventually(t, func() bool {
+				return testenv.Broker().CreateTopicErr(f.Topics["B"], 2) == nil
+			}, 30*time.Second, 500*time.Millisecond)
+			f.WaitDrained(0, 90*time.Second)
+			counts, _ := outboxtest.Deliveries(t, n/2, f.Topics["A"])
+			require.Len(t, counts, n/2, "every A row reached its topic")
+		})
+	}
+}
+
+// A record larger than its topic takes that does not fit the dead-letter
+// topic either is held (too_large), not sent without its payload.
+func TestTooLargeForDeadLetterTopicIsHeld(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	f.Topics["E"] = f.NewTopic("small", 1, "max.message.bytes", "2000")
+	dlt := f.NewTopic("dlt", 1, "max.message.bytes", "3000")
+	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', 'big', 'E', jsonb_build_object('pad', repeat('y', 5000)), 'big')`)
+	f.Insert(50, 5, "E")
+	cfg := f.Config()
+	cfg.DeadLetterTopic = dlt
+	x := run(t, cfg, nil)
+	f.WaitDrained(1, 30*time.Second)
+	require.Eventually(t, func() bool {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTooLarge) == 1
+	}, 10*time.Second, 50*time.Millisecond)
+	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND aggregate_id = 'big'`))
+}
+
+// An authorization error is not permanent: the topic's rows are held and
+// retried, never dead-lettered, and flow once the ACL is fixed.
+func TestAuthorizationErrorIsHeldNotDeadLettered(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 2, "A", "B")
+	dlt := f.NewTopic("dlt", 1)
+	f.Insert(400, 10, "A", "B")
+	var denied atomic.Bool
+	denied.Store(true)
+	w := &faultyWriter{MessageWriter: newKafkaWriter(t), fail: func(_ int, m kafka.Message) error {
+		if denied.Load() && m.Topic == f.Topics["B"] {
+			return kafka.TopicAuthorizationFailed
+		}
+		return nil
+	}}
+	cfg := f.Config()
+	cfg.DeadLetterTopic = dlt
+	cfg.HeldRetryInterval = 2 * time.Second
+	x := run(t, cfg, w)
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND event_type = 'A'`) == 0
+	}, 30*time.Second, 20*time.Millisecond)
+	require.Eventually(t, func() bool {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTopicUnavailable) == 200
+	}, 15*time.Second, 100*time.Millisecond)
+	require.Equal(t, 200, f.Unpublished())
+	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
+	denied.Store(false) // the ACL is fixed
+	f.WaitDrained(0, 30*time.Second)
+	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
+}
+
+// Each stall fails Ready within the stall timeout, with the gauge set.
+func TestStallsFailReadiness(t *testing.T) {
+	t.Parallel()
+	const stall = 5 * time.Second
+	within := stall + 5*time.Second
+
+	t.Run("batch_failing", func(t *testing.T) {
+		t.Parallel()
+		f := outboxtest.NewFixture(t, 1, "E")
+		f.Insert(100, 5, "E")
+		cfg := f.Config()
+		cfg.StallTimeout = stall
+		x := run(t, cfg, writerFunc(func(context.Context, ...kafka.Message) error { return errors.New("broker on fire") }))
+		readyFailsWith(t, x, relay.StallBatchFailing, within)
+		require.Equal(t, 100, f.Unpublished())
+	})
+	t.Run("batch_failing_database", func(t *testing.T) {
+		t.Parallel()
+		f := outboxtest.NewFixture(t, 1, "E")
+		cfg := f.Config()
+		cfg.StallTimeout = stall
+		x := run(t, cfg, nil)
+		f.Exec(`ALTER TABLE outbox RENAME TO outbox_gone`) // every claim fails now
+		readyFailsWith(t, x, relay.StallBatchFailing, within)
+	})
+	t.Run("no_progress", func(t *testing.T) {
+		t.Parallel()
+		// Holding disabled (rows released at once): claims keep returning a
+		// row that never goes out.
+		f := outboxtest.NewFixture(t, 1)
+		f.Topics["E"] = f.NewTopic("small", 1, "max.message.bytes", "2000")
+		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+			VALUES (gen_random_uuid(), 'Order', 'big', 'E', jsonb_build_object('pad', repeat('y', 5000)), 'big')`)
+		cfg := f.Config()
+		cfg.StallTimeout = stall
+		cfg.HeldRetryInterval = time.Millisecond
+		x := run(t, cfg, nil)
+		readyFailsWith(t, x, relay.StallNoProgress, within)
+	})
+	t.Run("rows_waiting", func(t *testing.T) {
+		t.Parallel()
+		// Rows locked by another transaction: every claim comes back empty.
+		f := outboxtest.NewFixture(t, 1, "E")
+		f.Insert(20, 5, "E")
+		tx, err := f.Pool.Begin(context.Background())
+		require.NoError(t, err)
+		defer tx.Rollback(context.Background()) //nolint:errcheck
+		_, err = tx.Exec(context.Background(), `SELECT id FROM outbox FOR UPDATE`)
+		require.NoError(t, err)
+		cfg := f.Config()
+		cfg.StallTimeout = stall
+		x := run(t, cfg, nil)
+		readyFailsWith(t, x, relay.StallRowsWaiting, within+stall)
+		require.NoError(t, tx.Rollback(context.Background()))
+		f.WaitDrained(0, 30*time.Second)
+		require.Eventually(t, func() bool { return x.R.Ready() == nil }, 15*time.Second, 100*time.Millisecond)
+	})
+	t.Run("loop_wedged", func(t *testing.T) {
+		t.Parallel()
+		f := outboxtest.NewFixture(t, 1, "E")
+		f.Insert(10, 5, "E")
+		cfg := f.Config()
+		cfg.StallTimeout = stall
+		cfg.PublishTimeout = time.Second
+		release := make(chan struct{})
+		x := run(t, cfg, writerFunc(func(context.Context, ...kafka.Message) error { <-release; return nil }))
+		t.Cleanup(func() { close(release) }) // runs before the relay's Close
+		// A batch may take PublishTimeout+15s; wedged is that plus the stall timeout.
+		require.Eventually(t, func() bool { return x.R.Live() != nil }, 35*time.Second, 100*time.Millisecond)
+		require.ErrorContains(t, x.R.Live(), relay.StallLoopWedged)
+	})
+}
+
+// Replicas of the two ordering modes never claim from one table at once: a
+// mode switch mid-drain stops the newcomer (mode_conflict) until the old
+// replica is gone, and every key stays in order.
+func TestModeSwitchMidDrainKeepsKeyOrder(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 4, "E")
+	const n = 20000
+	f.Insert(n, 50, "E")
+	cfg := f.Config()
+	cfg.BatchSize = 100
+	old := run(t, cfg, nil)
+	require.Eventually(t, func() bool { return f.Unpublished() < n-2000 }, 30*time.Second, 5*time.Millisecond)
+
+	cfg.Ordering = relay.OrderingPartitionKey
+	next := run(t, cfg, nil)
+	readyFailsWith(t, next, relay.StallModeConflict, 10*time.Second)
+	readyFailsWith(t, old, relay.StallModeConflict, 10*time.Second)
+	left := f.Unpublished()
+	time.Sleep(2 * time.Second)
+	require.Equal(t, left, f.Unpublished(), "neither mode claims while both are live")
+	require.NoError(t, old.Close())
+
+	f.WaitDrained(0, 60*time.Second)
+	require.Eventually(t, func() bool { return next.R.Ready() == nil }, 10*time.Second, 100*time.Millisecond)
+	_, msgs := outboxtest.Deliveries(t, n, f.Topics["E"])
+	violations, keys := orderViolations(t, msgs, idsByEvent(t, f))
+	require.Equal(t, 50, keys)
+	require.Zero(t, violations)
+}
