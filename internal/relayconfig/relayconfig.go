@@ -370,7 +370,9 @@ func checkDuration(d, lo, hi time.Duration) error {
 }
 
 // CheckPollInterval applies --poll-interval's range.
-func CheckPollInterval(d time.Duration) error { return checkDuration(d, MinPollInterval, MaxPollInterval) }
+func CheckPollInterval(d time.Duration) error {
+	return checkDuration(d, MinPollInterval, MaxPollInterval)
+}
 
 // CheckPublishTimeout applies --publish-timeout's range.
 func CheckPublishTimeout(d time.Duration) error {
@@ -378,7 +380,9 @@ func CheckPublishTimeout(d time.Duration) error {
 }
 
 // CheckStallTimeout applies --stall-timeout's range.
-func CheckStallTimeout(d time.Duration) error { return checkDuration(d, MinStallTimeout, MaxStallTimeout) }
+func CheckStallTimeout(d time.Duration) error {
+	return checkDuration(d, MinStallTimeout, MaxStallTimeout)
+}
 
 // CheckOrdering accepts the Orderings.
 func CheckOrdering(o Ordering) error {
