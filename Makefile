@@ -80,7 +80,7 @@ BENCH_FLAGS ?=
 BENCH_QUICK_FLAGS ?=
 
 .PHONY: bench
-bench: deps-postgres deps-kafka deps-kube ## Measure ceiling, relay drain, seeds' shape, scaling, latency and footprint (~15 min); writes docs/benchmarks.md and bench/results.json.
+bench: deps-postgres deps-kafka deps-kube ## Measure ceiling, relay drain, the naive claim shape, scaling, latency and footprint (~15 min); writes docs/benchmarks.md and bench/results.json.
 	go run ./cmd/outbox-bench $(BENCH_FLAGS)
 
 .PHONY: bench-quick
@@ -88,7 +88,7 @@ bench-quick: deps-postgres deps-kafka ## A ~2-minute subset of `make bench` (wri
 	go run ./cmd/outbox-bench -quick $(BENCH_QUICK_FLAGS)
 
 .PHONY: bench-relay
-bench-relay: deps-postgres deps-kafka ## Issue 3's relay benchmark: ceiling, drain at batch 50 and 500, the seeds' shape (writes bench/relay.md and bench/relay-results.json).
+bench-relay: deps-postgres deps-kafka ## The relay alone: ceiling, drain at batch 50 and 500, the naive claim shape (writes bench/relay.md and bench/relay-results.json).
 	go run ./cmd/outbox-bench -scenarios ceiling,drain,seeds -orderings none -out-md bench/relay.md -out-json bench/relay-results.json $(BENCH_FLAGS)
 
 ##@ Dependencies

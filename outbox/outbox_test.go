@@ -94,7 +94,7 @@ func TestNewEventIDIsUUIDv7InTimeOrder(t *testing.T) {
 	require.Less(t, a, b)
 }
 
-// The seeds' ConfirmOrder handler: the order change and its event commit
+// A ConfirmOrder handler: the order change and its event commit
 // together, and the relay publishes the event with the order id as key.
 func TestConfirmOrderEndToEnd(t *testing.T) {
 	t.Parallel()

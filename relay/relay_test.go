@@ -424,7 +424,8 @@ func TestStartupChecks(t *testing.T) {
 }
 
 // The claim query uses the partial index even after a large drain leaves the
-// table churned (PITFALLS 10, 11b).
+// table churned: planner statistics ignore dead rows, and a generic plan made
+// while the table was small could stay a sequential scan.
 func TestClaimPlanUsesPartialIndexAfterDrain(t *testing.T) {
 	t.Parallel()
 	f := outboxtest.NewFixture(t, 4, "E")
