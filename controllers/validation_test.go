@@ -75,7 +75,7 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		{"table starting with a digit", func(s map[string]any) { s["table"] = "1outbox" }, []string{"spec.table"}},
 		{"table in upper case", func(s map[string]any) { s["table"] = "events.Outbox_2" }, []string{"spec.table"}},
 		{"maxBatchBytes below 64 KiB", func(s map[string]any) { s["maxBatchBytes"] = int64(65535) }, []string{"spec.maxBatchBytes"}},
-		{"maxBatchBytes above 256 MiB", func(s map[string]any) { s["maxBatchBytes"] = int64(268435457) }, []string{"spec.maxBatchBytes"}},
+		{"maxBatchBytes above 64 MiB", func(s map[string]any) { s["maxBatchBytes"] = int64(67108865) }, []string{"spec.maxBatchBytes"}},
 		{"event type with a leading space", func(s map[string]any) { s["topics"] = map[string]any{" OrderConfirmed": "orders"} }, []string{"spec.topics"}},
 		{"SASL PLAIN without TLS", func(s map[string]any) {
 			kafka(s)["sasl"] = map[string]any{"mechanism": "PLAIN", "credentialsSecretRef": map[string]any{"name": "kafka-user"}}

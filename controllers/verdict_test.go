@@ -122,8 +122,8 @@ func TestAPIServerAndRelayAgree(t *testing.T) {
 		{"maxBatchBytes 0", set("maxBatchBytes", int64(0)), false},
 		{"maxBatchBytes below 64 KiB", set("maxBatchBytes", int64(relayconfig.MinMaxBatchBytes-1)), false},
 		{"maxBatchBytes 64 KiB", set("maxBatchBytes", int64(relayconfig.MinMaxBatchBytes)), true},
-		{"maxBatchBytes 256 MiB", set("maxBatchBytes", int64(relayconfig.MaxMaxBatchBytes)), true},
-		{"maxBatchBytes above 256 MiB", set("maxBatchBytes", int64(relayconfig.MaxMaxBatchBytes+1)), false},
+		{"maxBatchBytes 64 MiB", set("maxBatchBytes", int64(relayconfig.MaxMaxBatchBytes)), true},
+		{"maxBatchBytes above 64 MiB", set("maxBatchBytes", int64(relayconfig.MaxMaxBatchBytes+1)), false},
 
 		{"broker k:0", brokers("k:0"), false},
 		{"broker k:1", brokers("k:1"), true},

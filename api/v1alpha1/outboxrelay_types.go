@@ -221,10 +221,10 @@ type OutboxRelaySpec struct {
 	BatchSize *int32 `json:"batchSize,omitempty"`
 
 	// MaxBatchBytes is the most payload bytes one claim takes, 65536 (64 KiB)
-	// to 268435456 (256 MiB); a larger row is claimed alone. Default: 4194304 (4 MiB).
+	// to 67108864 (64 MiB); a larger row is claimed alone. Default: 4194304 (4 MiB).
 	// +kubebuilder:default=4194304
 	// +kubebuilder:validation:Minimum=65536
-	// +kubebuilder:validation:Maximum=268435456
+	// +kubebuilder:validation:Maximum=67108864
 	// +optional
 	MaxBatchBytes *int32 `json:"maxBatchBytes,omitempty"`
 

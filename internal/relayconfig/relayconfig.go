@@ -103,7 +103,7 @@ const (
 	MaxBatchSize          = 10000
 	DefaultMaxBatchBytes  = 4 << 20
 	MinMaxBatchBytes      = 64 << 10
-	MaxMaxBatchBytes      = 256 << 20
+	MaxMaxBatchBytes      = 64 << 20 // one produce request: brokers refuse one above socket.request.max.bytes (100 MiB by default)
 	DefaultPollInterval   = 200 * time.Millisecond
 	MinPollInterval       = 10 * time.Millisecond
 	MaxPollInterval       = time.Hour

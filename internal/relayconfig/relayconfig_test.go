@@ -87,7 +87,7 @@ func TestParseNamesFlagAndValue(t *testing.T) {
 	good := []string{"--brokers=k:9092", "--topic=E=t"}
 	dsn := env(map[string]string{relayconfig.EnvDSN: "postgres://x"})
 	cases := map[string][]string{
-		`--max-batch-bytes: 1024 is outside 65536..268435456`:                                  {"--max-batch-bytes=1024"},
+		`--max-batch-bytes: 1024 is outside 65536..67108864`:                                   {"--max-batch-bytes=1024"},
 		`--stall-timeout: 1s is outside 5s..24h0m0s`:                                           {"--stall-timeout=1s"},
 		`--publish-timeout: 0s is outside 1s..5m0s`:                                            {"--publish-timeout=0s"},
 		`--kafka-sasl-mechanism: PLAIN sends the password in clear text; it needs --kafka-tls`: {"--kafka-sasl-mechanism=PLAIN"},
