@@ -12,6 +12,8 @@ KUBE_VERSION ?= 1.37.2
 ETCD_VERSION ?= 3.6.6
 KAFKA_VERSION ?= 4.1.1
 CONTROLLER_TOOLS_VERSION ?= v0.23.0
+# promtool (github.com/prometheus/prometheus) runs the alert rules' unit tests.
+PROMETHEUS_VERSION ?= v0.316.0
 
 LOCALBIN := $(CURDIR)/bin
 KUBE_ASSETS := $(LOCALBIN)/k8s/$(KUBE_VERSION)-etcd$(ETCD_VERSION)
@@ -19,12 +21,18 @@ KAFKA_LIBS := $(LOCALBIN)/kafka/$(KAFKA_VERSION)/libs
 PG_LINK := $(LOCALBIN)/postgresql/current
 CONTROLLER_GEN := $(LOCALBIN)/tools/controller-gen-$(CONTROLLER_TOOLS_VERSION)/controller-gen
 KUBECTL := $(KUBE_ASSETS)/kubectl
+PROMTOOL := $(LOCALBIN)/tools/promtool-$(PROMETHEUS_VERSION)/promtool
+CHART := charts/outbox-operator
+# The image dist/install.yaml pins (make installer IMG=...).
+IMG ?= ghcr.io/outbox-relay/outbox-operator:v0.1.0
+DIST ?= $(CURDIR)/dist
 
 # What tests and tools find the dependencies through (internal/testenv).
 export KUBEBUILDER_ASSETS := $(KUBE_ASSETS)
 export OUTBOX_KAFKA_LIBS := $(KAFKA_LIBS)
 export OUTBOX_PG_BIN := $(PG_LINK)
 export CONTROLLER_GEN
+export PROMTOOL
 
 GO_TEST_FLAGS ?= -count=1 -timeout 25m
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -58,10 +66,15 @@ generate: $(CONTROLLER_GEN) ## Generate DeepCopy methods for the API types.
 manifests: $(CONTROLLER_GEN) ## Generate the CRD and RBAC manifests under config/.
 	$(CONTROLLER_GEN) rbac:roleName=manager-role crd paths="./api/..." paths="./controllers/..." \
 		output:crd:artifacts:config=config/crd/bases output:rbac:artifacts:config=config/rbac
+	@$(MAKE) --no-print-directory chart-sync
 
 .PHONY: test
 test: deps vet ## Run every test against real PostgreSQL, Kafka and kube-apiserver (provisions them first).
 	go test $(GO_TEST_FLAGS) ./...
+
+.PHONY: test-ops
+test-ops: deps $(PROMTOOL) ## Run the Helm chart, install bundle and monitoring tests (module test/ops: Helm and Prometheus stay out of go.mod).
+	cd test/ops && go vet ./... && go test $(GO_TEST_FLAGS) ./...
 
 .PHONY: test-e2e
 test-e2e: deps build ## Run only the end-to-end test (the local stack and the real binaries).
@@ -73,6 +86,22 @@ test-e2e: deps build ## Run only the end-to-end test (the local stack and the re
 build: ## Build the manager and relay binaries into bin/.
 	CGO_ENABLED=0 go build -trimpath -o $(LOCALBIN)/manager ./cmd/manager
 	CGO_ENABLED=0 go build -trimpath -o $(LOCALBIN)/relay ./cmd/relay
+
+##@ Release
+
+.PHONY: chart-sync
+chart-sync: ## Copy the CRD, the RBAC rules, the alerts and the dashboard from config/ into the Helm chart.
+	cp config/crd/bases/*.yaml $(CHART)/crds/
+	cp config/rbac/role.yaml config/rbac/leader_election_role.yaml config/prometheus/prometheusrule.yaml \
+		config/grafana/outbox-operator-dashboard.json $(CHART)/files/
+
+# RELAY_IMAGE is an env value, which kustomize's image setter leaves alone:
+# one substitution pins the manager's image and the default relay image.
+.PHONY: installer
+installer: deps-kube ## Write dist/install.yaml: what `kubectl apply -k config/default` applies, with the image pinned to IMG.
+	mkdir -p $(DIST)
+	$(KUBECTL) kustomize config/default | sed 's|ghcr.io/outbox-relay/outbox-operator:latest|$(IMG)|g' > $(DIST)/install.yaml
+	@echo ">> wrote $(DIST)/install.yaml ($(IMG))"
 
 ##@ Benchmarks
 
@@ -125,6 +154,9 @@ $(KUBE_ASSETS)/etcd: hack/build-kube.sh
 
 $(CONTROLLER_GEN):
 	GOBIN=$(dir $(CONTROLLER_GEN)) go install sigs.k8s.io/controller-tools/cmd/controller-gen@$(CONTROLLER_TOOLS_VERSION)
+
+$(PROMTOOL):
+	GOBIN=$(dir $(PROMTOOL)) go install github.com/prometheus/prometheus/cmd/promtool@$(PROMETHEUS_VERSION)
 
 .PHONY: clean
 clean: ## Remove built binaries (keeps the cached dependencies).
