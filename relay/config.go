@@ -58,6 +58,11 @@ type Config struct {
 	StallTimeout time.Duration
 	// Ordering is the per-key ordering mode. Default OrderingNone.
 	Ordering Ordering
+	// MaxInFlight is how many batches may be in flight: with 2 (the
+	// default) and OrderingNone, the next batch is claimed and published
+	// while a full one commits. A crash may then publish up to this many
+	// batches again.
+	MaxInFlight int
 	// FullRescanInterval is how often a claim scans the index from the
 	// start instead of from the cursor, to catch rows that committed long
 	// after their id was taken. Default 10s.
@@ -93,6 +98,7 @@ func (c Config) withDefaults() Config {
 	c.PublishTimeout = cmp.Or(c.PublishTimeout, relayconfig.DefaultPublishTimeout)
 	c.StallTimeout = cmp.Or(c.StallTimeout, relayconfig.DefaultStallTimeout)
 	c.Ordering = cmp.Or(c.Ordering, relayconfig.DefaultOrdering)
+	c.MaxInFlight = cmp.Or(c.MaxInFlight, relayconfig.DefaultMaxInFlight)
 	c.FullRescanInterval = cmp.Or(c.FullRescanInterval, DefaultFullRescanInterval)
 	c.HeldRetryInterval = cmp.Or(c.HeldRetryInterval, DefaultHeldRetryInterval)
 	c.MaxBackoff = cmp.Or(c.MaxBackoff, DefaultMaxBackoff)
@@ -124,6 +130,7 @@ func (c Config) validate() error {
 		field(relayconfig.FlagPublishTimeout, relayconfig.CheckPublishTimeout(c.PublishTimeout)),
 		field(relayconfig.FlagStallTimeout, relayconfig.CheckStallTimeout(c.StallTimeout)),
 		field(relayconfig.FlagOrdering, relayconfig.CheckOrdering(c.Ordering)),
+		field(relayconfig.FlagMaxInFlight, relayconfig.CheckMaxInFlight(c.MaxInFlight)),
 	)
 	if c.DeadLetterTopic != "" {
 		errs = append(errs, field(relayconfig.FlagDeadLetterTopic, relayconfig.CheckDeadLetterTopic(c.DeadLetterTopic, c.Topics)))

@@ -110,7 +110,7 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 	rp["tcp_keepalives_idle"] = "15"
 	rp["tcp_keepalives_interval"] = "5"
 	rp["tcp_keepalives_count"] = "3"
-	pcfg.MaxConns = 3
+	pcfg.MaxConns = int32(cfg.MaxInFlight) + 1 // the batches in flight and the stats loop
 	pcfg.ConnConfig.ConnectTimeout = 5 * time.Second
 	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
 	if err != nil {
@@ -288,36 +288,6 @@ func (r *Relay) Live() error {
 	return nil
 }
 
-// Run claims, publishes and marks batches until ctx is cancelled. A batch in
-// flight when ctx ends is finished (publish, mark, commit) or rolled back,
-// never abandoned with rows locked. Transient errors are retried with capped,
-// jittered exponential backoff; Run returns nil on cancellation.
-func (r *Relay) Run(ctx context.Context) error {
-	statsDone := make(chan struct{})
-	go func() { defer close(statsDone); r.statsLoop(ctx) }()
-	defer func() { <-statsDone }()
-	defer r.leave() // hand this replica's buckets to the others at once
-
-	var backoff time.Duration
-	for ctx.Err() == nil {
-		now := time.Now()
-		r.health.iteration(now)
-		n, full, err := r.processBatch(ctx)
-		if err != nil {
-			r.health.batchFailed(now, err)
-			backoff = min(max(2*backoff, 100*time.Millisecond), r.cfg.MaxBackoff)
-			r.log.Warn("batch failed; retrying", "err", err, "backoff", backoff)
-			sleep(ctx, jitter(backoff))
-			continue
-		}
-		backoff = 0
-		if n == 0 || !full {
-			sleep(ctx, jitter(r.cfg.PollInterval))
-		}
-	}
-	return nil
-}
-
 func sleep(ctx context.Context, d time.Duration) {
 	t := time.NewTimer(d)
 	defer t.Stop()
@@ -343,82 +313,6 @@ type row struct {
 	payload       []byte
 	createdAt     time.Time
 	nullColumns   string // the columns that were NULL, comma-separated
-}
-
-// processBatch runs one claim–publish–mark transaction. It returns the rows
-// claimed and whether the claim was full (so the loop drains on at once).
-func (r *Relay) processBatch(ctx context.Context) (int, bool, error) {
-	// Once begun, a batch finishes even if ctx is cancelled (SIGTERM): the
-	// publish has its own deadline and the transaction is short.
-	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
-	defer cancel()
-	start := time.Now()
-	if r.held.release(start) {
-		r.cur.rescanSoon() // released rows are behind the cursor
-	}
-	db, err := r.mode.prepare(bctx, start)
-	if err != nil {
-		return 0, false, r.dbFailed(err)
-	}
-	if db == nil {
-		r.health.batchDone(start, 0, 0)
-		return 0, false, nil
-	}
-	tx, err := db.Begin(bctx)
-	if err != nil {
-		return 0, false, r.dbFailed(fmt.Errorf("begin claim transaction on %s: %w", r.table, err))
-	}
-	defer tx.Rollback(bctx) //nolint:errcheck // no-op after commit
-
-	types, keys := r.mode.waiting(start) // before the cursor: an expired filter moves it back
-	held := r.held.ids()
-	r.filter.Store(&claimFilter{types: types, held: held, keys: keys})
-	rows, full, err := r.claim(bctx, tx, r.cur.from(start), held, types, keys)
-	if err != nil {
-		return 0, false, r.dbFailed(err)
-	}
-	r.setDBErr(nil)
-	r.m.claimDuration.Observe(time.Since(start).Seconds())
-	r.cur.claimed(rows, full)
-	if len(rows) == 0 {
-		r.health.batchDone(start, 0, 0)
-		return 0, false, r.commit(bctx, tx)
-	}
-
-	big := payloadBytes(rows) > bigBatchBytes
-	if big {
-		releaseMemory() // the claim's read buffers, before the publish builds its request
-	}
-	published, perr := r.publish(bctx, rows)
-	if len(published) > 0 {
-		if _, err := tx.Exec(bctx, r.sql.Mark, published); err != nil {
-			return 0, false, r.dbFailed(fmt.Errorf("mark %d rows published in %s: %w", len(published), r.table, err))
-		}
-	}
-	if err := r.commit(bctx, tx); err != nil {
-		return 0, false, err
-	}
-	done := make(map[int64]bool, len(published))
-	for _, id := range published {
-		done[id] = true
-	}
-	r.cur.settled(rows, func(id int64) bool { return done[id] || r.held.isHeld(id) })
-	for _, reason := range []string{HeldInvalidRow, HeldTooLarge, HeldRefused} {
-		r.m.held.WithLabelValues(reason).Set(float64(r.held.count(reason)))
-	}
-	if big {
-		releaseMemory() // the batch's payloads and the publish's buffers
-	}
-	r.m.batches.Inc()
-	r.m.batchSize.Observe(float64(len(rows)))
-	r.m.batchDuration.Observe(time.Since(start).Seconds())
-	if perr != nil {
-		// Rows that were not acknowledged stay unpublished and are claimed
-		// again after the backoff.
-		return 0, false, perr
-	}
-	r.health.batchDone(start, len(rows), len(published))
-	return len(rows), full, nil
 }
 
 // bigBatchBytes is the payload size above which a batch's memory is

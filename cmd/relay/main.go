@@ -27,7 +27,7 @@ import (
 // (the byte budget always lets one row through) would otherwise peak at
 // about twice its live size before the collector runs. Above the limit the
 // collector works harder instead (TestLargePayloadsDrainInBoundedMemory).
-const softMemoryLimit = 64 << 20
+const softMemoryLimit = 32 << 20
 
 func main() {
 	if _, set := os.LookupEnv("GOMEMLIMIT"); !set {

@@ -40,6 +40,7 @@ const (
 	FlagPublishTimeout    = "publish-timeout"
 	FlagOrdering          = "ordering"
 	FlagStallTimeout      = "stall-timeout"
+	FlagMaxInFlight       = "max-in-flight"
 	FlagMetricsAddr       = "metrics-addr"
 	FlagLogFormat         = "log-format"
 	FlagKafkaTLS          = "kafka-tls"
@@ -110,6 +111,9 @@ const (
 	DefaultPublishTimeout = 10 * time.Second
 	MinPublishTimeout     = time.Second
 	MaxPublishTimeout     = 5 * time.Minute
+	DefaultMaxInFlight    = 2
+	MinMaxInFlight        = 1
+	MaxMaxInFlight        = 2
 	DefaultStallTimeout   = 2 * time.Minute
 	MinStallTimeout       = 5 * time.Second
 	MaxStallTimeout       = 24 * time.Hour
@@ -159,6 +163,9 @@ type Settings struct {
 	PollInterval    time.Duration
 	PublishTimeout  time.Duration
 	Ordering        Ordering
+	// MaxInFlight is how many batches may be in flight at once: 2 claims
+	// and publishes the next batch while one commits (ordering none only).
+	MaxInFlight int
 	// StallTimeout: /readyz fails when no batch completes, or rows wait and
 	// none is published, for this long.
 	StallTimeout time.Duration
@@ -182,6 +189,7 @@ func Defaults() Settings {
 		PollInterval:   DefaultPollInterval,
 		PublishTimeout: DefaultPublishTimeout,
 		Ordering:       DefaultOrdering,
+		MaxInFlight:    DefaultMaxInFlight,
 		StallTimeout:   DefaultStallTimeout,
 		MetricsAddr:    DefaultMetricsAddr,
 		LogFormat:      DefaultLogFormat,
@@ -202,6 +210,7 @@ func (s Settings) Args() []string {
 		arg(FlagPollInterval, s.PollInterval.String()),
 		arg(FlagPublishTimeout, s.PublishTimeout.String()),
 		arg(FlagStallTimeout, s.StallTimeout.String()),
+		arg(FlagMaxInFlight, strconv.Itoa(s.MaxInFlight)),
 	}
 	for _, et := range slices.Sorted(maps.Keys(s.Topics)) {
 		args = append(args, arg(FlagTopic, et+"="+s.Topics[et]))
@@ -245,6 +254,7 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.DurationVar(&s.PollInterval, FlagPollInterval, DefaultPollInterval, fmt.Sprintf("sleep after a short batch (%s..%s)", MinPollInterval, MaxPollInterval))
 	fs.DurationVar(&s.PublishTimeout, FlagPublishTimeout, DefaultPublishTimeout, fmt.Sprintf("deadline of one batch's publish (%s..%s)", MinPublishTimeout, MaxPublishTimeout))
 	fs.DurationVar(&s.StallTimeout, FlagStallTimeout, DefaultStallTimeout, fmt.Sprintf("/readyz fails when no batch completes, or rows wait and none is published, for this long (%s..%s)", MinStallTimeout, MaxStallTimeout))
+	fs.IntVar(&s.MaxInFlight, FlagMaxInFlight, DefaultMaxInFlight, fmt.Sprintf("batches in flight at once: 2 claims and publishes the next batch while one commits, with ordering none (%d..%d)", MinMaxInFlight, MaxMaxInFlight))
 	fs.Var(topics, FlagTopic, "EVENT_TYPE=TOPIC mapping (repeatable, or comma-separated)")
 	fs.StringVar(&topicsFile, FlagTopicsFile, "", "YAML or JSON file mapping event types to topics")
 	fs.StringVar(&s.DeadLetterTopic, FlagDeadLetterTopic, "", "topic for rows Kafka refuses permanently (default: hold them)")
@@ -304,6 +314,7 @@ func (s Settings) Validate() error {
 		flagErr(FlagPollInterval, CheckPollInterval(s.PollInterval)),
 		flagErr(FlagPublishTimeout, CheckPublishTimeout(s.PublishTimeout)),
 		flagErr(FlagStallTimeout, CheckStallTimeout(s.StallTimeout)),
+		flagErr(FlagMaxInFlight, CheckMaxInFlight(s.MaxInFlight)),
 		flagErr(FlagOrdering, CheckOrdering(s.Ordering)),
 	}
 	if s.DeadLetterTopic != "" {
@@ -382,6 +393,14 @@ func CheckPublishTimeout(d time.Duration) error {
 // CheckStallTimeout applies --stall-timeout's range.
 func CheckStallTimeout(d time.Duration) error {
 	return checkDuration(d, MinStallTimeout, MaxStallTimeout)
+}
+
+// CheckMaxInFlight applies --max-in-flight's range.
+func CheckMaxInFlight(n int) error {
+	if n < MinMaxInFlight || n > MaxMaxInFlight {
+		return fmt.Errorf("%d is outside %d..%d", n, MinMaxInFlight, MaxMaxInFlight)
+	}
+	return nil
 }
 
 // CheckOrdering accepts the Orderings.

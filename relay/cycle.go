@@ -1,0 +1,214 @@
+package relay
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// busyPollInterval is how soon the relay claims again after a claim that
+// found rows but did not fill the batch: rows are arriving, so the next ones
+// are likely there already. Each empty claim in a row doubles the wait, up
+// to PollInterval, so an idle table costs a few claims a second and a busy
+// one gets its rows out within milliseconds.
+const busyPollInterval = 5 * time.Millisecond
+
+// inFlight is a batch that was claimed and published and waits for its mark
+// and commit.
+type inFlight struct {
+	ctx       context.Context
+	cancel    context.CancelFunc
+	tx        pgx.Tx
+	start     time.Time
+	rows      []row
+	full      bool
+	big       bool
+	published []int64
+	perr      error      // publish failures that make the loop back off
+	done      chan error // the mark and commit's result
+}
+
+// Run claims, publishes and marks batches until ctx is cancelled. A batch in
+// flight when ctx ends is finished (publish, mark, commit) or rolled back,
+// never abandoned with rows locked. Transient errors are retried with capped,
+// jittered exponential backoff; Run returns nil on cancellation.
+//
+// With OrderingNone and MaxInFlight 2, while a full batch marks and commits
+// the next one is claimed and published on another connection, so
+// PostgreSQL, Kafka and the relay work at once; its publish still starts
+// after the previous one ended, so rows reach Kafka in id order per replica.
+func (r *Relay) Run(ctx context.Context) error {
+	statsDone := make(chan struct{})
+	go func() { defer close(statsDone); r.statsLoop(ctx) }()
+	defer func() { <-statsDone }()
+	defer r.leave() // hand this replica's buckets to the others at once
+
+	var backoff time.Duration
+	var pending *inFlight
+	empty := 0 // claims in a row that found nothing
+	for ctx.Err() == nil {
+		now := time.Now()
+		r.health.iteration(now)
+		b, err := r.claimAndPublish(ctx)
+		if pending != nil {
+			err = firstErr(err, r.finish(pending))
+			pending = nil
+		}
+		if b != nil {
+			// A large batch is not pipelined: two of them would hold
+			// twice the memory.
+			if err == nil && b.perr == nil && b.full && !b.big && r.pipelined() {
+				pending = r.commitAsync(b)
+			} else {
+				b.done <- r.markAndCommit(b)
+				err = firstErr(err, r.finish(b))
+			}
+		}
+		if err != nil {
+			r.health.batchFailed(now, err)
+			backoff = min(max(2*backoff, 100*time.Millisecond), r.cfg.MaxBackoff)
+			r.log.Warn("batch failed; retrying", "err", err, "backoff", backoff)
+			sleep(ctx, jitter(backoff))
+			continue
+		}
+		backoff = 0
+		switch {
+		case b != nil && b.full:
+			empty = 0 // drain on at once
+		case b != nil:
+			empty = 0
+			sleep(ctx, min(busyPollInterval, r.cfg.PollInterval))
+		default:
+			empty = min(empty+1, 16)
+			sleep(ctx, jitter(min(busyPollInterval<<empty, r.cfg.PollInterval)))
+		}
+	}
+	if pending != nil {
+		r.finish(pending) //nolint:errcheck // logged in finish; Run is ending
+	}
+	return nil
+}
+
+func firstErr(a, b error) error {
+	if a != nil {
+		return a
+	}
+	return b
+}
+
+// pipelined reports whether a second batch may be claimed while one commits.
+// Partition-key mode claims on its one membership session, which fences
+// its buckets and runs one transaction at a time, so it never pipelines.
+func (r *Relay) pipelined() bool {
+	return r.cfg.MaxInFlight > 1 && r.cfg.Ordering == OrderingNone
+}
+
+// claimAndPublish runs the first half of a batch: claim and publish. It
+// returns nil when there was nothing to claim.
+func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
+	// Once begun, a batch finishes even if ctx is cancelled (SIGTERM): the
+	// publish has its own deadline and the transaction is short.
+	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
+	start := time.Now()
+	if r.held.release(start) {
+		r.cur.rescanSoon() // released rows are behind the cursor
+	}
+	db, err := r.mode.prepare(bctx, start)
+	if err != nil {
+		cancel()
+		return nil, r.dbFailed(err)
+	}
+	if db == nil {
+		cancel()
+		r.health.batchDone(start, 0, 0)
+		return nil, nil
+	}
+	tx, err := db.Begin(bctx)
+	if err != nil {
+		cancel()
+		return nil, r.dbFailed(fmt.Errorf("begin claim transaction on %s: %w", r.table, err))
+	}
+	types, keys := r.mode.waiting(start) // before the cursor: an expired filter moves it back
+	held := r.held.ids()
+	r.filter.Store(&claimFilter{types: types, held: held, keys: keys})
+	rows, full, err := r.claim(bctx, tx, r.cur.from(start), held, types, keys)
+	if err != nil {
+		tx.Rollback(bctx) //nolint:errcheck // the claim's error is the one to report
+		cancel()
+		return nil, r.dbFailed(err)
+	}
+	r.setDBErr(nil)
+	r.m.claimDuration.Observe(time.Since(start).Seconds())
+	r.cur.claimed(rows, full)
+	if len(rows) == 0 {
+		defer cancel()
+		r.health.batchDone(start, 0, 0)
+		if err := tx.Commit(bctx); err != nil {
+			return nil, r.dbFailed(fmt.Errorf("commit batch on %s: %w", r.table, err))
+		}
+		return nil, nil
+	}
+	b := &inFlight{ctx: bctx, cancel: cancel, tx: tx, start: start, rows: rows, full: full,
+		big: payloadBytes(rows) > bigBatchBytes, done: make(chan error, 1)}
+	if b.big {
+		releaseMemory() // the claim's read buffers, before the publish builds its request
+	}
+	b.published, b.perr = r.publish(bctx, rows)
+	return b, nil
+}
+
+// markAndCommit runs the second half of a batch: mark what Kafka
+// acknowledged, and commit. It touches nothing but the batch's transaction,
+// so it may run beside the next claim.
+func (r *Relay) markAndCommit(b *inFlight) error {
+	defer b.cancel()
+	defer b.tx.Rollback(b.ctx) //nolint:errcheck // no-op after commit
+	if len(b.published) > 0 {
+		if _, err := b.tx.Exec(b.ctx, r.sql.Mark, b.published); err != nil {
+			return fmt.Errorf("mark %d rows published in %s: %w", len(b.published), r.table, err)
+		}
+	}
+	if err := b.tx.Commit(b.ctx); err != nil {
+		return fmt.Errorf("commit batch on %s: %w", r.table, err)
+	}
+	return nil
+}
+
+func (r *Relay) commitAsync(b *inFlight) *inFlight {
+	go func() { b.done <- r.markAndCommit(b) }()
+	return b
+}
+
+// finish waits for a batch's commit and settles it in the loop: the cursor,
+// the held-row gauges, the metrics and the health tracker. A batch whose
+// commit failed published rows that stay unpublished: they are claimed and
+// published again (the duplicates at-least-once allows).
+func (r *Relay) finish(b *inFlight) error {
+	if err := <-b.done; err != nil {
+		r.cur.settled(b.rows, func(int64) bool { return false })
+		return r.dbFailed(err)
+	}
+	done := make(map[int64]bool, len(b.published))
+	for _, id := range b.published {
+		done[id] = true
+	}
+	r.cur.settled(b.rows, func(id int64) bool { return done[id] || r.held.isHeld(id) })
+	for _, reason := range []string{HeldInvalidRow, HeldTooLarge, HeldRefused} {
+		r.m.held.WithLabelValues(reason).Set(float64(r.held.count(reason)))
+	}
+	if b.big {
+		releaseMemory() // the batch's payloads and the publish's buffers
+	}
+	r.m.batches.Inc()
+	r.m.batchSize.Observe(float64(len(b.rows)))
+	r.m.batchDuration.Observe(time.Since(b.start).Seconds())
+	if b.perr != nil {
+		// Rows that were not acknowledged stay unpublished and are claimed
+		// again after the backoff.
+		return b.perr
+	}
+	r.health.batchDone(b.start, len(b.rows), len(b.published))
+	return nil
+}
