@@ -5,7 +5,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
@@ -18,10 +17,8 @@ import (
 func TestBenchQuick(t *testing.T) {
 	dir := t.TempDir()
 	md, js := filepath.Join(dir, "quick.md"), filepath.Join(dir, "quick.json")
-	flags := strings.Join([]string{
-		"-rows 3000 -reps 1 -latency-duration 4s -seeds-duration 2s -rates 500 -replicas 1,2",
-		"-out-md " + md, "-out-json " + js, "-profile-dir " + filepath.Join(dir, "profiles"),
-	}, " ")
+	flags := "-rows 3000 -reps 1 -latency-duration 4s -seeds-duration 2s -rates 500 -replicas 1,2" +
+		" -out-md " + md + " -out-json " + js + " -profile-dir " + filepath.Join(dir, "profiles")
 	cmd := exec.Command("make", "-C", filepath.Join("..", ".."), "bench-quick", "BENCH_QUICK_FLAGS="+flags)
 	start := time.Now()
 	out, err := cmd.CombinedOutput()
