@@ -49,16 +49,31 @@ var ErrEventIDConflict = errors.New("outbox: event id already stored with differ
 // Writer stores entries into one outbox table.
 type Writer struct {
 	insertSQL, sameSQL string
+	notify             string // channel to notify on commit; "" for none
+}
+
+// WriterOption configures a Writer.
+type WriterOption func(*Writer)
+
+// WithNotify makes the writer notify the table's channel (Table.NotifyChannel)
+// in each transaction that stores an event, so a relay run with --notify
+// claims it within milliseconds instead of at its next poll. PostgreSQL
+// delivers a notification at commit and takes a database-wide lock to do so,
+// which serializes the commits of every transaction that notifies: it costs
+// writers throughput (docs/benchmarks.md measures how much). Polling still
+// runs, so nothing is lost when a notification is.
+func WithNotify() WriterOption {
+	return func(w *Writer) { w.notify = "on" }
 }
 
 // NewWriter returns a Writer for table ("outbox" or "schema.outbox"); the
 // name is validated and quoted.
-func NewWriter(table string) (*Writer, error) {
+func NewWriter(table string, opts ...WriterOption) (*Writer, error) {
 	t, err := ParseTable(table)
 	if err != nil {
 		return nil, err
 	}
-	return &Writer{
+	w := &Writer{
 		insertSQL: `INSERT INTO ` + t.Quoted() + `
     (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 VALUES ($1, $2, $3, $4, $5, $6)
@@ -66,7 +81,14 @@ ON CONFLICT (event_id) DO NOTHING`,
 		sameSQL: `SELECT EXISTS (SELECT 1 FROM ` + t.Quoted() + `
     WHERE event_id = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND event_type = $4
       AND payload = $5 AND partition_key = $6)`,
-	}, nil
+	}
+	for _, opt := range opts {
+		opt(w)
+	}
+	if w.notify != "" {
+		w.notify = t.NotifyChannel()
+	}
+	return w, nil
 }
 
 var defaultWriter = must(NewWriter(DefaultTable))
@@ -100,6 +122,12 @@ func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 		return fmt.Errorf("outbox store %s: %w", e.EventID, err)
 	}
 	if tag.RowsAffected() == 1 {
+		if w.notify != "" {
+			// Repeated notifications of one transaction are delivered once.
+			if _, err := tx.Exec(ctx, `SELECT pg_notify($1, '')`, w.notify); err != nil {
+				return fmt.Errorf("outbox store %s: notify %s: %w", e.EventID, w.notify, err)
+			}
+		}
 		return nil
 	}
 	var same bool

@@ -72,6 +72,17 @@ func (t Table) IndexName() string {
 	return n
 }
 
+// NotifyChannel is the channel a writer with WithNotify notifies and a
+// relay with --notify listens on: the table's name (at most 63 bytes, the
+// longest channel name PostgreSQL takes).
+func (t Table) NotifyChannel() string {
+	c := t.String()
+	if len(c) > 63 {
+		c = c[:63]
+	}
+	return c
+}
+
 // Column is one column of the outbox table as the relay reads it.
 type Column struct {
 	Name string

@@ -63,6 +63,10 @@ type Config struct {
 	// while a full one commits. A crash may then publish up to this many
 	// batches again.
 	MaxInFlight int
+	// Notify makes the relay LISTEN on the table's channel and claim as
+	// soon as a writer with outbox.WithNotify commits, besides polling.
+	// Default false: notifying serializes the writers' commits.
+	Notify bool
 	// FullRescanInterval is how often a claim scans the index from the
 	// start instead of from the cursor, to catch rows that committed long
 	// after their id was taken. Default 10s.

@@ -43,6 +43,11 @@ func (r *Relay) Run(ctx context.Context) error {
 	statsDone := make(chan struct{})
 	go func() { defer close(statsDone); r.statsLoop(ctx) }()
 	defer func() { <-statsDone }()
+	if r.cfg.Notify {
+		listenDone := make(chan struct{})
+		go func() { defer close(listenDone); r.listen(ctx) }()
+		defer func() { <-listenDone }()
+	}
 	defer r.leave() // hand this replica's buckets to the others at once
 
 	var backoff time.Duration
@@ -79,10 +84,10 @@ func (r *Relay) Run(ctx context.Context) error {
 			empty = 0 // drain on at once
 		case b != nil:
 			empty = 0
-			sleep(ctx, min(busyPollInterval, r.cfg.PollInterval))
+			r.pause(ctx, min(busyPollInterval, r.cfg.PollInterval))
 		default:
 			empty = min(empty+1, 16)
-			sleep(ctx, jitter(min(busyPollInterval<<empty, r.cfg.PollInterval)))
+			r.pause(ctx, jitter(min(busyPollInterval<<empty, r.cfg.PollInterval)))
 		}
 	}
 	if pending != nil {

@@ -58,6 +58,7 @@ type Relay struct {
 	unroutable map[string]bool // event types already logged as unmapped
 	dbErr      atomic.Pointer[error]
 	kafkaErr   atomic.Pointer[error]
+	wake       chan struct{} // a notification arrived (--notify)
 }
 
 // claimFilter is what the last claim left out, so the stall check counts
@@ -133,6 +134,7 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 		topics:     newTopicState(),
 		health:     newHealth(cfg.StallTimeout, batchDeadline(cfg)+cfg.StallTimeout, now),
 		unroutable: map[string]bool{},
+		wake:       make(chan struct{}, 1),
 	}
 	r.mode = newStrategy(r)
 	if w == nil {

@@ -45,7 +45,7 @@ func configFrom(s relayconfig.Settings) (relay.Config, error) {
 	cfg := relay.Config{
 		DSN: s.DSN, Table: s.Table, Brokers: s.Brokers, Topics: s.Topics, DeadLetterTopic: s.DeadLetterTopic,
 		BatchSize: s.BatchSize, MaxBatchBytes: s.MaxBatchBytes, PollInterval: s.PollInterval,
-		PublishTimeout: s.PublishTimeout, StallTimeout: s.StallTimeout, Ordering: s.Ordering, MaxInFlight: s.MaxInFlight,
+		PublishTimeout: s.PublishTimeout, StallTimeout: s.StallTimeout, Ordering: s.Ordering, MaxInFlight: s.MaxInFlight, Notify: s.Notify,
 	}
 	if err := relay.ValidateConfig(cfg); err != nil {
 		return cfg, err

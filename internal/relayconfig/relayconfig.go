@@ -41,6 +41,7 @@ const (
 	FlagOrdering          = "ordering"
 	FlagStallTimeout      = "stall-timeout"
 	FlagMaxInFlight       = "max-in-flight"
+	FlagNotify            = "notify"
 	FlagMetricsAddr       = "metrics-addr"
 	FlagLogFormat         = "log-format"
 	FlagKafkaTLS          = "kafka-tls"
@@ -166,6 +167,8 @@ type Settings struct {
 	// MaxInFlight is how many batches may be in flight at once: 2 claims
 	// and publishes the next batch while one commits (ordering none only).
 	MaxInFlight int
+	// Notify: LISTEN on the table's channel for writers that notify.
+	Notify bool
 	// StallTimeout: /readyz fails when no batch completes, or rows wait and
 	// none is published, for this long.
 	StallTimeout time.Duration
@@ -219,6 +222,9 @@ func (s Settings) Args() []string {
 		args = append(args, arg(FlagDeadLetterTopic, s.DeadLetterTopic))
 	}
 	args = append(args, arg(FlagOrdering, string(s.Ordering)), arg(FlagMetricsAddr, s.MetricsAddr), arg(FlagLogFormat, s.LogFormat))
+	if s.Notify {
+		args = append(args, "--"+FlagNotify)
+	}
 	if s.KafkaTLS {
 		args = append(args, "--"+FlagKafkaTLS)
 	}
@@ -255,6 +261,7 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.DurationVar(&s.PublishTimeout, FlagPublishTimeout, DefaultPublishTimeout, fmt.Sprintf("deadline of one batch's publish (%s..%s)", MinPublishTimeout, MaxPublishTimeout))
 	fs.DurationVar(&s.StallTimeout, FlagStallTimeout, DefaultStallTimeout, fmt.Sprintf("/readyz fails when no batch completes, or rows wait and none is published, for this long (%s..%s)", MinStallTimeout, MaxStallTimeout))
 	fs.IntVar(&s.MaxInFlight, FlagMaxInFlight, DefaultMaxInFlight, fmt.Sprintf("batches in flight at once: 2 claims and publishes the next batch while one commits, with ordering none (%d..%d)", MinMaxInFlight, MaxMaxInFlight))
+	fs.BoolVar(&s.Notify, FlagNotify, false, "also claim as soon as a writer that notifies (outbox.WithNotify) commits; polling still runs")
 	fs.Var(topics, FlagTopic, "EVENT_TYPE=TOPIC mapping (repeatable, or comma-separated)")
 	fs.StringVar(&topicsFile, FlagTopicsFile, "", "YAML or JSON file mapping event types to topics")
 	fs.StringVar(&s.DeadLetterTopic, FlagDeadLetterTopic, "", "topic for rows Kafka refuses permanently (default: hold them)")

@@ -41,6 +41,7 @@ func TestArgsRoundTrip(t *testing.T) {
 			s.StallTimeout = 90 * time.Second
 			s.Ordering = relayconfig.OrderingPartitionKey
 			s.LogFormat = "text"
+			s.Notify = true
 			s.KafkaTLS = true
 			s.KafkaTLSCAFile, s.KafkaTLSCertFile, s.KafkaTLSKeyFile = "/tls/ca.crt", "/tls/tls.crt", "/tls/tls.key"
 			s.KafkaSASLMechanism = relayconfig.SASLPlain
@@ -121,6 +122,7 @@ func TestDocsFlagTableMatches(t *testing.T) {
 		defaults[name] = value
 	}
 	defaults[relayconfig.FlagKafkaTLS] = "false"
+	defaults[relayconfig.FlagNotify] = "false"
 	for _, r := range rows {
 		want, ok := defaults[r[1]]
 		require.True(t, ok, "docs/relay.md gives a default for --%s, which has none", r[1])
