@@ -1,0 +1,318 @@
+package install
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"helm.sh/helm/v3/pkg/action"
+	"helm.sh/helm/v3/pkg/chart"
+	"helm.sh/helm/v3/pkg/chart/loader"
+	"helm.sh/helm/v3/pkg/chartutil"
+	"helm.sh/helm/v3/pkg/lint/support"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/client-go/rest"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/yaml"
+
+	"github.com/outbox-relay/outbox-operator/internal/testenv"
+)
+
+const releaseNamespace = "outbox-system"
+
+func chartDir() string { return repo("charts", "outbox-operator") }
+
+func loadChart(t *testing.T) *chart.Chart {
+	t.Helper()
+	c, err := loader.Load(chartDir())
+	require.NoError(t, err)
+	return c
+}
+
+// values parses a YAML values document.
+func values(t *testing.T, doc string) map[string]any {
+	t.Helper()
+	v := map[string]any{}
+	require.NoError(t, yaml.Unmarshal([]byte(doc), &v))
+	return v
+}
+
+// render runs `helm install --dry-run --include-crds` for release "outbox"
+// in releaseNamespace, on the client side, as Kubernetes 1.37 with the
+// Prometheus Operator's API.
+func render(t *testing.T, vals map[string]any) ([]*unstructured.Unstructured, string, error) {
+	t.Helper()
+	inst := action.NewInstall(&action.Configuration{})
+	inst.DryRun, inst.ClientOnly, inst.IncludeCRDs = true, true, true
+	inst.ReleaseName, inst.Namespace = "outbox", releaseNamespace
+	inst.KubeVersion = &chartutil.KubeVersion{Version: "v1.37.2", Major: "1", Minor: "37"}
+	inst.APIVersions = chartutil.VersionSet{"monitoring.coreos.com/v1"}
+	rel, err := inst.Run(loadChart(t), vals)
+	if err != nil {
+		return nil, "", err
+	}
+	return decode(t, []byte(rel.Manifest)), rel.Manifest, nil
+}
+
+func mustRender(t *testing.T, vals map[string]any) ([]*unstructured.Unstructured, string) {
+	t.Helper()
+	objs, manifest, err := render(t, vals)
+	require.NoError(t, err)
+	return objs, manifest
+}
+
+// TestChartCopiesAreIdentical: the chart ships copies of files generated or
+// kept under config/ (Helm reads no file outside a chart); each must be
+// byte-identical to its source. `make chart-sync` (run by `make manifests`)
+// refreshes them.
+func TestChartCopiesAreIdentical(t *testing.T) {
+	t.Parallel()
+	pairs := map[string]string{
+		"files/role.yaml":                      "config/rbac/role.yaml",
+		"files/leader_election_role.yaml":      "config/rbac/leader_election_role.yaml",
+		"files/prometheusrule.yaml":            "config/prometheus/prometheusrule.yaml",
+		"files/outbox-operator-dashboard.json": "config/grafana/outbox-operator-dashboard.json",
+	}
+	crds, err := filepath.Glob(repo("config", "crd", "bases", "*.yaml"))
+	require.NoError(t, err)
+	require.NotEmpty(t, crds)
+	for _, src := range crds {
+		pairs["crds/"+filepath.Base(src)] = "config/crd/bases/" + filepath.Base(src)
+	}
+	shipped, err := filepath.Glob(filepath.Join(chartDir(), "crds", "*"))
+	require.NoError(t, err)
+	require.Len(t, shipped, len(crds), "charts/outbox-operator/crds holds exactly the CRDs of config/crd/bases")
+	for copyPath, src := range pairs {
+		want, err := os.ReadFile(repo(src))
+		require.NoError(t, err)
+		got, err := os.ReadFile(filepath.Join(chartDir(), copyPath))
+		require.NoError(t, err)
+		require.True(t, string(want) == string(got), "charts/outbox-operator/%s differs from %s: run `make chart-sync`", copyPath, src)
+	}
+}
+
+// nonDefault turns on every option the chart has.
+const nonDefault = `
+image: {repository: registry.example/outbox/operator, digest: "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef", pullPolicy: Always}
+imagePullSecrets: [{name: registry-creds}]
+replicaCount: 2
+watchNamespaces: [shop, billing]
+relay: {image: registry.example/outbox/relay:v2, allowedImages: ["registry.example/outbox/", "ghcr.io/outbox-relay/"]}
+resources: {requests: {cpu: 100m, memory: 128Mi}, limits: {memory: 512Mi}}
+extraArgs: [--zap-log-level=debug]
+podAnnotations: {example.com/team: payments}
+podLabels: {team: payments}
+nodeSelector: {kubernetes.io/os: linux}
+tolerations: [{key: dedicated, operator: Equal, value: ops, effect: NoSchedule}]
+priorityClassName: system-cluster-critical
+serviceAccount: {annotations: {example.com/role: outbox}}
+metrics: {port: 9443}
+monitoring:
+  podMonitor: {enabled: true, labels: {release: prometheus}, interval: 30s}
+  prometheusRule: {enabled: true, labels: {release: prometheus}}
+  grafanaDashboard: {enabled: true}
+`
+
+// TestChartLints runs Helm's linter, strict, with the default and the
+// non-default values.
+func TestChartLints(t *testing.T) {
+	t.Parallel()
+	for name, vals := range map[string]map[string]any{"default": nil, "non-default": values(t, nonDefault)} {
+		lint := action.NewLint()
+		lint.Strict = true
+		lint.Namespace = releaseNamespace
+		res := lint.Run([]string{chartDir()}, vals)
+		require.Empty(t, res.Errors, name)
+		for _, m := range res.Messages {
+			require.Less(t, m.Severity, support.WarningSev, "%s: %s", name, m)
+		}
+	}
+}
+
+func container(t *testing.T, deploy *unstructured.Unstructured) map[string]any {
+	t.Helper()
+	cs, _, err := unstructured.NestedSlice(deploy.Object, "spec", "template", "spec", "containers")
+	require.NoError(t, err)
+	require.Len(t, cs, 1)
+	return cs[0].(map[string]any)
+}
+
+func env(t *testing.T, c map[string]any) map[string]string {
+	t.Helper()
+	out := map[string]string{}
+	for _, e := range c["env"].([]any) {
+		e := e.(map[string]any)
+		v, _ := e["value"].(string)
+		out[e["name"].(string)] = v
+	}
+	return out
+}
+
+// TestChartDefaultMirrorsConfigDefault: with default values the chart runs
+// the manager as config/default does (same command, arguments, ports,
+// probes, security contexts, resources and environment, image aside) with the
+// same RBAC rules, granted cluster-wide.
+func TestChartDefaultMirrorsConfigDefault(t *testing.T) {
+	t.Parallel()
+	objs, _ := mustRender(t, nil)
+	kustomized := decode(t, kubectl(t, nil, "kustomize", "config/default"))
+
+	chartDeploy := find(t, objs, "Deployment", "outbox-outbox-operator")
+	kustDeploy := find(t, kustomized, "Deployment", "outbox-operator-controller-manager")
+	cc, kc := container(t, chartDeploy), container(t, kustDeploy)
+	for _, field := range []string{"command", "args", "ports", "livenessProbe", "readinessProbe", "resources", "securityContext"} {
+		require.Equal(t, kc[field], cc[field], "container %s", field)
+	}
+	require.Equal(t, "ghcr.io/outbox-relay/outbox-operator:"+loadChart(t).Metadata.AppVersion, cc["image"], "the image defaults to the chart's appVersion")
+	ce, ke := env(t, cc), env(t, kc)
+	require.Equal(t, ke["WATCH_NAMESPACE"], ce["WATCH_NAMESPACE"])
+	require.Equal(t, cc["image"], ce["RELAY_IMAGE"], "the relay image defaults to the operator's")
+	require.Len(t, ce, len(ke))
+	for _, field := range []string{"securityContext", "terminationGracePeriodSeconds"} {
+		want, _, _ := unstructured.NestedFieldCopy(kustDeploy.Object, "spec", "template", "spec", field)
+		got, _, _ := unstructured.NestedFieldCopy(chartDeploy.Object, "spec", "template", "spec", field)
+		require.Equal(t, want, got, "pod %s", field)
+	}
+
+	require.Equal(t, find(t, kustomized, "ClusterRole", "").Object["rules"], find(t, objs, "ClusterRole", "").Object["rules"])
+	require.Equal(t, find(t, kustomized, "Role", "").Object["rules"], find(t, objs, "Role", "").Object["rules"], "leader election")
+	crb := find(t, objs, "ClusterRoleBinding", "")
+	require.Equal(t, "outbox-outbox-operator-manager", crb.Object["roleRef"].(map[string]any)["name"])
+	require.Equal(t, releaseNamespace, crb.Object["subjects"].([]any)[0].(map[string]any)["namespace"])
+	for _, kind := range []string{"PodMonitor", "PrometheusRule", "ConfigMap"} {
+		for _, o := range objs {
+			require.NotEqual(t, kind, o.GetKind(), "monitoring objects are off by default")
+		}
+	}
+	find(t, objs, "CustomResourceDefinition", "outboxrelays.outbox.dev")
+}
+
+// TestChartNonDefaultValues checks what each non-default value changes.
+func TestChartNonDefaultValues(t *testing.T) {
+	t.Parallel()
+	objs, _ := mustRender(t, values(t, nonDefault))
+	deploy := find(t, objs, "Deployment", "")
+	c := container(t, deploy)
+	image := "registry.example/outbox/operator@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+	require.Equal(t, image, c["image"])
+	require.Equal(t, "Always", c["imagePullPolicy"])
+	require.Equal(t, []any{"--leader-elect", "--metrics-bind-address=:9443", "--health-probe-bind-address=:8081",
+		"--allowed-relay-images=registry.example/outbox/,ghcr.io/outbox-relay/", "--zap-log-level=debug"}, c["args"])
+	e := env(t, c)
+	require.Equal(t, "registry.example/outbox/relay:v2", e["RELAY_IMAGE"])
+	require.Equal(t, "shop,billing", e["WATCH_NAMESPACE"])
+	replicas, _, _ := unstructured.NestedFieldCopy(deploy.Object, "spec", "replicas")
+	require.EqualValues(t, 2, replicas)
+	pod, _, _ := unstructured.NestedMap(deploy.Object, "spec", "template", "spec")
+	require.Equal(t, "system-cluster-critical", pod["priorityClassName"])
+	require.Equal(t, map[string]any{"kubernetes.io/os": "linux"}, pod["nodeSelector"])
+	require.Len(t, pod["tolerations"], 1)
+	require.Equal(t, []any{map[string]any{"name": "registry-creds"}}, pod["imagePullSecrets"])
+	labels, _, _ := unstructured.NestedStringMap(deploy.Object, "spec", "template", "metadata", "labels")
+	require.Equal(t, "payments", labels["team"])
+
+	// Namespaced: a Role and RoleBinding in each watched namespace, nothing cluster-wide.
+	for _, o := range objs {
+		require.NotContains(t, []string{"ClusterRole", "ClusterRoleBinding"}, o.GetKind())
+	}
+	var roleNamespaces []string
+	for _, o := range objs {
+		if o.GetKind() == "Role" && strings.HasSuffix(o.GetName(), "-manager") {
+			roleNamespaces = append(roleNamespaces, o.GetNamespace())
+			rules, _, _ := unstructured.NestedSlice(o.Object, "rules")
+			require.NotEmpty(t, rules)
+		}
+	}
+	require.ElementsMatch(t, []string{"shop", "billing"}, roleNamespaces)
+
+	pm := find(t, objs, "PodMonitor", "")
+	require.Equal(t, "prometheus", pm.GetLabels()["release"])
+	endpoints, _, _ := unstructured.NestedSlice(pm.Object, "spec", "podMetricsEndpoints")
+	require.Equal(t, "30s", endpoints[0].(map[string]any)["interval"])
+	rule := find(t, objs, "PrometheusRule", "")
+	var src map[string]any
+	b, err := os.ReadFile(repo("config", "prometheus", "prometheusrule.yaml"))
+	require.NoError(t, err)
+	require.NoError(t, yaml.Unmarshal(b, &src))
+	require.Equal(t, src["spec"], rule.Object["spec"], "the chart's rules are config/prometheus's")
+	cm := find(t, objs, "ConfigMap", "")
+	require.Equal(t, "1", cm.GetLabels()["grafana_dashboard"])
+	dash, err := os.ReadFile(repo("config", "grafana", "outbox-operator-dashboard.json"))
+	require.NoError(t, err)
+	require.JSONEq(t, string(dash), cm.Object["data"].(map[string]any)["outbox-operator.json"].(string))
+}
+
+// TestChartAppliesToAPIServer applies what the chart renders, server-side
+// with dry run, to the API server: it accepts every object, with default
+// and non-default values.
+func TestChartAppliesToAPIServer(t *testing.T) {
+	installMonitoringCRDs(t)
+	for _, ns := range []string{releaseNamespace, "shop", "billing"} {
+		ensureNamespace(t, ns)
+	}
+	for name, vals := range map[string]map[string]any{"default": nil, "non-default": values(t, nonDefault)} {
+		_, manifest := mustRender(t, vals)
+		out := kubectl(t, []byte(manifest), "apply", "--server-side", "--dry-run=server", "--force-conflicts", "-f", "-")
+		require.Contains(t, string(out), "deployment.apps/outbox-outbox-operator serverside-applied (server dry run)", name)
+	}
+}
+
+// TestNamespacedChartConfines installs the chart for real with one watched
+// namespace and checks, as the manager's service account, that it may read
+// Secrets and manage Deployments there and read no Secret anywhere else.
+func TestNamespacedChartConfines(t *testing.T) {
+	const ns = "orders-team"
+	ensureNamespace(t, releaseNamespace)
+	ensureNamespace(t, ns)
+	objs, manifest := mustRender(t, values(t, `{watchNamespaces: [orders-team]}`))
+	manifest = strings.ReplaceAll(manifest, "outbox-outbox-operator", "confined-outbox-operator") // its own names
+	kubectl(t, []byte(manifest), "apply", "--server-side", "--force-conflicts", "-f", "-")
+	require.NotEmpty(t, objs)
+
+	asSA := rest.CopyConfig(testenv.Kube().Config)
+	asSA.Impersonate = rest.ImpersonationConfig{UserName: "system:serviceaccount:" + releaseNamespace + ":confined-outbox-operator"}
+	c, err := client.New(asSA, client.Options{Scheme: adminClient(t).Scheme()})
+	require.NoError(t, err)
+	ctx := context.Background()
+	err = c.Get(ctx, client.ObjectKey{Namespace: ns, Name: "any"}, &corev1.Secret{})
+	require.True(t, apierrors.IsNotFound(err), "a Secret in the watched namespace: want NotFound, got %v", err)
+	err = c.Get(ctx, client.ObjectKey{Namespace: "default", Name: "any"}, &corev1.Secret{})
+	require.True(t, apierrors.IsForbidden(err), "a Secret elsewhere: want Forbidden, got %v", err)
+	err = c.List(ctx, &corev1.SecretList{})
+	require.True(t, apierrors.IsForbidden(err), "Secrets of every namespace: want Forbidden, got %v", err)
+}
+
+// TestChartRefusesBadValues: values.schema.json makes Helm refuse values
+// that would install a broken operator, naming the value.
+func TestChartRefusesBadValues(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ values, want string }{
+		{`{imageTag: v1}`, "additional properties 'imageTag' not allowed"},
+		{`{image: {tag: "v1 beta"}}`, "/image/tag"},
+		{`{image: {digest: "sha256:abc"}}`, "/image/digest"},
+		{`{image: {pullPolicy: Sometimes}}`, "/image/pullPolicy"},
+		{`{replicaCount: -1}`, "/replicaCount"},
+		{`{replicaCount: "2"}`, "/replicaCount"},
+		{`{replicaCount: 2, leaderElection: {enabled: false}}`, "/replicaCount"},
+		{`{watchNamespaces: [Shop]}`, "/watchNamespaces/0"},
+		{`{watchNamespaces: shop}`, "/watchNamespaces"},
+		{`{relay: {allowedImages: [registry.example/relays]}}`, "/relay/allowedImages/0"},
+		{`{resources: {limits: {memory: lots}}}`, "/resources/limits/memory"},
+		{`{extraArgs: [-v]}`, "/extraArgs/0"},
+		{`{metrics: {port: 8081}}`, "/metrics/port"},
+		{`{metrics: {port: 70000}}`, "/metrics/port"},
+		{`{monitoring: {podMonitor: {enabled: "yes"}}}`, "/monitoring/podMonitor/enabled"},
+		{`{monitoring: {podMonitor: {interval: 30}}}`, "/monitoring/podMonitor/interval"},
+		{`{monitoring: {serviceMonitor: {enabled: true}}}`, "additional properties 'serviceMonitor' not allowed"},
+	} {
+		_, _, err := render(t, values(t, tc.values))
+		require.Error(t, err, tc.values)
+		require.ErrorContains(t, err, "values don't meet the specifications of the schema", tc.values)
+		require.ErrorContains(t, err, tc.want, tc.values)
+	}
+}
