@@ -52,11 +52,9 @@ func (r *Relay) join(ctx context.Context) error {
 	m.class = int32(oid&0x1fffffff) << 1
 	// A replica that stops working but keeps its connection (frozen,
 	// partitioned) would keep its locks forever: the server ends a session
-	// left idle longer than the loop ever leaves it. (idle_session_timeout
-	// exists from PostgreSQL 14 on.)
+	// left idle longer than the loop ever leaves it.
 	timeout := 2*max(r.cfg.PollInterval, r.cfg.MaxBackoff) + r.cfg.PublishTimeout + 10*time.Second
-	if _, err := conn.Exec(ctx, `SELECT set_config('idle_session_timeout', $1, false)
-		WHERE current_setting('server_version_num')::int >= 140000`, strconv.FormatInt(timeout.Milliseconds(), 10)); err != nil {
+	if _, err := conn.Exec(ctx, `SELECT set_config('idle_session_timeout', $1, false)`, strconv.FormatInt(timeout.Milliseconds(), 10)); err != nil {
 		conn.Close(ctx)
 		return fmt.Errorf("set idle_session_timeout on the membership session: %w", err)
 	}

@@ -169,6 +169,9 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 	return r, nil
 }
 
+// minServerVersion is the oldest PostgreSQL the relay runs on (server_version_num).
+const minServerVersion = 140000
+
 // batchDeadline bounds one batch from begin to commit, even after SIGTERM.
 func batchDeadline(cfg Config) time.Duration { return cfg.PublishTimeout + 15*time.Second }
 
@@ -194,6 +197,14 @@ func (r *Relay) Check(ctx context.Context) error {
 		return &UnreachableError{fmt.Errorf("connect to PostgreSQL: %w", err)}
 	}
 	r.setDBErr(nil)
+	var version int
+	if err := r.pool.QueryRow(ctx, `SELECT current_setting('server_version_num')::int`).Scan(&version); err != nil {
+		return fmt.Errorf("read the server version: %w", err)
+	}
+	if version < minServerVersion {
+		return fmt.Errorf("PostgreSQL %d.%d is too old: the relay needs 14 or later (idle_session_timeout, pg_column_compression)",
+			version/10000, version%10000)
+	}
 	if err := CheckSchema(ctx, r.pool, r.table); err != nil {
 		return err
 	}

@@ -36,9 +36,10 @@ const bucketSQL = `(hashtext(COALESCE(partition_key, '')) & 63)`
 // claimColumns is what a claim returns per row. No column can fail the scan:
 // NULLs come back as empty values and null_columns names them, so one bad
 // row is held on its own instead of failing the claim for every replica.
-// The size is the payload's text length: the stored size can be a small
-// compressed form of a large value, which would let a claim take far more
-// bytes than the budget.
+// The size is the stored size of a payload stored uncompressed (free to
+// read), else its text length: a compressed value's stored size can be a
+// small fraction of what the relay will hold, which would let a claim take
+// far more bytes than the budget. (pg_column_compression: PostgreSQL 14+.)
 const claimColumns = `id,
     COALESCE(event_id::text, '') AS event_id, COALESCE(event_type, '') AS event_type,
     COALESCE(aggregate_type, '') AS aggregate_type, COALESCE(aggregate_id, '') AS aggregate_id,
@@ -48,7 +49,8 @@ const claimColumns = `id,
         CASE WHEN aggregate_type IS NULL THEN 'aggregate_type' END, CASE WHEN aggregate_id IS NULL THEN 'aggregate_id' END,
         CASE WHEN partition_key IS NULL THEN 'partition_key' END, CASE WHEN payload IS NULL THEN 'payload' END,
         CASE WHEN created_at IS NULL THEN 'created_at' END) AS null_columns,
-    COALESCE(octet_length(payload::text), 0) AS size`
+    COALESCE(CASE WHEN pg_column_compression(payload) IS NULL THEN pg_column_size(payload)
+        ELSE octet_length(payload::text) END, 0) AS size`
 
 // budgeted wraps a locking claim so it returns rows in id order while their
 // payloads fit the byte budget (always at least one row), and how many rows
