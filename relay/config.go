@@ -27,6 +27,15 @@ const (
 	OrderingPartitionKey = relayconfig.OrderingPartitionKey
 )
 
+// OnPublish is what the relay does to a row Kafka acknowledged.
+type OnPublish = relayconfig.OnPublish
+
+// The OnPublish values.
+const (
+	OnPublishMark   = relayconfig.OnPublishMark
+	OnPublishDelete = relayconfig.OnPublishDelete
+)
+
 // Config configures a Relay. Zero fields take the defaults documented on
 // them; New validates the result and names every bad field and value. The
 // defaults and ranges are the relay command's (internal/relayconfig).
@@ -67,6 +76,17 @@ type Config struct {
 	// soon as a writer with outbox.WithNotify commits, besides polling.
 	// Default false: notifying serializes the writers' commits.
 	Notify bool
+	// OnPublish is what happens to an acknowledged row: OnPublishMark (the
+	// default) sets published_at, OnPublishDelete deletes it in the same
+	// transaction (one write less per row; nothing to prune).
+	OnPublish OnPublish
+	// KeepPublishedFor prunes published rows older than this; 0 (the
+	// default) keeps them. One replica of the table prunes at a time.
+	KeepPublishedFor time.Duration
+	// PruneBatchSize is the most rows one prune transaction deletes. Default 1000.
+	PruneBatchSize int
+	// PrunePause is the pause between prune transactions. Default 100ms.
+	PrunePause time.Duration
 	// FullRescanInterval is how often a claim scans the index from the
 	// start instead of from the cursor, to catch rows that committed long
 	// after their id was taken. Default 10s.
@@ -103,6 +123,9 @@ func (c Config) withDefaults() Config {
 	c.StallTimeout = cmp.Or(c.StallTimeout, relayconfig.DefaultStallTimeout)
 	c.Ordering = cmp.Or(c.Ordering, relayconfig.DefaultOrdering)
 	c.MaxInFlight = cmp.Or(c.MaxInFlight, relayconfig.DefaultMaxInFlight)
+	c.OnPublish = cmp.Or(c.OnPublish, relayconfig.DefaultOnPublish)
+	c.PruneBatchSize = cmp.Or(c.PruneBatchSize, relayconfig.DefaultPruneBatchSize)
+	c.PrunePause = cmp.Or(c.PrunePause, relayconfig.DefaultPrunePause)
 	c.FullRescanInterval = cmp.Or(c.FullRescanInterval, DefaultFullRescanInterval)
 	c.HeldRetryInterval = cmp.Or(c.HeldRetryInterval, DefaultHeldRetryInterval)
 	c.MaxBackoff = cmp.Or(c.MaxBackoff, DefaultMaxBackoff)
@@ -135,6 +158,10 @@ func (c Config) validate() error {
 		field(relayconfig.FlagStallTimeout, relayconfig.CheckStallTimeout(c.StallTimeout)),
 		field(relayconfig.FlagOrdering, relayconfig.CheckOrdering(c.Ordering)),
 		field(relayconfig.FlagMaxInFlight, relayconfig.CheckMaxInFlight(c.MaxInFlight)),
+		field(relayconfig.FlagOnPublish, relayconfig.CheckOnPublish(c.OnPublish)),
+		field(relayconfig.FlagKeepPublishedFor, relayconfig.CheckKeepPublishedFor(c.KeepPublishedFor)),
+		field(relayconfig.FlagPruneBatchSize, relayconfig.CheckPruneBatchSize(c.PruneBatchSize)),
+		field(relayconfig.FlagPrunePause, relayconfig.CheckPrunePause(c.PrunePause)),
 	)
 	if c.DeadLetterTopic != "" {
 		errs = append(errs, field(relayconfig.FlagDeadLetterTopic, relayconfig.CheckDeadLetterTopic(c.DeadLetterTopic, c.Topics)))

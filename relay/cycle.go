@@ -43,6 +43,11 @@ func (r *Relay) Run(ctx context.Context) error {
 	statsDone := make(chan struct{})
 	go func() { defer close(statsDone); r.statsLoop(ctx) }()
 	defer func() { <-statsDone }()
+	if r.cfg.KeepPublishedFor > 0 {
+		pruneDone := make(chan struct{})
+		go func() { defer close(pruneDone); r.pruneLoop(ctx) }()
+		defer func() { <-pruneDone }()
+	}
 	if r.cfg.Notify {
 		listenDone := make(chan struct{})
 		go func() { defer close(listenDone); r.listen(ctx) }()
@@ -171,7 +176,11 @@ func (r *Relay) markAndCommit(b *inFlight) error {
 	defer b.cancel()
 	defer b.tx.Rollback(b.ctx) //nolint:errcheck // no-op after commit
 	if len(b.published) > 0 {
-		if _, err := b.tx.Exec(b.ctx, r.sql.Mark, b.published); err != nil {
+		stmt := r.sql.Mark
+		if r.cfg.OnPublish == OnPublishDelete {
+			stmt = r.sql.Delete
+		}
+		if _, err := b.tx.Exec(b.ctx, stmt, b.published); err != nil {
 			return fmt.Errorf("mark %d rows published in %s: %w", len(b.published), r.table, err)
 		}
 	}

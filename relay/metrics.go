@@ -18,6 +18,8 @@ type metrics struct {
 	buckets       prometheus.Gauge
 	blockedKeys   prometheus.Gauge
 	stalled       *prometheus.GaugeVec
+	pruned        prometheus.Counter
+	pruneDuration prometheus.Histogram
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -83,6 +85,15 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			Help: "1 while the relay is stalled for the reason (batch_failing, no_progress, rows_waiting, mode_conflict, loop_wedged), else 0. Any 1 fails /readyz; loop_wedged also fails /healthz.",
 		}, []string{"reason"}),
 	}
+	m.pruned = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outbox_relay_pruned_rows_total",
+		Help: "Published rows this replica deleted because they were older than --keep-published-for.",
+	})
+	m.pruneDuration = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:    "outbox_relay_prune_duration_seconds",
+		Help:    "Duration of one prune transaction (at most --prune-batch-size rows).",
+		Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16),
+	})
 	for _, r := range heldReasons {
 		m.held.WithLabelValues(r)
 	}
@@ -91,7 +102,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.published, m.publishErrors, m.batches, m.batchSize, m.batchDuration,
-			m.claimDuration, m.held, m.deadLettered, m.backlog, m.oldestAge, m.latency, m.buckets, m.blockedKeys, m.stalled)
+			m.claimDuration, m.held, m.deadLettered, m.backlog, m.oldestAge, m.latency, m.buckets, m.blockedKeys, m.stalled, m.pruned, m.pruneDuration)
 	}
 	return m
 }

@@ -18,6 +18,13 @@ type SQL struct {
 	ClaimBuckets string
 	// Mark sets published_at on the rows whose ids are $1.
 	Mark string
+	// Delete deletes the rows whose ids are $1 (OnPublishDelete).
+	Delete string
+	// Prune deletes up to $3 published rows with ids above $1 published more
+	// than $2 seconds ago, skipping rows another transaction holds, and
+	// returns the count and the highest id deleted. It never touches an
+	// unpublished row: published_at is NULL there.
+	Prune string
 	// BacklogByType counts unpublished rows per event type, up to $1 rows
 	// in all (NULL event types count under NULL).
 	BacklogByType string
@@ -81,7 +88,15 @@ func NewSQL(t outbox.Table) SQL {
     ORDER BY id
     LIMIT $5
     FOR UPDATE SKIP LOCKED`, "$6"),
-		Mark:          `UPDATE ` + q + ` SET published_at = now() WHERE id = ANY($1)`,
+		Mark:   `UPDATE ` + q + ` SET published_at = now() WHERE id = ANY($1)`,
+		Delete: `DELETE FROM ` + q + ` WHERE id = ANY($1)`,
+		Prune: `WITH doomed AS (
+    SELECT id FROM ` + q + `
+    WHERE id > $1 AND published_at < now() - $2::float8 * interval '1 second'
+    ORDER BY id LIMIT $3
+    FOR UPDATE SKIP LOCKED),
+gone AS (DELETE FROM ` + q + ` WHERE id IN (SELECT id FROM doomed) RETURNING id)
+SELECT count(*), COALESCE(max(id), 0) FROM gone`,
 		BacklogByType: `SELECT event_type, count(*) FROM (SELECT event_type FROM ` + q + ` WHERE published_at IS NULL LIMIT $1) s GROUP BY 1`,
 		OldestAge: `SELECT COALESCE((SELECT extract(epoch FROM now() - created_at)::float8 FROM ` + q +
 			` WHERE published_at IS NULL ORDER BY id LIMIT 1), 0)`,

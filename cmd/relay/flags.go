@@ -46,6 +46,7 @@ func configFrom(s relayconfig.Settings) (relay.Config, error) {
 		DSN: s.DSN, Table: s.Table, Brokers: s.Brokers, Topics: s.Topics, DeadLetterTopic: s.DeadLetterTopic,
 		BatchSize: s.BatchSize, MaxBatchBytes: s.MaxBatchBytes, PollInterval: s.PollInterval,
 		PublishTimeout: s.PublishTimeout, StallTimeout: s.StallTimeout, Ordering: s.Ordering, MaxInFlight: s.MaxInFlight, Notify: s.Notify,
+		OnPublish: s.OnPublish, KeepPublishedFor: s.KeepPublishedFor, PruneBatchSize: s.PruneBatchSize, PrunePause: s.PrunePause,
 	}
 	if err := relay.ValidateConfig(cfg); err != nil {
 		return cfg, err

@@ -42,6 +42,10 @@ const (
 	FlagStallTimeout      = "stall-timeout"
 	FlagMaxInFlight       = "max-in-flight"
 	FlagNotify            = "notify"
+	FlagOnPublish         = "on-publish"
+	FlagKeepPublishedFor  = "keep-published-for"
+	FlagPruneBatchSize    = "prune-batch-size"
+	FlagPrunePause        = "prune-pause"
 	FlagMetricsAddr       = "metrics-addr"
 	FlagLogFormat         = "log-format"
 	FlagKafkaTLS          = "kafka-tls"
@@ -84,6 +88,19 @@ const (
 // Orderings are the valid Ordering values.
 var Orderings = []Ordering{OrderingNone, OrderingPartitionKey}
 
+// OnPublish is what the relay does to a row Kafka acknowledged.
+type OnPublish string
+
+const (
+	// OnPublishMark sets published_at (the row stays until pruned).
+	OnPublishMark OnPublish = "mark"
+	// OnPublishDelete deletes the row in the claim transaction.
+	OnPublishDelete OnPublish = "delete"
+)
+
+// OnPublishes are the valid OnPublish values.
+var OnPublishes = []OnPublish{OnPublishMark, OnPublishDelete}
+
 // SASL mechanisms the relay speaks.
 const (
 	SASLPlain       = "PLAIN"
@@ -115,11 +132,22 @@ const (
 	DefaultMaxInFlight    = 2
 	MinMaxInFlight        = 1
 	MaxMaxInFlight        = 2
-	DefaultStallTimeout   = 2 * time.Minute
-	MinStallTimeout       = 5 * time.Second
-	MaxStallTimeout       = 24 * time.Hour
-	DefaultOrdering       = OrderingNone
-	DefaultLogFormat      = "json"
+	DefaultOnPublish      = OnPublishMark
+	// DefaultKeepPublishedFor 0 keeps published rows forever.
+	DefaultKeepPublishedFor = time.Duration(0)
+	MinKeepPublishedFor     = time.Minute
+	MaxKeepPublishedFor     = 10 * 365 * 24 * time.Hour
+	DefaultPruneBatchSize   = 1000
+	MinPruneBatchSize       = 10
+	MaxPruneBatchSize       = 100000
+	DefaultPrunePause       = 100 * time.Millisecond
+	MinPrunePause           = time.Duration(0)
+	MaxPrunePause           = time.Minute
+	DefaultStallTimeout     = 2 * time.Minute
+	MinStallTimeout         = 5 * time.Second
+	MaxStallTimeout         = 24 * time.Hour
+	DefaultOrdering         = OrderingNone
+	DefaultLogFormat        = "json"
 	// MetricsPort is where a relay pod serves /metrics, /healthz and /readyz.
 	MetricsPort = 9090
 	// MaxTopics is the most event types one relay maps.
@@ -169,6 +197,14 @@ type Settings struct {
 	MaxInFlight int
 	// Notify: LISTEN on the table's channel for writers that notify.
 	Notify bool
+	// OnPublish: mark or delete an acknowledged row.
+	OnPublish OnPublish
+	// KeepPublishedFor: published rows older than this are pruned; 0 keeps them.
+	KeepPublishedFor time.Duration
+	// PruneBatchSize is the most rows one prune transaction deletes.
+	PruneBatchSize int
+	// PrunePause is the pause between two prune transactions.
+	PrunePause time.Duration
 	// StallTimeout: /readyz fails when no batch completes, or rows wait and
 	// none is published, for this long.
 	StallTimeout time.Duration
@@ -193,6 +229,9 @@ func Defaults() Settings {
 		PublishTimeout: DefaultPublishTimeout,
 		Ordering:       DefaultOrdering,
 		MaxInFlight:    DefaultMaxInFlight,
+		OnPublish:      DefaultOnPublish,
+		PruneBatchSize: DefaultPruneBatchSize,
+		PrunePause:     DefaultPrunePause,
 		StallTimeout:   DefaultStallTimeout,
 		MetricsAddr:    DefaultMetricsAddr,
 		LogFormat:      DefaultLogFormat,
@@ -214,6 +253,10 @@ func (s Settings) Args() []string {
 		arg(FlagPublishTimeout, s.PublishTimeout.String()),
 		arg(FlagStallTimeout, s.StallTimeout.String()),
 		arg(FlagMaxInFlight, strconv.Itoa(s.MaxInFlight)),
+		arg(FlagOnPublish, string(s.OnPublish)),
+		arg(FlagKeepPublishedFor, s.KeepPublishedFor.String()),
+		arg(FlagPruneBatchSize, strconv.Itoa(s.PruneBatchSize)),
+		arg(FlagPrunePause, s.PrunePause.String()),
 	}
 	for _, et := range slices.Sorted(maps.Keys(s.Topics)) {
 		args = append(args, arg(FlagTopic, et+"="+s.Topics[et]))
@@ -261,6 +304,10 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.DurationVar(&s.PublishTimeout, FlagPublishTimeout, DefaultPublishTimeout, fmt.Sprintf("deadline of one batch's publish (%s..%s)", MinPublishTimeout, MaxPublishTimeout))
 	fs.DurationVar(&s.StallTimeout, FlagStallTimeout, DefaultStallTimeout, fmt.Sprintf("/readyz fails when no batch completes, or rows wait and none is published, for this long (%s..%s)", MinStallTimeout, MaxStallTimeout))
 	fs.IntVar(&s.MaxInFlight, FlagMaxInFlight, DefaultMaxInFlight, fmt.Sprintf("batches in flight at once: 2 claims and publishes the next batch while one commits, with ordering none (%d..%d)", MinMaxInFlight, MaxMaxInFlight))
+	fs.Func(FlagOnPublish, "what to do with a row Kafka acknowledged: mark (set published_at) or delete (default mark)", func(v string) error { s.OnPublish = OnPublish(v); return nil })
+	fs.DurationVar(&s.KeepPublishedFor, FlagKeepPublishedFor, DefaultKeepPublishedFor, fmt.Sprintf("prune published rows older than this; 0 keeps them (0 or %s..%s)", MinKeepPublishedFor, MaxKeepPublishedFor))
+	fs.IntVar(&s.PruneBatchSize, FlagPruneBatchSize, DefaultPruneBatchSize, fmt.Sprintf("most rows one prune transaction deletes (%d..%d)", MinPruneBatchSize, MaxPruneBatchSize))
+	fs.DurationVar(&s.PrunePause, FlagPrunePause, DefaultPrunePause, fmt.Sprintf("pause between prune transactions (%s..%s)", MinPrunePause, MaxPrunePause))
 	fs.BoolVar(&s.Notify, FlagNotify, false, "also claim as soon as a writer that notifies (outbox.WithNotify) commits; polling still runs")
 	fs.Var(topics, FlagTopic, "EVENT_TYPE=TOPIC mapping (repeatable, or comma-separated)")
 	fs.StringVar(&topicsFile, FlagTopicsFile, "", "YAML or JSON file mapping event types to topics")
@@ -322,6 +369,10 @@ func (s Settings) Validate() error {
 		flagErr(FlagPublishTimeout, CheckPublishTimeout(s.PublishTimeout)),
 		flagErr(FlagStallTimeout, CheckStallTimeout(s.StallTimeout)),
 		flagErr(FlagMaxInFlight, CheckMaxInFlight(s.MaxInFlight)),
+		flagErr(FlagOnPublish, CheckOnPublish(s.OnPublish)),
+		flagErr(FlagKeepPublishedFor, CheckKeepPublishedFor(s.KeepPublishedFor)),
+		flagErr(FlagPruneBatchSize, CheckPruneBatchSize(s.PruneBatchSize)),
+		flagErr(FlagPrunePause, CheckPrunePause(s.PrunePause)),
 		flagErr(FlagOrdering, CheckOrdering(s.Ordering)),
 	}
 	if s.DeadLetterTopic != "" {
@@ -409,6 +460,33 @@ func CheckMaxInFlight(n int) error {
 	}
 	return nil
 }
+
+// CheckOnPublish accepts the OnPublishes.
+func CheckOnPublish(o OnPublish) error {
+	if !slices.Contains(OnPublishes, o) {
+		return fmt.Errorf("%q is not one of mark, delete", o)
+	}
+	return nil
+}
+
+// CheckKeepPublishedFor accepts 0 (keep forever) or a duration in range.
+func CheckKeepPublishedFor(d time.Duration) error {
+	if d == 0 {
+		return nil
+	}
+	return checkDuration(d, MinKeepPublishedFor, MaxKeepPublishedFor)
+}
+
+// CheckPruneBatchSize applies --prune-batch-size's range.
+func CheckPruneBatchSize(n int) error {
+	if n < MinPruneBatchSize || n > MaxPruneBatchSize {
+		return fmt.Errorf("%d is outside %d..%d", n, MinPruneBatchSize, MaxPruneBatchSize)
+	}
+	return nil
+}
+
+// CheckPrunePause applies --prune-pause's range.
+func CheckPrunePause(d time.Duration) error { return checkDuration(d, MinPrunePause, MaxPrunePause) }
 
 // CheckOrdering accepts the Orderings.
 func CheckOrdering(o Ordering) error {

@@ -1,0 +1,83 @@
+package relay_test
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
+	"github.com/outbox-relay/outbox-operator/relay"
+)
+
+// With OnPublishDelete an acknowledged row is deleted in the claim
+// transaction: the table ends empty and every event reached Kafka once.
+func TestDeleteOnPublish(t *testing.T) {
+	t.Parallel()
+	for _, mode := range modes {
+		t.Run(string(mode), func(t *testing.T) {
+			t.Parallel()
+			f := outboxtest.NewFixture(t, 2, "E")
+			const n = 3000
+			f.Insert(n, 50, "E")
+			want := f.EventIDs("")
+			cfg := f.Config()
+			cfg.Ordering = mode
+			cfg.OnPublish = relay.OnPublishDelete
+			run(t, cfg, nil)
+			require.Eventually(t, func() bool { return f.Count(`SELECT count(*) FROM outbox`) == 0 }, 60*time.Second, 20*time.Millisecond)
+			counts, _ := outboxtest.Deliveries(t, n, f.Topics["E"])
+			outboxtest.RequireExactlyOnce(t, want, counts)
+		})
+	}
+}
+
+// Writers, two relays and pruning together: pruning deletes published rows
+// only (every event still reaches Kafka) while claims and writers go on.
+func TestPruningDeletesOnlyPublishedRows(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 2, "E")
+	cfg := f.Config()
+	cfg.KeepPublishedFor = time.Minute
+	cfg.PruneBatchSize = 50
+	cfg.PrunePause = time.Millisecond
+	a := run(t, cfg, nil)
+	b := run(t, cfg, nil)
+
+	ctx, stop := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() { // writers
+		defer wg.Done()
+		for ctx.Err() == nil {
+			if err := outboxtest.InsertRows(ctx, f.Pool, 50, 20, "E"); err != nil && ctx.Err() == nil {
+				t.Errorf("insert: %v", err)
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}()
+	go func() { // age what is published, so the pruner always has work
+		defer wg.Done()
+		for ctx.Err() == nil {
+			_, _ = f.Pool.Exec(ctx, `UPDATE outbox SET published_at = published_at - interval '1 hour'
+				WHERE published_at > now() - interval '1 hour'`)
+			time.Sleep(50 * time.Millisecond)
+		}
+	}()
+	time.Sleep(15 * time.Second)
+	stop()
+	wg.Wait()
+	f.WaitDrained(0, 60*time.Second)
+
+	total := f.Count(`SELECT count(*) FROM outbox`)
+	prunedA := outboxtest.MetricValue(t, a.Reg, "outbox_relay_pruned_rows_total")
+	prunedB := outboxtest.MetricValue(t, b.Reg, "outbox_relay_pruned_rows_total")
+	t.Logf("pruned %0.f + %0.f rows, %d left", prunedA, prunedB, total)
+	require.Positive(t, prunedA+prunedB, "pruning ran")
+	written := total + int(prunedA+prunedB)
+	counts, _ := outboxtest.Deliveries(t, written, f.Topics["E"])
+	require.Len(t, counts, written, "every written event reached Kafka: no unpublished row was pruned")
+}
