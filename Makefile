@@ -71,6 +71,7 @@ manifests: $(CONTROLLER_GEN) ## Generate the CRD and RBAC manifests under config
 .PHONY: test
 test: deps vet ## Run every test against real PostgreSQL, Kafka and kube-apiserver (provisions them first).
 	go test $(GO_TEST_FLAGS) ./...
+	$(MAKE) --no-print-directory test-ops
 
 .PHONY: test-ops
 test-ops: deps $(PROMTOOL) ## Run the Helm chart, install bundle and monitoring tests (module test/ops: Helm and Prometheus stay out of go.mod).
