@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -11,22 +12,16 @@ import (
 	"github.com/segmentio/kafka-go"
 
 	"github.com/outbox-relay/outbox-operator/internal/devproc"
+	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
+	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relay"
 )
 
-// claimSQL is the relay's claim in its plainest form and markSQL its mark:
-// the ceiling measures what PostgreSQL itself allows. The claim reads past a
-// cursor (id > $1) rather than from the start of the table: a scan from the
-// start would wade through the dead index entries every marked row leaves
-// until vacuum removes them, and slow down as the drain goes on.
-const (
-	claimSQL = `SELECT id, event_id::text, event_type, aggregate_type, aggregate_id, partition_key, payload, created_at
-FROM outbox
-WHERE published_at IS NULL AND id > $1
-ORDER BY id
-LIMIT $2
-FOR UPDATE SKIP LOCKED`
-	markSQL = `UPDATE outbox SET published_at = now() WHERE id = ANY($1)`
-)
+// ceilingSQL is the relay's own claim and mark (relay/sql.go): the ceiling
+// measures what PostgreSQL allows for exactly the statements the relay runs,
+// with no Kafka in between. Like the relay it reads past a cursor, so it
+// does not wade through the dead index entries marked rows leave.
+var ceilingSQL = relay.NewSQL(outbox.Table{Name: "outbox"})
 
 // ceilingLoops runs loops claim+mark loops, each on its own connection,
 // until the table has no unpublished row left.
@@ -55,17 +50,18 @@ func ceilingLoop(ctx context.Context, dsn string, batch int) error {
 	for ctx.Err() == nil {
 		ids = ids[:0]
 		err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
-			rows, err := tx.Query(ctx, claimSQL, cursor, batch)
+			rows, err := tx.Query(ctx, ceilingSQL.Claim, cursor, []string{eventType}, []int64{}, batch, relayconfig.DefaultMaxBatchBytes)
 			if err != nil {
 				return err
 			}
 			var (
-				id                    int64
-				eid, et, at, aid, key string
-				payload               []byte
-				created               time.Time
+				id                         int64
+				eid, et, at, aid, key, nul string
+				payload                    []byte
+				created                    time.Time
+				locked                     int
 			)
-			_, err = pgx.ForEachRow(rows, []any{&id, &eid, &et, &at, &aid, &key, &payload, &created}, func() error {
+			_, err = pgx.ForEachRow(rows, []any{&id, &eid, &et, &at, &aid, &key, &payload, &created, &nul, &locked}, func() error {
 				ids = append(ids, id)
 				return nil
 			})
@@ -76,7 +72,7 @@ func ceilingLoop(ctx context.Context, dsn string, batch int) error {
 				return nil
 			}
 			cursor = ids[len(ids)-1]
-			_, err = tx.Exec(ctx, markSQL, ids)
+			_, err = tx.Exec(ctx, ceilingSQL.Mark, ids)
 			return err
 		})
 		if err != nil {
@@ -127,7 +123,7 @@ const stallAfter = 45 * time.Second
 // relayDrain runs replicas relay processes over a fresh table of o.rows rows
 // until every row is published, and returns events/s, CPU seconds per 10k
 // events (all processes, start to stop) and the largest peak RSS in MiB.
-func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas int, ordering string) (map[string]float64, error) {
+func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas int, ordering string, extra ...string) (map[string]float64, error) {
 	if err := e.freshTable(ctx, o.rows); err != nil {
 		return nil, err
 	}
@@ -143,7 +139,7 @@ func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas in
 		}
 	}()
 	for range replicas {
-		p, err := e.startRelay(e.relayArgs(topic, batch, ordering))
+		p, err := e.startRelay(e.relayArgs(topic, batch, ordering, extra...))
 		if err != nil {
 			return nil, err
 		}
@@ -152,6 +148,10 @@ func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas in
 	deadline := time.Now().Add(o.drainTimeout)
 	var last float64
 	lastMove := time.Now()
+	// The counter's view of the drain, for deleted rows (no published_at):
+	// from the first sample that saw a row published to the one that saw all.
+	var firstSeen time.Time
+	var firstCount float64
 	for {
 		var sum float64
 		for _, p := range procs {
@@ -160,6 +160,9 @@ func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas in
 			}
 			n, _ := published(p)
 			sum += n
+		}
+		if sum > 0 && firstSeen.IsZero() {
+			firstSeen, firstCount = time.Now(), sum
 		}
 		if sum >= float64(o.rows) {
 			break
@@ -178,9 +181,10 @@ func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas in
 		select {
 		case <-ctx.Done():
 			return nil, ctx.Err()
-		case <-time.After(200 * time.Millisecond):
+		case <-time.After(50 * time.Millisecond):
 		}
 	}
+	counterRate := (float64(o.rows) - firstCount) / time.Since(firstSeen).Seconds()
 	// The counter moves before the commit: wait for the marks to land.
 	for i := 0; ; i++ {
 		n, err := e.unpublished(ctx)
@@ -208,6 +212,18 @@ func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas in
 		cpu += c
 		hwm = max(hwm, h)
 	}
+	m := map[string]float64{
+		"counter_events_per_s": counterRate,
+		"cpu_s_per_10k":        cpu / float64(o.rows) * 10_000,
+		"peak_rss_mib":         hwm / 1024,
+	}
+	if slices.Contains(extra, "--on-publish=delete") {
+		if left, err := e.unpublished(ctx); err != nil || left != 0 {
+			return nil, fmt.Errorf("%d rows left after a delete drain: %v", left, err)
+		}
+		m["events_per_s"] = counterRate
+		return m, nil
+	}
 	done, rate, err := e.drainSpan(ctx)
 	if err != nil {
 		return nil, err
@@ -215,11 +231,8 @@ func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas in
 	if done != o.rows {
 		return nil, fmt.Errorf("%d of %d rows marked published", done, o.rows)
 	}
-	return map[string]float64{
-		"events_per_s":  rate,
-		"cpu_s_per_10k": cpu / float64(o.rows) * 10_000,
-		"peak_rss_mib":  hwm / 1024,
-	}, nil
+	m["events_per_s"] = rate
+	return m, nil
 }
 
 // naiveRow is a row as the naive shape claims it.

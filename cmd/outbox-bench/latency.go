@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"slices"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relay"
 )
 
@@ -25,21 +27,25 @@ import (
 // latency is that time minus the row's created_at (one clock).
 func runLatency(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 	type tc struct {
-		rate int
-		poll time.Duration
+		rate   int
+		poll   time.Duration
+		notify bool
 	}
 	var cases []tc
 	for _, rate := range o.rates {
-		cases = append(cases, tc{rate, relayconfig.DefaultPollInterval})
+		cases = append(cases, tc{rate, relayconfig.DefaultPollInterval, false})
 	}
-	// The poll interval's side of the trade-off, at the first rate.
+	// The poll interval's side of the trade-off, and the opt-in wake-up, at the first rate.
 	for _, poll := range o.latencyPolls {
 		if poll != relayconfig.DefaultPollInterval && len(o.rates) > 0 {
-			cases = append(cases, tc{o.rates[0], poll})
+			cases = append(cases, tc{o.rates[0], poll, false})
 		}
 	}
+	if len(o.rates) > 0 {
+		cases = append(cases, tc{o.rates[0], relayconfig.DefaultPollInterval, true})
+	}
 	for _, c := range cases {
-		m, err := latencyRun(ctx, o, e, c.rate, c.poll)
+		m, err := latencyRun(ctx, o, e, c.rate, c.poll, c.notify)
 		if err != nil {
 			return err
 		}
@@ -47,10 +53,13 @@ func runLatency(ctx context.Context, o *options, e *benchEnv, rep *report) error
 		if c.poll != relayconfig.DefaultPollInterval {
 			name += " poll=" + c.poll.String()
 		}
+		if c.notify {
+			name += " notify"
+		}
 		logf("latency %s: achieved %.0f/s, p50 %.0f ms, p95 %.0f ms, p99 %.0f ms, backlog %.0f→%.0f, RSS %.1f MiB",
 			name, m["achieved_per_s"], m["p50_ms"], m["p95_ms"], m["p99_ms"], m["backlog_start"], m["backlog_end"], m["relay_rss_mib"])
 		rep.add("latency", name, map[string]any{"rate": c.rate, "duration_s": o.latencyFor.Seconds(),
-			"producers": o.producers, "batch": relayconfig.DefaultBatchSize, "poll_interval": c.poll.String()},
+			"producers": o.producers, "batch": relayconfig.DefaultBatchSize, "poll_interval": c.poll.String(), "notify": c.notify},
 			[]map[string]float64{m})
 	}
 	return nil
@@ -103,7 +112,7 @@ func runIdle(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 	return nil
 }
 
-func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll time.Duration) (map[string]float64, error) {
+func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll time.Duration, notify bool) (map[string]float64, error) {
 	if err := e.freshTable(ctx, 0); err != nil {
 		return nil, err
 	}
@@ -130,7 +139,11 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 	}
 	defer consumer.Close()
 
-	p, err := e.startRelay(e.relayArgs(topic, relayconfig.DefaultBatchSize, "", "--poll-interval", poll.String()))
+	extra := []string{"--poll-interval", poll.String()}
+	if notify {
+		extra = append(extra, "--notify")
+	}
+	p, err := e.startRelay(e.relayArgs(topic, relayconfig.DefaultBatchSize, "", extra...))
 	if err != nil {
 		return nil, err
 	}
@@ -138,6 +151,7 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 	if err := p.WaitReady(ctx, 30*time.Second); err != nil {
 		return nil, err
 	}
+	insert := insertSQL(notify)
 	// Producers: open loop, each client on its own schedule of rate/producers.
 	var inserted atomic.Int64
 	// A warm-up at the same rate (connections, JIT, first metadata) is not measured.
@@ -170,9 +184,7 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 					return
 				}
 				key := fmt.Sprintf("order-%d", (c*1_000_003+seq)%1000)
-				_, err := conn.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
-VALUES ($1, 'Order', $2, $3, jsonb_build_object('seq', $4::int, 'order_id', $2::text, 'pad', repeat('x', 240)), $2)`,
-					uuid.New(), key, eventType, seq)
+				_, err := conn.Exec(ctx, insert, uuid.New(), key, eventType, seq)
 				if err != nil {
 					errs[c] = fmt.Errorf("producer insert: %w", err)
 					return
@@ -323,6 +335,104 @@ VALUES ($1, 'Order', $2, $3, jsonb_build_object('seq', $4::int, 'order_id', $2::
 		"relay_cpu_cores": (cpu1 - cpu0) / o.latencyFor.Seconds(),
 		"relay_rss_mib":   rssMax / 1024,
 	}, nil
+}
+
+// insertSQL stores one row in its own transaction, as a service does; with
+// notify it also notifies the table's channel, as outbox.WithNotify does.
+func insertSQL(notify bool) string {
+	ins := `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+VALUES ($1, 'Order', $2, $3, jsonb_build_object('seq', $4::int, 'order_id', $2::text, 'pad', repeat('x', 240)), $2)`
+	if !notify {
+		return ins
+	}
+	channel := outbox.Table{Name: "outbox"}.NotifyChannel()
+	return `WITH ins AS (` + ins + ` RETURNING 1) SELECT pg_notify('` + channel + `', '') FROM ins`
+}
+
+// runWriters measures what the opt-in wake-up costs the writers: producers
+// insert one row per transaction as fast as they can, without and with a
+// notification per transaction (and a relay listening), in alternating
+// rounds; the ratio is taken per round.
+func runWriters(ctx context.Context, o *options, e *benchEnv, rep *report) error {
+	var ratios []float64
+	results := map[bool][]map[string]float64{}
+	for round := range o.reps {
+		var off float64
+		for _, notify := range []bool{false, true} {
+			m, err := writersRun(ctx, o, e, notify)
+			if err != nil {
+				return err
+			}
+			logf("writers round %d notify=%v: %.0f rows/s", round+1, notify, m["rows_per_s"])
+			results[notify] = append(results[notify], m)
+			if !notify {
+				off = m["rows_per_s"]
+			} else if off > 0 {
+				ratios = append(ratios, m["rows_per_s"]/off)
+			}
+		}
+	}
+	for _, notify := range []bool{false, true} {
+		rep.add("writers", fmt.Sprintf("notify=%v", notify), map[string]any{"writers": o.producers, "duration_s": o.writersFor.Seconds(), "notify": notify}, results[notify])
+	}
+	if len(ratios) > 0 {
+		rep.Ratios["writers notify / without"] = ratioResult{Median: median(ratios), Rounds: ratios}
+	}
+	return nil
+}
+
+func writersRun(ctx context.Context, o *options, e *benchEnv, notify bool) (map[string]float64, error) {
+	if err := e.freshTable(ctx, 0); err != nil {
+		return nil, err
+	}
+	topic, err := e.newTopic(o, "writers")
+	if err != nil {
+		return nil, err
+	}
+	defer e.deleteTopic(topic)
+	var extra []string
+	if notify {
+		extra = append(extra, "--notify")
+	}
+	p, err := e.startRelay(e.relayArgs(topic, relayconfig.DefaultBatchSize, "", extra...))
+	if err != nil {
+		return nil, err
+	}
+	defer stopRelay(p)
+	if err := p.WaitReady(ctx, 30*time.Second); err != nil {
+		return nil, err
+	}
+	insert := insertSQL(notify)
+	var n atomic.Int64
+	end := time.Now().Add(o.writersFor)
+	errs := make([]error, o.producers)
+	var wg sync.WaitGroup
+	start := time.Now()
+	for c := range o.producers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			conn, err := pgConnect(ctx, e.dsn)
+			if err != nil {
+				errs[c] = err
+				return
+			}
+			defer conn.Close(context.Background())
+			for seq := 0; time.Now().Before(end) && ctx.Err() == nil; seq++ {
+				key := fmt.Sprintf("order-%d", (c*1_000_003+seq)%1000)
+				if _, err := conn.Exec(ctx, insert, uuid.New(), key, eventType, seq); err != nil {
+					errs[c] = fmt.Errorf("writer insert: %w", err)
+					return
+				}
+				n.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	return map[string]float64{"rows_per_s": float64(n.Load()) / time.Since(start).Seconds()}, nil
 }
 
 func pct(sorted []float64, q float64) float64 {

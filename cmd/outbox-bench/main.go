@@ -53,9 +53,10 @@ type options struct {
 	latencyPolls []time.Duration
 	idlePolls    []time.Duration
 	idleFor      time.Duration
+	writersFor   time.Duration
 }
 
-var allScenarios = []string{"ceiling", "drain", "seeds", "scaling", "latency", "idle", "breakdown", "profile", "footprint"}
+var allScenarios = []string{"ceiling", "drain", "seeds", "scaling", "retention", "latency", "writers", "idle", "breakdown", "profile", "footprint"}
 
 func parseFlags(args []string) (*options, error) {
 	fs := flag.NewFlagSet("outbox-bench", flag.ContinueOnError)
@@ -76,6 +77,7 @@ func parseFlags(args []string) (*options, error) {
 	fs.StringVar(&latencyPolls, "latency-polls", "200ms,50ms", "poll intervals for the latency scenario; other than the default (200ms), only at the first rate")
 	fs.StringVar(&idlePolls, "idle-polls", "20ms,200ms,1s", "poll intervals whose idle cost is measured")
 	fs.DurationVar(&o.idleFor, "idle-duration", 10*time.Second, "how long each idle relay is watched")
+	fs.DurationVar(&o.writersFor, "writers-duration", 0, "how long the writers insert in each writers run (default 10s, quick 3s)")
 	fs.IntVar(&o.producers, "producers", 8, "producer clients in the latency scenario")
 	fs.IntVar(&o.relays, "operator-relays", 500, "OutboxRelays the operator reconciles in the footprint scenario")
 	fs.StringVar(&o.outMD, "out-md", "", "Markdown report (default docs/benchmarks.md; quick: bench/quick.md)")
@@ -140,8 +142,9 @@ func parseFlags(args []string) (*options, error) {
 	def(&o.rows, 200_000, 30_000)
 	defD(&o.seedsFor, 15*time.Second, 8*time.Second)
 	defD(&o.latencyFor, 60*time.Second, 12*time.Second)
+	defD(&o.writersFor, 10*time.Second, 3*time.Second)
 	if o.quick && !flagSet(fs, "scenarios") {
-		o.scenarios = []string{"ceiling", "drain", "seeds", "scaling", "latency", "idle", "breakdown", "profile"}
+		o.scenarios = []string{"ceiling", "drain", "seeds", "scaling", "retention", "latency", "writers", "idle", "breakdown", "profile"}
 	}
 	if o.outMD == "" {
 		o.outMD = "docs/benchmarks.md"
@@ -250,7 +253,9 @@ func bench(ctx context.Context, o *options) error {
 func runScenarios(ctx context.Context, o *options, env *benchEnv, rep *report) error {
 	want := func(s string) bool {
 		if s == "throughput" {
-			return slices.ContainsFunc(o.scenarios, func(x string) bool { return x == "ceiling" || x == "drain" || x == "seeds" || x == "scaling" })
+			return slices.ContainsFunc(o.scenarios, func(x string) bool {
+				return x == "ceiling" || x == "drain" || x == "seeds" || x == "scaling" || x == "retention"
+			})
 		}
 		return slices.Contains(o.scenarios, s)
 	}
@@ -260,6 +265,7 @@ func runScenarios(ctx context.Context, o *options, env *benchEnv, rep *report) e
 	}{
 		{"throughput", runRounds},
 		{"latency", runLatency},
+		{"writers", runWriters},
 		{"idle", runIdle},
 		{"breakdown", runBreakdown},
 		{"profile", runProfile},

@@ -83,6 +83,21 @@ func runRounds(ctx context.Context, o *options, e *benchEnv, rep *report) error 
 			}
 		}
 	}
+	if want("retention") {
+		// Mark against delete at batch 500, both timed by the relay's own
+		// counter (deleted rows leave no published_at to time them by).
+		for _, onPublish := range []string{"mark", "delete"} {
+			cases = append(cases, &benchCase{scenario: "retention", name: "on-publish=" + onPublish + " batch=500",
+				params: map[string]any{"on_publish": onPublish, "batch": 500, "ordering": "none"},
+				run: func(ctx context.Context) (map[string]float64, error) {
+					m, err := relayDrain(ctx, o, e, 500, 1, "none", "--on-publish="+onPublish)
+					if err == nil {
+						m["events_per_s"] = m["counter_events_per_s"]
+					}
+					return m, err
+				}})
+		}
+	}
 	if want("seeds") {
 		const batch = 50
 		cases = append(cases, &benchCase{scenario: "seeds", name: fmt.Sprintf("batch=%d", batch),
@@ -165,6 +180,10 @@ func runRounds(ctx context.Context, o *options, e *benchEnv, rep *report) error 
 			ratio(fmt.Sprintf("scaling %s %d replicas / 1", mode, n), find("scaling", fmt.Sprintf("ordering=%s replicas=%d", mode, n)), find("scaling", fmt.Sprintf("ordering=%s replicas=1", mode)))
 		}
 	}
+	for _, n := range []int{1, 4} {
+		ratio(fmt.Sprintf("scaling partition-key / none %d replicas", n), find("scaling", fmt.Sprintf("ordering=partition-key replicas=%d", n)), find("scaling", fmt.Sprintf("ordering=none replicas=%d", n)))
+	}
+	ratio("retention delete / mark batch 500", find("retention", "on-publish=delete batch=500"), find("retention", "on-publish=mark batch=500"))
 	ratio("ceiling batch 50 4 loops / 1 loop", find("ceiling", "batch=50 loops=4"), find("ceiling", "batch=50 loops=1"))
 	return nil
 }
