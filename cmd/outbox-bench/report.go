@@ -146,6 +146,9 @@ func (r *report) evaluate(o *options) {
 		if have {
 			t.Measured = fmt.Sprintf(format, measured)
 			t.Status = map[bool]string{true: "met", false: "missed"}[ok]
+			if want == "reported" {
+				t.Status = "reported"
+			}
 		}
 		r.Targets = append(r.Targets, t)
 	}
