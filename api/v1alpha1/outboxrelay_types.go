@@ -16,11 +16,17 @@ const (
 	ConditionDegraded = "Degraded"
 	// ConditionReconciling is True while the relay is not yet where its spec
 	// says (rolling out, scaling, replicas not ready). It and ConditionStalled
-	// are the abnormal-true conditions kstatus (and so Argo CD and Flux) reads.
+	// are the abnormal-true conditions kstatus (and so Flux and kubectl-style
+	// waits) reads; they speak of the spec being carried out, not of events
+	// flowing.
 	ConditionReconciling = "Reconciling"
 	// ConditionStalled is True when progress needs a human: an invalid spec,
 	// a missing Secret, a Deployment past its progress deadline.
 	ConditionStalled = "Stalled"
+	// ConditionLagging is True when the oldest row a relay can claim has
+	// waited longer than spec.lagThreshold; Unknown before the operator first
+	// read the backlog or while it cannot.
+	ConditionLagging = "Lagging"
 )
 
 // Condition reasons of an OutboxRelay.
@@ -54,7 +60,34 @@ const (
 	// ReasonResourceConflict: an object with a child's name exists and another
 	// owner controls it; the operator leaves it alone.
 	ReasonResourceConflict = "ResourceConflict"
+	// ReasonLagging: the Ready and Degraded reason while Lagging is True.
+	ReasonLagging = "Lagging"
+	// ReasonFlowing: no row a relay can claim is older than spec.lagThreshold.
+	ReasonFlowing = "Flowing"
+	// ReasonFallingBehind: rows are published, but the oldest waiting row is
+	// older than spec.lagThreshold.
+	ReasonFallingBehind = "FallingBehind"
+	// ReasonNotPublishing: rows wait past spec.lagThreshold, replicas are
+	// ready, and nothing was published in the last minute.
+	ReasonNotPublishing = "NotPublishing"
+	// ReasonNoReadyReplicas: rows wait past spec.lagThreshold and no relay
+	// replica is ready.
+	ReasonNoReadyReplicas = "NoReadyReplicas"
+	// ReasonObserving: the operator has not read the backlog yet.
+	ReasonObserving = "Observing"
+	// ReasonBacklogUnavailable: the operator cannot read the backlog (no
+	// connection, the table missing, a permission refused, a timeout).
+	ReasonBacklogUnavailable = "BacklogUnavailable"
+	// ReasonCaughtUp: the event reason when Lagging turns False.
+	ReasonCaughtUp = "CaughtUp"
+	// ReasonScaledUp and ReasonScaledDown: the event reasons of an autoscaling decision.
+	ReasonScaledUp   = "ScaledUp"
+	ReasonScaledDown = "ScaledDown"
 )
+
+// BacklogBound is how many unpublished rows the operator counts exactly; above
+// it, status.backlog.pending is an estimate.
+const BacklogBound = 100000
 
 // Default keys of the referenced Secrets. The `+kubebuilder:default` markers
 // below repeat them as literals (markers cannot name a constant); a test
@@ -197,6 +230,63 @@ type KafkaSASL struct {
 	CredentialsSecretRef SASLCredentialsReference `json:"credentialsSecretRef"`
 }
 
+// AutoscalingSpec sizes the relay from its backlog: the desired replicas
+// are the most any set target asks for, at least one while a row waits,
+// within [minReplicas, maxReplicas]. Scaling up takes effect at once; scaling
+// down follows the highest count asked for during scaleDownStabilization.
+// +kubebuilder:validation:XValidation:rule="self.maxReplicas >= (has(self.minReplicas) ? self.minReplicas : 1)",message="spec.autoscaling.maxReplicas must be at least minReplicas",fieldPath=".maxReplicas"
+// +kubebuilder:validation:XValidation:rule="has(self.pendingPerReplica) || has(self.oldestAge)",message="spec.autoscaling needs a target: pendingPerReplica, oldestAge or both"
+type AutoscalingSpec struct {
+	// MinReplicas is the fewest relay pods, 0 allowed: an idle relay then runs
+	// none, and the first waiting row brings one back within one
+	// spec.backlog.interval. Default: 1.
+	// +kubebuilder:default=1
+	// +kubebuilder:validation:Minimum=0
+	// +optional
+	MinReplicas *int32 `json:"minReplicas,omitempty"`
+
+	// MaxReplicas is the most relay pods.
+	// +kubebuilder:validation:Minimum=1
+	MaxReplicas int32 `json:"maxReplicas"`
+
+	// PendingPerReplica asks for one replica per this many waiting rows
+	// (status.backlog.pending).
+	// +kubebuilder:validation:Minimum=1
+	// +optional
+	PendingPerReplica *int64 `json:"pendingPerReplica,omitempty"`
+
+	// OldestAge asks for more replicas in proportion while the oldest
+	// waiting row is older than this (status.backlog.oldestAge), a Go
+	// duration between 1s and 24h: 48s against 10s with one replica asks for five.
+	// +kubebuilder:validation:MaxLength=64
+	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
+	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('1s') && duration(self) <= duration('24h'))",message="spec.autoscaling.oldestAge must be a duration between 1s and 24h"
+	// +optional
+	OldestAge string `json:"oldestAge,omitempty"`
+
+	// ScaleDownStabilization is how long a lower replica count must be all
+	// that is asked for before the relay scales down to it, a Go duration
+	// between 0s and 1h. Default: 5m.
+	// +kubebuilder:default="5m"
+	// +kubebuilder:validation:MaxLength=64
+	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
+	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || duration(self) <= duration('1h')",message="spec.autoscaling.scaleDownStabilization must be a duration between 0s and 1h"
+	// +optional
+	ScaleDownStabilization string `json:"scaleDownStabilization,omitempty"`
+}
+
+// BacklogSpec says how the operator observes the outbox table.
+type BacklogSpec struct {
+	// Interval between two reads of the backlog, a Go duration between 5s
+	// and 1h. Each read is one bounded query over one connection. Default: 15s.
+	// +kubebuilder:default="15s"
+	// +kubebuilder:validation:MaxLength=64
+	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
+	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('5s') && duration(self) <= duration('1h'))",message="spec.backlog.interval must be a duration between 5s and 1h"
+	// +optional
+	Interval string `json:"interval,omitempty"`
+}
+
 // OutboxRelaySpec is the desired state of an OutboxRelay.
 // +kubebuilder:validation:XValidation:rule="!has(self.deadLetterTopic) || !self.topics.exists(k, self.topics[k] == self.deadLetterTopic)",message="spec.deadLetterTopic must not be one of the topics in spec.topics",fieldPath=".deadLetterTopic"
 type OutboxRelaySpec struct {
@@ -263,7 +353,7 @@ type OutboxRelaySpec struct {
 	// Kafka says how to reach the brokers.
 	Kafka KafkaSpec `json:"kafka"`
 
-	// Replicas is the number of relay pods. Default: 1.
+	// Replicas is the number of relay pods when spec.autoscaling is absent. Default: 1.
 	// +kubebuilder:default=1
 	// +kubebuilder:validation:Minimum=0
 	// +optional
@@ -272,6 +362,27 @@ type OutboxRelaySpec struct {
 	// Suspend scales the relay to zero and keeps everything else.
 	// +optional
 	Suspend bool `json:"suspend,omitempty"`
+
+	// Autoscaling, when present, lets the operator choose the number of relay
+	// pods from the backlog, between minReplicas and maxReplicas; spec.replicas
+	// is then ignored (and kept for when autoscaling is removed). The operator
+	// writes the Deployment's replicas and status.desiredReplicas, never this spec.
+	// +optional
+	Autoscaling *AutoscalingSpec `json:"autoscaling,omitempty"`
+
+	// Backlog says how often the operator reads the outbox table's backlog.
+	// +optional
+	Backlog *BacklogSpec `json:"backlog,omitempty"`
+
+	// LagThreshold is how long the oldest row a relay can claim may wait
+	// before the relay counts as Lagging, a Go duration between 1s and 24h.
+	// Default: 1m.
+	// +kubebuilder:default="1m"
+	// +kubebuilder:validation:MaxLength=64
+	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
+	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('1s') && duration(self) <= duration('24h'))",message="spec.lagThreshold must be a duration between 1s and 24h"
+	// +optional
+	LagThreshold string `json:"lagThreshold,omitempty"`
 
 	// Image is the relay image. Default: the operator's configured relay image.
 	// The operator's --allowed-relay-images may restrict it to some prefixes.
@@ -322,6 +433,58 @@ type OutboxRelaySpec struct {
 	PodLabels map[string]string `json:"podLabels,omitempty"`
 }
 
+// BacklogStatus is what the operator read from the outbox table. It reads the
+// BacklogBound (100000) oldest unpublished rows by id, in one query.
+type BacklogStatus struct {
+	// Pending is the number of unpublished rows a relay can claim: of a
+	// mapped event type, with no NULL in a column the relay reads. Exact
+	// while Estimated is false.
+	Pending int64 `json:"pending"`
+
+	// Estimated is true when more than 100000 rows are unpublished. Pending
+	// is then the count among the 100000 oldest plus every id issued after
+	// the last of them (max(id) minus its id): that also counts rows
+	// published since and ids of rolled-back inserts, so it errs high.
+	// +optional
+	Estimated bool `json:"estimated,omitempty"`
+
+	// OldestAge is the age of the oldest row a relay can claim (by
+	// created_at, on the database's clock), to the second; 0s when none waits.
+	OldestAge metav1.Duration `json:"oldestAge"`
+
+	// Held counts the unpublished rows among the 100000 oldest that no relay
+	// publishes as things stand, for the reasons the operator can see. The
+	// relays count further reasons only they see (topic unavailable, too
+	// large, refused by Kafka; in PartitionKey ordering the later rows of a
+	// held row's key) in their metric outbox_relay_rows_held{reason}; the
+	// operator counts those rows as pending.
+	// +optional
+	Held HeldRows `json:"held,omitempty"`
+
+	// PublishedPerMinute is the number of rows marked published over the
+	// last minute (scaled to a minute while the operator has read for less
+	// than one), from the difference of PostgreSQL's count of updated rows of
+	// the table between reads: the relays update a row only to mark it
+	// published, so no table scan is needed. Absent until two reads exist, or
+	// when the server does not count (track_counts off).
+	// +optional
+	PublishedPerMinute *int64 `json:"publishedPerMinute,omitempty"`
+
+	// ObservedAt is when the operator read these numbers.
+	ObservedAt metav1.Time `json:"observedAt"`
+}
+
+// HeldRows counts unpublished rows held back, by reason.
+type HeldRows struct {
+	// Unroutable rows have an event type not in spec.topics (or a NULL one).
+	// +optional
+	Unroutable int64 `json:"unroutable,omitempty"`
+	// Invalid rows have a NULL in a column the relay reads; the relay holds
+	// them (reason invalid_row) until the row is fixed.
+	// +optional
+	Invalid int64 `json:"invalid,omitempty"`
+}
+
 // OutboxRelayStatus is the observed state of an OutboxRelay.
 type OutboxRelayStatus struct {
 	// ObservedGeneration is the spec generation this status describes.
@@ -336,6 +499,15 @@ type OutboxRelayStatus struct {
 	// +optional
 	ReadyReplicas int32 `json:"readyReplicas,omitempty"`
 
+	// DesiredReplicas is the number of pods the operator asks the Deployment
+	// for: spec.replicas, 0 when suspended, or the autoscaler's choice.
+	// +optional
+	DesiredReplicas int32 `json:"desiredReplicas,omitempty"`
+
+	// Backlog is the outbox table's backlog as the operator last read it.
+	// +optional
+	Backlog *BacklogStatus `json:"backlog,omitempty"`
+
 	// Ready is ready/desired replicas, for display (kubectl get).
 	// +optional
 	Ready string `json:"ready,omitempty"`
@@ -348,7 +520,7 @@ type OutboxRelayStatus struct {
 	// +optional
 	TopicCount int32 `json:"topicCount,omitempty"`
 
-	// Conditions are Ready, Progressing, Degraded, Reconciling and Stalled.
+	// Conditions are Ready, Progressing, Degraded, Reconciling, Stalled and Lagging.
 	// +listType=map
 	// +listMapKey=type
 	// +optional
@@ -363,10 +535,14 @@ type OutboxRelayStatus struct {
 // +kubebuilder:subresource:scale:specpath=.spec.replicas,statuspath=.status.replicas,selectorpath=.status.selector
 // +kubebuilder:resource:shortName=obr,categories=outbox
 // +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.ready`,description="Ready replicas / desired replicas"
-// +kubebuilder:printcolumn:name="Table",type=string,JSONPath=`.spec.table`
-// +kubebuilder:printcolumn:name="Topics",type=integer,JSONPath=`.status.topicCount`,description="Number of mapped event types"
-// +kubebuilder:printcolumn:name="Status",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`,description="The Ready condition"
-// +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].reason`
+// +kubebuilder:printcolumn:name="Backlog",type=integer,JSONPath=`.status.backlog.pending`,description="Rows waiting for a relay (an estimate above 100000)"
+// +kubebuilder:printcolumn:name="Lag",type=string,JSONPath=`.status.backlog.oldestAge`,description="Age of the oldest waiting row"
+// +kubebuilder:printcolumn:name="Lagging",type=string,JSONPath=`.status.conditions[?(@.type=="Lagging")].status`,priority=1,description="The Lagging condition"
+// +kubebuilder:printcolumn:name="Desired",type=integer,JSONPath=`.status.desiredReplicas`,priority=1,description="Replicas the operator asks for"
+// +kubebuilder:printcolumn:name="Table",type=string,JSONPath=`.spec.table`,priority=1
+// +kubebuilder:printcolumn:name="Topics",type=integer,JSONPath=`.status.topicCount`,priority=1,description="Number of mapped event types"
+// +kubebuilder:printcolumn:name="Status",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`,priority=1,description="The Ready condition"
+// +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].reason`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 // +kubebuilder:validation:XValidation:rule="size(self.metadata.name) <= 57 && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",message="metadata.name must be a DNS label of at most 57 characters starting with a letter (children are named <name>-relay)"
 type OutboxRelay struct {
