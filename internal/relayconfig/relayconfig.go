@@ -14,6 +14,7 @@ import (
 	"io"
 	"maps"
 	"net"
+	"net/url"
 	"os"
 	"regexp"
 	"slices"
@@ -53,6 +54,9 @@ const (
 	FlagKafkaTLSCertFile  = "kafka-tls-cert-file"
 	FlagKafkaTLSKeyFile   = "kafka-tls-key-file"
 	FlagKafkaSASLMech     = "kafka-sasl-mechanism"
+	FlagFormat            = "format"
+	FlagCloudEventsSource = "cloudevents-source"
+	FlagCompression       = "compression"
 	flagKafkaSASLUsername = "kafka-sasl-username" // environment only
 	flagKafkaSASLPassword = "kafka-sasl-password" // environment only
 )
@@ -101,6 +105,35 @@ const (
 // OnPublishes are the valid OnPublish values.
 var OnPublishes = []OnPublish{OnPublishMark, OnPublishDelete}
 
+// Format is how the relay lays out a Kafka record, as --format takes it.
+type Format string
+
+const (
+	// FormatRaw: the payload as the value, the relay's headers and the row's own.
+	FormatRaw Format = "raw"
+	// FormatCloudEvents: a CloudEvent in the Kafka protocol binding's binary
+	// content mode (ce_* headers, content-type), plus the raw format's headers.
+	FormatCloudEvents Format = "cloudevents"
+)
+
+// Formats are the valid Format values.
+var Formats = []Format{FormatRaw, FormatCloudEvents}
+
+// Compression is the codec of the relay's produce requests, as --compression takes it.
+type Compression string
+
+// The Compression values.
+const (
+	CompressionNone   Compression = "none"
+	CompressionGzip   Compression = "gzip"
+	CompressionSnappy Compression = "snappy"
+	CompressionLz4    Compression = "lz4"
+	CompressionZstd   Compression = "zstd"
+)
+
+// Compressions are the valid Compression values.
+var Compressions = []Compression{CompressionNone, CompressionGzip, CompressionSnappy, CompressionLz4, CompressionZstd}
+
 // SASL mechanisms the relay speaks.
 const (
 	SASLPlain       = "PLAIN"
@@ -148,6 +181,10 @@ const (
 	MaxStallTimeout         = 24 * time.Hour
 	DefaultOrdering         = OrderingNone
 	DefaultLogFormat        = "json"
+	DefaultFormat           = FormatRaw
+	DefaultCompression      = CompressionNone
+	// MaxCloudEventsSourceLength bounds --cloudevents-source (it travels in every record).
+	MaxCloudEventsSourceLength = 1024
 	// MetricsPort is where a relay pod serves /metrics, /healthz and /readyz.
 	MetricsPort = 9090
 	// MaxTopics is the most event types one relay maps.
@@ -208,9 +245,16 @@ type Settings struct {
 	// StallTimeout: /readyz fails when no batch completes, or rows wait and
 	// none is published, for this long.
 	StallTimeout time.Duration
-	MetricsAddr  string
-	LogFormat    string
-	KafkaTLS     bool
+	// Format is the record layout: raw or cloudevents.
+	Format Format
+	// CloudEventsSource is ce_source in the cloudevents format; empty means
+	// "/outbox/<table>".
+	CloudEventsSource string
+	// Compression is the produce requests' codec.
+	Compression Compression
+	MetricsAddr string
+	LogFormat   string
+	KafkaTLS    bool
 	// Kafka TLS files: CA bundle, client certificate and key (PEM).
 	KafkaTLSCAFile, KafkaTLSCertFile, KafkaTLSKeyFile string
 	// KafkaSASLMechanism is empty (no SASL) or one of SASLMechanisms.
@@ -233,6 +277,8 @@ func Defaults() Settings {
 		PruneBatchSize: DefaultPruneBatchSize,
 		PrunePause:     DefaultPrunePause,
 		StallTimeout:   DefaultStallTimeout,
+		Format:         DefaultFormat,
+		Compression:    DefaultCompression,
 		MetricsAddr:    DefaultMetricsAddr,
 		LogFormat:      DefaultLogFormat,
 	}
@@ -257,12 +303,17 @@ func (s Settings) Args() []string {
 		arg(FlagKeepPublishedFor, s.KeepPublishedFor.String()),
 		arg(FlagPruneBatchSize, strconv.Itoa(s.PruneBatchSize)),
 		arg(FlagPrunePause, s.PrunePause.String()),
+		arg(FlagFormat, string(s.Format)),
+		arg(FlagCompression, string(s.Compression)),
 	}
 	for _, et := range slices.Sorted(maps.Keys(s.Topics)) {
 		args = append(args, arg(FlagTopic, et+"="+s.Topics[et]))
 	}
 	if s.DeadLetterTopic != "" {
 		args = append(args, arg(FlagDeadLetterTopic, s.DeadLetterTopic))
+	}
+	if s.CloudEventsSource != "" {
+		args = append(args, arg(FlagCloudEventsSource, s.CloudEventsSource))
 	}
 	args = append(args, arg(FlagOrdering, string(s.Ordering)), arg(FlagMetricsAddr, s.MetricsAddr), arg(FlagLogFormat, s.LogFormat))
 	if s.Notify {
@@ -308,6 +359,9 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.DurationVar(&s.KeepPublishedFor, FlagKeepPublishedFor, DefaultKeepPublishedFor, fmt.Sprintf("prune published rows older than this; 0 keeps them (0 or %s..%s)", MinKeepPublishedFor, MaxKeepPublishedFor))
 	fs.IntVar(&s.PruneBatchSize, FlagPruneBatchSize, DefaultPruneBatchSize, fmt.Sprintf("most rows one prune transaction deletes (%d..%d)", MinPruneBatchSize, MaxPruneBatchSize))
 	fs.DurationVar(&s.PrunePause, FlagPrunePause, DefaultPrunePause, fmt.Sprintf("pause between prune transactions (%s..%s)", MinPrunePause, MaxPrunePause))
+	fs.Func(FlagFormat, "record layout: raw or cloudevents (CloudEvents binary content mode) (default raw)", func(v string) error { s.Format = Format(v); return nil })
+	fs.StringVar(&s.CloudEventsSource, FlagCloudEventsSource, "", "ce_source of the cloudevents format, a URI-reference (default /outbox/<table>)")
+	fs.Func(FlagCompression, "produce request codec: none, gzip, snappy, lz4 or zstd (default none)", func(v string) error { s.Compression = Compression(v); return nil })
 	fs.BoolVar(&s.Notify, FlagNotify, false, "also claim as soon as a writer that notifies (outbox.WithNotify) commits; polling still runs")
 	fs.Var(topics, FlagTopic, "EVENT_TYPE=TOPIC mapping (repeatable, or comma-separated)")
 	fs.StringVar(&topicsFile, FlagTopicsFile, "", "YAML or JSON file mapping event types to topics")
@@ -374,6 +428,9 @@ func (s Settings) Validate() error {
 		flagErr(FlagPruneBatchSize, CheckPruneBatchSize(s.PruneBatchSize)),
 		flagErr(FlagPrunePause, CheckPrunePause(s.PrunePause)),
 		flagErr(FlagOrdering, CheckOrdering(s.Ordering)),
+		flagErr(FlagFormat, CheckFormat(s.Format)),
+		flagErr(FlagCloudEventsSource, CheckCloudEventsSource(s.CloudEventsSource)),
+		flagErr(FlagCompression, CheckCompression(s.Compression)),
 	}
 	if s.DeadLetterTopic != "" {
 		errs = append(errs, flagErr(FlagDeadLetterTopic, CheckDeadLetterTopic(s.DeadLetterTopic, s.Topics)))
@@ -492,6 +549,40 @@ func CheckPrunePause(d time.Duration) error { return checkDuration(d, MinPrunePa
 func CheckOrdering(o Ordering) error {
 	if !slices.Contains(Orderings, o) {
 		return fmt.Errorf("%q is not one of none, partition-key", o)
+	}
+	return nil
+}
+
+// CheckFormat accepts the Formats.
+func CheckFormat(f Format) error {
+	if !slices.Contains(Formats, f) {
+		return fmt.Errorf("%q is not one of raw, cloudevents", f)
+	}
+	return nil
+}
+
+// CheckCloudEventsSource accepts "" (the default, derived from the table)
+// or a URI-reference, which CloudEvents requires of source.
+func CheckCloudEventsSource(src string) error {
+	if src == "" {
+		return nil
+	}
+	if len(src) > MaxCloudEventsSourceLength {
+		return fmt.Errorf("%d characters, at most %d", len(src), MaxCloudEventsSourceLength)
+	}
+	if strings.TrimSpace(src) != src || strings.ContainsAny(src, " \t\r\n") {
+		return fmt.Errorf("%q is not a URI-reference (no spaces)", src)
+	}
+	if _, err := url.Parse(src); err != nil {
+		return fmt.Errorf("%q is not a URI-reference: %v", src, err)
+	}
+	return nil
+}
+
+// CheckCompression accepts the Compressions.
+func CheckCompression(c Compression) error {
+	if !slices.Contains(Compressions, c) {
+		return fmt.Errorf("%q is not one of none, gzip, snappy, lz4, zstd", c)
 	}
 	return nil
 }

@@ -42,6 +42,9 @@ func TestArgsRoundTrip(t *testing.T) {
 			s.Ordering = relayconfig.OrderingPartitionKey
 			s.LogFormat = "text"
 			s.Notify = true
+			s.Format = relayconfig.FormatCloudEvents
+			s.CloudEventsSource = "https://orders.example/outbox"
+			s.Compression = relayconfig.CompressionZstd
 			s.KafkaTLS = true
 			s.KafkaTLSCAFile, s.KafkaTLSCertFile, s.KafkaTLSKeyFile = "/tls/ca.crt", "/tls/tls.crt", "/tls/tls.key"
 			s.KafkaSASLMechanism = relayconfig.SASLPlain
@@ -94,6 +97,10 @@ func TestParseNamesFlagAndValue(t *testing.T) {
 		`--kafka-sasl-mechanism: PLAIN sends the password in clear text; it needs --kafka-tls`: {"--kafka-sasl-mechanism=PLAIN"},
 		`--topic: event type " E" must be`:                                                     {"--topic= E=t2"},
 		`--brokers: "k:0" has an invalid port`:                                                 {"--brokers=k:0"},
+		`--format: "avro" is not one of raw, cloudevents`:                                      {"--format=avro"},
+		`--compression: "brotli" is not one of none, gzip, snappy, lz4, zstd`:                  {"--compression=brotli"},
+		`--cloudevents-source: "/a b" is not a URI-reference`:                                  {"--cloudevents-source=/a b"},
+		`--cloudevents-source: "%zz" is not a URI-reference`:                                   {"--cloudevents-source=%zz"},
 	}
 	for want, extra := range cases {
 		_, err := relayconfig.Parse(append(good, extra...), dsn, nil)
@@ -101,6 +108,23 @@ func TestParseNamesFlagAndValue(t *testing.T) {
 	}
 	_, err := relayconfig.Parse([]string{"-h"}, dsn, &bytes.Buffer{})
 	require.True(t, errors.Is(err, relayconfig.ErrHelp))
+}
+
+// Each codec and format is accepted, from the command line and the environment.
+func TestFormatAndCompressionValues(t *testing.T) {
+	t.Parallel()
+	for _, c := range relayconfig.Compressions {
+		s, err := relayconfig.Parse([]string{"--brokers=k:9092", "--topic=E=t", "--compression=" + string(c)},
+			env(map[string]string{relayconfig.EnvDSN: "postgres://x"}), nil)
+		require.NoError(t, err)
+		require.Equal(t, c, s.Compression)
+	}
+	s, err := relayconfig.Parse([]string{"--brokers=k:9092", "--topic=E=t"}, env(map[string]string{
+		relayconfig.EnvDSN: "postgres://x", "RELAY_FORMAT": "cloudevents", "RELAY_CLOUDEVENTS_SOURCE": "urn:orders",
+	}), nil)
+	require.NoError(t, err)
+	require.Equal(t, relayconfig.FormatCloudEvents, s.Format)
+	require.Equal(t, "urn:orders", s.CloudEventsSource)
 }
 
 // docs/relay.md's flag table lists every flag, with the defaults the relay has.
