@@ -69,10 +69,15 @@ func commonLabels(relay *outboxv1alpha1.OutboxRelay) map[string]string {
 	return l
 }
 
-// desiredReplicas is what the Deployment should run: zero when suspended.
+// desiredReplicas is what the Deployment should run: zero when suspended,
+// the autoscaler's count (which Reconcile puts in status.desiredReplicas
+// before building anything) when autoscaling, else spec.replicas.
 func desiredReplicas(relay *outboxv1alpha1.OutboxRelay) int32 {
-	if relay.Spec.Suspend {
+	switch {
+	case relay.Spec.Suspend:
 		return 0
+	case relay.Spec.Autoscaling != nil:
+		return relay.Status.DesiredReplicas
 	}
 	return ptr.Deref(relay.Spec.Replicas, 1)
 }

@@ -43,7 +43,7 @@ func TestRelayDeploymentDefaultsAndArgs(t *testing.T) {
 		"--table=outbox", "--brokers=127.0.0.1:9092", "--batch-size=50", "--max-batch-bytes=4194304",
 		"--poll-interval=200ms", "--publish-timeout=10s", "--stall-timeout=2m0s",
 		"--topic=OrderConfirmed=orders.confirmed", "--ordering=none", "--metrics-addr=:9090", "--log-format=json",
-	}, ct.Args)
+	}, specArgs(ct.Args))
 	require.Equal(t, relayconfig.EnvDSN, ct.Env[0].Name)
 	require.Equal(t, "dsn", ct.Env[0].ValueFrom.SecretKeyRef.Key, "the key defaults to dsn")
 	require.Equal(t, defaultResources(), ct.Resources)
@@ -79,7 +79,7 @@ func TestRelayDeploymentSpecFields(t *testing.T) {
 		"--poll-interval=1s", "--publish-timeout=10s", "--stall-timeout=2m0s",
 		"--topic=a=topic-a", "--topic=b=topic-b", "--topic=c=topic-c", "--dead-letter-topic=dlq",
 		"--ordering=partition-key", "--metrics-addr=:9090", "--log-format=json",
-	}, ct.Args)
+	}, specArgs(ct.Args))
 	require.Equal(t, "my/relay:1", ct.Image)
 	require.Equal(t, corev1.PullAlways, ct.ImagePullPolicy)
 	require.Equal(t, corev1.ResourceRequirements{}, ct.Resources)
@@ -372,7 +372,7 @@ func TestComputeStatus(t *testing.T) {
 	} {
 		relay := unitRelay()
 		relay.Spec.Replicas, relay.Spec.Suspend = ptr.To(tc.replicas), tc.suspend
-		st := computeStatus(relay, tc.deploy, tc.prob)
+		st := computeStatus(relay, tc.deploy, tc.prob, observation{})
 		got := func(typ string) string {
 			c := meta.FindStatusCondition(st.Conditions, typ)
 			require.NotNil(t, c, "%s: %s", name, typ)
@@ -387,9 +387,9 @@ func TestComputeStatus(t *testing.T) {
 
 	// An unchanged condition keeps its transition time.
 	relay := unitRelay()
-	relay.Status = computeStatus(relay, deploy(1, 1, 1), nil)
+	relay.Status = computeStatus(relay, deploy(1, 1, 1), nil, observation{})
 	before := meta.FindStatusCondition(relay.Status.Conditions, "Ready").LastTransitionTime
 	relay.Status.Conditions[0].LastTransitionTime = metav1.NewTime(before.Add(-3600e9))
-	again := computeStatus(relay, deploy(1, 1, 1), nil)
+	again := computeStatus(relay, deploy(1, 1, 1), nil, observation{})
 	require.Equal(t, relay.Status, again, "a second computation over the same inputs changes nothing")
 }

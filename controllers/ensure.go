@@ -21,20 +21,25 @@ import (
 // This file writes the children: one way for all of them (a spec-hash
 // annotation plus a merge patch of the fields the operator owns).
 
-// ensureChildren validates the spec, reads the referenced Secrets and ensures
-// every child. current is the relay's Deployment as it runs (nil when none).
-// It returns the Deployment as written, or a nil Deployment and the problem
-// that kept it from writing the children.
-func (r *OutboxRelayReconciler) ensureChildren(ctx context.Context, relay *outboxv1alpha1.OutboxRelay, current *appsv1.Deployment) (*appsv1.Deployment, *problem, error) {
-	img := images{fallback: r.RelayImage, allowed: r.AllowedImages}
-	if err := validateSpec(relay, img); err != nil {
-		return nil, &problem{reason: outboxv1alpha1.ReasonInvalidSpec, message: err.Error()}, nil
+// inputs validates the spec and reads the referenced Secrets: what the
+// children are built from, or the problem that keeps them from being built.
+func (r *OutboxRelayReconciler) inputs(ctx context.Context, relay *outboxv1alpha1.OutboxRelay) (secretInputs, *problem, error) {
+	if err := validateSpec(relay, r.images()); err != nil {
+		return secretInputs{}, &problem{reason: outboxv1alpha1.ReasonInvalidSpec, message: err.Error()}, nil
 	}
-	in, prob, err := r.readSecrets(ctx, relay)
-	if err != nil || prob != nil {
-		return nil, prob, err
-	}
-	desired, err := relayDeployment(relay, img, in, current)
+	return r.readSecrets(ctx, relay)
+}
+
+func (r *OutboxRelayReconciler) images() images {
+	return images{fallback: r.RelayImage, allowed: r.AllowedImages}
+}
+
+// ensureChildren ensures every child from the inputs. current is the
+// relay's Deployment as it runs (nil when none). It returns the Deployment
+// as written, or a nil Deployment and the problem that kept it from writing
+// the children.
+func (r *OutboxRelayReconciler) ensureChildren(ctx context.Context, relay *outboxv1alpha1.OutboxRelay, in secretInputs, current *appsv1.Deployment) (*appsv1.Deployment, *problem, error) {
+	desired, err := relayDeployment(relay, r.images(), in, current)
 	if err != nil {
 		return nil, &problem{reason: outboxv1alpha1.ReasonInvalidSpec, message: err.Error()}, nil
 	}

@@ -2,9 +2,11 @@ package controllers
 
 import (
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	appsv1 "k8s.io/api/apps/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -48,7 +50,50 @@ func TestStatusReadsRightToKstatus(t *testing.T) {
 	} {
 		relay := unitRelay()
 		relay.Spec.Replicas = ptr.To(tc.replicas)
-		relay.Status = computeStatus(relay, tc.deploy, tc.prob)
+		relay.Status = computeStatus(relay, tc.deploy, tc.prob, observation{})
+		obj, err := runtime.DefaultUnstructuredConverter.ToUnstructured(relay)
+		require.NoError(t, err)
+		res, err := status.Compute(&unstructured.Unstructured{Object: obj})
+		require.NoError(t, err, name)
+		require.Equal(t, tc.want, res.Status, "%s: %s", name, res.Message)
+	}
+}
+
+// Lagging speaks of the flow of events; kstatus of the spec being carried
+// out. A relay whose rows still flow, however late, is InProgress (Ready is
+// False); one whose ready replicas publish nothing while rows wait is
+// Failed (Stalled); a suspended one is Current whatever waits; a backlog
+// the operator cannot read changes nothing kstatus reads.
+func TestLaggingReadsRightToKstatus(t *testing.T) {
+	t.Parallel()
+	ready := &appsv1.Deployment{
+		ObjectMeta: metav1.ObjectMeta{Generation: 1},
+		Status:     appsv1.DeploymentStatus{ObservedGeneration: 1, Replicas: 1, UpdatedReplicas: 1, ReadyReplicas: 1, AvailableReplicas: 1},
+	}
+	stopped := &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Generation: 1}, Status: appsv1.DeploymentStatus{ObservedGeneration: 1}}
+	backlog := func(age time.Duration, perMinute int64) *outboxv1alpha1.BacklogStatus {
+		return &outboxv1alpha1.BacklogStatus{Pending: 10, OldestAge: metav1.Duration{Duration: age},
+			PublishedPerMinute: ptr.To(perMinute), ObservedAt: metav1.Now()}
+	}
+	for name, tc := range map[string]struct {
+		suspend bool
+		deploy  *appsv1.Deployment
+		obs     observation
+		want    status.Status
+		lagging string
+	}{
+		"flowing":            {false, ready, observation{backlog: backlog(time.Second, 600)}, status.CurrentStatus, "False/Flowing"},
+		"falling behind":     {false, ready, observation{backlog: backlog(5*time.Minute, 600)}, status.InProgressStatus, "True/FallingBehind"},
+		"not publishing":     {false, ready, observation{backlog: backlog(5*time.Minute, 0)}, status.FailedStatus, "True/NotPublishing"},
+		"suspended, waiting": {true, stopped, observation{backlog: backlog(5*time.Minute, 0)}, status.CurrentStatus, "True/NoReadyReplicas"},
+		"backlog unreadable": {false, ready, observation{err: "cannot reach PostgreSQL"}, status.CurrentStatus, "Unknown/BacklogUnavailable"},
+		"not read yet":       {false, ready, observation{}, status.CurrentStatus, "Unknown/Observing"},
+	} {
+		relay := unitRelay()
+		relay.Spec.Replicas, relay.Spec.Suspend = ptr.To[int32](1), tc.suspend
+		relay.Status = computeStatus(relay, tc.deploy, nil, tc.obs)
+		c := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging)
+		require.Equal(t, tc.lagging, string(c.Status)+"/"+c.Reason, name)
 		obj, err := runtime.DefaultUnstructuredConverter.ToUnstructured(relay)
 		require.NoError(t, err)
 		res, err := status.Compute(&unstructured.Unstructured{Object: obj})

@@ -1,6 +1,7 @@
 package controllers
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"time"
@@ -9,6 +10,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
@@ -18,6 +21,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
 // secretRetryInterval is how soon a relay waiting for a Secret is looked at
@@ -42,12 +46,17 @@ type OutboxRelayReconciler struct {
 	// AllowedImages are the prefixes an OutboxRelay's spec.image must start
 	// with; empty allows any image. RelayImage is always allowed.
 	AllowedImages []string
+	// Flow reads the relays' backlogs; nil reads none (no Lagging, and
+	// autoscaled relays keep their running count).
+	Flow *FlowObserver
+	// Metrics are the per-relay gauges; nil reports none.
+	Metrics *Metrics
 }
 
 // Least privilege: status is only patched; finalizers/update lets the owner
 // references block the owner's deletion. Secrets: get reads a referenced one
 // (uncached); list and watch feed the metadata-only watch. RBAC cannot grant
-// metadata alone, so the manager's code, not its role, keeps it from holding
+// metadata alone, so the manager's code, not its role, keeps it from caching
 // Secret data.
 //
 // +kubebuilder:rbac:groups=outbox.dev,resources=outboxrelays,verbs=get;list;watch
@@ -63,9 +72,13 @@ type OutboxRelayReconciler struct {
 func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
 	relay := &outboxv1alpha1.OutboxRelay{}
 	if err := r.Get(ctx, req.NamespacedName, relay); err != nil {
+		if apierrors.IsNotFound(err) {
+			r.forget(req.NamespacedName)
+		}
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
 	if !relay.DeletionTimestamp.IsZero() {
+		r.forget(req.NamespacedName)
 		return ctrl.Result{}, nil // owner references hand the children to the garbage collector
 	}
 	original := relay.DeepCopy()
@@ -74,15 +87,24 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 	if err != nil {
 		return ctrl.Result{}, err
 	}
-	deploy, prob, err := r.ensureChildren(ctx, relay, current)
+	in, prob, err := r.inputs(ctx, relay)
 	if err != nil {
 		return ctrl.Result{}, err
+	}
+	obs := r.observe(req.NamespacedName, relay, in, prob)
+	relay.Status.DesiredReplicas = r.decideReplicas(req.NamespacedName, relay, obs, current)
+	var deploy *appsv1.Deployment
+	if prob == nil {
+		if deploy, prob, err = r.ensureChildren(ctx, relay, in, current); err != nil {
+			return ctrl.Result{}, err
+		}
 	}
 	if deploy == nil { // children left as they are: report the Deployment that runs
 		deploy = current
 	}
-	relay.Status = computeStatus(relay, deploy, prob)
-	r.recordProblem(original, relay, prob)
+	relay.Status = computeStatus(relay, deploy, prob, obs)
+	r.recordEvents(original, relay, current, deploy, prob)
+	r.Metrics.set(relay)
 	if !equality.Semantic.DeepEqual(original.Status, relay.Status) {
 		if err := r.Status().Patch(ctx, relay, client.MergeFrom(original)); err != nil {
 			return ctrl.Result{}, fmt.Errorf("write status of %s: %w", req.NamespacedName, err)
@@ -92,6 +114,60 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 		return ctrl.Result{RequeueAfter: secretRetryInterval}, nil
 	}
 	return ctrl.Result{}, nil
+}
+
+// forget stops observing a relay that is gone and drops its metrics.
+func (r *OutboxRelayReconciler) forget(key types.NamespacedName) {
+	if r.Flow != nil {
+		r.Flow.Forget(key)
+	}
+	r.Metrics.delete(key)
+}
+
+// observe makes sure the relay's backlog is being read and returns the
+// latest reading. A relay with a problem (no DSN to connect with, a spec
+// no pod is built from) is not observed.
+func (r *OutboxRelayReconciler) observe(key types.NamespacedName, relay *outboxv1alpha1.OutboxRelay, in secretInputs, prob *problem) observation {
+	if r.Flow == nil {
+		return observation{err: "this manager does not read backlogs"}
+	}
+	table, err := outbox.ParseTable(cmp.Or(relay.Spec.Table, outbox.DefaultTable))
+	if prob != nil || err != nil {
+		r.Flow.Forget(key)
+		return observation{}
+	}
+	interval := defaultBacklogInterval
+	if b := relay.Spec.Backlog; b != nil {
+		if d, err := time.ParseDuration(b.Interval); err == nil && d > 0 {
+			interval = d
+		}
+	}
+	view := r.Flow.Observe(key, flowTarget{dsn: in.DSN, dsnSecret: relay.Spec.DSNSecretRef.Name, table: table, interval: interval})
+	obs := observation{err: view.lastErr}
+	if view.sample != nil {
+		obs.backlog = backlogStatus(relay, view.sample)
+	}
+	return obs
+}
+
+// decideReplicas is the count the Deployment should run: the spec's, or
+// with autoscaling the recommendation for the observed backlog, stabilized
+// against the running count.
+func (r *OutboxRelayReconciler) decideReplicas(key types.NamespacedName, relay *outboxv1alpha1.OutboxRelay, obs observation, current *appsv1.Deployment) int32 {
+	as := relay.Spec.Autoscaling
+	if as == nil || relay.Spec.Suspend {
+		return desiredReplicas(relay)
+	}
+	running := int32(-1) // no Deployment yet: nothing to stabilize against
+	if current != nil && current.Spec.Replicas != nil {
+		running = *current.Spec.Replicas
+	}
+	rec := recommendReplicas(as, obs.backlog, max(running, 0))
+	if running < 0 || r.Flow == nil {
+		return rec
+	}
+	lo, hi := autoscaleBounds(as)
+	return min(max(r.Flow.recommend(key, time.Now(), rec, running, scaleDownWindow(as)), lo), hi)
 }
 
 // relaysForSecret maps a Secret to the relays in its namespace that reference it.
@@ -120,12 +196,18 @@ func (r *OutboxRelayReconciler) SetupWithManager(ctx context.Context, mgr ctrl.M
 		func(o client.Object) []string { return referencedSecrets(o.(*outboxv1alpha1.OutboxRelay)) }); err != nil {
 		return fmt.Errorf("index OutboxRelays by Secret: %w", err)
 	}
-	return ctrl.NewControllerManagedBy(mgr).
+	b := ctrl.NewControllerManagedBy(mgr).
 		For(&outboxv1alpha1.OutboxRelay{}, builder.WithPredicates(predicate.GenerationChangedPredicate{})).
 		Owns(&appsv1.Deployment{}).
 		Owns(&corev1.Service{}).
 		Owns(&policyv1.PodDisruptionBudget{}).
 		WatchesMetadata(&corev1.Secret{}, handler.EnqueueRequestsFromMapFunc(r.relaysForSecret)).
-		Named("outboxrelay").
-		Complete(r)
+		Named("outboxrelay")
+	if r.Flow != nil {
+		if err := mgr.Add(r.Flow); err != nil {
+			return fmt.Errorf("add the backlog observer: %w", err)
+		}
+		b = b.WatchesRawSource(r.Flow.Source()) // each reading wakes its relay
+	}
+	return b.Complete(r)
 }

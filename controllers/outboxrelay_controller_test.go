@@ -112,7 +112,7 @@ func testSampleCreatesChildren(t *testing.T, c client.Client) {
 		"--ordering=none",
 		"--metrics-addr=:9090",
 		"--log-format=json",
-	}, ct.Args)
+	}, specArgs(ct.Args))
 
 	// The DSN reaches the pod only through a secretKeyRef.
 	require.Len(t, ct.Env, 1)
@@ -214,6 +214,13 @@ func testSpecChanges(t *testing.T, c client.Client, r *OutboxRelayReconciler) {
 		return o.Status.ObservedGeneration == o.Generation && o.Status.Ready == "0/3" && o.Status.TopicCount == 2
 	})
 
+	// The backlog observer cannot reach the test DSN's host; once it has said
+	// so, later failed reads change nothing.
+	waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		cond := meta.FindStatusCondition(o.Status.Conditions, outboxv1alpha1.ConditionLagging)
+		return cond != nil && cond.Reason == outboxv1alpha1.ReasonBacklogUnavailable
+	})
+
 	// A pass over an unchanged relay writes nothing. Eventually only waits for
 	// the manager's cache to catch up: a perpetual diff would never settle.
 	req := ctrl.Request{NamespacedName: key(relay)}
@@ -226,7 +233,7 @@ func testSpecChanges(t *testing.T, c client.Client, r *OutboxRelayReconciler) {
 	// check that the reconciler sends no write at all.
 	counted := &writeCounter{Client: r.Client}
 	quiet := &OutboxRelayReconciler{Client: counted, APIReader: r.APIReader, Recorder: r.Recorder,
-		RelayImage: r.RelayImage, AllowedImages: r.AllowedImages}
+		RelayImage: r.RelayImage, AllowedImages: r.AllowedImages, Flow: r.Flow, Metrics: r.Metrics}
 	rvs := resourceVersions(t, c, relay)
 	for range 3 {
 		res, err := quiet.Reconcile(ctx, req)
@@ -385,6 +392,7 @@ func testStatusFollowsDeployment(t *testing.T, c client.Client) {
 	})
 	require.True(t, meta.IsStatusConditionTrue(got.Status.Conditions, outboxv1alpha1.ConditionProgressing),
 		"the Deployment has not yet observed the new template")
+	requireHealth(t, got, "Progressing")
 
 	// A rollout the Deployment controller gave up on is Degraded.
 	require.Eventually(t, func() bool {
@@ -398,10 +406,11 @@ func testStatusFollowsDeployment(t *testing.T, c client.Client) {
 		}}
 		return c.Status().Update(context.Background(), d) == nil
 	}, eventually, tick)
-	waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+	got = waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
 		cond := meta.FindStatusCondition(o.Status.Conditions, outboxv1alpha1.ConditionDegraded)
 		return cond != nil && cond.Status == metav1.ConditionTrue && cond.Reason == outboxv1alpha1.ReasonProgressDeadlineExceeded
 	})
+	require.Contains(t, requireHealth(t, got, "Degraded"), "ReplicaSet has timed out progressing")
 }
 
 func testSuspend(t *testing.T, c client.Client) {
@@ -422,6 +431,7 @@ func testSuspend(t *testing.T, c client.Client) {
 		return readyReason(o) == outboxv1alpha1.ReasonSuspended
 	})
 	require.Equal(t, ptr.To[int32](3), got.Spec.Replicas, "suspend keeps spec.replicas")
+	requireHealth(t, got, "Suspended")
 	require.NoError(t, c.Get(ctx, childKey(relay), &corev1.Service{}), "suspend keeps the Service")
 
 	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.Suspend = false })
@@ -444,6 +454,7 @@ func testInvalidSpec(t *testing.T, c client.Client) {
 		return readyReason(o) == outboxv1alpha1.ReasonInvalidSpec
 	})
 	require.Contains(t, meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady).Message, "spec.podLabels")
+	require.Contains(t, requireHealth(t, relay, "Degraded"), "spec.podLabels")
 	require.Eventually(t, func() bool { return hasEvent(t, c, relay, outboxv1alpha1.ReasonInvalidSpec) }, eventually, tick)
 	require.True(t, apierrors.IsNotFound(c.Get(ctx, childKey(relay), &appsv1.Deployment{})))
 

@@ -49,23 +49,24 @@ func relayReads(t testing.TB, relay *outboxv1alpha1.OutboxRelay, in secretInputs
 
 // TestSpecRoundTrip: for valid specs, the arguments and environment the
 // operator gives a relay pod, parsed by the relay's own parser, are exactly
-// the settings the spec means (written out by hand below).
+// the settings the spec means: every setting a spec field or the operator
+// decides is written out by hand below; the relay's own settings that no
+// spec field carries keep the relay's defaults.
 func TestSpecRoundTrip(t *testing.T) {
 	t.Parallel()
-	base := relayconfig.Settings{
-		DSN:            testDSN,
-		Table:          "outbox",
-		Brokers:        []string{"127.0.0.1:9092"},
-		Topics:         map[string]string{"OrderConfirmed": "orders.confirmed"},
-		BatchSize:      50,
-		MaxBatchBytes:  4 << 20,
-		PollInterval:   200 * time.Millisecond,
-		PublishTimeout: 10 * time.Second,
-		Ordering:       relayconfig.OrderingNone,
-		StallTimeout:   2 * time.Minute,
-		MetricsAddr:    ":9090",
-		LogFormat:      "json",
-	}
+	base := relayconfig.Defaults()
+	base.DSN = testDSN
+	base.Table = "outbox"
+	base.Brokers = []string{"127.0.0.1:9092"}
+	base.Topics = map[string]string{"OrderConfirmed": "orders.confirmed"}
+	base.BatchSize = 50
+	base.MaxBatchBytes = 4 << 20
+	base.PollInterval = 200 * time.Millisecond
+	base.PublishTimeout = 10 * time.Second
+	base.Ordering = relayconfig.OrderingNone
+	base.StallTimeout = 2 * time.Minute
+	base.MetricsAddr = ":9090"
+	base.LogFormat = "json"
 	for name, tc := range map[string]struct {
 		edit func(*outboxv1alpha1.OutboxRelay)
 		in   secretInputs
@@ -218,4 +219,27 @@ func FuzzSpecRoundTrip(f *testing.F) {
 		}
 		require.Equal(t, meant, got, "args %q", meant.Args())
 	})
+}
+
+// operatorFlags are the relay flags the operator sets from the spec or
+// decides itself; the relay's other flags keep their defaults.
+var operatorFlags = map[string]bool{
+	relayconfig.FlagTable: true, relayconfig.FlagBrokers: true, relayconfig.FlagBatchSize: true,
+	relayconfig.FlagMaxBatchBytes: true, relayconfig.FlagPollInterval: true, relayconfig.FlagPublishTimeout: true,
+	relayconfig.FlagStallTimeout: true, relayconfig.FlagTopic: true, relayconfig.FlagDeadLetterTopic: true,
+	relayconfig.FlagOrdering: true, relayconfig.FlagMetricsAddr: true, relayconfig.FlagLogFormat: true,
+	relayconfig.FlagKafkaTLS: true, relayconfig.FlagKafkaTLSCAFile: true, relayconfig.FlagKafkaTLSCertFile: true,
+	relayconfig.FlagKafkaTLSKeyFile: true, relayconfig.FlagKafkaSASLMech: true,
+}
+
+// specArgs are the arguments of the operator's flags, in their order.
+func specArgs(args []string) []string {
+	var out []string
+	for _, a := range args {
+		name, _, _ := strings.Cut(strings.TrimPrefix(a, "--"), "=")
+		if operatorFlags[name] {
+			out = append(out, a)
+		}
+	}
+	return out
 }

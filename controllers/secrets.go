@@ -19,10 +19,12 @@ import (
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 )
 
-// This file is everything the operator learns from Secrets. It never keeps
+// This file is everything the operator learns from Secrets. It caches no
 // Secret data: it watches Secrets as metadata only (to know when a
 // referenced one changes), and reads a referenced Secret directly from the
-// API server, uncached, only to check that the keys the pods need exist.
+// API server, uncached, to check that the keys the pods need exist. Of the
+// data it keeps only the DSN, in memory, for the one connection that reads
+// the relay's backlog.
 
 // secretInputs is what the relay's pods depend on from the referenced Secrets.
 type secretInputs struct {
@@ -32,6 +34,9 @@ type secretInputs struct {
 	Versions string
 	// TLSCA and TLSClientCert say which files the TLS Secret provides.
 	TLSCA, TLSClientCert bool
+	// DSN is the DSN itself, which the backlog observer connects with. It
+	// stays in memory: it is never hashed, logged or written anywhere.
+	DSN string
 }
 
 // readSecrets reads every referenced Secret through the uncached API reader
@@ -71,6 +76,7 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 	if prob := needKeys("spec.dsnSecretRef.key", s, cmp.Or(ref.Key, outboxv1alpha1.DefaultDSNKey)); prob != nil {
 		return in, prob, nil
 	}
+	in.DSN = string(s.Data[cmp.Or(ref.Key, outboxv1alpha1.DefaultDSNKey)])
 	if tls := relay.Spec.Kafka.TLS; tls != nil && tls.SecretRef != nil {
 		s, prob, err := get("spec.kafka.tls.secretRef", tls.SecretRef.Name)
 		if prob != nil || err != nil {
@@ -137,7 +143,7 @@ func stripSecret(obj any) (any, error) {
 }
 
 // ManagerOptions returns opts with the cache and client settings the
-// OutboxRelay reconciler relies on to hold no Secret data: the client never
+// OutboxRelay reconciler relies on to cache no Secret data: the client never
 // serves Secrets from the cache (so no code path can start an informer
 // holding every Secret's data), and whatever the cache keeps of a Secret
 // goes through stripSecret.

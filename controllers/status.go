@@ -2,6 +2,7 @@ package controllers
 
 import (
 	"fmt"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -18,12 +19,73 @@ type problem struct {
 	requeue bool
 }
 
+// observation is what the operator knows of the backlog: the status built
+// from the last successful read (nil before one), and why the last read
+// failed ("" when it did not).
+type observation struct {
+	backlog *outboxv1alpha1.BacklogStatus
+	err     string
+}
+
+// defaultLagThreshold is spec.lagThreshold's default.
+const defaultLagThreshold = time.Minute
+
+// lagThreshold is spec.lagThreshold.
+func lagThreshold(relay *outboxv1alpha1.OutboxRelay) time.Duration {
+	if d, err := time.ParseDuration(relay.Spec.LagThreshold); err == nil && d > 0 {
+		return d
+	}
+	return defaultLagThreshold
+}
+
+// lagging is the Lagging condition for an observation: Unknown without a
+// usable reading (none yet, or the last success is older than the
+// threshold, so it can no longer vouch for the flow), True when the oldest
+// waiting row is older than the threshold, with the reason that best says
+// why: no ready replica, nothing published in the last minute, or too slow.
+func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, now time.Time) (metav1.ConditionStatus, string, string) {
+	threshold := lagThreshold(relay)
+	b := obs.backlog
+	switch {
+	case b == nil && obs.err == "":
+		return metav1.ConditionUnknown, outboxv1alpha1.ReasonObserving, "the operator has not read the backlog yet"
+	case obs.err != "" && (b == nil || now.Sub(b.ObservedAt.Time) > threshold):
+		return metav1.ConditionUnknown, outboxv1alpha1.ReasonBacklogUnavailable, obs.err
+	}
+	approx := ""
+	if b.Estimated {
+		approx = "about "
+	}
+	published := "the publish rate is not known yet"
+	if b.PublishedPerMinute != nil {
+		published = groupDigits(*b.PublishedPerMinute) + " published in the last minute"
+	}
+	msg := fmt.Sprintf("oldest waiting row %s old (threshold %s); %s%s rows waiting, %s, %d ready replicas",
+		b.OldestAge.Duration, threshold, approx, groupDigits(b.Pending), published, ready)
+	switch {
+	case b.OldestAge.Duration <= threshold:
+		return metav1.ConditionFalse, outboxv1alpha1.ReasonFlowing, msg
+	case ready == 0:
+		return metav1.ConditionTrue, outboxv1alpha1.ReasonNoReadyReplicas, msg
+	case b.PublishedPerMinute != nil && *b.PublishedPerMinute == 0:
+		return metav1.ConditionTrue, outboxv1alpha1.ReasonNotPublishing, msg
+	default:
+		return metav1.ConditionTrue, outboxv1alpha1.ReasonFallingBehind, msg
+	}
+}
+
 // computeStatus derives a relay's status from its spec, the Deployment as
-// observed (nil when there is none) and the problem that stopped the
-// reconcile, if any. Conditions keep their transition times when unchanged.
-func computeStatus(relay *outboxv1alpha1.OutboxRelay, deploy *appsv1.Deployment, prob *problem) outboxv1alpha1.OutboxRelayStatus {
+// observed (nil when there is none), the problem that stopped the reconcile,
+// if any, and the backlog observation. Conditions keep their transition
+// times when unchanged. desiredReplicas reads status.desiredReplicas for an
+// autoscaled relay, so Reconcile sets it first.
+func computeStatus(relay *outboxv1alpha1.OutboxRelay, deploy *appsv1.Deployment, prob *problem, obs observation) outboxv1alpha1.OutboxRelayStatus {
 	st := *relay.Status.DeepCopy()
 	desired := desiredReplicas(relay)
+	st.DesiredReplicas = desired
+	if obs.backlog != nil {
+		st.Backlog = obs.backlog
+	}
 	st.ObservedGeneration = relay.Generation
 	st.Selector = metav1.FormatLabelSelector(&metav1.LabelSelector{MatchLabels: selectorLabels(relay)})
 	st.TopicCount = int32(len(relay.Spec.Topics))
@@ -38,6 +100,15 @@ func computeStatus(relay *outboxv1alpha1.OutboxRelay, deploy *appsv1.Deployment,
 			Type: typ, Status: status, Reason: reason, Message: msg, ObservedGeneration: relay.Generation,
 		})
 	}
+	lagStatus, lagReason, lagMsg := lagging(relay, obs, st.ReadyReplicas, time.Now())
+	if prob != nil {
+		lagStatus, lagReason, lagMsg = metav1.ConditionUnknown, prob.reason, "the backlog is not read: "+prob.message
+	}
+	set(outboxv1alpha1.ConditionLagging, lagStatus, lagReason, lagMsg)
+	// Lagging speaks for the flow of events: Ready does not claim all is well
+	// while rows wait past the threshold, and Degraded says a human is
+	// needed; a suspended relay is expected to fall behind.
+	lag := lagStatus == metav1.ConditionTrue && !relay.Spec.Suspend
 	if prob != nil {
 		set(outboxv1alpha1.ConditionReady, metav1.ConditionFalse, prob.reason, prob.message)
 		set(outboxv1alpha1.ConditionProgressing, metav1.ConditionFalse, prob.reason, "the operator cannot apply this generation: "+prob.message)
@@ -48,18 +119,23 @@ func computeStatus(relay *outboxv1alpha1.OutboxRelay, deploy *appsv1.Deployment,
 	}
 
 	switch {
-	case relay.Spec.Suspend || desired == 0:
+	case relay.Spec.Suspend || (desired == 0 && !lag):
 		// No pods by request is the desired state: Ready once they are gone,
 		// so GitOps tools judge a suspended relay healthy, not progressing.
 		reason, msg := outboxv1alpha1.ReasonScaledToZero, "spec.replicas is 0: the relay runs no pods"
-		if relay.Spec.Suspend {
+		switch {
+		case relay.Spec.Suspend:
 			reason, msg = outboxv1alpha1.ReasonSuspended, "spec.suspend is true: the relay runs no pods"
+		case relay.Spec.Autoscaling != nil:
+			msg = "autoscaled to zero: no row waits"
 		}
 		status := metav1.ConditionTrue
 		if deploy != nil && deploy.Status.Replicas > 0 {
 			status, msg = metav1.ConditionFalse, msg+" (stopping the running ones)"
 		}
 		set(outboxv1alpha1.ConditionReady, status, reason, msg)
+	case st.ReadyReplicas >= desired && lag:
+		set(outboxv1alpha1.ConditionReady, metav1.ConditionFalse, outboxv1alpha1.ReasonLagging, lagMsg)
 	case st.ReadyReplicas >= desired:
 		set(outboxv1alpha1.ConditionReady, metav1.ConditionTrue, outboxv1alpha1.ReasonAvailable,
 			fmt.Sprintf("%d of %d replicas ready", st.ReadyReplicas, desired))
@@ -76,23 +152,36 @@ func computeStatus(relay *outboxv1alpha1.OutboxRelay, deploy *appsv1.Deployment,
 			"the Deployment is rolling out or scaling to the current spec")
 	}
 
-	stalled := false
+	// A relay whose ready replicas publish nothing while rows wait past the
+	// threshold is Stalled (kstatus: Failed): it runs as specified and moves
+	// nothing, and waiting will not fix it. Lagging while rows still flow
+	// leaves Stalled False: Ready False makes kstatus say InProgress.
+	stalledReason := ""
 	if c := deploymentCondition(deploy, appsv1.DeploymentProgressing); c != nil &&
 		c.Status == corev1.ConditionFalse && c.Reason == "ProgressDeadlineExceeded" {
-		stalled = true
+		stalledReason = outboxv1alpha1.ReasonProgressDeadlineExceeded
 		set(outboxv1alpha1.ConditionDegraded, metav1.ConditionTrue, outboxv1alpha1.ReasonProgressDeadlineExceeded, c.Message)
 		set(outboxv1alpha1.ConditionStalled, metav1.ConditionTrue, outboxv1alpha1.ReasonProgressDeadlineExceeded, c.Message)
+	} else if lag {
+		set(outboxv1alpha1.ConditionDegraded, metav1.ConditionTrue, outboxv1alpha1.ReasonLagging, lagMsg)
+		if lagReason == outboxv1alpha1.ReasonNotPublishing {
+			stalledReason = outboxv1alpha1.ReasonNotPublishing
+			set(outboxv1alpha1.ConditionStalled, metav1.ConditionTrue, outboxv1alpha1.ReasonNotPublishing, lagMsg)
+		} else {
+			set(outboxv1alpha1.ConditionStalled, metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "rows still flow")
+		}
 	} else {
 		set(outboxv1alpha1.ConditionDegraded, metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "nothing is degraded")
 		set(outboxv1alpha1.ConditionStalled, metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "nothing is stalled")
 	}
+	stalled := stalledReason != ""
 
 	// kstatus reads Reconciling: True until the current template runs on
 	// every desired replica and they are ready (a Secret-triggered roll
 	// changes no generation, so observedGeneration alone cannot show it).
 	switch ready := st.ReadyReplicas >= desired; {
 	case stalled:
-		set(outboxv1alpha1.ConditionReconciling, metav1.ConditionFalse, outboxv1alpha1.ReasonProgressDeadlineExceeded, "stalled")
+		set(outboxv1alpha1.ConditionReconciling, metav1.ConditionFalse, stalledReason, "stalled")
 	case !rolledOut(deploy, desired):
 		set(outboxv1alpha1.ConditionReconciling, metav1.ConditionTrue, outboxv1alpha1.ReasonRollingOut,
 			"the Deployment is rolling out or scaling to the current spec")
@@ -128,16 +217,37 @@ func deploymentCondition(d *appsv1.Deployment, typ appsv1.DeploymentConditionTyp
 	return nil
 }
 
-// recordProblem emits a Warning event when the relay newly has a problem (or
-// a new generation still has it), so events do not repeat on every resync.
-func (r *OutboxRelayReconciler) recordProblem(before, after *outboxv1alpha1.OutboxRelay, prob *problem) {
-	if prob == nil || r.Recorder == nil {
+// recordEvents emits a Warning event when the relay newly has a problem (or
+// a new generation still has it), so events do not repeat on every resync;
+// a Warning when Lagging turns True and a Normal one when it turns back to
+// False; and a Normal event for each change of replicas the autoscaler made.
+func (r *OutboxRelayReconciler) recordEvents(before, after *outboxv1alpha1.OutboxRelay, current, written *appsv1.Deployment, prob *problem) {
+	if r.Recorder == nil {
 		return
 	}
-	old := meta.FindStatusCondition(before.Status.Conditions, outboxv1alpha1.ConditionReady)
-	if old != nil && old.Reason == prob.reason && old.Message == prob.message &&
-		before.Status.ObservedGeneration == after.Generation {
-		return
+	if prob != nil {
+		old := meta.FindStatusCondition(before.Status.Conditions, outboxv1alpha1.ConditionReady)
+		if old == nil || old.Reason != prob.reason || old.Message != prob.message ||
+			before.Status.ObservedGeneration != after.Generation {
+			r.Recorder.Eventf(after, nil, corev1.EventTypeWarning, prob.reason, "Reconcile", "%s", prob.message)
+		}
 	}
-	r.Recorder.Eventf(after, nil, corev1.EventTypeWarning, prob.reason, "Reconcile", "%s", prob.message)
+	was := meta.FindStatusCondition(before.Status.Conditions, outboxv1alpha1.ConditionLagging)
+	now := meta.FindStatusCondition(after.Status.Conditions, outboxv1alpha1.ConditionLagging)
+	switch {
+	case now == nil:
+	case now.Status == metav1.ConditionTrue && (was == nil || was.Status != metav1.ConditionTrue):
+		r.Recorder.Eventf(after, nil, corev1.EventTypeWarning, outboxv1alpha1.ReasonLagging, "ObserveBacklog", "%s: %s", now.Reason, now.Message)
+	case now.Status == metav1.ConditionFalse && was != nil && was.Status == metav1.ConditionTrue:
+		r.Recorder.Eventf(after, nil, corev1.EventTypeNormal, outboxv1alpha1.ReasonCaughtUp, "ObserveBacklog", "%s", now.Message)
+	}
+	if after.Spec.Autoscaling != nil && current != nil && written != nil && current.Spec.Replicas != nil &&
+		written.Spec.Replicas != nil && *current.Spec.Replicas != *written.Spec.Replicas {
+		from, to := *current.Spec.Replicas, *written.Spec.Replicas
+		reason := outboxv1alpha1.ReasonScaledUp
+		if to < from {
+			reason = outboxv1alpha1.ReasonScaledDown
+		}
+		r.Recorder.Eventf(after, nil, corev1.EventTypeNormal, reason, "Scale", "%s", scaleMessage(from, to, after.Status.Backlog))
+	}
 }

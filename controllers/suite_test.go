@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -39,7 +40,7 @@ const (
 )
 
 func TestMain(m *testing.M) {
-	needs := testenv.NeedKube
+	needs := testenv.NeedKube | testenv.NeedPostgres
 	// A fuzzing worker process runs only FuzzSpecRoundTrip, which needs no
 	// API server; one per worker would cost seconds each and outlive a
 	// fuzzer that is stopped.
@@ -88,11 +89,15 @@ func startManager(t *testing.T) (*OutboxRelayReconciler, ctrl.Manager) {
 		Controller: config.Controller{SkipNameValidation: ptr.To(true)},
 	}))
 	require.NoError(t, err)
+	metrics, err := NewMetrics(prometheus.NewRegistry())
+	require.NoError(t, err)
 	r := &OutboxRelayReconciler{
 		Client:        mgr.GetClient(),
 		Recorder:      mgr.GetEventRecorder("outbox-operator"),
 		RelayImage:    testImage,
 		AllowedImages: []string{allowedPrefix},
+		Flow:          NewFlowObserver(),
+		Metrics:       metrics,
 	}
 	require.NoError(t, r.SetupWithManager(ctx, mgr))
 	done := make(chan error, 1)

@@ -19,6 +19,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
+	ctrlmetrics "sigs.k8s.io/controller-runtime/pkg/metrics"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
@@ -134,12 +135,18 @@ func run(ctx context.Context, cfg config, restCfg *rest.Config, tweaks ...func(*
 	if err != nil {
 		return fmt.Errorf("create manager: %w", err)
 	}
+	metrics, err := controllers.NewMetrics(ctrlmetrics.Registry)
+	if err != nil {
+		return fmt.Errorf("register the operator's metrics: %w", err)
+	}
 	r := &controllers.OutboxRelayReconciler{
 		Client:        mgr.GetClient(),
 		APIReader:     mgr.GetAPIReader(),
 		Recorder:      mgr.GetEventRecorder("outbox-operator"),
 		RelayImage:    cfg.relayImage,
 		AllowedImages: cfg.allowedImages,
+		Flow:          controllers.NewFlowObserver(),
+		Metrics:       metrics,
 	}
 	if err := r.SetupWithManager(ctx, mgr); err != nil {
 		return fmt.Errorf("set up the OutboxRelay controller: %w", err)

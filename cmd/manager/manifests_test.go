@@ -77,9 +77,11 @@ func TestDeployManifestsApply(t *testing.T) {
 	require.NoError(t, c.Get(ctx, client.ObjectKey{Namespace: "default", Name: "orders"}, relay))
 	require.Len(t, relay.Spec.Topics, 2)
 	out := kubectl(t, nil, "get", "obr", "orders", "-n", "default")
-	for _, col := range []string{"READY", "TABLE", "TOPICS", "STATUS", "REASON", "AGE", "outbox"} {
-		require.Contains(t, string(out), col)
-	}
+	require.Equal(t, []string{"NAME", "READY", "BACKLOG", "LAG", "AGE"}, strings.Fields(strings.SplitN(string(out), "\n", 2)[0]))
+	out = kubectl(t, nil, "get", "obr", "orders", "-n", "default", "-o", "wide")
+	require.Equal(t, []string{"NAME", "READY", "BACKLOG", "LAG", "LAGGING", "DESIRED", "TABLE", "TOPICS", "STATUS", "REASON", "AGE"},
+		strings.Fields(strings.SplitN(string(out), "\n", 2)[0]))
+	require.Contains(t, string(out), "outbox")
 }
 
 // TestNamespacedOverlayIsEnough renders config/namespaced, applies it, and

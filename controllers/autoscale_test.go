@@ -1,0 +1,70 @@
+package controllers
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+)
+
+func TestRecommendReplicas(t *testing.T) {
+	t.Parallel()
+	perRow := &outboxv1alpha1.AutoscalingSpec{MinReplicas: ptr.To[int32](0), MaxReplicas: 10, PendingPerReplica: ptr.To[int64](1000)}
+	byAge := &outboxv1alpha1.AutoscalingSpec{MaxReplicas: 10, OldestAge: "10s"}
+	both := &outboxv1alpha1.AutoscalingSpec{MinReplicas: ptr.To[int32](2), MaxReplicas: 6, PendingPerReplica: ptr.To[int64](1000), OldestAge: "10s"}
+	backlog := func(pending int64, age time.Duration) *outboxv1alpha1.BacklogStatus {
+		return &outboxv1alpha1.BacklogStatus{Pending: pending, OldestAge: metav1.Duration{Duration: age}}
+	}
+	for name, tc := range map[string]struct {
+		as      *outboxv1alpha1.AutoscalingSpec
+		b       *outboxv1alpha1.BacklogStatus
+		running int32
+		want    int32
+	}{
+		"idle, min 0":                      {perRow, backlog(0, 0), 3, 0},
+		"one row wakes a replica":          {perRow, backlog(1, 0), 0, 1},
+		"12,400 rows at 1000 per replica":  {perRow, backlog(12400, time.Second), 1, 10},
+		"3,000 rows at 1000 per replica":   {perRow, backlog(3000, time.Second), 1, 3},
+		"no reading keeps the running":     {perRow, nil, 4, 4},
+		"no reading never keeps zero":      {perRow, nil, 0, 1},
+		"48s against 10s with one replica": {byAge, backlog(5, 48*time.Second), 1, 5},
+		"age under target, rows wait":      {byAge, backlog(5, 2*time.Second), 4, 1},
+		"age: min 1 by default":            {byAge, backlog(0, 0), 3, 1},
+		"both: the higher, within the max": {both, backlog(2500, 40*time.Second), 2, 6},
+		"both: the min":                    {both, backlog(0, 0), 4, 2},
+	} {
+		require.Equal(t, tc.want, recommendReplicas(tc.as, tc.b, tc.running), name)
+	}
+}
+
+func TestStabilized(t *testing.T) {
+	t.Parallel()
+	now := time.Now()
+	recs := func(counts ...int32) []recommendation {
+		out := make([]recommendation, len(counts))
+		for i, n := range counts {
+			out[i] = recommendation{at: now.Add(time.Duration(i-len(counts)) * 15 * time.Second), replicas: n}
+		}
+		return out
+	}
+	require.Equal(t, int32(8), stabilized(recs(2, 8), 8, 3, false), "up at once")
+	require.Equal(t, int32(5), stabilized(recs(5, 2, 1), 1, 6, false), "down to the window's highest")
+	require.Equal(t, int32(1), stabilized(recs(1, 1), 1, 6, false), "down when the window asked for no more")
+	require.Equal(t, int32(6), stabilized(recs(1), 1, 6, true), "a history shorter than the window keeps the running count")
+	require.Equal(t, int32(0), stabilized(recs(0, 0), 0, 1, false), "to zero")
+}
+
+func TestScaleMessage(t *testing.T) {
+	t.Parallel()
+	b := &outboxv1alpha1.BacklogStatus{Pending: 12400, OldestAge: metav1.Duration{Duration: 48 * time.Second}}
+	require.Equal(t, "scaled 1 → 3: 12,400 rows waiting, oldest 48s", scaleMessage(1, 3, b))
+	b.Estimated, b.Pending = true, 1234567
+	require.Equal(t, "scaled 3 → 10: about 1,234,567 rows waiting, oldest 48s", scaleMessage(3, 10, b))
+	require.Equal(t, "0", groupDigits(0))
+	require.Equal(t, "999", groupDigits(999))
+	require.Equal(t, "1,000", groupDigits(1000))
+}

@@ -1,0 +1,173 @@
+package controllers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/outbox"
+)
+
+// This file is what the operator asks of the outbox table: one bounded,
+// read-only statement per observation, and the pure functions that turn
+// its answer into status.backlog.
+
+// backlogQueryTimeout bounds one observation (the session's statement_timeout).
+const backlogQueryTimeout = 5 * time.Second
+
+// BacklogSQL is the operator's only statement on the outbox table. It reads
+// the $1 oldest unpublished rows by id through the table's partial index on
+// (id) WHERE published_at IS NULL (an index scan that stops after $1 rows),
+// and returns one row per (event type, has a NULL column) with its count and
+// the age of its oldest row, beside the number of rows read, the last id
+// read, the table's max(id) (one primary-key probe), and PostgreSQL's count
+// of the table's updated rows ($2 is the table's quoted name), from which
+// the publish rate is derived without scanning published_at.
+func BacklogSQL(t outbox.Table) string {
+	q := t.Quoted()
+	return `WITH g AS (
+    SELECT event_type, invalid, count(*) AS n, max(id) AS last,
+           extract(epoch FROM now() - min(created_at))::float8 AS age
+    FROM (SELECT id, event_type, created_at,
+                 (event_id IS NULL OR event_type IS NULL OR aggregate_type IS NULL OR aggregate_id IS NULL
+                  OR partition_key IS NULL OR payload IS NULL OR created_at IS NULL) AS invalid
+          FROM ` + q + `
+          WHERE published_at IS NULL
+          ORDER BY id
+          LIMIT $1) s
+    GROUP BY 1, 2)
+SELECT COALESCE((SELECT sum(n) FROM g), 0)::bigint, (SELECT max(last) FROM g)::bigint, (SELECT max(id) FROM ` + q + `)::bigint,
+       pg_stat_get_tuples_updated($2::text::regclass), current_setting('track_counts')::bool,
+       g.event_type, g.invalid, g.n, g.age
+FROM (VALUES (1)) one(x) LEFT JOIN g ON true`
+}
+
+// typeCount is one group of the sampled rows.
+type typeCount struct {
+	eventType *string // nil: a NULL event type
+	invalid   bool    // a NULL in a column the relay reads
+	n         int64
+	age       float64 // seconds since the group's oldest created_at; NaN when unknown
+}
+
+// backlogSample is one observation of an outbox table.
+type backlogSample struct {
+	at     time.Time
+	groups []typeCount
+	// read is the number of unpublished rows read (at most the bound);
+	// beyond is how many ids were issued after the last of them when the
+	// bound was reached (0 otherwise).
+	read, beyond int64
+	// updates is the table's count of updated rows; tracked is false when
+	// the server does not count (track_counts off).
+	updates int64
+	tracked bool
+	// perMinute is the publish rate over the last minute, nil when unknown;
+	// the observer fills it in from earlier samples.
+	perMinute *int64
+}
+
+// queryRower is what observeBacklog needs of a connection or pool.
+type queryRower interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}
+
+// observeBacklog runs BacklogSQL once, reading at most bound rows.
+func observeBacklog(ctx context.Context, db queryRower, table outbox.Table, bound int64) (backlogSample, error) {
+	s := backlogSample{at: time.Now()}
+	rows, err := db.Query(ctx, BacklogSQL(table), bound, table.Quoted())
+	if err != nil {
+		return s, fmt.Errorf("read the backlog of %s: %w", table, err)
+	}
+	defer rows.Close()
+	var lastRead, maxID *int64
+	for rows.Next() {
+		var et *string
+		var invalid *bool
+		var n *int64
+		var age *float64
+		if err := rows.Scan(&s.read, &lastRead, &maxID, &s.updates, &s.tracked, &et, &invalid, &n, &age); err != nil {
+			return s, fmt.Errorf("read the backlog of %s: %w", table, err)
+		}
+		if n == nil { // no unpublished row: the LEFT JOIN's empty side
+			continue
+		}
+		g := typeCount{eventType: et, invalid: invalid != nil && *invalid, n: *n, age: math.NaN()}
+		if age != nil {
+			g.age = *age
+		}
+		s.groups = append(s.groups, g)
+	}
+	if err := rows.Err(); err != nil {
+		return s, fmt.Errorf("read the backlog of %s: %w", table, err)
+	}
+	if s.read >= bound && lastRead != nil && maxID != nil && *maxID > *lastRead {
+		s.beyond = *maxID - *lastRead
+	}
+	return s, nil
+}
+
+// backlogStatus classifies a sample by the relay's topic map: rows of a
+// mapped type with no NULL column are pending, the others held.
+func backlogStatus(relay *outboxv1alpha1.OutboxRelay, s *backlogSample) *outboxv1alpha1.BacklogStatus {
+	st := &outboxv1alpha1.BacklogStatus{ObservedAt: metav1.NewTime(s.at.Truncate(time.Second))}
+	oldest := 0.0
+	for _, g := range s.groups {
+		_, mapped := relay.Spec.Topics[deref(g.eventType)]
+		switch {
+		case g.invalid:
+			st.Held.Invalid += g.n
+		case g.eventType == nil || !mapped:
+			st.Held.Unroutable += g.n
+		default:
+			st.Pending += g.n
+			if !math.IsNaN(g.age) && g.age > oldest {
+				oldest = g.age
+			}
+		}
+	}
+	if s.beyond > 0 {
+		st.Estimated = true
+		st.Pending += s.beyond
+	}
+	st.OldestAge = metav1.Duration{Duration: time.Duration(oldest) * time.Second}
+	st.PublishedPerMinute = s.perMinute
+	return st
+}
+
+func deref(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
+}
+
+// backlogError says why an observation failed in words fit for the status,
+// which anyone who may read the OutboxRelay can see: PostgreSQL's own
+// refusals (a missing table, a permission) are named; connection errors,
+// which can name hosts, users and databases, are not (the operator's log has them).
+func backlogError(err error, dsnSecret string) string {
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.As(err, &pgErr) && pgErr.Code == "57014":
+		return fmt.Sprintf("the backlog query took longer than %s", backlogQueryTimeout)
+	case errors.As(err, &pgErr):
+		return fmt.Sprintf("PostgreSQL refused the backlog query: %s (SQLSTATE %s)", pgErr.Message, pgErr.Code)
+	case errors.Is(err, context.DeadlineExceeded):
+		return fmt.Sprintf("the backlog query took longer than %s", backlogQueryTimeout)
+	case errors.Is(err, errDSNUnparsable):
+		return fmt.Sprintf("the DSN in Secret %s cannot be parsed", dsnSecret)
+	default:
+		return fmt.Sprintf("cannot reach PostgreSQL with the DSN in Secret %s (the operator's log has the error)", dsnSecret)
+	}
+}
+
+// errDSNUnparsable: the DSN cannot be parsed (its text is never repeated).
+var errDSNUnparsable = errors.New("the DSN cannot be parsed")

@@ -1,0 +1,147 @@
+package controllers
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/outbox"
+)
+
+var outboxTable = outbox.Table{Name: "outbox"}
+
+// observerPool is a pool with the observer's own session settings.
+func observerPool(t testing.TB, dsn string) *pgxpool.Pool {
+	pool, err := newBacklogPool(context.Background(), flowTarget{dsn: dsn, interval: flowInterval})
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// Up to the bound the counts are exact; beyond it the estimate adds the
+// ids issued after the last row read.
+func TestBacklogQueryCountsAndEstimates(t *testing.T) {
+	t.Parallel()
+	dsn, db := outboxDB(t)
+	insertRows(t, db, 6, "OrderConfirmed", time.Minute)
+	insertRows(t, db, 3, "Unmapped", time.Hour)
+	insertRows(t, db, 19, "OrderConfirmed", 0) // ids 1..28
+	obs := observerPool(t, dsn)
+	relay, _ := minimalRelay("ns", "r")
+
+	s, err := observeBacklog(context.Background(), obs, outboxTable, 100)
+	require.NoError(t, err)
+	b := backlogStatus(relay, &s)
+	require.False(t, b.Estimated)
+	require.Equal(t, int64(25), b.Pending)
+	require.Equal(t, outboxv1alpha1.HeldRows{Unroutable: 3}, b.Held)
+	require.InDelta(t, time.Minute.Seconds(), b.OldestAge.Seconds(), 3, "the oldest pending row, not the older held ones")
+
+	s, err = observeBacklog(context.Background(), obs, outboxTable, 10)
+	require.NoError(t, err)
+	b = backlogStatus(relay, &s)
+	require.True(t, b.Estimated)
+	require.Equal(t, int64(7+18), b.Pending, "7 pending among ids 1..10, and 18 ids after id 10")
+	require.Equal(t, int64(3), b.Held.Unroutable)
+
+	publishAll(t, db)
+	s, err = observeBacklog(context.Background(), obs, outboxTable, 10)
+	require.NoError(t, err)
+	b = backlogStatus(relay, &s)
+	require.Equal(t, outboxv1alpha1.BacklogStatus{ObservedAt: b.ObservedAt}, *b)
+	require.True(t, s.tracked)
+	require.GreaterOrEqual(t, s.updates, int64(0))
+}
+
+// A missing table is reported in PostgreSQL's words; a connection failure
+// without naming the host, user or database.
+func TestBacklogErrorsSayWhatIsSafe(t *testing.T) {
+	t.Parallel()
+	dsn, _ := outboxDB(t)
+	_, err := observeBacklog(context.Background(), observerPool(t, dsn), outbox.Table{Name: "missing"}, 10)
+	require.Error(t, err)
+	require.Equal(t, `PostgreSQL refused the backlog query: relation "missing" does not exist (SQLSTATE 42P01)`, backlogError(err, "dsn"))
+
+	pool, err := newBacklogPool(context.Background(), flowTarget{dsn: "postgres://secretuser:pw@127.0.0.1:1/secretdb?connect_timeout=1", interval: flowInterval})
+	require.NoError(t, err)
+	defer pool.Close()
+	_, err = observeBacklog(context.Background(), pool, outboxTable, 10)
+	require.Error(t, err)
+	msg := backlogError(err, "orders-dsn")
+	require.Equal(t, "cannot reach PostgreSQL with the DSN in Secret orders-dsn (the operator's log has the error)", msg)
+	_, err = newBacklogPool(context.Background(), flowTarget{dsn: "postgres://%zz", interval: flowInterval})
+	require.Equal(t, "the DSN in Secret orders-dsn cannot be parsed", backlogError(err, "orders-dsn"))
+}
+
+// The backlog query walks the partial index in id order and stops at the
+// bound, also on statistics taken while the table was nearly drained.
+func TestBacklogQueryPlanStopsAtTheBound(t *testing.T) {
+	t.Parallel()
+	dsn, db := outboxDB(t)
+	ctx := context.Background()
+	insertRows(t, db, 20000, "OrderConfirmed", 0)
+	publishAll(t, db)
+	_, err := db.Exec(ctx, `VACUUM ANALYZE outbox`)
+	require.NoError(t, err)
+	insertRows(t, db, 30000, "OrderConfirmed", 0) // statistics now say "nearly nothing waits"
+	plan := explain(t, observerPool(t, dsn), 10000)
+	require.Contains(t, plan, "Index Scan using ix_outbox_unpublished on outbox")
+	require.NotContains(t, plan, "Seq Scan on outbox")
+	require.NotContains(t, plan, "Bitmap")
+	require.Contains(t, plan, "rows=10000 ", "the scan stops at the bound")
+}
+
+// explain runs the backlog query under EXPLAIN ANALYZE and returns the plan text.
+func explain(t testing.TB, pool *pgxpool.Pool, bound int64) string {
+	var lines []string
+	rows, err := pool.Query(context.Background(), "EXPLAIN (ANALYZE, BUFFERS) "+BacklogSQL(outboxTable), bound, outboxTable.Quoted())
+	require.NoError(t, err)
+	for rows.Next() {
+		var l string
+		require.NoError(t, rows.Scan(&l))
+		lines = append(lines, l)
+	}
+	require.NoError(t, rows.Err())
+	return strings.Join(lines, "\n")
+}
+
+// BenchmarkBacklogQuery measures one backlog read at 10k and 1M waiting
+// rows (docs/operator.md quotes it):
+//
+//	go test ./controllers -run '^$' -bench BacklogQuery -benchtime 20x
+func BenchmarkBacklogQuery(b *testing.B) {
+	for _, waiting := range []int{10_000, 1_000_000} {
+		b.Run(fmt.Sprintf("waiting=%d", waiting), func(b *testing.B) {
+			dsn, db := outboxDBTB(b)
+			ctx := context.Background()
+			for left := waiting; left > 0; left -= 100_000 {
+				_, err := db.Exec(ctx, `INSERT INTO outbox
+                    (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+                    SELECT gen_random_uuid(), 'Order', 'o' || i, 'OrderConfirmed', '{"order":"o-1","total":"12.50"}'::jsonb, 'k' || i
+                    FROM generate_series(1, $1) i`, min(left, 100_000))
+				require.NoError(b, err)
+			}
+			_, err := db.Exec(ctx, `VACUUM ANALYZE outbox`)
+			require.NoError(b, err)
+			pool := observerPool(b, dsn)
+			relay, _ := minimalRelay("ns", "r")
+			s, err := observeBacklog(ctx, pool, outboxTable, outboxv1alpha1.BacklogBound) // warm the cache
+			require.NoError(b, err)
+			st := backlogStatus(relay, &s)
+			b.Logf("pending %d (estimated %v)", st.Pending, st.Estimated)
+			b.Logf("plan:\n%s", explain(b, pool, outboxv1alpha1.BacklogBound))
+			b.ResetTimer()
+			for range b.N {
+				if _, err := observeBacklog(ctx, pool, outboxTable, outboxv1alpha1.BacklogBound); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}

@@ -1,0 +1,336 @@
+package controllers
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"k8s.io/apimachinery/pkg/types"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/event"
+	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/source"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/outbox"
+)
+
+// This file keeps one backlog observer per OutboxRelay: a goroutine with a
+// one-connection pool that reads the backlog every spec.backlog.interval and
+// wakes the reconciler. Reconcile only reads the latest sample, so a slow or
+// unreachable database never holds up the reconcile queue.
+
+// defaultBacklogInterval is spec.backlog.interval's default.
+const defaultBacklogInterval = 15 * time.Second
+
+// rateWindow is the span the publish rate is measured over.
+const rateWindow = time.Minute
+
+// FlowObserver reads the backlog of every OutboxRelay the reconciler hands
+// it. It is a manager Runnable (it needs leader election like the
+// reconciler) and stops every observer when the manager stops.
+type FlowObserver struct {
+	// Bound is how many unpublished rows one read counts exactly
+	// (outboxv1alpha1.BacklogBound when zero).
+	Bound int64
+
+	mu     sync.Mutex
+	ctx    context.Context // set by Start
+	relays map[types.NamespacedName]*relayFlow
+	events chan event.GenericEvent
+}
+
+// NewFlowObserver returns an observer that is not started yet.
+func NewFlowObserver() *FlowObserver {
+	return &FlowObserver{
+		relays: map[types.NamespacedName]*relayFlow{},
+		events: make(chan event.GenericEvent, 1024),
+	}
+}
+
+// flowTarget is what an observer connects to and how often it reads.
+type flowTarget struct {
+	dsn       string // held in memory only, to connect; never logged or written
+	dsnSecret string // the Secret's name, for messages
+	table     outbox.Table
+	interval  time.Duration
+}
+
+// relayFlow is one OutboxRelay's observer and what it saw.
+type relayFlow struct {
+	target flowTarget
+	cancel context.CancelFunc
+	done   chan struct{}
+
+	latest  *backlogSample // last successful read
+	lastErr string         // the last read's failure, "" when it succeeded
+	// counters are the recent (time, updated rows) readings for the rate.
+	counters []counterReading
+	// recs are the autoscaler's recent recommendations; since is when the
+	// observer began recommending (a history shorter than the
+	// stabilization window keeps the running count).
+	recs  []recommendation
+	since time.Time
+}
+
+type counterReading struct {
+	at      time.Time
+	updates int64
+}
+
+// flowView is what Reconcile learns from the observer.
+type flowView struct {
+	sample  *backlogSample // nil before the first successful read
+	lastErr string
+}
+
+// Start implements manager.Runnable: observers run until ctx ends.
+func (o *FlowObserver) Start(ctx context.Context) error {
+	o.mu.Lock()
+	o.ctx = ctx
+	for key, f := range o.relays { // registered before the manager started
+		o.startLocked(key, f)
+	}
+	o.mu.Unlock()
+	<-ctx.Done()
+	o.mu.Lock()
+	flows := make([]*relayFlow, 0, len(o.relays))
+	for _, f := range o.relays {
+		flows = append(flows, f)
+	}
+	o.mu.Unlock()
+	for _, f := range flows {
+		if f.done != nil {
+			<-f.done
+		}
+	}
+	return nil
+}
+
+// Observe makes sure key's backlog is read from target: it starts an
+// observer, or replaces the one that reads another DSN or table (closing its
+// pool). A new interval or topic map needs no new observer.
+func (o *FlowObserver) Observe(key types.NamespacedName, target flowTarget) flowView {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	f := o.relays[key]
+	switch {
+	case f == nil:
+		f = &relayFlow{target: target}
+		o.relays[key] = f
+		o.startLocked(key, f)
+	case f.target.dsn != target.dsn || f.target.table != target.table:
+		o.stopLocked(f)
+		f.target, f.latest, f.lastErr, f.counters = target, nil, "", nil
+		o.startLocked(key, f)
+	default:
+		f.target.interval, f.target.dsnSecret = target.interval, target.dsnSecret
+	}
+	return flowView{sample: f.latest, lastErr: f.lastErr}
+}
+
+// Forget stops key's observer and closes its pool: the OutboxRelay is gone,
+// or cannot be observed (its DSN Secret is missing, its spec invalid).
+func (o *FlowObserver) Forget(key types.NamespacedName) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if f := o.relays[key]; f != nil {
+		o.stopLocked(f)
+		delete(o.relays, key)
+	}
+}
+
+// observing reports whether key has an observer.
+func (o *FlowObserver) observing(key types.NamespacedName) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	_, ok := o.relays[key]
+	return ok
+}
+
+func (o *FlowObserver) startLocked(key types.NamespacedName, f *relayFlow) {
+	if o.ctx == nil {
+		return // Start starts it
+	}
+	ctx, cancel := context.WithCancel(o.ctx)
+	f.cancel, f.done = cancel, make(chan struct{})
+	go o.run(ctx, key, f.target, f.done)
+}
+
+// stopLocked cancels f's observer without waiting: its pool closes as the
+// goroutine ends, and a read in flight ends at its deadline at the latest.
+func (o *FlowObserver) stopLocked(f *relayFlow) {
+	if f.cancel != nil {
+		f.cancel()
+		f.cancel = nil
+	}
+}
+
+// run reads the backlog at once and then every interval until ctx ends.
+func (o *FlowObserver) run(ctx context.Context, key types.NamespacedName, target flowTarget, done chan struct{}) {
+	defer close(done)
+	log := ctrl.LoggerFrom(ctx).WithValues("outboxrelay", key)
+	pool, err := newBacklogPool(ctx, target)
+	if pool != nil {
+		defer pool.Close()
+	}
+	bound := o.Bound
+	if bound <= 0 {
+		bound = outboxv1alpha1.BacklogBound
+	}
+	timer := time.NewTimer(0)
+	defer timer.Stop()
+	lastLogged := ""
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-timer.C:
+		}
+		var s backlogSample
+		if err == nil {
+			qctx, cancel := context.WithTimeout(ctx, backlogQueryTimeout+time.Second)
+			s, err = observeBacklog(qctx, pool, target.table, bound)
+			cancel()
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		msg := ""
+		if err != nil {
+			msg = backlogError(err, target.dsnSecret)
+			if msg != lastLogged {
+				log.Error(err, "cannot read the backlog")
+			}
+		}
+		lastLogged = msg
+		interval := o.record(key, done, &s, msg)
+		if pool != nil {
+			err = nil // a parse error stays; a failed read is tried again
+		}
+		o.wake(key)
+		timer.Reset(interval)
+	}
+}
+
+// wake enqueues a reconcile of key.
+func (o *FlowObserver) wake(key types.NamespacedName) {
+	relay := &outboxv1alpha1.OutboxRelay{}
+	relay.Namespace, relay.Name = key.Namespace, key.Name
+	select {
+	case o.events <- event.GenericEvent{Object: relay}:
+	default: // the queue is full of wake-ups already; the next read wakes it again
+	}
+}
+
+// Source is the watch source of the observers' wake-ups.
+func (o *FlowObserver) Source() source.Source {
+	return source.Channel(o.events, &handler.EnqueueRequestForObject{})
+}
+
+// recommend records rec, the autoscaler's count for now, and returns the
+// count to run: rec when it is not lower than current, else the highest count
+// recommended within window (current itself while the history is shorter
+// than window, as after a manager restart).
+func (o *FlowObserver) recommend(key types.NamespacedName, now time.Time, rec, current int32, window time.Duration) int32 {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	f := o.relays[key]
+	if f == nil {
+		return current
+	}
+	if f.since.IsZero() {
+		f.since = now
+	}
+	keep := f.recs[:0]
+	for _, r := range f.recs {
+		if now.Sub(r.at) < window {
+			keep = append(keep, r)
+		}
+	}
+	f.recs = append(keep, recommendation{at: now, replicas: rec})
+	return stabilized(f.recs, rec, current, now.Sub(f.since) < window)
+}
+
+// record stores one read (or its failure) and returns the interval to the
+// next. done identifies the observer, so a replaced one records nothing.
+func (o *FlowObserver) record(key types.NamespacedName, done chan struct{}, s *backlogSample, errMsg string) time.Duration {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	f := o.relays[key]
+	if f == nil || f.done != done {
+		return defaultBacklogInterval
+	}
+	if errMsg != "" {
+		f.lastErr = errMsg
+		return f.target.interval
+	}
+	f.lastErr = ""
+	if s.tracked {
+		f.counters = appendReading(f.counters, counterReading{at: s.at, updates: s.updates})
+		s.perMinute = perMinute(f.counters)
+	} else {
+		f.counters = nil
+	}
+	f.latest = s
+	return f.target.interval
+}
+
+// appendReading keeps the readings of the last rate window and one before
+// it. A counter that went down (statistics reset, another database) starts over.
+func appendReading(rs []counterReading, r counterReading) []counterReading {
+	if n := len(rs); n > 0 && r.updates < rs[n-1].updates {
+		rs = nil
+	}
+	rs = append(rs, r)
+	cut := 0
+	for cut < len(rs)-1 && r.at.Sub(rs[cut+1].at) >= rateWindow {
+		cut++
+	}
+	return rs[cut:]
+}
+
+// perMinute is the rate between the oldest kept reading (about a minute
+// back) and the newest, scaled to a minute; nil with a single reading.
+func perMinute(rs []counterReading) *int64 {
+	if len(rs) < 2 {
+		return nil
+	}
+	first, last := rs[0], rs[len(rs)-1]
+	dt := last.at.Sub(first.at)
+	if dt <= 0 {
+		return nil
+	}
+	v := int64(float64(last.updates-first.updates)*float64(rateWindow)/float64(dt) + 0.5)
+	return &v
+}
+
+// newBacklogPool opens the lazy one-connection pool of an observer. Its
+// sessions are read-only, bounded by a statement timeout, and plan each
+// statement for its own arguments (a generic plan for LIMIT $1 could scan
+// the whole backlog); bitmap scans are off so that reading the oldest rows
+// walks the partial index in id order and stops at the bound, instead of
+// collecting and sorting the whole backlog.
+func newBacklogPool(ctx context.Context, target flowTarget) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(target.dsn)
+	if err != nil {
+		return nil, errDSNUnparsable
+	}
+	cfg.MaxConns, cfg.MinConns = 1, 0
+	cfg.MaxConnIdleTime = 2*target.interval + time.Minute
+	cfg.ConnConfig.ConnectTimeout = backlogQueryTimeout
+	rp := cfg.ConnConfig.RuntimeParams
+	rp["application_name"] = "outbox-operator"
+	rp["default_transaction_read_only"] = "on"
+	rp["statement_timeout"] = fmt.Sprint(backlogQueryTimeout.Milliseconds())
+	rp["lock_timeout"] = "1000"
+	rp["plan_cache_mode"] = "force_custom_plan"
+	rp["enable_bitmapscan"] = "off"
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	return pool, nil
+}

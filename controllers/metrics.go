@@ -1,0 +1,94 @@
+package controllers
+
+import (
+	"errors"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/types"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+)
+
+// Metrics are the operator's gauges per OutboxRelay, labelled namespace and
+// name, as its status reports them. They are deleted with the OutboxRelay.
+type Metrics struct {
+	backlog, oldestAge, desired, ready, lagging *prometheus.GaugeVec
+	held                                        *prometheus.GaugeVec
+}
+
+// NewMetrics registers the operator's gauges with reg (cmd/manager passes
+// controller-runtime's registry, which the manager serves on /metrics).
+func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
+	labels := []string{"namespace", "name"}
+	gauge := func(name, help string, extra ...string) *prometheus.GaugeVec {
+		return prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: name, Help: help}, append(labels, extra...))
+	}
+	m := &Metrics{
+		backlog: gauge("outbox_operator_backlog_rows",
+			"Unpublished rows a relay can claim, as status.backlog.pending (exact up to 100000, an estimate above)."),
+		oldestAge: gauge("outbox_operator_oldest_waiting_age_seconds",
+			"Age of the oldest row a relay can claim, 0 when none."),
+		held: gauge("outbox_operator_rows_held",
+			"Unpublished rows among the 100000 oldest that no relay publishes as things stand, by reason (unroutable, invalid).", "reason"),
+		desired: gauge("outbox_operator_desired_replicas",
+			"Relay replicas the operator asks the Deployment for."),
+		ready: gauge("outbox_operator_ready_replicas",
+			"Ready relay replicas."),
+		lagging: gauge("outbox_operator_lagging",
+			"1 while the Lagging condition is True, 0 while False, -1 while Unknown."),
+	}
+	for _, v := range []**prometheus.GaugeVec{&m.backlog, &m.oldestAge, &m.held, &m.desired, &m.ready, &m.lagging} {
+		err := reg.Register(*v)
+		var dup prometheus.AlreadyRegisteredError
+		switch {
+		case errors.As(err, &dup): // a second manager in one process (tests) shares them
+			existing, ok := dup.ExistingCollector.(*prometheus.GaugeVec)
+			if !ok {
+				return nil, err
+			}
+			*v = existing
+		case err != nil:
+			return nil, err
+		}
+	}
+	return m, nil
+}
+
+// set reports a relay's status.
+func (m *Metrics) set(relay *outboxv1alpha1.OutboxRelay) {
+	if m == nil {
+		return
+	}
+	ns, name := relay.Namespace, relay.Name
+	st := &relay.Status
+	m.desired.WithLabelValues(ns, name).Set(float64(st.DesiredReplicas))
+	m.ready.WithLabelValues(ns, name).Set(float64(st.ReadyReplicas))
+	lag := -1.0
+	if c := meta.FindStatusCondition(st.Conditions, outboxv1alpha1.ConditionLagging); c != nil {
+		switch c.Status {
+		case "True":
+			lag = 1
+		case "False":
+			lag = 0
+		}
+	}
+	m.lagging.WithLabelValues(ns, name).Set(lag)
+	if b := st.Backlog; b != nil {
+		m.backlog.WithLabelValues(ns, name).Set(float64(b.Pending))
+		m.oldestAge.WithLabelValues(ns, name).Set(b.OldestAge.Seconds())
+		m.held.WithLabelValues(ns, name, "unroutable").Set(float64(b.Held.Unroutable))
+		m.held.WithLabelValues(ns, name, "invalid").Set(float64(b.Held.Invalid))
+	}
+}
+
+// delete drops every series of a relay.
+func (m *Metrics) delete(key types.NamespacedName) {
+	if m == nil {
+		return
+	}
+	match := prometheus.Labels{"namespace": key.Namespace, "name": key.Name}
+	for _, v := range []*prometheus.GaugeVec{m.backlog, m.oldestAge, m.held, m.desired, m.ready, m.lagging} {
+		v.DeletePartialMatch(match)
+	}
+}
