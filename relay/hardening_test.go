@@ -18,6 +18,21 @@ import (
 
 var modes = []relay.Ordering{relay.OrderingNone, relay.OrderingPartitionKey}
 
+// eachMode runs test in parallel once per ordering mode, with a fixture of
+// partitions partitions per topic and a config in that mode.
+func eachMode(t *testing.T, partitions int, types []string, test func(t *testing.T, f *outboxtest.Fixture, cfg relay.Config)) {
+	t.Parallel()
+	for _, mode := range modes {
+		t.Run(string(mode), func(t *testing.T) {
+			t.Parallel()
+			f := outboxtest.NewFixture(t, partitions, types...)
+			cfg := f.Config()
+			cfg.Ordering = mode
+			test(t, f, cfg)
+		})
+	}
+}
+
 // run starts a relay with an optional injected writer until the test ends.
 func run(t *testing.T, cfg relay.Config, w relay.MessageWriter) *outboxtest.Running {
 	t.Helper()
@@ -58,111 +73,90 @@ func TestStartupRefusesNullableColumns(t *testing.T) {
 // row alone (invalid_row): never a tombstone, never a failed claim for
 // everyone; rows of other keys flow, in both ordering modes.
 func TestNullsAfterStartupAreHeldAlone(t *testing.T) {
-	t.Parallel()
-	for _, mode := range modes {
-		t.Run(string(mode), func(t *testing.T) {
-			t.Parallel()
-			f := outboxtest.NewFixture(t, 2, "E")
-			cfg := f.Config()
-			cfg.Ordering = mode
-			x := run(t, cfg, nil) // checked while every column was NOT NULL
-			f.Exec(`ALTER TABLE outbox ALTER COLUMN payload DROP NOT NULL, ALTER COLUMN partition_key DROP NOT NULL,
+	eachMode(t, 2, []string{"E"}, func(t *testing.T, f *outboxtest.Fixture, cfg relay.Config) {
+		x := run(t, cfg, nil) // checked while every column was NOT NULL
+		f.Exec(`ALTER TABLE outbox ALTER COLUMN payload DROP NOT NULL, ALTER COLUMN partition_key DROP NOT NULL,
 				ALTER COLUMN created_at DROP NOT NULL, ALTER COLUMN event_type DROP NOT NULL`)
-			f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at) VALUES
+		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at) VALUES
 				(gen_random_uuid(), 'Order', 'a', 'E', NULL, 'bad-1', now()),
 				(gen_random_uuid(), 'Order', 'b', 'E', '{}', NULL, now()),
 				(gen_random_uuid(), 'Order', 'c', 'E', '{}', 'bad-3', NULL),
 				(gen_random_uuid(), 'Order', 'd', NULL, '{}', 'bad-4', now())`)
-			f.Insert(300, 10, "E")
-			f.WaitDrained(4, 30*time.Second)
-			// Without ordering a NULL type is never claimed (no mapping can
-			// match it); with partition-key ordering every row of the
-			// replica's buckets is claimed, so it is held too.
-			want := 3.0
-			if mode == relay.OrderingPartitionKey {
-				want = 4
-			}
-			require.Eventually(t, func() bool {
-				return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldInvalidRow) == want
-			}, 10*time.Second, 50*time.Millisecond)
-			require.Equal(t, 4, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND aggregate_id IN ('a','b','c','d')`))
-			_, msgs := outboxtest.Deliveries(t, 300, f.Topics["E"])
-			for _, m := range msgs {
-				require.NotNil(t, m.Value, "no tombstone")
-			}
-			require.NoError(t, x.R.Ready(), "held rows are not a stall")
-		})
-	}
+		f.Insert(300, 10, "E")
+		f.WaitDrained(4, 30*time.Second)
+		// Without ordering a NULL type is never claimed (no mapping can
+		// match it); with partition-key ordering every row of the
+		// replica's buckets is claimed, so it is held too.
+		want := 3.0
+		if cfg.Ordering == relay.OrderingPartitionKey {
+			want = 4
+		}
+		require.Eventually(t, func() bool {
+			return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldInvalidRow) == want
+		}, 10*time.Second, 50*time.Millisecond)
+		require.Equal(t, 4, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND aggregate_id IN ('a','b','c','d')`))
+		_, msgs := outboxtest.Deliveries(t, 300, f.Topics["E"])
+		for _, m := range msgs {
+			require.NotNil(t, m.Value, "no tombstone")
+		}
+		require.NoError(t, x.R.Ready(), "held rows are not a stall")
+	})
 }
 
 // A row larger than the batch's byte budget is claimed and sent alone; no
 // claim commits an empty batch.
 func TestRowLargerThanByteBudgetIsSentAlone(t *testing.T) {
-	t.Parallel()
-	for _, mode := range modes {
-		t.Run(string(mode), func(t *testing.T) {
-			t.Parallel()
-			f := outboxtest.NewFixture(t, 1, "E")
-			f.Insert(20, 3, "E")
-			f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+	eachMode(t, 1, []string{"E"}, func(t *testing.T, f *outboxtest.Fixture, cfg relay.Config) {
+		f.Insert(20, 3, "E")
+		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 				SELECT gen_random_uuid(), 'Order', 'big', 'E', jsonb_build_object('pad', repeat('y', 200000)), 'order-1'
 				FROM generate_series(1, 3)`)
-			f.Insert(20, 3, "E")
-			cfg := f.Config()
-			cfg.Ordering = mode
-			cfg.MaxBatchBytes = 64 << 10
-			x := run(t, cfg, nil)
-			f.WaitDrained(0, 30*time.Second)
-			_, msgs := outboxtest.Deliveries(t, 43, f.Topics["E"])
-			big := 0
-			for _, m := range msgs {
-				if len(m.Value) > 200000 {
-					big++
-				}
+		f.Insert(20, 3, "E")
+		cfg.MaxBatchBytes = 64 << 10
+		x := run(t, cfg, nil)
+		f.WaitDrained(0, 30*time.Second)
+		_, msgs := outboxtest.Deliveries(t, 43, f.Topics["E"])
+		big := 0
+		for _, m := range msgs {
+			if len(m.Value) > 200000 {
+				big++
 			}
-			require.Equal(t, 3, big)
-			require.NoError(t, x.R.Ready())
-		})
-	}
+		}
+		require.Equal(t, 3, big)
+		require.NoError(t, x.R.Ready())
+	})
 }
 
 // A mapped topic deleted mid-drain holds only its rows (topic_unavailable);
 // the other topic drains completely; recreated, its rows follow.
 func TestDeletedTopicHoldsOnlyItsRows(t *testing.T) {
-	t.Parallel()
-	for _, mode := range modes {
-		t.Run(string(mode), func(t *testing.T) {
-			t.Parallel()
-			f := outboxtest.NewFixture(t, 2, "A", "B")
-			const n = 6000
-			f.Insert(n, 100, "A", "B") // every key has one type
-			cfg := f.Config()
-			cfg.Ordering = mode
-			cfg.BatchSize = 100
-			cfg.HeldRetryInterval = 2 * time.Second
-			x := run(t, cfg, nil)
-			require.Eventually(t, func() bool { return f.Unpublished() < n-500 }, 30*time.Second, 5*time.Millisecond)
-			client := &kafka.Client{Addr: kafka.TCP(testenv.Broker().Addr()), Timeout: 10 * time.Second}
-			resp, err := client.DeleteTopics(context.Background(), &kafka.DeleteTopicsRequest{Topics: []string{f.Topics["B"]}})
-			require.NoError(t, err)
-			require.NoError(t, resp.Errors[f.Topics["B"]])
+	eachMode(t, 2, []string{"A", "B"}, func(t *testing.T, f *outboxtest.Fixture, cfg relay.Config) {
+		const n = 6000
+		f.Insert(n, 100, "A", "B") // every key has one type
+		cfg.BatchSize = 100
+		cfg.HeldRetryInterval = 2 * time.Second
+		x := run(t, cfg, nil)
+		require.Eventually(t, func() bool { return f.Unpublished() < n-500 }, 30*time.Second, 5*time.Millisecond)
+		client := &kafka.Client{Addr: kafka.TCP(testenv.Broker().Addr()), Timeout: 10 * time.Second}
+		resp, err := client.DeleteTopics(context.Background(), &kafka.DeleteTopicsRequest{Topics: []string{f.Topics["B"]}})
+		require.NoError(t, err)
+		require.NoError(t, resp.Errors[f.Topics["B"]])
 
-			require.Eventually(t, func() bool {
-				return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND event_type = 'A'`) == 0
-			}, 60*time.Second, 50*time.Millisecond, "the other topic drains")
-			require.Positive(t, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND event_type = 'B'`))
-			require.Eventually(t, func() bool {
-				return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTopicUnavailable) > 0
-			}, 15*time.Second, 100*time.Millisecond)
+		require.Eventually(t, func() bool {
+			return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND event_type = 'A'`) == 0
+		}, 60*time.Second, 50*time.Millisecond, "the other topic drains")
+		require.Positive(t, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND event_type = 'B'`))
+		require.Eventually(t, func() bool {
+			return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTopicUnavailable) > 0
+		}, 15*time.Second, 100*time.Millisecond)
 
-			require.Eventually(t, func() bool {
-				return testenv.Broker().CreateTopicErr(f.Topics["B"], 2) == nil
-			}, 30*time.Second, 500*time.Millisecond)
-			f.WaitDrained(0, 90*time.Second)
-			counts, _ := outboxtest.Deliveries(t, n/2, f.Topics["A"])
-			require.Len(t, counts, n/2, "every A row reached its topic")
-		})
-	}
+		require.Eventually(t, func() bool {
+			return testenv.Broker().CreateTopicErr(f.Topics["B"], 2) == nil
+		}, 30*time.Second, 500*time.Millisecond)
+		f.WaitDrained(0, 90*time.Second)
+		counts, _ := outboxtest.Deliveries(t, n/2, f.Topics["A"])
+		require.Len(t, counts, n/2, "every A row reached its topic")
+	})
 }
 
 // A record larger than its topic takes that does not fit the dead-letter

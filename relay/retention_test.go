@@ -15,23 +15,16 @@ import (
 // With OnPublishDelete an acknowledged row is deleted in the claim
 // transaction: the table ends empty and every event reached Kafka once.
 func TestDeleteOnPublish(t *testing.T) {
-	t.Parallel()
-	for _, mode := range modes {
-		t.Run(string(mode), func(t *testing.T) {
-			t.Parallel()
-			f := outboxtest.NewFixture(t, 2, "E")
-			const n = 3000
-			f.Insert(n, 50, "E")
-			want := f.EventIDs("")
-			cfg := f.Config()
-			cfg.Ordering = mode
-			cfg.OnPublish = relay.OnPublishDelete
-			run(t, cfg, nil)
-			require.Eventually(t, func() bool { return f.Count(`SELECT count(*) FROM outbox`) == 0 }, 60*time.Second, 20*time.Millisecond)
-			counts, _ := outboxtest.Deliveries(t, n, f.Topics["E"])
-			outboxtest.RequireExactlyOnce(t, want, counts)
-		})
-	}
+	eachMode(t, 2, []string{"E"}, func(t *testing.T, f *outboxtest.Fixture, cfg relay.Config) {
+		const n = 3000
+		f.Insert(n, 50, "E")
+		want := f.EventIDs("")
+		cfg.OnPublish = relay.OnPublishDelete
+		run(t, cfg, nil)
+		require.Eventually(t, func() bool { return f.Count(`SELECT count(*) FROM outbox`) == 0 }, 60*time.Second, 20*time.Millisecond)
+		counts, _ := outboxtest.Deliveries(t, n, f.Topics["E"])
+		outboxtest.RequireExactlyOnce(t, want, counts)
+	})
 }
 
 // Writers, two relays and pruning together: pruning deletes published rows

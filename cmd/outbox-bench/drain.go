@@ -54,18 +54,16 @@ func ceilingLoop(ctx context.Context, dsn string, batch int) error {
 			if err != nil {
 				return err
 			}
-			var (
-				id                         int64
-				eid, et, at, aid, key, nul string
-				payload                    []byte
-				created                    time.Time
-				locked                     int
-			)
-			_, err = pgx.ForEachRow(rows, []any{&id, &eid, &et, &at, &aid, &key, &payload, &created, &nul, &locked}, func() error {
-				ids = append(ids, id)
-				return nil
-			})
-			if err != nil {
+			// Every column is decoded, as the relay does; the id comes first.
+			for rows.Next() {
+				v, err := rows.Values()
+				if err != nil {
+					rows.Close()
+					return err
+				}
+				ids = append(ids, v[0].(int64))
+			}
+			if err := rows.Err(); err != nil {
 				return err
 			}
 			if len(ids) == 0 {

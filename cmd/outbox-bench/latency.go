@@ -14,6 +14,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/segmentio/kafka-go"
 
+	"github.com/outbox-relay/outbox-operator/internal/devproc"
 	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
 	"github.com/outbox-relay/outbox-operator/outbox"
@@ -139,18 +140,11 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 	}
 	defer consumer.Close()
 
-	extra := []string{"--poll-interval", poll.String()}
-	if notify {
-		extra = append(extra, "--notify")
-	}
-	p, err := e.startRelay(e.relayArgs(topic, relayconfig.DefaultBatchSize, "", extra...))
+	p, err := e.readyRelay(ctx, topic, notify, "--poll-interval", poll.String())
 	if err != nil {
 		return nil, err
 	}
 	defer stopRelay(p)
-	if err := p.WaitReady(ctx, 30*time.Second); err != nil {
-		return nil, err
-	}
 	insert := insertSQL(notify)
 	// Producers: open loop, each client on its own schedule of rate/producers.
 	var inserted atomic.Int64
@@ -169,29 +163,14 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 		pwg.Add(1)
 		go func() {
 			defer pwg.Done()
-			conn, err := pgConnect(ctx, e.dsn)
-			if err != nil {
-				errs[c] = err
-				return
-			}
-			defer conn.Close(context.Background())
 			next := prodStart.Add(time.Duration(c) * interval / time.Duration(o.producers))
-			for seq := 0; ; seq++ {
+			errs[c] = produce(ctx, e, c, insert, &inserted, func() bool {
 				if d := time.Until(next); d > 0 {
 					time.Sleep(d)
 				}
-				if !time.Now().Before(end) || ctx.Err() != nil {
-					return
-				}
-				key := fmt.Sprintf("order-%d", (c*1_000_003+seq)%1000)
-				_, err := conn.Exec(ctx, insert, uuid.New(), key, eventType, seq)
-				if err != nil {
-					errs[c] = fmt.Errorf("producer insert: %w", err)
-					return
-				}
-				inserted.Add(1)
 				next = next.Add(interval)
-			}
+				return time.Now().Before(end)
+			})
 		}()
 	}
 	// Sample the relay's RSS in the second half (steady state).
@@ -390,18 +369,11 @@ func writersRun(ctx context.Context, o *options, e *benchEnv, notify bool) (map[
 		return nil, err
 	}
 	defer e.deleteTopic(topic)
-	var extra []string
-	if notify {
-		extra = append(extra, "--notify")
-	}
-	p, err := e.startRelay(e.relayArgs(topic, relayconfig.DefaultBatchSize, "", extra...))
+	p, err := e.readyRelay(ctx, topic, notify)
 	if err != nil {
 		return nil, err
 	}
 	defer stopRelay(p)
-	if err := p.WaitReady(ctx, 30*time.Second); err != nil {
-		return nil, err
-	}
 	insert := insertSQL(notify)
 	var n atomic.Int64
 	end := time.Now().Add(o.writersFor)
@@ -412,20 +384,7 @@ func writersRun(ctx context.Context, o *options, e *benchEnv, notify bool) (map[
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			conn, err := pgConnect(ctx, e.dsn)
-			if err != nil {
-				errs[c] = err
-				return
-			}
-			defer conn.Close(context.Background())
-			for seq := 0; time.Now().Before(end) && ctx.Err() == nil; seq++ {
-				key := fmt.Sprintf("order-%d", (c*1_000_003+seq)%1000)
-				if _, err := conn.Exec(ctx, insert, uuid.New(), key, eventType, seq); err != nil {
-					errs[c] = fmt.Errorf("writer insert: %w", err)
-					return
-				}
-				n.Add(1)
-			}
+			errs[c] = produce(ctx, e, c, insert, &n, func() bool { return time.Now().Before(end) })
 		}()
 	}
 	wg.Wait()
@@ -433,6 +392,41 @@ func writersRun(ctx context.Context, o *options, e *benchEnv, notify bool) (map[
 		return nil, err
 	}
 	return map[string]float64{"rows_per_s": float64(n.Load()) / time.Since(start).Seconds()}, nil
+}
+
+// readyRelay starts one relay at the default batch size on topic (with
+// --notify when notify) and waits until it is ready.
+func (e *benchEnv) readyRelay(ctx context.Context, topic string, notify bool, extra ...string) (*devproc.Proc, error) {
+	if notify {
+		extra = append(extra, "--notify")
+	}
+	p, err := e.startRelay(e.relayArgs(topic, relayconfig.DefaultBatchSize, "", extra...))
+	if err != nil {
+		return nil, err
+	}
+	if err := p.WaitReady(ctx, 30*time.Second); err != nil {
+		stopRelay(p)
+		return nil, err
+	}
+	return p, nil
+}
+
+// produce is one producer: its own connection, one row per transaction
+// (insert), as long as more says so; it counts the rows in inserted.
+func produce(ctx context.Context, e *benchEnv, c int, insert string, inserted *atomic.Int64, more func() bool) error {
+	conn, err := pgConnect(ctx, e.dsn)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.Background())
+	for seq := 0; more() && ctx.Err() == nil; seq++ {
+		key := fmt.Sprintf("order-%d", (c*1_000_003+seq)%1000)
+		if _, err := conn.Exec(ctx, insert, uuid.New(), key, eventType, seq); err != nil {
+			return fmt.Errorf("producer insert: %w", err)
+		}
+		inserted.Add(1)
+	}
+	return nil
 }
 
 func pct(sorted []float64, q float64) float64 {

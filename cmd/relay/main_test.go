@@ -86,6 +86,14 @@ func TestBrokerOutageMidDrain(t *testing.T) {
 	require.Greater(t, f.Unpublished(), 0)
 	require.InDelta(t, stoppedAt, f.Unpublished(), 200, "nothing is marked while the broker is down")
 	require.NoError(t, testenv.Broker().Start())
+	requireRecovered(t, f, p, n)
+}
+
+// requireRecovered checks a relay process drained the table by itself after
+// an outage, turned ready again, lost nothing, and published at most the
+// batches it had in flight (of 100 rows) twice.
+func requireRecovered(t *testing.T, f *outboxtest.Fixture, p *outboxtest.Proc, n int) {
+	t.Helper()
 	f.WaitDrained(0, 2*time.Minute)
 	require.Eventually(t, func() bool { return readyz(p) == http.StatusOK }, 30*time.Second, 50*time.Millisecond)
 	counts, _ := outboxtest.Deliveries(t, n, f.Topics["E"])
@@ -107,12 +115,7 @@ func TestPostgresRestartMidDrain(t *testing.T) {
 		"/readyz fails while PostgreSQL is unreachable")
 	require.NoError(t, testenv.PG().Start())
 	f.Pool.Reset()
-	f.WaitDrained(0, 2*time.Minute)
-	require.Eventually(t, func() bool { return readyz(p) == http.StatusOK }, 30*time.Second, 50*time.Millisecond)
-	counts, _ := outboxtest.Deliveries(t, n, f.Topics["E"])
-	dups := outboxtest.RequireAtLeastOnce(t, f.EventIDs(""), counts)
-	require.LessOrEqual(t, dups, relayconfig.DefaultMaxInFlight*100, "bounded by the batches in flight")
-	require.Nil(t, p.Cmd.ProcessState, "the relay kept running through the restart")
+	requireRecovered(t, f, p, n)
 }
 
 // 9. Bad configuration exits non-zero at once, naming the flag and value.
