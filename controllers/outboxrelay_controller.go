@@ -103,6 +103,9 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 		deploy = current
 	}
 	relay.Status = computeStatus(relay, deploy, prob, obs)
+	if err := r.ensurePodMonitor(ctx, relay); err != nil {
+		return ctrl.Result{}, err
+	}
 	r.recordEvents(original, relay, current, deploy, prob)
 	r.Metrics.set(relay)
 	if !equality.Semantic.DeepEqual(original.Status, relay.Status) {

@@ -431,6 +431,10 @@ type OutboxRelaySpec struct {
 	// app.kubernetes.io labels the operator selects the pods by.
 	// +optional
 	PodLabels map[string]string `json:"podLabels,omitempty"`
+
+	// Monitoring asks for monitoring objects for the relay pods.
+	// +optional
+	Monitoring *MonitoringSpec `json:"monitoring,omitempty"`
 }
 
 // BacklogStatus is what the operator read from the outbox table. It reads the

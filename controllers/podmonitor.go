@@ -1,0 +1,124 @@
+package controllers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+)
+
+// The PodMonitor is handled as an unstructured object: the Prometheus
+// Operator's API types would be a heavy dependency for one small object. It
+// is not watched either, because a watch on a kind the cluster does not
+// serve keeps the controller from starting; a PodMonitor deleted or edited
+// by hand is written again on the relay's next pass.
+//
+// +kubebuilder:rbac:groups=monitoring.coreos.com,resources=podmonitors,verbs=get;create;patch;delete
+
+// podMonitorGVK is the Prometheus Operator's PodMonitor.
+var podMonitorGVK = schema.GroupVersionKind{Group: "monitoring.coreos.com", Version: "v1", Kind: "PodMonitor"}
+
+// relayJob is the job label the PodMonitor gives every relay's series.
+const relayJob = "outbox-relay"
+
+func newPodMonitor() *unstructured.Unstructured {
+	u := &unstructured.Unstructured{}
+	u.SetGroupVersionKind(podMonitorGVK)
+	return u
+}
+
+// relayPodMonitor is the PodMonitor that scrapes a relay's pods: the metrics
+// port, job="outbox-relay" (the value of the pods' app.kubernetes.io/name) and
+// outboxrelay=<name>, the labels config/prometheus and config/grafana use.
+func relayPodMonitor(relay *outboxv1alpha1.OutboxRelay) *unstructured.Unstructured {
+	selector := map[string]any{}
+	for k, v := range selectorLabels(relay) {
+		selector[k] = v
+	}
+	spec := map[string]any{
+		"jobLabel": labelName,
+		"selector": map[string]any{"matchLabels": selector},
+		"podMetricsEndpoints": []any{map[string]any{
+			"port": "metrics",
+			"path": "/metrics",
+			"relabelings": []any{map[string]any{
+				"action":       "replace",
+				"sourceLabels": []any{"__meta_kubernetes_pod_label_app_kubernetes_io_instance"},
+				"targetLabel":  "outboxrelay",
+			}},
+		}},
+	}
+	u := newPodMonitor()
+	u.SetNamespace(relay.Namespace)
+	u.SetName(childName(relay))
+	u.SetLabels(commonLabels(relay))
+	u.SetAnnotations(map[string]string{specHashAnnotation: hashOf(spec)})
+	u.Object["spec"] = spec
+	return u
+}
+
+// ensurePodMonitor writes the PodMonitor spec.monitoring.podMonitor asks
+// for, or deletes the one the relay owns when it no longer asks, and reports
+// it in the Monitoring condition. A cluster without the PodMonitor CRD is a
+// condition, not an error: the relay itself does not need it.
+func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *outboxv1alpha1.OutboxRelay) error {
+	if relay.Spec.Monitoring == nil || !relay.Spec.Monitoring.PodMonitor {
+		// Only a relay that asked before can own one: others cost no request.
+		if meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionMonitoring) == nil {
+			return nil
+		}
+		if err := r.deletePodMonitor(ctx, relay); err != nil {
+			return err
+		}
+		meta.RemoveStatusCondition(&relay.Status.Conditions, outboxv1alpha1.ConditionMonitoring)
+		return nil
+	}
+	set := func(status metav1.ConditionStatus, reason, msg string) {
+		meta.SetStatusCondition(&relay.Status.Conditions, metav1.Condition{Type: outboxv1alpha1.ConditionMonitoring,
+			Status: status, Reason: reason, Message: msg, ObservedGeneration: relay.Generation})
+	}
+	_, err := ensure(ctx, r.Client, relay, relayPodMonitor(relay), newPodMonitor(), nil,
+		func(cur, want *unstructured.Unstructured) { cur.Object["spec"] = want.Object["spec"] })
+	var conflict *conflictError
+	switch {
+	case err == nil:
+		set(metav1.ConditionTrue, outboxv1alpha1.ReasonPodMonitorReady,
+			fmt.Sprintf("PodMonitor %s scrapes the relay pods (job=%q, outboxrelay=%q)", childName(relay), relayJob, relay.Name))
+	case meta.IsNoMatchError(err):
+		set(metav1.ConditionFalse, outboxv1alpha1.ReasonPodMonitorCRDMissing,
+			"spec.monitoring.podMonitor: the cluster serves no PodMonitor (monitoring.coreos.com/v1); install the Prometheus Operator's CRDs")
+	case errors.As(err, &conflict):
+		set(metav1.ConditionFalse, outboxv1alpha1.ReasonResourceConflict,
+			fmt.Sprintf("PodMonitor %s exists and is not controlled by this OutboxRelay; it is left alone", childName(relay)))
+	default:
+		return err
+	}
+	return nil
+}
+
+// deletePodMonitor deletes the relay's PodMonitor if the relay controls it.
+func (r *OutboxRelayReconciler) deletePodMonitor(ctx context.Context, relay *outboxv1alpha1.OutboxRelay) error {
+	cur := newPodMonitor()
+	err := r.Get(ctx, client.ObjectKey{Namespace: relay.Namespace, Name: childName(relay)}, cur)
+	switch {
+	case apierrors.IsNotFound(err), meta.IsNoMatchError(err):
+		return nil
+	case err != nil:
+		return fmt.Errorf("get PodMonitor %s: %w", childName(relay), err)
+	case !metav1.IsControlledBy(cur, relay):
+		return nil
+	}
+	if err := r.Delete(ctx, cur, client.Preconditions{UID: ptr.To(cur.GetUID())}); client.IgnoreNotFound(err) != nil {
+		return fmt.Errorf("delete PodMonitor %s: %w", childName(relay), err)
+	}
+	return nil
+}

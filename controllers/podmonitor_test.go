@@ -1,0 +1,126 @@
+package controllers
+
+import (
+	"context"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/utils/ptr"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/internal/testenv"
+)
+
+// podMonitorCRD is the Prometheus Operator's PodMonitor CRD (v0.93.0), which
+// test/ops also installs.
+func podMonitorCRD() string {
+	return filepath.Join(testenv.RepoRoot(), "test", "ops", "testdata", "crds", "monitoring.coreos.com_podmonitors.yaml")
+}
+
+func TestRelayPodMonitor(t *testing.T) {
+	t.Parallel()
+	relay := &outboxv1alpha1.OutboxRelay{ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "orders"}}
+	pm := relayPodMonitor(relay)
+	require.Equal(t, podMonitorGVK, pm.GroupVersionKind())
+	require.Equal(t, "shop", pm.GetNamespace())
+	require.Equal(t, "orders-relay", pm.GetName())
+	require.Equal(t, commonLabels(relay), pm.GetLabels())
+	require.NotEmpty(t, pm.GetAnnotations()[specHashAnnotation])
+	sel, _, _ := unstructured.NestedStringMap(pm.Object, "spec", "selector", "matchLabels")
+	require.Equal(t, selectorLabels(relay), sel, "the relay's pods, and only them")
+	job, _, _ := unstructured.NestedString(pm.Object, "spec", "jobLabel")
+	require.Equal(t, relayJob, selectorLabels(relay)[job], "job takes the pods' app.kubernetes.io/name: outbox-relay")
+	eps, _, _ := unstructured.NestedSlice(pm.Object, "spec", "podMetricsEndpoints")
+	require.Len(t, eps, 1)
+	ep := eps[0].(map[string]any)
+	require.Equal(t, "metrics", ep["port"], "the port the relay container names")
+	relabel := ep["relabelings"].([]any)[0].(map[string]any)
+	require.Equal(t, "outboxrelay", relabel["targetLabel"])
+	require.Equal(t, []any{"__meta_kubernetes_pod_label_" + "app_kubernetes_io_instance"}, relabel["sourceLabels"])
+	require.Equal(t, relay.Name, selectorLabels(relay)[labelInstance])
+}
+
+// monitoringCondition is the relay's Monitoring condition, or nil.
+func monitoringCondition(t *testing.T, c client.Client, key client.ObjectKey) *metav1.Condition {
+	relay := &outboxv1alpha1.OutboxRelay{}
+	require.NoError(t, c.Get(context.Background(), key, relay))
+	return meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionMonitoring)
+}
+
+// TestPodMonitorFollowsSpec: without the PodMonitor CRD, spec.monitoring.podMonitor
+// is reported in status and the relay runs on; once the CRD is installed the
+// operator creates the PodMonitor, leaves it alone on an unchanged pass, and
+// deletes it when the spec stops asking.
+func TestPodMonitorFollowsSpec(t *testing.T) {
+	admin := adminClient(t)
+	ctx := context.Background()
+	crdOpts := envtest.CRDInstallOptions{Paths: []string{podMonitorCRD()}, ErrorIfPathMissing: true}
+	crd := &unstructured.Unstructured{}
+	crd.SetAPIVersion("apiextensions.k8s.io/v1")
+	crd.SetKind("CustomResourceDefinition")
+	if admin.Get(ctx, client.ObjectKey{Name: "podmonitors.monitoring.coreos.com"}, crd) == nil { // -count=N
+		require.NoError(t, envtest.UninstallCRDs(testenv.Kube().Config, crdOpts))
+		require.Eventually(t, func() bool { return apierrors.IsNotFound(admin.Get(ctx, client.ObjectKeyFromObject(crd), crd)) },
+			eventually, tick, "the PodMonitor CRD is gone")
+	}
+	r, _ := startManager(t)
+	ns := newNamespace(t, admin)
+	require.NoError(t, admin.Create(ctx, &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "dsn"}, StringData: map[string]string{"dsn": "postgres://x"},
+	}))
+	relay := &outboxv1alpha1.OutboxRelay{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "orders"},
+		Spec: outboxv1alpha1.OutboxRelaySpec{
+			DSNSecretRef: outboxv1alpha1.SecretKeyReference{Name: "dsn"},
+			Topics:       map[string]outboxv1alpha1.TopicName{"OrderConfirmed": "orders.confirmed"},
+			Kafka:        outboxv1alpha1.KafkaSpec{Brokers: []outboxv1alpha1.BrokerAddress{"kafka:9092"}},
+			Monitoring:   &outboxv1alpha1.MonitoringSpec{PodMonitor: true},
+		},
+	}
+	require.NoError(t, admin.Create(ctx, relay))
+	key := client.ObjectKeyFromObject(relay)
+	require.Eventually(t, func() bool {
+		c := monitoringCondition(t, admin, key)
+		return c != nil && c.Status == metav1.ConditionFalse && c.Reason == outboxv1alpha1.ReasonPodMonitorCRDMissing
+	}, eventually, tick, "without the CRD the Monitoring condition says so")
+	require.NoError(t, admin.Get(ctx, client.ObjectKey{Namespace: ns, Name: "orders-relay"}, &corev1.Service{}),
+		"the relay's children are built all the same")
+
+	_, err := envtest.InstallCRDs(testenv.Kube().Config, crdOpts)
+	require.NoError(t, err)
+	require.NoError(t, admin.Get(ctx, key, relay))
+	relay.Spec.Replicas = ptr.To[int32](2) // a new generation: the next pass
+	require.NoError(t, admin.Update(ctx, relay))
+
+	pm := newPodMonitor()
+	pmKey := client.ObjectKey{Namespace: ns, Name: "orders-relay"}
+	require.Eventually(t, func() bool { return admin.Get(ctx, pmKey, pm) == nil }, eventually, tick, "the PodMonitor is created")
+	require.True(t, metav1.IsControlledBy(pm, relay), "owned by the relay, so it goes with it")
+	require.Equal(t, relayPodMonitor(relay).Object["spec"], pm.Object["spec"])
+	require.Eventually(t, func() bool {
+		c := monitoringCondition(t, admin, key)
+		return c != nil && c.Status == metav1.ConditionTrue && c.Reason == outboxv1alpha1.ReasonPodMonitorReady
+	}, eventually, tick)
+
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	again := newPodMonitor()
+	require.NoError(t, admin.Get(ctx, pmKey, again))
+	require.Equal(t, pm.GetResourceVersion(), again.GetResourceVersion(), "an unchanged pass writes nothing")
+
+	require.NoError(t, admin.Get(ctx, key, relay))
+	relay.Spec.Monitoring = nil
+	require.NoError(t, admin.Update(ctx, relay))
+	require.Eventually(t, func() bool { return apierrors.IsNotFound(admin.Get(ctx, pmKey, newPodMonitor())) },
+		eventually, tick, "the PodMonitor is deleted when the spec stops asking")
+	require.Eventually(t, func() bool { return monitoringCondition(t, admin, key) == nil }, eventually, tick)
+}
