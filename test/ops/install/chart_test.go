@@ -234,6 +234,9 @@ func TestChartNonDefaultValues(t *testing.T) {
 	require.Equal(t, "prometheus", pm.GetLabels()["release"])
 	endpoints, _, _ := unstructured.NestedSlice(pm.Object, "spec", "podMetricsEndpoints")
 	require.Equal(t, "30s", endpoints[0].(map[string]any)["interval"])
+	require.Equal(t, true, endpoints[0].(map[string]any)["honorLabels"], "the operator's gauges keep the relay's namespace label")
+	jobLabel, _, _ := unstructured.NestedString(pm.Object, "spec", "jobLabel")
+	require.Equal(t, "outbox-operator", labels[jobLabel], `the rules find the manager as job="outbox-operator"`)
 	rule := find(t, objs, "PrometheusRule", "")
 	var src map[string]any
 	b, err := os.ReadFile(repo("config", "prometheus", "prometheusrule.yaml"))
