@@ -105,6 +105,14 @@ var Columns = []Column{
 	{"published_at", []string{"timestamp with time zone"}, false},
 }
 
+// OptionalColumns are columns the relay reads when the table has them; a
+// table made before they existed keeps working without them.
+var OptionalColumns = []Column{
+	// headers: an object of string to string, each entry a Kafka header
+	// (Entry.Headers, and the writer's trace context). NULL means none.
+	{"headers", []string{"jsonb"}, false},
+}
+
 // SchemaDDL returns the DDL of an outbox table: its columns, the partial
 // index the relay claims through, and per-table autovacuum settings for a
 // queue table whose every row is updated once and pruned later.
@@ -124,7 +132,8 @@ func SchemaDDL(t Table) string {
     payload        jsonb       NOT NULL,
     partition_key  text        NOT NULL,
     created_at     timestamptz NOT NULL DEFAULT now(),
-    published_at   timestamptz
+    published_at   timestamptz,
+    headers        jsonb
 );
 
 -- The relay claims through this index only: it holds just the unpublished rows.
