@@ -310,9 +310,11 @@ func perMinute(rs []counterReading) *int64 {
 // newBacklogPool opens the lazy one-connection pool of an observer. Its
 // sessions are read-only, bounded by a statement timeout, and plan each
 // statement for its own arguments (a generic plan for LIMIT $1 could scan
-// the whole backlog); bitmap scans are off so that reading the oldest rows
-// walks the partial index in id order and stops at the bound, instead of
-// collecting and sorting the whole backlog.
+// the whole backlog). Bitmap scans and sorts are off: reading the oldest
+// rows then walks the partial index in id order and stops at the bound,
+// and the grouping hashes the rows instead of sorting them, which on
+// statistics taken while the table was nearly drained spilled 4 MB to disk
+// and took 76 ms instead of 22 ms at 1M waiting rows (measured here).
 func newBacklogPool(ctx context.Context, target flowTarget) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(target.dsn)
 	if err != nil {
@@ -328,6 +330,7 @@ func newBacklogPool(ctx context.Context, target flowTarget) (*pgxpool.Pool, erro
 	rp["lock_timeout"] = "1000"
 	rp["plan_cache_mode"] = "force_custom_plan"
 	rp["enable_bitmapscan"] = "off"
+	rp["enable_sort"] = "off"
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, err

@@ -16,10 +16,11 @@ import (
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 )
 
-// The status the operator writes reads right to kstatus, the health logic
-// Argo CD and Flux use: InProgress while rolling out (including a roll with
-// no generation change, as a Secret rotation makes), Failed when stalled,
-// Current when ready.
+// The status the operator writes reads right to kstatus, the logic Flux's
+// health checks and kubectl-style waits use (Argo CD runs its own Lua
+// health checks instead: config/argocd/health.lua): InProgress while rolling
+// out (including a roll with no generation change, as a Secret rotation
+// makes), Failed when stalled, Current when ready.
 func TestStatusReadsRightToKstatus(t *testing.T) {
 	t.Parallel()
 	deploy := func(gen, observed, replicas, updated, ready int32) *appsv1.Deployment {
