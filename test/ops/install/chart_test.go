@@ -250,6 +250,21 @@ func TestChartNonDefaultValues(t *testing.T) {
 	require.JSONEq(t, string(dash), cm.Object["data"].(map[string]any)["outbox-operator.json"].(string))
 }
 
+// TestChartMetricsOff: metrics.enabled=false turns the endpoint off and
+// drops the port (and the PodMonitor, even when asked for).
+func TestChartMetricsOff(t *testing.T) {
+	t.Parallel()
+	objs, _ := mustRender(t, values(t, `{metrics: {enabled: false}, monitoring: {podMonitor: {enabled: true}}}`))
+	c := container(t, find(t, objs, "Deployment", ""))
+	require.Contains(t, c["args"], "--metrics-bind-address=0")
+	for _, p := range c["ports"].([]any) {
+		require.NotEqual(t, "metrics", p.(map[string]any)["name"])
+	}
+	for _, o := range objs {
+		require.NotEqual(t, "PodMonitor", o.GetKind())
+	}
+}
+
 // TestChartAppliesToAPIServer applies what the chart renders, server-side
 // with dry run, to the API server: it accepts every object, with default
 // and non-default values.
@@ -312,6 +327,7 @@ func TestChartRefusesBadValues(t *testing.T) {
 		{`{monitoring: {podMonitor: {enabled: "yes"}}}`, "/monitoring/podMonitor/enabled"},
 		{`{monitoring: {podMonitor: {interval: 30}}}`, "/monitoring/podMonitor/interval"},
 		{`{monitoring: {serviceMonitor: {enabled: true}}}`, "additional properties 'serviceMonitor' not allowed"},
+		{`{podLabels: {app.kubernetes.io/name: other}}`, "invalid propertyName 'app.kubernetes.io/name'"},
 	} {
 		_, _, err := render(t, values(t, tc.values))
 		require.Error(t, err, tc.values)

@@ -57,3 +57,19 @@ func TestInstaller(t *testing.T) {
 	}
 	require.Equal(t, img, relayImage)
 }
+
+// TestMonitoringKustomizations renders config/prometheus and config/grafana
+// with kustomize and applies them, server-side with dry run, to an API server
+// that has the Prometheus Operator's CRDs.
+func TestMonitoringKustomizations(t *testing.T) {
+	installMonitoringCRDs(t)
+	ensureNamespace(t, "outbox-system")
+	for dir, want := range map[string]string{
+		"config/prometheus": "prometheusrule.monitoring.coreos.com/outbox-operator serverside-applied (server dry run)",
+		"config/grafana":    "configmap/outbox-operator-dashboard serverside-applied (server dry run)",
+	} {
+		rendered := kubectl(t, nil, "kustomize", dir)
+		out := kubectl(t, rendered, "apply", "--server-side", "--dry-run=server", "-f", "-")
+		require.Contains(t, string(out), want, dir)
+	}
+}
