@@ -68,23 +68,30 @@ func relayPodMonitor(relay *outboxv1alpha1.OutboxRelay) *unstructured.Unstructur
 
 // ensurePodMonitor writes the PodMonitor spec.monitoring.podMonitor asks
 // for, or deletes the one the relay owns when it no longer asks, and reports
-// it in the Monitoring condition. A cluster without the PodMonitor CRD is a
-// condition, not an error: the relay itself does not need it.
+// it in the Monitoring condition. A cluster without the PodMonitor CRD, or a
+// role without the permission, is a condition, not an error: the relay
+// itself needs no PodMonitor, and its status must still be written.
 func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *outboxv1alpha1.OutboxRelay) error {
+	set := func(status metav1.ConditionStatus, reason, msg string) {
+		meta.SetStatusCondition(&relay.Status.Conditions, metav1.Condition{Type: outboxv1alpha1.ConditionMonitoring,
+			Status: status, Reason: reason, Message: msg, ObservedGeneration: relay.Generation})
+	}
 	if relay.Spec.Monitoring == nil || !relay.Spec.Monitoring.PodMonitor {
 		// Only a relay that asked before can own one: others cost no request.
 		if meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionMonitoring) == nil {
 			return nil
 		}
-		if err := r.deletePodMonitor(ctx, relay); err != nil {
+		err := r.deletePodMonitor(ctx, relay)
+		switch {
+		case apierrors.IsForbidden(err):
+			set(metav1.ConditionFalse, outboxv1alpha1.ReasonPodMonitorForbidden,
+				fmt.Sprintf("spec.monitoring.podMonitor is off but the operator may not delete PodMonitor %s: %v", childName(relay), err))
+			return nil
+		case err != nil:
 			return err
 		}
 		meta.RemoveStatusCondition(&relay.Status.Conditions, outboxv1alpha1.ConditionMonitoring)
 		return nil
-	}
-	set := func(status metav1.ConditionStatus, reason, msg string) {
-		meta.SetStatusCondition(&relay.Status.Conditions, metav1.Condition{Type: outboxv1alpha1.ConditionMonitoring,
-			Status: status, Reason: reason, Message: msg, ObservedGeneration: relay.Generation})
 	}
 	_, err := ensure(ctx, r.Client, relay, relayPodMonitor(relay), newPodMonitor(), nil,
 		func(cur, want *unstructured.Unstructured) { cur.Object["spec"] = want.Object["spec"] })
@@ -96,6 +103,10 @@ func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *out
 	case meta.IsNoMatchError(err):
 		set(metav1.ConditionFalse, outboxv1alpha1.ReasonPodMonitorCRDMissing,
 			"spec.monitoring.podMonitor: the cluster serves no PodMonitor (monitoring.coreos.com/v1); install the Prometheus Operator's CRDs")
+	case apierrors.IsForbidden(err):
+		set(metav1.ConditionFalse, outboxv1alpha1.ReasonPodMonitorForbidden,
+			"spec.monitoring.podMonitor: the operator's role does not allow PodMonitors (get, create, patch, delete on "+
+				"podmonitors.monitoring.coreos.com); apply the role of this operator version")
 	case errors.As(err, &conflict):
 		set(metav1.ConditionFalse, outboxv1alpha1.ReasonResourceConflict,
 			fmt.Sprintf("PodMonitor %s exists and is not controlled by this OutboxRelay; it is left alone", childName(relay)))

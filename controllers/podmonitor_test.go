@@ -2,6 +2,7 @@ package controllers
 
 import (
 	"context"
+	"errors"
 	"path/filepath"
 	"testing"
 
@@ -11,9 +12,12 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/fake"
+	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
@@ -123,4 +127,61 @@ func TestPodMonitorFollowsSpec(t *testing.T) {
 	require.Eventually(t, func() bool { return apierrors.IsNotFound(admin.Get(ctx, pmKey, newPodMonitor())) },
 		eventually, tick, "the PodMonitor is deleted when the spec stops asking")
 	require.Eventually(t, func() bool { return monitoringCondition(t, admin, key) == nil }, eventually, tick)
+}
+
+// TestPodMonitorProblemsAreConditions: a missing CRD or a role without the
+// permission becomes the Monitoring condition (the relay's status is still
+// written), whether the PodMonitor is wanted or no longer wanted; any other
+// error is returned, so the pass is retried.
+func TestPodMonitorProblemsAreConditions(t *testing.T) {
+	t.Parallel()
+	forbidden := apierrors.NewForbidden(schema.GroupResource{Group: "monitoring.coreos.com", Resource: "podmonitors"},
+		"orders-relay", errors.New("no RBAC rule allows it"))
+	noCRD := &meta.NoKindMatchError{GroupKind: podMonitorGVK.GroupKind(), SearchedVersions: []string{"v1"}}
+	for name, tc := range map[string]struct {
+		err         error
+		reason      string // "" when the error is returned
+		keptWhenOff bool   // the condition stays after the spec stops asking
+	}{
+		"no CRD":      {err: noCRD, reason: outboxv1alpha1.ReasonPodMonitorCRDMissing},
+		"forbidden":   {err: forbidden, reason: outboxv1alpha1.ReasonPodMonitorForbidden, keptWhenOff: true},
+		"unavailable": {err: apierrors.NewServiceUnavailable("etcd is slow")},
+	} {
+		t.Run(name, func(t *testing.T) {
+			c := fake.NewClientBuilder().WithScheme(newScheme(t)).WithInterceptorFuncs(interceptor.Funcs{
+				Get: func(ctx context.Context, c client.WithWatch, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
+					if u, ok := obj.(*unstructured.Unstructured); ok && u.GroupVersionKind() == podMonitorGVK {
+						return tc.err
+					}
+					return c.Get(ctx, key, obj, opts...)
+				},
+			}).Build()
+			r := &OutboxRelayReconciler{Client: c}
+			relay := &outboxv1alpha1.OutboxRelay{
+				ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "orders", Generation: 3},
+				Spec:       outboxv1alpha1.OutboxRelaySpec{Monitoring: &outboxv1alpha1.MonitoringSpec{PodMonitor: true}},
+			}
+			err := r.ensurePodMonitor(context.Background(), relay)
+			if tc.reason == "" {
+				require.ErrorIs(t, err, tc.err)
+				return
+			}
+			require.NoError(t, err)
+			cond := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionMonitoring)
+			require.NotNil(t, cond)
+			require.Equal(t, metav1.ConditionFalse, cond.Status)
+			require.Equal(t, tc.reason, cond.Reason)
+			require.EqualValues(t, 3, cond.ObservedGeneration)
+
+			relay.Spec.Monitoring = nil
+			require.NoError(t, r.ensurePodMonitor(context.Background(), relay))
+			cond = meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionMonitoring)
+			if tc.keptWhenOff {
+				require.NotNil(t, cond, "a PodMonitor it may not delete is reported")
+				require.Equal(t, tc.reason, cond.Reason)
+			} else {
+				require.Nil(t, cond, "no CRD: no PodMonitor to delete")
+			}
+		})
+	}
 }

@@ -23,4 +23,7 @@ const (
 	// ReasonPodMonitorCRDMissing: the cluster serves no PodMonitor
 	// (monitoring.coreos.com/v1); the Prometheus Operator is not installed.
 	ReasonPodMonitorCRDMissing = "PodMonitorCRDMissing"
+	// ReasonPodMonitorForbidden: the operator's role does not allow it to
+	// write (or delete) the PodMonitor; its RBAC predates the field.
+	ReasonPodMonitorForbidden = "PodMonitorForbidden"
 )
