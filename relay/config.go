@@ -10,8 +10,10 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/segmentio/kafka-go/sasl"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
+	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
 // Ordering says what order the relay promises per partition key.
@@ -35,6 +37,22 @@ const (
 	OnPublishMark   = relayconfig.OnPublishMark
 	OnPublishDelete = relayconfig.OnPublishDelete
 )
+
+// Format is the layout of the records the relay publishes.
+type Format = relayconfig.Format
+
+// The Format values.
+const (
+	// FormatRaw: the payload as the record's value, the relay's headers and
+	// the row's own headers.
+	FormatRaw = relayconfig.FormatRaw
+	// FormatCloudEvents: a CloudEvent in the Kafka protocol binding's binary
+	// content mode, plus FormatRaw's headers.
+	FormatCloudEvents = relayconfig.FormatCloudEvents
+)
+
+// Compression is the codec of the relay's produce requests.
+type Compression = relayconfig.Compression
 
 // Config configures a Relay. Zero fields take the defaults documented on
 // them; New validates the result and names every bad field and value. The
@@ -97,6 +115,20 @@ type Config struct {
 	HeldRetryInterval time.Duration
 	// MaxBackoff caps the exponential backoff after transient errors. Default 5s.
 	MaxBackoff time.Duration
+	// Format is the record layout (docs/relay.md lists each format's
+	// headers). Default FormatRaw.
+	Format Format
+	// CloudEventsSource is ce_source in FormatCloudEvents, a URI-reference.
+	// Default "/outbox/" followed by the table's name.
+	CloudEventsSource string
+	// Compression is the produce requests' codec: none, gzip, snappy, lz4
+	// or zstd. Default none.
+	Compression Compression
+	// TracerProvider, when set, makes the relay record a producer span per
+	// published event, a child of the span that stored it (the row's
+	// traceparent header). Default nil: no spans, and the row's trace
+	// context is forwarded as it is.
+	TracerProvider trace.TracerProvider
 	// TLS, when set, connects to Kafka over TLS.
 	TLS *tls.Config
 	// SASL, when set, authenticates to Kafka.
@@ -129,6 +161,13 @@ func (c Config) withDefaults() Config {
 	c.FullRescanInterval = cmp.Or(c.FullRescanInterval, DefaultFullRescanInterval)
 	c.HeldRetryInterval = cmp.Or(c.HeldRetryInterval, DefaultHeldRetryInterval)
 	c.MaxBackoff = cmp.Or(c.MaxBackoff, DefaultMaxBackoff)
+	c.Format = cmp.Or(c.Format, relayconfig.DefaultFormat)
+	c.Compression = cmp.Or(c.Compression, relayconfig.DefaultCompression)
+	if c.CloudEventsSource == "" {
+		if t, err := outbox.ParseTable(c.Table); err == nil {
+			c.CloudEventsSource = "/outbox/" + t.String()
+		}
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -162,6 +201,9 @@ func (c Config) validate() error {
 		field(relayconfig.FlagKeepPublishedFor, relayconfig.CheckKeepPublishedFor(c.KeepPublishedFor)),
 		field(relayconfig.FlagPruneBatchSize, relayconfig.CheckPruneBatchSize(c.PruneBatchSize)),
 		field(relayconfig.FlagPrunePause, relayconfig.CheckPrunePause(c.PrunePause)),
+		field(relayconfig.FlagFormat, relayconfig.CheckFormat(c.Format)),
+		field(relayconfig.FlagCloudEventsSource, relayconfig.CheckCloudEventsSource(c.CloudEventsSource)),
+		field(relayconfig.FlagCompression, relayconfig.CheckCompression(c.Compression)),
 	)
 	if c.DeadLetterTopic != "" {
 		errs = append(errs, field(relayconfig.FlagDeadLetterTopic, relayconfig.CheckDeadLetterTopic(c.DeadLetterTopic, c.Topics)))

@@ -20,6 +20,9 @@ type metrics struct {
 	stalled       *prometheus.GaugeVec
 	pruned        prometheus.Counter
 	pruneDuration prometheus.Histogram
+	// headersSkipped counts row headers not forwarded because the relay
+	// sets a header of that name itself.
+	headersSkipped prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -94,6 +97,10 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		Help:    "Duration of one prune transaction (at most --prune-batch-size rows).",
 		Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16),
 	})
+	m.headersSkipped = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outbox_relay_headers_skipped_total",
+		Help: "Entries of rows' headers column not forwarded because the relay sets a header of that name itself (event_id, event_type, aggregate_type, aggregate_id, content-type, outbox_*, ce_*); counted each time a record is built.",
+	})
 	for _, r := range heldReasons {
 		m.held.WithLabelValues(r)
 	}
@@ -102,7 +109,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.published, m.publishErrors, m.batches, m.batchSize, m.batchDuration,
-			m.claimDuration, m.held, m.deadLettered, m.backlog, m.oldestAge, m.latency, m.buckets, m.blockedKeys, m.stalled, m.pruned, m.pruneDuration)
+			m.claimDuration, m.held, m.deadLettered, m.backlog, m.oldestAge, m.latency, m.buckets, m.blockedKeys, m.stalled, m.pruned, m.pruneDuration, m.headersSkipped)
 	}
 	return m
 }

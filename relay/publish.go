@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/segmentio/kafka-go"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Header keys the relay sets on every record.
@@ -36,20 +37,6 @@ func errTooLarge(size, limit int, topic string) error {
 	return fmt.Errorf("record of %d bytes is larger than topic %s takes (%d): %w", size, topic, limit, kafka.MessageSizeTooLarge)
 }
 
-func (r *Relay) message(x row, topic string) kafka.Message {
-	return kafka.Message{
-		Topic: topic,
-		Key:   []byte(x.partitionKey),
-		Value: x.payload,
-		Headers: []kafka.Header{
-			{Key: HeaderEventID, Value: []byte(x.eventID)},
-			{Key: HeaderEventType, Value: []byte(x.eventType)},
-			{Key: HeaderAggregateType, Value: []byte(x.aggregateType)},
-			{Key: HeaderAggregateID, Value: []byte(x.aggregateID)},
-		},
-	}
-}
-
 // messageSize is kafka-go's accounting of a record's size.
 func messageSize(m kafka.Message) int {
 	n := 8 + 4 + 4 + len(m.Key) + len(m.Value) + len(m.Topic)
@@ -61,9 +48,10 @@ func messageSize(m kafka.Message) int {
 
 // batch is one claimed batch on its way to Kafka: each row's outcome and error.
 type batch struct {
-	rows []row
-	out  []outcome
-	errs []error
+	rows  []row
+	out   []outcome
+	errs  []error
+	spans []trace.Span // each admitted row's producer span, when tracing
 }
 
 // publish sends the batch and returns the ids of the rows to mark
@@ -75,6 +63,10 @@ type batch struct {
 func (r *Relay) publish(ctx context.Context, rows []row) ([]int64, error) {
 	now := time.Now()
 	b := &batch{rows: rows, out: make([]outcome, len(rows)), errs: make([]error, len(rows))}
+	if r.tracer != nil {
+		b.spans = make([]trace.Span, len(rows))
+		defer r.endSpans(b)
+	}
 	var msgs []kafka.Message
 	var idx []int // msgs[j] is rows[idx[j]]
 	for i := range rows {
@@ -157,6 +149,18 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 		r.mode.stop(x, i, until)
 		return kafka.Message{}, false
 	}
+	custom, skippedHeaders, err := rowHeaders(x.headers)
+	if err != nil {
+		// Never sent without its headers: a consumer would miss what the
+		// writer meant to tell it.
+		until := now.Add(r.cfg.HeldRetryInterval)
+		r.held.hold(r.log, x, HeldInvalidRow, until, fmt.Errorf("headers column: %w", err))
+		r.mode.stop(x, i, until)
+		return kafka.Message{}, false
+	}
+	if skippedHeaders > 0 {
+		r.m.headersSkipped.Add(float64(skippedHeaders))
+	}
 	topic, ok := r.cfg.Topics[x.eventType]
 	if !ok {
 		// Only partition-key claims return unmapped rows: the key waits for the map.
@@ -167,6 +171,11 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 		r.mode.stop(x, i, now.Add(r.cfg.MaxBackoff))
 		return kafka.Message{}, false
 	}
+	x.custom = custom
+	if r.tracer != nil {
+		b.spans[i] = r.startSpan(&x, topic)
+	}
+	b.rows[i] = x // later records of this row (sent alone, dead-lettered) carry the same headers
 	m := r.message(x, topic)
 	if size, limit := messageSize(m), r.topics.limit(topic); size > limit {
 		// Decided here: sent, it would fail the whole partition batch.

@@ -22,6 +22,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/segmentio/kafka-go"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
 )
@@ -42,7 +43,8 @@ type Relay struct {
 	client  *kafka.Client
 	m       *metrics
 	log     *slog.Logger
-	types   []string // mapped event types, sorted
+	types   []string     // mapped event types, sorted
+	tracer  trace.Tracer // nil when tracing is off
 
 	// Loop state, owned by Run's goroutine.
 	mode   strategy
@@ -137,6 +139,9 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 		wake:       make(chan struct{}, 1),
 	}
 	r.mode = newStrategy(r)
+	if cfg.TracerProvider != nil {
+		r.tracer = cfg.TracerProvider.Tracer(tracerName)
+	}
 	if w == nil {
 		r.kwriter = &kafka.Writer{
 			Addr:         kafka.TCP(cfg.Brokers...),
@@ -151,6 +156,7 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 			// of its own, so a partition's share of a call is one request.
 			BatchBytes:      1 << 30,
 			MaxAttempts:     3,
+			Compression:     compression(cfg.Compression),
 			WriteBackoffMin: 50 * time.Millisecond,
 			WriteBackoffMax: 500 * time.Millisecond,
 			ReadTimeout:     cfg.PublishTimeout,
@@ -207,6 +213,17 @@ func (r *Relay) Check(ctx context.Context) error {
 	}
 	if err := CheckSchema(ctx, r.pool, r.table); err != nil {
 		return err
+	}
+	headers, err := hasColumn(ctx, r.pool, r.table, "headers")
+	if err != nil {
+		return err
+	}
+	if headers {
+		r.sql = NewSQL(r.table, WithHeadersColumn())
+	} else {
+		r.sql = NewSQL(r.table)
+		r.log.Info("the table has no headers column; records carry only the relay's headers",
+			"fix", "ALTER TABLE "+r.table.Quoted()+" ADD COLUMN headers jsonb")
 	}
 	md, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: r.allTopics()})
 	if err != nil {
@@ -326,6 +343,9 @@ type row struct {
 	payload       []byte
 	createdAt     time.Time
 	nullColumns   string // the columns that were NULL, comma-separated
+	headers       []byte // the headers column as stored; nil when NULL or absent
+	// custom are the row's own headers the record carries (admit sets them).
+	custom []kafka.Header
 }
 
 // bigBatchBytes is the payload size above which a batch's memory is
@@ -363,7 +383,7 @@ func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, held []int64, 
 	for rs.Next() {
 		var x row
 		if err := rs.Scan(&x.id, &x.eventID, &x.eventType, &x.aggregateType, &x.aggregateID, &x.partitionKey,
-			&x.payload, &x.createdAt, &x.nullColumns, &locked); err != nil {
+			&x.payload, &x.createdAt, &x.nullColumns, &x.headers, &locked); err != nil {
 			rs.Close()
 			return nil, false, fmt.Errorf("claim batch from %s: %w", r.table, err)
 		}

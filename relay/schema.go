@@ -17,6 +17,17 @@ type querier interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
+// hasColumn reports whether table t has a column named name.
+func hasColumn(ctx context.Context, conn querier, t outbox.Table, name string) (bool, error) {
+	var ok bool
+	err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_attribute
+		WHERE attrelid = to_regclass($1) AND attname = $2 AND attnum > 0 AND NOT attisdropped)`, t.Quoted(), name).Scan(&ok)
+	if err != nil {
+		return false, fmt.Errorf("read columns of %s: %w", t, err)
+	}
+	return ok, nil
+}
+
 // CheckSchema verifies that the table exists with the columns and types the
 // relay needs, that the columns it reads are NOT NULL, and that a partial
 // index on published_at IS NULL exists. The error names each problem and
@@ -61,6 +72,11 @@ func CheckSchema(ctx context.Context, conn querier, t outbox.Table) error {
 		case want.NotNull && !c.notNull:
 			problems = append(problems, fmt.Sprintf("column %s allows NULL; fix it with: ALTER TABLE %s ALTER COLUMN %s SET NOT NULL",
 				want.Name, t.Quoted(), pgx.Identifier{want.Name}.Sanitize()))
+		}
+	}
+	for _, opt := range outbox.OptionalColumns {
+		if c, ok := have[opt.Name]; ok && !slices.Contains(opt.Types, c.typ) {
+			problems = append(problems, fmt.Sprintf("column %s has type %s (want one of %s)", opt.Name, c.typ, strings.Join(opt.Types, ", ")))
 		}
 	}
 	if len(problems) > 0 {

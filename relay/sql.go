@@ -40,6 +40,16 @@ type SQL struct {
 // stranded in no bucket.
 const bucketSQL = `(hashtext(COALESCE(partition_key, '')) & 63)`
 
+// SQLOption changes the statements NewSQL builds.
+type SQLOption func(*sqlOptions)
+
+type sqlOptions struct{ headers bool }
+
+// WithHeadersColumn makes the claims read the table's optional headers
+// column. Without it they return NULL in its place and never name the
+// column, so a table made before the column existed keeps working.
+func WithHeadersColumn() SQLOption { return func(o *sqlOptions) { o.headers = true } }
+
 // claimColumns is what a claim returns per row. No column can fail the scan:
 // NULLs come back as empty values and null_columns names them, so one bad
 // row is held on its own instead of failing the claim for every replica.
@@ -59,29 +69,46 @@ const claimColumns = `id,
     COALESCE(CASE WHEN pg_column_compression(payload) IS NULL THEN pg_column_size(payload)
         ELSE octet_length(payload::text) END, 0) AS size`
 
+// claimHeaders is the headers column of a claim's result: the column, or
+// NULL for a table without it. Malformed headers do not fail the scan
+// either: the relay reads them as bytes and holds a row whose headers are
+// not an object of strings.
+func claimHeaders(o sqlOptions) string {
+	if o.headers {
+		return `, headers`
+	}
+	return `, NULL::jsonb AS headers`
+}
+
 // budgeted wraps a locking claim so it returns rows in id order while their
 // payloads fit the byte budget (always at least one row), and how many rows
 // the claim locked (a batch cut by the budget is a full batch, not a short one).
 func budgeted(claim, budgetArg string) string {
 	return `WITH c AS (` + claim + `)
 SELECT id, event_id, event_type, aggregate_type, aggregate_id, partition_key, payload, created_at, null_columns,
-       (SELECT count(*) FROM c) AS locked
+       headers, (SELECT count(*) FROM c) AS locked
 FROM (SELECT c.*, sum(size) OVER (ORDER BY id) - size AS before FROM c) s
 WHERE before < ` + budgetArg + `
 ORDER BY id`
 }
 
-// NewSQL builds the statements for table t.
-func NewSQL(t outbox.Table) SQL {
+// NewSQL builds the statements for table t. The relay builds them once, after
+// its start-up check found out which optional columns the table has.
+func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
+	var o sqlOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
 	q := t.Quoted()
+	cols := claimColumns + claimHeaders(o)
 	return SQL{
-		Claim: budgeted(`SELECT `+claimColumns+`
+		Claim: budgeted(`SELECT `+cols+`
     FROM `+q+`
     WHERE published_at IS NULL AND id > $1 AND event_type = ANY($2) AND id <> ALL($3)
     ORDER BY id
     LIMIT $4
     FOR UPDATE SKIP LOCKED`, "$5"),
-		ClaimBuckets: budgeted(`SELECT `+claimColumns+`
+		ClaimBuckets: budgeted(`SELECT `+cols+`
     FROM `+q+`
     WHERE published_at IS NULL AND id > $1 AND id <> ALL($2) AND COALESCE(partition_key, '') <> ALL($3)
       AND `+bucketSQL+` = ANY($4)

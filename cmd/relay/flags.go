@@ -11,6 +11,7 @@ import (
 	"github.com/segmentio/kafka-go/sasl"
 	"github.com/segmentio/kafka-go/sasl/plain"
 	"github.com/segmentio/kafka-go/sasl/scram"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
 	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 	"github.com/outbox-relay/outbox-operator/relay"
@@ -21,6 +22,7 @@ type options struct {
 	cfg         relay.Config
 	metricsAddr string
 	logger      *slog.Logger
+	tracing     *sdktrace.TracerProvider // nil when tracing is off
 }
 
 // parseFlags reads the command line and the RELAY_* environment with the
@@ -34,9 +36,16 @@ func parseFlags(args []string, lookupEnv func(string) (string, bool), stderr io.
 	if err != nil {
 		return nil, err
 	}
+	tp, err := tracerProvider(lookupEnv)
+	if err != nil {
+		return nil, err
+	}
+	if tp != nil {
+		cfg.TracerProvider = tp
+	}
 	logger := newLogger(s.LogFormat, os.Stderr)
 	cfg.Logger = logger
-	return &options{cfg: cfg, metricsAddr: s.MetricsAddr, logger: logger}, nil
+	return &options{cfg: cfg, metricsAddr: s.MetricsAddr, logger: logger, tracing: tp}, nil
 }
 
 // configFrom turns the command's settings into the relay's Config (reading
@@ -47,6 +56,7 @@ func configFrom(s relayconfig.Settings) (relay.Config, error) {
 		BatchSize: s.BatchSize, MaxBatchBytes: s.MaxBatchBytes, PollInterval: s.PollInterval,
 		PublishTimeout: s.PublishTimeout, StallTimeout: s.StallTimeout, Ordering: s.Ordering, MaxInFlight: s.MaxInFlight, Notify: s.Notify,
 		OnPublish: s.OnPublish, KeepPublishedFor: s.KeepPublishedFor, PruneBatchSize: s.PruneBatchSize, PrunePause: s.PrunePause,
+		Format: s.Format, CloudEventsSource: s.CloudEventsSource, Compression: s.Compression,
 	}
 	if err := relay.ValidateConfig(cfg); err != nil {
 		return cfg, err

@@ -20,6 +20,11 @@ func serve(ctx context.Context, o *options) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	o.cfg.Registerer = reg
+	defer func() {
+		if err := shutdownTracing(o.tracing); err != nil {
+			o.logger.Warn("could not flush the last spans", "err", err)
+		}
+	}()
 	r, err := relay.New(o.cfg)
 	if err != nil {
 		return err

@@ -1,0 +1,186 @@
+package relay_test
+
+import (
+	"encoding/json"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/outbox-relay/outbox-operator/examples/consumer/events"
+	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
+	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relay"
+)
+
+// insertWithHeaders adds one row of type E whose headers column is headers
+// (SQL text, or NULL) and returns its event id.
+func insertWithHeaders(f *outboxtest.Fixture, key, headers string) string {
+	f.T.Helper()
+	id := outbox.NewEventID()
+	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, headers)
+		VALUES ($1, 'Order', $2, 'E', '{"n":1}', $2, `+headers+`)`, id, key)
+	return id
+}
+
+// The row's headers become record headers after the relay's own; names the
+// relay sets itself are skipped and counted; malformed headers hold the row
+// alone (invalid_row) while the rest flows.
+func TestRowHeadersBecomeRecordHeaders(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 2, "E")
+	plain := insertWithHeaders(f, "a", `'{"tenant":"t1","x-request-id":"r-9"}'`)
+	none := insertWithHeaders(f, "b", `NULL`)
+	reserved := insertWithHeaders(f, "c", `'{"event_id":"forged","Outbox_error":"x","ce_id":"y","content-type":"text/plain","tenant":"t2"}'`)
+	bad := map[string]string{
+		"array":      insertWithHeaders(f, "d", `'["a"]'`),
+		"number":     insertWithHeaders(f, "e", `'{"a":1}'`),
+		"json null":  insertWithHeaders(f, "f", `'null'`),
+		"oversize":   insertWithHeaders(f, "g", `jsonb_build_object('big', repeat('x', 20000))`),
+		"empty name": insertWithHeaders(f, "h", `'{"":"v"}'`),
+	}
+	x := outboxtest.Start(t, f.Config())
+	f.WaitDrained(len(bad), 30*time.Second)
+	msgs := testenv.Broker().Consume(t, f.Topics["E"], 3, 30*time.Second)
+	require.Len(t, msgs, 3)
+	byID := map[string]map[string]string{}
+	for _, m := range msgs {
+		e, err := events.Read(m)
+		require.NoError(t, err)
+		byID[e.ID] = e.Headers
+		require.Equal(t, []string{"event_id", "event_type", "aggregate_type", "aggregate_id"},
+			[]string{m.Headers[0].Key, m.Headers[1].Key, m.Headers[2].Key, m.Headers[3].Key}, "the relay's headers come first")
+	}
+	require.Equal(t, "t1", byID[plain]["tenant"])
+	require.Equal(t, "r-9", byID[plain]["x-request-id"])
+	require.Len(t, byID[none], 4, "no headers column value: the relay's headers only")
+	require.Equal(t, reserved, byID[reserved]["event_id"], "a row cannot forge the relay's headers")
+	require.Equal(t, "t2", byID[reserved]["tenant"])
+	for _, k := range []string{"Outbox_error", "ce_id", "content-type"} {
+		require.NotContains(t, byID[reserved], k)
+	}
+	require.Equal(t, 4.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_headers_skipped_total"))
+	require.Eventually(t, func() bool {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldInvalidRow) == float64(len(bad))
+	}, 10*time.Second, 50*time.Millisecond)
+	for what, id := range bad {
+		require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1 AND published_at IS NULL`, id), what)
+	}
+}
+
+// A table made before the headers column keeps working: the claim never
+// names the column, and records carry the relay's headers.
+func TestTableWithoutHeadersColumn(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	f.Exec(`ALTER TABLE outbox DROP COLUMN headers`)
+	f.Insert(20, 5, "E")
+	outboxtest.Start(t, f.Config())
+	f.WaitDrained(0, 30*time.Second)
+	msgs := testenv.Broker().Consume(t, f.Topics["E"], 20, 30*time.Second)
+	require.Len(t, msgs, 20)
+	require.Len(t, msgs[0].Headers, 4)
+
+	sql := relay.NewSQL(outbox.Table{Name: "outbox"})
+	for _, stmt := range []string{sql.Claim, sql.ClaimBuckets} {
+		require.NotContains(t, stmt, ", headers", "without the option the claim never reads the column")
+	}
+	require.Contains(t, relay.NewSQL(outbox.Table{Name: "outbox"}, relay.WithHeadersColumn()).Claim, ", headers")
+}
+
+// --format cloudevents: every record decodes with the CloudEvents SDK into a
+// valid event (binary content mode), and keeps the raw format's headers.
+func TestCloudEventsFormat(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 2, "OrderConfirmed")
+	f.Insert(10, 3, "OrderConfirmed")
+	custom := insertWithHeaders(f, "k", `'{"tenant":"t1"}'`)
+	f.Exec(`UPDATE outbox SET event_type = 'OrderConfirmed'`)
+	type stored struct {
+		aggID, payload string
+		created        time.Time
+	}
+	want := map[string]stored{}
+	rows, err := f.Pool.Query(t.Context(), `SELECT event_id::text, aggregate_id, payload::text, created_at FROM outbox`)
+	require.NoError(t, err)
+	for rows.Next() {
+		var id string
+		var s stored
+		require.NoError(t, rows.Scan(&id, &s.aggID, &s.payload, &s.created))
+		want[id] = s
+	}
+	require.NoError(t, rows.Err())
+
+	cfg := f.Config()
+	cfg.Format = relay.FormatCloudEvents
+	outboxtest.Start(t, cfg)
+	msgs := testenv.Broker().Consume(t, f.Topics["OrderConfirmed"], len(want), 30*time.Second)
+	require.Len(t, msgs, len(want))
+	for _, m := range msgs {
+		ev, err := events.CloudEvent(m)
+		require.NoError(t, err)
+		s, ok := want[ev.ID()]
+		require.True(t, ok, "ce_id is the event id: %s", ev.ID())
+		require.Equal(t, "1.0", ev.SpecVersion())
+		require.Equal(t, "OrderConfirmed", ev.Type())
+		require.Equal(t, "/outbox/outbox", ev.Source())
+		require.Equal(t, s.aggID, ev.Subject())
+		require.True(t, s.created.Equal(ev.Time()), "ce_time %s is created_at %s", ev.Time(), s.created)
+		require.Equal(t, "application/json", ev.DataContentType())
+		require.JSONEq(t, s.payload, string(ev.Data()))
+		var data map[string]any
+		require.NoError(t, json.Unmarshal(ev.Data(), &data))
+		e, err := events.Read(m)
+		require.NoError(t, err, "the raw format's headers are kept")
+		require.Equal(t, ev.ID(), e.ID)
+		if ev.ID() == custom {
+			require.Equal(t, "t1", e.Headers["tenant"])
+		}
+		require.Empty(t, ev.Extensions(), "no header but the binding's own starts with ce_")
+	}
+}
+
+// --cloudevents-source sets ce_source.
+func TestCloudEventsSource(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	f.Insert(1, 1, "E")
+	cfg := f.Config()
+	cfg.Format = relay.FormatCloudEvents
+	cfg.CloudEventsSource = "https://orders.example/outbox"
+	outboxtest.Start(t, cfg)
+	msgs := testenv.Broker().Consume(t, f.Topics["E"], 1, 30*time.Second)
+	ev, err := events.CloudEvent(msgs[0])
+	require.NoError(t, err)
+	require.Equal(t, cfg.CloudEventsSource, ev.Source())
+
+	cfg.CloudEventsSource = "not a uri"
+	_, err = relay.New(cfg)
+	require.ErrorContains(t, err, "cloudevents-source")
+}
+
+// Every codec round-trips through the real broker: each row once, payload
+// and headers intact.
+func TestCompressionCodecs(t *testing.T) {
+	t.Parallel()
+	for _, c := range []relay.Compression{"none", "gzip", "snappy", "lz4", "zstd"} {
+		t.Run(string(c), func(t *testing.T) {
+			t.Parallel()
+			f := outboxtest.NewFixture(t, 2, "E")
+			f.Insert(300, 20, "E")
+			cfg := f.Config()
+			cfg.Compression = c
+			outboxtest.Start(t, cfg)
+			f.WaitDrained(0, 60*time.Second)
+			counts, msgs := outboxtest.Deliveries(t, 300, f.Topics["E"])
+			outboxtest.RequireExactlyOnce(t, f.EventIDs(""), counts)
+			for _, m := range msgs {
+				require.True(t, json.Valid(m.Value))
+				require.Contains(t, string(m.Value), `"seq"`)
+			}
+		})
+	}
+	_, err := relay.New(relay.Config{DSN: "postgres://x", Brokers: []string{"k:9092"}, Topics: map[string]string{"E": "t"}, Compression: "brotli"})
+	require.ErrorContains(t, err, `compression: "brotli" is not one of`)
+}
