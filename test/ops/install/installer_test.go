@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -72,4 +73,15 @@ func TestMonitoringKustomizations(t *testing.T) {
 		out := kubectl(t, rendered, "apply", "--server-side", "--dry-run=server", "-f", "-")
 		require.Contains(t, string(out), want, dir)
 	}
+}
+
+// TestReleaseVersionsAgree: the image make installer pins by default and the
+// chart's appVersion (the image tag the chart installs) are the same release.
+func TestReleaseVersionsAgree(t *testing.T) {
+	t.Parallel()
+	mk, err := os.ReadFile(repo("Makefile"))
+	require.NoError(t, err)
+	m := regexp.MustCompile(`(?m)^IMG \?= ghcr\.io/outbox-relay/outbox-operator:(\S+)$`).FindSubmatch(mk)
+	require.NotNil(t, m, "the Makefile sets IMG ?= ghcr.io/outbox-relay/outbox-operator:<tag>")
+	require.Equal(t, loadChart(t).Metadata.AppVersion, string(m[1]))
 }

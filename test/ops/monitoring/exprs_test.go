@@ -198,3 +198,52 @@ func TestEveryAlertHasARunbook(t *testing.T) {
 		}
 	}
 }
+
+// TestDashboardLayout checks what Grafana needs to show the dashboard: unique
+// panel ids, panels inside the 24-column grid, a query (with a refId) in
+// every panel but the rows, and every variable a query uses defined.
+func TestDashboardLayout(t *testing.T) {
+	t.Parallel()
+	b, err := os.ReadFile(repo("config", "grafana", "outbox-operator-dashboard.json"))
+	require.NoError(t, err)
+	var dash struct {
+		UID    string `json:"uid"`
+		Panels []struct {
+			ID      int                      `json:"id"`
+			Type    string                   `json:"type"`
+			Title   string                   `json:"title"`
+			GridPos struct{ X, Y, W, H int } `json:"gridPos"`
+			Targets []struct {
+				Expr  string `json:"expr"`
+				RefID string `json:"refId"`
+			} `json:"targets"`
+		} `json:"panels"`
+		Templating struct {
+			List []struct {
+				Name string `json:"name"`
+			} `json:"list"`
+		} `json:"templating"`
+	}
+	require.NoError(t, json.Unmarshal(b, &dash))
+	require.NotEmpty(t, dash.UID)
+	defined := map[string]bool{"__rate_interval": true, "__interval": true, "__range": true}
+	for _, v := range dash.Templating.List {
+		defined[v.Name] = true
+	}
+	ids := map[int]bool{}
+	for _, p := range dash.Panels {
+		require.False(t, ids[p.ID], "panel id %d repeats", p.ID)
+		ids[p.ID] = true
+		require.True(t, p.GridPos.X >= 0 && p.GridPos.W > 0 && p.GridPos.X+p.GridPos.W <= 24 && p.GridPos.H > 0, "%s: %+v", p.Title, p.GridPos)
+		if p.Type == "row" {
+			continue
+		}
+		require.NotEmpty(t, p.Targets, p.Title)
+		for _, tg := range p.Targets {
+			require.NotEmpty(t, tg.RefID, p.Title)
+			for _, m := range grafanaVariable.FindAllStringSubmatch(tg.Expr, -1) {
+				require.True(t, defined[m[1]], "%s uses $%s, which the dashboard does not define", p.Title, m[1])
+			}
+		}
+	}
+}
