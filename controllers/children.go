@@ -94,7 +94,7 @@ func relayEnv(relay *outboxv1alpha1.OutboxRelay) []corev1.EnvVar {
 			secretEnv(relayconfig.EnvSASLUsername, ref.Name, cmp.Or(ref.UsernameKey, outboxv1alpha1.DefaultSASLUsernameKey)),
 			secretEnv(relayconfig.EnvSASLPassword, ref.Name, cmp.Or(ref.PasswordKey, outboxv1alpha1.DefaultSASLPasswordKey)))
 	}
-	return env
+	return append(env, tracingEnv(relay)...)
 }
 
 func secretEnv(name, secret, key string) corev1.EnvVar {

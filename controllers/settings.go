@@ -9,6 +9,8 @@ import (
 	"strings"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
+
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 )
@@ -20,6 +22,26 @@ const tlsMountPath = "/etc/relay/tls"
 var orderings = map[outboxv1alpha1.OrderingMode]relayconfig.Ordering{
 	outboxv1alpha1.OrderingNone:         relayconfig.OrderingNone,
 	outboxv1alpha1.OrderingPartitionKey: relayconfig.OrderingPartitionKey,
+}
+
+// formats maps the API's record formats to the relay's.
+var formats = map[outboxv1alpha1.RecordFormat]relayconfig.Format{
+	outboxv1alpha1.FormatRaw:         relayconfig.FormatRaw,
+	outboxv1alpha1.FormatCloudEvents: relayconfig.FormatCloudEvents,
+}
+
+// tracingEnv is the OTEL_* environment of a relay pod whose spec asks for
+// tracing; empty without spec.tracing (the relay then records no spans).
+func tracingEnv(relay *outboxv1alpha1.OutboxRelay) []corev1.EnvVar {
+	t := relay.Spec.Tracing
+	if t == nil {
+		return nil
+	}
+	return []corev1.EnvVar{
+		{Name: relayconfig.EnvOTELTracesExporter, Value: "otlp"},
+		{Name: relayconfig.EnvOTELExporterOTLPEndpoint, Value: t.OTLPEndpoint},
+		{Name: relayconfig.EnvOTELServiceName, Value: relay.Name + "-relay"},
+	}
 }
 
 // relaySettings are the relay settings an OutboxRelay means: every API value
@@ -60,6 +82,13 @@ func relaySettings(relay *outboxv1alpha1.OutboxRelay, in secretInputs) (relaycon
 		return s, fmt.Errorf("spec.ordering: %q is not %s or %s", spec.Ordering, outboxv1alpha1.OrderingNone, outboxv1alpha1.OrderingPartitionKey)
 	}
 	s.Ordering = ordering
+	format, ok := formats[cmp.Or(spec.Format, outboxv1alpha1.FormatRaw)]
+	if !ok {
+		return s, fmt.Errorf("spec.format: %q is not %s or %s", spec.Format, outboxv1alpha1.FormatRaw, outboxv1alpha1.FormatCloudEvents)
+	}
+	s.Format = format
+	s.CloudEventsSource = spec.CloudEventsSource
+	s.Compression = relayconfig.Compression(cmp.Or(string(spec.Kafka.Compression), string(s.Compression)))
 	if spec.Kafka.TLS != nil {
 		s.KafkaTLS = true
 		if in.TLSCA {
@@ -77,15 +106,18 @@ func relaySettings(relay *outboxv1alpha1.OutboxRelay, in secretInputs) (relaycon
 
 // specFields names the spec field behind each relay flag the operator sets.
 var specFields = map[string]string{
-	relayconfig.FlagTable:           "spec.table",
-	relayconfig.FlagBrokers:         "spec.kafka.brokers",
-	relayconfig.FlagTopic:           "spec.topics",
-	relayconfig.FlagDeadLetterTopic: "spec.deadLetterTopic",
-	relayconfig.FlagBatchSize:       "spec.batchSize",
-	relayconfig.FlagMaxBatchBytes:   "spec.maxBatchBytes",
-	relayconfig.FlagPollInterval:    "spec.pollInterval",
-	relayconfig.FlagOrdering:        "spec.ordering",
-	relayconfig.FlagKafkaSASLMech:   "spec.kafka.sasl.mechanism",
+	relayconfig.FlagTable:             "spec.table",
+	relayconfig.FlagBrokers:           "spec.kafka.brokers",
+	relayconfig.FlagTopic:             "spec.topics",
+	relayconfig.FlagDeadLetterTopic:   "spec.deadLetterTopic",
+	relayconfig.FlagBatchSize:         "spec.batchSize",
+	relayconfig.FlagMaxBatchBytes:     "spec.maxBatchBytes",
+	relayconfig.FlagPollInterval:      "spec.pollInterval",
+	relayconfig.FlagOrdering:          "spec.ordering",
+	relayconfig.FlagKafkaSASLMech:     "spec.kafka.sasl.mechanism",
+	relayconfig.FlagFormat:            "spec.format",
+	relayconfig.FlagCloudEventsSource: "spec.cloudEventsSource",
+	relayconfig.FlagCompression:       "spec.kafka.compression",
 }
 
 // checkSettings is the relay's own verdict on s (Settings.Validate), so a

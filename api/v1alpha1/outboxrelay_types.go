@@ -114,6 +114,31 @@ const (
 	OrderingPartitionKey OrderingMode = "PartitionKey"
 )
 
+// RecordFormat is the layout of the records the relay publishes.
+// +kubebuilder:validation:Enum=Raw;CloudEvents
+type RecordFormat string
+
+const (
+	// FormatRaw: the payload as the value, the relay's headers and the row's own.
+	FormatRaw RecordFormat = "Raw"
+	// FormatCloudEvents: a CloudEvent in the Kafka binding's binary content
+	// mode (ce_* headers, content-type), plus the Raw format's headers.
+	FormatCloudEvents RecordFormat = "CloudEvents"
+)
+
+// Compression is the codec of the relay's produce requests, as Kafka names it.
+// +kubebuilder:validation:Enum=none;gzip;snappy;lz4;zstd
+type Compression string
+
+// TracingSpec turns on the relay's OpenTelemetry spans, exported over OTLP/HTTP.
+type TracingSpec struct {
+	// OTLPEndpoint is the OTLP/HTTP endpoint the relay sends spans to, e.g.
+	// http://otel-collector.observability:4318 (OTEL_EXPORTER_OTLP_ENDPOINT).
+	// +kubebuilder:validation:MaxLength=512
+	// +kubebuilder:validation:Pattern=`^https?://[^\s]+$`
+	OTLPEndpoint string `json:"otlpEndpoint"`
+}
+
 // SASLMechanism is a Kafka SASL mechanism.
 // +kubebuilder:validation:Enum=PLAIN;SCRAM-SHA-256;SCRAM-SHA-512
 type SASLMechanism string
@@ -207,6 +232,12 @@ type KafkaSpec struct {
 	// SASL, when present, makes the relay authenticate with SASL.
 	// +optional
 	SASL *KafkaSASL `json:"sasl,omitempty"`
+
+	// Compression is the codec of the relay's produce requests: none (the
+	// default), gzip, snappy, lz4 or zstd.
+	// +kubebuilder:default=none
+	// +optional
+	Compression Compression `json:"compression,omitempty"`
 }
 
 // KafkaTLS turns on TLS to the brokers. Without a secretRef the relay trusts the
@@ -352,6 +383,26 @@ type OutboxRelaySpec struct {
 
 	// Kafka says how to reach the brokers.
 	Kafka KafkaSpec `json:"kafka"`
+
+	// Format is the record layout: Raw (the default: the payload as the value,
+	// event_id, event_type, aggregate_type, aggregate_id and the row's own
+	// headers) or CloudEvents (the CloudEvents Kafka binding's binary content
+	// mode, keeping the Raw headers). docs/relay.md lists each format's headers.
+	// +kubebuilder:default=Raw
+	// +optional
+	Format RecordFormat `json:"format,omitempty"`
+
+	// CloudEventsSource is ce_source in the CloudEvents format, a URI-reference.
+	// Default: /outbox/<table>.
+	// +kubebuilder:validation:MaxLength=1024
+	// +optional
+	CloudEventsSource string `json:"cloudEventsSource,omitempty"`
+
+	// Tracing, when present, makes the relay record a producer span per event,
+	// a child of the span of the service that stored it, and export it over
+	// OTLP/HTTP. Without it the relay forwards the rows' trace context only.
+	// +optional
+	Tracing *TracingSpec `json:"tracing,omitempty"`
 
 	// Replicas is the number of relay pods when spec.autoscaling is absent. Default: 1.
 	// +kubebuilder:default=1

@@ -10,13 +10,15 @@ import (
 	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	semconv "go.opentelemetry.io/otel/semconv/v1.37.0"
+
+	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 )
 
 // The OpenTelemetry environment the relay reads; the OTLP exporter reads
 // the rest of OTEL_EXPORTER_OTLP_* (endpoint, headers, timeout, TLS), and
 // the SDK OTEL_TRACES_SAMPLER, OTEL_BSP_* and OTEL_RESOURCE_ATTRIBUTES.
 const (
-	envTracesExporter      = "OTEL_TRACES_EXPORTER"
+	envTracesExporter      = relayconfig.EnvOTELTracesExporter
 	envOTLPProtocol        = "OTEL_EXPORTER_OTLP_PROTOCOL"
 	envOTLPTracesProtocol  = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 	defaultTracingService  = "outbox-relay"

@@ -77,6 +77,17 @@ var (
 	EnvSASLPassword = EnvName(flagKafkaSASLPassword)
 )
 
+// The OpenTelemetry environment the operator sets on a relay pod with
+// tracing; the relay reads these and the rest of the standard OTEL_* set.
+const (
+	// EnvOTELTracesExporter: "otlp" turns tracing on, unset or "none" leaves it off.
+	EnvOTELTracesExporter = "OTEL_TRACES_EXPORTER"
+	// EnvOTELExporterOTLPEndpoint is the OTLP/HTTP endpoint.
+	EnvOTELExporterOTLPEndpoint = "OTEL_EXPORTER_OTLP_ENDPOINT"
+	// EnvOTELServiceName is the spans' service.name.
+	EnvOTELServiceName = "OTEL_SERVICE_NAME"
+)
+
 // Ordering is the per-key ordering mode, as the relay's --ordering takes it.
 type Ordering string
 
