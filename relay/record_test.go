@@ -2,6 +2,7 @@ package relay_test
 
 import (
 	"encoding/json"
+	"fmt"
 	"testing"
 	"time"
 
@@ -183,4 +184,23 @@ func TestCompressionCodecs(t *testing.T) {
 	}
 	_, err := relay.New(relay.Config{DSN: "postgres://x", Brokers: []string{"k:9092"}, Topics: map[string]string{"E": "t"}, Compression: "brotli"})
 	require.ErrorContains(t, err, `compression: "brotli" is not one of`)
+}
+
+// Headers count toward the claim's byte budget: rows with 12 KiB of headers
+// and tiny payloads fill a 64 KiB budget after six rows.
+func TestHeadersCountTowardTheByteBudget(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	for i := range 40 {
+		insertWithHeaders(f, "k", fmt.Sprintf(`(SELECT jsonb_object_agg('h' || g, repeat(md5(g::text || '%d'), 6)) FROM generate_series(1, 60) g)`, i))
+	}
+	cfg := f.Config()
+	cfg.MaxBatchBytes = 64 << 10
+	cfg.BatchSize = 40
+	x := outboxtest.Start(t, cfg)
+	f.WaitDrained(0, 30*time.Second)
+	batches, rows, err := outboxtest.ReadMetric(x.Reg, "outbox_relay_batch_size_rows")
+	require.NoError(t, err)
+	require.Equal(t, 40.0, rows)
+	require.LessOrEqual(t, rows/batches, 6.0, "%v rows in %v batches", rows, batches)
 }

@@ -53,10 +53,7 @@ func WithHeadersColumn() SQLOption { return func(o *sqlOptions) { o.headers = tr
 // claimColumns is what a claim returns per row. No column can fail the scan:
 // NULLs come back as empty values and null_columns names them, so one bad
 // row is held on its own instead of failing the claim for every replica.
-// The size is the stored size of a payload stored uncompressed (free to
-// read), else its text length: a compressed value's stored size can be a
-// small fraction of what the relay will hold, which would let a claim take
-// far more bytes than the budget. (pg_column_compression: PostgreSQL 14+.)
+// claimHeaders adds the headers and the size.
 const claimColumns = `id,
     COALESCE(event_id::text, '') AS event_id, COALESCE(event_type, '') AS event_type,
     COALESCE(aggregate_type, '') AS aggregate_type, COALESCE(aggregate_id, '') AS aggregate_id,
@@ -65,19 +62,29 @@ const claimColumns = `id,
         CASE WHEN event_id IS NULL THEN 'event_id' END, CASE WHEN event_type IS NULL THEN 'event_type' END,
         CASE WHEN aggregate_type IS NULL THEN 'aggregate_type' END, CASE WHEN aggregate_id IS NULL THEN 'aggregate_id' END,
         CASE WHEN partition_key IS NULL THEN 'partition_key' END, CASE WHEN payload IS NULL THEN 'payload' END,
-        CASE WHEN created_at IS NULL THEN 'created_at' END) AS null_columns,
-    COALESCE(CASE WHEN pg_column_compression(payload) IS NULL THEN pg_column_size(payload)
-        ELSE octet_length(payload::text) END, 0) AS size`
+        CASE WHEN created_at IS NULL THEN 'created_at' END) AS null_columns`
 
-// claimHeaders is the headers column of a claim's result: the column, or
-// NULL for a table without it. Malformed headers do not fail the scan
-// either: the relay reads them as bytes and holds a row whose headers are
-// not an object of strings.
+// storedSize is what a column costs in a claim's byte budget: its stored
+// size when stored uncompressed (free to read), else its text length: a
+// compressed value's stored size can be a small fraction of what the relay
+// will hold, which would let a claim take far more bytes than the budget.
+// (pg_column_compression: PostgreSQL 14+.)
+func storedSize(col string) string {
+	return `COALESCE(CASE WHEN pg_column_compression(` + col + `) IS NULL THEN pg_column_size(` + col + `)
+        ELSE octet_length(` + col + `::text) END, 0)`
+}
+
+// claimHeaders is the headers column of a claim's result (the column, or
+// NULL for a table without it) and the row's size for the byte budget: the
+// payload's, plus the headers' (up to 16 KiB a row, so a batch of 10,000 rows
+// could otherwise hold 160 MiB beyond its budget). Malformed headers do not
+// fail the scan either: the relay reads them as bytes and holds a row whose
+// headers are not an object of strings.
 func claimHeaders(o sqlOptions) string {
 	if o.headers {
-		return `, headers`
+		return `, headers, ` + storedSize("payload") + ` + ` + storedSize("headers") + ` AS size`
 	}
-	return `, NULL::jsonb AS headers`
+	return `, NULL::jsonb AS headers, ` + storedSize("payload") + ` AS size`
 }
 
 // budgeted wraps a locking claim so it returns rows in id order while their
