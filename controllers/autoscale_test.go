@@ -68,3 +68,17 @@ func TestScaleMessage(t *testing.T) {
 	require.Equal(t, "999", groupDigits(999))
 	require.Equal(t, "1,000", groupDigits(1000))
 }
+
+// Unchanged numbers keep their observedAt for a while, so an idle relay's
+// status is not rewritten at every reading; changed ones take the new time.
+func TestObservedAtRenewal(t *testing.T) {
+	t.Parallel()
+	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	at := func(d time.Duration, pending int64) *outboxv1alpha1.BacklogStatus {
+		return &outboxv1alpha1.BacklogStatus{Pending: pending, ObservedAt: metav1.NewTime(t0.Add(d))}
+	}
+	require.Equal(t, t0, withObservedAt(at(0, 0), at(15*time.Second, 0)).ObservedAt.Time, "same numbers")
+	require.Equal(t, t0.Add(15*time.Second), withObservedAt(at(0, 0), at(15*time.Second, 1)).ObservedAt.Time, "new numbers")
+	require.Equal(t, t0.Add(5*time.Minute), withObservedAt(at(0, 0), at(5*time.Minute, 0)).ObservedAt.Time, "renewed")
+	require.Equal(t, t0, withObservedAt(nil, at(0, 0)).ObservedAt.Time)
+}

@@ -6,6 +6,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -74,6 +75,25 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 	}
 }
 
+// backlogRenewal is how long unchanged backlog numbers keep their
+// observedAt: an idle relay's status is then rewritten every few minutes,
+// not at every reading.
+const backlogRenewal = 5 * time.Minute
+
+// withObservedAt is b, keeping the observedAt of old when old has the
+// same numbers and was observed less than backlogRenewal before.
+func withObservedAt(old, b *outboxv1alpha1.BacklogStatus) *outboxv1alpha1.BacklogStatus {
+	if old == nil || b.ObservedAt.Sub(old.ObservedAt.Time) >= backlogRenewal {
+		return b
+	}
+	same := *b
+	same.ObservedAt = old.ObservedAt
+	if !equality.Semantic.DeepEqual(*old, same) {
+		return b
+	}
+	return &same
+}
+
 // computeStatus derives a relay's status from its spec, the Deployment as
 // observed (nil when there is none), the problem that stopped the reconcile,
 // if any, and the backlog observation. Conditions keep their transition
@@ -84,7 +104,7 @@ func computeStatus(relay *outboxv1alpha1.OutboxRelay, deploy *appsv1.Deployment,
 	desired := desiredReplicas(relay)
 	st.DesiredReplicas = desired
 	if obs.backlog != nil {
-		st.Backlog = obs.backlog
+		st.Backlog = withObservedAt(relay.Status.Backlog, obs.backlog)
 	}
 	st.ObservedGeneration = relay.Generation
 	st.Selector = metav1.FormatLabelSelector(&metav1.LabelSelector{MatchLabels: selectorLabels(relay)})

@@ -525,7 +525,9 @@ type BacklogStatus struct {
 	// +optional
 	PublishedPerMinute *int64 `json:"publishedPerMinute,omitempty"`
 
-	// ObservedAt is when the operator read these numbers.
+	// ObservedAt is when the operator read these numbers. While they stay
+	// the same it is renewed every 5 minutes only, so that an idle relay's
+	// status is not rewritten at every read.
 	ObservedAt metav1.Time `json:"observedAt"`
 }
 
