@@ -108,3 +108,21 @@ func TestStoreOnTableWithoutHeadersColumn(t *testing.T) {
 	require.ErrorContains(t, store(t, f, ctx, e), `has no headers column; add it with: ALTER TABLE "outbox" ADD COLUMN headers jsonb`)
 	require.Equal(t, 2, f.Count(`SELECT count(*) FROM outbox`))
 }
+
+// Headers that fit alone but not with the trace context are stored without it:
+// the relay would otherwise hold the row as invalid.
+func TestTraceContextNeverPushesHeadersOverTheLimit(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	otel.SetTextMapPropagator(propagation.TraceContext{})
+	ctx, span := sdktrace.NewTracerProvider().Tracer("test").Start(context.Background(), "handler")
+	defer span.End()
+	e := entry()
+	e.Headers = map[string]string{"big": strings.Repeat("x", outbox.MaxHeaderBytes-len("big"))}
+	require.NoError(t, store(t, f, ctx, e))
+	var stored []byte
+	require.NoError(t, f.Pool.QueryRow(context.Background(), `SELECT headers FROM outbox WHERE event_id = $1`, e.EventID).Scan(&stored))
+	h, err := outbox.ParseHeaders(stored)
+	require.NoError(t, err, "what the writer stores, the relay accepts")
+	require.NotContains(t, h, "traceparent")
+}

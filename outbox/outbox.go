@@ -163,6 +163,12 @@ func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 			headers[k] = v
 		}
 	}
+	if traced && CheckHeaders(headers) != nil {
+		// The entry's own headers fit (validate checked them) but not with
+		// the trace context: the event goes without it, never refused.
+		headers = propagation.MapCarrier(e.Headers)
+		traced = false
+	}
 	args := []any{e.EventID, e.AggregateType, e.AggregateID, e.EventType, e.Payload, e.PartitionKey}
 	insert, sameStmt := w.insertSQL, w.sameSQL
 	var sameArgs []any

@@ -73,8 +73,8 @@ type Config struct {
 	DeadLetterTopic string
 	// BatchSize is the most rows claimed per transaction. Default 50.
 	BatchSize int
-	// MaxBatchBytes is the most payload bytes claimed per transaction; a
-	// row larger than this is claimed alone. Default 4 MiB.
+	// MaxBatchBytes is the most payload and headers bytes claimed per
+	// transaction; a row larger than this is claimed alone. Default 4 MiB.
 	MaxBatchBytes int
 	// PollInterval is the sleep after a short batch, jittered ±20%. Default 200ms.
 	PollInterval time.Duration

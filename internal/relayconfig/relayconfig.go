@@ -361,7 +361,7 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.StringVar(&s.Table, FlagTable, DefaultTable, "outbox table, NAME or SCHEMA.NAME")
 	fs.StringVar(&brokers, FlagBrokers, "", "Kafka bootstrap brokers, comma-separated host:port")
 	fs.IntVar(&s.BatchSize, FlagBatchSize, DefaultBatchSize, fmt.Sprintf("most rows claimed per transaction (%d..%d)", MinBatchSize, MaxBatchSize))
-	fs.IntVar(&s.MaxBatchBytes, FlagMaxBatchBytes, DefaultMaxBatchBytes, fmt.Sprintf("most payload bytes claimed per transaction; a larger row is claimed alone (%d..%d)", MinMaxBatchBytes, MaxMaxBatchBytes))
+	fs.IntVar(&s.MaxBatchBytes, FlagMaxBatchBytes, DefaultMaxBatchBytes, fmt.Sprintf("most payload and headers bytes claimed per transaction; a larger row is claimed alone (%d..%d)", MinMaxBatchBytes, MaxMaxBatchBytes))
 	fs.DurationVar(&s.PollInterval, FlagPollInterval, DefaultPollInterval, fmt.Sprintf("sleep after a short batch (%s..%s)", MinPollInterval, MaxPollInterval))
 	fs.DurationVar(&s.PublishTimeout, FlagPublishTimeout, DefaultPublishTimeout, fmt.Sprintf("deadline of one batch's publish (%s..%s)", MinPublishTimeout, MaxPublishTimeout))
 	fs.DurationVar(&s.StallTimeout, FlagStallTimeout, DefaultStallTimeout, fmt.Sprintf("/readyz fails when no batch completes, or rows wait and none is published, for this long (%s..%s)", MinStallTimeout, MaxStallTimeout))
