@@ -1,11 +1,12 @@
 // Package e2e runs the whole system on this machine, as `make demo` does
 // (internal/localcluster: PostgreSQL, Kafka, kube-apiserver + etcd, the real
-// manager and relay binaries, the local pod runner), and goes through seven
+// manager and relay binaries, the local pod runner), and goes through eight
 // scenarios of an operator's user, in order, against the sample OutboxRelay.
 package e2e
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -128,7 +129,8 @@ func TestEndToEnd(t *testing.T) {
 		{"4_rotate_the_dsn_secret", e.rotateDSN},
 		{"5_new_event_type_in_the_topic_map", e.newEventType},
 		{"6_reapply_is_a_no_op_and_kstatus", e.reapply},
-		{"7_delete_the_outboxrelay", e.deleteRelay},
+		{"7_autoscale_to_zero_and_back", e.autoscale},
+		{"8_delete_the_outboxrelay", e.deleteRelay},
 	} {
 		if !t.Run(s.name, s.run) {
 			t.FailNow() // later scenarios build on this one
@@ -414,6 +416,20 @@ func resourceVersions(t *testing.T) map[string]string {
 		}
 		require.NoError(t, stack.Client.Get(ctx, key, obj))
 		out[name] = obj.GetResourceVersion()
+		if r, ok := obj.(*outboxv1alpha1.OutboxRelay); ok {
+			// Each backlog reading that changes its numbers rewrites
+			// status.backlog and the Lagging message; nothing else may change.
+			r.Status.Backlog = nil
+			if c := meta.FindStatusCondition(r.Status.Conditions, outboxv1alpha1.ConditionLagging); c != nil {
+				c.Message = ""
+			}
+			b, err := json.Marshal(struct {
+				Spec   outboxv1alpha1.OutboxRelaySpec
+				Status outboxv1alpha1.OutboxRelayStatus
+			}{r.Spec, r.Status})
+			require.NoError(t, err)
+			out[name] = string(b)
+		}
 	}
 	var sec corev1.Secret
 	require.NoError(t, stack.Client.Get(ctx, types.NamespacedName{Namespace: ns, Name: "orders-outbox-dsn"}, &sec))
@@ -421,7 +437,41 @@ func resourceVersions(t *testing.T) map[string]string {
 	return out
 }
 
-// 7. Deleting the OutboxRelay: its children carry controller owner
+// 7. Autoscaling down to zero and back with real relays: with no row
+// waiting the operator scales the relay to zero pods; the first orders bring
+// one back within about one backlog reading, and every event arrives once.
+// Removing spec.autoscaling hands the count back to spec.replicas.
+func (e *e2e) autoscale(t *testing.T) {
+	const interval = 5 * time.Second
+	kubectl(t, "patch", "obr/"+relayName, "--type=merge", "-p",
+		`{"spec":{"backlog":{"interval":"5s"},"autoscaling":{"minReplicas":0,"maxReplicas":3,"pendingPerReplica":2000,"scaleDownStabilization":"5s"}}}`)
+	require.Eventually(t, func() bool {
+		r := e.relay(t)
+		c := meta.FindStatusCondition(r.Status.Conditions, outboxv1alpha1.ConditionReady)
+		return len(stack.Runner.Pods(ns, deployName)) == 0 && r.Status.DesiredReplicas == 0 &&
+			c != nil && c.Status == metav1.ConditionTrue && c.Reason == outboxv1alpha1.ReasonScaledToZero
+	}, 60*time.Second, 100*time.Millisecond, "an idle autoscaled relay did not scale to zero")
+	r := e.relay(t)
+	require.NotNil(t, r.Status.Backlog)
+	require.Zero(t, r.Status.Backlog.Pending)
+
+	w := startWriter(t, e.db, rate)
+	start := time.Now()
+	e.waitRolledOut(t, 1, 60*time.Second)
+	t.Logf("scaled 0 → 1 with a ready relay %s after the first orders (backlog interval %s)", time.Since(start).Round(100*time.Millisecond), interval)
+	require.Less(t, time.Since(start), 2*interval+10*time.Second)
+	n := w.count()
+	require.Eventually(t, func() bool { return w.count() >= n+rate }, 30*time.Second, 50*time.Millisecond)
+	ids := w.stop(t)
+	requireDelivered(t, e.col, e.db, confirmed, ids, 0)
+	r = e.relay(t)
+	require.Equal(t, int32(2), *r.Spec.Replicas, "the operator never writes the spec")
+
+	kubectl(t, "patch", "obr/"+relayName, "--type=json", "-p", `[{"op":"remove","path":"/spec/autoscaling"},{"op":"remove","path":"/spec/backlog"}]`)
+	e.waitRolledOut(t, 2, 60*time.Second)
+}
+
+// 8. Deleting the OutboxRelay: its children carry controller owner
 // references to it (the garbage collector, absent here, deletes them in a
 // cluster), and its relay processes stop.
 func (e *e2e) deleteRelay(t *testing.T) {
