@@ -20,24 +20,26 @@ func TestRecommendReplicas(t *testing.T) {
 		return &outboxv1alpha1.BacklogStatus{Pending: pending, OldestAge: metav1.Duration{Duration: age}}
 	}
 	for name, tc := range map[string]struct {
-		as      *outboxv1alpha1.AutoscalingSpec
-		b       *outboxv1alpha1.BacklogStatus
-		running int32
-		want    int32
+		as         *outboxv1alpha1.AutoscalingSpec
+		b          *outboxv1alpha1.BacklogStatus
+		running    int32
+		want       int32
+		unreadable bool
 	}{
-		"idle, min 0":                      {perRow, backlog(0, 0), 3, 0},
-		"one row wakes a replica":          {perRow, backlog(1, 0), 0, 1},
-		"12,400 rows at 1000 per replica":  {perRow, backlog(12400, time.Second), 1, 10},
-		"3,000 rows at 1000 per replica":   {perRow, backlog(3000, time.Second), 1, 3},
-		"no reading keeps the running":     {perRow, nil, 4, 4},
-		"no reading never keeps zero":      {perRow, nil, 0, 1},
-		"48s against 10s with one replica": {byAge, backlog(5, 48*time.Second), 1, 5},
-		"age under target, rows wait":      {byAge, backlog(5, 2*time.Second), 4, 1},
-		"age: min 1 by default":            {byAge, backlog(0, 0), 3, 1},
-		"both: the higher, within the max": {both, backlog(2500, 40*time.Second), 2, 6},
-		"both: the min":                    {both, backlog(0, 0), 4, 2},
+		"idle, min 0":                      {perRow, backlog(0, 0), 3, 0, false},
+		"one row wakes a replica":          {perRow, backlog(1, 0), 0, 1, false},
+		"12,400 rows at 1000 per replica":  {perRow, backlog(12400, time.Second), 1, 10, false},
+		"3,000 rows at 1000 per replica":   {perRow, backlog(3000, time.Second), 1, 3, false},
+		"no reading yet keeps the running": {perRow, nil, 4, 4, false},
+		"no reading yet keeps zero":        {perRow, nil, 0, 0, false},
+		"unreadable never keeps zero":      {perRow, nil, 0, 1, true},
+		"48s against 10s with one replica": {byAge, backlog(5, 48*time.Second), 1, 5, false},
+		"age under target, rows wait":      {byAge, backlog(5, 2*time.Second), 4, 1, false},
+		"age: min 1 by default":            {byAge, backlog(0, 0), 3, 1, false},
+		"both: the higher, within the max": {both, backlog(2500, 40*time.Second), 2, 6, false},
+		"both: the min":                    {both, backlog(0, 0), 4, 2, false},
 	} {
-		require.Equal(t, tc.want, recommendReplicas(tc.as, tc.b, tc.running), name)
+		require.Equal(t, tc.want, recommendReplicas(tc.as, tc.b, tc.running, tc.unreadable), name)
 	}
 }
 

@@ -165,7 +165,7 @@ func (r *OutboxRelayReconciler) decideReplicas(key types.NamespacedName, relay *
 	if current != nil && current.Spec.Replicas != nil {
 		running = *current.Spec.Replicas
 	}
-	rec := recommendReplicas(as, obs.backlog, max(running, 0))
+	rec := recommendReplicas(as, obs.backlog, max(running, 0), obs.err != "")
 	if running < 0 || r.Flow == nil {
 		return rec
 	}

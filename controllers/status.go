@@ -261,7 +261,7 @@ func (r *OutboxRelayReconciler) recordEvents(before, after *outboxv1alpha1.Outbo
 	case now.Status == metav1.ConditionFalse && was != nil && was.Status == metav1.ConditionTrue:
 		r.Recorder.Eventf(after, nil, corev1.EventTypeNormal, outboxv1alpha1.ReasonCaughtUp, "ObserveBacklog", "%s", now.Message)
 	}
-	if after.Spec.Autoscaling != nil && current != nil && written != nil && current.Spec.Replicas != nil &&
+	if after.Spec.Autoscaling != nil && !after.Spec.Suspend && current != nil && written != nil && current.Spec.Replicas != nil &&
 		written.Spec.Replicas != nil && *current.Spec.Replicas != *written.Spec.Replicas {
 		from, to := *current.Spec.Replicas, *written.Spec.Replicas
 		reason := outboxv1alpha1.ReasonScaledUp
