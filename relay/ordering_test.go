@@ -2,6 +2,7 @@ package relay_test
 
 import (
 	"context"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -90,18 +91,38 @@ func TestPartitionKeyOrderSurvivesScalingAndCrashes(t *testing.T) {
 	require.Zero(t, violations, "rows of a key published out of id order")
 }
 
-// slowFirstWriter delays its first call, as a replica stalled mid-batch.
+// slowFirstWriter delays its first call, as a replica stalled mid-batch:
+// until released is closed, or for at most delay.
 type slowFirstWriter struct {
-	w     relay.MessageWriter
-	calls atomic.Int32
-	delay time.Duration
+	w        relay.MessageWriter
+	calls    atomic.Int32
+	delay    time.Duration
+	released <-chan struct{}
 }
 
 func (s *slowFirstWriter) WriteMessages(ctx context.Context, msgs ...kafka.Message) error {
 	if s.calls.Add(1) == 1 {
-		time.Sleep(s.delay)
+		select {
+		case <-s.released:
+		case <-time.After(s.delay):
+		}
 	}
 	return s.w.WriteMessages(ctx, msgs...)
+}
+
+// signalWriter closes published after its first successful write.
+type signalWriter struct {
+	w         relay.MessageWriter
+	once      sync.Once
+	published chan struct{}
+}
+
+func (s *signalWriter) WriteMessages(ctx context.Context, msgs ...kafka.Message) error {
+	err := s.w.WriteMessages(ctx, msgs...)
+	if err == nil {
+		s.once.Do(func() { close(s.published) })
+	}
+	return err
 }
 
 func newKafkaWriter(t *testing.T) *kafka.Writer {
@@ -122,7 +143,15 @@ func TestOrderingModeMatters(t *testing.T) {
 		cfg := f.Config()
 		cfg.Ordering = mode
 		cfg.BatchSize = 100
-		stalled, err := relay.NewWithWriter(cfg, &slowFirstWriter{w: newKafkaWriter(t), delay: 3 * time.Second})
+		// The stalled replica waits until the other one has published (or,
+		// where the other cannot publish anything before it, 3 s), so the
+		// outcome does not depend on how loaded the machine is.
+		other := &signalWriter{w: newKafkaWriter(t), published: make(chan struct{})}
+		delay := 3 * time.Second
+		if mode == relay.OrderingNone {
+			delay = time.Minute
+		}
+		stalled, err := relay.NewWithWriter(cfg, &slowFirstWriter{w: newKafkaWriter(t), delay: delay, released: other.published})
 		require.NoError(t, err)
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan error, 1)
@@ -132,11 +161,11 @@ func TestOrderingModeMatters(t *testing.T) {
 		require.Eventually(t, func() bool {
 			return f.Count(`SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay' AND state = 'idle in transaction'`) > 0
 		}, 10*time.Second, 5*time.Millisecond)
-		other, err := relay.NewWithWriter(cfg, newKafkaWriter(t))
+		second, err := relay.NewWithWriter(cfg, other)
 		require.NoError(t, err)
 		otherDone := make(chan error, 1)
-		go func() { otherDone <- other.Run(ctx) }()
-		defer func() { cancel(); <-otherDone; other.Close() }()
+		go func() { otherDone <- second.Run(ctx) }()
+		defer func() { cancel(); <-otherDone; second.Close() }()
 		f.WaitDrained(0, time.Minute)
 		_, msgs := outboxtest.Deliveries(t, 2000, f.Topics["E"])
 		v, _ := orderViolations(t, msgs, idsByEvent(t, f))
