@@ -158,9 +158,6 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 		r.mode.stop(x, i, until)
 		return kafka.Message{}, false
 	}
-	if skippedHeaders > 0 {
-		r.m.headersSkipped.Add(float64(skippedHeaders))
-	}
 	topic, ok := r.cfg.Topics[x.eventType]
 	if !ok {
 		// Only partition-key claims return unmapped rows: the key waits for the map.
@@ -170,6 +167,9 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 	if !r.topics.available(topic, now) {
 		r.mode.stop(x, i, now.Add(r.cfg.MaxBackoff))
 		return kafka.Message{}, false
+	}
+	if skippedHeaders > 0 {
+		r.m.headersSkipped.Add(float64(skippedHeaders))
 	}
 	x.custom = custom
 	if r.tracer != nil {
