@@ -52,6 +52,27 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		fields []string // each must appear in the error
 	}{
 		{"batchSize zero", func(s map[string]any) { s["batchSize"] = int64(0) }, []string{"spec.batchSize"}},
+		{"autoscaling maxReplicas below minReplicas", func(s map[string]any) {
+			s["autoscaling"] = map[string]any{"minReplicas": int64(3), "maxReplicas": int64(2), "pendingPerReplica": int64(100)}
+		}, []string{"spec.autoscaling.maxReplicas", "must be at least minReplicas"}},
+		{"autoscaling maxReplicas below the default minReplicas", func(s map[string]any) {
+			s["autoscaling"] = map[string]any{"maxReplicas": int64(0), "pendingPerReplica": int64(100)}
+		}, []string{"spec.autoscaling.maxReplicas"}},
+		{"autoscaling without a target", func(s map[string]any) {
+			s["autoscaling"] = map[string]any{"maxReplicas": int64(3)}
+		}, []string{"spec.autoscaling", "needs a target"}},
+		{"autoscaling oldestAge below 1s", func(s map[string]any) {
+			s["autoscaling"] = map[string]any{"maxReplicas": int64(3), "oldestAge": "500ms"}
+		}, []string{"spec.autoscaling.oldestAge"}},
+		{"autoscaling scaleDownStabilization above 1h", func(s map[string]any) {
+			s["autoscaling"] = map[string]any{"maxReplicas": int64(3), "pendingPerReplica": int64(1), "scaleDownStabilization": "61m"}
+		}, []string{"spec.autoscaling.scaleDownStabilization"}},
+		{"autoscaling minReplicas negative", func(s map[string]any) {
+			s["autoscaling"] = map[string]any{"minReplicas": int64(-1), "maxReplicas": int64(3), "pendingPerReplica": int64(1)}
+		}, []string{"spec.autoscaling.minReplicas"}},
+		{"backlog interval below 5s", func(s map[string]any) { s["backlog"] = map[string]any{"interval": "4s"} }, []string{"spec.backlog.interval"}},
+		{"lagThreshold above 24h", func(s map[string]any) { s["lagThreshold"] = "25h" }, []string{"spec.lagThreshold"}},
+		{"lagThreshold not a duration", func(s map[string]any) { s["lagThreshold"] = "1 minute" }, []string{"spec.lagThreshold"}},
 		{"batchSize above 10000", func(s map[string]any) { s["batchSize"] = int64(10001) }, []string{"spec.batchSize"}},
 		{"pollInterval below 10ms", func(s map[string]any) { s["pollInterval"] = "9ms" }, []string{"spec.pollInterval"}},
 		{"pollInterval above 1h", func(s map[string]any) { s["pollInterval"] = "61m" }, []string{"spec.pollInterval"}},
@@ -164,6 +185,14 @@ func TestAPIServerAcceptsEdgeCases(t *testing.T) {
 			kafka(s)["brokers"] = []any{"[::1]:1", "kafka-0.kafka.svc.cluster.local:65535", "10.0.0.7:9092"}
 		}},
 		{"replicas 0", func(s map[string]any) { s["replicas"] = int64(0) }},
+		{"autoscaling from 0 to 1 on pending rows", func(s map[string]any) {
+			s["autoscaling"] = map[string]any{"minReplicas": int64(0), "maxReplicas": int64(1), "pendingPerReplica": int64(1)}
+		}},
+		{"autoscaling on both targets, stabilization 0s", func(s map[string]any) {
+			s["autoscaling"] = map[string]any{"maxReplicas": int64(1), "pendingPerReplica": int64(1), "oldestAge": "1s", "scaleDownStabilization": "0s"}
+		}},
+		{"backlog interval 5s and 1h", func(s map[string]any) { s["backlog"] = map[string]any{"interval": "5s"}; s["lagThreshold"] = "24h" }},
+		{"lagThreshold 1s", func(s map[string]any) { s["lagThreshold"] = "1s"; s["backlog"] = map[string]any{"interval": "1h"} }},
 		{"ordering PartitionKey", func(s map[string]any) { s["ordering"] = "PartitionKey" }},
 		{"TLS without a Secret, SASL SCRAM", func(s map[string]any) {
 			kafka(s)["tls"] = map[string]any{}
@@ -205,4 +234,17 @@ func TestAPIServerDefaults(t *testing.T) {
 	require.Equal(t, int32(1), *got.Spec.Replicas)
 	require.Equal(t, outboxv1alpha1.OrderingNone, got.Spec.Ordering)
 	require.False(t, got.Spec.Suspend)
+	require.Equal(t, "1m", got.Spec.LagThreshold)
+	require.Nil(t, got.Spec.Autoscaling)
+	require.Nil(t, got.Spec.Backlog, "the operator reads every 15s when spec.backlog is absent")
+
+	auto := manifest(ns, "autoscaled", func(s map[string]any) {
+		s["autoscaling"] = map[string]any{"maxReplicas": int64(4), "pendingPerReplica": int64(100)}
+		s["backlog"] = map[string]any{}
+	})
+	require.NoError(t, c.Create(context.Background(), auto))
+	require.NoError(t, c.Get(context.Background(), key(auto), got))
+	require.Equal(t, ptr.To[int32](1), got.Spec.Autoscaling.MinReplicas)
+	require.Equal(t, "5m", got.Spec.Autoscaling.ScaleDownStabilization)
+	require.Equal(t, "15s", got.Spec.Backlog.Interval)
 }
