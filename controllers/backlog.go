@@ -155,7 +155,10 @@ func deref(s *string) string {
 // which can name hosts, users and databases, are not (the operator's log has them).
 func backlogError(err error, dsnSecret string) string {
 	var pgErr *pgconn.PgError
+	var connErr *pgconn.ConnectError
 	switch {
+	case errors.As(err, &connErr):
+		return fmt.Sprintf("cannot reach PostgreSQL with the DSN in Secret %s (the operator's log has the error)", dsnSecret)
 	case errors.As(err, &pgErr) && pgErr.Code == "57014":
 		return fmt.Sprintf("the backlog query took longer than %s", backlogQueryTimeout)
 	case errors.As(err, &pgErr):

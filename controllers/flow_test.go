@@ -2,6 +2,7 @@ package controllers
 
 import (
 	"context"
+	"net"
 	"slices"
 	"strings"
 	"testing"
@@ -41,6 +42,7 @@ func TestFlow(t *testing.T) {
 	t.Run("HeldRows", func(t *testing.T) { t.Parallel(); testHeldRows(t, c) })
 	t.Run("ObserverFollowsDSNAndDeletion", func(t *testing.T) { t.Parallel(); testObserverLifecycle(t, c, r) })
 	t.Run("MissingTableIsReported", func(t *testing.T) { t.Parallel(); testMissingTable(t, c) })
+	t.Run("BeforeTheFirstReading", func(t *testing.T) { t.Parallel(); testBeforeFirstReading(t, c) })
 }
 
 // outboxDB creates a database with an outbox table and returns its DSN and a pool.
@@ -342,6 +344,45 @@ func testMissingTable(t *testing.T, c client.Client) {
 	require.Contains(t, requireHealth(t, o, "Degraded"), "does not exist")
 }
 
+// Until the first reading the relay is Lagging Unknown / Observing, and
+// Argo CD sees it Progressing even with every pod ready. The database here
+// accepts connections and never answers, so the first reading takes the
+// whole connect timeout.
+func testBeforeFirstReading(t *testing.T, c client.Client) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		var held []net.Conn
+		defer func() {
+			for _, conn := range held {
+				conn.Close()
+			}
+		}()
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			held = append(held, conn)
+		}
+	}()
+	ns := newNamespace(t, c)
+	relay, secret := flowRelay(ns, "first", "postgres://relay@"+ln.Addr().String()+"/orders")
+	create(t, c, secret, relay)
+	waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })
+	setDeploymentStatus(t, c, childKey(relay), 1)
+	o := waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return condOf(o, "Ready").Status == metav1.ConditionTrue
+	})
+	require.Equal(t, "Unknown/Observing", string(condOf(o, "Lagging").Status)+"/"+condOf(o, "Lagging").Reason)
+	require.Equal(t, "Waiting for the operator to read the backlog", requireHealth(t, o, "Progressing"))
+	o = waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return condOf(o, "Lagging").Reason == outboxv1alpha1.ReasonBacklogUnavailable
+	})
+	require.Contains(t, condOf(o, "Lagging").Message, "cannot reach PostgreSQL with the DSN in Secret first-dsn")
+}
+
 // relaySeries are the operator's gauges for one relay, by metric name (and
 // reason, for the held rows).
 func relaySeries(t *testing.T, m *Metrics, ns, name string) map[string]float64 {
@@ -371,8 +412,12 @@ func relaySeries(t *testing.T, m *Metrics, ns, name string) map[string]float64 {
 	return out
 }
 
+// mustHealth is the Argo CD health of o (kept for the testdata like requireHealth's).
 func mustHealth(t *testing.T, o *outboxv1alpha1.OutboxRelay) string {
-	s, _ := argoHealth(t, o)
+	s, msg := argoHealth(t, o)
+	if *writeArgoTestdata {
+		keepArgoCase(t, o, s, msg)
+	}
 	return s
 }
 

@@ -48,7 +48,14 @@ func TestMain(m *testing.M) {
 	if f := flag.Lookup("test.fuzzworker"); f != nil && f.Value.String() == "true" {
 		needs = 0
 	}
-	os.Exit(testenv.Run(m, needs))
+	code := testenv.Run(m, needs)
+	if code == 0 && *writeArgoTestdata {
+		if err := saveArgoTestdata(); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			code = 1
+		}
+	}
+	os.Exit(code)
 }
 
 func newScheme(t testing.TB) *runtime.Scheme {
