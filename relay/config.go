@@ -4,7 +4,6 @@ import (
 	"cmp"
 	"crypto/tls"
 	"errors"
-	"fmt"
 	"log/slog"
 	"time"
 
@@ -174,41 +173,40 @@ func (c Config) withDefaults() Config {
 	return c
 }
 
-// validate names every bad field and its value, with the command's rules.
-func (c Config) validate() error {
-	field := func(name string, err error) error {
-		if err == nil {
-			return nil
-		}
-		return fmt.Errorf("%s: %w", name, err)
+// ConfigFrom is the Config the relay command's settings give (without the
+// process's own: TLS, SASL, logging, metrics and tracing).
+func ConfigFrom(s relayconfig.Settings) Config {
+	return Config{
+		DSN: s.DSN, Table: s.Table, Brokers: s.Brokers, Topics: s.Topics, DeadLetterTopic: s.DeadLetterTopic,
+		BatchSize: s.BatchSize, MaxBatchBytes: s.MaxBatchBytes, PollInterval: s.PollInterval,
+		PublishTimeout: s.PublishTimeout, StallTimeout: s.StallTimeout, Ordering: s.Ordering,
+		MaxInFlight: s.MaxInFlight, Notify: s.Notify, OnPublish: s.OnPublish, KeepPublishedFor: s.KeepPublishedFor,
+		PruneBatchSize: s.PruneBatchSize, PrunePause: s.PrunePause,
+		Format: s.Format, CloudEventsSource: s.CloudEventsSource, Compression: s.Compression,
 	}
+}
+
+// settings is ConfigFrom's inverse: the settings of c, as the relay
+// command's flags carry them, so c is checked by the command's rules.
+func (c Config) settings() relayconfig.Settings {
+	s := relayconfig.Settings{}
+	s.DSN, s.Table, s.Brokers, s.Topics, s.DeadLetterTopic = c.DSN, c.Table, c.Brokers, c.Topics, c.DeadLetterTopic
+	s.BatchSize, s.MaxBatchBytes, s.PollInterval = c.BatchSize, c.MaxBatchBytes, c.PollInterval
+	s.PublishTimeout, s.StallTimeout, s.Ordering = c.PublishTimeout, c.StallTimeout, c.Ordering
+	s.MaxInFlight, s.Notify, s.OnPublish, s.KeepPublishedFor = c.MaxInFlight, c.Notify, c.OnPublish, c.KeepPublishedFor
+	s.PruneBatchSize, s.PrunePause = c.PruneBatchSize, c.PrunePause
+	s.Format, s.CloudEventsSource, s.Compression = c.Format, c.CloudEventsSource, c.Compression
+	return s
+}
+
+// validate names every bad field and its value, with the relay command's
+// rules (its flag names name the fields).
+func (c Config) validate() error {
 	var errs []error
 	if c.DSN == "" {
 		errs = append(errs, errors.New("dsn: required"))
 	}
-	errs = append(errs,
-		field(relayconfig.FlagTable, relayconfig.CheckTable(c.Table)),
-		field(relayconfig.FlagBrokers, relayconfig.CheckBrokers(c.Brokers)),
-		field("topics", relayconfig.CheckTopics(c.Topics)),
-		field(relayconfig.FlagBatchSize, relayconfig.CheckBatchSize(c.BatchSize)),
-		field(relayconfig.FlagMaxBatchBytes, relayconfig.CheckMaxBatchBytes(c.MaxBatchBytes)),
-		field(relayconfig.FlagPollInterval, relayconfig.CheckPollInterval(c.PollInterval)),
-		field(relayconfig.FlagPublishTimeout, relayconfig.CheckPublishTimeout(c.PublishTimeout)),
-		field(relayconfig.FlagStallTimeout, relayconfig.CheckStallTimeout(c.StallTimeout)),
-		field(relayconfig.FlagOrdering, relayconfig.CheckOrdering(c.Ordering)),
-		field(relayconfig.FlagMaxInFlight, relayconfig.CheckMaxInFlight(c.MaxInFlight)),
-		field(relayconfig.FlagOnPublish, relayconfig.CheckOnPublish(c.OnPublish)),
-		field(relayconfig.FlagKeepPublishedFor, relayconfig.CheckKeepPublishedFor(c.KeepPublishedFor)),
-		field(relayconfig.FlagPruneBatchSize, relayconfig.CheckPruneBatchSize(c.PruneBatchSize)),
-		field(relayconfig.FlagPrunePause, relayconfig.CheckPrunePause(c.PrunePause)),
-		field(relayconfig.FlagFormat, relayconfig.CheckFormat(c.Format)),
-		field(relayconfig.FlagCloudEventsSource, relayconfig.CheckCloudEventsSource(c.CloudEventsSource)),
-		field(relayconfig.FlagCompression, relayconfig.CheckCompression(c.Compression)),
-	)
-	if c.DeadLetterTopic != "" {
-		errs = append(errs, field(relayconfig.FlagDeadLetterTopic, relayconfig.CheckDeadLetterTopic(c.DeadLetterTopic, c.Topics)))
-	}
-	return errors.Join(errs...)
+	return errors.Join(append(errs, c.settings().ValidateRelay())...)
 }
 
 // ValidateConfig applies the defaults to cfg and validates it, naming each

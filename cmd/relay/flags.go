@@ -51,13 +51,7 @@ func parseFlags(args []string, lookupEnv func(string) (string, bool), stderr io.
 // configFrom turns the command's settings into the relay's Config (reading
 // the TLS files and building the SASL mechanism).
 func configFrom(s relayconfig.Settings) (relay.Config, error) {
-	cfg := relay.Config{
-		DSN: s.DSN, Table: s.Table, Brokers: s.Brokers, Topics: s.Topics, DeadLetterTopic: s.DeadLetterTopic,
-		BatchSize: s.BatchSize, MaxBatchBytes: s.MaxBatchBytes, PollInterval: s.PollInterval,
-		PublishTimeout: s.PublishTimeout, StallTimeout: s.StallTimeout, Ordering: s.Ordering, MaxInFlight: s.MaxInFlight, Notify: s.Notify,
-		OnPublish: s.OnPublish, KeepPublishedFor: s.KeepPublishedFor, PruneBatchSize: s.PruneBatchSize, PrunePause: s.PrunePause,
-		Format: s.Format, CloudEventsSource: s.CloudEventsSource, Compression: s.Compression,
-	}
+	cfg := relay.ConfigFrom(s)
 	if err := relay.ValidateConfig(cfg); err != nil {
 		return cfg, err
 	}

@@ -424,6 +424,30 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 
 // Validate checks every setting and names each bad flag and its value.
 func (s Settings) Validate() error {
+	errs := []error{s.ValidateRelay()}
+	if !slices.Contains(LogFormats, s.LogFormat) {
+		errs = append(errs, fmt.Errorf("--%s: %q is not one of %s", FlagLogFormat, s.LogFormat, strings.Join(LogFormats, ", ")))
+	}
+	if (s.KafkaTLSCertFile == "") != (s.KafkaTLSKeyFile == "") {
+		errs = append(errs, fmt.Errorf("--%s and --%s go together", FlagKafkaTLSCertFile, FlagKafkaTLSKeyFile))
+	}
+	if m := s.KafkaSASLMechanism; m != "" {
+		switch {
+		case !slices.Contains(SASLMechanisms, m):
+			errs = append(errs, fmt.Errorf("--%s: %q is not one of %s", FlagKafkaSASLMech, m, strings.Join(SASLMechanisms, ", ")))
+		case m == SASLPlain && !s.TLSEnabled():
+			errs = append(errs, fmt.Errorf("--%s: %s sends the password in clear text; it needs --%s", FlagKafkaSASLMech, m, FlagKafkaTLS))
+		case s.KafkaSASLUsername == "" || s.KafkaSASLPassword == "":
+			errs = append(errs, fmt.Errorf("--%s %s needs %s and %s", FlagKafkaSASLMech, m, EnvSASLUsername, EnvSASLPassword))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// ValidateRelay checks the settings that shape the relay's loop (those the
+// relay library's Config carries too, and validates with this), naming
+// each bad flag and its value.
+func (s Settings) ValidateRelay() error {
 	errs := []error{
 		flagErr(FlagTable, CheckTable(s.Table)),
 		flagErr(FlagBrokers, CheckBrokers(s.Brokers)),
@@ -445,22 +469,6 @@ func (s Settings) Validate() error {
 	}
 	if s.DeadLetterTopic != "" {
 		errs = append(errs, flagErr(FlagDeadLetterTopic, CheckDeadLetterTopic(s.DeadLetterTopic, s.Topics)))
-	}
-	if !slices.Contains(LogFormats, s.LogFormat) {
-		errs = append(errs, fmt.Errorf("--%s: %q is not one of %s", FlagLogFormat, s.LogFormat, strings.Join(LogFormats, ", ")))
-	}
-	if (s.KafkaTLSCertFile == "") != (s.KafkaTLSKeyFile == "") {
-		errs = append(errs, fmt.Errorf("--%s and --%s go together", FlagKafkaTLSCertFile, FlagKafkaTLSKeyFile))
-	}
-	if m := s.KafkaSASLMechanism; m != "" {
-		switch {
-		case !slices.Contains(SASLMechanisms, m):
-			errs = append(errs, fmt.Errorf("--%s: %q is not one of %s", FlagKafkaSASLMech, m, strings.Join(SASLMechanisms, ", ")))
-		case m == SASLPlain && !s.TLSEnabled():
-			errs = append(errs, fmt.Errorf("--%s: %s sends the password in clear text; it needs --%s", FlagKafkaSASLMech, m, FlagKafkaTLS))
-		case s.KafkaSASLUsername == "" || s.KafkaSASLPassword == "":
-			errs = append(errs, fmt.Errorf("--%s %s needs %s and %s", FlagKafkaSASLMech, m, EnvSASLUsername, EnvSASLPassword))
-		}
 	}
 	return errors.Join(errs...)
 }
