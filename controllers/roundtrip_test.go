@@ -104,6 +104,23 @@ func TestSpecRoundTrip(t *testing.T) {
 				s.BatchSize, s.MaxBatchBytes, s.PollInterval = 1, relayconfig.MinMaxBatchBytes, 10*time.Millisecond
 			},
 		},
+		"flow and retention": {
+			edit: func(r *outboxv1alpha1.OutboxRelay) {
+				r.Spec.MaxInFlight, r.Spec.Notify = ptr.To[int32](1), true
+				r.Spec.Retention = &outboxv1alpha1.RetentionSpec{OnPublish: outboxv1alpha1.OnPublishMark,
+					KeepPublishedFor: "168h", PruneBatchSize: ptr.To[int32](500)}
+			},
+			want: func(s *relayconfig.Settings) {
+				s.MaxInFlight, s.Notify = 1, true
+				s.OnPublish, s.KeepPublishedFor, s.PruneBatchSize = relayconfig.OnPublishMark, 168*time.Hour, 500
+			},
+		},
+		"delete on publish": {
+			edit: func(r *outboxv1alpha1.OutboxRelay) {
+				r.Spec.Retention = &outboxv1alpha1.RetentionSpec{OnPublish: outboxv1alpha1.OnPublishDelete}
+			},
+			want: func(s *relayconfig.Settings) { s.OnPublish = relayconfig.OnPublishDelete },
+		},
 		"fractional poll interval": {
 			edit: func(r *outboxv1alpha1.OutboxRelay) { r.Spec.PollInterval = "0.25s" },
 			want: func(s *relayconfig.Settings) { s.PollInterval = 250 * time.Millisecond },
@@ -230,6 +247,8 @@ var operatorFlags = map[string]bool{
 	relayconfig.FlagOrdering: true, relayconfig.FlagMetricsAddr: true, relayconfig.FlagLogFormat: true,
 	relayconfig.FlagKafkaTLS: true, relayconfig.FlagKafkaTLSCAFile: true, relayconfig.FlagKafkaTLSCertFile: true,
 	relayconfig.FlagKafkaTLSKeyFile: true, relayconfig.FlagKafkaSASLMech: true,
+	relayconfig.FlagMaxInFlight: true, relayconfig.FlagNotify: true, relayconfig.FlagOnPublish: true,
+	relayconfig.FlagKeepPublishedFor: true, relayconfig.FlagPruneBatchSize: true,
 }
 
 // specArgs are the arguments of the operator's flags, in their order.

@@ -24,6 +24,12 @@ var orderings = map[outboxv1alpha1.OrderingMode]relayconfig.Ordering{
 	outboxv1alpha1.OrderingPartitionKey: relayconfig.OrderingPartitionKey,
 }
 
+// onPublishes maps the API's retention modes to the relay's.
+var onPublishes = map[outboxv1alpha1.OnPublishMode]relayconfig.OnPublish{
+	outboxv1alpha1.OnPublishMark:   relayconfig.OnPublishMark,
+	outboxv1alpha1.OnPublishDelete: relayconfig.OnPublishDelete,
+}
+
 // formats maps the API's record formats to the relay's.
 var formats = map[outboxv1alpha1.RecordFormat]relayconfig.Format{
 	outboxv1alpha1.FormatRaw:         relayconfig.FormatRaw,
@@ -69,6 +75,27 @@ func relaySettings(relay *outboxv1alpha1.OutboxRelay, in secretInputs) (relaycon
 	}
 	if spec.MaxBatchBytes != nil {
 		s.MaxBatchBytes = int(*spec.MaxBatchBytes)
+	}
+	if spec.MaxInFlight != nil {
+		s.MaxInFlight = int(*spec.MaxInFlight)
+	}
+	s.Notify = spec.Notify
+	if r := spec.Retention; r != nil {
+		onPublish, ok := onPublishes[cmp.Or(r.OnPublish, outboxv1alpha1.OnPublishMark)]
+		if !ok {
+			return s, fmt.Errorf("spec.retention.onPublish: %q is not %s or %s", r.OnPublish, outboxv1alpha1.OnPublishMark, outboxv1alpha1.OnPublishDelete)
+		}
+		s.OnPublish = onPublish
+		if r.KeepPublishedFor != "" {
+			d, err := time.ParseDuration(r.KeepPublishedFor)
+			if err != nil {
+				return s, fmt.Errorf("spec.retention.keepPublishedFor: %q is not a duration", r.KeepPublishedFor)
+			}
+			s.KeepPublishedFor = d
+		}
+		if r.PruneBatchSize != nil {
+			s.PruneBatchSize = int(*r.PruneBatchSize)
+		}
 	}
 	if spec.PollInterval != "" {
 		d, err := time.ParseDuration(spec.PollInterval)
@@ -118,6 +145,11 @@ var specFields = map[string]string{
 	relayconfig.FlagFormat:            "spec.format",
 	relayconfig.FlagCloudEventsSource: "spec.cloudEventsSource",
 	relayconfig.FlagCompression:       "spec.kafka.compression",
+	relayconfig.FlagMaxInFlight:       "spec.maxInFlight",
+	relayconfig.FlagNotify:            "spec.notify",
+	relayconfig.FlagOnPublish:         "spec.retention.onPublish",
+	relayconfig.FlagKeepPublishedFor:  "spec.retention.keepPublishedFor",
+	relayconfig.FlagPruneBatchSize:    "spec.retention.pruneBatchSize",
 }
 
 // checkSettings is the relay's own verdict on s (Settings.Validate), so a

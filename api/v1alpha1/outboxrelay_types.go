@@ -114,6 +114,44 @@ const (
 	OrderingPartitionKey OrderingMode = "PartitionKey"
 )
 
+// OnPublishMode is what the relay does to a row Kafka acknowledged.
+// +kubebuilder:validation:Enum=Mark;Delete
+type OnPublishMode string
+
+const (
+	// OnPublishMark sets published_at; the row stays until pruned.
+	OnPublishMark OnPublishMode = "Mark"
+	// OnPublishDelete deletes the row in the claim transaction.
+	OnPublishDelete OnPublishMode = "Delete"
+)
+
+// RetentionSpec says what becomes of published rows.
+type RetentionSpec struct {
+	// OnPublish is Mark (set published_at, the default) or Delete (delete
+	// the row in the claim transaction: one write less per row, nothing to
+	// prune, and no published row to look at later).
+	// +kubebuilder:default=Mark
+	// +optional
+	OnPublish OnPublishMode `json:"onPublish,omitempty"`
+
+	// KeepPublishedFor prunes published rows older than this Go duration,
+	// 1m to 87600h; empty keeps them. One relay replica prunes at a time,
+	// in bounded transactions that never touch an unpublished row.
+	// +kubebuilder:validation:MaxLength=64
+	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
+	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('1m0s') && duration(self) <= duration('87600h0m0s'))",message="spec.retention.keepPublishedFor must be a duration between 1m and 87600h"
+	// +optional
+	KeepPublishedFor string `json:"keepPublishedFor,omitempty"`
+
+	// PruneBatchSize is the most rows one prune transaction deletes, 10 to
+	// 100000. Default: 1000.
+	// +kubebuilder:default=1000
+	// +kubebuilder:validation:Minimum=10
+	// +kubebuilder:validation:Maximum=100000
+	// +optional
+	PruneBatchSize *int32 `json:"pruneBatchSize,omitempty"`
+}
+
 // RecordFormat is the layout of the records the relay publishes.
 // +kubebuilder:validation:Enum=Raw;CloudEvents
 type RecordFormat string
@@ -349,6 +387,28 @@ type OutboxRelaySpec struct {
 	// +optional
 	MaxBatchBytes *int32 `json:"maxBatchBytes,omitempty"`
 
+	// MaxInFlight is how many batches a relay has in flight, 1 or 2. With 2
+	// (the default) and ordering None the relay claims and publishes the
+	// next batch while a full one commits; PartitionKey runs one at a time
+	// either way. After a crash up to this many batches are published again.
+	// +kubebuilder:default=2
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=2
+	// +optional
+	MaxInFlight *int32 `json:"maxInFlight,omitempty"`
+
+	// Notify makes the relays also claim as soon as a writer that notifies
+	// (the outbox package's WithNotify) commits, besides polling. Off by
+	// default: PostgreSQL delivers notifications under a lock that
+	// serializes the notifying writers' commits.
+	// +optional
+	Notify bool `json:"notify,omitempty"`
+
+	// Retention says what becomes of published rows. Default: they are
+	// marked (published_at) and kept.
+	// +optional
+	Retention *RetentionSpec `json:"retention,omitempty"`
+
 	// PollInterval is how long the relay waits after a short batch, a Go
 	// duration between 10ms and 1h. Default: 200ms.
 	// +kubebuilder:default="200ms"
@@ -366,9 +426,11 @@ type OutboxRelaySpec struct {
 	// +kubebuilder:validation:XValidation:rule=`self.all(k, size(k) <= 255 && k.matches(r'^[^=,\s]([^=,]*[^=,\s])?$'))`,message="spec.topics: event types must be 1 to 255 characters without '=' or ',' and without surrounding whitespace"
 	Topics map[string]TopicName `json:"topics"`
 
-	// DeadLetterTopic receives the rows Kafka refuses permanently (a record too
-	// large, an invalid topic, a policy or authorization refusal); without it
-	// such rows are held and retried. Rows of an unmapped event type are held
+	// DeadLetterTopic receives the rows Kafka refuses permanently (a record
+	// larger than its topic takes, an invalid record), with their payload;
+	// without it such rows are held and retried. A missing topic, an
+	// authorization or a policy refusal is never dead-lettered: those rows
+	// are held and retried until it is fixed. Rows of an unmapped event type are held
 	// either way. It must not be one of the mapped topics.
 	// +optional
 	DeadLetterTopic TopicName `json:"deadLetterTopic,omitempty"`
