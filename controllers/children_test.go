@@ -42,6 +42,7 @@ func TestRelayDeploymentDefaultsAndArgs(t *testing.T) {
 	require.Equal(t, []string{
 		"--table=outbox", "--brokers=127.0.0.1:9092", "--batch-size=50", "--max-batch-bytes=4194304",
 		"--poll-interval=200ms", "--publish-timeout=10s", "--stall-timeout=2m0s",
+		"--max-in-flight=2", "--on-publish=mark", "--keep-published-for=0s", "--prune-batch-size=1000",
 		"--topic=OrderConfirmed=orders.confirmed", "--ordering=none", "--metrics-addr=:9090", "--log-format=json",
 	}, specArgs(ct.Args))
 	require.Equal(t, relayconfig.EnvDSN, ct.Env[0].Name)
@@ -77,6 +78,7 @@ func TestRelayDeploymentSpecFields(t *testing.T) {
 	require.Equal(t, []string{
 		"--table=events.outbox", "--brokers=k1:9092,k2:9093", "--batch-size=500", "--max-batch-bytes=1048576",
 		"--poll-interval=1s", "--publish-timeout=10s", "--stall-timeout=2m0s",
+		"--max-in-flight=2", "--on-publish=mark", "--keep-published-for=0s", "--prune-batch-size=1000",
 		"--topic=a=topic-a", "--topic=b=topic-b", "--topic=c=topic-c", "--dead-letter-topic=dlq",
 		"--ordering=partition-key", "--metrics-addr=:9090", "--log-format=json",
 	}, specArgs(ct.Args))

@@ -424,7 +424,10 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 
 // Validate checks every setting and names each bad flag and its value.
 func (s Settings) Validate() error {
-	errs := []error{s.ValidateRelay()}
+	var errs []error
+	if err := s.ValidateRelay(); err != nil {
+		errs = append(errs, err.(interface{ Unwrap() []error }).Unwrap()...) // one flat list
+	}
 	if !slices.Contains(LogFormats, s.LogFormat) {
 		errs = append(errs, fmt.Errorf("--%s: %q is not one of %s", FlagLogFormat, s.LogFormat, strings.Join(LogFormats, ", ")))
 	}
