@@ -210,7 +210,12 @@ func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas in
 		cpu += c
 		hwm = max(hwm, h)
 	}
+	topicBytes, err := e.kafka.TopicBytes(topic)
+	if err != nil {
+		return nil, err
+	}
 	m := map[string]float64{
+		"topic_mib":            float64(topicBytes) / (1 << 20),
 		"counter_events_per_s": counterRate,
 		"cpu_s_per_10k":        cpu / float64(o.rows) * 10_000,
 		"peak_rss_mib":         hwm / 1024,

@@ -56,7 +56,7 @@ type options struct {
 	writersFor   time.Duration
 }
 
-var allScenarios = []string{"ceiling", "drain", "seeds", "scaling", "retention", "latency", "writers", "idle", "breakdown", "profile", "footprint"}
+var allScenarios = []string{"ceiling", "drain", "seeds", "scaling", "retention", "compression", "latency", "writers", "idle", "breakdown", "profile", "footprint"}
 
 func parseFlags(args []string) (*options, error) {
 	fs := flag.NewFlagSet("outbox-bench", flag.ContinueOnError)
@@ -144,7 +144,7 @@ func parseFlags(args []string) (*options, error) {
 	defD(&o.latencyFor, 60*time.Second, 12*time.Second)
 	defD(&o.writersFor, 10*time.Second, 3*time.Second)
 	if o.quick && !flagSet(fs, "scenarios") {
-		o.scenarios = []string{"ceiling", "drain", "seeds", "scaling", "retention", "latency", "writers", "idle", "breakdown", "profile"}
+		o.scenarios = []string{"ceiling", "drain", "seeds", "scaling", "retention", "compression", "latency", "writers", "idle", "breakdown", "profile"}
 	}
 	if o.outMD == "" {
 		o.outMD = "docs/benchmarks.md"
@@ -254,7 +254,7 @@ func runScenarios(ctx context.Context, o *options, env *benchEnv, rep *report) e
 	want := func(s string) bool {
 		if s == "throughput" {
 			return slices.ContainsFunc(o.scenarios, func(x string) bool {
-				return x == "ceiling" || x == "drain" || x == "seeds" || x == "scaling" || x == "retention"
+				return x == "ceiling" || x == "drain" || x == "seeds" || x == "scaling" || x == "retention" || x == "compression"
 			})
 		}
 		return slices.Contains(o.scenarios, s)

@@ -41,6 +41,24 @@ type KafkaBroker struct {
 	transport atomic.Pointer[kafka.Transport]
 }
 
+// TopicBytes is the size of a topic's log segments on the broker's disk:
+// what its records take once the broker has them (compressed, if they were).
+func (b *KafkaBroker) TopicBytes(topic string) (int64, error) {
+	segs, err := filepath.Glob(filepath.Join(b.dir, "data", topic+"-*", "*.log"))
+	if err != nil {
+		return 0, err
+	}
+	var n int64
+	for _, s := range segs {
+		fi, err := os.Stat(s)
+		if err != nil {
+			return 0, err
+		}
+		n += fi.Size()
+	}
+	return n, nil
+}
+
 func (b *KafkaBroker) client(timeout time.Duration) *kafka.Client {
 	return &kafka.Client{Addr: kafka.TCP(b.Addr()), Timeout: timeout, Transport: b.transport.Load()}
 }
