@@ -28,8 +28,10 @@ const backlogQueryTimeout = 5 * time.Second
 // and returns one row per (event type, has a NULL column) with its count and
 // the age of its oldest row, beside the number of rows read, the last id
 // read, the table's max(id) (one primary-key probe), and PostgreSQL's count
-// of the table's updated rows ($2 is the table's quoted name), from which
-// the publish rate is derived without scanning published_at.
+// of the table's updated and deleted rows ($2 is the table's quoted name),
+// from which the publish rate is derived without scanning published_at (a
+// relay updates a row only to mark it published, and deletes one only once
+// it is published; pruning deletes published rows too).
 func BacklogSQL(t outbox.Table) string {
 	q := t.Quoted()
 	return `WITH g AS (
@@ -44,7 +46,8 @@ func BacklogSQL(t outbox.Table) string {
           LIMIT $1) s
     GROUP BY 1, 2)
 SELECT COALESCE((SELECT sum(n) FROM g), 0)::bigint, (SELECT max(last) FROM g)::bigint, (SELECT max(id) FROM ` + q + `)::bigint,
-       pg_stat_get_tuples_updated($2::text::regclass), current_setting('track_counts')::bool,
+       pg_stat_get_tuples_updated($2::text::regclass) + pg_stat_get_tuples_deleted($2::text::regclass),
+       current_setting('track_counts')::bool,
        g.event_type, g.invalid, g.n, g.age
 FROM (VALUES (1)) one(x) LEFT JOIN g ON true`
 }
@@ -65,7 +68,7 @@ type backlogSample struct {
 	// beyond is how many ids were issued after the last of them when the
 	// bound was reached (0 otherwise).
 	read, beyond int64
-	// updates is the table's count of updated rows; tracked is false when
+	// updates is the table's count of updated and deleted rows; tracked is false when
 	// the server does not count (track_counts off).
 	updates int64
 	tracked bool

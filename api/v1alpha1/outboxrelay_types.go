@@ -578,12 +578,13 @@ type BacklogStatus struct {
 	// +optional
 	Held HeldRows `json:"held,omitempty"`
 
-	// PublishedPerMinute is the number of rows marked published over the
-	// last minute (scaled to a minute while the operator has read for less
-	// than one), from the difference of PostgreSQL's count of updated rows of
-	// the table between reads: the relays update a row only to mark it
-	// published, so no table scan is needed. Absent until two reads exist, or
-	// when the server does not count (track_counts off).
+	// PublishedPerMinute is the number of rows published over the last
+	// minute (scaled to a minute while the operator has read for less than
+	// one), from the difference of PostgreSQL's count of the table's updated
+	// and deleted rows between reads: the relays update a row only to mark it
+	// published and delete one only once it is published (retention Delete),
+	// so no table scan is needed; rows pruned in the minute count too. Absent
+	// until two reads exist, or when the server does not count (track_counts off).
 	// +optional
 	PublishedPerMinute *int64 `json:"publishedPerMinute,omitempty"`
 

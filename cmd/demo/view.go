@@ -30,6 +30,8 @@ type snapshot struct {
 	ready                       string
 	desired                     int32
 	condition, reason           string
+	lagging                     string // the Lagging condition's status and reason
+	flow                        *outboxv1alpha1.BacklogStatus
 	pods                        []localcluster.Pod
 }
 
@@ -48,9 +50,16 @@ func takeSnapshot(ctx context.Context, stack *localcluster.Stack, svc *orderServ
 		s.relayFound = true
 		s.ready = obr.Status.Ready
 		s.desired = ptr.Deref(obr.Spec.Replicas, 1)
+		if obr.Spec.Autoscaling != nil {
+			s.desired = obr.Status.DesiredReplicas
+		}
 		if c := meta.FindStatusCondition(obr.Status.Conditions, outboxv1alpha1.ConditionReady); c != nil {
 			s.condition, s.reason = string(c.Status), c.Reason
 		}
+		if c := meta.FindStatusCondition(obr.Status.Conditions, outboxv1alpha1.ConditionLagging); c != nil {
+			s.lagging = string(c.Status) + " " + c.Reason
+		}
+		s.flow = obr.Status.Backlog
 	}
 	s.pods = stack.Runner.Pods("default", "orders-relay")
 	return s
@@ -83,6 +92,17 @@ func render(stack *localcluster.Stack, s snapshot) string {
 		line(" OutboxRelay default/orders: not found (kubectl apply -f .demo/samples to bring it back)")
 	} else {
 		line(" OutboxRelay orders  replicas ready %s (desired %d)   Ready=%s %s", orDash(s.ready), s.desired, orDash(s.condition), s.reason)
+		if f := s.flow; f != nil {
+			// What the operator itself reads of the flow (status.backlog), as kubectl get obr shows it.
+			perMinute := "–"
+			if f.PublishedPerMinute != nil {
+				perMinute = fmt.Sprint(*f.PublishedPerMinute)
+			}
+			line("   status.backlog   pending %d, oldest %s, published %s/min   Lagging=%s   (observed %s)",
+				f.Pending, f.OldestAge.Duration.Round(time.Millisecond), perMinute, orDash(s.lagging), f.ObservedAt.Format("15:04:05"))
+		} else {
+			line("   status.backlog   not observed yet")
+		}
 	}
 	for _, p := range s.pods {
 		state := "starting"
