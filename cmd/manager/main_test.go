@@ -141,18 +141,7 @@ func TestManagerRuns(t *testing.T) {
 
 	// A relay in an unwatched namespace is created first and must stay untouched.
 	for _, ns := range []string{ignored, watched} {
-		require.NoError(t, c.Create(ctx, &corev1.Secret{
-			ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "dsn"},
-			StringData: map[string]string{"dsn": "postgres://x"},
-		}))
-		require.NoError(t, c.Create(ctx, &outboxv1alpha1.OutboxRelay{
-			ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "orders"},
-			Spec: outboxv1alpha1.OutboxRelaySpec{
-				DSNSecretRef: outboxv1alpha1.SecretKeyReference{Name: "dsn"},
-				Topics:       map[string]outboxv1alpha1.TopicName{"OrderConfirmed": "orders.confirmed"},
-				Kafka:        outboxv1alpha1.KafkaSpec{Brokers: []outboxv1alpha1.BrokerAddress{"127.0.0.1:9092"}},
-			},
-		}))
+		createOrdersRelay(ctx, t, c, ns)
 	}
 	d := &appsv1.Deployment{}
 	require.Eventually(t, func() bool {
@@ -173,4 +162,21 @@ func TestManagerRuns(t *testing.T) {
 	code, body := get(fmt.Sprintf("http://127.0.0.1:%d/metrics", metricsPort))
 	require.Equal(t, http.StatusOK, code)
 	require.Contains(t, body, `controller_runtime_reconcile_total{controller="outboxrelay"`)
+}
+
+// createOrdersRelay creates a DSN Secret and an OutboxRelay "orders" using it in ns.
+func createOrdersRelay(ctx context.Context, t *testing.T, c client.Client, ns string) {
+	t.Helper()
+	require.NoError(t, c.Create(ctx, &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "dsn"},
+		StringData: map[string]string{"dsn": "postgres://x"},
+	}))
+	require.NoError(t, c.Create(ctx, &outboxv1alpha1.OutboxRelay{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "orders"},
+		Spec: outboxv1alpha1.OutboxRelaySpec{
+			DSNSecretRef: outboxv1alpha1.SecretKeyReference{Name: "dsn"},
+			Topics:       map[string]outboxv1alpha1.TopicName{"OrderConfirmed": "orders.confirmed"},
+			Kafka:        outboxv1alpha1.KafkaSpec{Brokers: []outboxv1alpha1.BrokerAddress{"127.0.0.1:9092"}},
+		},
+	}))
 }

@@ -144,18 +144,7 @@ func TestNamespacedOverlayIsEnough(t *testing.T) {
 		}
 	})
 
-	require.NoError(t, admin.Create(ctx, &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "dsn"},
-		StringData: map[string]string{"dsn": "postgres://x"},
-	}))
-	require.NoError(t, admin.Create(ctx, &outboxv1alpha1.OutboxRelay{
-		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "orders"},
-		Spec: outboxv1alpha1.OutboxRelaySpec{
-			DSNSecretRef: outboxv1alpha1.SecretKeyReference{Name: "dsn"},
-			Topics:       map[string]outboxv1alpha1.TopicName{"OrderConfirmed": "orders.confirmed"},
-			Kafka:        outboxv1alpha1.KafkaSpec{Brokers: []outboxv1alpha1.BrokerAddress{"127.0.0.1:9092"}},
-		},
-	}))
+	createOrdersRelay(ctx, t, admin, ns)
 	require.Eventually(t, func() bool {
 		return admin.Get(ctx, client.ObjectKey{Namespace: ns, Name: "orders-relay"}, &appsv1.Deployment{}) == nil
 	}, 60*time.Second, 100*time.Millisecond, "the manager, with the overlay's Role only, creates the relay Deployment")
