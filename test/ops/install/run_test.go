@@ -15,14 +15,13 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/runtime"
-	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/tools/clientcmd"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 	"github.com/outbox-relay/outbox-operator/internal/devproc"
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/test/ops/opstest"
 )
 
 // TestChartRunsTheManager installs the chart for one watched namespace and
@@ -66,19 +65,8 @@ func TestChartRunsTheManager(t *testing.T) {
 		AddrFlag: "--health-probe-bind-address", LogPath: filepath.Join(dir, "manager.log"),
 	})
 	require.NoError(t, err)
-	t.Cleanup(func() {
-		p.Stop(10 * time.Second)
-		if t.Failed() {
-			t.Logf("manager output:\n%s", p.Output())
-		}
-	})
-	require.NoError(t, p.WaitReady(context.Background(), 60*time.Second))
-
-	scheme := runtime.NewScheme()
-	require.NoError(t, clientgoscheme.AddToScheme(scheme))
-	require.NoError(t, outboxv1alpha1.AddToScheme(scheme))
-	admin, err := client.New(testenv.Kube().Config, client.Options{Scheme: scheme})
-	require.NoError(t, err)
+	opstest.Ready(t, p)
+	admin := opstest.Admin(t)
 	ctx := context.Background()
 	require.NoError(t, admin.Create(ctx, &corev1.Secret{
 		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "dsn"}, StringData: map[string]string{"dsn": "postgres://relay@db/orders"},

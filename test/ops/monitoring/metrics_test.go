@@ -23,14 +23,13 @@ import (
 	"github.com/stretchr/testify/require"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
-	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 	"github.com/outbox-relay/outbox-operator/internal/devproc"
 	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/test/ops/opstest"
 )
 
 // targetLabels are the labels Prometheus attaches to every series of a
@@ -142,19 +141,8 @@ func managerMetrics(t *testing.T, into exposed) {
 	metricsAddr := "127.0.0.1:" + strconv.Itoa(port)
 	p, err := devproc.StartManager(bins[0], kubeconfig, filepath.Join(dir, "manager.log"), "--metrics-bind-address="+metricsAddr)
 	require.NoError(t, err)
-	t.Cleanup(func() {
-		p.Stop(10 * time.Second)
-		if t.Failed() {
-			t.Logf("manager output:\n%s", p.Output())
-		}
-	})
-	require.NoError(t, p.WaitReady(context.Background(), 60*time.Second))
-
-	scheme := runtime.NewScheme()
-	require.NoError(t, clientgoscheme.AddToScheme(scheme))
-	require.NoError(t, outboxv1alpha1.AddToScheme(scheme))
-	c, err := client.New(testenv.Kube().Config, client.Options{Scheme: scheme})
-	require.NoError(t, err)
+	opstest.Ready(t, p)
+	c := opstest.Admin(t)
 	ctx := context.Background()
 	require.NoError(t, c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop"}}))
 	require.NoError(t, c.Create(ctx, &corev1.Secret{
