@@ -2,6 +2,12 @@
 # /relay (what relay pods run; the operator sets command: ["/relay"]).
 #
 #   docker build --build-arg VERSION=v0.1.0 -t ghcr.io/outbox-relay/outbox-operator:v0.1.0 .
+#
+# `make images` builds the same image without Docker (hack/images). Its tests
+# parse this file and hold the two in step: the go build flags and env below,
+# the COPY destinations, USER, WORKDIR, EXPOSE and ENTRYPOINT, and the base
+# (hack/images writes the distroless files the binaries rely on itself). A
+# change here fails them until hack/images makes the same change.
 
 FROM golang:1.26 AS build
 ARG VERSION=latest
@@ -18,11 +24,13 @@ COPY relay/ relay/
 COPY outbox/ outbox/
 COPY internal/ internal/
 ENV CGO_ENABLED=0
-RUN GOOS=$TARGETOS GOARCH=$TARGETARCH go build -trimpath -ldflags "-s -w -X main.version=${VERSION}" -o /out/manager ./cmd/manager && \
-    GOOS=$TARGETOS GOARCH=$TARGETARCH go build -trimpath -ldflags "-s -w" -o /out/relay ./cmd/relay
+RUN GOOS=$TARGETOS GOARCH=$TARGETARCH go build -trimpath -buildvcs=false -ldflags "-s -w -X main.version=${VERSION}" -o /out/manager ./cmd/manager && \
+    GOOS=$TARGETOS GOARCH=$TARGETARCH go build -trimpath -buildvcs=false -ldflags "-s -w" -o /out/relay ./cmd/relay
 
 # Static binaries on distroless: no shell, no package manager, user 65532.
 FROM gcr.io/distroless/static-debian12:nonroot
+# The nonroot base's working directory is /home/nonroot; the programs use none.
+WORKDIR /
 COPY --from=build /out/manager /manager
 COPY --from=build /out/relay /relay
 USER 65532:65532

@@ -88,6 +88,13 @@ build: ## Build the manager and relay binaries into bin/.
 	CGO_ENABLED=0 go build -trimpath -o $(LOCALBIN)/manager ./cmd/manager
 	CGO_ENABLED=0 go build -trimpath -o $(LOCALBIN)/relay ./cmd/relay
 
+# Where `make images` writes its docker-archive tarballs.
+IMAGES_DIR ?= $(LOCALBIN)/images
+
+.PHONY: images
+images: ## Build the operator image (as the Dockerfile does) and the pod sandbox image without Docker into bin/images/ (VERSION=v0.1.0 sets the tag).
+	go run ./hack/images -out $(IMAGES_DIR) $(if $(VERSION),-version $(VERSION))
+
 ##@ Release
 
 .PHONY: chart-sync
