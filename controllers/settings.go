@@ -104,6 +104,13 @@ func relaySettings(relay *outboxv1alpha1.OutboxRelay, in secretInputs) (relaycon
 		}
 		s.PollInterval = d
 	}
+	if spec.StallTimeout != "" {
+		d, err := time.ParseDuration(spec.StallTimeout)
+		if err != nil {
+			return s, fmt.Errorf("spec.stallTimeout: %q is not a duration", spec.StallTimeout)
+		}
+		s.StallTimeout = d
+	}
 	ordering, ok := orderings[cmp.Or(spec.Ordering, outboxv1alpha1.OrderingNone)]
 	if !ok {
 		return s, fmt.Errorf("spec.ordering: %q is not %s or %s", spec.Ordering, outboxv1alpha1.OrderingNone, outboxv1alpha1.OrderingPartitionKey)
@@ -140,6 +147,7 @@ var specFields = map[string]string{
 	relayconfig.FlagBatchSize:         "spec.batchSize",
 	relayconfig.FlagMaxBatchBytes:     "spec.maxBatchBytes",
 	relayconfig.FlagPollInterval:      "spec.pollInterval",
+	relayconfig.FlagStallTimeout:      "spec.stallTimeout",
 	relayconfig.FlagOrdering:          "spec.ordering",
 	relayconfig.FlagKafkaSASLMech:     "spec.kafka.sasl.mechanism",
 	relayconfig.FlagFormat:            "spec.format",

@@ -134,6 +134,12 @@ func TestCRDMatchesRelayContract(t *testing.T) {
 		"!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('%s') && duration(self) <= duration('%s'))",
 		relayconfig.MinPollInterval, relayconfig.MaxPollInterval), "spec.pollInterval CEL range")
 
+	stall := spec.at(t, "stallTimeout")
+	defaultOf(t, stall, relayconfig.DefaultStallTimeout.String())
+	require.Contains(t, stall.rules(), fmt.Sprintf(
+		"!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('%s') && duration(self) <= duration('%s'))",
+		relayconfig.MinStallTimeout, relayconfig.MaxStallTimeout), "spec.stallTimeout CEL range")
+
 	topics := spec.at(t, "topics")
 	require.NotNil(t, topics.MaxProperties)
 	require.Equal(t, relayconfig.MaxTopics, *topics.MaxProperties, "spec.topics maxProperties")

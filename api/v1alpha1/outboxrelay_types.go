@@ -409,6 +409,17 @@ type OutboxRelaySpec struct {
 	// +optional
 	Retention *RetentionSpec `json:"retention,omitempty"`
 
+	// StallTimeout is how long a relay may go without completing a batch,
+	// or with rows waiting and nothing published, before its /readyz fails
+	// (the pod turns not ready, outbox_relay_stalled is set), a Go duration
+	// between 5s and 24h. Default: 2m.
+	// +kubebuilder:default="2m0s"
+	// +kubebuilder:validation:MaxLength=64
+	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
+	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('5s') && duration(self) <= duration('24h0m0s'))",message="spec.stallTimeout must be a duration between 5s and 24h"
+	// +optional
+	StallTimeout string `json:"stallTimeout,omitempty"`
+
 	// PollInterval is how long the relay waits after a short batch, a Go
 	// duration between 10ms and 1h. Default: 200ms.
 	// +kubebuilder:default="200ms"
