@@ -14,6 +14,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -59,26 +60,44 @@ var ErrEventIDConflict = errors.New("outbox: event id already stored with differ
 
 // Writer stores entries into one outbox table.
 type Writer struct {
-	insertSQL, sameSQL               string // without the headers column
-	insertHeadersSQL, sameHeadersSQL string
-	hasHeadersSQL                    string
-	table                            string // quoted
-	notify                           string // channel to notify on commit; "" for none
-	headersCol                       columnCache
+	// One set of statements per table shape: with or without the headers
+	// column, plain or partitioned.
+	plain, plainHeaders, parted, partedHeaders statements
+	shapeSQL                                   string
+	table, eventIDs, addPartitions             string // quoted
+	notify                                     string // channel to notify on commit; "" for none
+	shapes                                     shapeCache
 }
 
-// columnCache remembers, per database, whether the table has the headers
-// column: a table made before the column existed keeps working for entries
-// without headers. A found column is remembered for good, a missing one for
-// a minute (so adding the column takes effect without a restart).
-type columnCache struct {
+// statements store an entry into one shape of table. Their arguments are,
+// in this order, the entry's event id, aggregate type, aggregate id, event
+// type, payload and partition key, its headers as JSON (or NULL), and the
+// propagator's fields (left out of comparisons: the trace context differs
+// between two tries of one handler); each statement takes the first n.
+type statements struct {
+	// insert stores the entry, or nothing when its event id is stored already.
+	insert     string
+	insertArgs int
+	// same reports whether the event stored under the id is the entry.
+	same     string
+	sameArgs int
+}
+
+// shapeCache remembers, per database, the shape of the table: whether it
+// has the headers column (a table made before the column existed keeps
+// working for entries without headers), whether it is partitioned, and
+// whether its event-id table exists. It is read again after a minute, so
+// adding the column or replacing the table takes effect without a restart.
+type shapeCache struct {
 	mu sync.Mutex
-	db map[string]columnState // by host, port and database name
+	db map[string]tableShape // by host, port and database name
 }
 
-type columnState struct {
-	present bool
-	checked time.Time
+type tableShape struct {
+	headers     bool
+	partitioned bool
+	eventIDs    bool // Table.EventIDsTable exists
+	checked     time.Time
 }
 
 // WriterOption configures a Writer.
@@ -102,27 +121,60 @@ func NewWriter(table string, opts ...WriterOption) (*Writer, error) {
 	if err != nil {
 		return nil, err
 	}
+	q, ids := t.Quoted(), t.EventIDsTable().Quoted()
 	w := &Writer{
-		insertSQL: `INSERT INTO ` + t.Quoted() + `
+		plain: statements{
+			insert: `INSERT INTO ` + q + `
     (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 VALUES ($1, $2, $3, $4, $5, $6)
-ON CONFLICT (event_id) DO NOTHING`,
-		sameSQL: `SELECT EXISTS (SELECT 1 FROM ` + t.Quoted() + `
+ON CONFLICT (event_id) DO NOTHING`, insertArgs: 6,
+			same: `SELECT EXISTS (SELECT 1 FROM ` + q + `
     WHERE event_id = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND event_type = $4
-      AND payload = $5 AND partition_key = $6)`,
-		insertHeadersSQL: `INSERT INTO ` + t.Quoted() + `
+      AND payload = $5 AND partition_key = $6)`, sameArgs: 6,
+		},
+		plainHeaders: statements{
+			insert: `INSERT INTO ` + q + `
     (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, headers)
 VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb)
-ON CONFLICT (event_id) DO NOTHING`,
-		// The trace context differs between two tries of one handler, so
-		// it is left out of the comparison ($8: the propagator's fields).
-		sameHeadersSQL: `SELECT EXISTS (SELECT 1 FROM ` + t.Quoted() + `
+ON CONFLICT (event_id) DO NOTHING`, insertArgs: 7,
+			same: `SELECT EXISTS (SELECT 1 FROM ` + q + `
     WHERE event_id = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND event_type = $4
       AND payload = $5 AND partition_key = $6
-      AND COALESCE(headers, '{}'::jsonb) - $8::text[] = COALESCE($7::jsonb, '{}'::jsonb) - $8::text[])`,
-		hasHeadersSQL: `SELECT EXISTS (SELECT 1 FROM pg_attribute
-    WHERE attrelid = to_regclass($1) AND attname = 'headers' AND NOT attisdropped)`,
-		table: t.Quoted(),
+      AND COALESCE(headers, '{}'::jsonb) - $8::text[] = COALESCE($7::jsonb, '{}'::jsonb) - $8::text[])`, sameArgs: 8,
+		},
+		// A partitioned table cannot have a unique index on event_id
+		// alone (it must include the partition key), so the event id goes
+		// into the event-id table first, in the same statement: its primary
+		// key makes a second store of the id wait for the first and then do
+		// nothing, whatever created_at each has. The row is inserted only
+		// when the id was new.
+		parted: statements{
+			insert: `WITH id AS (
+    INSERT INTO ` + ids + ` (event_id, created_at, digest) VALUES ($1, now(), ` + digestSQL(false) + `)
+    ON CONFLICT (event_id) DO NOTHING
+    RETURNING event_id)
+INSERT INTO ` + q + `
+    (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+SELECT event_id, $2, $3, $4, $5, $6 FROM id`, insertArgs: 6,
+			same: `SELECT COALESCE((SELECT digest = ` + digestSQL(false) + ` FROM ` + ids + ` WHERE event_id = $1), false)`, sameArgs: 6,
+		},
+		partedHeaders: statements{
+			insert: `WITH id AS (
+    INSERT INTO ` + ids + ` (event_id, created_at, digest) VALUES ($1, now(), ` + digestSQL(true) + `)
+    ON CONFLICT (event_id) DO NOTHING
+    RETURNING event_id)
+INSERT INTO ` + q + `
+    (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, headers)
+SELECT event_id, $2, $3, $4, $5, $6, $7::jsonb FROM id`, insertArgs: 8,
+			same: `SELECT COALESCE((SELECT digest = ` + digestSQL(true) + ` FROM ` + ids + ` WHERE event_id = $1), false)`, sameArgs: 8,
+		},
+		shapeSQL: `SELECT COALESCE((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false),
+    EXISTS (SELECT 1 FROM pg_attribute
+        WHERE attrelid = to_regclass($1) AND attname = 'headers' AND attnum > 0 AND NOT attisdropped),
+    to_regclass($2) IS NOT NULL`,
+		table:         q,
+		eventIDs:      ids,
+		addPartitions: t.AddPartitionsFunction().Quoted(),
 	}
 	for _, opt := range opts {
 		opt(w)
@@ -169,15 +221,17 @@ func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 		headers = propagation.MapCarrier(e.Headers)
 		traced = false
 	}
-	args := []any{e.EventID, e.AggregateType, e.AggregateID, e.EventType, e.Payload, e.PartitionKey}
-	insert, sameStmt := w.insertSQL, w.sameSQL
-	var sameArgs []any
-	col, err := w.hasHeaders(ctx, tx)
-	switch {
-	case err != nil:
+	shape, err := w.shape(ctx, tx)
+	if err != nil {
 		return fmt.Errorf("outbox store %s: %w", e.EventID, err)
-	case col:
-		var stored any // NULL when there are no headers
+	}
+	if shape.partitioned && !shape.eventIDs {
+		return fmt.Errorf("outbox store %s: table %s is partitioned and %s, which keeps event_id unique across its partitions, does not exist; create it with the DDL that `relay schema --partitioned` prints",
+			e.EventID, w.table, w.eventIDs)
+	}
+	var stored any // NULL when there are no headers
+	switch {
+	case shape.headers:
 		if len(headers) > 0 {
 			b, err := json.Marshal(headers)
 			if err != nil {
@@ -185,9 +239,6 @@ func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 			}
 			stored = string(b)
 		}
-		insert, sameStmt = w.insertHeadersSQL, w.sameHeadersSQL
-		args = append(args, stored)
-		sameArgs = append(args[:len(args):len(args)], prop.Fields())
 	case len(e.Headers) > 0:
 		return fmt.Errorf("outbox store %s: table %s has no headers column; add it with: ALTER TABLE %s ADD COLUMN headers jsonb",
 			e.EventID, w.table, w.table)
@@ -195,11 +246,25 @@ func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 		// A table made before the headers column: the event is stored
 		// without its trace context rather than not at all.
 	}
-	tag, err := tx.Exec(ctx, insert, args...)
+	st := w.plain
+	switch {
+	case shape.partitioned && shape.headers:
+		st = w.partedHeaders
+	case shape.partitioned:
+		st = w.parted
+	case shape.headers:
+		st = w.plainHeaders
+	}
+	args := []any{e.EventID, e.AggregateType, e.AggregateID, e.EventType, e.Payload, e.PartitionKey, stored, prop.Fields()}
+	tag, err := tx.Exec(ctx, st.insert, args[:st.insertArgs]...)
 	if err != nil {
 		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == "22P02" {
+		switch {
+		case errors.As(err, &pgErr) && pgErr.Code == "22P02":
 			return fmt.Errorf("outbox store %s: event id or payload malformed: %w", e.EventID, err)
+		case errors.As(err, &pgErr) && pgErr.Code == "23514" && strings.Contains(pgErr.Message, "no partition"):
+			return fmt.Errorf("outbox store %s: no partition of %s covers now(); create partitions ahead of time with SELECT %s(): %w",
+				e.EventID, w.table, w.addPartitions, err)
 		}
 		return fmt.Errorf("outbox store %s: %w", e.EventID, err)
 	}
@@ -213,10 +278,7 @@ func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 		return nil
 	}
 	var same bool
-	if sameArgs == nil {
-		sameArgs = args
-	}
-	if err := tx.QueryRow(ctx, sameStmt, sameArgs...).Scan(&same); err != nil {
+	if err := tx.QueryRow(ctx, st.same, args[:st.sameArgs]...).Scan(&same); err != nil {
 		return fmt.Errorf("outbox store %s: compare with the stored event: %w", e.EventID, err)
 	}
 	if !same {
@@ -225,28 +287,43 @@ func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 	return nil
 }
 
-// hasHeaders reports whether the table has the headers column (see columnCache).
-func (w *Writer) hasHeaders(ctx context.Context, tx pgx.Tx) (bool, error) {
+// digestSQL is what the event-id table of a partitioned outbox keeps of an
+// entry to compare a later store with: a SHA-256 of the statements'
+// arguments $2 to $6 and, with headers, of the headers without the
+// propagator's fields ($7, $8), laid out as a JSON array (so no two
+// different entries read alike). The payload goes in as jsonb, so it
+// compares as the plain table's jsonb column does (key order and spacing
+// do not matter).
+func digestSQL(headers bool) string {
+	h := `'{}'::jsonb`
+	if headers {
+		h = `COALESCE($7::jsonb, '{}'::jsonb) - $8::text[]`
+	}
+	return `sha256(convert_to(jsonb_build_array($2::text, $3::text, $4::text, $5::jsonb, $6::text, ` + h + `)::text, 'UTF8'))`
+}
+
+// shape reads the table's shape, or remembers it (see shapeCache).
+func (w *Writer) shape(ctx context.Context, tx pgx.Tx) (tableShape, error) {
 	key := ""
 	if c := tx.Conn(); c != nil {
 		cfg := c.Config()
 		key = fmt.Sprintf("%s:%d/%s", cfg.Host, cfg.Port, cfg.Database)
 	}
-	w.headersCol.mu.Lock()
-	defer w.headersCol.mu.Unlock()
-	st := w.headersCol.db[key]
-	if st.present || (!st.checked.IsZero() && time.Since(st.checked) < time.Minute) {
-		return st.present, nil
+	w.shapes.mu.Lock()
+	defer w.shapes.mu.Unlock()
+	st := w.shapes.db[key]
+	if !st.checked.IsZero() && time.Since(st.checked) < time.Minute {
+		return st, nil
 	}
-	if err := tx.QueryRow(ctx, w.hasHeadersSQL, w.table).Scan(&st.present); err != nil {
-		return false, fmt.Errorf("look for the headers column of %s: %w", w.table, err)
+	if err := tx.QueryRow(ctx, w.shapeSQL, w.table, w.eventIDs).Scan(&st.partitioned, &st.headers, &st.eventIDs); err != nil {
+		return tableShape{}, fmt.Errorf("read the shape of %s: %w", w.table, err)
 	}
 	st.checked = time.Now()
-	if w.headersCol.db == nil {
-		w.headersCol.db = map[string]columnState{}
+	if w.shapes.db == nil {
+		w.shapes.db = map[string]tableShape{}
 	}
-	w.headersCol.db[key] = st
-	return st.present, nil
+	w.shapes.db[key] = st
+	return st, nil
 }
 
 func (e Entry) validate() error {

@@ -72,6 +72,29 @@ func (t Table) IndexName() string {
 	return n
 }
 
+// suffixed is the table's name with suffix, the name cut so the whole fits
+// PostgreSQL's 63 bytes.
+func (t Table) suffixed(suffix string) string {
+	n := t.Name
+	if len(n)+len(suffix) > 63 {
+		n = n[:63-len(suffix)]
+	}
+	return n + suffix
+}
+
+// EventIDsTable is the table that keeps event_id unique across the
+// partitions of a partitioned outbox (PartitionedSchemaDDL): "<name>_event_ids",
+// in the outbox's schema.
+func (t Table) EventIDsTable() Table {
+	return Table{Schema: t.Schema, Name: t.suffixed("_event_ids")}
+}
+
+// AddPartitionsFunction is the function PartitionedSchemaDDL defines to
+// create a partitioned outbox's next partitions: "<name>_add_partitions".
+func (t Table) AddPartitionsFunction() Table {
+	return Table{Schema: t.Schema, Name: t.suffixed("_add_partitions")}
+}
+
 // NotifyChannel is the channel a writer with WithNotify notifies and a
 // relay with --notify listens on: the table's name (at most 63 bytes, the
 // longest channel name PostgreSQL takes).

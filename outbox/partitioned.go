@@ -1,0 +1,174 @@
+package outbox
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// PartitionPeriod is the span of created_at one partition of a partitioned
+// outbox covers (PartitionedSchemaDDL); partitions start on the period's
+// boundary in UTC (weeks on Mondays).
+type PartitionPeriod string
+
+// The PartitionPeriod values.
+const (
+	PartitionHour  PartitionPeriod = "hour"
+	PartitionDay   PartitionPeriod = "day"
+	PartitionWeek  PartitionPeriod = "week"
+	PartitionMonth PartitionPeriod = "month"
+)
+
+// PartitionPeriods are the valid PartitionPeriod values.
+var PartitionPeriods = []PartitionPeriod{PartitionHour, PartitionDay, PartitionWeek, PartitionMonth}
+
+// nameFormat is the to_char format of a partition's start in its name.
+func (p PartitionPeriod) nameFormat() string {
+	switch p {
+	case PartitionHour:
+		return "YYYYMMDDHH24"
+	case PartitionMonth:
+		return "YYYYMM"
+	default:
+		return "YYYYMMDD"
+	}
+}
+
+// nameLength is the length of what nameFormat prints.
+func (p PartitionPeriod) nameLength() int {
+	switch p {
+	case PartitionHour:
+		return 10
+	case PartitionMonth:
+		return 6
+	default:
+		return 8
+	}
+}
+
+// queueTableSettings are the storage parameters of a queue table whose
+// every row is inserted, updated once and later deleted: vacuum early and
+// often so dead index entries do not pile up.
+const queueTableSettings = `autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_insert_scale_factor = 0.01,
+    autovacuum_analyze_scale_factor = 0.02,
+    autovacuum_vacuum_cost_delay = 0,
+    fillfactor = 90`
+
+// PartitionedSchemaDDL returns the DDL of an outbox table range-partitioned
+// by created_at: the table (primary key (id, created_at), since a
+// partitioned table's unique indexes must include the partition key), the
+// table that keeps event_id unique across partitions (EventIDsTable), the
+// partial index the relay claims through, a function that creates the
+// partitions of the current period and of the next ones
+// (AddPartitionsFunction), and a call of it for ahead periods. There is no
+// DEFAULT partition: the relay detaches old partitions with DETACH
+// PARTITION CONCURRENTLY, which a DEFAULT partition rules out.
+func PartitionedSchemaDDL(t Table, period PartitionPeriod, ahead int) string {
+	q := t.Quoted()
+	ids := t.EventIDsTable()
+	fn := t.AddPartitionsFunction()
+	var b strings.Builder
+	if t.Schema != "" {
+		fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n\n", pgx.Identifier{t.Schema}.Sanitize())
+	}
+	fmt.Fprintf(&b, `-- The outbox, range-partitioned by created_at. A partitioned table's
+-- primary key must include the partition key, hence (id, created_at); id is
+-- unique by itself all the same, drawn from one identity sequence.
+CREATE TABLE IF NOT EXISTS %[1]s (
+    id             bigint      GENERATED ALWAYS AS IDENTITY,
+    event_id       uuid        NOT NULL,
+    aggregate_type text        NOT NULL,
+    aggregate_id   text        NOT NULL,
+    event_type     text        NOT NULL,
+    payload        jsonb       NOT NULL,
+    partition_key  text        NOT NULL,
+    created_at     timestamptz NOT NULL DEFAULT now(),
+    published_at   timestamptz,
+    headers        jsonb,
+    PRIMARY KEY (id, created_at)
+) PARTITION BY RANGE (created_at);
+
+-- event_id is unique across partitions through this table: the writer
+-- (outbox.Store) inserts the event id here in the same statement as the row,
+-- with a digest of the entry that tells a retried store (a no-op) from
+-- another event under the same id (an error). An id stays here until no
+-- partition covers its created_at: the relay deletes it after dropping the
+-- partition.
+CREATE TABLE IF NOT EXISTS %[2]s (
+    event_id   uuid        PRIMARY KEY,
+    created_at timestamptz NOT NULL,
+    digest     bytea       NOT NULL
+);
+CREATE INDEX IF NOT EXISTS %[3]s ON %[2]s (created_at);
+
+-- The relay claims through this index only (one per partition): it holds
+-- just the unpublished rows.
+CREATE INDEX IF NOT EXISTS %[4]s
+    ON %[1]s (id)
+    WHERE published_at IS NULL;
+`, q, ids.Quoted(), pgx.Identifier{cut63("ix_" + ids.Name + "_created_at")}.Sanitize(), pgx.Identifier{t.IndexName()}.Sanitize())
+	unit := string(period)
+	fmt.Fprintf(&b, `
+-- %[1]s(ahead) creates the partitions of the current %[3]s (UTC)
+-- and of the next ahead ones that do not exist yet, and returns how many it
+-- created. Each is created on its own and then attached, which takes a SHARE
+-- UPDATE EXCLUSIVE lock on the outbox: writers and the relay go on meanwhile.
+-- A row no partition covers cannot be inserted, so run it ahead of time,
+-- e.g. hourly from pg_cron:
+--   SELECT cron.schedule('%[6]s', '17 * * * *', 'SELECT %[1]s(%[4]d)');
+-- There is no DEFAULT partition: the relay detaches old partitions with
+-- DETACH PARTITION CONCURRENTLY, which a DEFAULT partition rules out.
+CREATE OR REPLACE FUNCTION %[1]s(ahead integer DEFAULT %[4]d)
+RETURNS integer
+LANGUAGE plpgsql
+SET lock_timeout = '1min'
+AS $add$
+DECLARE
+    parent regclass := %[2]s::regclass;
+    nsp    text;
+    first  timestamp := date_trunc('%[3]s', now() AT TIME ZONE 'UTC');
+    lo     timestamp;
+    part   text;
+    made   integer := 0;
+BEGIN
+    -- One caller at a time: two would try to create the same partitions.
+    PERFORM pg_advisory_xact_lock(hashtext('add partitions ' || parent::oid::text));
+    SELECT n.nspname INTO nsp FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = parent;
+    FOR i IN 0..ahead LOOP
+        lo := first + i * interval '1 %[3]s';
+        part := %[5]s || to_char(lo, '%[7]s');
+        CONTINUE WHEN to_regclass(format('%%I.%%I', nsp, part)) IS NOT NULL;
+        EXECUTE format('CREATE TABLE %%I.%%I (LIKE %%s INCLUDING DEFAULTS INCLUDING STORAGE) WITH (%[8]s)',
+            nsp, part, parent);
+        EXECUTE format('ALTER TABLE %%s ATTACH PARTITION %%I.%%I FOR VALUES FROM (%%L) TO (%%L)',
+            parent, nsp, part, lo AT TIME ZONE 'UTC', (lo + interval '1 %[3]s') AT TIME ZONE 'UTC');
+        made := made + 1;
+    END LOOP;
+    RETURN made;
+END
+$add$;
+
+SELECT %[1]s(%[4]d);
+
+-- With --keep-published-for the relay detaches and drops each partition
+-- whose range ended longer ago than that and whose rows are all published,
+-- and deletes the event ids of the ranges it dropped.
+`, fn.Quoted(), quoteLiteral(q), unit, ahead, quoteLiteral(t.Name[:min(len(t.Name), 63-2-period.nameLength())]+"_p"),
+		fn.Name, period.nameFormat(), strings.ReplaceAll(queueTableSettings, "\n    ", " "))
+	return b.String()
+}
+
+func cut63(s string) string {
+	if len(s) > 63 {
+		return s[:63]
+	}
+	return s
+}
+
+// quoteLiteral quotes s as an SQL string literal.
+func quoteLiteral(s string) string {
+	return "'" + strings.ReplaceAll(s, "'", "''") + "'"
+}

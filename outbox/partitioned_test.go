@@ -1,0 +1,245 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
+	"github.com/outbox-relay/outbox-operator/outbox"
+)
+
+// partitionedFixture replaces the fixture's outbox with the partitioned DDL
+// (day partitions: today's in UTC and ahead more).
+func partitionedFixture(t *testing.T, ahead int) *outboxtest.Fixture {
+	f := outboxtest.NewFixture(t, 1)
+	f.Exec(`DROP TABLE outbox`)
+	f.Exec(outbox.PartitionedSchemaDDL(outbox.Table{Name: "outbox"}, outbox.PartitionDay, ahead))
+	return f
+}
+
+func storeWith(t *testing.T, f *outboxtest.Fixture, w *outbox.Writer, e outbox.Entry) error {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	if err := w.Store(ctx, tx, e); err != nil {
+		return err
+	}
+	return tx.Commit(ctx)
+}
+
+// On a partitioned outbox event_id stays unique across partitions: a
+// retried store is a no-op and another event under the id is refused,
+// whichever partition holds the stored row and whatever created_at each
+// store has; the id is remembered after the row is deleted, for as long as
+// a partition covers its created_at.
+func TestStoreOnPartitionedTable(t *testing.T) {
+	t.Parallel()
+	f := partitionedFixture(t, 1)
+	f.Exec(`CREATE TABLE outbox_yesterday PARTITION OF outbox FOR VALUES
+		FROM (date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' - interval '1 day')
+		TO (date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC')`)
+	w, err := outbox.NewWriter("outbox")
+	require.NoError(t, err)
+
+	e := entry()
+	e.Headers = map[string]string{"tenant": "t1"}
+	require.NoError(t, storeWith(t, f, w, e))
+	require.NoError(t, storeWith(t, f, w, e), "a retried store is a no-op")
+	same := e
+	same.Payload = []byte(`{ "a" : 1 }`) // the same JSON, spelled otherwise
+	require.NoError(t, storeWith(t, f, w, same))
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1`, e.EventID))
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox_event_ids WHERE event_id = $1`, e.EventID))
+	for name, mutate := range map[string]func(*outbox.Entry){
+		"payload":       func(x *outbox.Entry) { x.Payload = []byte(`{"a":2}`) },
+		"event type":    func(x *outbox.Entry) { x.EventType = "OrderShipped" },
+		"partition key": func(x *outbox.Entry) { x.PartitionKey = "o2" },
+		"headers":       func(x *outbox.Entry) { x.Headers = map[string]string{"tenant": "t2"} },
+	} {
+		other := e
+		mutate(&other)
+		require.ErrorIs(t, storeWith(t, f, w, other), outbox.ErrEventIDConflict, name)
+	}
+
+	// The stored row moves to yesterday's partition: a store today still
+	// finds its id (a unique index on (event_id, created_at) would not).
+	f.Exec(`UPDATE outbox SET created_at = created_at - interval '1 day' WHERE event_id = $1`, e.EventID)
+	f.Exec(`UPDATE outbox_event_ids SET created_at = created_at - interval '1 day' WHERE event_id = $1`, e.EventID)
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox_yesterday WHERE event_id = $1`, e.EventID))
+	require.NoError(t, storeWith(t, f, w, e))
+	other := e
+	other.Payload = []byte(`{"a":3}`)
+	require.ErrorIs(t, storeWith(t, f, w, other), outbox.ErrEventIDConflict)
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1`, e.EventID))
+
+	// Deleted (as --on-publish delete does): the id is still remembered.
+	f.Exec(`DELETE FROM outbox WHERE event_id = $1`, e.EventID)
+	require.NoError(t, storeWith(t, f, w, e))
+	require.ErrorIs(t, storeWith(t, f, w, other), outbox.ErrEventIDConflict)
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1`, e.EventID))
+
+	// A table without the headers column works too.
+	f.Exec(`ALTER TABLE outbox DROP COLUMN headers`)
+	w2, err := outbox.NewWriter("outbox")
+	require.NoError(t, err)
+	plain := entry()
+	require.NoError(t, storeWith(t, f, w2, plain))
+	require.NoError(t, storeWith(t, f, w2, plain))
+	plain.AggregateID = "o9"
+	require.ErrorIs(t, storeWith(t, f, w2, plain), outbox.ErrEventIDConflict)
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1`, plain.EventID))
+}
+
+// Two transactions storing one event id at once, each with its own
+// created_at: the second waits for the first and then stores nothing (the
+// same entry) or is refused (another one). One row in the end.
+func TestConcurrentStoresOnPartitionedTable(t *testing.T) {
+	t.Parallel()
+	f := partitionedFixture(t, 1)
+	w, err := outbox.NewWriter("outbox")
+	require.NoError(t, err)
+	ctx := context.Background()
+	for _, sameEntry := range []bool{true, false} {
+		e := entry()
+		second := e
+		if !sameEntry {
+			second.Payload = []byte(`{"other":true}`)
+		}
+		first, err := f.Pool.Begin(ctx)
+		require.NoError(t, err)
+		require.NoError(t, w.Store(ctx, first, e))
+		time.Sleep(5 * time.Millisecond) // the second transaction's now() is later
+		done := make(chan error, 1)
+		go func() { done <- storeWith(t, f, w, second) }()
+		select {
+		case err := <-done:
+			t.Fatalf("the second store did not wait for the first transaction: %v", err)
+		case <-time.After(300 * time.Millisecond):
+		}
+		require.NoError(t, first.Commit(ctx))
+		err = <-done
+		if sameEntry {
+			require.NoError(t, err)
+		} else {
+			require.ErrorIs(t, err, outbox.ErrEventIDConflict)
+		}
+		require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1`, e.EventID))
+	}
+}
+
+// The writer says what is missing: the event-id table, or a partition for now().
+func TestStoreOnPartitionedTableSaysWhatIsMissing(t *testing.T) {
+	t.Parallel()
+	f := partitionedFixture(t, 1)
+	f.Exec(`DROP TABLE outbox_event_ids`)
+	w, err := outbox.NewWriter("outbox")
+	require.NoError(t, err)
+	err = storeWith(t, f, w, entry())
+	require.ErrorContains(t, err, `"outbox_event_ids"`)
+	require.ErrorContains(t, err, "relay schema --partitioned")
+
+	f.Exec(`DROP TABLE outbox`)
+	f.Exec(outbox.PartitionedSchemaDDL(outbox.Table{Name: "outbox"}, outbox.PartitionDay, 1))
+	rows, err := f.Pool.Query(context.Background(), `SELECT inhrelid::regclass::text FROM pg_inherits WHERE inhparent = 'outbox'::regclass`)
+	require.NoError(t, err)
+	parts, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Len(t, parts, 2)
+	for _, p := range parts {
+		f.Exec(`DROP TABLE ` + p)
+	}
+	w, err = outbox.NewWriter("outbox")
+	require.NoError(t, err)
+	err = storeWith(t, f, w, entry())
+	require.ErrorContains(t, err, "no partition of")
+	require.ErrorContains(t, err, `SELECT "outbox_add_partitions"()`)
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox_event_ids`), "the failed store left no event id")
+}
+
+// The DDL's partition function lays out contiguous partitions from the
+// current period on, for every period, with the queue table's vacuum
+// settings, and adds partitions while writers and a claim hold their locks.
+func TestAddPartitionsFunction(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	ctx := context.Background()
+	for _, period := range outbox.PartitionPeriods {
+		table := outbox.Table{Schema: "p_" + string(period), Name: "outbox"}
+		f.Exec(outbox.PartitionedSchemaDDL(table, period, 3))
+		rows, err := f.Pool.Query(ctx, `
+			SELECT (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \(''([^'']*)''\)'))[1]::timestamptz,
+			       (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'TO \(''([^'']*)''\)'))[1]::timestamptz,
+			       array_to_string(c.reloptions, ',')
+			FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+			WHERE i.inhparent = $1::regclass ORDER BY 1`, table.Quoted())
+		require.NoError(t, err)
+		type part struct {
+			Lo, Hi time.Time
+			Opts   string
+		}
+		parts, err := pgx.CollectRows(rows, pgx.RowToStructByPos[part])
+		require.NoError(t, err)
+		require.Len(t, parts, 4, period)
+		now := time.Now()
+		require.False(t, parts[0].Lo.After(now), "%s: the first partition covers now", period)
+		require.True(t, parts[0].Hi.After(now), period)
+		for i, p := range parts {
+			require.Contains(t, p.Opts, "autovacuum_vacuum_scale_factor=0.01", period)
+			require.Contains(t, p.Opts, "fillfactor=90", period)
+			if i > 0 {
+				require.Equal(t, parts[i-1].Hi, p.Lo, "%s: contiguous", period)
+			}
+			lo := p.Lo.UTC()
+			switch period {
+			case outbox.PartitionHour:
+				require.Equal(t, time.Hour, p.Hi.Sub(p.Lo))
+				require.Zero(t, lo.Minute())
+			case outbox.PartitionWeek:
+				require.Equal(t, time.Monday, lo.Weekday())
+				require.Equal(t, 7*24*time.Hour, p.Hi.Sub(p.Lo))
+			case outbox.PartitionMonth:
+				require.Equal(t, 1, lo.Day())
+				require.Equal(t, lo.AddDate(0, 1, 0), p.Hi.UTC())
+			default:
+				require.Equal(t, 24*time.Hour, p.Hi.Sub(p.Lo))
+			}
+			if period != outbox.PartitionHour {
+				require.Zero(t, lo.Hour(), "%s: starts at midnight UTC", period)
+			}
+		}
+	}
+
+	// Adding partitions waits for no writer and no claim.
+	day := outbox.Table{Schema: "p_day", Name: "outbox"}
+	writer, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer writer.Rollback(ctx)
+	w, err := outbox.NewWriter(day.String())
+	require.NoError(t, err)
+	require.NoError(t, w.Store(ctx, writer, entry()))
+	claim, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer claim.Rollback(ctx)
+	_, err = claim.Exec(ctx, `SELECT id FROM p_day.outbox WHERE published_at IS NULL ORDER BY id LIMIT 10 FOR UPDATE SKIP LOCKED`)
+	require.NoError(t, err)
+	conn, err := f.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	// A wait for the writer's or the claim's locks would end the call.
+	_, err = conn.Exec(ctx, `SET statement_timeout = '5s'`)
+	require.NoError(t, err)
+	var made int
+	require.NoError(t, conn.QueryRow(ctx, fmt.Sprintf(`SELECT %s(5)`, day.AddPartitionsFunction().Quoted())).Scan(&made))
+	require.Equal(t, 2, made)
+	require.NoError(t, conn.QueryRow(ctx, fmt.Sprintf(`SELECT %s(5)`, day.AddPartitionsFunction().Quoted())).Scan(&made))
+	require.Zero(t, made, "partitions that exist are left alone")
+	require.NoError(t, writer.Commit(ctx))
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM p_day.outbox`))
+}
