@@ -1,0 +1,41 @@
+package controllers
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/outbox"
+)
+
+// DefaultBacklogInterval is how often the operator reads an OutboxRelay's
+// backlog when spec.backlog.interval is not set.
+const DefaultBacklogInterval = defaultBacklogInterval
+
+// BacklogProbe reads an outbox table's backlog exactly as an OutboxRelay's
+// observer does — its session settings, its statement, its bound — so that
+// what one read costs the database can be measured (cmd/outbox-bench).
+type BacklogProbe struct {
+	pool  *pgxpool.Pool
+	table outbox.Table
+}
+
+// NewBacklogProbe opens the observer's one-connection pool on dsn.
+func NewBacklogProbe(ctx context.Context, dsn string, table outbox.Table) (*BacklogProbe, error) {
+	pool, err := newBacklogPool(ctx, flowTarget{dsn: dsn, table: table, interval: defaultBacklogInterval})
+	if err != nil {
+		return nil, err
+	}
+	return &BacklogProbe{pool: pool, table: table}, nil
+}
+
+// Read reads the backlog once and returns the number of unpublished rows
+// read (at most outboxv1alpha1.BacklogBound).
+func (p *BacklogProbe) Read(ctx context.Context) (int64, error) {
+	s, err := observeBacklog(ctx, p.pool, p.table, outboxv1alpha1.BacklogBound)
+	return s.read, err
+}
+
+// Close closes the pool.
+func (p *BacklogProbe) Close() { p.pool.Close() }
