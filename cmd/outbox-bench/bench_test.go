@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -17,7 +18,8 @@ import (
 func TestBenchQuick(t *testing.T) {
 	dir := t.TempDir()
 	md, js := filepath.Join(dir, "quick.md"), filepath.Join(dir, "quick.json")
-	flags := "-rows 3000 -reps 1 -latency-duration 4s -seeds-duration 2s -rates 500 -replicas 1,2" +
+	flags := "-rows 3000 -reps 1 -latency-duration 4s -seeds-duration 2s -rates 500 -replicas 1,2 -writers-duration 1s" +
+		" -longlived-rows 30000 -backlog-rows 1000,5000 -backlog-reads 2" +
 		" -out-md " + md + " -out-json " + js + " -profile-dir " + filepath.Join(dir, "profiles")
 	cmd := exec.Command("make", "-C", filepath.Join("..", ".."), "bench-quick", "BENCH_QUICK_FLAGS="+flags)
 	start := time.Now()
@@ -37,12 +39,22 @@ func TestBenchQuick(t *testing.T) {
 		seen[r.Scenario] = true
 		require.NotEmpty(t, r.Median, "%s %s has no values", r.Scenario, r.Case)
 	}
-	for _, s := range []string{"ceiling", "drain", "seeds", "scaling", "latency", "breakdown"} {
+	for _, s := range []string{"ceiling", "drain", "seeds", "scaling", "latency", "breakdown", "headers", "pruning", "longlived", "backlog"} {
 		require.True(t, seen[s], "scenario %s missing from %s", s, js)
 	}
 	v, ok := rep.get("drain", "ordering=none batch=500", "events_per_s")
 	require.True(t, ok)
 	require.Positive(t, v)
+	// With tracing on, every span reaches the sink.
+	v, ok = rep.get("headers", headersCaseName(true, true), "spans_per_event")
+	require.True(t, ok)
+	require.InDelta(t, 1, v, 0.001)
+	v, ok = rep.get("pruning", "writers pruning=true", "pruned")
+	require.True(t, ok)
+	require.Positive(t, v, "nothing pruned while the writers ran")
+	v, ok = rep.get("backlog", "pending=5000", "rows_read")
+	require.True(t, ok)
+	require.Equal(t, 5000.0, v)
 	require.NotNil(t, rep.Profile)
 	require.NotEmpty(t, rep.Profile.CPUTop)
 	require.NotEmpty(t, rep.Targets)
@@ -51,4 +63,67 @@ func TestBenchQuick(t *testing.T) {
 	require.NoError(t, err)
 	require.Contains(t, string(text), genBegin)
 	require.Contains(t, string(text), "### Targets\n")
+}
+
+// timeAt interpolates between the samples around the value.
+func TestTimeAt(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	samples := []counterSample{{t0, 0}, {t0.Add(time.Second), 100}, {t0.Add(2 * time.Second), 100}, {t0.Add(3 * time.Second), 300}}
+	at, ok := timeAt(samples, 50)
+	require.True(t, ok)
+	require.Equal(t, t0.Add(500*time.Millisecond), at)
+	at, ok = timeAt(samples, 100)
+	require.True(t, ok)
+	require.Equal(t, t0.Add(time.Second), at, "the first sample that reached it")
+	_, ok = timeAt(samples, 301)
+	require.False(t, ok)
+	require.InDelta(t, 100, rateBetween(samples, 100, 300), 1e-9, "200 rows in 2 s")
+	require.Zero(t, rateBetween(samples, 100, 400), "never reached")
+}
+
+// -quick leaves out the scenarios that need kube-apiserver, which
+// make bench-quick does not provision.
+func TestQuickScenarios(t *testing.T) {
+	o, err := parseFlags([]string{"-quick"})
+	require.NoError(t, err)
+	require.NotContains(t, o.scenarios, "footprint")
+	require.Contains(t, o.scenarios, "longlived")
+	require.Equal(t, []int{10000, 100000}, o.backlogRows)
+	o, err = parseFlags(nil)
+	require.NoError(t, err)
+	require.Equal(t, allScenarios, o.scenarios)
+	require.Equal(t, 1_000_000, o.longRows)
+}
+
+// Every section renders its rows without formatting errors, from the
+// parameters as set in a run and as read back from results.json.
+func TestTablesRender(t *testing.T) {
+	o, err := parseFlags(nil)
+	require.NoError(t, err)
+	rep := &report{Rows: 1000, Ratios: map[string]ratioResult{}, Notes: map[string]string{}}
+	one := func(m map[string]float64) []map[string]float64 { return []map[string]float64{m} }
+	for _, h := range []bool{false, true} {
+		rep.add("headers", headersCaseName(h, h), map[string]any{"headers": h, "tracing": h, "batch": 500},
+			one(map[string]float64{"events_per_s": 1000, "cpu_s_per_10k": 0.1, "spans_per_event": 1, "topic_mib": 1}))
+		rep.add("pruning", fmt.Sprintf("writers pruning=%v", h), map[string]any{"kind": "writers", "pruning": h, "batch": 50, "writers": 8},
+			one(map[string]float64{"events_per_s": 900, "pruned": 10}))
+	}
+	rep.add("longlived", "on-publish=delete", map[string]any{"on_publish": "delete", "rows": 1000, "batch": 500, "writers": 8,
+		"write_rate": 1000, "long_tx_from": longTxFrom, "long_tx_to": longTxTo}, one(map[string]float64{"first10_per_s": 10, "last10_per_s": 9, "last_first": 0.9}))
+	rep.add("backlog", "pending=1000", map[string]any{"pending": 1000}, one(map[string]float64{"rows_read": 1000, "read_ms": 1, "db_ms_per_s": 0.1}))
+	rep.Ratios["longlived last / first 10% on-publish delete"] = ratioResult{Median: 0.9}
+	rep.evaluate(o)
+	b, err := json.Marshal(rep)
+	require.NoError(t, err)
+	var back report
+	require.NoError(t, json.Unmarshal(b, &back))
+	for _, r := range []*report{rep, &back} {
+		text := r.tables()
+		require.NotContains(t, text, "%!")
+		require.Contains(t, text, "from 25% to 75% of the drain")
+		require.Contains(t, text, "| delete | 10 | 9 | 90% |")
+		require.Contains(t, text, "| set | on | 1000 | 100% |")
+		require.Contains(t, text, "| 8 writers, one row per transaction (relay at batch 50) | on | 900 | 100% | 10 |")
+	}
+	require.Contains(t, rep.tables(), "rate over the last 10% of the drain vs the first 10% | ≥ 80% | 90% | met |")
 }

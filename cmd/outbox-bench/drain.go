@@ -122,7 +122,23 @@ const stallAfter = 45 * time.Second
 // until every row is published, and returns events/s, CPU seconds per 10k
 // events (all processes, start to stop) and the largest peak RSS in MiB.
 func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas int, ordering string, extra ...string) (map[string]float64, error) {
-	if err := e.freshTable(ctx, o.rows); err != nil {
+	return relayDrainWith(ctx, o, e, drainSetup{}, batch, replicas, ordering, extra...)
+}
+
+// drainSetup is what a drain changes from relayDrain's: the table (o.rows
+// unpublished rows are always there) and the relays' environment.
+type drainSetup struct {
+	// published and headers are the tableFill fields of the same names.
+	published int
+	headers   bool
+	// env is added to each relay's environment.
+	env []string
+}
+
+// relayDrainWith is relayDrain on the table and with the environment d
+// says; with published rows it also returns the rows pruned ("pruned").
+func relayDrainWith(ctx context.Context, o *options, e *benchEnv, d drainSetup, batch, replicas int, ordering string, extra ...string) (map[string]float64, error) {
+	if err := e.fillTable(ctx, tableFill{rows: o.rows, published: d.published, headers: d.headers}); err != nil {
 		return nil, err
 	}
 	topic, err := e.newTopic(o, fmt.Sprintf("drain-b%d-r%d", batch, replicas))
@@ -137,7 +153,7 @@ func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas in
 		}
 	}()
 	for range replicas {
-		p, err := e.startRelay(e.relayArgs(topic, batch, ordering, extra...))
+		p, err := e.startRelay(e.relayArgs(topic, batch, ordering, extra...), d.env...)
 		if err != nil {
 			return nil, err
 		}
@@ -197,8 +213,13 @@ func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas in
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	var cpu, hwm float64
+	var cpu, hwm, pruned float64
 	for _, p := range procs {
+		n, err := scrape(p, metricPruned)
+		if err != nil {
+			return nil, err
+		}
+		pruned += n
 		c, err := cpuSeconds(p.Pid())
 		if err != nil {
 			return nil, err
@@ -220,14 +241,18 @@ func relayDrain(ctx context.Context, o *options, e *benchEnv, batch, replicas in
 		"cpu_s_per_10k":        cpu / float64(o.rows) * 10_000,
 		"peak_rss_mib":         hwm / 1024,
 	}
-	if slices.Contains(extra, "--on-publish=delete") {
+	if d.published > 0 {
+		m["pruned"] = pruned
+	}
+	if slices.Contains(extra, flagArg(relayconfig.FlagOnPublish, relayconfig.OnPublishDelete)) {
 		if left, err := e.unpublished(ctx); err != nil || left != 0 {
 			return nil, fmt.Errorf("%d rows left after a delete drain: %v", left, err)
 		}
 		m["events_per_s"] = counterRate
 		return m, nil
 	}
-	done, rate, err := e.drainSpan(ctx)
+	// The published rows were inserted first: ids 1 to d.published.
+	done, rate, err := e.drainSpanAfter(ctx, int64(d.published))
 	if err != nil {
 		return nil, err
 	}

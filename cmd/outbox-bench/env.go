@@ -18,6 +18,7 @@ import (
 
 	"github.com/outbox-relay/outbox-operator/internal/devproc"
 	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
+	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
 	"github.com/outbox-relay/outbox-operator/outbox"
 )
@@ -43,7 +44,8 @@ type benchEnv struct {
 func startEnv(ctx context.Context, o *options, work string) (*benchEnv, error) {
 	e := &benchEnv{work: work}
 	var err error
-	needKafka := slices.ContainsFunc(o.scenarios, func(s string) bool { return s != "ceiling" && s != "footprint" })
+	needKafka := slices.ContainsFunc(o.scenarios, func(s string) bool { return s != "ceiling" && s != "footprint" && s != "backlog" })
+	needManager := slices.Contains(o.scenarios, "footprint")
 	logf("starting PostgreSQL (fsync %v)", o.fsync)
 	if e.pg, err = testenv.StartPostgres(filepath.Join(work, "postgres")); err != nil {
 		return nil, err
@@ -73,7 +75,7 @@ func startEnv(ctx context.Context, o *options, work string) (*benchEnv, error) {
 	if e.relayBin == "" && needKafka {
 		pkgs = append(pkgs, "./cmd/relay")
 	}
-	if slices.Contains(o.scenarios, "footprint") {
+	if needManager {
 		pkgs = append(pkgs, "./cmd/manager")
 	}
 	if len(pkgs) > 0 {
@@ -111,16 +113,67 @@ func (e *benchEnv) close() {
 // inserts n rows of ~300-byte JSON over 1,000 partition keys, then vacuums,
 // analyzes and checkpoints, so every drain starts from the same state.
 func (e *benchEnv) freshTable(ctx context.Context, n int) error {
+	return e.fillTable(ctx, tableFill{rows: n})
+}
+
+// tableFill says what a fresh outbox table holds.
+type tableFill struct {
+	// rows is the number of unpublished rows.
+	rows int
+	// published is the number of rows, inserted first (the lowest ids),
+	// published a day ago: old enough for any retention to prune.
+	published int
+	// headers gives every unpublished row a headers object of three
+	// entries: a W3C traceparent (a distinct trace per row) and two custom ones.
+	headers bool
+}
+
+// rowHeaders is the headers column's value when tableFill.headers is set:
+// about 110 bytes, as a service with tracing and two headers of its own stores.
+const rowHeaders = `jsonb_build_object(
+    'traceparent', '00-' || md5(random()::text) || '-' || left(md5(random()::text), 16) || '-01',
+    'tenant', 'tenant-' || (random() * 100)::int,
+    'origin', 'orders-service')`
+
+// fillTable drops and recreates the outbox table with the shipped DDL and
+// fills it as f says, with outboxtest.InsertRows' rows (the columns it does
+// not set come from defaults set for the insert), then vacuums, analyzes and
+// checkpoints, so every run starts from the same state.
+func (e *benchEnv) fillTable(ctx context.Context, f tableFill) error {
 	if _, err := e.pool.Exec(ctx, "DROP TABLE IF EXISTS outbox"); err != nil {
 		return err
 	}
 	if _, err := e.pool.Exec(ctx, outbox.SchemaDDL(outbox.Table{Name: "outbox"})); err != nil {
 		return fmt.Errorf("create outbox table: %w", err)
 	}
-	if n > 0 {
+	insert := func(n int, column, value string) error {
+		if n == 0 {
+			return nil
+		}
+		if column != "" {
+			if _, err := e.pool.Exec(ctx, "ALTER TABLE outbox ALTER COLUMN "+column+" SET DEFAULT "+value); err != nil {
+				return err
+			}
+		}
 		if err := outboxtest.InsertRows(ctx, e.pool, n, 1000, eventType); err != nil {
 			return err
 		}
+		if column != "" {
+			if _, err := e.pool.Exec(ctx, "ALTER TABLE outbox ALTER COLUMN "+column+" DROP DEFAULT"); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	if err := insert(f.published, "published_at", "now() - interval '1 day'"); err != nil {
+		return err
+	}
+	column := ""
+	if f.headers {
+		column = "headers"
+	}
+	if err := insert(f.rows, column, rowHeaders); err != nil {
+		return err
 	}
 	for _, q := range []string{"VACUUM ANALYZE outbox", "CHECKPOINT"} {
 		if _, err := e.pool.Exec(ctx, q); err != nil {
@@ -148,12 +201,18 @@ func (e *benchEnv) deleteTopic(topic string) {
 // published_at is now(), the start of each claim transaction, so between the
 // first and the last batch's start every row but the last batch's was done.
 func (e *benchEnv) drainSpan(ctx context.Context) (done int, rate float64, err error) {
+	return e.drainSpanAfter(ctx, 0)
+}
+
+// drainSpanAfter is drainSpan over the rows with ids above afterID (the
+// rows a table held published before the drain have the lowest ids).
+func (e *benchEnv) drainSpanAfter(ctx context.Context, afterID int64) (done int, rate float64, err error) {
 	var first, last time.Time
 	var lastBatch int
 	err = e.pool.QueryRow(ctx, `
 SELECT count(*), min(published_at), max(published_at),
-       count(*) FILTER (WHERE published_at = (SELECT max(published_at) FROM outbox))
-FROM outbox WHERE published_at IS NOT NULL`).Scan(&done, &first, &last, &lastBatch)
+       count(*) FILTER (WHERE published_at = (SELECT max(published_at) FROM outbox WHERE id > $1))
+FROM outbox WHERE published_at IS NOT NULL AND id > $1`, afterID).Scan(&done, &first, &last, &lastBatch)
 	if err != nil {
 		return 0, 0, fmt.Errorf("read drain timestamps: %w", err)
 	}
@@ -173,25 +232,38 @@ func (e *benchEnv) unpublished(ctx context.Context) (int, error) {
 // relayArgs are the flags of a benchmark relay; poll interval and the
 // rest stay at their defaults unless extra says otherwise.
 func (e *benchEnv) relayArgs(topic string, batch int, ordering string, extra ...string) []string {
-	args := []string{"--brokers", e.kafka.Addr(), "--table", "outbox", "--topic", eventType + "=" + topic,
-		"--batch-size", strconv.Itoa(batch)}
+	args := []string{flagArg(relayconfig.FlagBrokers, e.kafka.Addr()), flagArg(relayconfig.FlagTable, "outbox"),
+		flagArg(relayconfig.FlagTopic, eventType+"="+topic), flagArg(relayconfig.FlagBatchSize, strconv.Itoa(batch))}
 	if ordering != "" {
-		args = append(args, "--ordering", ordering)
+		args = append(args, flagArg(relayconfig.FlagOrdering, ordering))
 	}
 	return append(args, extra...)
 }
 
-// startRelay runs the relay binary on the benchmark database.
-func (e *benchEnv) startRelay(args []string) (*devproc.Proc, error) {
-	return devproc.StartRelay(e.relayBin, args, "RELAY_DSN="+e.dsn)
+// flagArg is one relay flag with its value, as --name=value.
+func flagArg(name string, value any) string { return fmt.Sprintf("--%s=%v", name, value) }
+
+// startRelay runs the relay binary on the benchmark database; env is added
+// to its environment.
+func (e *benchEnv) startRelay(args []string, env ...string) (*devproc.Proc, error) {
+	return devproc.StartRelay(e.relayBin, args, append([]string{relayconfig.EnvDSN + "=" + e.dsn}, env...)...)
 }
 
 // stopRelay sends SIGTERM and waits; the relay finishes its batch and exits.
 func stopRelay(p *devproc.Proc) { p.Stop(30 * time.Second) }
 
+// Counters the benchmark reads from a relay's /metrics.
+const (
+	metricPublished = "outbox_relay_events_published_total"
+	metricPruned    = "outbox_relay_pruned_rows_total"
+)
+
 // published scrapes outbox_relay_events_published_total from a relay
 // process's /metrics.
-func published(p *devproc.Proc) (float64, error) {
+func published(p *devproc.Proc) (float64, error) { return scrape(p, metricPublished) }
+
+// scrape sums a metric's series (every label set) from a relay process's /metrics.
+func scrape(p *devproc.Proc, metric string) (float64, error) {
 	resp, err := http.Get("http://" + p.Addr + "/metrics")
 	if err != nil {
 		return 0, err
@@ -202,7 +274,8 @@ func published(p *devproc.Proc) (float64, error) {
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	for sc.Scan() {
 		line := sc.Text()
-		if !strings.HasPrefix(line, "outbox_relay_events_published_total") {
+		name, _, _ := strings.Cut(line, " ")
+		if name, _, _ = strings.Cut(name, "{"); name != metric {
 			continue
 		}
 		f := strings.Fields(line)

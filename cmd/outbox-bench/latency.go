@@ -77,7 +77,7 @@ func runIdle(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 		if err != nil {
 			return err
 		}
-		p, err := e.startRelay(e.relayArgs(topic, relayconfig.DefaultBatchSize, "", "--poll-interval", poll.String()))
+		p, err := e.startRelay(e.relayArgs(topic, relayconfig.DefaultBatchSize, "", flagArg(relayconfig.FlagPollInterval, poll)))
 		if err != nil {
 			return err
 		}
@@ -140,7 +140,7 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 	}
 	defer consumer.Close()
 
-	p, err := e.readyRelay(ctx, topic, notify, "--poll-interval", poll.String())
+	p, err := e.readyRelay(ctx, topic, notify, flagArg(relayconfig.FlagPollInterval, poll))
 	if err != nil {
 		return nil, err
 	}
@@ -361,7 +361,14 @@ func runWriters(ctx context.Context, o *options, e *benchEnv, rep *report) error
 }
 
 func writersRun(ctx context.Context, o *options, e *benchEnv, notify bool) (map[string]float64, error) {
-	if err := e.freshTable(ctx, 0); err != nil {
+	return writersRunWith(ctx, o, e, tableFill{}, notify)
+}
+
+// writersRunWith is writersRun on a table filled as fill says, with extra
+// relay flags; with published rows it also returns the rows the relay
+// pruned while the writers ran ("pruned").
+func writersRunWith(ctx context.Context, o *options, e *benchEnv, fill tableFill, notify bool, extra ...string) (map[string]float64, error) {
+	if err := e.fillTable(ctx, fill); err != nil {
 		return nil, err
 	}
 	topic, err := e.newTopic(o, "writers")
@@ -369,11 +376,15 @@ func writersRun(ctx context.Context, o *options, e *benchEnv, notify bool) (map[
 		return nil, err
 	}
 	defer e.deleteTopic(topic)
-	p, err := e.readyRelay(ctx, topic, notify)
+	p, err := e.readyRelay(ctx, topic, notify, extra...)
 	if err != nil {
 		return nil, err
 	}
 	defer stopRelay(p)
+	pruned0, err := scrape(p, metricPruned)
+	if err != nil {
+		return nil, err
+	}
 	insert := insertSQL(notify)
 	var n atomic.Int64
 	end := time.Now().Add(o.writersFor)
@@ -391,14 +402,22 @@ func writersRun(ctx context.Context, o *options, e *benchEnv, notify bool) (map[
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
-	return map[string]float64{"rows_per_s": float64(n.Load()) / time.Since(start).Seconds()}, nil
+	m := map[string]float64{"rows_per_s": float64(n.Load()) / time.Since(start).Seconds()}
+	if fill.published > 0 {
+		pruned1, err := scrape(p, metricPruned)
+		if err != nil {
+			return nil, err
+		}
+		m["pruned"] = pruned1 - pruned0
+	}
+	return m, nil
 }
 
 // readyRelay starts one relay at the default batch size on topic (with
 // --notify when notify) and waits until it is ready.
 func (e *benchEnv) readyRelay(ctx context.Context, topic string, notify bool, extra ...string) (*devproc.Proc, error) {
 	if notify {
-		extra = append(extra, "--notify")
+		extra = append(extra, flagArg(relayconfig.FlagNotify, true))
 	}
 	p, err := e.startRelay(e.relayArgs(topic, relayconfig.DefaultBatchSize, "", extra...))
 	if err != nil {

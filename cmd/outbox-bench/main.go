@@ -1,9 +1,11 @@
 // Command outbox-bench measures the relay side by side with the limits of
 // this machine in one run: the PostgreSQL claim+mark ceiling, the relay
 // binary draining a pre-inserted backlog, the naive shape of a hand-written
-// relay (scenario "seeds"), scaling over replicas, steady-state latency, the
-// idle cost of the poll interval, and the footprint of the relay and the
-// operator, each against the targets in report.go. It starts its own
+// relay (scenario "seeds"), scaling over replicas, what headers, tracing,
+// retention and pruning cost, a long-lived table, steady-state latency, the
+// idle cost of the poll interval, what the operator's backlog reads cost the
+// database, and the footprint of the relay and the operator, each against
+// the targets in report.go. It starts its own
 // PostgreSQL (fsync on) and Kafka broker from `make deps`, runs the real
 // relay and manager binaries as separate processes, and writes a Markdown
 // report and a JSON file of every repetition.
@@ -54,16 +56,27 @@ type options struct {
 	idlePolls    []time.Duration
 	idleFor      time.Duration
 	writersFor   time.Duration
+	// The long-lived table (scenario longlived).
+	longRows      int
+	longWriteRate int
+	// The operator's backlog reads (scenario backlog).
+	backlogRows  []int
+	backlogReads int
 }
 
-var allScenarios = []string{"ceiling", "drain", "seeds", "scaling", "retention", "compression", "latency", "writers", "idle", "breakdown", "profile", "footprint"}
+var allScenarios = []string{"ceiling", "drain", "seeds", "scaling", "retention", "compression", "headers", "pruning", "longlived",
+	"latency", "writers", "idle", "backlog", "breakdown", "profile", "footprint"}
+
+// quickScenarios are the scenarios of -quick: all but the one that needs
+// kube-apiserver (footprint).
+var quickScenarios = slices.DeleteFunc(slices.Clone(allScenarios), func(s string) bool { return s == "footprint" })
 
 func parseFlags(args []string) (*options, error) {
 	fs := flag.NewFlagSet("outbox-bench", flag.ContinueOnError)
 	o := &options{}
-	var scenarios, batches, replicas, orderings, rates string
+	var scenarios, batches, replicas, orderings, rates, backlogRows string
 	fs.StringVar(&scenarios, "scenarios", strings.Join(allScenarios, ","), "comma-separated scenarios to run: "+strings.Join(allScenarios, ","))
-	fs.BoolVar(&o.quick, "quick", false, "a ~2-minute subset: fewer rows, one repetition, short latency runs, no operator footprint")
+	fs.BoolVar(&o.quick, "quick", false, "a ~2-minute subset: fewer rows, one repetition, short runs, no operator footprint (it needs kube-apiserver)")
 	fs.IntVar(&o.reps, "reps", 0, "repetitions of each scenario; the median is reported (default 3, quick 1)")
 	fs.IntVar(&o.rows, "rows", 0, "pre-inserted rows per drain (default 200000, quick 30000)")
 	fs.StringVar(&batches, "batches", "50,500", "batch sizes for the ceiling and the drain")
@@ -78,8 +91,12 @@ func parseFlags(args []string) (*options, error) {
 	fs.StringVar(&idlePolls, "idle-polls", "20ms,200ms,1s", "poll intervals whose idle cost is measured")
 	fs.DurationVar(&o.idleFor, "idle-duration", 10*time.Second, "how long each idle relay is watched")
 	fs.DurationVar(&o.writersFor, "writers-duration", 0, "how long the writers insert in each writers run (default 10s, quick 3s)")
-	fs.IntVar(&o.producers, "producers", 8, "producer clients in the latency scenario")
+	fs.IntVar(&o.producers, "producers", 8, "producer (writer) clients in the latency, writers, pruning and longlived scenarios")
 	fs.IntVar(&o.relays, "operator-relays", 500, "OutboxRelays the operator reconciles in the footprint scenario")
+	fs.IntVar(&o.longRows, "longlived-rows", 0, "rows the long-lived table drains (scenario longlived; default 1000000, quick 50000)")
+	fs.IntVar(&o.longWriteRate, "longlived-write-rate", 1000, "rows/s the writers insert while the long-lived table drains")
+	fs.StringVar(&backlogRows, "backlog-rows", "", "waiting rows at which the operator's backlog read is timed (scenario backlog; default 10000,1000000, quick 10000,100000)")
+	fs.IntVar(&o.backlogReads, "backlog-reads", 0, "backlog reads timed at each size (default 20, quick 5)")
 	fs.StringVar(&o.outMD, "out-md", "", "Markdown report (default docs/benchmarks.md; quick: bench/quick.md)")
 	fs.StringVar(&o.outJSON, "out-json", "", "JSON results (default bench/results.json; quick: bench/quick-results.json)")
 	fs.StringVar(&o.profileDir, "profile-dir", "bench/profiles", "where the relay's pprof profiles go")
@@ -104,6 +121,15 @@ func parseFlags(args []string) (*options, error) {
 		return nil, err
 	}
 	if o.rates, err = intList("rates", rates); err != nil {
+		return nil, err
+	}
+	if backlogRows == "" {
+		backlogRows = "10000,1000000"
+		if o.quick {
+			backlogRows = "10000,100000"
+		}
+	}
+	if o.backlogRows, err = intList("backlog-rows", backlogRows); err != nil {
 		return nil, err
 	}
 	o.orderings = splitList(orderings)
@@ -143,8 +169,10 @@ func parseFlags(args []string) (*options, error) {
 	defD(&o.seedsFor, 15*time.Second, 8*time.Second)
 	defD(&o.latencyFor, 60*time.Second, 12*time.Second)
 	defD(&o.writersFor, 10*time.Second, 3*time.Second)
+	def(&o.longRows, 1_000_000, 50_000)
+	def(&o.backlogReads, 20, 5)
 	if o.quick && !flagSet(fs, "scenarios") {
-		o.scenarios = []string{"ceiling", "drain", "seeds", "scaling", "retention", "compression", "latency", "writers", "idle", "breakdown", "profile"}
+		o.scenarios = quickScenarios
 	}
 	if o.outMD == "" {
 		o.outMD = "docs/benchmarks.md"
@@ -254,7 +282,7 @@ func runScenarios(ctx context.Context, o *options, env *benchEnv, rep *report) e
 	want := func(s string) bool {
 		if s == "throughput" {
 			return slices.ContainsFunc(o.scenarios, func(x string) bool {
-				return x == "ceiling" || x == "drain" || x == "seeds" || x == "scaling" || x == "retention" || x == "compression"
+				return x == "ceiling" || x == "drain" || x == "seeds" || x == "scaling" || x == "retention" || x == "compression" || x == "headers"
 			})
 		}
 		return slices.Contains(o.scenarios, s)
@@ -264,9 +292,12 @@ func runScenarios(ctx context.Context, o *options, env *benchEnv, rep *report) e
 		fn   func(context.Context, *options, *benchEnv, *report) error
 	}{
 		{"throughput", runRounds},
+		{"pruning", runPruning},
+		{"longlived", runLongLived},
 		{"latency", runLatency},
 		{"writers", runWriters},
 		{"idle", runIdle},
+		{"backlog", runBacklogCost},
 		{"breakdown", runBreakdown},
 		{"profile", runProfile},
 		{"footprint", runFootprint},

@@ -15,6 +15,8 @@ import (
 	"strings"
 	"time"
 
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/controllers"
 	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 )
 
@@ -176,6 +178,24 @@ func (r *report) evaluate(o *options) {
 	add("writers' throughput with a notification per transaction vs without (8 writers, one row per transaction)", "reported", 100*q.Median, ok, true, "%.0f%%")
 	q, ok = r.Ratios["retention delete / mark batch 500"]
 	add("drain at batch 500, --on-publish delete vs mark", "reported", 100*q.Median, ok, true, "%.0f%%")
+	q, ok = r.Ratios["headers with / without, batch 500"]
+	add("drain at batch 500 with a headers column of three entries vs without", "reported", 100*q.Median, ok, true, "%.0f%%")
+	q, ok = r.Ratios["headers tracing on / off, batch 500"]
+	add("drain at batch 500 with tracing on (every span exported) vs off", "reported", 100*q.Median, ok, true, "%.0f%%")
+	q, ok = r.Ratios["pruning drain with / without"]
+	add("drain at batch 500 while the relay prunes vs without pruning", "reported", 100*q.Median, ok, true, "%.0f%%")
+	q, ok = r.Ratios["pruning writers with / without"]
+	add("writers' throughput while the relay prunes vs without pruning", "reported", 100*q.Median, ok, true, "%.0f%%")
+	q, ok = r.Ratios["longlived last / first 10% on-publish "+string(relayconfig.OnPublishDelete)]
+	add(fmt.Sprintf("long-lived table (%d rows, writers, a long transaction), --on-publish delete: rate over the last 10%% of the drain vs the first 10%%", o.longRows),
+		"≥ 80%", 100*q.Median, ok, q.Median >= 0.80, "%.0f%%")
+	q, ok = r.Ratios["longlived last / first 10% on-publish "+string(relayconfig.OnPublishMark)]
+	add("the same without retention (--on-publish mark)", "reported", 100*q.Median, ok, true, "%.0f%%")
+	if len(o.backlogRows) > 0 {
+		n := slices.Max(o.backlogRows)
+		x, ok1 := r.get("backlog", fmt.Sprintf("pending=%d", n), "db_ms_per_s")
+		add(fmt.Sprintf("the operator's backlog reads at %d waiting rows: database time per OutboxRelay", n), "reported", x, ok1, true, "%.2f ms/s")
+	}
 	flat, ok1 := r.get("latency", "rate=5000", "backlog_flat")
 	grow, _ := r.get("latency", "rate=5000", "backlog_end")
 	add("backlog at 5,000 events/s", "flat", grow, ok1, flat == 1, "flat=%v"+fmt.Sprintf(" (end-of-run backlog %.0f rows)", grow))
@@ -350,10 +370,47 @@ func (r *report) tables() string {
 		func(x *result) string {
 			return fmt.Sprintf("| %v | %.0f | %s |", x.Params["on_publish"], x.Median["events_per_s"], reps(x, "events_per_s", "%.0f"))
 		})
-	section("compression", "Compression: one relay draining at batch 500 with each codec (same 200,000 rows)",
+	section("compression", fmt.Sprintf("Compression: one relay draining at batch 500 with each codec (same %d rows)", r.Rows),
 		"| codec | events/s (median) | topic on the broker's disk (MiB) | repetitions |\n| --- | ---: | ---: | --- |",
 		func(x *result) string {
 			return fmt.Sprintf("| %v | %.0f | %.1f | %s |", x.Params["codec"], x.Median["events_per_s"], x.Median["topic_mib"], reps(x, "events_per_s", "%.0f"))
+		})
+	section("headers", fmt.Sprintf("Headers and tracing: one relay draining at batch 500 (%d rows), with and without a headers column of three entries, tracing off and on", r.Rows),
+		"| headers column | tracing | events/s (median) | vs neither | CPU s / 10k events | spans exported per event | topic on the broker's disk (MiB) | repetitions |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+		func(x *result) string {
+			ratio, spans := "–", "–"
+			if v, ok := r.get("headers", headersCaseName(false, false), "events_per_s"); ok {
+				ratio = fmt.Sprintf("%.0f%%", 100*x.Median["events_per_s"]/v)
+			}
+			if v, ok := x.Median["spans_per_event"]; ok {
+				spans = fmt.Sprintf("%.2f", v)
+			}
+			return fmt.Sprintf("| %s | %s | %.0f | %s | %.2f | %s | %.1f | %s |", map[bool]string{true: "set", false: "NULL"}[x.Params["headers"] == true],
+				onOff(x.Params["tracing"] == true), x.Median["events_per_s"], ratio, x.Median["cpu_s_per_10k"], spans, x.Median["topic_mib"], reps(x, "events_per_s", "%.0f"))
+		})
+	section("pruning", fmt.Sprintf("Pruning: what it costs the relay and the writers (the table also holds %d rows published a day ago; pruning is --%s=%s)", r.Rows, relayconfig.FlagKeepPublishedFor, pruneKeep),
+		"| run | pruning | rows/s (median) | vs without | rows pruned during the run | repetitions |\n| --- | --- | ---: | ---: | ---: | --- |",
+		func(x *result) string {
+			ratio := "–"
+			if v, ok := r.get("pruning", fmt.Sprintf("%v pruning=false", x.Params["kind"]), "events_per_s"); ok {
+				ratio = fmt.Sprintf("%.0f%%", 100*x.Median["events_per_s"]/v)
+			}
+			run := fmt.Sprintf("drain, one relay at batch %v", x.Params["batch"])
+			if x.Params["kind"] == "writers" {
+				run = fmt.Sprintf("%v writers, one row per transaction (relay at batch %v)", x.Params["writers"], x.Params["batch"])
+			}
+			return fmt.Sprintf("| %s | %s | %.0f | %s | %.0f | %s |", run, onOff(x.Params["pruning"] == true), x.Median["events_per_s"], ratio, x.Median["pruned"], reps(x, "events_per_s", "%.0f"))
+		})
+	section("longlived", r.longLivedTitle(),
+		"| on publish | first 10% events/s | last 10% events/s | last / first | while the long transaction was open | whole drain | long transaction open (s) | writers' rows/s | table at the end (MiB) |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+		func(x *result) string {
+			m := x.Median
+			lastFirst := "–"
+			if v, ok := m["last_first"]; ok {
+				lastFirst = fmt.Sprintf("%.0f%%", 100*v)
+			}
+			return fmt.Sprintf("| %v | %.0f | %.0f | %s | %.0f | %.0f | %.1f | %.0f | %.0f |", x.Params["on_publish"], m["first10_per_s"], m["last10_per_s"], lastFirst,
+				m["long_tx_per_s"], m["events_per_s"], m["long_tx_open_s"], m["writers_per_s"], m["table_mib"])
 		})
 	section("writers", "Writers: what a notification per transaction costs (8 writers, one row per transaction)",
 		"| notify | rows/s (median) | repetitions |\n| --- | ---: | --- |",
@@ -370,6 +427,13 @@ func (r *report) tables() string {
 		"| poll interval | database transactions/s | relay CPU (millicores) |\n| --- | ---: | ---: |",
 		func(x *result) string {
 			return fmt.Sprintf("| %v | %.1f | %.1f |", x.Params["poll_interval"], x.Median["db_xacts_per_s"], x.Median["relay_cpu_millicores"])
+		})
+	section("backlog", fmt.Sprintf("The operator's backlog read: one query per OutboxRelay every %s (the default), on its own connection with the operator's settings, at most %d rows read",
+		controllers.DefaultBacklogInterval, outboxv1alpha1.BacklogBound),
+		"| waiting rows | rows read | ms per read (median) | p95 ms | database ms per second, per OutboxRelay | OutboxRelays per database core |\n| ---: | ---: | ---: | ---: | ---: | ---: |",
+		func(x *result) string {
+			m := x.Median
+			return fmt.Sprintf("| %v | %.0f | %.1f | %.1f | %.2f | %.0f |", x.Params["pending"], m["rows_read"], m["read_ms"], m["read_ms_p95"], m["db_ms_per_s"], m["relays_per_core"])
 		})
 	section("breakdown", "Where a batch's time goes (in-process relay, one replica, same Writer settings, wall time per batch)",
 		"| batch | events/s | ms per batch | claim ms | publish (WriteMessages) ms | mark + commit ms |\n| ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -407,6 +471,29 @@ func (r *report) tables() string {
 		b.WriteString("\n")
 	}
 	return b.String()
+}
+
+// longLivedTitle says what the long-lived runs did, from their parameters.
+func (r *report) longLivedTitle() string {
+	for _, x := range r.Results {
+		if x.Scenario == "longlived" {
+			p := x.Params
+			return fmt.Sprintf("A long-lived table: one relay drains %v rows at batch %v while %v writers insert %v rows/s and a transaction holding a transaction id stays open from %.0f%% to %.0f%% of the drain",
+				p["rows"], p["batch"], p["writers"], p["write_rate"], 100*toFloat(p["long_tx_from"]), 100*toFloat(p["long_tx_to"]))
+		}
+	}
+	return "A long-lived table"
+}
+
+// toFloat reads a number from params, whether set in this run or read back from JSON.
+func toFloat(v any) float64 {
+	switch n := v.(type) {
+	case float64:
+		return n
+	case int:
+		return float64(n)
+	}
+	return math.NaN()
 }
 
 func gitCommit() string {

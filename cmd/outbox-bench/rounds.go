@@ -88,11 +88,11 @@ func runRounds(ctx context.Context, o *options, e *benchEnv, rep *report) error 
 	if want("retention") {
 		// Mark against delete at batch 500, both timed by the relay's own
 		// counter (deleted rows leave no published_at to time them by).
-		for _, onPublish := range []string{"mark", "delete"} {
-			cases = append(cases, &benchCase{scenario: "retention", name: "on-publish=" + onPublish + " batch=500",
-				params: map[string]any{"on_publish": onPublish, "batch": 500, "ordering": "none"},
+		for _, onPublish := range relayconfig.OnPublishes {
+			cases = append(cases, &benchCase{scenario: "retention", name: "on-publish=" + string(onPublish) + " batch=500",
+				params: map[string]any{"on_publish": string(onPublish), "batch": 500, "ordering": "none"},
 				run: func(ctx context.Context) (map[string]float64, error) {
-					m, err := relayDrain(ctx, o, e, 500, 1, "none", "--on-publish="+onPublish)
+					m, err := relayDrain(ctx, o, e, 500, 1, "none", flagArg(relayconfig.FlagOnPublish, onPublish))
 					if err == nil {
 						m["events_per_s"] = m["counter_events_per_s"]
 					}
@@ -107,9 +107,12 @@ func runRounds(ctx context.Context, o *options, e *benchEnv, rep *report) error 
 			cases = append(cases, &benchCase{scenario: "compression", name: "codec=" + string(codec),
 				params: map[string]any{"codec": string(codec), "batch": 500, "ordering": "none"},
 				run: func(ctx context.Context) (map[string]float64, error) {
-					return relayDrain(ctx, o, e, 500, 1, "none", "--compression="+string(codec))
+					return relayDrain(ctx, o, e, 500, 1, "none", flagArg(relayconfig.FlagCompression, codec))
 				}})
 		}
+	}
+	if want("headers") {
+		cases = append(cases, headersCases(o, e)...)
 	}
 	if want("seeds") {
 		const batch = 50
@@ -199,6 +202,10 @@ func runRounds(ctx context.Context, o *options, e *benchEnv, rep *report) error 
 	for _, codec := range relayconfig.Compressions {
 		ratio(fmt.Sprintf("compression %s / none", codec), find("compression", "codec="+string(codec)), find("compression", "codec=none"))
 	}
+	plain := find("headers", headersCaseName(false, false))
+	ratio("headers with / without, batch 500", find("headers", headersCaseName(true, false)), plain)
+	ratio("headers tracing on / off, batch 500", find("headers", headersCaseName(false, true)), plain)
+	ratio("headers with and tracing on / neither, batch 500", find("headers", headersCaseName(true, true)), plain)
 	ratio("retention delete / mark batch 500", find("retention", "on-publish=delete batch=500"), find("retention", "on-publish=mark batch=500"))
 	ratio("ceiling batch 50 4 loops / 1 loop", find("ceiling", "batch=50 loops=4"), find("ceiling", "batch=50 loops=1"))
 	return nil
