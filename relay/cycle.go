@@ -180,7 +180,12 @@ func (r *Relay) markAndCommit(b *inFlight) error {
 		if r.cfg.OnPublish == OnPublishDelete {
 			stmt = r.sql.Delete
 		}
-		if _, err := b.tx.Exec(b.ctx, stmt, b.published); err != nil {
+		args := []any{b.published}
+		if r.sql.Partitioned {
+			oldest, newest := createdBounds(b.rows)
+			args = append(args, oldest, newest)
+		}
+		if _, err := b.tx.Exec(b.ctx, stmt, args...); err != nil {
 			return fmt.Errorf("mark %d rows published in %s: %w", len(b.published), r.table, err)
 		}
 	}
@@ -188,6 +193,20 @@ func (r *Relay) markAndCommit(b *inFlight) error {
 		return fmt.Errorf("commit batch on %s: %w", r.table, err)
 	}
 	return nil
+}
+
+// createdBounds are the oldest and newest created_at of a batch's rows.
+func createdBounds(rows []row) (oldest, newest time.Time) {
+	oldest, newest = rows[0].createdAt, rows[0].createdAt
+	for _, x := range rows[1:] {
+		if x.createdAt.Before(oldest) {
+			oldest = x.createdAt
+		}
+		if x.createdAt.After(newest) {
+			newest = x.createdAt
+		}
+	}
+	return oldest, newest
 }
 
 func (r *Relay) commitAsync(b *inFlight) *inFlight {

@@ -19,7 +19,10 @@ type metrics struct {
 	blockedKeys   prometheus.Gauge
 	stalled       *prometheus.GaugeVec
 	pruned        prometheus.Counter
-	pruneDuration prometheus.Histogram
+	// prunedPartitions counts the partitions dropped by retention on a
+	// partitioned table.
+	prunedPartitions prometheus.Counter
+	pruneDuration    prometheus.Histogram
 	// headersSkipped counts row headers not forwarded because the relay
 	// sets a header of that name itself.
 	headersSkipped prometheus.Counter
@@ -103,9 +106,11 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			"1 while the relay is stalled for the reason (batch_failing, no_progress, rows_waiting, mode_conflict, loop_wedged), else 0. Any 1 fails /readyz; loop_wedged also fails /healthz.",
 			"reason", stallReasons),
 		pruned: f.counter("outbox_relay_pruned_rows_total",
-			"Published rows this replica deleted because they were older than --keep-published-for."),
+			"Published rows this replica deleted because they were older than --keep-published-for (on a partitioned table: the rows of the partitions it dropped)."),
+		prunedPartitions: f.counter("outbox_relay_pruned_partitions_total",
+			"Partitions of a partitioned outbox this replica detached and dropped: their range ended more than --keep-published-for ago and all their rows were published."),
 		pruneDuration: f.histogram("outbox_relay_prune_duration_seconds",
-			"Duration of one prune transaction (at most --prune-batch-size rows).", 0.0005, 16),
+			"Duration of one prune step: a transaction of at most --prune-batch-size rows, or on a partitioned table the detach and drop of one partition.", 0.0005, 16),
 		headersSkipped: f.counter("outbox_relay_headers_skipped_total",
 			"Entries of rows' headers column not forwarded because the relay sets a header of that name itself (event_id, event_type, aggregate_type, aggregate_id, content-type, outbox_*, ce_*); counted each time a record is built."),
 	}

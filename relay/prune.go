@@ -16,7 +16,8 @@ const pruneKey = 3
 // the pruner rests after a pass that found nothing more to delete.
 const pruneEvery = 10 * time.Second
 
-// pruneLoop deletes published rows older than KeepPublishedFor. Exactly one
+// pruneLoop deletes published rows older than KeepPublishedFor (on a
+// partitioned table: whole partitions, see prunePartitions). Exactly one
 // replica of a table prunes at a time (a session advisory lock on its own
 // connection), in transactions of at most PruneBatchSize rows with
 // PrunePause between them. It only deletes rows whose published_at is set
@@ -48,6 +49,9 @@ func (r *Relay) prune(ctx context.Context) error {
 	}
 	if !mine {
 		return nil // another replica prunes
+	}
+	if r.shape.partitioned {
+		return r.prunePartitions(ctx, conn, oid)
 	}
 	var after int64
 	for ctx.Err() == nil {

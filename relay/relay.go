@@ -37,6 +37,7 @@ type Relay struct {
 	cfg     Config
 	table   outbox.Table
 	sql     SQL
+	shape   tableShape // read by Check
 	pool    *pgxpool.Pool
 	writer  MessageWriter
 	kwriter *kafka.Writer // nil when a MessageWriter was injected
@@ -61,6 +62,9 @@ type Relay struct {
 	dbErr      atomic.Pointer[error]
 	kafkaErr   atomic.Pointer[error]
 	wake       chan struct{} // a notification arrived (--notify)
+
+	// Owned by the pruning goroutine.
+	warnedDefault bool // the DEFAULT partition that stops partition drops was logged
 }
 
 // claimFilter is what the last claim left out, so the stall check counts
@@ -218,13 +222,25 @@ func (r *Relay) Check(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	var opts []SQLOption
 	if headers {
-		r.sql = NewSQL(r.table, WithHeadersColumn())
+		opts = append(opts, WithHeadersColumn())
 	} else {
-		r.sql = NewSQL(r.table)
 		r.log.Info("the table has no headers column; records carry only the relay's headers",
 			"fix", "ALTER TABLE "+r.table.Quoted()+" ADD COLUMN headers jsonb")
 	}
+	shape, err := readShape(ctx, r.pool, r.table)
+	if err != nil {
+		return err
+	}
+	if shape.partitioned {
+		opts = append(opts, WithPartitions())
+		if err := r.checkPartitioned(shape); err != nil {
+			return err
+		}
+	}
+	r.shape = shape
+	r.sql = NewSQL(r.table, opts...)
 	md, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: r.allTopics()})
 	if err != nil {
 		r.setKafkaErr(err)
@@ -251,6 +267,27 @@ func (r *Relay) Check(ctx context.Context) error {
 	}
 	if err := r.topics.refreshLimits(ctx, r.client, r.allTopics(), r.cfg.HeldRetryInterval); err != nil {
 		r.log.Warn("could not read the topics' record size limits; assuming Kafka's default", "err", err, "bytes", defaultMaxRecordBytes)
+	}
+	return nil
+}
+
+// checkPartitioned refuses retention on a partitioned table it cannot drop
+// partitions of, and says what else it found.
+func (r *Relay) checkPartitioned(shape tableShape) error {
+	if r.cfg.KeepPublishedFor > 0 && !shape.byCreatedAt {
+		return fmt.Errorf("table %s is partitioned, but not by RANGE (created_at) alone: retention on a partitioned table drops whole partitions by their created_at range; partition it by RANGE (created_at) (the DDL of `relay schema --partitioned`) or keep published rows (--keep-published-for 0s)", r.table)
+	}
+	retention := "none (--keep-published-for 0s)"
+	if r.cfg.KeepPublishedFor > 0 {
+		retention = "whole partitions, dropped once their range ended more than --keep-published-for ago and all their rows are published"
+	}
+	r.log.Info("the table is partitioned", "retention", retention)
+	if r.cfg.KeepPublishedFor > 0 && shape.hasDefault {
+		r.log.Warn("the table has a DEFAULT partition; partitions cannot be detached concurrently beside one, so none is dropped while it exists")
+	}
+	if !shape.eventIDs {
+		r.log.Warn("the table is partitioned and has no event-id table; the writer (outbox.Store) keeps event_id unique through it and refuses to store without it",
+			"table", r.table.EventIDsTable().String(), "fix", "the DDL of `relay schema --partitioned`")
 	}
 	return nil
 }

@@ -28,6 +28,38 @@ func hasColumn(ctx context.Context, conn querier, t outbox.Table, name string) (
 	return ok, nil
 }
 
+// tableShape is what the relay needs to know of a table beyond its columns:
+// whether it is partitioned, and how.
+type tableShape struct {
+	partitioned bool
+	// byCreatedAt: partitioned by RANGE (created_at) alone, so retention can
+	// drop whole partitions by their range.
+	byCreatedAt bool
+	// hasDefault: the table has a DEFAULT partition.
+	hasDefault bool
+	// eventIDs: the event-id table of a partitioned outbox
+	// (outbox.Table.EventIDsTable) exists.
+	eventIDs bool
+}
+
+// readShape reads whether t is partitioned (relkind 'p'), by what, and
+// whether its event-id table exists.
+func readShape(ctx context.Context, conn querier, t outbox.Table) (tableShape, error) {
+	var s tableShape
+	err := conn.QueryRow(ctx, `SELECT c.relkind = 'p',
+		    COALESCE(p.partstrat = 'r' AND p.partnatts = 1 AND a.attname = 'created_at', false),
+		    COALESCE(p.partdefid <> 0, false),
+		    to_regclass($2) IS NOT NULL
+		FROM pg_class c
+		LEFT JOIN pg_partitioned_table p ON p.partrelid = c.oid
+		LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = p.partattrs[0]
+		WHERE c.oid = to_regclass($1)`, t.Quoted(), t.EventIDsTable().Quoted()).Scan(&s.partitioned, &s.byCreatedAt, &s.hasDefault, &s.eventIDs)
+	if err != nil {
+		return s, fmt.Errorf("read the partitioning of %s: %w", t, err)
+	}
+	return s, nil
+}
+
 // CheckSchema verifies that the table exists with the columns and types the
 // relay needs, that the columns it reads are NOT NULL, and that a partial
 // index on published_at IS NULL exists. The error names each problem and
@@ -93,6 +125,12 @@ func CheckSchema(ctx context.Context, conn querier, t outbox.Table) error {
 		return fmt.Errorf("read indexes of %s: %w", t, err)
 	}
 	if !hasIndex {
+		var kind string
+		if err := conn.QueryRow(ctx, `SELECT relkind::text FROM pg_class WHERE oid = $1`, oid).Scan(&kind); err == nil && kind == "p" {
+			// CREATE INDEX CONCURRENTLY does not exist for a partitioned table.
+			return fmt.Errorf("table %s has no valid partial index on (id) WHERE published_at IS NULL; without it every claim scans every partition. Create it with: CREATE INDEX %s ON %s (id) WHERE published_at IS NULL (it blocks writes while it builds; to avoid that, create it ON ONLY the table, then CONCURRENTLY on each partition, and ALTER INDEX … ATTACH PARTITION each)",
+				t, pgx.Identifier{t.IndexName()}.Sanitize(), t.Quoted())
+		}
 		return fmt.Errorf("table %s has no partial index on (id) WHERE published_at IS NULL; without it every claim scans the table. Create it with: CREATE INDEX CONCURRENTLY %s ON %s (id) WHERE published_at IS NULL",
 			t, pgx.Identifier{t.IndexName()}.Sanitize(), t.Quoted())
 	}

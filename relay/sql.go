@@ -16,10 +16,17 @@ type SQL struct {
 	// after, $2 ids to leave out, $3 keys to leave out, $4 the buckets,
 	// $5 the most rows, $6 the byte budget.
 	ClaimBuckets string
-	// Mark sets published_at on the rows whose ids are $1.
+	// Mark sets published_at on the rows whose ids are $1; on a
+	// partitioned table (Partitioned) whose created_at is also between $2
+	// and $3, the batch's oldest and newest, so only the partitions holding
+	// the batch are touched (the id alone would probe every partition).
 	Mark string
-	// Delete deletes the rows whose ids are $1 (OnPublishDelete).
+	// Delete deletes the rows whose ids are $1 (OnPublishDelete), with
+	// Mark's $2 and $3 on a partitioned table.
 	Delete string
+	// Partitioned: built WithPartitions; Mark and Delete take the batch's
+	// created_at bounds.
+	Partitioned bool
 	// Prune deletes up to $3 published rows with ids above $1 published more
 	// than $2 seconds ago, skipping rows another transaction holds, and
 	// returns the count and the highest id deleted. It never touches an
@@ -43,12 +50,16 @@ const bucketSQL = `(hashtext(COALESCE(partition_key, '')) & 63)`
 // SQLOption changes the statements NewSQL builds.
 type SQLOption func(*sqlOptions)
 
-type sqlOptions struct{ headers bool }
+type sqlOptions struct{ headers, partitioned bool }
 
 // WithHeadersColumn makes the claims read the table's optional headers
 // column. Without it they return NULL in its place and never name the
 // column, so a table made before the column existed keeps working.
 func WithHeadersColumn() SQLOption { return func(o *sqlOptions) { o.headers = true } }
+
+// WithPartitions builds Mark and Delete for a partitioned table: they take
+// the batch's created_at bounds besides the ids.
+func WithPartitions() SQLOption { return func(o *sqlOptions) { o.partitioned = true } }
 
 // claimColumns is what a claim returns per row. No column can fail the scan:
 // NULLs come back as empty values and null_columns names them, so one bad
@@ -108,7 +119,12 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
 	}
 	q := t.Quoted()
 	cols := claimColumns + claimHeaders(o)
+	bounds := ""
+	if o.partitioned {
+		bounds = ` AND created_at BETWEEN $2 AND $3`
+	}
 	return SQL{
+		Partitioned: o.partitioned,
 		Claim: budgeted(`SELECT `+cols+`
     FROM `+q+`
     WHERE published_at IS NULL AND id > $1 AND event_type = ANY($2) AND id <> ALL($3)
@@ -122,8 +138,8 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
     ORDER BY id
     LIMIT $5
     FOR UPDATE SKIP LOCKED`, "$6"),
-		Mark:   `UPDATE ` + q + ` SET published_at = now() WHERE id = ANY($1)`,
-		Delete: `DELETE FROM ` + q + ` WHERE id = ANY($1)`,
+		Mark:   `UPDATE ` + q + ` SET published_at = now() WHERE id = ANY($1)` + bounds,
+		Delete: `DELETE FROM ` + q + ` WHERE id = ANY($1)` + bounds,
 		Prune: `WITH doomed AS (
     SELECT id FROM ` + q + `
     WHERE id > $1 AND published_at < now() - $2::float8 * interval '1 second'

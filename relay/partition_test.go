@@ -1,0 +1,280 @@
+package relay_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
+	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relay"
+)
+
+// partitioned replaces the fixture's outbox with the partitioned DDL (day
+// partitions: today's in UTC and two more) and returns today's start.
+func partitioned(t *testing.T, f *outboxtest.Fixture) time.Time {
+	t.Helper()
+	f.Exec(`DROP TABLE outbox`)
+	f.Exec(outbox.PartitionedSchemaDDL(outbox.Table{Name: "outbox"}, outbox.PartitionDay, 2))
+	var today time.Time
+	require.NoError(t, f.Pool.QueryRow(context.Background(),
+		`SELECT date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'`).Scan(&today))
+	return today
+}
+
+// addDay attaches the partition name for the day that starts at from.
+func addDay(f *outboxtest.Fixture, name string, from time.Time) {
+	lit := func(t time.Time) string { return t.UTC().Format("'2006-01-02 15:04:05+00'") }
+	f.Exec(fmt.Sprintf(`CREATE TABLE %s PARTITION OF outbox FOR VALUES FROM (%s) TO (%s)`, name, lit(from), lit(from.Add(24*time.Hour))))
+}
+
+// insertAt inserts n rows of eventType created at at, published then or
+// not, with their event ids as the writer records them.
+func insertAt(f *outboxtest.Fixture, n, keys int, at time.Time, published bool, eventType string) {
+	f.Exec(`WITH r AS (
+		INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at, published_at)
+		SELECT gen_random_uuid(), 'Order', 'order-' || (g % $2), $3, jsonb_build_object('seq', g), 'order-' || (g % $2),
+		       $4, CASE WHEN $5 THEN $4::timestamptz END
+		FROM generate_series(1, $1) g
+		RETURNING event_id, created_at)
+		INSERT INTO outbox_event_ids SELECT event_id, created_at, '\x00' FROM r`, n, keys, eventType, at, published)
+}
+
+func attached(t *testing.T, f *outboxtest.Fixture, name string) bool {
+	t.Helper()
+	return f.Count(`SELECT count(*) FROM pg_inherits WHERE inhparent = 'outbox'::regclass AND inhrelid = to_regclass($1)`, name) == 1
+}
+
+// A range-partitioned outbox drains in both ordering modes: rows in three
+// partitions, ids out of created_at order, every event once and every key in
+// id order; a row committed late behind the cursor; then --on-publish delete.
+func TestPartitionedTableDrains(t *testing.T) {
+	eachMode(t, 4, []string{"E"}, func(t *testing.T, f *outboxtest.Fixture, cfg relay.Config) {
+		today := partitioned(t, f)
+		addDay(f, "outbox_d1", today.Add(-24*time.Hour))
+		addDay(f, "outbox_d2", today.Add(-48*time.Hour))
+		f.Insert(1000, 30, "E")                                     // today
+		insertAt(f, 1000, 30, today.Add(-36*time.Hour), false, "E") // newer ids, older rows
+		insertAt(f, 1000, 30, today.Add(-12*time.Hour), false, "E")
+		require.Equal(t, 1000, f.Count(`SELECT count(*) FROM outbox_d2`))
+
+		cfg.FullRescanInterval = 2 * time.Second
+		x := run(t, cfg, nil)
+		ctx := context.Background()
+		late, err := f.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer late.Rollback(ctx)
+		_, err = late.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
+			VALUES (gen_random_uuid(), 'Order', 'late', 'E', '{"late":true}', 'late', $1)`, today.Add(-30*time.Hour))
+		require.NoError(t, err)
+		f.Insert(200, 30, "E") // newer ids, committed first and published
+		f.WaitDrained(0, 60*time.Second)
+		require.NoError(t, late.Commit(ctx))
+		f.WaitDrained(0, 30*time.Second)
+		want, ids := f.EventIDs(""), idsByEvent(t, f)
+		require.Len(t, want, 3201)
+
+		counts, msgs := outboxtest.Deliveries(t, len(want), f.Topics["E"])
+		outboxtest.RequireExactlyOnce(t, want, counts)
+		violations, keys := orderViolations(t, msgs, ids)
+		require.Zero(t, violations, "rows of a key out of id order")
+		require.Equal(t, 31, keys)
+		require.Equal(t, 0, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL OR published_at < created_at`))
+		x.Stop(t)
+
+		// Marking touches only the partitions a batch's rows are in.
+		plan := explain(t, f, relay.NewSQL(outbox.Table{Name: "outbox"}, relay.WithPartitions()).Mark,
+			[]int64{1, 2}, today.Add(-36*time.Hour), today.Add(-36*time.Hour))
+		require.Contains(t, plan, "outbox_d2")
+		require.NotContains(t, plan, "outbox_d1")
+		require.NotContains(t, plan, "outbox_p")
+
+		// Delete on publish: the new rows go, the marked ones stay.
+		marked := f.Count(`SELECT count(*) FROM outbox`)
+		insertAt(f, 300, 30, today.Add(-40*time.Hour), false, "E")
+		f.Insert(300, 30, "E")
+		fresh := f.EventIDs("WHERE published_at IS NULL")
+		require.Len(t, fresh, 600)
+		cfg.OnPublish = relay.OnPublishDelete
+		run(t, cfg, nil)
+		require.Eventually(t, func() bool { return f.Count(`SELECT count(*) FROM outbox`) == marked }, 60*time.Second, 20*time.Millisecond)
+		counts, _ = outboxtest.Deliveries(t, len(want)+len(fresh), f.Topics["E"])
+		for id := range fresh {
+			require.Equal(t, 1, counts[id], "event %s", id)
+		}
+	})
+}
+
+func explain(t *testing.T, f *outboxtest.Fixture, sql string, args ...any) string {
+	t.Helper()
+	rows, err := f.Pool.Query(context.Background(), "EXPLAIN "+sql, args...)
+	require.NoError(t, err)
+	defer rows.Close()
+	var plan string
+	for rows.Next() {
+		var line string
+		require.NoError(t, rows.Scan(&line))
+		plan += line + "\n"
+	}
+	require.NoError(t, rows.Err())
+	return plan
+}
+
+// With --notify on a partitioned outbox, a notifying writer's event is
+// claimed at once.
+func TestPartitionedTableNotify(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	partitioned(t, f)
+	cfg := f.Config()
+	cfg.PollInterval = 30 * time.Second
+	cfg.Notify = true
+	run(t, cfg, nil)
+	time.Sleep(6 * time.Second) // idle: the wait between empty claims has grown to seconds
+
+	w, err := outbox.NewWriter("outbox", outbox.WithNotify())
+	require.NoError(t, err)
+	ctx := context.Background()
+	tx, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	require.NoError(t, w.Store(ctx, tx, outbox.Entry{EventID: outbox.NewEventID(), AggregateType: "Order",
+		AggregateID: "o1", EventType: "E", Payload: []byte(`{}`), PartitionKey: "o1"}))
+	require.NoError(t, tx.Commit(ctx))
+	start := time.Now()
+	require.Eventually(t, func() bool { return f.Unpublished() == 0 }, 5*time.Second, 2*time.Millisecond)
+	require.Less(t, time.Since(start), time.Second, "the notification woke the relay")
+}
+
+// Retention on a partitioned outbox drops whole partitions whose range ended
+// longer ago than --keep-published-for, only when every row in them is
+// published: a partition holding one unpublished row stays, with its row,
+// until that row is published. The event ids of dropped ranges go too.
+func TestPartitionRetentionDropsOnlyFullyPublishedPartitions(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	today := partitioned(t, f)
+	addDay(f, "outbox_d1", today.Add(-24*time.Hour))
+	addDay(f, "outbox_d2", today.Add(-48*time.Hour))
+	addDay(f, "outbox_d3", today.Add(-72*time.Hour))
+	insertAt(f, 300, 10, today.Add(-36*time.Hour), true, "E") // d2: all published
+	insertAt(f, 300, 10, today.Add(-12*time.Hour), true, "E") // d1: published, but …
+	insertAt(f, 1, 1, today.Add(-10*time.Hour), false, "Unmapped")
+	// … one row the relay cannot publish (held: its type is not mapped).
+	// d3: empty. An event id older than every partition (its partition was
+	// dropped by hand) and one in d1's range.
+	f.Exec(`INSERT INTO outbox_event_ids VALUES (gen_random_uuid(), $1, '\x00')`, today.Add(-240*time.Hour))
+	f.Insert(500, 10, "E") // today: published by the relay
+	ctx := context.Background()
+	w, err := outbox.NewWriter("outbox")
+	require.NoError(t, err)
+	for range 5 {
+		tx, err := f.Pool.Begin(ctx)
+		require.NoError(t, err)
+		require.NoError(t, w.Store(ctx, tx, outbox.Entry{EventID: outbox.NewEventID(), AggregateType: "Order",
+			AggregateID: "o1", EventType: "E", Payload: []byte(`{}`), PartitionKey: "o1"}))
+		require.NoError(t, tx.Commit(ctx))
+	}
+	idsIn := func(from, to time.Time) int {
+		return f.Count(`SELECT count(*) FROM outbox_event_ids WHERE created_at >= $1 AND created_at < $2`, from, to)
+	}
+
+	cfg := f.Config()
+	cfg.KeepPublishedFor = time.Minute
+	cfg.PrunePause = time.Millisecond
+	x := run(t, cfg, nil)
+	pruned := func() (rows, partitions float64) {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_pruned_rows_total"),
+			outboxtest.MetricValue(t, x.Reg, "outbox_relay_pruned_partitions_total")
+	}
+	require.Eventually(t, func() bool { _, p := pruned(); return p == 2 }, 30*time.Second, 50*time.Millisecond)
+	rows, _ := pruned()
+	require.Equal(t, float64(300), rows)
+	require.False(t, attached(t, f, "outbox_d2"))
+	require.Zero(t, f.Count(`SELECT count(*) FROM pg_class WHERE relname IN ('outbox_d2', 'outbox_d3')`), "dropped, not just detached")
+	require.True(t, attached(t, f, "outbox_d1"), "a partition with an unpublished row stays")
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox_d1 WHERE published_at IS NULL`))
+	require.Equal(t, 301, f.Count(`SELECT count(*) FROM outbox_d1`))
+	require.Eventually(t, func() bool { return idsIn(time.Time{}, today.Add(-24*time.Hour)) == 0 }, 10*time.Second, 50*time.Millisecond,
+		"the event ids of dropped ranges are deleted")
+	require.Equal(t, 301, idsIn(today.Add(-24*time.Hour), today))
+	require.Equal(t, 5, idsIn(today, today.Add(72*time.Hour)))
+	f.WaitDrained(1, 30*time.Second)
+	require.Equal(t, 505, f.Count(`SELECT count(*) FROM outbox WHERE created_at >= $1`, today), "today's rows are published and kept")
+
+	// Once its last row is published, the next pass drops d1 too.
+	f.Exec(`UPDATE outbox SET published_at = now() WHERE event_type = 'Unmapped'`)
+	require.Eventually(t, func() bool { _, p := pruned(); return p == 3 }, 30*time.Second, 100*time.Millisecond)
+	rows, _ = pruned()
+	require.Equal(t, float64(601), rows)
+	require.Zero(t, f.Count(`SELECT count(*) FROM pg_class WHERE relname = 'outbox_d1'`))
+	require.Eventually(t, func() bool { return idsIn(time.Time{}, today) == 0 }, 10*time.Second, 50*time.Millisecond)
+	require.Equal(t, 505, f.Count(`SELECT count(*) FROM outbox`))
+	counts, _ := outboxtest.Deliveries(t, 505, f.Topics["E"])
+	require.Len(t, counts, 505)
+}
+
+// A writer whose transaction began inside an old partition's range commits
+// a row into it while the pruner detaches it: the detach waits for the
+// writer, the check after it finds the row, and the partition is attached
+// again; the row is published, and the partition dropped after that.
+func TestPartitionDetachedWithALateRowIsAttachedAgain(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	today := partitioned(t, f)
+	addDay(f, "outbox_d2", today.Add(-48*time.Hour))
+	insertAt(f, 100, 10, today.Add(-36*time.Hour), true, "E")
+
+	ctx := context.Background()
+	writer, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer writer.Rollback(ctx)
+	var late string
+	require.NoError(t, writer.QueryRow(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
+		VALUES (gen_random_uuid(), 'Order', 'late', 'E', '{"late":true}', 'late', $1) RETURNING event_id::text`,
+		today.Add(-30*time.Hour)).Scan(&late))
+
+	cfg := f.Config()
+	cfg.KeepPublishedFor = time.Minute
+	cfg.FullRescanInterval = time.Second
+	x := run(t, cfg, nil)
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'ALTER TABLE%DETACH PARTITION%' AND wait_event_type = 'Lock'`) > 0
+	}, 30*time.Second, 20*time.Millisecond, "the detach waits for the writer")
+	require.NoError(t, writer.Commit(ctx))
+
+	msgs := testenv.Broker().Consume(t, f.Topics["E"], 1, 60*time.Second)
+	require.Len(t, msgs, 1)
+	require.Equal(t, late, testenv.Header(msgs[0], relay.HeaderEventID), "the late row was published, not dropped")
+	require.Eventually(t, func() bool {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_pruned_partitions_total") == 1
+	}, 60*time.Second, 100*time.Millisecond)
+	require.Equal(t, float64(101), outboxtest.MetricValue(t, x.Reg, "outbox_relay_pruned_rows_total"))
+	require.False(t, attached(t, f, "outbox_d2"))
+}
+
+// Retention needs a table partitioned by RANGE (created_at); the relay
+// refuses another partitioning at start-up with retention on, and runs on it
+// without.
+func TestPartitionedStartupChecks(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	f.Exec(`DROP TABLE outbox`)
+	f.Exec(`CREATE TABLE outbox (
+		id bigint GENERATED ALWAYS AS IDENTITY, event_id uuid NOT NULL, aggregate_type text NOT NULL,
+		aggregate_id text NOT NULL, event_type text NOT NULL, payload jsonb NOT NULL, partition_key text NOT NULL,
+		created_at timestamptz NOT NULL DEFAULT now(), published_at timestamptz, PRIMARY KEY (id)) PARTITION BY RANGE (id)`)
+	f.Exec(`CREATE TABLE outbox_1 PARTITION OF outbox FOR VALUES FROM (MINVALUE) TO (MAXVALUE)`)
+	f.Exec(`CREATE INDEX ix_outbox_unpublished ON outbox (id) WHERE published_at IS NULL`)
+	cfg := f.Config()
+	cfg.KeepPublishedFor = time.Hour
+	_, err := outboxtest.RunRelay(cfg, nil)
+	require.ErrorContains(t, err, "not by RANGE (created_at)")
+	f.Insert(10, 2, "E")
+	run(t, f.Config(), nil)
+	f.WaitDrained(0, 30*time.Second)
+}

@@ -1,0 +1,314 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"regexp"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// pruneLockTimeout bounds every lock wait of the pruner's session. The
+// detach and the attach take SHARE UPDATE EXCLUSIVE on the outbox, which
+// neither the claims nor the writers conflict with, but a wait of theirs
+// would queue other DDL and vacuum behind it; a detach that gives up stays
+// pending and the next pass finishes it.
+const pruneLockTimeout = 10 * time.Second
+
+// partition is one partition of a partitioned outbox, or a table the pruner
+// detached from it and has not dropped yet.
+type partition struct {
+	name    string     // as a regclass prints it: quoted and qualified where needed
+	bound   string     // "FOR VALUES FROM (…) TO (…)", as pg_get_expr prints it
+	lo, hi  *time.Time // the range; nil for MINVALUE / MAXVALUE
+	leaf    bool       // a plain table, not itself partitioned
+	pending bool       // a DETACH … CONCURRENTLY that did not finish
+	old     bool       // the range ended more than KeepPublishedFor ago
+	isDef   bool       // the DEFAULT partition
+}
+
+// boundsSQL reads a range partition's bounds from its bound expression
+// (NULL for MINVALUE and MAXVALUE); a timestamptz literal reads back in the
+// session that printed it.
+func boundsSQL(expr string) string {
+	return `(regexp_match(` + expr + `, 'FROM \(''([^'']*)''\)'))[1]::timestamptz,
+       (regexp_match(` + expr + `, 'TO \(''([^'']*)''\)'))[1]::timestamptz`
+}
+
+// detachedMark starts the comment the pruner puts on a partition before it
+// detaches it, followed by the parent's oid and the bound: a pruner that
+// dies between the detach and the drop leaves a table the next pass finds,
+// checks, and drops or attaches again.
+const detachedMark = "outbox relay: detaching from "
+
+var boundRE = regexp.MustCompile(`^FOR VALUES FROM \((MINVALUE|'[^']*')\) TO \((MAXVALUE|'[^']*')\)$`)
+
+// partitions lists the table's partitions in range order, and the tables
+// the pruner detached and has not dropped (pending true, see detachedMark).
+func (r *Relay) partitions(ctx context.Context, conn *pgx.Conn, parent uint32) ([]partition, error) {
+	rows, err := conn.Query(ctx, `
+		SELECT c.oid::regclass::text, pg_get_expr(c.relpartbound, c.oid), c.relkind = 'r', i.inhdetachpending,
+		       `+boundsSQL("pg_get_expr(c.relpartbound, c.oid)")+`, pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT'
+		FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+		WHERE i.inhparent = $1
+		UNION ALL
+		SELECT c.oid::regclass::text, substr(d.description, length($2) + 1), true, true,
+		       `+boundsSQL("substr(d.description, length($2) + 1)")+`, false
+		FROM pg_description d JOIN pg_class c ON c.oid = d.objoid
+		WHERE d.classoid = 'pg_class'::regclass AND d.objsubid = 0 AND starts_with(d.description, $2)
+		  AND c.relkind = 'r' AND NOT c.relispartition`,
+		parent, detachedMark+strconv.FormatUint(uint64(parent), 10)+": ")
+	if err != nil {
+		return nil, fmt.Errorf("list the partitions of %s: %w", r.table, err)
+	}
+	var parts []partition
+	for rows.Next() {
+		var p partition
+		if err := rows.Scan(&p.name, &p.bound, &p.leaf, &p.pending, &p.lo, &p.hi, &p.isDef); err != nil {
+			return nil, fmt.Errorf("list the partitions of %s: %w", r.table, err)
+		}
+		parts = append(parts, p)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("list the partitions of %s: %w", r.table, err)
+	}
+	var cut time.Time
+	if err := conn.QueryRow(ctx, `SELECT now() - $1::float8 * interval '1 second'`, r.cfg.KeepPublishedFor.Seconds()).Scan(&cut); err != nil {
+		return nil, fmt.Errorf("read the time: %w", err)
+	}
+	for i := range parts {
+		parts[i].old = parts[i].hi != nil && !parts[i].hi.After(cut)
+	}
+	slices.SortFunc(parts, func(a, b partition) int { return compareLow(a.lo, b.lo) })
+	return parts, nil
+}
+
+func compareLow(a, b *time.Time) int {
+	switch {
+	case a == nil && b == nil:
+		return 0
+	case a == nil:
+		return -1
+	case b == nil:
+		return 1
+	}
+	return a.Compare(*b)
+}
+
+// prunePartitions is pruning on a partitioned table: it detaches and drops
+// each leaf partition whose range ended more than KeepPublishedFor ago and
+// that holds no unpublished row, then deletes the event ids of the time
+// ranges no partition covers any more. It never deletes rows one by one.
+//
+// A partition is checked for unpublished rows before the detach, and again
+// once detached (locked, so nothing can change it): a writer whose
+// transaction began inside the partition's range and committed a row into
+// it after the first check is waited for by the detach, and the second
+// check finds its row. Such a partition is attached again, and its rows are
+// published as usual. DETACH … CONCURRENTLY waits for the transactions
+// using the table instead of locking them out (it cannot run inside a
+// transaction block, and not beside a DEFAULT partition).
+func (r *Relay) prunePartitions(ctx context.Context, conn *pgx.Conn, parent uint32) error {
+	if _, err := conn.Exec(ctx, `SELECT set_config('lock_timeout', $1, false)`, strconv.FormatInt(pruneLockTimeout.Milliseconds(), 10)); err != nil {
+		return fmt.Errorf("set lock_timeout on the pruning session: %w", err)
+	}
+	parts, err := r.partitions(ctx, conn, parent)
+	if err != nil {
+		return err
+	}
+	if slices.ContainsFunc(parts, func(p partition) bool { return p.isDef }) {
+		if !r.warnedDefault {
+			r.warnedDefault = true
+			r.log.Warn("the table has a DEFAULT partition; partitions cannot be detached concurrently beside one, so none is dropped while it exists")
+		}
+		return nil
+	}
+	var errs []error
+	for _, p := range parts {
+		if ctx.Err() != nil {
+			return nil
+		}
+		if !p.old || !p.leaf {
+			continue
+		}
+		if !p.pending {
+			var waiting bool
+			if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM ONLY `+p.name+` WHERE published_at IS NULL)`).Scan(&waiting); err != nil {
+				errs = append(errs, fmt.Errorf("look for unpublished rows in %s: %w", p.name, err))
+				continue
+			}
+			if waiting {
+				continue // never dropped while a row waits
+			}
+		}
+		start := time.Now()
+		if err := r.detach(ctx, conn, parent, p); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if err := r.dropDetached(ctx, conn, p); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		r.m.pruneDuration.Observe(time.Since(start).Seconds())
+		sleep(ctx, r.cfg.PrunePause)
+	}
+	if r.shape.eventIDs && ctx.Err() == nil {
+		errs = append(errs, r.pruneEventIDs(ctx, conn, parent))
+	}
+	return errors.Join(errs...)
+}
+
+// detach takes p out of the table: marks it (detachedMark), then DETACH …
+// CONCURRENTLY, or … FINALIZE for a detach left pending.
+func (r *Relay) detach(ctx context.Context, conn *pgx.Conn, parent uint32, p partition) error {
+	var attached bool
+	if err := conn.QueryRow(ctx, `SELECT relispartition FROM pg_class WHERE oid = $1::regclass`, p.name).Scan(&attached); err != nil {
+		return fmt.Errorf("find %s: %w", p.name, err)
+	}
+	if !attached {
+		return nil // detached by an earlier pass that did not get to drop it
+	}
+	mark := detachedMark + strconv.FormatUint(uint64(parent), 10) + ": " + p.bound
+	if _, err := conn.Exec(ctx, `COMMENT ON TABLE `+p.name+` IS `+quoteLiteral(mark)); err != nil {
+		return fmt.Errorf("mark %s before detaching it: %w", p.name, err)
+	}
+	how := "CONCURRENTLY"
+	if p.pending {
+		how = "FINALIZE"
+	}
+	if _, err := conn.Exec(ctx, `ALTER TABLE `+r.table.Quoted()+` DETACH PARTITION `+p.name+` `+how); err != nil {
+		return fmt.Errorf("detach %s from %s (%s): %w", p.name, r.table, how, err)
+	}
+	return nil
+}
+
+// dropDetached drops a detached partition whose rows are all published, or
+// attaches it again when it holds an unpublished row.
+func (r *Relay) dropDetached(ctx context.Context, conn *pgx.Conn, p partition) error {
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("drop %s: %w", p.name, err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // no-op after commit
+	// Counting a large partition can outlast the session's statement
+	// timeout; the table is detached and locked by this transaction alone,
+	// so nothing waits on it meanwhile.
+	if _, err := tx.Exec(ctx, `SET LOCAL statement_timeout = '10min'`); err != nil {
+		return fmt.Errorf("drop %s: %w", p.name, err)
+	}
+	if _, err := tx.Exec(ctx, `LOCK TABLE `+p.name+` IN ACCESS EXCLUSIVE MODE`); err != nil {
+		return fmt.Errorf("lock detached partition %s: %w", p.name, err)
+	}
+	var rows, unpublished int64
+	if err := tx.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE published_at IS NULL) FROM `+p.name).Scan(&rows, &unpublished); err != nil {
+		return fmt.Errorf("count the rows of detached partition %s: %w", p.name, err)
+	}
+	if unpublished > 0 {
+		if !boundRE.MatchString(p.bound) {
+			return fmt.Errorf("detached partition %s holds %d unpublished rows and its bound %q cannot be read back; attach it again by hand", p.name, unpublished, p.bound)
+		}
+		if _, err := tx.Exec(ctx, `ALTER TABLE `+r.table.Quoted()+` ATTACH PARTITION `+p.name+` `+p.bound); err != nil {
+			return fmt.Errorf("attach %s again (it holds %d unpublished rows): %w", p.name, unpublished, err)
+		}
+		if _, err := tx.Exec(ctx, `COMMENT ON TABLE `+p.name+` IS NULL`); err != nil {
+			return fmt.Errorf("attach %s again: %w", p.name, err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			return fmt.Errorf("attach %s again (it holds %d unpublished rows): %w", p.name, unpublished, err)
+		}
+		r.log.Warn("a partition got unpublished rows while it was being detached (a writer's transaction began inside its range and committed late); attached it again",
+			"partition", p.name, "unpublished", unpublished)
+		return nil
+	}
+	if _, err := tx.Exec(ctx, `DROP TABLE `+p.name); err != nil {
+		return fmt.Errorf("drop detached partition %s: %w", p.name, err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("drop detached partition %s: %w", p.name, err)
+	}
+	r.m.pruned.Add(float64(rows))
+	r.m.prunedPartitions.Inc()
+	r.log.Info("dropped a partition whose rows were all published", "partition", p.name, "rows", rows, "range", p.bound)
+	return nil
+}
+
+// pruneEventIDs deletes, in batches of PruneBatchSize, the event ids whose
+// created_at no partition covers (their partition was dropped), in the
+// stretches that ended more than KeepPublishedFor ago. A store into such a
+// stretch fails as a whole (no partition takes the row), so every id there
+// belongs to a dropped row.
+func (r *Relay) pruneEventIDs(ctx context.Context, conn *pgx.Conn, parent uint32) error {
+	parts, err := r.partitions(ctx, conn, parent)
+	if err != nil {
+		return err
+	}
+	var cut time.Time
+	if err := conn.QueryRow(ctx, `SELECT now() - $1::float8 * interval '1 second'`, r.cfg.KeepPublishedFor.Seconds()).Scan(&cut); err != nil {
+		return fmt.Errorf("read the time: %w", err)
+	}
+	ids := r.table.EventIDsTable().Quoted()
+	for _, g := range uncovered(parts, cut) {
+		for ctx.Err() == nil {
+			tag, err := conn.Exec(ctx, `DELETE FROM `+ids+` WHERE event_id IN (
+				SELECT event_id FROM `+ids+` WHERE created_at >= COALESCE($1::timestamptz, '-infinity') AND created_at < $2 LIMIT $3)`,
+				g.lo, g.hi, r.cfg.PruneBatchSize)
+			if err != nil {
+				return fmt.Errorf("delete the event ids of dropped partitions from %s: %w", ids, err)
+			}
+			if tag.RowsAffected() < int64(r.cfg.PruneBatchSize) {
+				break
+			}
+			sleep(ctx, r.cfg.PrunePause)
+		}
+	}
+	return nil
+}
+
+// span is a stretch of created_at; a nil end is unbounded.
+type span struct{ lo, hi *time.Time }
+
+// uncovered returns the stretches below cut that no partition covers;
+// parts are in range order.
+func uncovered(parts []partition, cut time.Time) []span {
+	var out []span
+	var from *time.Time // where the current uncovered stretch starts; nil: -infinity
+	for _, p := range parts {
+		if p.lo != nil && (from == nil || from.Before(*p.lo)) {
+			end := *p.lo
+			if cut.Before(end) {
+				end = cut
+			}
+			if from == nil || from.Before(end) {
+				out = append(out, span{from, &end})
+			}
+		}
+		if p.hi == nil {
+			return out // covered to +infinity
+		}
+		if from == nil || p.hi.After(*from) {
+			hi := *p.hi
+			from = &hi
+		}
+	}
+	if from == nil || from.Before(cut) {
+		out = append(out, span{from, &cut})
+	}
+	return out
+}
+
+// quoteLiteral quotes s as an SQL string literal.
+func quoteLiteral(s string) string {
+	b := []byte{'\''}
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\'' {
+			b = append(b, '\'')
+		}
+		b = append(b, s[i])
+	}
+	return string(append(b, '\''))
+}
