@@ -3,6 +3,7 @@ package relay_test
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -277,4 +278,59 @@ func TestPartitionedStartupChecks(t *testing.T) {
 	f.Insert(10, 2, "E")
 	run(t, f.Config(), nil)
 	f.WaitDrained(0, 30*time.Second)
+}
+
+// A detach left pending (its wait timed out) and tables a pruner detached
+// but did not get to drop (it died) are finished by the next pass: dropped
+// when all their rows are published, attached again when one is not.
+func TestPartitionPrunerFinishesInterruptedDetaches(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	today := partitioned(t, f)
+	for i, name := range []string{"outbox_d2", "outbox_d3", "outbox_d4"} {
+		addDay(f, name, today.Add(-time.Duration(24*(i+2))*time.Hour))
+	}
+	insertAt(f, 100, 10, today.Add(-36*time.Hour), true, "E") // d2
+	insertAt(f, 50, 10, today.Add(-60*time.Hour), true, "E")  // d3
+	insertAt(f, 20, 10, today.Add(-84*time.Hour), true, "E")  // d4 …
+	insertAt(f, 1, 1, today.Add(-84*time.Hour), false, "E")   // … and a row to publish
+	unpublished := f.EventIDs("WHERE published_at IS NULL")
+
+	ctx := context.Background()
+	// d2: a DETACH … CONCURRENTLY that timed out waiting for a reader.
+	reader, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = reader.Exec(ctx, `SELECT count(*) FROM outbox`)
+	require.NoError(t, err)
+	conn, err := f.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `SET lock_timeout = '300ms'`)
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `ALTER TABLE outbox DETACH PARTITION outbox_d2 CONCURRENTLY`)
+	require.ErrorContains(t, err, "lock timeout")
+	conn.Release()
+	require.NoError(t, reader.Commit(ctx))
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM pg_inherits WHERE inhrelid = 'outbox_d2'::regclass AND inhdetachpending`))
+	// d3, d4: marked and detached by a pruner that died before the drop.
+	var parent uint32
+	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT 'outbox'::regclass::oid`).Scan(&parent))
+	for _, name := range []string{"outbox_d3", "outbox_d4"} {
+		var bound string
+		require.NoError(t, f.Pool.QueryRow(ctx, `SELECT pg_get_expr(relpartbound, oid) FROM pg_class WHERE oid = $1::regclass`, name).Scan(&bound))
+		f.Exec(fmt.Sprintf(`COMMENT ON TABLE %s IS 'outbox relay: detaching from %d: %s'`, name, parent, strings.ReplaceAll(bound, "'", "''")))
+		f.Exec(`ALTER TABLE outbox DETACH PARTITION ` + name)
+	}
+
+	cfg := f.Config()
+	cfg.KeepPublishedFor = time.Minute
+	cfg.FullRescanInterval = time.Second
+	x := run(t, cfg, nil)
+	require.Eventually(t, func() bool {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_pruned_partitions_total") == 2
+	}, 30*time.Second, 50*time.Millisecond)
+	require.Equal(t, float64(150), outboxtest.MetricValue(t, x.Reg, "outbox_relay_pruned_rows_total"))
+	require.Zero(t, f.Count(`SELECT count(*) FROM pg_class WHERE relname IN ('outbox_d2', 'outbox_d3')`))
+	require.True(t, attached(t, f, "outbox_d4"), "the table with an unpublished row is a partition again")
+	counts, _ := outboxtest.Deliveries(t, 1, f.Topics["E"])
+	outboxtest.RequireExactlyOnce(t, unpublished, counts)
 }

@@ -221,7 +221,7 @@ func (r *Relay) dropDetached(ctx context.Context, conn *pgx.Conn, p partition) e
 		if err := tx.Commit(ctx); err != nil {
 			return fmt.Errorf("attach %s again (it holds %d unpublished rows): %w", p.name, unpublished, err)
 		}
-		r.log.Warn("a partition got unpublished rows while it was being detached (a writer's transaction began inside its range and committed late); attached it again",
+		r.log.Warn("a detached partition holds unpublished rows (a writer whose transaction began inside its range committed late, or a pruner stopped between the detach and this check); attached it again",
 			"partition", p.name, "unpublished", unpublished)
 		return nil
 	}
