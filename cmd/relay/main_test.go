@@ -16,6 +16,7 @@ import (
 	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
 	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
 func TestMain(m *testing.M) {
@@ -244,4 +245,32 @@ func TestSchemaSubcommand(t *testing.T) {
 	bad, err := exec.Command(outboxtest.RelayBinary(t), "schema", "--table", `x"; drop`).CombinedOutput()
 	require.Error(t, err)
 	require.Contains(t, string(bad), "--table")
+}
+
+// `relay schema --partitioned` prints DDL that applies, lays out the current
+// partition and the ones ahead, and that a relay with retention starts on;
+// the writer stores into it and the relay publishes.
+func TestSchemaSubcommandPartitioned(t *testing.T) {
+	t.Parallel()
+	out, err := exec.Command(outboxtest.RelayBinary(t), "schema", "--table", "app.outbox", "--partitioned", "--partitions-ahead", "3").Output()
+	require.NoError(t, err)
+	require.Contains(t, string(out), `PARTITION BY RANGE (created_at)`)
+	require.Contains(t, string(out), `CREATE TABLE IF NOT EXISTS "app"."outbox_event_ids"`)
+	f := outboxtest.NewFixture(t, 1, "E")
+	f.Exec(string(out))
+	require.Equal(t, 4, f.Count(`SELECT count(*) FROM pg_inherits WHERE inhparent = 'app.outbox'::regclass`))
+	require.Zero(t, f.Count(`SELECT partdefid::int FROM pg_partitioned_table WHERE partrelid = 'app.outbox'::regclass`), "no DEFAULT partition")
+	w, err := outbox.NewWriter("app.outbox")
+	require.NoError(t, err)
+	ctx := context.Background()
+	tx, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	require.NoError(t, w.Store(ctx, tx, outbox.Entry{EventID: outbox.NewEventID(), AggregateType: "Order", AggregateID: "o1",
+		EventType: "E", Payload: []byte(`{}`), PartitionKey: "o1"}))
+	require.NoError(t, tx.Commit(ctx))
+	p := outboxtest.StartRelayProcess(t, f.Args("--table", "app.outbox", "--keep-published-for", "1h"), f.Env()...)
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM app.outbox WHERE published_at IS NULL`) == 0
+	}, 30*time.Second, 50*time.Millisecond)
+	require.Contains(t, p.Output(), "the table is partitioned")
 }

@@ -1,28 +1,29 @@
 package main
 
 import (
-	"flag"
+	"errors"
 	"fmt"
 	"io"
 
+	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
-// runSchema prints the outbox DDL for a table.
+// runSchema prints the outbox DDL for a table: a plain one, or with
+// --partitioned one range-partitioned by created_at.
 func runSchema(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("relay schema", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	table := fs.String("table", outbox.DefaultTable, "outbox table, NAME or SCHEMA.NAME")
-	if err := fs.Parse(args); err != nil {
-		if err == flag.ErrHelp {
+	s, err := relayconfig.ParseSchema(args, stderr)
+	if err != nil {
+		if errors.Is(err, relayconfig.ErrHelp) {
 			return 0
 		}
+		fmt.Fprintf(stderr, "relay schema: %v\n", err)
 		return 2
 	}
-	t, err := outbox.ParseTable(*table)
-	if err != nil {
-		fmt.Fprintf(stderr, "relay schema: --table: %v\n", err)
-		return 2
+	t, _ := outbox.ParseTable(s.Table) // ParseSchema checked it
+	if s.Partitioned {
+		fmt.Fprint(stdout, outbox.PartitionedSchemaDDL(t, s.Period, s.Ahead))
+		return 0
 	}
 	fmt.Fprint(stdout, outbox.SchemaDDL(t))
 	return 0

@@ -61,6 +61,13 @@ const (
 	flagKafkaSASLPassword = "kafka-sasl-password" // environment only
 )
 
+// Flag names of `relay schema`, which prints the outbox DDL.
+const (
+	FlagPartitioned     = "partitioned"
+	FlagPartitionPeriod = "partition-period"
+	FlagPartitionsAhead = "partitions-ahead"
+)
+
 // EnvPrefix starts the environment variable of every flag: RELAY_<FLAG>,
 // upper case, "-" as "_". A flag on the command line wins over it.
 const EnvPrefix = "RELAY_"
@@ -194,6 +201,14 @@ const (
 	DefaultLogFormat        = "json"
 	DefaultFormat           = FormatRaw
 	DefaultCompression      = CompressionNone
+	// DefaultPartitionPeriod is the span of created_at of one partition
+	// that `relay schema --partitioned` lays out.
+	DefaultPartitionPeriod = outbox.PartitionDay
+	// DefaultPartitionsAhead is how many partitions after the current one
+	// `relay schema --partitioned` creates (and its function creates by default).
+	DefaultPartitionsAhead = 7
+	MinPartitionsAhead     = 1
+	MaxPartitionsAhead     = 1000
 	// MaxCloudEventsSourceLength bounds --cloudevents-source (it travels in every record).
 	MaxCloudEventsSourceLength = 1024
 	// MetricsPort is where a relay pod serves /metrics, /healthz and /readyz.
@@ -344,6 +359,58 @@ func (s Settings) Args() []string {
 	return args
 }
 
+// SchemaSettings are the settings of `relay schema`.
+type SchemaSettings struct {
+	Table string
+	// Partitioned: the DDL of an outbox range-partitioned by created_at.
+	Partitioned bool
+	// Period is the span of created_at of one partition.
+	Period outbox.PartitionPeriod
+	// Ahead is how many partitions after the current one to create.
+	Ahead int
+}
+
+// ParseSchema reads the command line of `relay schema` (the arguments after
+// "schema") and validates it; errors name the flag and the value. For -h it
+// writes the usage to usage and returns ErrHelp.
+func ParseSchema(args []string, usage io.Writer) (SchemaSettings, error) {
+	s := SchemaSettings{Table: DefaultTable, Period: DefaultPartitionPeriod, Ahead: DefaultPartitionsAhead}
+	fs := flag.NewFlagSet("relay schema", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.StringVar(&s.Table, FlagTable, DefaultTable, "outbox table, NAME or SCHEMA.NAME")
+	fs.BoolVar(&s.Partitioned, FlagPartitioned, false, "the DDL of an outbox range-partitioned by created_at")
+	fs.Func(FlagPartitionPeriod, fmt.Sprintf("with --%s: the span of created_at of one partition, in UTC: hour, day, week or month (default %s)", FlagPartitioned, DefaultPartitionPeriod),
+		func(v string) error { s.Period = outbox.PartitionPeriod(v); return nil })
+	fs.IntVar(&s.Ahead, FlagPartitionsAhead, DefaultPartitionsAhead, fmt.Sprintf("with --%s: partitions to create after the current one (%d..%d)", FlagPartitioned, MinPartitionsAhead, MaxPartitionsAhead))
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			fmt.Fprintf(usage, "usage: relay schema [flags]\n\nPrints the DDL of the outbox table.\n\n")
+			fs.SetOutput(usage)
+			fs.PrintDefaults()
+			return s, ErrHelp
+		}
+		return s, err
+	}
+	if fs.NArg() > 0 {
+		return s, fmt.Errorf("unexpected argument %q", fs.Arg(0))
+	}
+	errs := []error{flagErr(FlagTable, CheckTable(s.Table))}
+	if !slices.Contains(outbox.PartitionPeriods, s.Period) {
+		errs = append(errs, fmt.Errorf("--%s: %q is not one of hour, day, week, month", FlagPartitionPeriod, s.Period))
+	}
+	if s.Ahead < MinPartitionsAhead || s.Ahead > MaxPartitionsAhead {
+		errs = append(errs, fmt.Errorf("--%s: %d is outside %d..%d", FlagPartitionsAhead, s.Ahead, MinPartitionsAhead, MaxPartitionsAhead))
+	}
+	if !s.Partitioned {
+		fs.Visit(func(f *flag.Flag) {
+			if f.Name == FlagPartitionPeriod || f.Name == FlagPartitionsAhead {
+				errs = append(errs, fmt.Errorf("--%s needs --%s", f.Name, FlagPartitioned))
+			}
+		})
+	}
+	return s, errors.Join(errs...)
+}
+
 // ErrHelp is returned by Parse for -h or --help, after the usage is written.
 var ErrHelp = flag.ErrHelp
 
@@ -387,7 +454,7 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.StringVar(&s.KafkaSASLMechanism, FlagKafkaSASLMech, "", "SASL mechanism: "+strings.Join(SASLMechanisms, ", ")+" (credentials from "+EnvSASLUsername+" and "+EnvSASLPassword+")")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			fmt.Fprintf(usage, "usage: relay [flags]\n       relay schema --table NAME\n\nEvery flag can be set as %s<FLAG> in the environment.\n\n", EnvPrefix)
+			fmt.Fprintf(usage, "usage: relay [flags]\n       relay schema [--table NAME] [--partitioned]\n\nEvery flag can be set as %s<FLAG> in the environment.\n\n", EnvPrefix)
 			fs.SetOutput(usage)
 			fs.PrintDefaults()
 			return s, ErrHelp

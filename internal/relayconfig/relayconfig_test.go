@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -151,5 +152,49 @@ func TestDocsFlagTableMatches(t *testing.T) {
 		want, ok := defaults[r[1]]
 		require.True(t, ok, "docs/relay.md gives a default for --%s, which has none", r[1])
 		require.Equal(t, want, r[2], "default of --%s", r[1])
+	}
+}
+
+// `relay schema` takes --table and, with --partitioned, the period and the
+// partitions ahead; errors name the flag and the value.
+func TestParseSchema(t *testing.T) {
+	t.Parallel()
+	s, err := relayconfig.ParseSchema(nil, nil)
+	require.NoError(t, err)
+	require.Equal(t, relayconfig.SchemaSettings{Table: "outbox", Period: "day", Ahead: relayconfig.DefaultPartitionsAhead}, s)
+	s, err = relayconfig.ParseSchema([]string{"--table", "app.outbox", "--partitioned", "--partition-period", "hour", "--partitions-ahead", "48"}, nil)
+	require.NoError(t, err)
+	require.Equal(t, relayconfig.SchemaSettings{Table: "app.outbox", Partitioned: true, Period: "hour", Ahead: 48}, s)
+	for want, args := range map[string][]string{
+		`--partition-period: "year" is not one of hour, day, week, month`: {"--partitioned", "--partition-period=year"},
+		`--partitions-ahead: 0 is outside 1..1000`:                        {"--partitioned", "--partitions-ahead=0"},
+		`--partitions-ahead needs --partitioned`:                          {"--partitions-ahead=3"},
+		`--table: table "A"`:                                              {"--table=A"},
+		`unexpected argument "x"`:                                         {"x"},
+	} {
+		_, err := relayconfig.ParseSchema(args, nil)
+		require.ErrorContains(t, err, want)
+	}
+}
+
+// docs/relay.md describes every flag of `relay schema`.
+func TestDocsDescribeSchemaFlags(t *testing.T) {
+	t.Parallel()
+	doc, err := os.ReadFile("../../docs/relay.md")
+	require.NoError(t, err)
+	var usage bytes.Buffer
+	_, err = relayconfig.ParseSchema([]string{"-h"}, &usage)
+	require.ErrorIs(t, err, relayconfig.ErrHelp)
+	flags := regexp.MustCompile(`(?m)^  -([a-z-]+)`).FindAllStringSubmatch(usage.String(), -1)
+	require.Len(t, flags, 4)
+	for _, m := range flags {
+		require.Contains(t, string(doc), "`--"+m[1], "docs/relay.md describes relay schema --%s", m[1])
+	}
+	for flag, def := range map[string]string{
+		relayconfig.FlagTable:           relayconfig.DefaultTable,
+		relayconfig.FlagPartitionPeriod: string(relayconfig.DefaultPartitionPeriod),
+		relayconfig.FlagPartitionsAhead: strconv.Itoa(relayconfig.DefaultPartitionsAhead),
+	} {
+		require.Contains(t, string(doc), "`--"+flag+"` (default `"+def+"`)", "docs/relay.md gives the default of relay schema --%s", flag)
 	}
 }
