@@ -10,6 +10,10 @@ SHELL := /usr/bin/env bash -o pipefail
 ## Versions (the README explains the pairing).
 KUBE_VERSION ?= 1.37.2
 ETCD_VERSION ?= 3.6.6
+# The node beside the API server (make deps-node): kubelet, controller
+# manager, scheduler and kube-proxy are KUBE_VERSION; containerd 2.x is what
+# kubelets from 1.36 on need.
+CONTAINERD_VERSION ?= 2.4.2
 KAFKA_VERSION ?= 4.1.1
 CONTROLLER_TOOLS_VERSION ?= v0.23.0
 # promtool (github.com/prometheus/prometheus) runs the alert rules' unit tests.
@@ -17,6 +21,7 @@ PROMETHEUS_VERSION ?= v0.316.0
 
 LOCALBIN := $(CURDIR)/bin
 KUBE_ASSETS := $(LOCALBIN)/k8s/$(KUBE_VERSION)-etcd$(ETCD_VERSION)
+NODE_ASSETS := $(LOCALBIN)/node/$(KUBE_VERSION)-containerd$(CONTAINERD_VERSION)
 KAFKA_LIBS := $(LOCALBIN)/kafka/$(KAFKA_VERSION)/libs
 PG_LINK := $(LOCALBIN)/postgresql/current
 CONTROLLER_GEN := $(LOCALBIN)/tools/controller-gen-$(CONTROLLER_TOOLS_VERSION)/controller-gen
@@ -29,6 +34,7 @@ DIST ?= $(CURDIR)/dist
 
 # What tests and tools find the dependencies through (internal/testenv).
 export KUBEBUILDER_ASSETS := $(KUBE_ASSETS)
+export OUTBOX_NODE_ASSETS := $(NODE_ASSETS)
 export OUTBOX_KAFKA_LIBS := $(KAFKA_LIBS)
 export OUTBOX_PG_BIN := $(PG_LINK)
 export CONTROLLER_GEN
@@ -44,9 +50,14 @@ help: ## Show this help.
 	@awk 'BEGIN {FS = ":.*##"; printf "\nUsage:\n  make \033[36m<target>\033[0m\n"} /^[a-zA-Z_0-9-]+:.*?##/ { printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2 } /^##@/ { printf "\n\033[1m%s\033[0m\n", substr($$0, 5) } ' $(MAKEFILE_LIST)
 
 .PHONY: demo
-demo: deps build ## Run the whole system on this machine (stack, config/samples, order service, live view); Ctrl-C stops it.
+demo: deps ## Run the whole system on this machine (a one-node cluster with the operator, config/samples, order service, live view); Ctrl-C stops it.
 	CGO_ENABLED=0 go build -o $(LOCALBIN)/demo ./cmd/demo
-	$(LOCALBIN)/demo -bin $(LOCALBIN) -dir $(CURDIR)/.demo
+	$(LOCALBIN)/demo -dir $(CURDIR)/.demo
+
+.PHONY: demo-autoscaling
+demo-autoscaling: deps ## make demo with the relay autoscaled on its backlog (0..4 replicas) and bursts of 20,000 rows: watch it scale up, drain and go back to zero.
+	CGO_ENABLED=0 go build -o $(LOCALBIN)/demo ./cmd/demo
+	$(LOCALBIN)/demo -dir $(CURDIR)/.demo -autoscaling
 
 ##@ Development
 
@@ -131,7 +142,7 @@ bench-relay: deps-postgres deps-kafka ## The relay alone: ceiling, drain at batc
 ##@ Dependencies
 
 .PHONY: deps
-deps: deps-postgres deps-kafka deps-kube $(CONTROLLER_GEN) ## Provide PostgreSQL, Kafka, kube-apiserver+etcd+kubectl and controller-gen (idempotent, cached in bin/).
+deps: deps-postgres deps-kafka deps-kube deps-node $(CONTROLLER_GEN) ## Provide PostgreSQL, Kafka, kube-apiserver+etcd+kubectl, the node and controller-gen (idempotent, cached in bin/).
 
 .PHONY: deps-postgres
 deps-postgres: ## Link the machine's PostgreSQL server binaries into bin/ (apt-get installs them when absent).
@@ -157,8 +168,25 @@ $(KAFKA_LIBS)/.complete: hack/kafka/pom.xml
 
 .PHONY: deps-kube
 deps-kube: $(KUBE_ASSETS)/etcd ## Build kube-apiserver, kubectl $(KUBE_VERSION) and etcd $(ETCD_VERSION) from source (~5 min once).
-$(KUBE_ASSETS)/etcd: hack/build-kube.sh
+$(KUBE_ASSETS)/etcd: hack/build-kube.sh hack/kube-module.sh
 	hack/build-kube.sh $(KUBE_VERSION) $(ETCD_VERSION) $(KUBE_ASSETS)
+	touch $@
+
+.PHONY: deps-node
+deps-node: $(NODE_ASSETS)/containerd ## Build kubelet, kube-controller-manager, kube-scheduler, kube-proxy $(KUBE_VERSION) and containerd $(CONTAINERD_VERSION) (~6 min once); install Debian's runc, CNI plugins and iptables.
+	@missing=""; \
+	command -v runc >/dev/null || missing="$$missing runc"; \
+	[ -x /usr/lib/cni/bridge ] || missing="$$missing containernetworking-plugins"; \
+	command -v iptables >/dev/null || missing="$$missing iptables"; \
+	command -v ip >/dev/null || missing="$$missing iproute2"; \
+	if [ -n "$$missing" ]; then \
+		echo ">> installing Debian's$$missing"; \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -q; \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
+$(NODE_ASSETS)/containerd: hack/build-node.sh hack/kube-module.sh
+	hack/build-node.sh $(KUBE_VERSION) $(CONTAINERD_VERSION) $(NODE_ASSETS)
+	touch $@
 
 $(CONTROLLER_GEN):
 	GOBIN=$(dir $(CONTROLLER_GEN)) go install sigs.k8s.io/controller-tools/cmd/controller-gen@$(CONTROLLER_TOOLS_VERSION)

@@ -14,33 +14,15 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# shellcheck source=hack/kube-module.sh
+source "$(dirname "$0")/kube-module.sh"
 
 if [[ ! -x $out/kube-apiserver || ! -x $out/kubectl ]]; then
   echo ">> building kube-apiserver and kubectl v$kube_version (about 5 minutes on 2 cores)"
-  mkdir -p "$work/kube"
+  make_kube_module "$work/kube" "$kube_version" kube-apiserver kubectl
   cd "$work/kube"
-  go mod init local/kube-build >/dev/null 2>&1
-  go mod edit -require="k8s.io/kubernetes@v$kube_version"
-  # k8s.io/kubernetes replaces its staging modules with local paths; a module
-  # that depends on it must replace each with its published v0.Y.Z release.
-  modfile=$(go mod download -json "k8s.io/kubernetes@v$kube_version" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
-  staging_version="v0.${kube_version#*.}"
-  for m in $(sed -n 's#^\s*\(k8s.io/[a-z0-9-]*\) => ./staging/.*#\1#p' "$modfile"); do
-    go mod edit -replace="$m=$m@$staging_version"
-  done
-  cat > tools.go <<'GO'
-//go:build tools
-
-package tools
-
-import (
-	_ "k8s.io/kubernetes/cmd/kube-apiserver"
-	_ "k8s.io/kubernetes/cmd/kubectl"
-)
-GO
-  go mod tidy >/dev/null
-  CGO_ENABLED=0 go build -trimpath -o "$out/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver
-  CGO_ENABLED=0 go build -trimpath -o "$out/kubectl" k8s.io/kubernetes/cmd/kubectl
+  CGO_ENABLED=0 go build -trimpath -ldflags "$(kube_ldflags "$kube_version")" -o "$out/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver
+  CGO_ENABLED=0 go build -trimpath -ldflags "$(kube_ldflags "$kube_version")" -o "$out/kubectl" k8s.io/kubernetes/cmd/kubectl
 fi
 
 if [[ ! -x $out/etcd ]]; then

@@ -1,10 +1,11 @@
 // Command demo is `make demo`: it starts the whole system on this machine
-// (PostgreSQL, Kafka, kube-apiserver + etcd, the manager binary and the local
-// pod runner, see internal/localcluster), applies config/samples, runs the
-// example order service at a steady rate, and shows live what the relay does.
-// Ctrl-C stops everything.
+// (PostgreSQL, Kafka, and a real one-node Kubernetes cluster with the
+// operator installed from config/default and running from the locally built
+// image, see internal/localcluster), applies config/samples, runs the
+// example order service at a steady rate, and shows live what the relay
+// does. Ctrl-C stops everything and undoes what the node changed.
 //
-//	go run ./cmd/demo -bin bin -dir .demo -rate 20
+//	go run ./cmd/demo -dir .demo -rate 20   (as root)
 package main
 
 import (
@@ -25,24 +26,46 @@ import (
 
 func main() {
 	dir := flag.String("dir", ".demo", "folder for the demo's state and logs (wiped at start)")
-	bin := flag.String("bin", "bin", "folder holding the built manager and relay binaries (make build)")
-	rate := flag.Float64("rate", 20, "orders the order service confirms per second")
+	rate := flag.Float64("rate", 20, "orders the order service confirms per second (0: none)")
+	var auto autoscalingDemo
+	flag.BoolVar(&auto.on, "autoscaling", false, "autoscale the relay on its backlog (0..4 replicas) and write bursts of -burst rows every -burst-every; -rate defaults to 0")
+	flag.IntVar(&auto.rows, "burst", 20000, "rows per burst with -autoscaling")
+	flag.DurationVar(&auto.every, "burst-every", 90*time.Second, "time between bursts with -autoscaling")
 	flag.Parse()
-	if *rate <= 0 {
-		fmt.Fprintln(os.Stderr, "demo: -rate must be positive")
+	if auto.on && !flagSet("rate") {
+		*rate = 0
+	}
+	if *rate < 0 || (*rate == 0 && !auto.on) {
+		fmt.Fprintln(os.Stderr, "demo: -rate must be positive (or 0 with -autoscaling)")
 		os.Exit(2)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, *dir, *bin, *rate); err != nil {
+	if err := run(ctx, *dir, *rate, auto); err != nil {
 		fmt.Fprintln(os.Stderr, "demo:", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, dir, bin string, rate float64) (err error) {
+// autoscalingDemo is the -autoscaling variant: bursts and a relay that
+// follows them, down to zero pods between them.
+type autoscalingDemo struct {
+	on    bool
+	rows  int
+	every time.Duration
+}
+
+// autoscalingPatch turns autoscaling on for the sample OutboxRelay.
+const autoscalingPatch = `{"spec":{"backlog":{"interval":"5s"},"autoscaling":{"minReplicas":0,"maxReplicas":4,"pendingPerReplica":2000,"scaleDownStabilization":"30s"}}}`
+
+func flagSet(name string) bool {
+	set := false
+	flag.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
+}
+
+func run(ctx context.Context, dir string, rate float64, auto autoscalingDemo) (err error) {
 	dir, _ = filepath.Abs(dir)
-	bin, _ = filepath.Abs(bin)
 	say := func(format string, args ...any) { fmt.Printf(format+"\n", args...) }
 
 	say("» cleaning %s (stopping anything an earlier demo left running)", dir)
@@ -59,25 +82,24 @@ func run(ctx context.Context, dir, bin string, rate float64) (err error) {
 	defer logf.Close()
 	log := slog.New(slog.NewTextHandler(logf, nil))
 
-	say("» starting the local stack (about 15 s)")
+	say("» starting the local stack: PostgreSQL, Kafka, a one-node Kubernetes cluster, the operator (about a minute)")
 	stack, err := localcluster.Start(ctx, localcluster.Options{
-		Dir:           dir,
-		ManagerBinary: filepath.Join(bin, "manager"),
-		RelayBinary:   filepath.Join(bin, "relay"),
-		Log:           log,
-		Progress:      func(s string) { say("  ✓ %s", s) },
+		Dir:      dir,
+		Log:      log,
+		Progress: func(s string) { say("  ✓ %s", s) },
 	})
 	if err != nil {
 		return err
 	}
 	defer func() {
-		say("\n» stopping: relay processes, manager, kube-apiserver + etcd, Kafka, PostgreSQL")
+		say("\n» stopping: the pods, the node, kube-apiserver + etcd, Kafka, PostgreSQL")
 		if cerr := stack.Close(); cerr != nil {
 			say("  stop: %v", cerr)
 		}
 		say("» stopped; nothing is left running. Logs: %s", filepath.Join(dir, "logs"))
 	}()
 
+	say("» the cluster is yours meanwhile:  export KUBECONFIG=%s; %s get obr,pods -A", stack.Kubeconfig, stack.KubectlPath())
 	say("» creating database %q (orders + outbox tables), role %q and the sample's topics", localcluster.OrdersDatabase, localcluster.RelayRole)
 	if err := stack.PrepareOrders(ctx); err != nil {
 		return err
@@ -95,11 +117,21 @@ func run(ctx context.Context, dir, bin string, rate float64) (err error) {
 		say("  %s", l)
 	}
 
+	if auto.on {
+		say("» kubectl patch obr/orders: autoscaling 0..4 replicas, 2000 waiting rows per replica, backlog read every 5s")
+		if out, err := stack.Kubectl(ctx, "patch", "obr/orders", "--type=merge", "-p", autoscalingPatch); err != nil {
+			return fmt.Errorf("%w: %s", err, out)
+		}
+	}
 	svc, err := startOrderService(ctx, stack.OrdersDSN("postgres"), rate, log)
 	if err != nil {
 		return err
 	}
 	defer svc.Close()
+	var nextBurst time.Time
+	if auto.on {
+		nextBurst = time.Now().Add(20 * time.Second)
+	}
 	tail, err := startTail(ctx, stack.Kafka, "orders.confirmed")
 	if err != nil {
 		return err
@@ -119,6 +151,17 @@ func run(ctx context.Context, dir, bin string, rate float64) (err error) {
 			snap.perSecond = snap.published - lastPublished
 		}
 		lastPublished = snap.published
+		if auto.on {
+			if time.Now().After(nextBurst) {
+				go func() {
+					if err := svc.burst(ctx, auto.rows); err != nil && ctx.Err() == nil {
+						log.Warn("burst", "err", err)
+					}
+				}()
+				nextBurst = time.Now().Add(auto.every)
+			}
+			snap.burst = fmt.Sprintf("bursts of %d rows in one transaction, next in %s", auto.rows, time.Until(nextBurst).Round(time.Second))
+		}
 		w.draw(render(stack, snap))
 		select {
 		case <-ctx.Done():

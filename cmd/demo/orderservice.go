@@ -19,6 +19,8 @@ import (
 // second.
 type orderService struct {
 	db        *pgxpool.Pool
+	writer    *outbox.Writer
+	bursts    atomic.Int64
 	confirmed atomic.Int64
 	failures  atomic.Int64
 	lastErr   atomic.Pointer[string]
@@ -38,7 +40,11 @@ func startOrderService(ctx context.Context, dsn string, rate float64, log *slog.
 	}
 	h := &orders.ConfirmOrderHandler{DB: db, Outbox: w}
 	ctx, cancel := context.WithCancel(ctx)
-	s := &orderService{db: db, cancel: cancel, done: make(chan struct{})}
+	s := &orderService{db: db, writer: w, cancel: cancel, done: make(chan struct{})}
+	if rate <= 0 {
+		close(s.done)
+		return s, nil
+	}
 	go func() {
 		defer close(s.done)
 		_ = orders.ConfirmOrders(ctx, h, rate, 0, func(_ orders.Order, _ orders.OrderConfirmedEvent, err error) error {
@@ -54,6 +60,29 @@ func startOrderService(ctx context.Context, dsn string, rate float64, log *slog.
 		})
 	}()
 	return s, nil
+}
+
+// burst writes n OrderConfirmed events in one transaction, as a batch job
+// or a backfill would.
+func (s *orderService) burst(ctx context.Context, n int) error {
+	tx, err := s.db.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback(ctx)
+	seq := s.bursts.Add(1)
+	for i := range n {
+		id := fmt.Sprintf("burst-%d-%d", seq, i)
+		if err := s.writer.Store(ctx, tx, outbox.Entry{EventID: outbox.NewEventID(), AggregateType: "Order", AggregateID: id,
+			EventType: "OrderConfirmed", Payload: []byte(`{"order_id":"` + id + `"}`), PartitionKey: id}); err != nil {
+			return err
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return err
+	}
+	s.confirmed.Add(int64(n))
+	return nil
 }
 
 // Close stops the service and closes its pool.

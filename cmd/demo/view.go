@@ -33,6 +33,7 @@ type snapshot struct {
 	lagging                     string // the Lagging condition's status and reason
 	flow                        *outboxv1alpha1.BacklogStatus
 	pods                        []localcluster.Pod
+	burst                       string // the -autoscaling variant's bursts
 }
 
 func takeSnapshot(ctx context.Context, stack *localcluster.Stack, svc *orderService, t *tail, rate float64) snapshot {
@@ -61,7 +62,7 @@ func takeSnapshot(ctx context.Context, stack *localcluster.Stack, svc *orderServ
 		}
 		s.flow = obr.Status.Backlog
 	}
-	s.pods = stack.Runner.Pods("default", "orders-relay")
+	s.pods, _ = stack.Pods(gctx, "default", "orders-relay")
 	return s
 }
 
@@ -71,7 +72,12 @@ func render(stack *localcluster.Stack, s snapshot) string {
 	rule := strings.Repeat("─", 78)
 	line("outbox-operator demo: the whole system on this machine            %s", s.now.Format("15:04:05"))
 	line("%s", rule)
-	line(" order service      ConfirmOrder at %.0f/s (order update + outbox row, one transaction)", s.rate)
+	if s.rate > 0 {
+		line(" order service      ConfirmOrder at %.0f/s (order update + outbox row, one transaction)", s.rate)
+	}
+	if s.burst != "" {
+		line(" order service      %s", s.burst)
+	}
 	if s.serviceFailures > 0 {
 		line("                    %d failed, last: %s", s.serviceFailures, trim(s.serviceErr, 60))
 	}
@@ -105,14 +111,14 @@ func render(stack *localcluster.Stack, s snapshot) string {
 		}
 	}
 	for _, p := range s.pods {
-		state := "starting"
+		state := "not ready"
 		switch {
-		case p.PID == 0:
-			state = "crashed, restarting"
+		case p.Terminating:
+			state = "terminating"
 		case p.Ready:
 			state = "ready"
 		}
-		line("   pod %-28s pid %-7d %-8s restarts %d  /metrics on %s", p.Name, p.PID, state, p.Restarts, orDash(p.MetricsAddr))
+		line("   pod %-32s %-11s restarts %d", p.Name, state, p.Restarts)
 	}
 	line("")
 	line(" last events consumed from orders.confirmed")

@@ -106,6 +106,9 @@ func Start(o Options) (*Proc, error) {
 	p.Cmd.Env = o.Env
 	p.Cmd.Stdout, p.Cmd.Stderr = out, out
 	p.Cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	// A daemon's children (containerd's shims) may keep its output open
+	// after it exited; do not wait for them.
+	p.Cmd.WaitDelay = 5 * time.Second
 	if err := p.Cmd.Start(); err != nil {
 		if logf != nil {
 			logf.Close()

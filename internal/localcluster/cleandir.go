@@ -2,6 +2,7 @@ package localcluster
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -13,8 +14,8 @@ import (
 // CleanDir makes dir ready for a fresh stack: it stops processes an earlier
 // run left behind in it (found by their command lines naming dir, such as
 // PostgreSQL's data folder or etcd's --data-dir, which survive a run that was
-// killed with SIGKILL), then removes the folder. Relay and manager processes
-// die with their parent (Pdeathsig) and need no search.
+// killed with SIGKILL), kills the containers of its node and removes the
+// node's mounts, cgroups, iptables rules and bridge, then removes the folder.
 func CleanDir(dir string) error {
 	dir, err := filepath.Abs(dir)
 	if err != nil {
@@ -33,6 +34,9 @@ func CleanDir(dir string) error {
 			_ = syscall.Kill(pid, syscall.SIGKILL)
 		}
 	}
+	if err := errors.Join(cleanNodeLeftovers(filepath.Join(dir, "node")), removeBridge()); err != nil {
+		return fmt.Errorf("clean up the node of an earlier run in %s: %w", dir, err)
+	}
 	if err := os.RemoveAll(dir); err != nil {
 		return fmt.Errorf("remove %s: %w", dir, err)
 	}
@@ -41,7 +45,10 @@ func CleanDir(dir string) error {
 
 // stackCommands are the programs a stack runs; nothing else is stopped (a
 // `tail -f` of a log in dir, say).
-var stackCommands = map[string]bool{"postgres": true, "java": true, "etcd": true, "kube-apiserver": true}
+var stackCommands = map[string]bool{
+	"postgres": true, "java": true, "etcd": true, "kube-apiserver": true,
+	"kubelet": true, "containerd": true, "kube-controller-": true, "kube-scheduler": true, "kube-proxy": true,
+}
 
 // processesUsing lists the stack's processes whose command line mentions dir.
 func processesUsing(dir string) []int {

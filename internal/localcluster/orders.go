@@ -4,14 +4,15 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outbox-relay/outbox-operator/examples/orderservice/orders"
-	"github.com/outbox-relay/outbox-operator/internal/devproc"
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
 	"github.com/outbox-relay/outbox-operator/outbox"
 )
@@ -30,15 +31,6 @@ const (
 
 // SampleTopics are the topics config/samples maps, with their partitions.
 var SampleTopics = map[string]int{"orders.confirmed": 3, "orders.cancelled": 1, "orders.dead-letter": 1}
-
-// BuildBinaries builds cmd/manager and cmd/relay into dir.
-func BuildBinaries(dir string) (manager, relayBin string, err error) {
-	bins, err := devproc.Build(dir, "./cmd/manager", "./cmd/relay")
-	if err != nil {
-		return "", "", err
-	}
-	return bins[0], bins[1], nil
-}
 
 // OrdersDSN is the DSN of the orders database as role.
 func (s *Stack) OrdersDSN(role string) string {
@@ -82,7 +74,7 @@ func (s *Stack) CreateRelayRole(ctx context.Context, role string) error {
 func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
 
 // RenderSamples copies config/samples into dst with the stack's broker and
-// PostgreSQL addresses in place of the samples' 127.0.0.1:9092 and
+// PostgreSQL addresses as pods reach them (at HostIP) in place of the samples' 127.0.0.1:9092 and
 // 127.0.0.1:5432; edit, when set, may change each file further.
 func (s *Stack) RenderSamples(dst string, edit func(name string, b []byte) []byte) error {
 	src := filepath.Join(testenv.RepoRoot(), "config", "samples")
@@ -102,7 +94,7 @@ func (s *Stack) RenderSamples(dst string, edit func(name string, b []byte) []byt
 			return err
 		}
 		b = bytes.ReplaceAll(b, []byte(SampleBrokers), []byte(s.Kafka.Addr()))
-		b = bytes.ReplaceAll(b, []byte(SamplePostgres), []byte(fmt.Sprintf("127.0.0.1:%d", s.Postgres.Port)))
+		b = bytes.ReplaceAll(b, []byte(SamplePostgres), []byte(net.JoinHostPort(s.Postgres.Host, strconv.Itoa(s.Postgres.Port))))
 		if edit != nil {
 			b = edit(e.Name(), b)
 		}

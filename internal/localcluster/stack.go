@@ -1,10 +1,12 @@
 // Package localcluster runs the whole system on one machine for `make demo`
-// and the end-to-end test: PostgreSQL, a Kafka broker, kube-apiserver + etcd
-// with the CRDs installed, the real manager binary, and a local pod runner
-// that stands in for the kubelet and the Deployment controller.
+// and the end-to-end test: PostgreSQL, a Kafka broker, and a real one-node
+// Kubernetes cluster (kube-apiserver + etcd, kube-controller-manager,
+// kube-scheduler, kube-proxy, the kubelet and containerd) with the operator
+// installed from config/default, running from the image `make images`
+// builds.
 //
-// It is a development and test tool. Nothing here is meant for a real
-// cluster: the pod runner starts relay pods as local processes.
+// It is a development and test tool: it runs as root, creates a bridge
+// (BridgeName) for the pods' network, and undoes what it changed on Close.
 package localcluster
 
 import (
@@ -16,29 +18,22 @@ import (
 	"os/exec"
 	"path/filepath"
 	"sync"
-	"time"
 
 	"github.com/go-logr/logr"
 	"k8s.io/client-go/rest"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
-	"github.com/outbox-relay/outbox-operator/internal/devproc"
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
 )
 
-// Options say where the stack keeps its state and which binaries it runs.
+// Options say where the stack keeps its state.
 type Options struct {
-	// Dir holds every file of the stack: data, logs, kubeconfig. It is
-	// created if missing; leftovers of an earlier run in it are the caller's
-	// business (see CleanDir).
+	// Dir holds every file of the stack: data, logs, kubeconfig, the
+	// node's state. It is created if missing; leftovers of an earlier run
+	// in it are the caller's business (see CleanDir).
 	Dir string
-	// ManagerBinary is the built cmd/manager.
-	ManagerBinary string
-	// RelayBinary is the built cmd/relay; the pod runner runs it for the
-	// container command "/relay".
-	RelayBinary string
-	// Log receives progress and the pod runner's log; nil discards.
+	// Log receives progress; nil discards.
 	Log *slog.Logger
 	// Progress, when set, is called with a short line as each piece starts.
 	Progress func(string)
@@ -46,23 +41,23 @@ type Options struct {
 
 // Stack is a running local system.
 type Stack struct {
-	// Postgres is the PostgreSQL cluster (trust auth: any role logs in by name).
+	// Postgres is the PostgreSQL cluster (trust auth: any role logs in by
+	// name), at HostIP as well as loopback, so pods reach it.
 	Postgres *testenv.PostgresCluster
-	// Kafka is the single-node broker.
+	// Kafka is the single-node broker, at HostIP.
 	Kafka *testenv.KafkaBroker
-	// Kube is the API server and etcd.
+	// Kube is the API server and etcd, at HostIP.
 	Kube *testenv.KubeEnv
-	// Runner is the local pod runner.
-	Runner *Runner
 	// Client reaches the API server as admin.
 	Client client.Client
 	// Kubeconfig is the path of an admin kubeconfig for kubectl.
 	Kubeconfig string
 	// Dir is Options.Dir.
 	Dir string
+	// OperatorImage is the image the manager and the relay pods run.
+	OperatorImage string
 
-	stopRun  context.CancelFunc
-	runDone  chan error
+	node     *node
 	closeMu  sync.Mutex
 	closers  []func() error
 	isClosed bool
@@ -92,30 +87,45 @@ func Start(ctx context.Context, opts Options) (s *Stack, err error) {
 			s = nil
 		}
 	}()
+	if err := ensureBridge(); err != nil {
+		return s, err
+	}
+	s.closers = append(s.closers, removeBridge)
+	progress(fmt.Sprintf("pod network   bridge %s, this machine at %s, pods in %s", BridgeName, HostIP, PodCIDR))
 
-	// The three dependencies start in parallel: the JVM is the slow one.
+	// The dependencies and the images start in parallel: the JVM and the
+	// image build are the slow ones.
 	var wg sync.WaitGroup
-	var pgErr, kafkaErr, kubeErr error
-	wg.Add(3)
+	var pgErr, kafkaErr, kubeErr, imgErr error
+	var images imageSet
+	wg.Add(4)
 	go func() {
 		defer wg.Done()
-		s.Postgres, pgErr = testenv.StartPostgres(filepath.Join(dir, "postgres"))
+		s.Postgres, pgErr = testenv.StartPostgres(filepath.Join(dir, "postgres"), testenv.Listen{Host: HostIP, Clients: PodCIDR})
 		if pgErr == nil {
-			progress(fmt.Sprintf("PostgreSQL    127.0.0.1:%d", s.Postgres.Port))
+			progress(fmt.Sprintf("PostgreSQL    %s:%d", HostIP, s.Postgres.Port))
 		}
 	}()
 	go func() {
 		defer wg.Done()
-		s.Kafka, kafkaErr = testenv.StartKafka(filepath.Join(dir, "kafka"))
+		s.Kafka, kafkaErr = testenv.StartKafka(filepath.Join(dir, "kafka"), testenv.Listen{Host: HostIP})
 		if kafkaErr == nil {
 			progress("Kafka broker  " + s.Kafka.Addr())
 		}
 	}()
 	go func() {
 		defer wg.Done()
-		s.Kube, kubeErr = testenv.StartKube(filepath.Join(dir, "kube"))
+		s.Kube, kubeErr = testenv.StartKube(filepath.Join(dir, "kube"), testenv.KubeOptions{Host: HostIP})
 		if kubeErr == nil {
 			progress("kube-apiserver " + s.Kube.Config.Host + " (with etcd, CRDs installed)")
+		}
+	}()
+	go func() {
+		defer wg.Done()
+		images, imgErr = buildImages(ctx, filepath.Join(dir, "images"), filepath.Join(dir, "logs", "images.log"))
+		if imgErr == nil {
+			s.OperatorImage = images.operatorTag
+			progress("images        " + s.OperatorImage + ", " + images.pauseTag + " (built with go-containerregistry)")
 		}
 	}()
 	wg.Wait()
@@ -128,7 +138,7 @@ func Start(ctx context.Context, opts Options) (s *Stack, err error) {
 	if s.Kube != nil {
 		s.closers = append(s.closers, s.Kube.Close)
 	}
-	if err := errors.Join(pgErr, kafkaErr, kubeErr); err != nil {
+	if err := errors.Join(pgErr, kafkaErr, kubeErr, imgErr); err != nil {
 		return s, err
 	}
 	if err := s.Kube.WriteKubeconfig(s.Kubeconfig); err != nil {
@@ -137,26 +147,17 @@ func Start(ctx context.Context, opts Options) (s *Stack, err error) {
 	if s.Client, err = client.New(s.Kube.Config, client.Options{Scheme: Scheme()}); err != nil {
 		return s, err
 	}
-	if err := s.startManager(ctx, opts.ManagerBinary); err != nil {
-		return s, err
-	}
-	progress("manager       " + opts.ManagerBinary + " (the real binary, log " + filepath.Join(dir, "logs", "manager.log") + ")")
-
-	s.Runner, err = NewRunner(s.Kube.Config, RunnerOptions{
-		Commands: map[string]string{"/relay": opts.RelayBinary},
-		LogDir:   filepath.Join(dir, "logs", "pods"),
-		Log:      opts.Log.With("component", "podrunner"),
-	})
+	s.node, err = startNode(ctx, filepath.Join(dir, "node"), s.Kube, images.tarballs, images.pauseTag)
 	if err != nil {
+		return s, fmt.Errorf("start the node: %w", err)
+	}
+	s.closers = append(s.closers, s.node.close)
+	progress("node          " + NodeName + " Ready (kubelet, containerd, runc; kube-controller-manager, kube-scheduler, kube-proxy)")
+
+	if err := s.installOperator(ctx); err != nil {
 		return s, err
 	}
-	runCtx, cancel := context.WithCancel(context.Background())
-	s.stopRun, s.runDone = cancel, make(chan error, 1)
-	go func() { s.runDone <- s.Runner.Run(runCtx) }()
-	if err := s.Runner.WaitStarted(ctx); err != nil {
-		return s, err
-	}
-	progress("pod runner    /relay -> " + opts.RelayBinary)
+	progress("operator      kubectl apply -k config/default (image " + s.OperatorImage + "), manager Available")
 	return s, nil
 }
 
@@ -177,23 +178,8 @@ func (s *Stack) Kubectl(ctx context.Context, args ...string) ([]byte, error) {
 	return out, nil
 }
 
-// startManager runs the real manager binary with the admin kubeconfig and
-// waits until its readiness endpoint answers.
-func (s *Stack) startManager(ctx context.Context, bin string) error {
-	logPath := filepath.Join(s.Dir, "logs", "manager.log")
-	p, err := devproc.StartManager(bin, s.Kubeconfig, logPath)
-	if err != nil {
-		return err
-	}
-	s.closers = append(s.closers, func() error { p.Stop(10 * time.Second); return nil })
-	if err := p.WaitReady(ctx, 60*time.Second); err != nil {
-		return fmt.Errorf("manager: %w; see %s", err, logPath)
-	}
-	return nil
-}
-
-// Close stops everything, in reverse order: pod runner (and every relay
-// process), manager, API server, Kafka, PostgreSQL. It is safe to call twice.
+// Close stops everything, in reverse order: the node (and every pod), the
+// API server, Kafka, PostgreSQL, the bridge. It is safe to call twice.
 func (s *Stack) Close() error {
 	s.closeMu.Lock()
 	defer s.closeMu.Unlock()
@@ -202,14 +188,6 @@ func (s *Stack) Close() error {
 	}
 	s.isClosed = true
 	var errs []error
-	if s.stopRun != nil {
-		s.stopRun()
-		errs = append(errs, <-s.runDone)
-	}
-	if s.Runner != nil {
-		s.Runner.StopAll()
-	}
-	// The manager goes first among the closers (it was added last).
 	for i := len(s.closers) - 1; i >= 0; i-- {
 		errs = append(errs, s.closers[i]())
 	}

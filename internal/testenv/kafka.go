@@ -7,11 +7,13 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -25,9 +27,10 @@ import (
 // KafkaBroker is a single-node Apache Kafka broker (combined KRaft
 // broker+controller) running on the machine's JVM.
 type KafkaBroker struct {
-	// Port is the client listener's port at 127.0.0.1.
+	// Port is the client listener's port (at Addr's host).
 	Port int
 
+	host     string
 	dir      string
 	libs     string
 	props    string
@@ -64,7 +67,10 @@ func (b *KafkaBroker) client(timeout time.Duration) *kafka.Client {
 }
 
 // StartKafka formats a KRaft storage folder under dir and starts the broker.
-func StartKafka(dir string) (*KafkaBroker, error) {
+// With a Listen, the broker's client listener is at Listen.Host instead of
+// 127.0.0.1, so that pods on a local node reach it (the machine reaches it
+// there too).
+func StartKafka(dir string, listen ...Listen) (*KafkaBroker, error) {
 	libs, err := findDir("OUTBOX_KAFKA_LIBS", "make deps-kafka", "",
 		filepath.Join(RepoRoot(), "bin", "kafka", "*", "libs"))
 	if err != nil {
@@ -87,12 +93,12 @@ func StartKafka(dir string) (*KafkaBroker, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
 	}
-	b := &KafkaBroker{Port: port, dir: dir, libs: libs, props: filepath.Join(dir, "server.properties"), logFile: filepath.Join(dir, "kafka.log")}
+	b := &KafkaBroker{Port: port, host: listenOf(listen).Host, dir: dir, libs: libs, props: filepath.Join(dir, "server.properties"), logFile: filepath.Join(dir, "kafka.log")}
 	props := fmt.Sprintf(`process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@127.0.0.1:%[2]d
-listeners=PLAINTEXT://127.0.0.1:%[1]d,CONTROLLER://127.0.0.1:%[2]d
-advertised.listeners=PLAINTEXT://127.0.0.1:%[1]d
+listeners=PLAINTEXT://%[4]s:%[1]d,CONTROLLER://127.0.0.1:%[2]d
+advertised.listeners=PLAINTEXT://%[4]s:%[1]d
 controller.listener.names=CONTROLLER
 listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
 inter.broker.listener.name=PLAINTEXT
@@ -107,7 +113,7 @@ share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
 min.insync.replicas=1
-`, port, cport, filepath.Join(dir, "data"))
+`, port, cport, filepath.Join(dir, "data"), b.host)
 	if err := os.WriteFile(b.props, []byte(props), 0o644); err != nil {
 		return nil, err
 	}
@@ -168,7 +174,7 @@ func (b *KafkaBroker) java(mainClass string, args ...string) *exec.Cmd {
 }
 
 // Addr is the broker's host:port.
-func (b *KafkaBroker) Addr() string { return fmt.Sprintf("127.0.0.1:%d", b.Port) }
+func (b *KafkaBroker) Addr() string { return net.JoinHostPort(b.host, strconv.Itoa(b.Port)) }
 
 // Start starts the broker process and waits until it serves metadata.
 func (b *KafkaBroker) Start() error {

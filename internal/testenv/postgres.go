@@ -20,8 +20,12 @@ import (
 
 // PostgresCluster is a throwaway PostgreSQL cluster on a loopback port.
 type PostgresCluster struct {
-	// Port is the TCP port the server listens on at 127.0.0.1.
+	// Port is the TCP port the server listens on at 127.0.0.1 (and at
+	// Listen.Host, when given).
 	Port int
+	// Host is the address clients outside this machine's loopback (pods on
+	// a local node) reach the server at: Listen.Host, or 127.0.0.1.
+	Host string
 
 	binDir  string
 	dataDir string
@@ -31,8 +35,9 @@ type PostgresCluster struct {
 }
 
 // StartPostgres creates a cluster under dir (initdb, trust auth for the
-// postgres superuser) and starts it on a free port.
-func StartPostgres(dir string) (*PostgresCluster, error) {
+// postgres superuser) and starts it on a free port. With a Listen, it also
+// listens at Listen.Host and trusts connections from Listen.Clients.
+func StartPostgres(dir string, listen ...Listen) (*PostgresCluster, error) {
 	binDir, err := findDir("OUTBOX_PG_BIN", "make deps-postgres", "postgres",
 		filepath.Join(RepoRoot(), "bin", "postgresql", "*"),
 		"/usr/lib/postgresql/*/bin")
@@ -43,7 +48,8 @@ func StartPostgres(dir string) (*PostgresCluster, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &PostgresCluster{Port: port, binDir: binDir, dataDir: filepath.Join(dir, "data"), logFile: filepath.Join(dir, "postgres.log")}
+	l := listenOf(listen)
+	c := &PostgresCluster{Port: port, Host: l.Host, binDir: binDir, dataDir: filepath.Join(dir, "data"), logFile: filepath.Join(dir, "postgres.log")}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
 	}
@@ -71,7 +77,7 @@ func StartPostgres(dir string) (*PostgresCluster, error) {
 		return nil, fmt.Errorf("initdb: %w\n%s", err, out)
 	}
 	conf := fmt.Sprintf(`
-listen_addresses = '127.0.0.1'
+listen_addresses = '%s'
 port = %d
 unix_socket_directories = '%s'
 max_connections = 300
@@ -81,7 +87,7 @@ synchronous_commit = %s
 full_page_writes = %s
 log_min_messages = warning
 log_line_prefix = '%%m [%%p] %%d '
-`, port, c.dataDir, onOff(os.Getenv("OUTBOX_PG_FSYNC") == "on"), onOff(os.Getenv("OUTBOX_PG_FSYNC") == "on"), onOff(os.Getenv("OUTBOX_PG_FSYNC") == "on"))
+`, l.addresses(), port, c.dataDir, onOff(os.Getenv("OUTBOX_PG_FSYNC") == "on"), onOff(os.Getenv("OUTBOX_PG_FSYNC") == "on"), onOff(os.Getenv("OUTBOX_PG_FSYNC") == "on"))
 	f, err := os.OpenFile(filepath.Join(c.dataDir, "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
 	if err != nil {
 		return nil, err
@@ -90,6 +96,18 @@ log_line_prefix = '%%m [%%p] %%d '
 	f.Close()
 	if err != nil {
 		return nil, err
+	}
+	if l.Clients != "" {
+		hba := fmt.Sprintf("host all all %s trust\n", l.Clients)
+		f, err := os.OpenFile(filepath.Join(c.dataDir, "pg_hba.conf"), os.O_APPEND|os.O_WRONLY, 0)
+		if err != nil {
+			return nil, err
+		}
+		_, err = f.WriteString(hba)
+		f.Close()
+		if err != nil {
+			return nil, err
+		}
 	}
 	if err := c.Start(); err != nil {
 		return nil, err

@@ -157,6 +157,32 @@ func isRepoRoot(dir string) bool {
 	return err == nil && strings.Contains(string(b), "module github.com/outbox-relay/outbox-operator\n")
 }
 
+// Listen makes a server reachable beyond loopback: from the pods of a local
+// node, whose network reaches this machine at Host.
+type Listen struct {
+	// Host is an address of this machine the server listens at.
+	Host string
+	// Clients is the network (CIDR) of the clients, for servers that
+	// authorise by address (PostgreSQL trusts it).
+	Clients string
+}
+
+// listenOf is the one Listen of a variadic argument, or loopback.
+func listenOf(ls []Listen) Listen {
+	if len(ls) == 0 || ls[0].Host == "" {
+		return Listen{Host: "127.0.0.1"}
+	}
+	return ls[0]
+}
+
+// addresses is PostgreSQL's listen_addresses for l.
+func (l Listen) addresses() string {
+	if l.Host == "127.0.0.1" {
+		return l.Host
+	}
+	return "127.0.0.1," + l.Host
+}
+
 // FreePort returns a TCP port on 127.0.0.1 that was free a moment ago.
 func FreePort() (int, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")

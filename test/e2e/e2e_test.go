@@ -1,19 +1,21 @@
 // Package e2e runs the whole system on this machine, as `make demo` does
-// (internal/localcluster: PostgreSQL, Kafka, kube-apiserver + etcd, the real
-// manager and relay binaries, the local pod runner), and goes through eight
-// scenarios of an operator's user, in order, against the sample OutboxRelay.
+// (internal/localcluster: PostgreSQL, Kafka, and a real one-node cluster:
+// kube-apiserver + etcd, kube-controller-manager, kube-scheduler,
+// kube-proxy, the kubelet and containerd, with the operator installed from
+// config/default and running from the locally built image), and goes
+// through the scenarios of an operator's user, in order, against the sample
+// OutboxRelay in a namespace that enforces the restricted Pod Security
+// Standard.
 package e2e
 
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -22,6 +24,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -66,25 +69,19 @@ func runMain(m *testing.M) (code int) {
 			fmt.Fprintf(os.Stderr, "e2e: logs of the stack (manager, pod runner, relays, PostgreSQL, Kafka, API server) are kept in %s\n", topDir)
 		}
 	}()
-	// Built here, so the test works from a clean clone without `make build`.
-	managerBin, relayBin, err := localcluster.BuildBinaries(filepath.Join(topDir, "bin"))
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "e2e:", err)
-		return 1
-	}
 	logf, err := os.Create(filepath.Join(topDir, "e2e.log"))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "e2e:", err)
 		return 1
 	}
 	defer logf.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	// The images are built from the working tree by the stack, so the test
+	// works from a clean clone without `make images`.
+	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
 	stack, err = localcluster.Start(ctx, localcluster.Options{
-		Dir:           filepath.Join(topDir, "stack"),
-		ManagerBinary: managerBin,
-		RelayBinary:   relayBin,
-		Log:           slog.New(slog.NewTextHandler(logf, nil)),
+		Dir: filepath.Join(topDir, "stack"),
+		Log: slog.New(slog.NewTextHandler(logf, nil)),
 	})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "e2e: start the local stack:", err)
@@ -98,6 +95,12 @@ func runMain(m *testing.M) (code int) {
 	}()
 	if err := stack.PrepareOrders(ctx); err != nil {
 		fmt.Fprintln(os.Stderr, "e2e:", err)
+		return 1
+	}
+	// Relay pods must pass the restricted Pod Security Standard: the API
+	// server refuses them otherwise.
+	if out, err := stack.Kubectl(ctx, "label", "--overwrite", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted"); err != nil {
+		fmt.Fprintln(os.Stderr, "e2e:", err, string(out))
 		return 1
 	}
 	return m.Run()
@@ -114,7 +117,7 @@ func TestEndToEnd(t *testing.T) {
 	col.watch(t, confirmed)
 	t.Cleanup(func() {
 		if t.Failed() {
-			dumpFile(t, filepath.Join(stack.Dir, "logs", "manager.log"))
+			dumpPodLogs(t)
 			dumpFile(t, filepath.Join(topDir, "e2e.log"))
 		}
 	})
@@ -129,8 +132,12 @@ func TestEndToEnd(t *testing.T) {
 		{"4_rotate_the_dsn_secret", e.rotateDSN},
 		{"5_new_event_type_in_the_topic_map", e.newEventType},
 		{"6_reapply_is_a_no_op_and_kstatus", e.reapply},
-		{"7_autoscale_to_zero_and_back", e.autoscale},
-		{"8_delete_the_outboxrelay", e.deleteRelay},
+		{"7_drain_respects_the_pdb", e.drain},
+		{"8_deleted_pod_is_replaced", e.deletePod},
+		{"9_readiness_follows_postgres", e.readiness},
+		{"10_rollout_while_writing", e.rollout},
+		{"11_autoscale_to_zero_and_back", e.autoscale},
+		{"12_delete_the_outboxrelay", e.deleteRelay},
 	} {
 		if !t.Run(s.name, s.run) {
 			t.FailNow() // later scenarios build on this one
@@ -160,8 +167,8 @@ func (e *e2e) relay(t *testing.T) *outboxv1alpha1.OutboxRelay {
 }
 
 // waitRolledOut waits until the OutboxRelay reports n of n ready for its
-// current generation and the pod runner runs exactly n ready processes of
-// one pod template, which it returns.
+// current generation and exactly n ready pods of one pod template run (no
+// other pod, not even a terminating one), which it returns.
 func (e *e2e) waitRolledOut(t *testing.T, n int, timeout time.Duration) []localcluster.Pod {
 	t.Helper()
 	var pods []localcluster.Pod
@@ -169,7 +176,7 @@ func (e *e2e) waitRolledOut(t *testing.T, n int, timeout time.Duration) []localc
 	ok := assertEventually(timeout, func() bool {
 		r := e.relay(t)
 		c := meta.FindStatusCondition(r.Status.Conditions, outboxv1alpha1.ConditionReady)
-		pods = stack.Runner.Pods(ns, deployName)
+		pods = relayPods(t)
 		switch {
 		case r.Status.ObservedGeneration != r.Generation:
 			why = "generation not observed"
@@ -178,11 +185,11 @@ func (e *e2e) waitRolledOut(t *testing.T, n int, timeout time.Duration) []localc
 		case r.Status.Ready != fmt.Sprintf("%d/%d", n, n):
 			why = "status.ready " + r.Status.Ready
 		case len(pods) != n:
-			why = fmt.Sprintf("%d processes", len(pods))
+			why = fmt.Sprintf("%d pods", len(pods))
 		default:
 			for _, p := range pods {
-				if !p.Ready || p.Revision != pods[0].Revision {
-					why = fmt.Sprintf("processes %+v", pods)
+				if !p.Ready || p.Terminating || p.Revision != pods[0].Revision {
+					why = fmt.Sprintf("pods %+v", pods)
 					return false
 				}
 			}
@@ -237,18 +244,18 @@ func (e *e2e) scale(t *testing.T) {
 	requireDelivered(t, e.col, e.db, confirmed, ids, 0)
 }
 
-// 3. SIGKILL the relay: the runner restarts it; nothing lost, at most one
-// batch duplicated.
+// 3. SIGKILL the relay's container: the kubelet restarts it in the same
+// pod; nothing lost, at most one batch duplicated.
 func (e *e2e) sigkill(t *testing.T) {
 	w := startWriter(t, e.db, rate)
 	before := e.waitRolledOut(t, 1, 30*time.Second)[0]
 	n := w.count()
 	require.Eventually(t, func() bool { return w.count() >= n+rate/2 }, 30*time.Second, 50*time.Millisecond)
-	require.NoError(t, syscall.Kill(before.PID, syscall.SIGKILL))
+	require.NoError(t, stack.KillContainer(context.Background(), before.ContainerID))
 	require.Eventually(t, func() bool {
-		pods := stack.Runner.Pods(ns, deployName)
-		return len(pods) == 1 && pods[0].Ready && pods[0].PID != before.PID && pods[0].Restarts == before.Restarts+1
-	}, 30*time.Second, 50*time.Millisecond, "the pod runner did not restart the killed relay")
+		pods := relayPods(t)
+		return len(pods) == 1 && pods[0].Name == before.Name && pods[0].Ready && pods[0].Restarts == before.Restarts+1
+	}, 60*time.Second, 100*time.Millisecond, "the kubelet did not restart the killed relay")
 	e.waitRolledOut(t, 1, 30*time.Second)
 	n = w.count()
 	require.Eventually(t, func() bool { return w.count() >= n+rate }, 30*time.Second, 50*time.Millisecond)
@@ -264,7 +271,6 @@ func (e *e2e) rotateDSN(t *testing.T) {
 	require.NoError(t, stack.CreateRelayRole(ctx, rotated))
 	w := startWriter(t, e.db, rate)
 	before := e.waitRolledOut(t, 1, 30*time.Second)[0]
-	require.Contains(t, strings.Join(before.Env, " "), "postgres://relay:")
 	e.applied = manifests(t, func(name string, b []byte) []byte {
 		return []byte(strings.ReplaceAll(string(b), "postgres://relay:relay@", "postgres://"+rotated+":"+rotated+"@"))
 	})
@@ -272,18 +278,12 @@ func (e *e2e) rotateDSN(t *testing.T) {
 	require.Contains(t, out, "secret/orders-outbox-dsn configured")
 	require.Contains(t, out, "outboxrelay.outbox.dev/orders unchanged")
 	require.Eventually(t, func() bool {
-		pods := stack.Runner.Pods(ns, deployName)
+		pods := relayPods(t)
 		return len(pods) == 1 && pods[0].Revision != before.Revision && pods[0].Ready
-	}, 60*time.Second, 50*time.Millisecond, "the relay did not roll after the Secret changed")
-	after := e.waitRolledOut(t, 1, 30*time.Second)[0]
-	require.Contains(t, strings.Join(after.Env, " "), "postgres://"+rotated+":")
+	}, 90*time.Second, 100*time.Millisecond, "the relay did not roll after the Secret changed")
+	e.waitRolledOut(t, 1, 60*time.Second)
 	// The relay's sessions now belong to the new role only.
-	require.Eventually(t, func() bool {
-		var oldRole, newRole int
-		err := e.db.QueryRow(ctx, `SELECT count(*) FILTER (WHERE usename = $1), count(*) FILTER (WHERE usename = $2)
-			FROM pg_stat_activity WHERE datname = $3`, localcluster.RelayRole, rotated, localcluster.OrdersDatabase).Scan(&oldRole, &newRole)
-		return err == nil && oldRole == 0 && newRole > 0
-	}, 30*time.Second, 100*time.Millisecond, "relay sessions still use the old role")
+	e.requireSessionsOf(t, rotated)
 	n := w.count()
 	require.Eventually(t, func() bool { return w.count() >= n+rate }, 30*time.Second, 50*time.Millisecond)
 	ids := w.stop(t)
@@ -329,10 +329,10 @@ func (e *e2e) newEventType(t *testing.T) {
 	out := kubectl(t, "apply", "-f", e.applied)
 	require.Contains(t, out, "outboxrelay.outbox.dev/orders configured")
 	require.Eventually(t, func() bool {
-		pods := stack.Runner.Pods(ns, deployName)
+		pods := relayPods(t)
 		return len(pods) == 1 && pods[0].Revision != before.Revision && pods[0].Ready
-	}, 60*time.Second, 50*time.Millisecond, "the relay did not roll after the topic map changed")
-	e.waitRolledOut(t, 1, 30*time.Second)
+	}, 90*time.Second, 100*time.Millisecond, "the relay did not roll after the topic map changed")
+	e.waitRolledOut(t, 1, 60*time.Second)
 	close(stopWatch)
 	<-watchDone
 	e.kstatusDuringRoll = seen
@@ -340,7 +340,7 @@ func (e *e2e) newEventType(t *testing.T) {
 	require.Positive(t, seen[status.InProgressStatus], "kstatus said InProgress while the pods rolled: %v", seen)
 	require.Eventually(t, func() bool { s, err := computeKstatus(relayName); return err == nil && s == status.CurrentStatus },
 		30*time.Second, 50*time.Millisecond, "kstatus says Current once the roll is done")
-	require.Contains(t, strings.Join(stack.Runner.Pods(ns, deployName)[0].Env, " "), "relay_rotated", "the rotated DSN was kept")
+	e.requireSessionsOf(t, "relay_rotated") // the rotated DSN was kept
 
 	more := e.writeShipped(t, 20)
 	requireDelivered(t, e.col, e.db, shipped, append(shippedIDs, more...), 0)
@@ -437,7 +437,7 @@ func resourceVersions(t *testing.T) map[string]string {
 	return out
 }
 
-// 7. Autoscaling down to zero and back with real relays: with no row
+// 11. Autoscaling down to zero and back with real relays: with no row
 // waiting the operator scales the relay to zero pods; the first orders bring
 // one back within about one backlog reading, and every event arrives once.
 // Removing spec.autoscaling hands the count back to spec.replicas.
@@ -448,7 +448,7 @@ func (e *e2e) autoscale(t *testing.T) {
 	require.Eventually(t, func() bool {
 		r := e.relay(t)
 		c := meta.FindStatusCondition(r.Status.Conditions, outboxv1alpha1.ConditionReady)
-		return len(stack.Runner.Pods(ns, deployName)) == 0 && r.Status.DesiredReplicas == 0 &&
+		return len(relayPods(t)) == 0 && r.Status.DesiredReplicas == 0 &&
 			c != nil && c.Status == metav1.ConditionTrue && c.Reason == outboxv1alpha1.ReasonScaledToZero
 	}, 60*time.Second, 100*time.Millisecond, "an idle autoscaled relay did not scale to zero")
 	r := e.relay(t)
@@ -464,6 +464,7 @@ func (e *e2e) autoscale(t *testing.T) {
 	require.Eventually(t, func() bool { return w.count() >= n+rate }, 30*time.Second, 50*time.Millisecond)
 	ids := w.stop(t)
 	requireDelivered(t, e.col, e.db, confirmed, ids, 0)
+	e.burst(t, interval)
 	r = e.relay(t)
 	require.Equal(t, int32(2), *r.Spec.Replicas, "the operator never writes the spec")
 
@@ -471,9 +472,66 @@ func (e *e2e) autoscale(t *testing.T) {
 	e.waitRolledOut(t, 2, 60*time.Second)
 }
 
-// 8. Deleting the OutboxRelay: its children carry controller owner
-// references to it (the garbage collector, absent here, deletes them in a
-// cluster), and its relay processes stop.
+// burst writes burstRows events in one transaction to an autoscaled relay
+// (0..3 replicas, 2000 rows per replica): `kubectl get obr` shows the
+// backlog and the replicas following it: the reading after the commit
+// scales straight to 3, the backlog drains, and after the stabilisation
+// window the relay is back to zero pods. Every event arrives.
+func (e *e2e) burst(t *testing.T, interval time.Duration) {
+	const burstRows = 30000
+	require.Eventually(t, func() bool { return len(relayPods(t)) == 0 && e.relay(t).Status.DesiredReplicas == 0 },
+		60*time.Second, 100*time.Millisecond, "the relay did not scale back to zero before the burst")
+	ctx := context.Background()
+	w, err := outbox.NewWriter(outbox.DefaultTable)
+	require.NoError(t, err)
+	tx, err := e.db.Begin(ctx)
+	require.NoError(t, err)
+	ids := make([]string, burstRows)
+	for i := range ids {
+		ids[i] = outbox.NewEventID()
+		require.NoError(t, w.Store(ctx, tx, outbox.Entry{EventID: ids[i], AggregateType: "Order", AggregateID: fmt.Sprintf("burst-%d", i),
+			EventType: "OrderConfirmed", Payload: []byte(`{"burst":true}`), PartitionKey: fmt.Sprintf("burst-%d", i%64)}))
+	}
+	require.NoError(t, tx.Commit(ctx))
+	start := time.Now()
+
+	// What a user watching `kubectl get obr` sees: NAME READY BACKLOG LAG AGE.
+	var seen []string
+	var sawBacklog, sawThree, scaledUpIn time.Duration
+	ok := assertEventually(3*time.Minute, func() bool {
+		out, err := stack.Kubectl(ctx, "get", "obr", relayName, "--no-headers")
+		if err != nil {
+			return false
+		}
+		f := strings.Fields(string(out))
+		if len(f) != 5 {
+			t.Logf("kubectl get obr: %q", out)
+			return false
+		}
+		line := strings.Join(f[:4], " ")
+		if len(seen) == 0 || seen[len(seen)-1] != line {
+			seen = append(seen, line)
+		}
+		if f[2] != "0" && f[2] != "<none>" && sawBacklog == 0 {
+			sawBacklog = time.Since(start)
+		}
+		if strings.HasSuffix(f[1], "/3") && sawThree == 0 {
+			sawThree = time.Since(start)
+		}
+		if scaledUpIn == 0 && e.relay(t).Status.DesiredReplicas == 3 {
+			scaledUpIn = time.Since(start)
+		}
+		return sawBacklog > 0 && sawThree > 0 && f[1] == "0/0" && f[2] == "0"
+	})
+	t.Logf("kubectl get obr %s after a burst of %d rows (each distinct line, NAME READY BACKLOG LAG):\n  %s",
+		relayName, burstRows, strings.Join(seen, "\n  "))
+	require.True(t, ok, "kubectl get obr did not show the backlog rise, 3 replicas, then 0/0 with an empty backlog")
+	require.Less(t, scaledUpIn, 2*interval+5*time.Second, "scaling to 3 took longer than two backlog readings")
+	requireDelivered(t, e.col, e.db, confirmed, ids, 0)
+}
+
+// 12. Deleting the OutboxRelay: its children carry controller owner
+// references to it, so the garbage collector deletes them, and the pods go.
 func (e *e2e) deleteRelay(t *testing.T) {
 	ctx := context.Background()
 	r := e.relay(t)
@@ -487,9 +545,196 @@ func (e *e2e) deleteRelay(t *testing.T) {
 		require.True(t, ref.BlockOwnerDeletion != nil && *ref.BlockOwnerDeletion, "%T: blockOwnerDeletion", obj)
 	}
 	kubectl(t, "delete", "obr/"+relayName, "--wait=true")
-	require.Eventually(t, func() bool { return len(stack.Runner.Pods(ns, deployName)) == 0 }, 30*time.Second, 50*time.Millisecond)
-	for _, p := range pods {
-		require.Eventually(t, func() bool { return errors.Is(syscall.Kill(p.PID, 0), syscall.ESRCH) },
-			40*time.Second, 50*time.Millisecond, "relay process %d still running", p.PID)
+	for _, obj := range []client.Object{&appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}} {
+		require.Eventually(t, func() bool {
+			err := stack.Client.Get(ctx, types.NamespacedName{Namespace: ns, Name: deployName}, obj)
+			return apierrors.IsNotFound(err)
+		}, 60*time.Second, 100*time.Millisecond, "the garbage collector did not delete the %T", obj)
+	}
+	require.Eventually(t, func() bool {
+		var list corev1.PodList
+		require.NoError(t, stack.Client.List(ctx, &list, client.InNamespace(ns)))
+		for _, p := range list.Items {
+			for _, old := range pods {
+				if p.Name == old.Name {
+					return false
+				}
+			}
+		}
+		return true
+	}, 90*time.Second, 100*time.Millisecond, "the relay pods were not deleted")
+}
+
+// relayPods lists the sample relay's pods.
+func relayPods(t *testing.T) []localcluster.Pod {
+	t.Helper()
+	pods, err := stack.Pods(context.Background(), ns, deployName)
+	require.NoError(t, err)
+	return pods
+}
+
+// relaySelector is the label selector of the sample relay's pods.
+func relaySelector(t *testing.T) string {
+	t.Helper()
+	var d appsv1.Deployment
+	require.NoError(t, stack.Client.Get(context.Background(), types.NamespacedName{Namespace: ns, Name: deployName}, &d))
+	sel, err := metav1.LabelSelectorAsSelector(d.Spec.Selector)
+	require.NoError(t, err)
+	return sel.String()
+}
+
+// requireSessionsOf waits until the relays' PostgreSQL sessions all belong
+// to role: the pods run with the DSN of the Secret as it is now.
+func (e *e2e) requireSessionsOf(t *testing.T, role string) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		var other, own int
+		err := e.db.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE usename <> $1), count(*) FILTER (WHERE usename = $1)
+			FROM pg_stat_activity WHERE datname = $2 AND usename LIKE 'relay%'`, role, localcluster.OrdersDatabase).Scan(&other, &own)
+		return err == nil && other == 0 && own > 0
+	}, 60*time.Second, 100*time.Millisecond, "relay sessions do not all belong to role %s", role)
+}
+
+// 7. kubectl drain of the node respects the relay's PodDisruptionBudget
+// (at most one relay unavailable): one of the two relays is evicted, its
+// replacement cannot be scheduled on the cordoned node, and the eviction of
+// the other is refused until the drain times out; events keep flowing
+// through the relay that stays. Uncordoning brings the second one back.
+func (e *e2e) drain(t *testing.T) {
+	ctx := context.Background()
+	e.waitRolledOut(t, 2, 60*time.Second)
+	w := startWriter(t, e.db, rate)
+	minReady := make(chan int, 1)
+	stop := make(chan struct{})
+	go func() {
+		least := 2
+		for {
+			select {
+			case <-stop:
+				minReady <- least
+				return
+			case <-time.After(100 * time.Millisecond):
+			}
+			ready := 0
+			if pods, err := stack.Pods(ctx, ns, deployName); err == nil {
+				for _, p := range pods {
+					if p.Ready && !p.Terminating {
+						ready++
+					}
+				}
+				least = min(least, ready)
+			}
+		}
+	}()
+	out, err := stack.Kubectl(ctx, "drain", localcluster.NodeName, "--pod-selector="+relaySelector(t),
+		"--ignore-daemonsets", "--delete-emptydir-data", "--timeout=30s")
+	close(stop)
+	least := <-minReady
+	t.Cleanup(func() { _, _ = stack.Kubectl(ctx, "uncordon", localcluster.NodeName) })
+	require.Error(t, err, "the drain evicted both relays: %s", out)
+	require.Contains(t, string(out), "disruption budget", "the drain was not held back by the PodDisruptionBudget")
+	require.Equal(t, 1, least, "ready relays during the drain (the PDB allows one to be evicted, never both)")
+	n := w.count()
+	require.Eventually(t, func() bool { return w.count() >= n+rate/2 }, 30*time.Second, 50*time.Millisecond)
+	kubectl(t, "uncordon", localcluster.NodeName)
+	e.waitRolledOut(t, 2, 90*time.Second)
+	ids := w.stop(t)
+	requireDelivered(t, e.col, e.db, confirmed, ids, 0)
+}
+
+// 8. A deleted relay pod is replaced by the ReplicaSet; nothing is lost.
+func (e *e2e) deletePod(t *testing.T) {
+	before := e.waitRolledOut(t, 2, 60*time.Second)
+	w := startWriter(t, e.db, rate)
+	kubectl(t, "delete", "pod", before[0].Name, "--wait=false")
+	require.Eventually(t, func() bool {
+		pods := relayPods(t)
+		if len(pods) != 2 {
+			return false
+		}
+		for _, p := range pods {
+			if p.Name == before[0].Name || !p.Ready {
+				return false
+			}
+		}
+		return true
+	}, 90*time.Second, 100*time.Millisecond, "the ReplicaSet did not replace the deleted pod")
+	n := w.count()
+	require.Eventually(t, func() bool { return w.count() >= n+rate/2 }, 30*time.Second, 50*time.Millisecond)
+	ids := w.stop(t)
+	requireDelivered(t, e.col, e.db, confirmed, ids, 0)
+}
+
+// 9. The kubelet's probes drive readiness: when the relays' PostgreSQL
+// goes away (their role may no longer log in, their sessions are ended),
+// /readyz fails after spec.stallTimeout and both pods turn not ready, and
+// so does the OutboxRelay, without a restart (/healthz still passes). When
+// it comes back they turn ready again and every event arrives.
+func (e *e2e) readiness(t *testing.T) {
+	ctx := context.Background()
+	const role = "relay_rotated" // the DSN since scenario 4
+	kubectl(t, "patch", "obr/"+relayName, "--type=merge", "-p", `{"spec":{"stallTimeout":"5s"}}`)
+	before := e.waitRolledOut(t, 2, 90*time.Second)
+	w := startWriter(t, e.db, rate)
+	_, err := e.db.Exec(ctx, `ALTER ROLE `+role+` NOLOGIN`)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = e.db.Exec(ctx, `ALTER ROLE `+role+` LOGIN`) })
+	_, err = e.db.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1`, role)
+	require.NoError(t, err)
+	start := time.Now()
+	require.Eventually(t, func() bool {
+		pods := relayPods(t)
+		if len(pods) != 2 {
+			return false
+		}
+		for _, p := range pods {
+			if p.Ready {
+				return false
+			}
+		}
+		return e.relay(t).Status.Ready == "0/2"
+	}, 60*time.Second, 200*time.Millisecond, "the relays stayed ready without their database")
+	t.Logf("both relays not ready %s after their database went away (stall timeout 5s, probe period 10s)", time.Since(start).Round(100*time.Millisecond))
+	for i, p := range relayPods(t) {
+		require.Equal(t, before[i].Restarts, p.Restarts, "a relay without its database was restarted: its liveness must not depend on it")
+	}
+	_, err = e.db.Exec(ctx, `ALTER ROLE `+role+` LOGIN`)
+	require.NoError(t, err)
+	e.waitRolledOut(t, 2, 90*time.Second)
+	ids := w.stop(t)
+	// A batch published but not yet marked when its session was ended is
+	// published again: at most one per relay and batch in flight.
+	requireDelivered(t, e.col, e.db, confirmed, ids, 2*2*batchSize)
+}
+
+// 10. A spec change rolls the pods out through the Deployment controller
+// (kubectl rollout status follows it) while orders keep coming; nothing is
+// lost or duplicated.
+func (e *e2e) rollout(t *testing.T) {
+	before := e.waitRolledOut(t, 2, 60*time.Second)
+	w := startWriter(t, e.db, rate)
+	n := w.count()
+	require.Eventually(t, func() bool { return w.count() >= n+rate/2 }, 30*time.Second, 50*time.Millisecond)
+	kubectl(t, "patch", "obr/"+relayName, "--type=merge", "-p", `{"spec":{"pollInterval":"100ms"}}`)
+	out := kubectl(t, "rollout", "status", "deployment/"+deployName, "--timeout=120s")
+	require.Contains(t, out, "successfully rolled out")
+	after := e.waitRolledOut(t, 2, 60*time.Second)
+	require.NotEqual(t, before[0].Revision, after[0].Revision, "the spec change made no new pod template")
+	n = w.count()
+	require.Eventually(t, func() bool { return w.count() >= n+rate/2 }, 30*time.Second, 50*time.Millisecond)
+	ids := w.stop(t)
+	requireDelivered(t, e.col, e.db, confirmed, ids, 0)
+}
+
+// dumpPodLogs prints the tails of the pods' logs (the manager's among them)
+// and of the node's processes.
+func dumpPodLogs(t *testing.T) {
+	for _, dir := range []string{filepath.Join(stack.Dir, "node", "pod-logs"), filepath.Join(stack.Dir, "node", "logs")} {
+		_ = filepath.WalkDir(dir, func(path string, d os.DirEntry, err error) error {
+			if err == nil && !d.IsDir() {
+				dumpFile(t, path)
+			}
+			return nil
+		})
 	}
 }
