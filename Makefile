@@ -89,7 +89,7 @@ test-ops: deps $(PROMTOOL) ## Run the Helm chart, install bundle and monitoring 
 	cd test/ops && go vet ./... && go test $(GO_TEST_FLAGS) ./...
 
 .PHONY: test-e2e
-test-e2e: deps build ## Run only the end-to-end test (the local stack and the real binaries).
+test-e2e: deps ## Run only the end-to-end test (a one-node cluster with the operator, PostgreSQL and Kafka).
 	go test $(GO_TEST_FLAGS) ./test/e2e/...
 
 ##@ Build

@@ -34,8 +34,14 @@ func CleanDir(dir string) error {
 			_ = syscall.Kill(pid, syscall.SIGKILL)
 		}
 	}
-	if err := errors.Join(cleanNodeLeftovers(filepath.Join(dir, "node")), removeBridge()); err != nil {
-		return fmt.Errorf("clean up the node of an earlier run in %s: %w", dir, err)
+	// The node's leftovers are the machine's (cgroups, iptables, the
+	// bridge): only clean them while no other stack runs.
+	if release, ok := tryLockMachine(); ok {
+		err := errors.Join(cleanNodeLeftovers(filepath.Join(dir, "node")), removeBridge())
+		release()
+		if err != nil {
+			return fmt.Errorf("clean up the node of an earlier run in %s: %w", dir, err)
+		}
 	}
 	if err := os.RemoveAll(dir); err != nil {
 		return fmt.Errorf("remove %s: %w", dir, err)

@@ -87,6 +87,11 @@ func Start(ctx context.Context, opts Options) (s *Stack, err error) {
 			s = nil
 		}
 	}()
+	unlock, err := lockMachine(ctx, progress)
+	if err != nil {
+		return s, err
+	}
+	s.closers = append(s.closers, unlock)
 	if err := ensureBridge(); err != nil {
 		return s, err
 	}
