@@ -48,8 +48,9 @@ const detachedMark = "outbox relay: detaching from "
 var boundRE = regexp.MustCompile(`^FOR VALUES FROM \((MINVALUE|'[^']*')\) TO \((MAXVALUE|'[^']*')\)$`)
 
 // partitions lists the table's partitions in range order, and the tables
-// the pruner detached and has not dropped (pending true, see detachedMark).
-func (r *Relay) partitions(ctx context.Context, conn *pgx.Conn, parent uint32) ([]partition, error) {
+// the pruner detached and has not dropped (pending true, see detachedMark);
+// and the cut: ranges that ended before it are old.
+func (r *Relay) partitions(ctx context.Context, conn *pgx.Conn, parent uint32) ([]partition, time.Time, error) {
 	rows, err := conn.Query(ctx, `
 		SELECT c.oid::regclass::text, pg_get_expr(c.relpartbound, c.oid), c.relkind = 'r', i.inhdetachpending,
 		       `+boundsSQL("pg_get_expr(c.relpartbound, c.oid)")+`, pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT'
@@ -63,28 +64,28 @@ func (r *Relay) partitions(ctx context.Context, conn *pgx.Conn, parent uint32) (
 		  AND c.relkind = 'r' AND NOT c.relispartition`,
 		parent, detachedMark+strconv.FormatUint(uint64(parent), 10)+": ")
 	if err != nil {
-		return nil, fmt.Errorf("list the partitions of %s: %w", r.table, err)
+		return nil, time.Time{}, fmt.Errorf("list the partitions of %s: %w", r.table, err)
 	}
 	var parts []partition
 	for rows.Next() {
 		var p partition
 		if err := rows.Scan(&p.name, &p.bound, &p.leaf, &p.pending, &p.lo, &p.hi, &p.isDef); err != nil {
-			return nil, fmt.Errorf("list the partitions of %s: %w", r.table, err)
+			return nil, time.Time{}, fmt.Errorf("list the partitions of %s: %w", r.table, err)
 		}
 		parts = append(parts, p)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("list the partitions of %s: %w", r.table, err)
+		return nil, time.Time{}, fmt.Errorf("list the partitions of %s: %w", r.table, err)
 	}
 	var cut time.Time
 	if err := conn.QueryRow(ctx, `SELECT now() - $1::float8 * interval '1 second'`, r.cfg.KeepPublishedFor.Seconds()).Scan(&cut); err != nil {
-		return nil, fmt.Errorf("read the time: %w", err)
+		return nil, time.Time{}, fmt.Errorf("read the time: %w", err)
 	}
 	for i := range parts {
 		parts[i].old = parts[i].hi != nil && !parts[i].hi.After(cut)
 	}
 	slices.SortFunc(parts, func(a, b partition) int { return compareLow(a.lo, b.lo) })
-	return parts, nil
+	return parts, cut, nil
 }
 
 func compareLow(a, b *time.Time) int {
@@ -116,7 +117,7 @@ func (r *Relay) prunePartitions(ctx context.Context, conn *pgx.Conn, parent uint
 	if _, err := conn.Exec(ctx, `SELECT set_config('lock_timeout', $1, false)`, strconv.FormatInt(pruneLockTimeout.Milliseconds(), 10)); err != nil {
 		return fmt.Errorf("set lock_timeout on the pruning session: %w", err)
 	}
-	parts, err := r.partitions(ctx, conn, parent)
+	parts, _, err := r.partitions(ctx, conn, parent)
 	if err != nil {
 		return err
 	}
@@ -243,13 +244,9 @@ func (r *Relay) dropDetached(ctx context.Context, conn *pgx.Conn, p partition) e
 // stretch fails as a whole (no partition takes the row), so every id there
 // belongs to a dropped row.
 func (r *Relay) pruneEventIDs(ctx context.Context, conn *pgx.Conn, parent uint32) error {
-	parts, err := r.partitions(ctx, conn, parent)
+	parts, cut, err := r.partitions(ctx, conn, parent)
 	if err != nil {
 		return err
-	}
-	var cut time.Time
-	if err := conn.QueryRow(ctx, `SELECT now() - $1::float8 * interval '1 second'`, r.cfg.KeepPublishedFor.Seconds()).Scan(&cut); err != nil {
-		return fmt.Errorf("read the time: %w", err)
 	}
 	ids := r.table.EventIDsTable().Quoted()
 	for _, g := range uncovered(parts, cut) {
