@@ -87,6 +87,7 @@ func TestQuickScenarios(t *testing.T) {
 	o, err := parseFlags([]string{"-quick"})
 	require.NoError(t, err)
 	require.NotContains(t, o.scenarios, "footprint")
+	require.NotContains(t, o.scenarios, "autoscale")
 	require.Contains(t, o.scenarios, "longlived")
 	require.Equal(t, []int{10000, 100000}, o.backlogRows)
 	o, err = parseFlags(nil)
@@ -111,6 +112,11 @@ func TestTablesRender(t *testing.T) {
 	rep.add("longlived", "on-publish=delete", map[string]any{"on_publish": "delete", "rows": 1000, "batch": 500, "writers": 8,
 		"write_rate": 1000, "long_tx_from": longTxFrom, "long_tx_to": longTxTo}, one(map[string]float64{"first10_per_s": 10, "last10_per_s": 9, "last_first": 0.9}))
 	rep.add("backlog", "pending=1000", map[string]any{"pending": 1000}, one(map[string]float64{"rows_read": 1000, "read_ms": 1, "db_ms_per_s": 0.1}))
+	for _, auto := range []bool{false, true} {
+		rep.add("autoscale", autoscaleCase(auto), map[string]any{"autoscaling": auto, "burst_rows": 1000, "batch": 50, "interval": "15s",
+			"min_replicas": 0, "max_replicas": 4, "pending_per_replica": 125, "scale_down_stabilization": "30s"},
+			one(map[string]float64{"drain_s": 10 + 10*b2f(auto), "replica_s_drain": 10, "peak_replicas": 1}))
+	}
 	rep.Ratios["longlived last / first 10% on-publish delete"] = ratioResult{Median: 0.9}
 	rep.evaluate(o)
 	b, err := json.Marshal(rep)
@@ -124,6 +130,7 @@ func TestTablesRender(t *testing.T) {
 		require.Contains(t, text, "| delete | 10 | 9 | 90% |")
 		require.Contains(t, text, "| set | on | 1000 | 100% |")
 		require.Contains(t, text, "| 8 writers, one row per transaction (relay at batch 50) | on | 900 | 100% | 10 |")
+		require.Contains(t, text, "| autoscaling 0..4, 125 pending rows per replica, scale-down after 30s | 20.0 | 2.00× |")
 	}
 	require.Contains(t, rep.tables(), "rate over the last 10% of the drain vs the first 10% | ≥ 80% | 90% | met |")
 }

@@ -44,7 +44,11 @@ type benchEnv struct {
 func startEnv(ctx context.Context, o *options, work string) (*benchEnv, error) {
 	e := &benchEnv{work: work}
 	var err error
-	needKafka := slices.ContainsFunc(o.scenarios, func(s string) bool { return s != "ceiling" && s != "footprint" && s != "backlog" })
+	// The autoscale scenario starts a cluster of its own (and the backlog
+	// scenario needs no broker).
+	needKafka := slices.ContainsFunc(o.scenarios, func(s string) bool {
+		return s != "ceiling" && s != "footprint" && s != "backlog" && s != "autoscale"
+	})
 	needManager := slices.Contains(o.scenarios, "footprint")
 	logf("starting PostgreSQL (fsync %v)", o.fsync)
 	if e.pg, err = testenv.StartPostgres(filepath.Join(work, "postgres")); err != nil {

@@ -4,14 +4,15 @@
 // relay (scenario "seeds"), scaling over replicas, what headers, tracing,
 // retention and pruning cost, a long-lived table, steady-state latency, the
 // idle cost of the poll interval, what the operator's backlog reads cost the
-// database, and the footprint of the relay and the operator, each against
-// the targets in report.go. It starts its own
-// PostgreSQL (fsync on) and Kafka broker from `make deps`, runs the real
-// relay and manager binaries as separate processes, and writes a Markdown
-// report and a JSON file of every repetition.
+// database, a burst drained by one relay pod or by autoscaled ones, and the
+// footprint of the relay and the operator, each against the targets in
+// report.go. It starts its own PostgreSQL (fsync on) and Kafka broker from
+// `make deps`, runs the real relay and manager binaries as separate
+// processes (the autoscale scenario: the local cluster of `make demo`), and
+// writes a Markdown report and a JSON file of every repetition.
 //
 //	outbox-bench                     # the full run (make bench)
-//	outbox-bench -quick              # a ~2-minute subset (make bench-quick)
+//	outbox-bench -quick              # a ~3-minute subset (make bench-quick)
 //	outbox-bench -scenarios ceiling,drain,seeds   # the relay's throughput alone (make bench-relay)
 package main
 
@@ -27,6 +28,7 @@ import (
 	"time"
 	"unicode"
 
+	"github.com/outbox-relay/outbox-operator/controllers"
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
 )
 
@@ -62,21 +64,26 @@ type options struct {
 	// The operator's backlog reads (scenario backlog).
 	backlogRows  []int
 	backlogReads int
+	// The burst drained by a fixed relay and an autoscaled one (scenario autoscale).
+	burstRows         int
+	autoscaleMax      int
+	autoscaleInterval time.Duration
+	autoscaleDown     time.Duration
 }
 
 var allScenarios = []string{"ceiling", "drain", "seeds", "scaling", "retention", "compression", "headers", "pruning", "longlived",
-	"latency", "writers", "idle", "backlog", "breakdown", "profile", "footprint"}
+	"latency", "writers", "idle", "backlog", "breakdown", "profile", "footprint", "autoscale"}
 
-// quickScenarios are the scenarios of -quick: all but the one that needs
-// kube-apiserver (footprint).
-var quickScenarios = slices.DeleteFunc(slices.Clone(allScenarios), func(s string) bool { return s == "footprint" })
+// quickScenarios are the scenarios of -quick: all but those that need
+// kube-apiserver (footprint, autoscale).
+var quickScenarios = slices.DeleteFunc(slices.Clone(allScenarios), func(s string) bool { return s == "footprint" || s == "autoscale" })
 
 func parseFlags(args []string) (*options, error) {
 	fs := flag.NewFlagSet("outbox-bench", flag.ContinueOnError)
 	o := &options{}
 	var scenarios, batches, replicas, orderings, rates, backlogRows string
 	fs.StringVar(&scenarios, "scenarios", strings.Join(allScenarios, ","), "comma-separated scenarios to run: "+strings.Join(allScenarios, ","))
-	fs.BoolVar(&o.quick, "quick", false, "a ~2-minute subset: fewer rows, one repetition, short runs, no operator footprint (it needs kube-apiserver)")
+	fs.BoolVar(&o.quick, "quick", false, "a ~3-minute subset: fewer rows, one repetition, short runs, none of the scenarios that need kube-apiserver (footprint, autoscale)")
 	fs.IntVar(&o.reps, "reps", 0, "repetitions of each scenario; the median is reported (default 3, quick 1)")
 	fs.IntVar(&o.rows, "rows", 0, "pre-inserted rows per drain (default 200000, quick 30000)")
 	fs.StringVar(&batches, "batches", "50,500", "batch sizes for the ceiling and the drain")
@@ -97,6 +104,10 @@ func parseFlags(args []string) (*options, error) {
 	fs.IntVar(&o.longWriteRate, "longlived-write-rate", 1000, "rows/s the writers insert while the long-lived table drains")
 	fs.StringVar(&backlogRows, "backlog-rows", "", "waiting rows at which the operator's backlog read is timed (scenario backlog; default 10000,1000000, quick 10000,100000)")
 	fs.IntVar(&o.backlogReads, "backlog-reads", 0, "backlog reads timed at each size (default 20, quick 5)")
+	fs.IntVar(&o.burstRows, "burst-rows", 0, "rows of the burst the autoscale scenario drains (default 200000, quick 20000)")
+	fs.IntVar(&o.autoscaleMax, "autoscale-max", 4, "spec.autoscaling.maxReplicas of the autoscaled relay (its minReplicas is 0)")
+	fs.DurationVar(&o.autoscaleInterval, "autoscale-interval", controllers.DefaultBacklogInterval, "spec.backlog.interval of both relays in the autoscale scenario")
+	fs.DurationVar(&o.autoscaleDown, "autoscale-scale-down", 30*time.Second, "spec.autoscaling.scaleDownStabilization of the autoscaled relay")
 	fs.StringVar(&o.outMD, "out-md", "", "Markdown report (default docs/benchmarks.md; quick: bench/quick.md)")
 	fs.StringVar(&o.outJSON, "out-json", "", "JSON results (default bench/results.json; quick: bench/quick-results.json)")
 	fs.StringVar(&o.profileDir, "profile-dir", "bench/profiles", "where the relay's pprof profiles go")
@@ -171,6 +182,7 @@ func parseFlags(args []string) (*options, error) {
 	defD(&o.writersFor, 10*time.Second, 3*time.Second)
 	def(&o.longRows, 1_000_000, 50_000)
 	def(&o.backlogReads, 20, 5)
+	def(&o.burstRows, 200_000, 20_000)
 	if o.quick && !flagSet(fs, "scenarios") {
 		o.scenarios = quickScenarios
 	}
@@ -301,6 +313,8 @@ func runScenarios(ctx context.Context, o *options, env *benchEnv, rep *report) e
 		{"breakdown", runBreakdown},
 		{"profile", runProfile},
 		{"footprint", runFootprint},
+		// Last: it starts a cluster of its own.
+		{"autoscale", runAutoscale},
 	}
 	if err := warmUp(ctx, o, env); err != nil {
 		return fmt.Errorf("warm-up: %w", err)

@@ -191,6 +191,10 @@ func (r *report) evaluate(o *options) {
 		"≥ 80%", 100*q.Median, ok, q.Median >= 0.80, "%.0f%%")
 	q, ok = r.Ratios["longlived last / first 10% on-publish "+string(relayconfig.OnPublishMark)]
 	add("the same without retention (--on-publish mark)", "reported", 100*q.Median, ok, true, "%.0f%%")
+	q, ok = r.Ratios[autoscaleRatio(o, "time to drain")]
+	add(fmt.Sprintf("a burst of %d rows drained with autoscaling 0..%d vs one fixed replica: time to drain", o.burstRows, o.autoscaleMax), "reported", 100*q.Median, ok, true, "%.0f%%")
+	q, ok = r.Ratios[autoscaleRatio(o, "replica-seconds to drain")]
+	add("the same: replica-seconds until drained", "reported", 100*q.Median, ok, true, "%.0f%%")
 	if len(o.backlogRows) > 0 {
 		n := slices.Max(o.backlogRows)
 		x, ok1 := r.get("backlog", fmt.Sprintf("pending=%d", n), "db_ms_per_s")
@@ -435,6 +439,21 @@ func (r *report) tables() string {
 			m := x.Median
 			return fmt.Sprintf("| %v | %.0f | %.1f | %.1f | %.2f | %.0f |", x.Params["pending"], m["rows_read"], m["read_ms"], m["read_ms_p95"], m["db_ms_per_s"], m["relays_per_core"])
 		})
+	section("autoscale", r.autoscaleTitle(),
+		"| relay | burst drained in s | vs fixed | replica-seconds until drained | peak replicas | first replica ready after s | back at its minimum after s | replica-seconds until then |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+		func(x *result) string {
+			m := x.Median
+			relay, ratio := "fixed, 1 replica", "–"
+			if x.Params["autoscaling"] == true {
+				relay = fmt.Sprintf("autoscaling %v..%v, %v pending rows per replica, scale-down after %v", x.Params["min_replicas"], x.Params["max_replicas"],
+					x.Params["pending_per_replica"], x.Params["scale_down_stabilization"])
+			}
+			if v, ok := r.get("autoscale", autoscaleCase(false), "drain_s"); ok {
+				ratio = fmt.Sprintf("%.2f×", m["drain_s"]/v)
+			}
+			return fmt.Sprintf("| %s | %.1f | %s | %.1f | %.0f | %.1f | %.1f | %.1f |", relay, m["drain_s"], ratio, m["replica_s_drain"], m["peak_replicas"],
+				m["first_ready_s"], m["settled_s"], m["replica_s_settled"])
+		})
 	section("breakdown", "Where a batch's time goes (in-process relay, one replica, same Writer settings, wall time per batch)",
 		"| batch | events/s | ms per batch | claim ms | publish (WriteMessages) ms | mark + commit ms |\n| ---: | ---: | ---: | ---: | ---: | ---: |",
 		func(x *result) string {
@@ -483,6 +502,17 @@ func (r *report) longLivedTitle() string {
 		}
 	}
 	return "A long-lived table"
+}
+
+// autoscaleTitle says what the autoscale runs did, from their parameters.
+func (r *report) autoscaleTitle() string {
+	for _, x := range r.Results {
+		if x.Scenario == "autoscale" {
+			return fmt.Sprintf("Autoscaling: a burst of %v rows inserted in one transaction, drained by relay pods the operator runs (batch %v, backlog read every %v)",
+				x.Params["burst_rows"], x.Params["batch"], x.Params["interval"])
+		}
+	}
+	return "Autoscaling"
 }
 
 // toFloat reads a number from params, whether set in this run or read back from JSON.
