@@ -128,11 +128,11 @@ BENCH_FLAGS ?=
 BENCH_QUICK_FLAGS ?=
 
 .PHONY: bench
-bench: deps-postgres deps-kafka deps-kube ## Measure ceiling, relay drain, the naive claim shape, scaling, latency and footprint (~15 min); writes docs/benchmarks.md and bench/results.json.
+bench: deps-postgres deps-kafka deps-kube deps-node ## Measure ceiling, drain, the naive claim shape, scaling, latency, retention, headers and tracing, a long-lived table, the backlog read, footprint and autoscaling (~25 min); writes docs/benchmarks.md and bench/results.json.
 	go run ./cmd/outbox-bench $(BENCH_FLAGS)
 
 .PHONY: bench-quick
-bench-quick: deps-postgres deps-kafka ## A ~2-minute subset of `make bench` (writes bench/quick.md and bench/quick-results.json).
+bench-quick: deps-postgres deps-kafka ## A ~3-minute subset of `make bench` (writes bench/quick.md and bench/quick-results.json).
 	go run ./cmd/outbox-bench -quick $(BENCH_QUICK_FLAGS)
 
 .PHONY: bench-relay
