@@ -632,8 +632,9 @@ type OutboxRelayStatus struct {
 
 	// DesiredReplicas is the number of pods the operator asks the Deployment
 	// for: spec.replicas, 0 when suspended, or the autoscaler's choice.
+	// Always written, so that 0 (scaled to zero) shows as 0.
 	// +optional
-	DesiredReplicas int32 `json:"desiredReplicas,omitempty"`
+	DesiredReplicas int32 `json:"desiredReplicas"`
 
 	// Backlog is the outbox table's backlog as the operator last read it.
 	// +optional

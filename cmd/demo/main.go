@@ -39,6 +39,9 @@ func main() {
 		fmt.Fprintln(os.Stderr, "demo: -rate must be positive (or 0 with -autoscaling)")
 		os.Exit(2)
 	}
+	// Piped into tee or less, Ctrl-C ends the reader too; the demo must
+	// still stop the cluster, with its output going nowhere.
+	signal.Ignore(syscall.SIGPIPE)
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	if err := run(ctx, *dir, *rate, auto); err != nil {
@@ -96,7 +99,7 @@ func run(ctx context.Context, dir string, rate float64, auto autoscalingDemo) (e
 		if cerr := stack.Close(); cerr != nil {
 			say("  stop: %v", cerr)
 		}
-		say("» stopped; nothing is left running. Logs: %s", filepath.Join(dir, "logs"))
+		say("» stopped; nothing is left running. Logs: under %s", dir)
 	}()
 
 	say("» the cluster is yours meanwhile:  export KUBECONFIG=%s; %s get obr,pods -A", stack.Kubeconfig, stack.KubectlPath())
@@ -128,10 +131,9 @@ func run(ctx context.Context, dir string, rate float64, auto autoscalingDemo) (e
 		return err
 	}
 	defer svc.Close()
+	// The first burst waits for the relay to scale to zero, so that it
+	// shows the whole way up from no pods.
 	var nextBurst time.Time
-	if auto.on {
-		nextBurst = time.Now().Add(20 * time.Second)
-	}
 	tail, err := startTail(ctx, stack.Kafka, "orders.confirmed")
 	if err != nil {
 		return err
@@ -152,7 +154,10 @@ func run(ctx context.Context, dir string, rate float64, auto autoscalingDemo) (e
 		}
 		lastPublished = snap.published
 		if auto.on {
-			if time.Now().After(nextBurst) {
+			if nextBurst.IsZero() && snap.relayFound && snap.desired == 0 && len(snap.pods) == 0 {
+				nextBurst = time.Now().Add(5 * time.Second)
+			}
+			if !nextBurst.IsZero() && time.Now().After(nextBurst) {
 				go func() {
 					if err := svc.burst(ctx, auto.rows); err != nil && ctx.Err() == nil {
 						log.Warn("burst", "err", err)
@@ -160,7 +165,10 @@ func run(ctx context.Context, dir string, rate float64, auto autoscalingDemo) (e
 				}()
 				nextBurst = time.Now().Add(auto.every)
 			}
-			snap.burst = fmt.Sprintf("bursts of %d rows in one transaction, next in %s", auto.rows, time.Until(nextBurst).Round(time.Second))
+			snap.burst = fmt.Sprintf("bursts of %d rows in one transaction, the first once the relay is at zero pods", auto.rows)
+			if !nextBurst.IsZero() {
+				snap.burst = fmt.Sprintf("bursts of %d rows in one transaction, next in %s", auto.rows, time.Until(nextBurst).Round(time.Second))
+			}
 		}
 		w.draw(render(stack, snap))
 		select {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"log/slog"
 	"sync/atomic"
@@ -72,9 +73,14 @@ func (s *orderService) burst(ctx context.Context, n int) error {
 	defer tx.Rollback(ctx)
 	seq := s.bursts.Add(1)
 	for i := range n {
-		id := fmt.Sprintf("burst-%d-%d", seq, i)
-		if err := s.writer.Store(ctx, tx, outbox.Entry{EventID: outbox.NewEventID(), AggregateType: "Order", AggregateID: id,
-			EventType: "OrderConfirmed", Payload: []byte(`{"order_id":"` + id + `"}`), PartitionKey: id}); err != nil {
+		evt := orders.NewOrderConfirmedEvent(orders.Order{ID: fmt.Sprintf("burst-%d-%d", seq, i),
+			CustomerID: fmt.Sprintf("customer-%02d", i%100), TotalKopecks: int64(1000 + i%500000)})
+		payload, err := json.Marshal(evt)
+		if err != nil {
+			return err
+		}
+		if err := s.writer.Store(ctx, tx, outbox.Entry{EventID: evt.EventID, AggregateType: "Order", AggregateID: evt.OrderID,
+			EventType: evt.EventType, Payload: payload, PartitionKey: evt.OrderID}); err != nil {
 			return err
 		}
 	}

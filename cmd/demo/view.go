@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"path/filepath"
 	"strings"
 	"time"
 
@@ -104,7 +103,7 @@ func render(stack *localcluster.Stack, s snapshot) string {
 			if f.PublishedPerMinute != nil {
 				perMinute = fmt.Sprint(*f.PublishedPerMinute)
 			}
-			line("   status.backlog   pending %d, oldest %s, published %s/min   Lagging=%s   (observed %s)",
+			line("   status.backlog   pending %d, oldest %s, %s/min, Lagging=%s (at %s)",
 				f.Pending, f.OldestAge.Duration.Round(time.Millisecond), perMinute, orDash(s.lagging), f.ObservedAt.Format("15:04:05"))
 		} else {
 			line("   status.backlog   not observed yet")
@@ -135,9 +134,13 @@ func render(stack *localcluster.Stack, s snapshot) string {
 	line(" From another shell:")
 	line("   export KUBECONFIG=%s", stack.Kubeconfig)
 	line("   %s get obr", kubectl)
-	line("   %s scale obr/orders --replicas=3", kubectl)
+	if s.burst == "" {
+		line("   %s scale obr/orders --replicas=3", kubectl)
+	} else {
+		line("   %s get events --field-selector involvedObject.name=orders", kubectl)
+	}
 	line("   %s get deploy,svc,pdb,secret", kubectl)
-	line(" Logs: %s   Ctrl-C stops everything.", filepath.Join(stack.Dir, "logs"))
+	line(" Logs: under %s (pods: node/pod-logs)   Ctrl-C stops everything.", stack.Dir)
 	return b.String()
 }
 
