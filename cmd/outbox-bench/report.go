@@ -186,11 +186,13 @@ func (r *report) evaluate(o *options) {
 	add("drain at batch 500 while the relay prunes vs without pruning", "reported", 100*q.Median, ok, true, "%.0f%%")
 	q, ok = r.Ratios["pruning writers with / without"]
 	add("writers' throughput while the relay prunes vs without pruning", "reported", 100*q.Median, ok, true, "%.0f%%")
-	q, ok = r.Ratios["longlived last / first 10% on-publish "+string(relayconfig.OnPublishDelete)]
+	q, ok = r.Ratios[longLivedRatio(relayconfig.OnPublishDelete, false)]
 	add(fmt.Sprintf("long-lived table (%d rows, writers, a long transaction), --on-publish delete: rate over the last 10%% of the drain vs the first 10%%", o.longRows),
 		"≥ 80%", 100*q.Median, ok, q.Median >= 0.80, "%.0f%%")
-	q, ok = r.Ratios["longlived last / first 10% on-publish "+string(relayconfig.OnPublishMark)]
+	q, ok = r.Ratios[longLivedRatio(relayconfig.OnPublishMark, false)]
 	add("the same without retention (--on-publish mark)", "reported", 100*q.Median, ok, true, "%.0f%%")
+	q, ok = r.Ratios[longLivedRatio(relayconfig.OnPublishMark, true)]
+	add("the same with mark and the server's default autovacuum settings instead of the DDL's", "reported", 100*q.Median, ok, true, "%.0f%%")
 	q, ok = r.Ratios[autoscaleRatio(o, "time to drain")]
 	add(fmt.Sprintf("a burst of %d rows drained with autoscaling 0..%d vs one fixed replica: time to drain", o.burstRows, o.autoscaleMax), "reported", 100*q.Median, ok, true, "%.0f%%")
 	q, ok = r.Ratios[autoscaleRatio(o, "replica-seconds to drain")]
@@ -406,14 +408,14 @@ func (r *report) tables() string {
 			return fmt.Sprintf("| %s | %s | %.0f | %s | %.0f | %s |", run, onOff(x.Params["pruning"] == true), x.Median["events_per_s"], ratio, x.Median["pruned"], reps(x, "events_per_s", "%.0f"))
 		})
 	section("longlived", r.longLivedTitle(),
-		"| on publish | first 10% events/s | last 10% events/s | last / first | while the long transaction was open | whole drain | long transaction open (s) | writers' rows/s | table at the end (MiB) |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+		"| on publish | autovacuum settings | first 10% events/s | last 10% events/s | last / first | while the long transaction was open | whole drain | long transaction open (s) | writers' rows/s | table at the end (MiB) |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
 		func(x *result) string {
 			m := x.Median
 			lastFirst := "–"
 			if v, ok := m["last_first"]; ok {
 				lastFirst = fmt.Sprintf("%.0f%%", 100*v)
 			}
-			return fmt.Sprintf("| %v | %.0f | %.0f | %s | %.0f | %.0f | %.1f | %.0f | %.0f |", x.Params["on_publish"], m["first10_per_s"], m["last10_per_s"], lastFirst,
+			return fmt.Sprintf("| %v | %v | %.0f | %.0f | %s | %.0f | %.0f | %.1f | %.0f | %.0f |", x.Params["on_publish"], cmp.Or(x.Params["autovacuum"], any(autovacuumLabel(false))), m["first10_per_s"], m["last10_per_s"], lastFirst,
 				m["long_tx_per_s"], m["events_per_s"], m["long_tx_open_s"], m["writers_per_s"], m["table_mib"])
 		})
 	section("writers", "Writers: what a notification per transaction costs (8 writers, one row per transaction)",

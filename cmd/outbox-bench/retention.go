@@ -96,20 +96,44 @@ const (
 // --on-publish mark (no retention) and delete. One run per mode: each
 // takes minutes at the full size.
 func runLongLived(ctx context.Context, o *options, e *benchEnv, rep *report) error {
-	for _, onPublish := range relayconfig.OnPublishes {
-		m, err := longLivedRun(ctx, o, e, onPublish)
+	cases := []struct {
+		onPublish relayconfig.OnPublish
+		// serverAutovacuum resets the table's own autovacuum settings (the
+		// shipped DDL's) to the server's defaults, to measure what they do.
+		serverAutovacuum bool
+	}{{relayconfig.OnPublishMark, false}, {relayconfig.OnPublishDelete, false}, {relayconfig.OnPublishMark, true}}
+	for _, c := range cases {
+		m, err := longLivedRun(ctx, o, e, c.onPublish, c.serverAutovacuum)
 		if err != nil {
-			return fmt.Errorf("on-publish %s: %w", onPublish, err)
+			return fmt.Errorf("on-publish %s: %w", c.onPublish, err)
 		}
-		logf("longlived on-publish=%s: first 10%% %.0f events/s, last 10%% %.0f (%.0f%%), with the long transaction %.0f, whole drain %.0f; writers %.0f rows/s",
-			onPublish, m["first10_per_s"], m["last10_per_s"], 100*m["last_first"], m["long_tx_per_s"], m["events_per_s"], m["writers_per_s"])
-		rep.add("longlived", "on-publish="+string(onPublish), map[string]any{"on_publish": string(onPublish), "rows": o.longRows, "batch": 500,
+		av := autovacuumLabel(c.serverAutovacuum)
+		logf("longlived on-publish=%s autovacuum=%s: first 10%% %.0f events/s, last 10%% %.0f (%.0f%%), with the long transaction %.0f, whole drain %.0f; writers %.0f rows/s",
+			c.onPublish, av, m["first10_per_s"], m["last10_per_s"], 100*m["last_first"], m["long_tx_per_s"], m["events_per_s"], m["writers_per_s"])
+		rep.add("longlived", "on-publish="+string(c.onPublish)+" autovacuum="+av, map[string]any{"on_publish": string(c.onPublish), "autovacuum": av, "rows": o.longRows, "batch": 500,
 			"write_rate": o.longWriteRate, "writers": o.producers, "long_tx_from": longTxFrom, "long_tx_to": longTxTo}, []map[string]float64{m})
 		if v, ok := m["last_first"]; ok {
-			rep.Ratios["longlived last / first 10% on-publish "+string(onPublish)] = ratioResult{Median: v, Rounds: []float64{v}}
+			rep.Ratios[longLivedRatio(c.onPublish, c.serverAutovacuum)] = ratioResult{Median: v, Rounds: []float64{v}}
 		}
 	}
 	return nil
+}
+
+// autovacuumLabel names a long-lived run's autovacuum settings.
+func autovacuumLabel(server bool) string {
+	if server {
+		return "server defaults"
+	}
+	return "the DDL's"
+}
+
+// longLivedRatio names the last / first 10% ratio of a long-lived run.
+func longLivedRatio(onPublish relayconfig.OnPublish, serverAutovacuum bool) string {
+	k := "longlived last / first 10% on-publish " + string(onPublish)
+	if serverAutovacuum {
+		k += ", server-default autovacuum"
+	}
+	return k
 }
 
 // counterSample is a relay's published counter at one instant.
@@ -145,12 +169,18 @@ func rateBetween(samples []counterSample, a, b float64) float64 {
 	return (b - a) / tb.Sub(ta).Seconds()
 }
 
-func longLivedRun(ctx context.Context, o *options, e *benchEnv, onPublish relayconfig.OnPublish) (map[string]float64, error) {
+func longLivedRun(ctx context.Context, o *options, e *benchEnv, onPublish relayconfig.OnPublish, serverAutovacuum bool) (map[string]float64, error) {
 	n := float64(o.longRows)
 	logf("longlived on-publish=%s: filling %d rows", onPublish, o.longRows)
 	t0 := time.Now()
 	if err := e.freshTable(ctx, o.longRows); err != nil {
 		return nil, err
+	}
+	if serverAutovacuum {
+		if _, err := e.pool.Exec(ctx, `ALTER TABLE outbox RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold,
+			autovacuum_vacuum_insert_scale_factor, autovacuum_analyze_scale_factor, autovacuum_vacuum_cost_delay)`); err != nil {
+			return nil, err
+		}
 	}
 	fillS := time.Since(t0).Seconds()
 	topic, err := e.newTopic(o, "longlived")
