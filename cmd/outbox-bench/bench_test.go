@@ -127,7 +127,7 @@ func TestTablesRender(t *testing.T) {
 		text := r.tables()
 		require.NotContains(t, text, "%!")
 		require.Contains(t, text, "from 25% to 75% of the drain")
-		require.Contains(t, text, "| delete | 10 | 9 | 90% |")
+		require.Contains(t, text, "| delete | the DDL's | 10 | 9 | 90% |")
 		require.Contains(t, text, "| set | on | 1000 | 100% |")
 		require.Contains(t, text, "| 8 writers, one row per transaction (relay at batch 50) | on | 900 | 100% | 10 |")
 		require.Contains(t, text, "| autoscaling 0..4, 125 pending rows per replica, scale-down after 30s | 20.0 | 2.00× |")
