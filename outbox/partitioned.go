@@ -78,16 +78,7 @@ func PartitionedSchemaDDL(t Table, period PartitionPeriod, ahead int) string {
 -- primary key must include the partition key, hence (id, created_at); id is
 -- unique by itself all the same, drawn from one identity sequence.
 CREATE TABLE IF NOT EXISTS %[1]s (
-    id             bigint      GENERATED ALWAYS AS IDENTITY,
-    event_id       uuid        NOT NULL,
-    aggregate_type text        NOT NULL,
-    aggregate_id   text        NOT NULL,
-    event_type     text        NOT NULL,
-    payload        jsonb       NOT NULL,
-    partition_key  text        NOT NULL,
-    created_at     timestamptz NOT NULL DEFAULT now(),
-    published_at   timestamptz,
-    headers        jsonb,
+`+columnDDL+`,
     PRIMARY KEY (id, created_at)
 ) PARTITION BY RANGE (created_at);
 

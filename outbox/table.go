@@ -147,16 +147,9 @@ func SchemaDDL(t Table) string {
 		fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n\n", pgx.Identifier{t.Schema}.Sanitize())
 	}
 	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %[1]s (
-    id             bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    event_id       uuid        NOT NULL UNIQUE,
-    aggregate_type text        NOT NULL,
-    aggregate_id   text        NOT NULL,
-    event_type     text        NOT NULL,
-    payload        jsonb       NOT NULL,
-    partition_key  text        NOT NULL,
-    created_at     timestamptz NOT NULL DEFAULT now(),
-    published_at   timestamptz,
-    headers        jsonb
+`+columnDDL+`,
+    PRIMARY KEY (id),
+    UNIQUE (event_id)
 );
 
 -- The relay claims through this index only: it holds just the unpublished rows.
@@ -182,3 +175,16 @@ ALTER TABLE %[1]s SET (
 `, q, idx)
 	return b.String()
 }
+
+// columnDDL is the outbox's columns, the same in the plain and the
+// partitioned table; each DDL adds its own keys after them.
+const columnDDL = `    id             bigint      GENERATED ALWAYS AS IDENTITY,
+    event_id       uuid        NOT NULL,
+    aggregate_type text        NOT NULL,
+    aggregate_id   text        NOT NULL,
+    event_type     text        NOT NULL,
+    payload        jsonb       NOT NULL,
+    partition_key  text        NOT NULL,
+    created_at     timestamptz NOT NULL DEFAULT now(),
+    published_at   timestamptz,
+    headers        jsonb`

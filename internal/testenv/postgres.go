@@ -2,6 +2,7 @@ package testenv
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -88,24 +89,11 @@ full_page_writes = %s
 log_min_messages = warning
 log_line_prefix = '%%m [%%p] %%d '
 `, l.addresses(), port, c.dataDir, onOff(os.Getenv("OUTBOX_PG_FSYNC") == "on"), onOff(os.Getenv("OUTBOX_PG_FSYNC") == "on"), onOff(os.Getenv("OUTBOX_PG_FSYNC") == "on"))
-	f, err := os.OpenFile(filepath.Join(c.dataDir, "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
-	if err != nil {
-		return nil, err
-	}
-	_, err = f.WriteString(conf)
-	f.Close()
-	if err != nil {
+	if err := appendFile(filepath.Join(c.dataDir, "postgresql.conf"), conf); err != nil {
 		return nil, err
 	}
 	if l.Clients != "" {
-		hba := fmt.Sprintf("host all all %s trust\n", l.Clients)
-		f, err := os.OpenFile(filepath.Join(c.dataDir, "pg_hba.conf"), os.O_APPEND|os.O_WRONLY, 0)
-		if err != nil {
-			return nil, err
-		}
-		_, err = f.WriteString(hba)
-		f.Close()
-		if err != nil {
+		if err := appendFile(filepath.Join(c.dataDir, "pg_hba.conf"), fmt.Sprintf("host all all %s trust\n", l.Clients)); err != nil {
 			return nil, err
 		}
 	}
@@ -113,6 +101,16 @@ log_line_prefix = '%%m [%%p] %%d '
 		return nil, err
 	}
 	return c, nil
+}
+
+// appendFile appends text to an existing file.
+func appendFile(path, text string) error {
+	f, err := os.OpenFile(path, os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	_, err = f.WriteString(text)
+	return errors.Join(err, f.Close())
 }
 
 func onOff(b bool) string {
