@@ -191,8 +191,8 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, in secretInp
 		Ports: []corev1.ContainerPort{{
 			Name: metricsPortName, ContainerPort: relayconfig.MetricsPort, Protocol: corev1.ProtocolTCP,
 		}},
-		LivenessProbe:  httpProbe("/healthz", 3),
-		ReadinessProbe: httpProbe("/readyz", 1),
+		LivenessProbe:  httpProbe("/healthz", 10, 3),
+		ReadinessProbe: httpProbe("/readyz", readinessPeriodSeconds, 1),
 		Resources:      resources,
 		SecurityContext: &corev1.SecurityContext{
 			RunAsNonRoot:             ptr.To(true),
@@ -250,12 +250,19 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, in secretInp
 	return d, nil
 }
 
-func httpProbe(path string, failureThreshold int32) *corev1.Probe {
+// readinessPeriodSeconds is how often the kubelet asks a relay's /readyz.
+// Short, so that a new pod counts as ready soon after it is: a rolling
+// update waits for it before stopping an old pod, the PodDisruptionBudget
+// counts it, and status.ready shows it. The probe is an HTTP GET the relay
+// answers from memory.
+const readinessPeriodSeconds = 2
+
+func httpProbe(path string, periodSeconds, failureThreshold int32) *corev1.Probe {
 	return &corev1.Probe{
 		ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{
 			Path: path, Port: intstr.FromString(metricsPortName), Scheme: corev1.URISchemeHTTP,
 		}},
-		PeriodSeconds:    10,
+		PeriodSeconds:    periodSeconds,
 		TimeoutSeconds:   2,
 		FailureThreshold: failureThreshold,
 		SuccessThreshold: 1,

@@ -694,7 +694,7 @@ func (e *e2e) readiness(t *testing.T) {
 		}
 		return e.relay(t).Status.Ready == "0/2"
 	}, 60*time.Second, 200*time.Millisecond, "the relays stayed ready without their database")
-	t.Logf("both relays not ready %s after their database went away (stall timeout 5s, probe period 10s)", time.Since(start).Round(100*time.Millisecond))
+	t.Logf("both relays not ready %s after their database went away (stall timeout 5s, readiness probe every 2s)", time.Since(start).Round(100*time.Millisecond))
 	for i, p := range relayPods(t) {
 		require.Equal(t, before[i].Restarts, p.Restarts, "a relay without its database was restarted: its liveness must not depend on it")
 	}
