@@ -30,12 +30,10 @@ import (
 // their Go modules (make deps-node). Pods are real containers from images
 // imported into containerd; nothing is pulled.
 type node struct {
-	dir    string // everything of the node lives here
-	bin    string // testenv.NodeAssetsDir
-	sock   string // containerd's socket
-	procs  []*devproc.Proc
-	saved  map[string]string // sysctls the kubelet changes, as they were
-	images []string          // tarballs imported into containerd
+	dir   string // everything of the node lives here
+	bin   string // testenv.NodeAssetsDir
+	sock  string // containerd's socket
+	procs []*devproc.Proc
 }
 
 // The sysctls the kubelet sets at start-up; the node restores them.
@@ -59,7 +57,7 @@ func startNode(ctx context.Context, dir string, kube *testenv.KubeEnv, images []
 	if _, err := os.Stat(filepath.Join(cniBinDir, "bridge")); err != nil {
 		return nil, fmt.Errorf("CNI plugins not found in %s: run `make deps-node`", cniBinDir)
 	}
-	n = &node{dir: dir, bin: bin, sock: filepath.Join(dir, "containerd", "containerd.sock"), images: images, saved: map[string]string{}}
+	n = &node{dir: dir, bin: bin, sock: filepath.Join(dir, "containerd", "containerd.sock")}
 	defer func() {
 		if err != nil {
 			n.close()
@@ -72,14 +70,15 @@ func startNode(ctx context.Context, dir string, kube *testenv.KubeEnv, images []
 		}
 	}
 	// Saved in a file, so that cleaning up after a killed run restores them too.
+	saved := map[string]string{}
 	for _, k := range kubeletSysctls {
 		b, err := os.ReadFile(filepath.Join("/proc/sys", k))
 		if err != nil {
 			return n, err
 		}
-		n.saved[k] = string(bytes.TrimSpace(b))
+		saved[k] = string(bytes.TrimSpace(b))
 	}
-	b, err := json.Marshal(n.saved)
+	b, err := json.Marshal(saved)
 	if err != nil {
 		return n, err
 	}

@@ -16,8 +16,8 @@ import (
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
 )
 
-// OperatorNamespace is where config/default installs the manager.
-const OperatorNamespace = "outbox-system"
+// operatorNamespace is where config/default installs the manager.
+const operatorNamespace = "outbox-system"
 
 // installOperator applies config/default as a user does, through a
 // kustomization that only pins the image (the manager's, and the relay
@@ -60,7 +60,7 @@ patches:
                 env:
                   - name: RELAY_IMAGE
                     value: %s
-`, base, repo, tag, OperatorNamespace, s.OperatorImage)
+`, base, repo, tag, operatorNamespace, s.OperatorImage)
 	if err := os.WriteFile(filepath.Join(overlay, "kustomization.yaml"), []byte(kustomization), 0o644); err != nil {
 		return err
 	}
@@ -77,7 +77,7 @@ func (s *Stack) waitManager(ctx context.Context, timeout time.Duration) error {
 	why := "no Deployment"
 	for {
 		var list appsv1.DeploymentList
-		if err := s.Client.List(ctx, &list, client.InNamespace(OperatorNamespace),
+		if err := s.Client.List(ctx, &list, client.InNamespace(operatorNamespace),
 			client.MatchingLabels{"app.kubernetes.io/component": "manager"}); err == nil && len(list.Items) == 1 {
 			d := list.Items[0]
 			if d.Status.ObservedGeneration == d.Generation && d.Status.AvailableReplicas >= 1 && d.Status.UpdatedReplicas == d.Status.Replicas {
@@ -86,7 +86,7 @@ func (s *Stack) waitManager(ctx context.Context, timeout time.Duration) error {
 			why = fmt.Sprintf("status %+v", d.Status)
 		}
 		if time.Now().After(deadline) {
-			pods, _ := s.podSummary(ctx, OperatorNamespace)
+			pods, _ := s.podSummary(ctx, operatorNamespace)
 			return fmt.Errorf("the manager is not available within %s: %s; pods: %s (logs under %s)", timeout, why, pods, filepath.Join(s.Dir, "node", "pod-logs"))
 		}
 		select {
