@@ -35,15 +35,15 @@ func autoscaleBounds(as *outboxv1alpha1.AutoscalingSpec) (lo, hi int32) {
 // replica per that many waiting rows; oldestAge: the running count times
 // oldest age / target, as a HorizontalPodAutoscaler scales on a ratio), at
 // least one while a row waits, within the bounds. Without a reading it keeps
-// the running count; when the backlog cannot be read (unreadable), at least
-// one replica: an operator that cannot see the table must not keep a relay
-// at zero.
+// the running count. When the last read failed (unreadable), at least one
+// replica, whatever an earlier reading said: an operator that cannot see the
+// table must not keep a relay at zero on a stale "nothing waits".
 func recommendReplicas(as *outboxv1alpha1.AutoscalingSpec, b *outboxv1alpha1.BacklogStatus, running int32, unreadable bool) int32 {
 	lo, hi := autoscaleBounds(as)
+	if unreadable {
+		lo = max(lo, 1)
+	}
 	if b == nil {
-		if unreadable {
-			lo = max(lo, 1)
-		}
 		return min(max(running, lo), hi)
 	}
 	want := int32(0)

@@ -28,7 +28,9 @@ const backlogQueryTimeout = 5 * time.Second
 // and returns one row per (event type, has a NULL column) with its count and
 // the age of its oldest row, beside the number of rows read, the last id
 // read, the table's max(id) (one primary-key probe), and PostgreSQL's count
-// of the table's updated and deleted rows ($2 is the table's quoted name),
+// of the table's updated and deleted rows ($2 is the table's quoted name;
+// summed over the leaf partitions of a partitioned table, where PostgreSQL
+// counts them: a partitioned parent's own counters stay 0),
 // from which the publish rate is derived without scanning published_at (a
 // relay updates a row only to mark it published, and deletes one only once
 // it is published; pruning deletes published rows too).
@@ -37,16 +39,18 @@ func BacklogSQL(t outbox.Table) string {
 	return `WITH g AS (
     SELECT event_type, invalid, count(*) AS n, max(id) AS last,
            extract(epoch FROM now() - min(created_at))::float8 AS age
-    FROM (SELECT id, event_type, created_at,
+    FROM (SELECT id, event_type, CASE WHEN ` + outbox.CreatedAtCheck + ` THEN created_at END AS created_at,
                  (event_id IS NULL OR event_type IS NULL OR aggregate_type IS NULL OR aggregate_id IS NULL
-                  OR partition_key IS NULL OR payload IS NULL OR created_at IS NULL) AS invalid
+                  OR partition_key IS NULL OR payload IS NULL OR created_at IS NULL
+                  OR NOT (` + outbox.CreatedAtCheck + `)) AS invalid
           FROM ` + q + `
           WHERE published_at IS NULL
           ORDER BY id
           LIMIT $1) s
     GROUP BY 1, 2)
 SELECT COALESCE((SELECT sum(n) FROM g), 0)::bigint, (SELECT max(last) FROM g)::bigint, (SELECT max(id) FROM ` + q + `)::bigint,
-       pg_stat_get_tuples_updated($2::text::regclass) + pg_stat_get_tuples_deleted($2::text::regclass),
+       (SELECT COALESCE(sum(pg_stat_get_tuples_updated(relid) + pg_stat_get_tuples_deleted(relid)), 0)
+          FROM pg_partition_tree($2::text::regclass) WHERE isleaf)::bigint,
        current_setting('track_counts')::bool,
        g.event_type, g.invalid, g.n, g.age
 FROM (VALUES (1)) one(x) LEFT JOIN g ON true`
@@ -55,7 +59,7 @@ FROM (VALUES (1)) one(x) LEFT JOIN g ON true`
 // typeCount is one group of the sampled rows.
 type typeCount struct {
 	eventType *string // nil: a NULL event type
-	invalid   bool    // a NULL in a column the relay reads
+	invalid   bool    // a NULL in a column the relay reads, or created_at out of range
 	n         int64
 	age       float64 // seconds since the group's oldest created_at; NaN when unknown
 }

@@ -40,8 +40,8 @@ func lagThreshold(relay *outboxv1alpha1.OutboxRelay) time.Duration {
 }
 
 // lagging is the Lagging condition for an observation: Unknown without a
-// usable reading (none yet, or the last success is older than the
-// threshold, so it can no longer vouch for the flow), True when the oldest
+// current reading (none yet, or the last read failed: an earlier sample
+// cannot vouch for the flow now), True when the oldest
 // waiting row is older than the threshold, with the reason that best says
 // why: no ready replica, nothing published in the last minute, or too slow.
 func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, now time.Time) (metav1.ConditionStatus, string, string) {
@@ -50,7 +50,7 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 	switch {
 	case b == nil && obs.err == "":
 		return metav1.ConditionUnknown, outboxv1alpha1.ReasonObserving, "the operator has not read the backlog yet"
-	case obs.err != "" && (b == nil || now.Sub(b.ObservedAt.Time) > threshold):
+	case obs.err != "":
 		return metav1.ConditionUnknown, outboxv1alpha1.ReasonBacklogUnavailable, obs.err
 	}
 	approx := ""

@@ -132,7 +132,7 @@ BEGIN
         lo := first + i * interval '1 %[3]s';
         part := %[5]s || to_char(lo, '%[7]s');
         CONTINUE WHEN to_regclass(format('%%I.%%I', nsp, part)) IS NOT NULL;
-        EXECUTE format('CREATE TABLE %%I.%%I (LIKE %%s INCLUDING DEFAULTS INCLUDING STORAGE) WITH (%[8]s)',
+        EXECUTE format('CREATE TABLE %%I.%%I (LIKE %%s INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING STORAGE) WITH (%[8]s)',
             nsp, part, parent);
         EXECUTE format('ALTER TABLE %%s ATTACH PARTITION %%I.%%I FOR VALUES FROM (%%L) TO (%%L)',
             parent, nsp, part, lo AT TIME ZONE 'UTC', (lo + interval '1 %[3]s') AT TIME ZONE 'UTC');

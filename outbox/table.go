@@ -176,6 +176,12 @@ ALTER TABLE %[1]s SET (
 	return b.String()
 }
 
+// CreatedAtCheck is the range of created_at the relay publishes: finite, and
+// within the years 1 to 9999, which RFC 3339 timestamps (the CloudEvents
+// time header) and Go's JSON encoding of time can carry. The DDL checks it;
+// on a table without the check, the relay holds a row outside it as invalid.
+const CreatedAtCheck = `created_at >= '0001-01-01 00:00:00+00' AND created_at < '10000-01-01 00:00:00+00'`
+
 // columnDDL is the outbox's columns, the same in the plain and the
 // partitioned table; each DDL adds its own keys after them.
 const columnDDL = `    id             bigint      GENERATED ALWAYS AS IDENTITY,
@@ -185,6 +191,6 @@ const columnDDL = `    id             bigint      GENERATED ALWAYS AS IDENTITY,
     event_type     text        NOT NULL,
     payload        jsonb       NOT NULL,
     partition_key  text        NOT NULL,
-    created_at     timestamptz NOT NULL DEFAULT now(),
+    created_at     timestamptz NOT NULL DEFAULT now() CHECK (` + CreatedAtCheck + `),
     published_at   timestamptz,
     headers        jsonb`

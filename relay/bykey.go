@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -18,22 +19,58 @@ const numBuckets = 64
 // session, which also runs its claim transactions. Session locks free
 // themselves when the session ends, so a dead replica's buckets pass to the
 // others; and a replica whose session is gone cannot commit a batch either,
-// so two replicas never publish one key at once (docs/ordering.md). A row
-// that cannot go out stops the later rows of its key in the batch, and its
-// key stays out of claims for a while, so no row of a key ever overtakes an
-// older one.
+// so two replicas never publish one key at once (docs/ordering.md).
+//
+// Order is kept per key within each topic (a lane): that is the order a
+// consumer of a topic sees, and Kafka keeps no order between topics. A row
+// that cannot go out stops the later rows of its lane in the batch, and the
+// lane stays out of claims for a while, so no row overtakes an older one of
+// its key on its topic; the key's rows on other topics flow.
 type byKey struct {
 	r           *Relay
 	mine        []int32
 	fairShare   int
 	nextBalance time.Time
-	blocked     map[string]time.Time // keys whose next row cannot be published yet
-	keyBackoff  map[string]time.Duration
-	firstStop   map[string]int // per batch: the index of each key's first stopped row
+	blocked     map[lane]time.Time // lanes whose next row cannot be published yet
+	laneBackoff map[lane]time.Duration
+	firstStop   map[lane]int    // per batch: the index of each lane's first stopped row
+	gauged      map[string]bool // topics with a blocked-keys series
 }
 
+// lane is the unit of order in partition-key mode: a partition key on one
+// topic. Rows of an unmapped event type have no topic; each such type is a
+// lane of its own (topic is unmappedLane + the type), so a type missing
+// from the map holds back only the key's rows of that type.
+type lane struct{ key, topic string }
+
+// unmappedLane prefixes the topic of an unmapped type's lane; no topic name
+// can start with it (topic names are [a-zA-Z0-9._-]).
+const unmappedLane = "\x00"
+
 func newByKey(r *Relay) *byKey {
-	return &byKey{r: r, blocked: map[string]time.Time{}, keyBackoff: map[string]time.Duration{}, firstStop: map[string]int{}}
+	return &byKey{r: r, blocked: map[lane]time.Time{}, laneBackoff: map[lane]time.Duration{}, firstStop: map[lane]int{}, gauged: map[string]bool{}}
+}
+
+// laneOf is x's lane.
+func (k *byKey) laneOf(x row) lane {
+	if t, ok := k.r.cfg.Topics[x.eventType]; ok {
+		return lane{x.partitionKey, t}
+	}
+	return lane{x.partitionKey, unmappedLane + x.eventType}
+}
+
+// types are the event types whose rows travel in l.
+func (k *byKey) types(l lane) []string {
+	if t, ok := strings.CutPrefix(l.topic, unmappedLane); ok {
+		return []string{t}
+	}
+	var ts []string
+	for _, et := range k.r.types {
+		if k.r.cfg.Topics[et] == l.topic {
+			ts = append(ts, et)
+		}
+	}
+	return ts
 }
 
 func (k *byKey) prepare(ctx context.Context, now time.Time) (beginner, error) {
@@ -58,24 +95,27 @@ func (k *byKey) prepare(ctx context.Context, now time.Time) (beginner, error) {
 	return k.r.member.conn, nil
 }
 
-func (k *byKey) claim(ctx context.Context, tx pgx.Tx, from int64, held []int64, _, keys []string) (pgx.Rows, error) {
-	return tx.Query(ctx, k.r.sql.ClaimBuckets, from, held, keys, k.mine, k.r.cfg.BatchSize, k.r.cfg.MaxBatchBytes)
+func (k *byKey) claim(ctx context.Context, tx pgx.Tx, from int64, held []int64, f claimFilter) (pgx.Rows, error) {
+	return tx.Query(ctx, k.r.sql.ClaimBuckets, from, held, f.keys, f.keyTypes, k.mine, k.r.cfg.BatchSize, k.r.cfg.MaxBatchBytes)
 }
 
 func (k *byKey) stop(x row, i int, until time.Time) {
-	if _, ok := k.firstStop[x.partitionKey]; !ok {
-		k.firstStop[x.partitionKey] = i
+	l := k.laneOf(x)
+	// The earliest stop counts: admit may stop a later row (an invalid one)
+	// before the publish learns that an earlier row failed.
+	if j, ok := k.firstStop[l]; !ok || i < j {
+		k.firstStop[l] = i
 	}
 	if until.IsZero() {
 		return
 	}
-	if prev, ok := k.blocked[x.partitionKey]; !ok || until.After(prev) {
-		k.blocked[x.partitionKey] = until
+	if prev, ok := k.blocked[l]; !ok || until.After(prev) {
+		k.blocked[l] = until
 	}
 }
 
 func (k *byKey) stopped(x row, i int) bool {
-	j, ok := k.firstStop[x.partitionKey]
+	j, ok := k.firstStop[k.laneOf(x)]
 	return ok && j < i
 }
 
@@ -83,31 +123,56 @@ func (k *byKey) failed(x row, i int, now time.Time) {
 	if k.stopped(x, i) {
 		return
 	}
-	d := min(max(2*k.keyBackoff[x.partitionKey], 100*time.Millisecond), k.r.cfg.MaxBackoff)
-	k.keyBackoff[x.partitionKey] = d
+	l := k.laneOf(x)
+	d := min(max(2*k.laneBackoff[l], 100*time.Millisecond), k.r.cfg.MaxBackoff)
+	k.laneBackoff[l] = d
 	k.stop(x, i, now.Add(jitter(d)))
 }
 
-func (k *byKey) sent(x row) { delete(k.keyBackoff, x.partitionKey) }
+func (k *byKey) sent(x row) { delete(k.laneBackoff, k.laneOf(x)) }
 
 // backOff: only when Kafka failed everything; otherwise only the failed
-// keys wait and the rest flows.
+// lanes wait and the rest flows.
 func (k *byKey) backOff(failed, sent int) bool { return failed > 0 && failed == sent }
 
-// waiting returns the mapped types whose topic is available, and the keys
-// blocked now (dropping expired ones; their rows are behind the cursor).
-func (k *byKey) waiting(now time.Time) ([]string, []string) {
-	keys := make([]string, 0, len(k.blocked))
-	for key, until := range k.blocked {
+// waiting returns the mapped types whose topic is available, and the
+// (key, type) pairs of the lanes blocked now (dropping expired ones; their
+// rows are behind the cursor).
+func (k *byKey) waiting(now time.Time) claimFilter {
+	f := claimFilter{types: k.r.availableTypes(now), keys: []string{}, keyTypes: []string{}}
+	perTopic := map[string]int{}
+	for l, until := range k.blocked {
 		if now.After(until) {
-			delete(k.blocked, key)
+			delete(k.blocked, l)
 			k.r.cur.rescanSoon()
 			continue
 		}
-		keys = append(keys, key)
+		perTopic[l.topic]++
+		for _, et := range k.types(l) {
+			f.keys, f.keyTypes = append(f.keys, l.key), append(f.keyTypes, et)
+		}
 	}
-	k.r.m.blockedKeys.Set(float64(len(keys)))
-	return k.r.availableTypes(now), keys
+	k.gaugeBlocked(perTopic)
+	return f
+}
+
+// gaugeBlocked sets outbox_relay_ordering_blocked_keys{topic}, dropping the
+// series of topics that no longer hold keys back.
+func (k *byKey) gaugeBlocked(perTopic map[string]int) {
+	now := map[string]bool{}
+	for topic, n := range perTopic {
+		if t, ok := strings.CutPrefix(topic, unmappedLane); ok {
+			topic = "unmapped:" + t
+		}
+		now[topic] = true
+		k.r.m.blockedKeys.WithLabelValues(topic).Set(float64(n))
+	}
+	for topic := range k.gauged {
+		if !now[topic] {
+			k.r.m.blockedKeys.DeleteLabelValues(topic)
+		}
+	}
+	k.gauged = now
 }
 
 func (k *byKey) left() {

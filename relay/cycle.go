@@ -80,7 +80,9 @@ func (r *Relay) Run(ctx context.Context) error {
 			r.health.batchFailed(now, err)
 			backoff = min(max(2*backoff, 100*time.Millisecond), r.cfg.MaxBackoff)
 			r.log.Warn("batch failed; retrying", "err", err, "backoff", backoff)
-			sleep(ctx, jitter(backoff))
+			d := jitter(backoff)
+			r.health.idleUntil(time.Now().Add(d))
+			sleep(ctx, d)
 			continue
 		}
 		backoff = 0
@@ -140,10 +142,10 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 		cancel()
 		return nil, r.dbFailed(fmt.Errorf("begin claim transaction on %s: %w", r.table, err))
 	}
-	types, keys := r.mode.waiting(start) // before the cursor: an expired filter moves it back
-	held := r.held.ids()
-	r.filter.Store(&claimFilter{types: types, held: held, keys: keys})
-	rows, full, err := r.claim(bctx, tx, r.cur.from(start), held, types, keys)
+	f := r.mode.waiting(start) // before the cursor: an expired filter moves it back
+	f.held = r.held.ids()
+	r.filter.Store(&f)
+	rows, full, err := r.claim(bctx, tx, r.cur.from(start), f.held, f)
 	if err != nil {
 		tx.Rollback(bctx) //nolint:errcheck // the claim's error is the one to report
 		cancel()

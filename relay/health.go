@@ -22,7 +22,7 @@ const (
 	// the table, so this one does not claim.
 	StallModeConflict = "mode_conflict"
 	// StallLoopWedged: the loop has not started an iteration for longer
-	// than a batch can take.
+	// than a batch can take, after its last deliberate sleep ended.
 	StallLoopWedged = "loop_wedged"
 )
 
@@ -34,6 +34,7 @@ type health struct {
 	timeout       time.Duration // the stall timeout
 	wedgedAfter   time.Duration
 	lastIteration time.Time
+	idleEnd       time.Time // the end of the loop's current deliberate sleep (poll interval, backoff)
 	failingSince  time.Time // zero while batches complete
 	lastErr       error
 	lastProgress  time.Time // a batch published rows, or found nothing to claim
@@ -44,6 +45,14 @@ type health struct {
 
 func newHealth(timeout, wedgedAfter time.Duration, now time.Time) *health {
 	return &health{timeout: timeout, wedgedAfter: wedgedAfter, lastIteration: now, lastProgress: now, lastPublished: now}
+}
+
+// idleUntil records that the loop sleeps on purpose until until: an idle
+// relay polling every hour is not wedged while it waits for the hour.
+func (h *health) idleUntil(until time.Time) {
+	h.mu.Lock()
+	h.idleEnd = until
+	h.mu.Unlock()
 }
 
 func (h *health) iteration(now time.Time) {
@@ -104,8 +113,16 @@ func (h *health) stalls(now time.Time) map[string]string {
 		out[StallRowsWaiting] = fmt.Sprintf("a row has waited %s and nothing was published for %s",
 			h.oldestWaiting.Round(time.Second), d.Round(time.Second))
 	}
-	if d := now.Sub(h.lastIteration); d > h.wedgedAfter {
+	// The loop moved last when its iteration began or its sleep ended.
+	if d := now.Sub(later(h.lastIteration, h.idleEnd)); d > h.wedgedAfter {
 		out[StallLoopWedged] = fmt.Sprintf("the loop has not moved for %s", d.Round(time.Second))
 	}
 	return out
+}
+
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
 }

@@ -11,7 +11,8 @@ import (
 const (
 	// HeldUnroutable: the row's event type is not in the topic map.
 	HeldUnroutable = "unroutable"
-	// HeldInvalidRow: a column the relay reads is NULL.
+	// HeldInvalidRow: a column the relay reads is NULL, created_at is out of
+	// range (outbox.CreatedAtCheck), or the headers are malformed.
 	HeldInvalidRow = "invalid_row"
 	// HeldTopicUnavailable: the row's topic does not exist, or the relay may
 	// not write to it.

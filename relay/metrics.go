@@ -16,7 +16,7 @@ type metrics struct {
 	oldestAge     prometheus.Gauge
 	latency       prometheus.Histogram
 	buckets       prometheus.Gauge
-	blockedKeys   prometheus.Gauge
+	blockedKeys   *prometheus.GaugeVec
 	stalled       *prometheus.GaugeVec
 	pruned        prometheus.Counter
 	// prunedPartitions counts the partitions dropped by retention on a
@@ -100,8 +100,9 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			"Time from a row's created_at to its acknowledgement by Kafka.", 0.001, 18),
 		buckets: f.gauge("outbox_relay_ordering_buckets_owned",
 			"Key-hash buckets (of 64) this replica publishes in partition-key ordering mode."),
-		blockedKeys: f.gauge("outbox_relay_ordering_blocked_keys",
-			"Partition keys held back in partition-key ordering mode because an earlier row of the key could not be published yet."),
+		blockedKeys: f.gaugeVec("outbox_relay_ordering_blocked_keys",
+			"Partition keys held back on a topic in partition-key ordering mode because an earlier row of the key on that topic could not be published yet, by topic (unmapped:<type> for an event type missing from the topic map).",
+			"topic", nil),
 		stalled: f.gaugeVec("outbox_relay_stalled",
 			"1 while the relay is stalled for the reason (batch_failing, no_progress, rows_waiting, mode_conflict, loop_wedged), else 0. Any 1 fails /readyz; loop_wedged also fails /healthz.",
 			"reason", stallReasons),

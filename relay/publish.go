@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/segmentio/kafka-go"
@@ -25,25 +26,40 @@ const (
 type outcome int
 
 const (
-	skipped   outcome = iota // not sent in this batch; stays unpublished
-	acked                    // Kafka acknowledged it
-	transient                // failed in a way a retry may fix
-	permanent                // Kafka will never take this record
-	topicDown                // its topic is unavailable
+	skipped     outcome = iota // not sent in this batch; stays unpublished
+	acked                      // Kafka acknowledged it
+	transient                  // failed in a way a retry may fix
+	permanent                  // Kafka will never take this record (a verdict on the record alone)
+	refusedWith                // Kafka refused the request that carried it with others; the culprit is unknown
+	topicDown                  // its topic is unavailable
 )
 
 // errTooLarge is the error a record larger than its topic takes gets.
-func errTooLarge(size, limit int, topic string) error {
-	return fmt.Errorf("record of %d bytes is larger than topic %s takes (%d): %w", size, topic, limit, kafka.MessageSizeTooLarge)
+func errTooLarge(size, budget int, topic string) error {
+	return fmt.Errorf("record of %d bytes is larger than topic %s takes (%d in a record batch under its max.message.bytes): %w",
+		size, topic, budget, kafka.MessageSizeTooLarge)
 }
 
-// messageSize is kafka-go's accounting of a record's size.
-func messageSize(m kafka.Message) int {
-	n := 8 + 4 + 4 + len(m.Key) + len(m.Value) + len(m.Topic)
+// recordSize is kafka-go's accounting of a record's size, the one its
+// writer splits a partition's batches by (BatchBytes): key, value and
+// headers with their length prefixes, and the record's fixed fields.
+func recordSize(m kafka.Message) int {
+	n := 4 + 1 + 1 + 4 + len(m.Key) + 4 + len(m.Value) + 8 + varintSize(len(m.Headers))
 	for _, h := range m.Headers {
-		n += len(h.Key) + len(h.Value) + 8
+		n += varintSize(len(h.Key)) + len(h.Key) + varintSize(len(h.Value)) + len(h.Value)
 	}
 	return n
+}
+
+// varintSize is the length of n as a zig-zag varint, as Kafka encodes lengths.
+func varintSize(n int) int {
+	u := uint64(n) << 1
+	size := 1
+	for u >= 0x80 {
+		u >>= 7
+		size++
+	}
+	return size
 }
 
 // batch is one claimed batch on its way to Kafka: each row's outcome and error.
@@ -75,17 +91,22 @@ func (r *Relay) publish(ctx context.Context, rows []row) ([]int64, error) {
 			idx = append(idx, i)
 		}
 	}
-	r.send(ctx, b, msgs, idx)
+	r.sendRounds(ctx, b, msgs, idx)
 
 	published := make([]int64, 0, len(rows))
 	var transientErr error
 	failed := 0
 	for i, x := range rows {
-		if b.out[i] == permanent && !r.mode.stopped(x, i) && len(msgs) > 1 {
-			// A partition batch fails as a whole; send this row alone to
-			// learn whether it is the culprit.
-			if m := r.message(x, r.cfg.Topics[x.eventType]); messageSize(m) <= r.topics.limit(m.Topic) {
-				r.write(ctx, []kafka.Message{m}, func(_ int, o outcome, err error) { b.out[i], b.errs[i] = o, err })
+		if b.out[i] == refusedWith {
+			// A partition's batch is refused as a whole, so its error says
+			// nothing about this row: send it alone to learn whether it is
+			// the culprit. A row whose key already stopped in this batch (an
+			// older row failed, even transiently) is not a verdict either:
+			// it waits for a later batch, never the dead-letter topic.
+			b.out[i] = skipped
+			if !r.mode.stopped(x, i) {
+				r.write(ctx, []kafka.Message{r.message(x, r.cfg.Topics[x.eventType])},
+					func(_ int, o outcome, err error) { b.out[i], b.errs[i] = o, err })
 			}
 		}
 		switch b.out[i] {
@@ -103,6 +124,8 @@ func (r *Relay) publish(ctx context.Context, rows []row) ([]int64, error) {
 			failed++
 			transientErr = b.errs[i]
 			r.mode.failed(x, i, now)
+		case skipped:
+			r.mode.stop(x, i, time.Time{}) // its key's later rows wait for the next batch
 		case topicDown:
 			r.m.publishErrors.WithLabelValues(HeldTopicUnavailable).Inc()
 			r.topicFailed(r.cfg.Topics[x.eventType], x, b.errs[i], now)
@@ -142,10 +165,11 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 	if r.mode.stopped(x, i) {
 		return kafka.Message{}, false // an older row of its key is not out yet
 	}
-	if x.nullColumns != "" {
-		// Never sent: a NULL payload would be a tombstone, a NULL id or type unroutable.
+	if x.invalid != "" {
+		// Never sent: a NULL payload would be a tombstone, a NULL id or type
+		// unroutable, an infinite created_at a wrong time.
 		until := now.Add(r.cfg.HeldRetryInterval)
-		r.held.hold(r.log, x, HeldInvalidRow, until, fmt.Errorf("NULL in %s", x.nullColumns))
+		r.held.hold(r.log, x, HeldInvalidRow, until, errors.New(x.invalid))
 		r.mode.stop(x, i, until)
 		return kafka.Message{}, false
 	}
@@ -177,13 +201,57 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 	}
 	b.rows[i] = x // later records of this row (sent alone, dead-lettered) carry the same headers
 	m := r.message(x, topic)
-	if size, limit := messageSize(m), r.topics.limit(topic); size > limit {
+	if size, budget := recordSize(m), r.topics.budget(topic); size > budget {
 		// Decided here: sent, it would fail the whole partition batch.
-		b.out[i], b.errs[i] = permanent, errTooLarge(size, limit, topic)
+		b.out[i], b.errs[i] = permanent, errTooLarge(size, budget, topic)
 		r.mode.stop(x, i, time.Time{})
 		return kafka.Message{}, false
 	}
 	return m, true
+}
+
+// sendRounds writes the admitted records. In partition-key mode a call
+// carries at most one record batch's worth per topic (its budget), so each
+// partition's share is one batch that succeeds or fails as a whole: were a
+// share split into several batches, a later one could be taken while an
+// earlier one of the same key is refused. The records beyond go in the next
+// round, after the rows of every key and topic that did not go out in an
+// earlier round are left for a later batch.
+func (r *Relay) sendRounds(ctx context.Context, b *batch, msgs []kafka.Message, idx []int) {
+	if r.cfg.Ordering != OrderingPartitionKey {
+		r.send(ctx, b, msgs, idx) // the writer splits partitions' shares to fit
+		return
+	}
+	type lane struct{ key, topic string }
+	failed := map[lane]bool{}
+	for len(msgs) > 0 {
+		var round, next []kafka.Message
+		var ri, ni []int
+		used := map[string]int{}
+		full := map[string]bool{}
+		for j, m := range msgs {
+			i := idx[j]
+			if failed[lane{b.rows[i].partitionKey, m.Topic}] {
+				b.out[i] = skipped
+				continue
+			}
+			size := recordSize(m)
+			if full[m.Topic] || (used[m.Topic] > 0 && used[m.Topic]+size > r.topics.budget(m.Topic)) {
+				full[m.Topic] = true // the topic's later records too, so no key's order turns
+				next, ni = append(next, m), append(ni, i)
+				continue
+			}
+			used[m.Topic] += size
+			round, ri = append(round, m), append(ri, i)
+		}
+		r.send(ctx, b, round, ri)
+		for j, i := range ri {
+			if b.out[i] != acked {
+				failed[lane{b.rows[i].partitionKey, round[j].Topic}] = true
+			}
+		}
+		msgs, idx = next, ni
+	}
 }
 
 // send writes the admitted records in one call. When that call fails as a
@@ -208,7 +276,7 @@ func (r *Relay) send(ctx context.Context, b *batch, msgs []kafka.Message, idx []
 		for j, m := range msgs {
 			if i := idx[j]; m.Topic == topic {
 				if r.mode.stopped(b.rows[i], i) {
-					b.out[i] = skipped // an older row of its key failed in another topic
+					b.out[i] = skipped // an older row of its key on this topic did not go out
 					continue
 				}
 				tm, ti = append(tm, m), append(ti, i)
@@ -276,14 +344,55 @@ func (r *Relay) topicFailed(topic string, x row, err error, now time.Time) {
 	}
 }
 
-// write sends msgs in one call and reports each message's outcome.
+// write sends msgs and reports each message's outcome. Messages whose
+// topics take batches of the same size go in one call of the writer for
+// that size, which splits each partition's share to fit; the calls of
+// different sizes run at once.
 func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int, outcome, error)) {
 	if len(msgs) == 0 {
 		return
 	}
 	pctx, cancel := context.WithTimeout(ctx, r.cfg.PublishTimeout)
 	defer cancel()
-	err := r.writer.WriteMessages(pctx, msgs...)
+	if r.writer != nil { // injected
+		r.writeWith(pctx, r.writer, msgs, report)
+		return
+	}
+	groups := map[int][]int{} // budget -> indexes into msgs
+	var budgets []int
+	for j, m := range msgs {
+		bb := r.topics.budget(m.Topic)
+		if _, ok := groups[bb]; !ok {
+			budgets = append(budgets, bb)
+		}
+		groups[bb] = append(groups[bb], j)
+	}
+	if len(budgets) == 1 {
+		r.writeWith(pctx, r.writerFor(budgets[0]), msgs, report)
+		return
+	}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for _, bb := range budgets {
+		idx := groups[bb]
+		part := make([]kafka.Message, len(idx))
+		for n, j := range idx {
+			part[n] = msgs[j]
+		}
+		wg.Go(func() {
+			r.writeWith(pctx, r.writerFor(bb), part, func(n int, o outcome, err error) {
+				mu.Lock()
+				defer mu.Unlock()
+				report(idx[n], o, err)
+			})
+		})
+	}
+	wg.Wait()
+}
+
+// writeWith sends msgs in one call of w and reports each message's outcome.
+func (r *Relay) writeWith(ctx context.Context, w MessageWriter, msgs []kafka.Message, report func(int, outcome, error)) {
+	err := w.WriteMessages(ctx, msgs...)
 	var werrs kafka.WriteErrors
 	switch {
 	case err == nil:
@@ -300,6 +409,8 @@ func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int
 				report(j, acked, nil)
 			case isTopicUnavailable(e):
 				report(j, topicDown, e)
+			case isPermanent(e) && len(msgs) > 1:
+				report(j, refusedWith, e)
 			case isPermanent(e):
 				report(j, permanent, e)
 			default:
@@ -331,9 +442,9 @@ func (r *Relay) deadLetter(ctx context.Context, x row, cause error) bool {
 		kafka.Header{Key: HeaderError, Value: []byte(cause.Error())},
 		kafka.Header{Key: HeaderOriginalTopic, Value: []byte(m.Topic)})
 	m.Topic = r.cfg.DeadLetterTopic
-	if size, limit := messageSize(m), r.topics.limit(m.Topic); size > limit {
+	if size, budget := recordSize(m), r.topics.budget(m.Topic); size > budget {
 		r.log.Error("row fits neither its topic nor the dead-letter topic; it is held", "id", x.id, "event_id", x.eventID,
-			"bytes", size, "dead_letter_limit", limit)
+			"bytes", size, "dead_letter_limit", budget)
 		return false
 	}
 	ok := false

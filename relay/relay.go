@@ -34,18 +34,20 @@ type MessageWriter interface {
 
 // Relay is one relay process's loop over one outbox table.
 type Relay struct {
-	cfg     Config
-	table   outbox.Table
-	sql     SQL
-	shape   tableShape // read by Check
-	pool    *pgxpool.Pool
-	writer  MessageWriter
-	kwriter *kafka.Writer // nil when a MessageWriter was injected
-	client  *kafka.Client
-	m       *metrics
-	log     *slog.Logger
-	types   []string     // mapped event types, sorted
-	tracer  trace.Tracer // nil when tracing is off
+	cfg       Config
+	table     outbox.Table
+	sql       SQL
+	shape     tableShape // read by Check
+	pool      *pgxpool.Pool
+	writer    MessageWriter // an injected writer; nil when the relay makes its own (writerFor)
+	newWriter func(batchBytes int) *kafka.Writer
+	wmu       sync.Mutex
+	writers   map[int]*kafka.Writer // by the batch size they split partitions' shares at
+	client    *kafka.Client
+	m         *metrics
+	log       *slog.Logger
+	types     []string     // mapped event types, sorted
+	tracer    trace.Tracer // nil when tracing is off
 
 	// Loop state, owned by Run's goroutine.
 	mode   strategy
@@ -72,7 +74,9 @@ type Relay struct {
 type claimFilter struct {
 	types []string
 	held  []int64
-	keys  []string
+	// keys[i] with keyTypes[i]: the rows of that partition key and event
+	// type wait (partition-key mode; never nil: a NULL array matches no row).
+	keys, keyTypes []string
 }
 
 // New validates cfg and prepares a relay. It connects lazily: Check and Run
@@ -137,7 +141,7 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 		member:     &member{mode: cfg.Ordering},
 		cur:        cursor{fullRescan: cfg.FullRescanInterval},
 		held:       newHeldRows(),
-		topics:     newTopicState(),
+		topics:     newTopicState(compression(cfg.Compression) != 0),
 		health:     newHealth(cfg.StallTimeout, batchDeadline(cfg)+cfg.StallTimeout, now),
 		unroutable: map[string]bool{},
 		wake:       make(chan struct{}, 1),
@@ -146,8 +150,9 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 	if cfg.TracerProvider != nil {
 		r.tracer = cfg.TracerProvider.Tracer(tracerName)
 	}
-	if w == nil {
-		r.kwriter = &kafka.Writer{
+	r.writers = map[int]*kafka.Writer{}
+	r.newWriter = func(batchBytes int) *kafka.Writer {
+		return &kafka.Writer{
 			Addr:         kafka.TCP(cfg.Brokers...),
 			Balancer:     &kafka.Murmur2Balancer{}, // what Java clients pick for a key
 			RequiredAcks: kafka.RequireAll,
@@ -155,10 +160,12 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 			// BatchTimeout; the relay hands over whole batches, so send at once.
 			BatchTimeout: time.Microsecond,
 			BatchSize:    cfg.BatchSize,
-			// The relay checks each record against its topic's limit and
-			// the claim's byte budget bounds a call; the writer adds no cap
-			// of its own, so a partition's share of a call is one request.
-			BatchBytes:      1 << 30,
+			// The broker applies max.message.bytes to a partition's whole
+			// record batch: the writer splits a partition's share of a call
+			// at the topics' budget (topicState.budget), so a hot key or
+			// large payloads go out in a few full requests, never refused
+			// as a whole and never one request per row.
+			BatchBytes:      int64(batchBytes),
 			MaxAttempts:     3,
 			Compression:     compression(cfg.Compression),
 			WriteBackoffMin: 50 * time.Millisecond,
@@ -167,7 +174,6 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 			WriteTimeout:    cfg.PublishTimeout,
 			Transport:       transport,
 		}
-		r.writer = r.kwriter
 	}
 	for t := range cfg.Topics {
 		r.types = append(r.types, t)
@@ -190,10 +196,26 @@ func batchDeadline(cfg Config) time.Duration { return cfg.PublishTimeout + 15*ti
 func (r *Relay) Close() error {
 	r.leave()
 	r.pool.Close()
-	if r.kwriter != nil {
-		return r.kwriter.Close()
+	r.wmu.Lock()
+	defer r.wmu.Unlock()
+	var errs []error
+	for _, w := range r.writers {
+		errs = append(errs, w.Close())
 	}
-	return nil
+	return errors.Join(errs...)
+}
+
+// writerFor returns the relay's writer that splits partitions' shares at
+// batchBytes, made on first use (topics usually share one limit, so one).
+func (r *Relay) writerFor(batchBytes int) *kafka.Writer {
+	r.wmu.Lock()
+	defer r.wmu.Unlock()
+	w, ok := r.writers[batchBytes]
+	if !ok {
+		w = r.newWriter(batchBytes)
+		r.writers[batchBytes] = w
+	}
+	return w
 }
 
 // Check verifies the table's columns and partial index, that every mapped
@@ -379,7 +401,7 @@ type row struct {
 	partitionKey  string
 	payload       []byte
 	createdAt     time.Time
-	nullColumns   string // the columns that were NULL, comma-separated
+	invalid       string // what is wrong with the row's columns (NULLs, created_at out of range); empty when nothing
 	headers       []byte // the headers column as stored; nil when NULL or absent
 	// custom are the row's own headers the record carries (admit sets them).
 	custom []kafka.Header
@@ -410,8 +432,8 @@ func payloadBytes(rows []row) int {
 
 // claim runs the mode's claim and reads the rows, and whether the claim was
 // full: it locked as many rows as the batch size, or the byte budget cut it.
-func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, held []int64, types, keys []string) ([]row, bool, error) {
-	rs, err := r.mode.claim(ctx, tx, from, held, types, keys)
+func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, held []int64, f claimFilter) ([]row, bool, error) {
+	rs, err := r.mode.claim(ctx, tx, from, held, f)
 	if err != nil {
 		return nil, false, fmt.Errorf("claim batch from %s: %w", r.table, err)
 	}
@@ -420,7 +442,7 @@ func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, held []int64, 
 	for rs.Next() {
 		var x row
 		if err := rs.Scan(&x.id, &x.eventID, &x.eventType, &x.aggregateType, &x.aggregateID, &x.partitionKey,
-			&x.payload, &x.createdAt, &x.nullColumns, &x.headers, &locked); err != nil {
+			&x.payload, &x.createdAt, &x.invalid, &x.headers, &locked); err != nil {
 			rs.Close()
 			return nil, false, fmt.Errorf("claim batch from %s: %w", r.table, err)
 		}

@@ -12,9 +12,10 @@ type SQL struct {
 	Claim string
 	// ClaimBuckets is Claim for partition-key ordering: every row of the
 	// replica's key-hash buckets, whatever its type (an unpublishable row
-	// must stop the later rows of its key). Arguments: $1 the id to start
-	// after, $2 ids to leave out, $3 keys to leave out, $4 the buckets,
-	// $5 the most rows, $6 the byte budget.
+	// must stop the later rows of its key and topic). Arguments: $1 the id
+	// to start after, $2 ids to leave out, $3 and $4 the (partition key,
+	// event type) pairs to leave out, as two arrays, $5 the buckets, $6 the
+	// most rows, $7 the byte budget.
 	ClaimBuckets string
 	// Mark sets published_at on the rows whose ids are $1; on a
 	// partitioned table (Partitioned) whose created_at is also between $2
@@ -38,7 +39,8 @@ type SQL struct {
 	// OldestAge is the age in seconds of the oldest unpublished row, 0 when none.
 	OldestAge string
 	// OldestWaiting is the age in seconds of the oldest row of event types
-	// $1, leaving out ids $2 and keys $3: what a claim could take. 0 when none.
+	// $1, leaving out ids $2 and the (key, type) pairs $3 and $4: what a
+	// claim could take. 0 when none.
 	OldestWaiting string
 }
 
@@ -46,6 +48,13 @@ type SQL struct {
 // NULL key hashes as ” so the row is claimed (and held as invalid), not
 // stranded in no bucket.
 const bucketSQL = `(hashtext(COALESCE(partition_key, '')) & 63)`
+
+// waitingPair is true for a row whose (partition key, event type) is one of
+// the pairs in the parallel arrays keys and types.
+func waitingPair(keys, types string) string {
+	return `EXISTS (SELECT 1 FROM unnest(` + keys + `::text[], ` + types + `::text[]) AS w(k, t)
+        WHERE w.k = COALESCE(partition_key, '') AND w.t = COALESCE(event_type, ''))`
+}
 
 // SQLOption changes the statements NewSQL builds.
 type SQLOption func(*sqlOptions)
@@ -62,18 +71,26 @@ func WithHeadersColumn() SQLOption { return func(o *sqlOptions) { o.headers = tr
 func WithPartitions() SQLOption { return func(o *sqlOptions) { o.partitioned = true } }
 
 // claimColumns is what a claim returns per row. No column can fail the scan:
-// NULLs come back as empty values and null_columns names them, so one bad
-// row is held on its own instead of failing the claim for every replica.
+// NULLs come back as empty values, a created_at that Go's time cannot carry
+// through RFC 3339 (infinity, or outside the years 1 to 9999) comes back as
+// the epoch, and invalid names each such value, so one bad row is held on
+// its own instead of failing the claim for every replica.
 // claimHeaders adds the headers and the size.
 const claimColumns = `id,
     COALESCE(event_id::text, '') AS event_id, COALESCE(event_type, '') AS event_type,
     COALESCE(aggregate_type, '') AS aggregate_type, COALESCE(aggregate_id, '') AS aggregate_id,
-    COALESCE(partition_key, '') AS partition_key, payload, COALESCE(created_at, 'epoch') AS created_at,
-    concat_ws(',',
-        CASE WHEN event_id IS NULL THEN 'event_id' END, CASE WHEN event_type IS NULL THEN 'event_type' END,
-        CASE WHEN aggregate_type IS NULL THEN 'aggregate_type' END, CASE WHEN aggregate_id IS NULL THEN 'aggregate_id' END,
-        CASE WHEN partition_key IS NULL THEN 'partition_key' END, CASE WHEN payload IS NULL THEN 'payload' END,
-        CASE WHEN created_at IS NULL THEN 'created_at' END) AS null_columns`
+    COALESCE(partition_key, '') AS partition_key, payload,
+    CASE WHEN ` + validCreatedAt + ` THEN created_at ELSE 'epoch' END AS created_at,
+    concat_ws(', ',
+        CASE WHEN event_id IS NULL THEN 'event_id is NULL' END, CASE WHEN event_type IS NULL THEN 'event_type is NULL' END,
+        CASE WHEN aggregate_type IS NULL THEN 'aggregate_type is NULL' END, CASE WHEN aggregate_id IS NULL THEN 'aggregate_id is NULL' END,
+        CASE WHEN partition_key IS NULL THEN 'partition_key is NULL' END, CASE WHEN payload IS NULL THEN 'payload is NULL' END,
+        CASE WHEN created_at IS NULL THEN 'created_at is NULL'
+             WHEN NOT (` + validCreatedAt + `) THEN 'created_at is out of range: ' || created_at::text END) AS invalid`
+
+// validCreatedAt is the created_at range the relay publishes, the same as
+// the shipped DDL's CHECK (outbox.CreatedAtCheck).
+const validCreatedAt = outbox.CreatedAtCheck
 
 // storedSize is what a column costs in a claim's byte budget: its stored
 // size when stored uncompressed (free to read), else its text length: a
@@ -103,7 +120,7 @@ func claimHeaders(o sqlOptions) string {
 // the claim locked (a batch cut by the budget is a full batch, not a short one).
 func budgeted(claim, budgetArg string) string {
 	return `WITH c AS (` + claim + `)
-SELECT id, event_id, event_type, aggregate_type, aggregate_id, partition_key, payload, created_at, null_columns,
+SELECT id, event_id, event_type, aggregate_type, aggregate_id, partition_key, payload, created_at, invalid,
        headers, (SELECT count(*) FROM c) AS locked
 FROM (SELECT c.*, sum(size) OVER (ORDER BY id) - size AS before FROM c) s
 WHERE before < ` + budgetArg + `
@@ -133,11 +150,11 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
     FOR UPDATE SKIP LOCKED`, "$5"),
 		ClaimBuckets: budgeted(`SELECT `+cols+`
     FROM `+q+`
-    WHERE published_at IS NULL AND id > $1 AND id <> ALL($2) AND COALESCE(partition_key, '') <> ALL($3)
-      AND `+bucketSQL+` = ANY($4)
+    WHERE published_at IS NULL AND id > $1 AND id <> ALL($2) AND NOT `+waitingPair("$3", "$4")+`
+      AND `+bucketSQL+` = ANY($5)
     ORDER BY id
-    LIMIT $5
-    FOR UPDATE SKIP LOCKED`, "$6"),
+    LIMIT $6
+    FOR UPDATE SKIP LOCKED`, "$7"),
 		Mark:   `UPDATE ` + q + ` SET published_at = now() WHERE id = ANY($1)` + bounds,
 		Delete: `DELETE FROM ` + q + ` WHERE id = ANY($1)` + bounds,
 		Prune: `WITH doomed AS (
@@ -148,10 +165,12 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
 gone AS (DELETE FROM ` + q + ` WHERE id IN (SELECT id FROM doomed) RETURNING id)
 SELECT count(*), COALESCE(max(id), 0) FROM gone`,
 		BacklogByType: `SELECT event_type, count(*) FROM (SELECT event_type FROM ` + q + ` WHERE published_at IS NULL LIMIT $1) s GROUP BY 1`,
+		// A created_at out of range is left out: its row is held, and
+		// before PostgreSQL 17 now() - 'infinity' fails the statement.
 		OldestAge: `SELECT COALESCE((SELECT extract(epoch FROM now() - created_at)::float8 FROM ` + q +
-			` WHERE published_at IS NULL ORDER BY id LIMIT 1), 0)`,
+			` WHERE published_at IS NULL AND ` + validCreatedAt + ` ORDER BY id LIMIT 1), 0)`,
 		OldestWaiting: `SELECT COALESCE((SELECT extract(epoch FROM now() - created_at)::float8 FROM ` + q +
-			` WHERE published_at IS NULL AND event_type = ANY($1) AND id <> ALL($2) AND COALESCE(partition_key, '') <> ALL($3)
+			` WHERE published_at IS NULL AND ` + validCreatedAt + ` AND event_type = ANY($1) AND id <> ALL($2) AND NOT ` + waitingPair("$3", "$4") + `
 			  ORDER BY id LIMIT 1), 0)`,
 	}
 }

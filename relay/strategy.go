@@ -17,7 +17,7 @@ type strategy interface {
 	prepare(ctx context.Context, now time.Time) (beginner, error)
 	// claim runs the mode's claim statement from id from, leaving out the
 	// held rows and what waiting returned.
-	claim(ctx context.Context, tx pgx.Tx, from int64, held []int64, types, keys []string) (pgx.Rows, error)
+	claim(ctx context.Context, tx pgx.Tx, from int64, held []int64, f claimFilter) (pgx.Rows, error)
 	// stop says that row i of the batch cannot go out now; its key's rows
 	// are not claimed again before until (zero: only this batch waits).
 	stop(x row, i int, until time.Time)
@@ -31,9 +31,10 @@ type strategy interface {
 	// the whole loop back off (rather than only their keys).
 	backOff(failed, sent int) bool
 	// waiting returns the claim's filters besides the held rows: the event
-	// types to claim and the keys to leave out. Call it before the cursor
-	// picks where to start (an expiring filter moves the cursor back).
-	waiting(now time.Time) (types []string, keys []string)
+	// types to claim and the (key, event type) pairs to leave out. Call it
+	// before the cursor picks where to start (an expiring filter moves the
+	// cursor back).
+	waiting(now time.Time) claimFilter
 	// left runs when the membership session is gone.
 	left()
 }

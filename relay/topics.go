@@ -19,9 +19,10 @@ const defaultMaxRecordBytes = 1048588
 // available now, and the largest record it takes. The loop reads it; the
 // stats loop refreshes it from the broker.
 type topicState struct {
-	mu       sync.Mutex
-	down     map[string]*topicOutage
-	maxBytes map[string]int
+	mu         sync.Mutex
+	down       map[string]*topicOutage
+	maxBytes   map[string]int
+	compressed bool // the writer compresses record batches
 }
 
 // topicOutage is a topic the relay may not write to for now (unknown, deleted,
@@ -33,8 +34,8 @@ type topicOutage struct {
 	err     error
 }
 
-func newTopicState() *topicState {
-	return &topicState{down: map[string]*topicOutage{}, maxBytes: map[string]int{}}
+func newTopicState(compressed bool) *topicState {
+	return &topicState{down: map[string]*topicOutage{}, maxBytes: map[string]int{}, compressed: compressed}
 }
 
 // available reports whether rows of topic may be sent now.
@@ -89,6 +90,28 @@ func (s *topicState) limit(topic string) int {
 		return n
 	}
 	return defaultMaxRecordBytes
+}
+
+// recordBatchOverhead is a record batch's header (magic v2): the broker
+// measures the whole batch, header included, against the topic's
+// max.message.bytes.
+const recordBatchOverhead = 61
+
+// budget is the most a partition's share of one request may hold in
+// kafka-go's accounting (recordSize) for the broker to take it: the
+// topic's limit less the batch header and a margin for what kafka-go's
+// accounting leaves out (a few bytes of varints per record, the timestamp
+// deltas). Compression usually shrinks a batch, but incompressible data
+// grows by the codec's framing, so a compressed writer keeps 1 % more back.
+// The writer of a topic splits each partition's share at this size (its
+// BatchBytes), and a record larger than it is too large for the topic.
+func (s *topicState) budget(topic string) int {
+	limit := s.limit(topic)
+	b := limit - recordBatchOverhead - 64
+	if s.compressed {
+		b -= limit / 100
+	}
+	return max(b, 1)
 }
 
 // refreshLimits reads max.message.bytes of every topic from the broker (a

@@ -21,8 +21,8 @@ func (u *unordered) prepare(ctx context.Context, now time.Time) (beginner, error
 	return u.r.pool, nil
 }
 
-func (u *unordered) claim(ctx context.Context, tx pgx.Tx, from int64, held []int64, types, _ []string) (pgx.Rows, error) {
-	return tx.Query(ctx, u.r.sql.Claim, from, types, held, u.r.cfg.BatchSize, u.r.cfg.MaxBatchBytes)
+func (u *unordered) claim(ctx context.Context, tx pgx.Tx, from int64, held []int64, f claimFilter) (pgx.Rows, error) {
+	return tx.Query(ctx, u.r.sql.Claim, from, f.types, held, u.r.cfg.BatchSize, u.r.cfg.MaxBatchBytes)
 }
 
 func (u *unordered) stop(row, int, time.Time)   {}
@@ -32,6 +32,6 @@ func (u *unordered) sent(row)                   {}
 func (u *unordered) backOff(failed, _ int) bool { return failed > 0 }
 func (u *unordered) left()                      {}
 
-func (u *unordered) waiting(now time.Time) ([]string, []string) {
-	return u.r.availableTypes(now), []string{} // not nil: a NULL array matches no row
+func (u *unordered) waiting(now time.Time) claimFilter {
+	return claimFilter{types: u.r.availableTypes(now), keys: []string{}, keyTypes: []string{}}
 }

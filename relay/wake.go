@@ -51,6 +51,7 @@ func (r *Relay) wakeUp() {
 
 // pause sleeps d, or less when a notification wakes the loop.
 func (r *Relay) pause(ctx context.Context, d time.Duration) {
+	r.health.idleUntil(time.Now().Add(d))
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {

@@ -1,0 +1,766 @@
+package relay_test
+
+import (
+	"bytes"
+	"context"
+	"flag"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
+	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relay"
+)
+
+// The fault suite: seeded random scenarios of rows and faults against the
+// real PostgreSQL and an in-process broker (kfake) whose every request can
+// be answered with a fault, checked against the relay's invariants, never
+// against the expected output of one case. A failure prints its seed; replay
+// it with -run 'TestFaults/seed=N'. Seeds that once failed stay in
+// faultSeeds as regression tests. make chaos runs random seeds for a while
+// and writes a report (-chaos.duration, -chaos.report).
+
+var (
+	chaosDuration = flag.Duration("chaos.duration", 0, "run random fault scenarios for this long (make chaos)")
+	chaosReport   = flag.String("chaos.report", "", "write the chaos run's report (Markdown) to this file")
+)
+
+// faultSeeds are the scenarios make test runs: each draws both ordering
+// modes, the dead-letter topic on and off, pipelining, and every fault.
+var faultSeeds = []uint64{1, 2, 3, 4, 5, 6}
+
+// The topics' record batch limit (max.message.bytes) in the scenarios: small,
+// so a hot key's share of a batch exceeds it and a large row is over it.
+const (
+	faultTopicLimit = 64 << 10
+	faultDLQLimit   = 1 << 20
+	poisonMarker    = "POISON-RECORD"
+)
+
+// rowKind is what a scenario's row is, and so where it must end.
+type rowKind int
+
+const (
+	healthy   rowKind = iota
+	poison            // the broker refuses this record, alone or with others
+	oversize          // larger than its topic takes, fits the dead-letter topic
+	badTime           // created_at = infinity
+	badHeader         // headers not an object of strings
+	unmapped          // event type not in the topic map
+)
+
+var kindNames = []string{"healthy", "poison", "oversize", "bad_time", "bad_header", "unmapped"}
+
+func (k rowKind) String() string { return kindNames[k] }
+
+type scenarioRow struct {
+	kind    rowKind
+	key     string
+	typ     string
+	payload int // bytes of padding
+}
+
+// fault is one fault injected at an offset from the scenario's start.
+type fault struct {
+	at   time.Duration
+	kind string
+	arg  int
+}
+
+type scenario struct {
+	seed       uint64
+	ordering   relay.Ordering
+	deadLetter bool
+	inFlight   int
+	batchSize  int
+	waves      [][]scenarioRow // inserted at the start and at each wave's time
+	waveAt     []time.Duration
+	faults     []fault
+}
+
+func (s scenario) String() string {
+	n := 0
+	for _, w := range s.waves {
+		n += len(w)
+	}
+	var fs []string
+	for _, f := range s.faults {
+		fs = append(fs, fmt.Sprintf("%s@%s", f.kind, f.at))
+	}
+	return fmt.Sprintf("seed=%d ordering=%s deadLetter=%t inFlight=%d batch=%d rows=%d faults=[%s]",
+		s.seed, s.ordering, s.deadLetter, s.inFlight, s.batchSize, n, strings.Join(fs, " "))
+}
+
+// faultKinds are the faults a scenario draws from.
+var faultKinds = []string{
+	"not_enough_replicas", "request_timed_out", "not_leader", // transient, in bursts
+	"topic_unauthorized", // one topic refused for a while
+	"drop_connections",   // the broker closes connections mid-request
+	"slow_answers",       // answers slower than the publish timeout
+	"pg_terminate",       // PostgreSQL ends the relay's sessions
+	"relay_restart",      // the relay process is replaced
+}
+
+func drawScenario(seed uint64) scenario {
+	rnd := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+	s := scenario{seed: seed, batchSize: []int{10, 50, 200}[rnd.IntN(3)], inFlight: 1}
+	s.ordering = []relay.Ordering{relay.OrderingNone, relay.OrderingPartitionKey}[seed%2]
+	s.deadLetter = (seed/2)%2 == 0
+	if s.ordering == relay.OrderingNone && rnd.IntN(2) == 0 {
+		s.inFlight = 2
+	}
+	keys := 1 + rnd.IntN(12)
+	hot := rnd.IntN(3) == 0 // one key takes most rows
+	draw := func(n int) []scenarioRow {
+		rows := make([]scenarioRow, n)
+		for i := range rows {
+			k := rnd.IntN(keys)
+			if hot && rnd.IntN(4) != 0 {
+				k = 0
+			}
+			r := scenarioRow{kind: healthy, key: fmt.Sprintf("key-%d", k), typ: []string{"A1", "A2", "B1"}[rnd.IntN(3)], payload: 50 + rnd.IntN(400)}
+			switch p := rnd.IntN(100); {
+			case p < 3:
+				r.kind = poison
+			case p < 5:
+				r.kind, r.payload = oversize, faultTopicLimit+rnd.IntN(faultTopicLimit)
+			case p < 6:
+				r.kind = badTime
+			case p < 7:
+				r.kind = badHeader
+			case p < 9:
+				r.kind, r.typ = unmapped, "Z9"
+			case p < 25:
+				r.payload = 4<<10 + rnd.IntN(24<<10) // large: a few fill a topic's batch limit
+			}
+			rows[i] = r
+		}
+		return rows
+	}
+	s.waves = append(s.waves, draw(100+rnd.IntN(300)))
+	s.waveAt = append(s.waveAt, 0)
+	for range rnd.IntN(3) {
+		s.waves = append(s.waves, draw(50+rnd.IntN(150)))
+		s.waveAt = append(s.waveAt, time.Duration(500+rnd.IntN(4000))*time.Millisecond)
+	}
+	for range 2 + rnd.IntN(5) {
+		s.faults = append(s.faults, fault{
+			at:   time.Duration(rnd.IntN(5000)) * time.Millisecond,
+			kind: faultKinds[rnd.IntN(len(faultKinds))],
+			arg:  1 + rnd.IntN(6),
+		})
+	}
+	slices.SortFunc(s.faults, func(a, b fault) int { return int(a.at - b.at) })
+	return s
+}
+
+// TestFaults runs the fixed seeds.
+func TestFaults(t *testing.T) {
+	t.Parallel()
+	for _, seed := range faultSeeds {
+		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
+			t.Parallel()
+			sc := drawScenario(seed)
+			t.Log(sc)
+			res := runScenario(t, sc)
+			for _, v := range res.violations {
+				t.Errorf("seed %d: %s", seed, v)
+			}
+			if t.Failed() {
+				t.Logf("replay: go test ./relay -run 'TestFaults/seed=%d$' (%s)", seed, sc)
+			}
+		})
+	}
+}
+
+// TestChaos runs random seeds for -chaos.duration and writes a report.
+func TestChaos(t *testing.T) {
+	if *chaosDuration == 0 {
+		t.Skip("make chaos runs this (-chaos.duration)")
+	}
+	deadline := time.Now().Add(*chaosDuration)
+	var lines []string
+	faults := map[string]int{}
+	ran, failed := 0, 0
+	held := map[string]int{}
+	for time.Now().Before(deadline) {
+		seed := rand.Uint64() % 1_000_000
+		sc := drawScenario(seed)
+		var res scenarioResult
+		ok := t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
+			res = runScenario(t, sc)
+			for _, v := range res.violations {
+				t.Errorf("seed %d: %s", seed, v)
+			}
+		})
+		ran++
+		for _, f := range sc.faults {
+			faults[f.kind]++
+		}
+		for k, n := range res.kinds {
+			held[k] += n
+		}
+		verdict := "held"
+		if !ok {
+			failed++
+			verdict = "VIOLATED: " + strings.Join(res.violations, "; ")
+		}
+		lines = append(lines, fmt.Sprintf("| %d | %s | %t | %d | %d | %d | %s |", seed, sc.ordering, sc.deadLetter,
+			res.rows, res.duplicates, len(sc.faults), verdict))
+	}
+	if *chaosReport != "" {
+		var b strings.Builder
+		fmt.Fprintf(&b, "# Chaos run\n\nWritten by `make chaos` (the fault suite, `relay/faults_test.go`, on random seeds) on %s, for %s.\n\n",
+			time.Now().UTC().Format("2006-01-02 15:04 UTC"), *chaosDuration)
+		fmt.Fprintf(&b, "%d scenarios, %d with a violated invariant.\n\n", ran, failed)
+		b.WriteString("Invariants checked after every scenario: nothing lost; nothing on the dead-letter topic that the broker did not refuse alone; per-key order on each topic in partition-key mode (first deliveries); duplicates within one batch per fault; every healthy row published within 60 s of the faults' end; `/healthz` never failing; `/readyz` passing once the faults end.\n\n")
+		b.WriteString("Faults injected:\n\n| fault | times |\n| --- | --- |\n")
+		for _, k := range faultKinds {
+			fmt.Fprintf(&b, "| %s | %d |\n", k, faults[k])
+		}
+		b.WriteString("\nRows by kind:\n\n| kind | rows |\n| --- | --- |\n")
+		for _, k := range kindNames {
+			fmt.Fprintf(&b, "| %s | %d |\n", k, held[k])
+		}
+		b.WriteString("\nScenarios (replay one with `go test ./relay -run 'TestFaults' -args` after adding its seed to `faultSeeds`):\n\n| seed | ordering | dead-letter | rows | duplicates | faults | invariants |\n| --- | --- | --- | --- | --- | --- | --- |\n")
+		b.WriteString(strings.Join(lines, "\n") + "\n")
+		require.NoError(t, os.WriteFile(*chaosReport, []byte(b.String()), 0o644))
+	}
+}
+
+type scenarioResult struct {
+	violations []string
+	rows       int
+	duplicates int
+	kinds      map[string]int
+}
+
+// insertedRow is a scenario row as stored.
+type insertedRow struct {
+	scenarioRow
+	id      int64
+	eventID string
+}
+
+// delivery is one record read back from a topic.
+type delivery struct {
+	topic     string
+	partition int32
+	offset    int64
+	eventID   string
+	key       string
+}
+
+func runScenario(t *testing.T, sc scenario) scenarioResult {
+	ctx := context.Background()
+	res := scenarioResult{kinds: map[string]int{}}
+
+	// The broker: topics A (types A1, A2) and B (type B1), three partitions
+	// each, with a small batch limit; the dead-letter topic takes more.
+	c, err := kfake.NewCluster(kfake.NumBrokers(1))
+	require.NoError(t, err)
+	t.Cleanup(c.Close)
+	admin, err := kgo.NewClient(kgo.SeedBrokers(c.ListenAddrs()...))
+	require.NoError(t, err)
+	t.Cleanup(admin.Close)
+	adm := kadm.NewClient(admin)
+	limit := fmt.Sprint(faultTopicLimit)
+	dlqLimit := fmt.Sprint(faultDLQLimit)
+	for topic, l := range map[string]*string{"topic-a": &limit, "topic-b": &limit, "dead-letters": &dlqLimit} {
+		_, err := adm.CreateTopic(ctx, 3, 1, map[string]*string{"max.message.bytes": l}, topic)
+		require.NoError(t, err)
+	}
+	topicOf := map[string]string{"A1": "topic-a", "A2": "topic-a", "B1": "topic-b"}
+
+	// The broker refuses every request that carries a poison record to its
+	// topic (as a topic's policy would), for the whole request: the relay
+	// must find the culprit by itself. The dead-letter topic takes it.
+	c.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Err: kerr.InvalidRecord, Count: -1, When: func(req kmsg.Request) bool {
+		for _, tp := range req.(*kmsg.ProduceRequest).Topics {
+			if tp.Topic == "dead-letters" {
+				continue
+			}
+			for _, p := range tp.Partitions {
+				if bytes.Contains(p.Records, []byte(poisonMarker)) {
+					return true
+				}
+			}
+		}
+		return false
+	}})
+	var produceRequests atomic.Int64
+	c.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Count: -1, When: func(kmsg.Request) bool {
+		produceRequests.Add(1)
+		return false // observe only
+	}})
+
+	// The database: the shipped table without its created_at check, so a
+	// row the check would refuse can still be written (a table made by hand).
+	dsn := testenv.PG().NewDatabase(t)
+	pool, err := pgxpool.New(ctx, dsn)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	_, err = pool.Exec(ctx, outbox.SchemaDDL(outbox.Table{Name: "outbox"}))
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `ALTER TABLE outbox DROP CONSTRAINT outbox_created_at_check`)
+	require.NoError(t, err)
+
+	cfg := relay.Config{
+		DSN: dsn, Table: "outbox", Brokers: c.ListenAddrs(), Topics: topicOf,
+		Ordering: sc.ordering, BatchSize: sc.batchSize, MaxInFlight: sc.inFlight,
+		PollInterval: 20 * time.Millisecond, MaxBackoff: time.Second, HeldRetryInterval: 2 * time.Second,
+		PublishTimeout: 2 * time.Second, StallTimeout: 5 * time.Second,
+	}
+	if sc.deadLetter {
+		cfg.DeadLetterTopic = "dead-letters"
+	}
+	if testing.Verbose() {
+		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})).With("seed", sc.seed)
+	}
+
+	var mu sync.Mutex
+	var rows []insertedRow
+	insert := func(wave []scenarioRow) {
+		batch := &pgx.Batch{}
+		for _, r := range wave {
+			payload := fmt.Sprintf(`{"pad":"%s"}`, strings.Repeat("x", r.payload))
+			if r.kind == poison {
+				payload = fmt.Sprintf(`{"pad":"%s","mark":"%s"}`, strings.Repeat("x", r.payload), poisonMarker)
+			}
+			created, headers := "now()", "NULL"
+			switch r.kind {
+			case badTime:
+				created = "'infinity'"
+			case badHeader:
+				headers = `'[1, 2]'`
+			}
+			batch.Queue(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at, headers)
+				VALUES (gen_random_uuid(), 'Order', $1, $2, $3, $1, `+created+`, `+headers+`) RETURNING id, event_id::text`,
+				r.key, r.typ, payload)
+		}
+		tx, err := pool.Begin(ctx)
+		require.NoError(t, err)
+		br := tx.SendBatch(ctx, batch)
+		var got []insertedRow
+		for _, r := range wave {
+			x := insertedRow{scenarioRow: r}
+			require.NoError(t, br.QueryRow().Scan(&x.id, &x.eventID))
+			got = append(got, x)
+		}
+		require.NoError(t, br.Close())
+		require.NoError(t, tx.Commit(ctx))
+		mu.Lock()
+		rows = append(rows, got...)
+		mu.Unlock()
+	}
+	insert(sc.waves[0])
+
+	var current atomic.Pointer[outboxtest.Running]
+	start := func() {
+		x, err := outboxtest.RunRelay(cfg, nil)
+		require.NoError(t, err)
+		current.Store(x)
+	}
+	start()
+	t.Cleanup(func() { _ = current.Load().Close() })
+
+	// /healthz must never fail: sample it all along.
+	var liveErr atomic.Pointer[string]
+	stopProbe := make(chan struct{})
+	probeDone := make(chan struct{})
+	go func() {
+		defer close(probeDone)
+		for {
+			select {
+			case <-stopProbe:
+				return
+			case <-time.After(100 * time.Millisecond):
+			}
+			if err := current.Load().R.Live(); err != nil {
+				msg := err.Error()
+				liveErr.CompareAndSwap(nil, &msg)
+			}
+		}
+	}()
+
+	// The timeline: waves and faults at their offsets.
+	began := time.Now()
+	type event struct {
+		at time.Duration
+		do func()
+	}
+	var events []event
+	for i := 1; i < len(sc.waves); i++ {
+		w := sc.waves[i]
+		events = append(events, event{sc.waveAt[i], func() { insert(w) }})
+	}
+	var faultEnd time.Duration
+	for _, f := range sc.faults {
+		f := f
+		events = append(events, event{f.at, func() { injectFault(t, c, pool, f, &current, start) }})
+		faultEnd = max(faultEnd, f.at+time.Duration(f.arg)*300*time.Millisecond)
+	}
+	slices.SortFunc(events, func(a, b event) int { return int(a.at - b.at) })
+	for _, e := range events {
+		time.Sleep(time.Until(began.Add(e.at)))
+		e.do()
+	}
+	time.Sleep(time.Until(began.Add(faultEnd)))
+
+	// Expectations from the rows alone.
+	lanesBlocked := map[string]int64{} // partition-key lanes stopped for good by a held row: its id
+	expectPublished := map[string]bool{}
+	expectDLQ := map[string]bool{}
+	blockedBy := map[string]int64{}
+	byID := map[string]insertedRow{}
+	for _, r := range rows {
+		byID[r.eventID] = r
+		res.kinds[r.kind.String()]++
+	}
+	slices.SortFunc(rows, func(a, b insertedRow) int { return int(a.id - b.id) })
+	for _, r := range rows {
+		lane := r.key + "/" + topicOf[r.typ]
+		if r.kind == unmapped {
+			lane = r.key + "/unmapped"
+		}
+		blocked := sc.ordering == relay.OrderingPartitionKey && lanesBlocked[lane] != 0
+		if blocked {
+			blockedBy[r.eventID] = lanesBlocked[lane]
+		}
+		held := false
+		switch r.kind {
+		case healthy:
+			if !blocked {
+				expectPublished[r.eventID] = true
+			}
+		case poison, oversize:
+			if sc.deadLetter && !blocked {
+				expectPublished[r.eventID], expectDLQ[r.eventID] = true, true
+			} else {
+				held = true
+			}
+		case badTime, badHeader, unmapped:
+			held = true
+		}
+		if held && lanesBlocked[lane] == 0 {
+			lanesBlocked[lane] = r.id
+		}
+	}
+
+	// Every row that can go out is published within a bound after the faults end.
+	deadline := time.Now().Add(60 * time.Second)
+	var unpublished []string
+	for {
+		unpublished = unpublished[:0]
+		got := map[string]bool{}
+		rs, err := pool.Query(ctx, `SELECT event_id::text FROM outbox WHERE published_at IS NOT NULL`)
+		require.NoError(t, err)
+		ids, err := pgx.CollectRows(rs, pgx.RowTo[string])
+		require.NoError(t, err)
+		for _, id := range ids {
+			got[id] = true
+		}
+		for id := range expectPublished {
+			if !got[id] {
+				unpublished = append(unpublished, id)
+			}
+		}
+		for id := range got {
+			if !expectPublished[id] {
+				res.violations = append(res.violations, fmt.Sprintf("row %d (%s) marked published; it must stay unpublished (behind row %d)", byID[id].id, byID[id].kind, blockedBy[id]))
+			}
+		}
+		if len(unpublished) == 0 || time.Now().After(deadline) || len(res.violations) > 0 {
+			break
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	for _, id := range unpublished {
+		r := byID[id]
+		res.violations = append(res.violations, fmt.Sprintf("row %d (%s, key %s, type %s) not published 60 s after the faults ended", r.id, r.kind, r.key, r.typ))
+	}
+	close(stopProbe)
+	<-probeDone
+	if msg := liveErr.Load(); msg != nil {
+		res.violations = append(res.violations, "/healthz failed: "+*msg)
+	}
+
+	// What reached each topic.
+	deliveries := readAll(t, c.ListenAddrs(), len(expectPublished))
+	seen := map[string]int{}
+	for _, d := range deliveries {
+		seen[d.eventID]++
+		r, ok := byID[d.eventID]
+		if !ok {
+			res.violations = append(res.violations, fmt.Sprintf("unknown event %s on %s", d.eventID, d.topic))
+			continue
+		}
+		switch {
+		case d.topic == "dead-letters" && !expectDLQ[d.eventID]:
+			res.violations = append(res.violations, fmt.Sprintf("row %d (%s) on the dead-letter topic; the broker never refused it alone", r.id, r.kind))
+		case d.topic != "dead-letters" && (d.topic != topicOf[r.typ] || !expectPublished[d.eventID] || expectDLQ[d.eventID]):
+			res.violations = append(res.violations, fmt.Sprintf("row %d (%s) on %s", r.id, r.kind, d.topic))
+		}
+	}
+	for id := range expectPublished {
+		if seen[id] == 0 {
+			r := byID[id]
+			res.violations = append(res.violations, fmt.Sprintf("row %d (%s) marked published but on no topic: lost", r.id, r.kind))
+		}
+		res.duplicates += max(seen[id]-1, 0)
+	}
+	// Duplicates: at most the batches a fault or restart interrupted.
+	if bound := sc.batchSize * (2*len(sc.faults) + 1); res.duplicates > bound {
+		res.violations = append(res.violations, fmt.Sprintf("%d duplicates, more than the bound %d", res.duplicates, bound))
+	}
+	// Per-key order on each topic, first deliveries only.
+	if sc.ordering == relay.OrderingPartitionKey {
+		res.violations = append(res.violations, orderViolationsByLane(deliveries, byID)...)
+	}
+	// Readiness once the faults are over: held rows are not a stall.
+	x := current.Load()
+	if !eventually(15*time.Second, func() bool { return x.R.Ready() == nil }) {
+		res.violations = append(res.violations, fmt.Sprintf("/readyz still fails after the faults ended: %v", x.R.Ready()))
+	}
+	res.rows = len(rows)
+	t.Logf("%d rows, %d produce requests, %d duplicates", len(rows), produceRequests.Load(), res.duplicates)
+	return res
+}
+
+// injectFault starts one fault; those with a duration end on their own.
+func injectFault(t *testing.T, c *kfake.Cluster, pool *pgxpool.Pool, f fault, current *atomic.Pointer[outboxtest.Running], start func()) {
+	produce := []kmsg.Key{kmsg.Produce}
+	switch f.kind {
+	case "not_enough_replicas":
+		c.Fault(kfake.Fault{Keys: produce, Err: kerr.NotEnoughReplicas, Count: f.arg})
+	case "request_timed_out":
+		c.Fault(kfake.Fault{Keys: produce, Err: kerr.RequestTimedOut, Count: f.arg})
+	case "not_leader":
+		c.Fault(kfake.Fault{Keys: produce, Err: kerr.NotLeaderForPartition, Count: f.arg})
+	case "topic_unauthorized":
+		h := c.Fault(kfake.Fault{Keys: produce, Topic: "topic-b", Err: kerr.TopicAuthorizationFailed, Count: -1})
+		time.AfterFunc(time.Duration(f.arg)*300*time.Millisecond, h.Remove)
+	case "drop_connections":
+		left := f.arg
+		c.ControlKey(int16(kmsg.Produce), func(kmsg.Request) (kmsg.Response, error, bool) {
+			keepFor(c, &left)
+			return nil, fmt.Errorf("connection dropped by the fault suite"), true
+		})
+	case "slow_answers":
+		left := f.arg
+		c.ControlKey(int16(kmsg.Produce), func(kmsg.Request) (kmsg.Response, error, bool) {
+			keepFor(c, &left)
+			c.SleepControl(func() { time.Sleep(2500 * time.Millisecond) }) // past the publish timeout
+			return nil, nil, false
+		})
+	case "pg_terminate":
+		_, err := pool.Exec(context.Background(), `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+			WHERE application_name = 'outbox-relay' AND datname = current_database()`)
+		require.NoError(t, err)
+	case "relay_restart":
+		_ = current.Load().Close()
+		start()
+	}
+}
+
+// keepFor keeps the running control function for *left requests in all
+// (KeepControl stays set once called, so the last one drops it).
+func keepFor(c *kfake.Cluster, left *int) {
+	if *left--; *left > 0 {
+		c.KeepControl()
+	} else {
+		c.DropControl()
+	}
+}
+
+// readAll reads every record of the scenario's topics, until want records
+// have come and no more come for a while.
+func readAll(t *testing.T, brokers []string, want int) []delivery {
+	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.ConsumeTopics("topic-a", "topic-b", "dead-letters"),
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	require.NoError(t, err)
+	defer cl.Close()
+	var out []delivery
+	quiet := 0
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline) && (len(out) < want || quiet < 2); {
+		ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+		fs := cl.PollFetches(ctx)
+		cancel()
+		n := 0
+		fs.EachRecord(func(r *kgo.Record) {
+			n++
+			d := delivery{topic: r.Topic, partition: r.Partition, offset: r.Offset, key: string(r.Key)}
+			for _, h := range r.Headers {
+				if h.Key == relay.HeaderEventID {
+					d.eventID = string(h.Value)
+				}
+			}
+			out = append(out, d)
+		})
+		if n == 0 {
+			quiet++
+		} else {
+			quiet = 0
+		}
+	}
+	return out
+}
+
+// orderViolationsByLane checks that on each topic, each key's first
+// deliveries come in row id order.
+func orderViolationsByLane(ds []delivery, byID map[string]insertedRow) []string {
+	slices.SortFunc(ds, func(a, b delivery) int {
+		if c := strings.Compare(a.topic, b.topic); c != 0 {
+			return c
+		}
+		if a.partition != b.partition {
+			return int(a.partition - b.partition)
+		}
+		return int(a.offset - b.offset)
+	})
+	first := map[string]bool{}
+	last := map[string]int64{}
+	var out []string
+	for _, d := range ds {
+		if d.topic == "dead-letters" || first[d.eventID] {
+			continue
+		}
+		first[d.eventID] = true
+		lane := d.topic + "/" + d.key
+		id := byID[d.eventID].id
+		if id < last[lane] {
+			out = append(out, fmt.Sprintf("key %s on %s: row %d arrived after row %d", d.key, d.topic, id, last[lane]))
+		}
+		last[lane] = max(last[lane], id)
+	}
+	return out
+}
+
+func eventually(within time.Duration, cond func() bool) bool {
+	for deadline := time.Now().Add(within); ; {
+		if cond() {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// faultCluster is a broker with topics of limit max.message.bytes.
+func faultCluster(t *testing.T, partitions int32, limit int, topics ...string) *kfake.Cluster {
+	c, err := kfake.NewCluster(kfake.NumBrokers(1))
+	require.NoError(t, err)
+	t.Cleanup(c.Close)
+	cl, err := kgo.NewClient(kgo.SeedBrokers(c.ListenAddrs()...))
+	require.NoError(t, err)
+	defer cl.Close()
+	l := fmt.Sprint(limit)
+	for _, topic := range topics {
+		_, err := kadm.NewClient(cl).CreateTopic(context.Background(), partitions, 1, map[string]*string{"max.message.bytes": &l}, topic)
+		require.NoError(t, err)
+	}
+	return c
+}
+
+// A hot key's share of a batch larger than the broker's batch limit goes
+// out in a few full requests, never one request per row; in both modes.
+func TestPartitionShareOverBatchLimitIsSplitNotSerialized(t *testing.T) {
+	eachMode(t, 1, nil, func(t *testing.T, f *outboxtest.Fixture, cfg relay.Config) {
+		c := faultCluster(t, 1, 1<<20, "hot")
+		var produce atomic.Int64
+		c.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Count: -1, When: func(kmsg.Request) bool { produce.Add(1); return false }})
+		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+			SELECT gen_random_uuid(), 'Order', 'k', 'E', jsonb_build_object('pad', repeat('y', 60000)), 'one-key'
+			FROM generate_series(1, 60)`)
+		cfg.Brokers, cfg.Topics, cfg.BatchSize = c.ListenAddrs(), map[string]string{"E": "hot"}, 100
+		run(t, cfg, nil)
+		f.WaitDrained(0, 30*time.Second)
+		// 60 rows of ~60 KB under a 1 MiB limit: four batches' worth.
+		require.LessOrEqual(t, produce.Load(), int64(8), "produce requests for 60 rows of one key")
+	})
+}
+
+// Rows of one key refused as a whole batch (too large together), then the
+// first re-sent row failing transiently: the key's later, valid rows are
+// retried, never dead-lettered. (Reproduced before the fix: 1 row on the
+// topic, 4 valid rows on the dead-letter topic.)
+func TestBatchRefusalThenTransientNeverDeadLettersValidRows(t *testing.T) {
+	eachMode(t, 1, nil, func(t *testing.T, f *outboxtest.Fixture, cfg relay.Config) {
+		c := faultCluster(t, 1, 1<<20, "orders", "dlq")
+		var calls atomic.Int64
+		c.ControlKey(int16(kmsg.Produce), func(req kmsg.Request) (kmsg.Response, error, bool) {
+			c.KeepControl()
+			pr := req.(*kmsg.ProduceRequest)
+			if pr.Topics[0].Topic != "orders" {
+				return nil, nil, false
+			}
+			code := int16(0)
+			switch calls.Add(1) {
+			case 1:
+				code = kerr.MessageTooLarge.Code // the multi-record batch
+			case 2:
+				code = kerr.NotEnoughReplicas.Code // the first row re-sent alone
+			default:
+				return nil, nil, false
+			}
+			resp := pr.ResponseKind().(*kmsg.ProduceResponse)
+			for _, tp := range pr.Topics {
+				rt := kmsg.NewProduceResponseTopic()
+				rt.Topic = tp.Topic
+				for _, p := range tp.Partitions {
+					rp := kmsg.NewProduceResponseTopicPartition()
+					rp.Partition, rp.ErrorCode = p.Partition, code
+					rt.Partitions = append(rt.Partitions, rp)
+				}
+				resp.Topics = append(resp.Topics, rt)
+			}
+			return resp, nil, true
+		})
+		f.Insert(5, 1, "E")
+		cfg.Brokers, cfg.Topics, cfg.DeadLetterTopic = c.ListenAddrs(), map[string]string{"E": "orders"}, "dlq"
+		x := run(t, cfg, nil)
+		f.WaitDrained(0, 30*time.Second)
+		require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"), "no valid row is dead-lettered")
+		require.Equal(t, 5.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_events_published_total", "topic", "orders"))
+	})
+}
+
+// A created_at the column allows but Go cannot carry (infinity) holds its
+// row as invalid; the rows behind it flow, in both modes.
+func TestInfiniteCreatedAtIsHeldAlone(t *testing.T) {
+	eachMode(t, 2, []string{"E"}, func(t *testing.T, f *outboxtest.Fixture, cfg relay.Config) {
+		_, err := f.Pool.Exec(context.Background(), `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
+			VALUES (gen_random_uuid(), 'Order', 'a', 'E', '{}', 'bad', 'infinity')`)
+		require.ErrorContains(t, err, "outbox_created_at_check", "the shipped DDL refuses it")
+		f.Exec(`ALTER TABLE outbox DROP CONSTRAINT outbox_created_at_check`)
+		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
+			VALUES (gen_random_uuid(), 'Order', 'a', 'E', '{}', 'bad', 'infinity'),
+			       (gen_random_uuid(), 'Order', 'a', 'E', '{}', 'bad2', '-infinity')`)
+		f.Insert(100, 10, "E")
+		x := run(t, cfg, nil)
+		f.WaitDrained(2, 30*time.Second)
+		require.Eventually(t, func() bool {
+			return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldInvalidRow) == 2
+		}, 10*time.Second, 50*time.Millisecond)
+	})
+}
