@@ -33,6 +33,7 @@ func TestRecommendReplicas(t *testing.T) {
 		"no reading yet keeps the running": {perRow, nil, 4, 4, false},
 		"no reading yet keeps zero":        {perRow, nil, 0, 0, false},
 		"unreadable never keeps zero":      {perRow, nil, 0, 1, true},
+		"unreadable after a stale 0 wakes": {perRow, backlog(0, 0), 0, 1, true},
 		"48s against 10s with one replica": {byAge, backlog(5, 48*time.Second), 1, 5, false},
 		"age under target, rows wait":      {byAge, backlog(5, 2*time.Second), 4, 1, false},
 		"age: min 1 by default":            {byAge, backlog(0, 0), 3, 1, false},

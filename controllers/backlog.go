@@ -49,8 +49,11 @@ func BacklogSQL(t outbox.Table) string {
           LIMIT $1) s
     GROUP BY 1, 2)
 SELECT COALESCE((SELECT sum(n) FROM g), 0)::bigint, (SELECT max(last) FROM g)::bigint, (SELECT max(id) FROM ` + q + `)::bigint,
-       (SELECT COALESCE(sum(pg_stat_get_tuples_updated(relid) + pg_stat_get_tuples_deleted(relid)), 0)
-          FROM pg_partition_tree($2::text::regclass) WHERE isleaf)::bigint,
+       (SELECT CASE WHEN c.relkind = 'p' THEN
+                   (SELECT COALESCE(sum(pg_stat_get_tuples_updated(t.relid) + pg_stat_get_tuples_deleted(t.relid)), 0)
+                    FROM pg_partition_tree(c.oid) t WHERE t.isleaf)
+               ELSE pg_stat_get_tuples_updated(c.oid) + pg_stat_get_tuples_deleted(c.oid) END
+        FROM pg_class c WHERE c.oid = $2::text::regclass)::bigint,
        current_setting('track_counts')::bool,
        g.event_type, g.invalid, g.n, g.age
 FROM (VALUES (1)) one(x) LEFT JOIN g ON true`

@@ -147,3 +147,26 @@ func BenchmarkBacklogQuery(b *testing.B) {
 		})
 	}
 }
+
+// On a partitioned table PostgreSQL counts updates on the leaf partitions,
+// never on the parent: the publish rate is read from the leaves.
+func TestBacklogCountsUpdatesOfPartitions(t *testing.T) {
+	t.Parallel()
+	dsn, db := outboxDB(t)
+	ctx := context.Background()
+	_, err := db.Exec(ctx, `DROP TABLE outbox`)
+	require.NoError(t, err)
+	_, err = db.Exec(ctx, outbox.PartitionedSchemaDDL(outboxTable, outbox.PartitionDay, 1))
+	require.NoError(t, err)
+	insertRows(t, db, 20, "OrderConfirmed", 0)
+	obs := observerPool(t, dsn)
+	before, err := observeBacklog(ctx, obs, outboxTable, 100)
+	require.NoError(t, err)
+	_, err = db.Exec(ctx, `UPDATE outbox SET published_at = now()`)
+	require.NoError(t, err)
+	var after backlogSample
+	require.Eventually(t, func() bool { // statistics reach other sessions within a second or so
+		after, err = observeBacklog(ctx, obs, outboxTable, 100)
+		return err == nil && after.updates-before.updates == 20 // a backend flushes its counts within about 10 s of going idle
+	}, 30*time.Second, 200*time.Millisecond, "updates %d then %d (%v)", before.updates, after.updates, err)
+}
