@@ -172,8 +172,12 @@ func drawScenario(seed uint64) scenario {
 	return s
 }
 
-// TestFaults runs the fixed seeds.
+// TestFaults runs the fixed seeds, or with -chaos.duration random ones.
 func TestFaults(t *testing.T) {
+	if *chaosDuration > 0 {
+		runChaos(t)
+		return
+	}
 	t.Parallel()
 	for _, seed := range faultSeeds {
 		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
@@ -191,11 +195,8 @@ func TestFaults(t *testing.T) {
 	}
 }
 
-// TestChaos runs random seeds for -chaos.duration and writes a report.
-func TestChaos(t *testing.T) {
-	if *chaosDuration == 0 {
-		t.Skip("make chaos runs this (-chaos.duration)")
-	}
+// runChaos runs random seeds for -chaos.duration and writes a report.
+func runChaos(t *testing.T) {
 	deadline := time.Now().Add(*chaosDuration)
 	var lines []string
 	faults := map[string]int{}
