@@ -25,44 +25,90 @@ const backlogQueryTimeout = 5 * time.Second
 // BacklogSQL is the operator's only statement on the outbox table. It reads
 // the $1 oldest unpublished rows by id through the table's partial index on
 // (id) WHERE published_at IS NULL (an index scan that stops after $1 rows),
-// and returns one row per (event type, has a NULL column) with its count and
-// the age of its oldest row, beside the number of rows read, the last id
-// read, the table's max(id) (one primary-key probe), and PostgreSQL's count
-// of the table's updated and deleted rows ($2 is the table's quoted name;
-// summed over the leaf partitions of a partitioned table, where PostgreSQL
-// counts them: a partitioned parent's own counters stay 0),
-// from which the publish rate is derived without scanning published_at (a
-// relay updates a row only to mark it published, and deletes one only once
-// it is published; pruning deletes published rows too).
-func BacklogSQL(t outbox.Table) string {
+// and returns one row per (event type, has a NULL column, held reason) with
+// its count and the age of its oldest row, beside the number of rows read,
+// the last id read, the table's max(id) (one primary-key probe), PostgreSQL's
+// count of the table's updated and deleted rows ($2 is the table's quoted
+// name; summed over the leaf partitions of a partitioned table, where
+// PostgreSQL counts them: a partitioned parent's own counters stay 0), from
+// which the publish rate is derived without scanning published_at (a relay
+// updates a row only to mark it published, and deletes one only once it is
+// published; pruning deletes published rows too), and whether the held
+// table exists ($3, its quoted name).
+//
+// The held reason is the relays' record in the held table (withHeld: it
+// exists; outbox.HeldDDL), or, with $6 true (PartitionKey ordering),
+// "blocked" for a later row of the same partition key and topic as a held
+// or invalid row: the relays keep it back to keep the key's order. $4 and
+// $5 are the topic map as two arrays (event types, topics).
+func BacklogSQL(t outbox.Table, withHeld bool) string {
 	q := t.Quoted()
-	return `WITH g AS (
-    SELECT event_type, invalid, count(*) AS n, max(id) AS last,
-           extract(epoch FROM now() - min(created_at))::float8 AS age
-    FROM (SELECT id, event_type, CASE WHEN ` + outbox.CreatedAtCheck + ` THEN created_at END AS created_at,
-                 (event_id IS NULL OR event_type IS NULL OR aggregate_type IS NULL OR aggregate_id IS NULL
-                  OR partition_key IS NULL OR payload IS NULL OR created_at IS NULL
-                  OR NOT (` + outbox.CreatedAtCheck + `)) AS invalid
-          FROM ` + q + `
-          WHERE published_at IS NULL
-          ORDER BY id
-          LIMIT $1) s
-    GROUP BY 1, 2)
+	held := `(SELECT NULL::bigint AS id, NULL::text AS reason) h ON false`
+	if withHeld {
+		held = t.HeldTable().Quoted() + ` h ON h.id = s.id`
+	}
+	return `WITH s AS (
+    SELECT id, event_type, partition_key, CASE WHEN ` + outbox.CreatedAtCheck + ` THEN created_at END AS created_at,
+           (event_id IS NULL OR event_type IS NULL OR aggregate_type IS NULL OR aggregate_id IS NULL
+            OR partition_key IS NULL OR payload IS NULL OR created_at IS NULL
+            OR NOT (` + outbox.CreatedAtCheck + `)) AS invalid
+    FROM ` + q + `
+    WHERE published_at IS NULL
+    ORDER BY id
+    LIMIT $1),
+sh AS (
+    SELECT s.*, h.reason AS held, m.topic
+    FROM s LEFT JOIN ` + held + `
+    LEFT JOIN unnest($4::text[], $5::text[]) AS m(event_type, topic) ON m.event_type = s.event_type),
+lanes AS (
+    SELECT partition_key, topic, min(id) AS first FROM sh
+    WHERE $6 AND (held IS NOT NULL OR invalid) AND topic IS NOT NULL
+    GROUP BY 1, 2),
+g AS (
+    SELECT sh.event_type, sh.invalid, COALESCE(sh.held, CASE WHEN l.first < sh.id THEN 'blocked' END) AS held,
+           count(*) AS n, max(sh.id) AS last, extract(epoch FROM now() - min(sh.created_at))::float8 AS age
+    FROM sh LEFT JOIN lanes l ON l.partition_key = sh.partition_key AND l.topic = sh.topic
+    GROUP BY 1, 2, 3)
 SELECT COALESCE((SELECT sum(n) FROM g), 0)::bigint, (SELECT max(last) FROM g)::bigint, (SELECT max(id) FROM ` + q + `)::bigint,
        (SELECT CASE WHEN c.relkind = 'p' THEN
                    (SELECT COALESCE(sum(pg_stat_get_tuples_updated(t.relid) + pg_stat_get_tuples_deleted(t.relid)), 0)
                     FROM pg_partition_tree(c.oid) t WHERE t.isleaf)
                ELSE pg_stat_get_tuples_updated(c.oid) + pg_stat_get_tuples_deleted(c.oid) END
         FROM pg_class c WHERE c.oid = $2::text::regclass)::bigint,
-       current_setting('track_counts')::bool,
-       g.event_type, g.invalid, g.n, g.age
+       current_setting('track_counts')::bool, to_regclass($3) IS NOT NULL,
+       g.event_type, g.invalid, g.held, g.n, g.age
 FROM (VALUES (1)) one(x) LEFT JOIN g ON true`
+}
+
+// heldBlocked is BacklogSQL's held reason of a row kept back behind a held
+// or invalid row of its partition key and topic.
+const heldBlocked = "blocked"
+
+// backlogQuery is what one observation reads: the table, whether its held
+// table exists (as the last observation found), and the topic map and
+// ordering, to tell the rows held back from those pending.
+type backlogQuery struct {
+	table    outbox.Table
+	withHeld bool
+	topics   map[string]string
+	byKey    bool // PartitionKey ordering
+}
+
+// args are BacklogSQL's arguments after the bound.
+func (q backlogQuery) args(bound int64) []any {
+	types := make([]string, 0, len(q.topics))
+	topics := make([]string, 0, len(q.topics))
+	for et, t := range q.topics {
+		types, topics = append(types, et), append(topics, t)
+	}
+	return []any{bound, q.table.Quoted(), q.table.HeldTable().Quoted(), types, topics, q.byKey}
 }
 
 // typeCount is one group of the sampled rows.
 type typeCount struct {
 	eventType *string // nil: a NULL event type
 	invalid   bool    // a NULL in a column the relay reads, or created_at out of range
+	held      string  // the held table's reason, heldBlocked, or "" (BacklogSQL)
 	n         int64
 	age       float64 // seconds since the group's oldest created_at; NaN when unknown
 }
@@ -79,6 +125,8 @@ type backlogSample struct {
 	// the server does not count (track_counts off).
 	updates int64
 	tracked bool
+	// heldTable: the held table exists (read it with the next observation).
+	heldTable bool
 	// perMinute is the publish rate over the last minute, nil when unknown;
 	// the observer fills it in from earlier samples.
 	perMinute *int64
@@ -90,26 +138,27 @@ type queryRower interface {
 }
 
 // observeBacklog runs BacklogSQL once, reading at most bound rows.
-func observeBacklog(ctx context.Context, db queryRower, table outbox.Table, bound int64) (backlogSample, error) {
+func observeBacklog(ctx context.Context, db queryRower, q backlogQuery, bound int64) (backlogSample, error) {
 	s := backlogSample{at: time.Now()}
-	rows, err := db.Query(ctx, BacklogSQL(table), bound, table.Quoted())
+	table := q.table
+	rows, err := db.Query(ctx, BacklogSQL(table, q.withHeld), q.args(bound)...)
 	if err != nil {
 		return s, fmt.Errorf("read the backlog of %s: %w", table, err)
 	}
 	defer rows.Close()
 	var lastRead, maxID *int64
 	for rows.Next() {
-		var et *string
+		var et, held *string
 		var invalid *bool
 		var n *int64
 		var age *float64
-		if err := rows.Scan(&s.read, &lastRead, &maxID, &s.updates, &s.tracked, &et, &invalid, &n, &age); err != nil {
+		if err := rows.Scan(&s.read, &lastRead, &maxID, &s.updates, &s.tracked, &s.heldTable, &et, &invalid, &held, &n, &age); err != nil {
 			return s, fmt.Errorf("read the backlog of %s: %w", table, err)
 		}
 		if n == nil { // no unpublished row: the LEFT JOIN's empty side
 			continue
 		}
-		g := typeCount{eventType: et, invalid: invalid != nil && *invalid, n: *n, age: math.NaN()}
+		g := typeCount{eventType: et, invalid: invalid != nil && *invalid, held: deref(held), n: *n, age: math.NaN()}
 		if age != nil {
 			g.age = *age
 		}
@@ -124,16 +173,25 @@ func observeBacklog(ctx context.Context, db queryRower, table outbox.Table, boun
 	return s, nil
 }
 
-// backlogStatus classifies a sample by the relay's topic map: rows of a
-// mapped type with no NULL column are pending, the others held.
+// backlogStatus classifies a sample by the relay's topic map and the held
+// table: rows of a mapped type with no NULL column that no relay holds back
+// are pending, the others held. Held rows are neither work more replicas
+// could do nor a sign that publishing stopped, so they count in neither
+// Pending nor OldestAge.
 func backlogStatus(relay *outboxv1alpha1.OutboxRelay, s *backlogSample) *outboxv1alpha1.BacklogStatus {
 	st := &outboxv1alpha1.BacklogStatus{ObservedAt: metav1.NewTime(s.at.Truncate(time.Second))}
 	oldest := 0.0
 	for _, g := range s.groups {
 		_, mapped := relay.Spec.Topics[deref(g.eventType)]
 		switch {
-		case g.invalid:
+		case g.invalid || g.held == outbox.HeldInvalidRow:
 			st.Held.Invalid += g.n
+		case g.held == outbox.HeldTooLarge:
+			st.Held.TooLarge += g.n
+		case g.held == outbox.HeldRefused:
+			st.Held.Refused += g.n
+		case g.held == heldBlocked:
+			st.Held.Blocked += g.n
 		case g.eventType == nil || !mapped:
 			st.Held.Unroutable += g.n
 		default:

@@ -35,7 +35,7 @@ func TestBacklogQueryCountsAndEstimates(t *testing.T) {
 	obs := observerPool(t, dsn)
 	relay, _ := minimalRelay("ns", "r")
 
-	s, err := observeBacklog(context.Background(), obs, outboxTable, 100)
+	s, err := observeBacklog(context.Background(), obs, backlogQuery{table: outboxTable}, 100)
 	require.NoError(t, err)
 	b := backlogStatus(relay, &s)
 	require.False(t, b.Estimated)
@@ -43,7 +43,7 @@ func TestBacklogQueryCountsAndEstimates(t *testing.T) {
 	require.Equal(t, outboxv1alpha1.HeldRows{Unroutable: 3}, b.Held)
 	require.InDelta(t, time.Minute.Seconds(), b.OldestAge.Seconds(), 3, "the oldest pending row, not the older held ones")
 
-	s, err = observeBacklog(context.Background(), obs, outboxTable, 10)
+	s, err = observeBacklog(context.Background(), obs, backlogQuery{table: outboxTable}, 10)
 	require.NoError(t, err)
 	b = backlogStatus(relay, &s)
 	require.True(t, b.Estimated)
@@ -51,7 +51,7 @@ func TestBacklogQueryCountsAndEstimates(t *testing.T) {
 	require.Equal(t, int64(3), b.Held.Unroutable)
 
 	publishAll(t, db)
-	s, err = observeBacklog(context.Background(), obs, outboxTable, 10)
+	s, err = observeBacklog(context.Background(), obs, backlogQuery{table: outboxTable}, 10)
 	require.NoError(t, err)
 	b = backlogStatus(relay, &s)
 	require.Equal(t, outboxv1alpha1.BacklogStatus{ObservedAt: b.ObservedAt}, *b)
@@ -64,14 +64,14 @@ func TestBacklogQueryCountsAndEstimates(t *testing.T) {
 func TestBacklogErrorsSayWhatIsSafe(t *testing.T) {
 	t.Parallel()
 	dsn, _ := outboxDB(t)
-	_, err := observeBacklog(context.Background(), observerPool(t, dsn), outbox.Table{Name: "missing"}, 10)
+	_, err := observeBacklog(context.Background(), observerPool(t, dsn), backlogQuery{table: outbox.Table{Name: "missing"}}, 10)
 	require.Error(t, err)
 	require.Equal(t, `PostgreSQL refused the backlog query: relation "missing" does not exist (SQLSTATE 42P01)`, backlogError(err, "dsn"))
 
 	pool, err := newBacklogPool(context.Background(), flowTarget{dsn: "postgres://secretuser:pw@127.0.0.1:1/secretdb?connect_timeout=1", interval: flowInterval})
 	require.NoError(t, err)
 	defer pool.Close()
-	_, err = observeBacklog(context.Background(), pool, outboxTable, 10)
+	_, err = observeBacklog(context.Background(), pool, backlogQuery{table: outboxTable}, 10)
 	require.Error(t, err)
 	msg := backlogError(err, "orders-dsn")
 	require.Equal(t, "cannot reach PostgreSQL with the DSN in Secret orders-dsn (the operator's log has the error)", msg)
@@ -102,7 +102,8 @@ func TestBacklogQueryPlanStopsAtTheBound(t *testing.T) {
 // explain runs the backlog query under EXPLAIN ANALYZE and returns the plan text.
 func explain(t testing.TB, pool *pgxpool.Pool, bound int64) string {
 	var lines []string
-	rows, err := pool.Query(context.Background(), "EXPLAIN (ANALYZE, BUFFERS) "+BacklogSQL(outboxTable), bound, outboxTable.Quoted())
+	rows, err := pool.Query(context.Background(), "EXPLAIN (ANALYZE, BUFFERS) "+BacklogSQL(outboxTable, true),
+		backlogQuery{table: outboxTable, withHeld: true, topics: map[string]string{"OrderConfirmed": "orders"}, byKey: true}.args(bound)...)
 	require.NoError(t, err)
 	for rows.Next() {
 		var l string
@@ -133,14 +134,14 @@ func BenchmarkBacklogQuery(b *testing.B) {
 			require.NoError(b, err)
 			pool := observerPool(b, dsn)
 			relay, _ := minimalRelay("ns", "r")
-			s, err := observeBacklog(ctx, pool, outboxTable, outboxv1alpha1.BacklogBound) // warm the cache
+			s, err := observeBacklog(ctx, pool, backlogQuery{table: outboxTable}, outboxv1alpha1.BacklogBound) // warm the cache
 			require.NoError(b, err)
 			st := backlogStatus(relay, &s)
 			b.Logf("pending %d (estimated %v)", st.Pending, st.Estimated)
 			b.Logf("plan:\n%s", explain(b, pool, outboxv1alpha1.BacklogBound))
 			b.ResetTimer()
 			for range b.N {
-				if _, err := observeBacklog(ctx, pool, outboxTable, outboxv1alpha1.BacklogBound); err != nil {
+				if _, err := observeBacklog(ctx, pool, backlogQuery{table: outboxTable}, outboxv1alpha1.BacklogBound); err != nil {
 					b.Fatal(err)
 				}
 			}
@@ -160,13 +161,63 @@ func TestBacklogCountsUpdatesOfPartitions(t *testing.T) {
 	require.NoError(t, err)
 	insertRows(t, db, 20, "OrderConfirmed", 0)
 	obs := observerPool(t, dsn)
-	before, err := observeBacklog(ctx, obs, outboxTable, 100)
+	before, err := observeBacklog(ctx, obs, backlogQuery{table: outboxTable}, 100)
 	require.NoError(t, err)
 	_, err = db.Exec(ctx, `UPDATE outbox SET published_at = now()`)
 	require.NoError(t, err)
 	var after backlogSample
 	require.Eventually(t, func() bool { // statistics reach other sessions within a second or so
-		after, err = observeBacklog(ctx, obs, outboxTable, 100)
+		after, err = observeBacklog(ctx, obs, backlogQuery{table: outboxTable}, 100)
 		return err == nil && after.updates-before.updates == 20 // a backend flushes its counts within about 10 s of going idle
 	}, 30*time.Second, 200*time.Millisecond, "updates %d then %d (%v)", before.updates, after.updates, err)
+}
+
+// Rows the relays recorded in the held table count by their reason, not as
+// pending, and do not age the backlog; in PartitionKey ordering the later
+// rows of a held row's key on its topic are blocked, not pending. Without
+// the held table the same read still works, and finds out that it is missing.
+func TestBacklogCountsHeldRowsApart(t *testing.T) {
+	t.Parallel()
+	dsn, db := outboxDB(t)
+	ctx := context.Background()
+	insertRows(t, db, 4, "OrderConfirmed", time.Hour) // ids 1..4, keys k1..k4, an hour old
+	insertRows(t, db, 2, "OrderConfirmed", 0)         // ids 5, 6: keys k1, k2, new
+	_, err := db.Exec(ctx, `INSERT INTO outbox_held (id, event_id, event_type, reason, error, retry_at)
+        SELECT id, event_id::text, event_type, r, 'x', now() + interval '1 hour'
+        FROM outbox JOIN (VALUES (1, 'too_large'), (2, 'refused'), (3, 'invalid_row')) v(i, r) ON v.i = outbox.id`)
+	require.NoError(t, err)
+	obs := observerPool(t, dsn)
+	relay, _ := minimalRelay("ns", "r")
+	q := backlogQuery{table: outboxTable, withHeld: true, topics: map[string]string{"OrderConfirmed": "orders.confirmed"}}
+
+	s, err := observeBacklog(ctx, obs, q, 100)
+	require.NoError(t, err)
+	require.True(t, s.heldTable)
+	b := backlogStatus(relay, &s)
+	require.Equal(t, outboxv1alpha1.HeldRows{TooLarge: 1, Refused: 1, Invalid: 1}, b.Held)
+	require.Equal(t, int64(3), b.Pending, "ids 4, 5 and 6")
+	require.InDelta(t, time.Hour.Seconds(), b.OldestAge.Seconds(), 5)
+
+	q.byKey = true
+	s, err = observeBacklog(ctx, obs, q, 100)
+	require.NoError(t, err)
+	b = backlogStatus(relay, &s)
+	require.Equal(t, outboxv1alpha1.HeldRows{TooLarge: 1, Refused: 1, Invalid: 1, Blocked: 2}, b.Held, "ids 5 and 6 wait behind 1 and 2")
+	require.Equal(t, int64(1), b.Pending, "id 4")
+
+	_, err = db.Exec(ctx, `DELETE FROM outbox WHERE id = 4`)
+	require.NoError(t, err)
+	s, err = observeBacklog(ctx, obs, q, 100)
+	require.NoError(t, err)
+	b = backlogStatus(relay, &s)
+	require.Zero(t, b.Pending)
+	require.Zero(t, b.OldestAge.Duration, "held rows alone do not age the backlog: no scale-up, no NotPublishing")
+
+	_, err = db.Exec(ctx, `DROP TABLE outbox_held`)
+	require.NoError(t, err)
+	q.withHeld = false
+	s, err = observeBacklog(ctx, obs, q, 100)
+	require.NoError(t, err)
+	require.False(t, s.heldTable)
+	require.Equal(t, int64(5), backlogStatus(relay, &s).Pending, "without the held table the relays' holds are not known")
 }

@@ -33,7 +33,7 @@ func NewBacklogProbe(ctx context.Context, dsn string, table outbox.Table) (*Back
 // Read reads the backlog once and returns the number of unpublished rows
 // read (at most outboxv1alpha1.BacklogBound).
 func (p *BacklogProbe) Read(ctx context.Context) (int64, error) {
-	s, err := observeBacklog(ctx, p.pool, p.table, outboxv1alpha1.BacklogBound)
+	s, err := observeBacklog(ctx, p.pool, backlogQuery{table: p.table}, outboxv1alpha1.BacklogBound)
 	return s.read, err
 }
 

@@ -2,10 +2,12 @@ package controllers
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -56,6 +58,8 @@ type flowTarget struct {
 	dsnSecret string // the Secret's name, for messages
 	table     outbox.Table
 	interval  time.Duration
+	topics    map[string]outboxv1alpha1.TopicName // the topic map, to tell held rows from pending ones
+	byKey     bool              // PartitionKey ordering
 }
 
 // relayFlow is one OutboxRelay's observer and what it saw.
@@ -127,6 +131,7 @@ func (o *FlowObserver) Observe(key types.NamespacedName, target flowTarget) flow
 		o.startLocked(key, f)
 	default:
 		f.target.interval, f.target.dsnSecret = target.interval, target.dsnSecret
+		f.target.topics, f.target.byKey = target.topics, target.byKey
 	}
 	return flowView{sample: f.latest, lastErr: f.lastErr}
 }
@@ -183,6 +188,7 @@ func (o *FlowObserver) run(ctx context.Context, key types.NamespacedName, target
 	timer := time.NewTimer(0)
 	defer timer.Stop()
 	lastLogged := ""
+	withHeld := false // the first read finds out whether the held table exists
 	for {
 		select {
 		case <-ctx.Done():
@@ -191,9 +197,16 @@ func (o *FlowObserver) run(ctx context.Context, key types.NamespacedName, target
 		}
 		var s backlogSample
 		if err == nil {
+			q := o.query(key, done, withHeld)
+			q.table = target.table // the same; also when the observer was replaced meanwhile
 			qctx, cancel := context.WithTimeout(ctx, backlogQueryTimeout+time.Second)
-			s, err = observeBacklog(qctx, pool, target.table, bound)
+			s, err = observeBacklog(qctx, pool, q, bound)
+			if isUndefinedTable(err) && withHeld { // the held table was dropped
+				q.withHeld = false
+				s, err = observeBacklog(qctx, pool, q, bound)
+			}
 			cancel()
+			withHeld = err == nil && s.heldTable
 		}
 		if ctx.Err() != nil {
 			return
@@ -213,6 +226,28 @@ func (o *FlowObserver) run(ctx context.Context, key types.NamespacedName, target
 		o.wake(key)
 		timer.Reset(interval)
 	}
+}
+
+// query is what key's next observation reads: its table and the topic map
+// and ordering as the reconciler last handed them over.
+func (o *FlowObserver) query(key types.NamespacedName, done chan struct{}, withHeld bool) backlogQuery {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	q := backlogQuery{withHeld: withHeld}
+	if f := o.relays[key]; f != nil && f.done == done {
+		q.table, q.byKey = f.target.table, f.target.byKey
+		q.topics = make(map[string]string, len(f.target.topics))
+		for et, t := range f.target.topics {
+			q.topics[et] = string(t)
+		}
+	}
+	return q
+}
+
+// isUndefinedTable reports whether err is PostgreSQL's "relation does not exist".
+func isUndefinedTable(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "42P01"
 }
 
 // wake enqueues a reconcile of key.

@@ -30,7 +30,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		oldestAge: gauge("outbox_operator_oldest_waiting_age_seconds",
 			"Age of the oldest row a relay can claim, 0 when none."),
 		held: gauge("outbox_operator_rows_held",
-			"Unpublished rows among the 100000 oldest that no relay publishes as things stand, by reason (unroutable, invalid).", "reason"),
+			"Unpublished rows among the 100000 oldest that no relay publishes as things stand, by reason (unroutable, invalid, too_large, refused, blocked), as status.backlog.held.", "reason"),
 		desired: gauge("outbox_operator_desired_replicas",
 			"Relay replicas the operator asks the Deployment for."),
 		ready: gauge("outbox_operator_ready_replicas",
@@ -79,6 +79,9 @@ func (m *Metrics) set(relay *outboxv1alpha1.OutboxRelay) {
 		m.oldestAge.WithLabelValues(ns, name).Set(b.OldestAge.Seconds())
 		m.held.WithLabelValues(ns, name, "unroutable").Set(float64(b.Held.Unroutable))
 		m.held.WithLabelValues(ns, name, "invalid").Set(float64(b.Held.Invalid))
+		m.held.WithLabelValues(ns, name, "too_large").Set(float64(b.Held.TooLarge))
+		m.held.WithLabelValues(ns, name, "refused").Set(float64(b.Held.Refused))
+		m.held.WithLabelValues(ns, name, "blocked").Set(float64(b.Held.Blocked))
 	}
 }
 

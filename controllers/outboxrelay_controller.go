@@ -145,7 +145,8 @@ func (r *OutboxRelayReconciler) observe(key types.NamespacedName, relay *outboxv
 			interval = d
 		}
 	}
-	view := r.Flow.Observe(key, flowTarget{dsn: in.DSN, dsnSecret: relay.Spec.DSNSecretRef.Name, table: table, interval: interval})
+	view := r.Flow.Observe(key, flowTarget{dsn: in.DSN, dsnSecret: relay.Spec.DSNSecretRef.Name, table: table, interval: interval,
+		topics: relay.Spec.Topics, byKey: relay.Spec.Ordering == outboxv1alpha1.OrderingPartitionKey})
 	obs := observation{err: view.lastErr}
 	if view.sample != nil {
 		obs.backlog = backlogStatus(relay, view.sample)

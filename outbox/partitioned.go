@@ -100,7 +100,9 @@ CREATE INDEX IF NOT EXISTS %[3]s ON %[2]s (created_at);
 CREATE INDEX IF NOT EXISTS %[4]s
     ON %[1]s (id)
     WHERE published_at IS NULL;
-`, q, ids.Quoted(), pgx.Identifier{cut63("ix_" + ids.Name + "_created_at")}.Sanitize(), pgx.Identifier{t.IndexName()}.Sanitize())
+
+-- The rows relays hold back and why (`+"`relay held`, `relay redrive`"+`).
+%[5]s`, q, ids.Quoted(), pgx.Identifier{cut63("ix_" + ids.Name + "_created_at")}.Sanitize(), pgx.Identifier{t.IndexName()}.Sanitize(), HeldDDL(t))
 	unit := string(period)
 	fmt.Fprintf(&b, `
 -- %[1]s(ahead) creates the partitions of the current %[3]s (UTC)

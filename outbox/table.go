@@ -89,6 +89,55 @@ func (t Table) EventIDsTable() Table {
 	return Table{Schema: t.Schema, Name: t.suffixed("_event_ids")}
 }
 
+// HeldTable is the table where relays record the rows they hold back (too
+// large, refused by Kafka, invalid): "<name>_held", in the outbox's schema
+// (HeldDDL).
+func (t Table) HeldTable() Table {
+	return Table{Schema: t.Schema, Name: t.suffixed("_held")}
+}
+
+// The reasons a relay records a row in the held table under (HeldDDL's
+// CHECK); the relay's reasons of the same names are these.
+const (
+	// HeldInvalidRow: a column the relay reads is NULL, created_at is out
+	// of range (CreatedAtCheck), or the headers are malformed.
+	HeldInvalidRow = "invalid_row"
+	// HeldTooLarge: the record is larger than its topic takes, and there
+	// is no dead-letter topic it fits.
+	HeldTooLarge = "too_large"
+	// HeldRefused: Kafka refused the record permanently and there is no
+	// dead-letter topic.
+	HeldRefused = "refused"
+)
+
+// HeldReasons are the reasons in the held table.
+var HeldReasons = []string{HeldInvalidRow, HeldTooLarge, HeldRefused}
+
+// HeldDDL is the DDL of t's held table: one row per outbox row a relay
+// holds back, with the reason, the last error, when it was first and last
+// tried, how often, and when it is tried next. Relays create it themselves
+// when it is missing and their role may; `relay held` lists it and
+// `relay redrive` sets retry_at to now. A row leaves it once its outbox
+// row is published (or dead-lettered).
+func HeldDDL(t Table) string {
+	reasons := make([]string, len(HeldReasons))
+	for i, r := range HeldReasons {
+		reasons[i] = quoteLiteral(r)
+	}
+	return fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (
+    id            bigint      PRIMARY KEY,
+    event_id      text        NOT NULL,
+    event_type    text        NOT NULL,
+    reason        text        NOT NULL CHECK (reason IN (%s)),
+    error         text        NOT NULL,
+    attempts      integer     NOT NULL DEFAULT 1,
+    first_attempt timestamptz NOT NULL DEFAULT now(),
+    last_attempt  timestamptz NOT NULL DEFAULT now(),
+    retry_at      timestamptz NOT NULL
+);
+`, t.HeldTable().Quoted(), strings.Join(reasons, ", "))
+}
+
 // AddPartitionsFunction is the function PartitionedSchemaDDL defines to
 // create a partitioned outbox's next partitions: "<name>_add_partitions".
 func (t Table) AddPartitionsFunction() Table {
@@ -172,7 +221,9 @@ ALTER TABLE %[1]s SET (
 -- Prune published rows periodically (e.g. from pg_cron), in small batches:
 -- DELETE FROM %[1]s WHERE id IN (
 --     SELECT id FROM %[1]s WHERE published_at < now() - interval '1 day' LIMIT 10000);
-`, q, idx)
+
+-- The rows relays hold back and why (`+"`relay held`, `relay redrive`"+`).
+%[3]s`, q, idx, HeldDDL(t))
 	return b.String()
 }
 

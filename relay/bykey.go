@@ -96,7 +96,7 @@ func (k *byKey) prepare(ctx context.Context, now time.Time) (beginner, error) {
 }
 
 func (k *byKey) claim(ctx context.Context, tx pgx.Tx, from int64, held []int64, f claimFilter) (pgx.Rows, error) {
-	return tx.Query(ctx, k.r.sql.ClaimBuckets, from, held, f.keys, f.keyTypes, k.mine, k.r.cfg.BatchSize, k.r.cfg.MaxBatchBytes)
+	return tx.Query(ctx, k.r.sql.ClaimBuckets, from, held, f.keys, f.keyTypes, k.mine, k.r.cfg.BatchSize, k.r.cfg.MaxBatchBytes, f.largest)
 }
 
 func (k *byKey) stop(x row, i int, until time.Time) {

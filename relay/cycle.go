@@ -26,7 +26,9 @@ type inFlight struct {
 	full      bool
 	big       bool
 	published []int64
-	perr      error      // publish failures that make the loop back off
+	holds     []heldRecord // rows held in this batch, recorded in its transaction
+	unhold    []int64      // published rows whose held record goes
+	perr      error        // publish failures that make the loop back off
 	done      chan error // the mark and commit's result
 }
 
@@ -41,6 +43,7 @@ type inFlight struct {
 // after the previous one ended, so rows reach Kafka in id order per replica.
 func (r *Relay) Run(ctx context.Context) error {
 	statsDone := make(chan struct{})
+	r.refreshHeld(ctx) // before the first claim: a restarted relay does not retry its holds early
 	go func() { defer close(statsDone); r.statsLoop(ctx) }()
 	defer func() { <-statsDone }()
 	if r.cfg.KeepPublishedFor > 0 {
@@ -124,6 +127,9 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	// publish has its own deadline and the transaction is short.
 	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
 	start := time.Now()
+	if s := r.heldSnap.Swap(nil); s != nil && r.held.merge(*s) {
+		r.cur.rescanSoon() // rows released elsewhere (redrive) are behind the cursor
+	}
 	if r.held.release(start) {
 		r.cur.rescanSoon() // released rows are behind the cursor
 	}
@@ -144,6 +150,7 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	}
 	f := r.mode.waiting(start) // before the cursor: an expired filter moves it back
 	f.held = r.held.ids()
+	f.largest = r.largestRecord()
 	r.filter.Store(&f)
 	rows, full, err := r.claim(bctx, tx, r.cur.from(start), f.held, f)
 	if err != nil {
@@ -168,6 +175,7 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 		releaseMemory() // the claim's read buffers, before the publish builds its request
 	}
 	b.published, b.perr = r.publish(bctx, rows)
+	b.holds, b.unhold = r.held.take(), r.held.forget(b.published)
 	return b, nil
 }
 
@@ -191,8 +199,32 @@ func (r *Relay) markAndCommit(b *inFlight) error {
 			return fmt.Errorf("mark %d rows published in %s: %w", len(b.published), r.table, err)
 		}
 	}
+	if err := r.recordHolds(b); err != nil {
+		return err
+	}
 	if err := b.tx.Commit(b.ctx); err != nil {
 		return fmt.Errorf("commit batch on %s: %w", r.table, err)
+	}
+	return nil
+}
+
+// recordHolds writes the batch's holds to the held table and removes the
+// records of its published rows that had been held, in its transaction.
+func (r *Relay) recordHolds(b *inFlight) error {
+	if len(b.holds) > 0 {
+		n := len(b.holds)
+		ids, eventIDs, types, reasons, errs := make([]int64, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+		for i, h := range b.holds {
+			ids[i], eventIDs[i], types[i], reasons[i], errs[i] = h.id, h.eventID, h.eventType, h.reason, h.err
+		}
+		if _, err := b.tx.Exec(b.ctx, r.sql.Hold, ids, eventIDs, types, reasons, errs, r.cfg.HeldRetryInterval.Seconds()); err != nil {
+			return fmt.Errorf("record %d held rows in %s: %w", n, r.table.HeldTable(), err)
+		}
+	}
+	if len(b.unhold) > 0 {
+		if _, err := b.tx.Exec(b.ctx, r.sql.Unhold, b.unhold); err != nil {
+			return fmt.Errorf("remove %d published rows from %s: %w", len(b.unhold), r.table.HeldTable(), err)
+		}
 	}
 	return nil
 }

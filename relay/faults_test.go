@@ -431,6 +431,7 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 	expectPublished := map[string]bool{}
 	expectDLQ := map[string]bool{}
 	blockedBy := map[string]int64{}
+	expectHeld := map[int64]string{} // rows held for themselves: the reason recorded in the held table
 	byID := map[string]insertedRow{}
 	for _, r := range rows {
 		byID[r.eventID] = r
@@ -463,6 +464,16 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 		}
 		if held && lanesBlocked[lane] == 0 {
 			lanesBlocked[lane] = r.id
+		}
+		if held && !blocked {
+			switch r.kind {
+			case poison:
+				expectHeld[r.id] = relay.HeldRefused
+			case oversize:
+				expectHeld[r.id] = relay.HeldTooLarge
+			case badTime, badHeader:
+				expectHeld[r.id] = relay.HeldInvalidRow
+			}
 		}
 	}
 
@@ -536,6 +547,36 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 	if sc.ordering == relay.OrderingPartitionKey {
 		res.violations = append(res.violations, orderViolationsByLane(deliveries, byID)...)
 	}
+	// Held rows are recorded in the held table with their reason, across
+	// restarts; no row that went out keeps a record.
+	recorded := map[int64]string{}
+	if !eventually(15*time.Second, func() bool {
+		rs, err := pool.Query(ctx, `SELECT id, reason FROM outbox_held`)
+		require.NoError(t, err)
+		clear(recorded)
+		var id int64
+		var reason string
+		_, err = pgx.ForEachRow(rs, []any{&id, &reason}, func() error { recorded[id] = reason; return nil })
+		require.NoError(t, err)
+		for id, want := range expectHeld {
+			if recorded[id] != want {
+				return false
+			}
+		}
+		return true
+	}) {
+		for id, want := range expectHeld {
+			if recorded[id] != want {
+				res.violations = append(res.violations, fmt.Sprintf("row %d held as %s, but the held table says %q", id, want, recorded[id]))
+			}
+		}
+	}
+	for _, r := range rows {
+		if reason, ok := recorded[r.id]; ok && expectPublished[r.eventID] {
+			res.violations = append(res.violations, fmt.Sprintf("row %d (%s) went out, but the held table still holds it (%s)", r.id, r.kind, reason))
+		}
+	}
+
 	// Readiness once the faults are over: held rows are not a stall.
 	x := current.Load()
 	if !eventually(15*time.Second, func() bool { return x.R.Ready() == nil }) {

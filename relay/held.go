@@ -3,6 +3,8 @@ package relay
 import (
 	"log/slog"
 	"time"
+
+	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
 // Reasons a row is held: not published, not marked, counted in
@@ -13,42 +15,86 @@ const (
 	HeldUnroutable = "unroutable"
 	// HeldInvalidRow: a column the relay reads is NULL, created_at is out of
 	// range (outbox.CreatedAtCheck), or the headers are malformed.
-	HeldInvalidRow = "invalid_row"
+	HeldInvalidRow = outbox.HeldInvalidRow
 	// HeldTopicUnavailable: the row's topic does not exist, or the relay may
 	// not write to it.
 	HeldTopicUnavailable = "topic_unavailable"
 	// HeldTooLarge: the record is larger than its topic takes, and there is
 	// no dead-letter topic it fits.
-	HeldTooLarge = "too_large"
+	HeldTooLarge = outbox.HeldTooLarge
 	// HeldRefused: Kafka refused the record permanently and there is no
 	// dead-letter topic.
-	HeldRefused = "refused"
+	HeldRefused = outbox.HeldRefused
 )
 
 // heldReasons are every reason, for the gauge's series.
 var heldReasons = []string{HeldUnroutable, HeldInvalidRow, HeldTopicUnavailable, HeldTooLarge, HeldRefused}
 
-// heldRows are the rows this replica holds itself (invalid, too large,
-// refused); they stay out of claims until their retry time. Rows of an
-// unmapped type or an unavailable topic are kept out by the claim's type
-// filter (or, in partition-key mode, by blocking their keys) instead.
+// heldErrorBytes bounds the error text recorded with a held row.
+const heldErrorBytes = 2000
+
+// heldCacheRows bounds how many held rows a replica loads from the held
+// table to leave out of its claims; a row beyond is claimed on its turn and
+// held again (one more attempt), so the bound costs work, never a row.
+const heldCacheRows = 10000
+
+// heldRows are the rows held back from claims (invalid, too large,
+// refused) until their retry time. They are recorded in the held table
+// (outbox.HeldDDL) in the transaction of the batch that held them, so they
+// survive restarts and every replica, the operator and a DBA see them; each
+// replica keeps its own copy here, reloaded from the table every
+// statsInterval, so a claim leaves them out without reading the table. Rows
+// of an unmapped type or an unavailable topic are kept out by the claim's
+// type filter (or, in partition-key mode, by blocking their keys) instead.
 type heldRows struct {
 	rows   map[int64]heldRow
 	logged map[int64]bool // rows already logged, so a retried row is logged once
+	// recorded: the held table exists; holds are written there.
+	recorded bool
+	// pending are the holds of the batch being published, for its
+	// transaction to record (take).
+	pending []heldRecord
 }
 
 type heldRow struct {
 	reason string
 	until  time.Time
+	// at is when this replica held it: a reload read before then may not
+	// see it yet and leaves it as it is.
+	at time.Time
+	// released: its retry time came; it may be claimed, and its record
+	// goes once it is published (forget).
+	released bool
+}
+
+// heldRecord is one hold to write to the held table.
+type heldRecord struct {
+	id                         int64
+	eventID, eventType, reason string
+	err                        string
+}
+
+// heldSnapshot is the held table as one replica read it.
+type heldSnapshot struct {
+	at   time.Time
+	rows map[int64]heldRow
 }
 
 func newHeldRows() *heldRows {
 	return &heldRows{rows: map[int64]heldRow{}, logged: map[int64]bool{}}
 }
 
-// hold keeps x out of claims until until, and logs it the first time.
+// hold keeps x out of claims until until, queues its record, and logs it
+// the first time.
 func (h *heldRows) hold(log *slog.Logger, x row, reason string, until time.Time, err error) {
-	h.rows[x.id] = heldRow{reason: reason, until: until}
+	h.rows[x.id] = heldRow{reason: reason, until: until, at: time.Now()}
+	if h.recorded {
+		msg := err.Error()
+		if len(msg) > heldErrorBytes {
+			msg = msg[:heldErrorBytes]
+		}
+		h.pending = append(h.pending, heldRecord{id: x.id, eventID: x.eventID, eventType: x.eventType, reason: reason, err: msg})
+	}
 	if h.logged[x.id] {
 		return
 	}
@@ -60,13 +106,22 @@ func (h *heldRows) hold(log *slog.Logger, x row, reason string, until time.Time,
 		"reason", reason, "err", err)
 }
 
-func (h *heldRows) isHeld(id int64) bool { _, ok := h.rows[id]; return ok }
+// take returns the holds queued since the last take.
+func (h *heldRows) take() []heldRecord {
+	p := h.pending
+	h.pending = nil
+	return p
+}
+
+func (h *heldRows) isHeld(id int64) bool { r, ok := h.rows[id]; return ok && !r.released }
 
 // ids are the held rows' ids, for the claim to leave out.
 func (h *heldRows) ids() []int64 {
 	ids := make([]int64, 0, len(h.rows))
-	for id := range h.rows {
-		ids = append(ids, id)
+	for id, r := range h.rows {
+		if !r.released {
+			ids = append(ids, id)
+		}
 	}
 	return ids
 }
@@ -75,9 +130,55 @@ func (h *heldRows) ids() []int64 {
 func (h *heldRows) release(now time.Time) bool {
 	released := false
 	for id, r := range h.rows {
-		if !now.Before(r.until) {
-			delete(h.rows, id)
+		if !r.released && !now.Before(r.until) {
+			r.released = true
+			h.rows[id] = r
 			released = true
+		}
+	}
+	return released
+}
+
+// forget drops the published rows among ids and returns those whose record
+// in the held table goes with them.
+func (h *heldRows) forget(ids []int64) []int64 {
+	if len(h.rows) == 0 {
+		return nil
+	}
+	var gone []int64
+	for _, id := range ids {
+		if _, ok := h.rows[id]; ok {
+			delete(h.rows, id)
+			gone = append(gone, id)
+		}
+	}
+	if !h.recorded {
+		return nil
+	}
+	return gone
+}
+
+// merge takes in a reload of the held table: what other replicas held, and
+// what `relay redrive` released or the sweep removed. A row this replica
+// held after the reload was read stays as it is. It reports whether a row
+// was released, so the cursor looks behind itself again.
+func (h *heldRows) merge(s heldSnapshot) bool {
+	released := false
+	for id, r := range h.rows {
+		if _, ok := s.rows[id]; !ok && !r.at.After(s.at) {
+			delete(h.rows, id)
+			released = released || !r.released
+		}
+	}
+	for id, n := range s.rows {
+		r, ok := h.rows[id]
+		switch {
+		case ok && r.at.After(s.at):
+			// held here since the reload was read
+		case ok && r.released && !n.until.After(s.at):
+			// released here already; its record goes once it is published
+		default:
+			h.rows[id] = n // release marks it when its time has come
 		}
 	}
 	return released
@@ -87,7 +188,7 @@ func (h *heldRows) release(now time.Time) bool {
 func (h *heldRows) count(reason string) int {
 	n := 0
 	for _, r := range h.rows {
-		if r.reason == reason {
+		if r.reason == reason && !r.released {
 			n++
 		}
 	}

@@ -173,6 +173,14 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 		r.mode.stop(x, i, until)
 		return kafka.Message{}, false
 	}
+	if x.oversize {
+		// Its payload was never read: it could go to no topic.
+		until := now.Add(r.cfg.HeldRetryInterval)
+		r.held.hold(r.log, x, HeldTooLarge, until, fmt.Errorf(
+			"payload and headers of %d bytes, more than any of the relay's topics takes (%d bytes); held without reading them", x.size, r.largestRecord()))
+		r.mode.stop(x, i, until)
+		return kafka.Message{}, false
+	}
 	custom, skippedHeaders, err := rowHeaders(x.headers)
 	if err != nil {
 		// Never sent without its headers: a consumer would miss what the

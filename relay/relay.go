@@ -59,11 +59,15 @@ type Relay struct {
 	topics     *topicState
 	health     *health
 	filter     atomic.Pointer[claimFilter] // the last claim's filters, for the stall check
+	heldSnap   atomic.Pointer[heldSnapshot] // the held table's last reload, for the loop to merge
 	mu         sync.Mutex
 	unroutable map[string]bool // event types already logged as unmapped
 	dbErr      atomic.Pointer[error]
 	kafkaErr   atomic.Pointer[error]
 	wake       chan struct{} // a notification arrived (--notify)
+
+	// Owned by the stats loop.
+	heldRefreshes int
 
 	// Owned by the pruning goroutine.
 	warnedDefault bool // the DEFAULT partition that stops partition drops was logged
@@ -77,6 +81,8 @@ type claimFilter struct {
 	// keys[i] with keyTypes[i]: the rows of that partition key and event
 	// type wait (partition-key mode; never nil: a NULL array matches no row).
 	keys, keyTypes []string
+	// largest is the largest record any topic takes (largestRecord).
+	largest int
 }
 
 // New validates cfg and prepares a relay. It connects lazily: Check and Run
@@ -263,6 +269,7 @@ func (r *Relay) Check(ctx context.Context) error {
 	}
 	r.shape = shape
 	r.sql = NewSQL(r.table, opts...)
+	r.held.recorded = r.ensureHeldTable(ctx)
 	md, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: r.allTopics()})
 	if err != nil {
 		r.setKafkaErr(err)
@@ -293,6 +300,28 @@ func (r *Relay) Check(ctx context.Context) error {
 	return nil
 }
 
+// ensureHeldTable creates the held table when it is missing and reports
+// whether it exists. A relay whose role may not create it keeps its holds in
+// memory only, as it says in its log: they are forgotten on restart and
+// invisible to the operator and to `relay held`.
+func (r *Relay) ensureHeldTable(ctx context.Context) bool {
+	var exists bool
+	if err := r.pool.QueryRow(ctx, r.sql.HeldExists).Scan(&exists); err == nil && exists {
+		return true
+	}
+	if _, err := r.pool.Exec(ctx, r.sql.CreateHeld); err != nil {
+		var exists bool // another replica may have created it meanwhile
+		if err := r.pool.QueryRow(ctx, r.sql.HeldExists).Scan(&exists); err == nil && exists {
+			return true
+		}
+		r.log.Error("cannot create the held table; rows held back are kept in memory only (forgotten on restart, not in the OutboxRelay's status nor in `relay held`)",
+			"table", r.table.HeldTable().String(), "err", err, "fix", "create it with the DDL from `relay schema`")
+		return false
+	}
+	r.log.Info("created the held table, where held rows are recorded", "table", r.table.HeldTable().String())
+	return true
+}
+
 // checkPartitioned refuses retention on a partitioned table it cannot drop
 // partitions of, and says what else it found.
 func (r *Relay) checkPartitioned(shape tableShape) error {
@@ -320,6 +349,17 @@ type UnreachableError struct{ Err error }
 
 func (e *UnreachableError) Error() string { return e.Err.Error() }
 func (e *UnreachableError) Unwrap() error { return e.Err }
+
+// largestRecord is the largest record any of the relay's topics (the
+// dead-letter topic included) takes: a row larger can go nowhere, and the
+// claim returns it without its payload (SQL.Claim).
+func (r *Relay) largestRecord() int {
+	n := 0
+	for _, t := range r.allTopics() {
+		n = max(n, r.topics.budget(t))
+	}
+	return n
+}
 
 func (r *Relay) allTopics() []string {
 	var ts []string
@@ -403,6 +443,11 @@ type row struct {
 	createdAt     time.Time
 	invalid       string // what is wrong with the row's columns (NULLs, created_at out of range); empty when nothing
 	headers       []byte // the headers column as stored; nil when NULL or absent
+	// size is the payload's and headers' size in the claim's byte budget.
+	size int64
+	// oversize: size is more than any topic takes; the claim returned no
+	// payload or headers (SQL.Claim).
+	oversize bool
 	// custom are the row's own headers the record carries (admit sets them).
 	custom []kafka.Header
 }
@@ -442,10 +487,11 @@ func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, held []int64, 
 	for rs.Next() {
 		var x row
 		if err := rs.Scan(&x.id, &x.eventID, &x.eventType, &x.aggregateType, &x.aggregateID, &x.partitionKey,
-			&x.payload, &x.createdAt, &x.invalid, &x.headers, &locked); err != nil {
+			&x.payload, &x.createdAt, &x.invalid, &x.headers, &x.size, &locked); err != nil {
 			rs.Close()
 			return nil, false, fmt.Errorf("claim batch from %s: %w", r.table, err)
 		}
+		x.oversize = x.size > int64(f.largest)
 		out = append(out, x)
 	}
 	if err := rs.Err(); err != nil {

@@ -8,14 +8,16 @@ type SQL struct {
 	// Claim locks the next unpublished rows of the mapped event types, in id
 	// order, skipping rows other replicas hold. Arguments: $1 the id to
 	// start after, $2 the event types, $3 ids to leave out, $4 the most rows,
-	// $5 the byte budget. See claimColumns for the result.
+	// $5 the byte budget, $6 the largest record any topic takes: a row
+	// larger comes back without its payload (see budgeted). See
+	// claimColumns for the result.
 	Claim string
 	// ClaimBuckets is Claim for partition-key ordering: every row of the
 	// replica's key-hash buckets, whatever its type (an unpublishable row
 	// must stop the later rows of its key and topic). Arguments: $1 the id
 	// to start after, $2 ids to leave out, $3 and $4 the (partition key,
 	// event type) pairs to leave out, as two arrays, $5 the buckets, $6 the
-	// most rows, $7 the byte budget.
+	// most rows, $7 the byte budget, $8 the largest record any topic takes.
 	ClaimBuckets string
 	// Mark sets published_at on the rows whose ids are $1; on a
 	// partitioned table (Partitioned) whose created_at is also between $2
@@ -42,6 +44,26 @@ type SQL struct {
 	// $1, leaving out ids $2 and the (key, type) pairs $3 and $4: what a
 	// claim could take. 0 when none.
 	OldestWaiting string
+
+	// The held table (outbox.HeldDDL): the rows the relays hold back.
+
+	// HeldExists is true when the held table exists.
+	HeldExists string
+	// CreateHeld creates the held table.
+	CreateHeld string
+	// Hold records holds: $1 ids, $2 event ids, $3 event types, $4 reasons,
+	// $5 errors, $6 the seconds until the rows are tried again. A row held
+	// before counts one more attempt.
+	Hold string
+	// Unhold removes the records of the published rows $1.
+	Unhold string
+	// LoadHeld reads up to $1 held rows, those tried again soonest first:
+	// id, reason and the seconds until their retry (0 when due).
+	LoadHeld string
+	// SweepHeld removes the records whose outbox row is published or gone
+	// (published by a replica that did not know it was held, fixed and
+	// published, or deleted by hand).
+	SweepHeld string
 }
 
 // bucketSQL is the key-hash bucket of a row, the same in every replica. A
@@ -118,11 +140,20 @@ func claimHeaders(o sqlOptions) string {
 // budgeted wraps a locking claim so it returns rows in id order while their
 // payloads fit the byte budget (always at least one row), and how many rows
 // the claim locked (a batch cut by the budget is a full batch, not a short one).
-func budgeted(claim, budgetArg string) string {
+//
+// A row larger than the largest record any topic takes (largestArg) comes
+// back with a NULL payload and headers and costs nothing of the budget: the
+// relay holds it as too large from its size alone, without reading (or
+// holding in memory) a payload it could never publish.
+func budgeted(claim, budgetArg, largestArg string) string {
 	return `WITH c AS (` + claim + `)
-SELECT id, event_id, event_type, aggregate_type, aggregate_id, partition_key, payload, created_at, invalid,
-       headers, (SELECT count(*) FROM c) AS locked
-FROM (SELECT c.*, sum(size) OVER (ORDER BY id) - size AS before FROM c) s
+SELECT id, event_id, event_type, aggregate_type, aggregate_id, partition_key,
+       CASE WHEN oversize THEN NULL ELSE payload END, created_at, invalid,
+       CASE WHEN oversize THEN NULL ELSE headers END, size, (SELECT count(*) FROM c) AS locked
+FROM (SELECT c.*, size > ` + largestArg + ` AS oversize,
+             sum(CASE WHEN size > ` + largestArg + ` THEN 0 ELSE size END) OVER (ORDER BY id)
+               - CASE WHEN size > ` + largestArg + ` THEN 0 ELSE size END AS before
+      FROM c) s
 WHERE before < ` + budgetArg + `
 ORDER BY id`
 }
@@ -135,6 +166,7 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
 		opt(&o)
 	}
 	q := t.Quoted()
+	h := t.HeldTable().Quoted()
 	cols := claimColumns + claimHeaders(o)
 	bounds := ""
 	if o.partitioned {
@@ -147,14 +179,14 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
     WHERE published_at IS NULL AND id > $1 AND event_type = ANY($2) AND id <> ALL($3)
     ORDER BY id
     LIMIT $4
-    FOR UPDATE SKIP LOCKED`, "$5"),
+    FOR UPDATE SKIP LOCKED`, "$5", "$6"),
 		ClaimBuckets: budgeted(`SELECT `+cols+`
     FROM `+q+`
     WHERE published_at IS NULL AND id > $1 AND id <> ALL($2) AND NOT `+waitingPair("$3", "$4")+`
       AND `+bucketSQL+` = ANY($5)
     ORDER BY id
     LIMIT $6
-    FOR UPDATE SKIP LOCKED`, "$7"),
+    FOR UPDATE SKIP LOCKED`, "$7", "$8"),
 		Mark:   `UPDATE ` + q + ` SET published_at = now() WHERE id = ANY($1)` + bounds,
 		Delete: `DELETE FROM ` + q + ` WHERE id = ANY($1)` + bounds,
 		Prune: `WITH doomed AS (
@@ -172,5 +204,16 @@ SELECT count(*), COALESCE(max(id), 0) FROM gone`,
 		OldestWaiting: `SELECT COALESCE((SELECT extract(epoch FROM now() - created_at)::float8 FROM ` + q +
 			` WHERE published_at IS NULL AND ` + validCreatedAt + ` AND event_type = ANY($1) AND id <> ALL($2) AND NOT ` + waitingPair("$3", "$4") + `
 			  ORDER BY id LIMIT 1), 0)`,
+		HeldExists: `SELECT to_regclass(` + quoteLiteral(h) + `) IS NOT NULL`,
+		CreateHeld: outbox.HeldDDL(t),
+		Hold: `INSERT INTO ` + h + ` AS h (id, event_id, event_type, reason, error, retry_at)
+    SELECT id, event_id, event_type, reason, error, now() + $6::float8 * interval '1 second'
+    FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[]) AS n(id, event_id, event_type, reason, error)
+    ON CONFLICT (id) DO UPDATE SET reason = EXCLUDED.reason, error = EXCLUDED.error,
+        attempts = h.attempts + 1, last_attempt = now(), retry_at = EXCLUDED.retry_at`,
+		Unhold:   `DELETE FROM ` + h + ` WHERE id = ANY($1)`,
+		LoadHeld: `SELECT id, reason, GREATEST(extract(epoch FROM retry_at - now()), 0)::float8 FROM ` + h + ` ORDER BY retry_at LIMIT $1`,
+		SweepHeld: `DELETE FROM ` + h + ` h WHERE NOT EXISTS (
+    SELECT 1 FROM ` + q + ` o WHERE o.id = h.id AND o.published_at IS NULL)`,
 	}
 }

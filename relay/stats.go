@@ -32,6 +32,7 @@ func (r *Relay) refreshStats(ctx context.Context) {
 	defer cancel()
 	r.refreshKafka(ctx)
 	r.refreshBacklog(ctx)
+	r.refreshHeld(ctx)
 	stalls := r.health.stalls(time.Now())
 	for _, reason := range stallReasons {
 		_, stalled := stalls[reason]
@@ -127,4 +128,46 @@ func (r *Relay) refreshBacklog(ctx context.Context) {
 			r.health.setOldestWaiting(time.Duration(age * float64(time.Second)))
 		}
 	}
+}
+
+// heldSweepEvery is how many stats refreshes pass between sweeps of the
+// held table's records of rows published meanwhile.
+const heldSweepEvery = 12
+
+// refreshHeld reloads the held table for the loop to merge (what other
+// replicas held, what `relay redrive` released) and, every heldSweepEvery
+// refreshes, removes the records of rows that are published or gone.
+func (r *Relay) refreshHeld(ctx context.Context) {
+	if !r.held.recorded { // set by Check, before Run starts this loop
+		return
+	}
+	if r.heldRefreshes%heldSweepEvery == 0 { // at start-up, and then every heldSweepEvery
+		if _, err := r.pool.Exec(ctx, r.sql.SweepHeld); err != nil && ctx.Err() == nil {
+			r.log.Warn("could not sweep the held table", "table", r.table.HeldTable().String(), "err", err)
+		}
+	}
+	r.heldRefreshes++
+	at := time.Now()
+	rows, err := r.pool.Query(ctx, r.sql.LoadHeld, heldCacheRows)
+	if err != nil {
+		if ctx.Err() == nil {
+			r.log.Warn("could not read the held table", "table", r.table.HeldTable().String(), "err", err)
+		}
+		return
+	}
+	snap := heldSnapshot{at: at, rows: map[int64]heldRow{}}
+	for rows.Next() {
+		var id int64
+		var reason string
+		var wait float64
+		if err := rows.Scan(&id, &reason, &wait); err != nil {
+			rows.Close()
+			return
+		}
+		snap.rows[id] = heldRow{reason: reason, until: at.Add(time.Duration(wait * float64(time.Second)))}
+	}
+	if rows.Err() != nil {
+		return
+	}
+	r.heldSnap.Store(&snap)
 }

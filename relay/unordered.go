@@ -22,7 +22,7 @@ func (u *unordered) prepare(ctx context.Context, now time.Time) (beginner, error
 }
 
 func (u *unordered) claim(ctx context.Context, tx pgx.Tx, from int64, held []int64, f claimFilter) (pgx.Rows, error) {
-	return tx.Query(ctx, u.r.sql.Claim, from, f.types, held, u.r.cfg.BatchSize, u.r.cfg.MaxBatchBytes)
+	return tx.Query(ctx, u.r.sql.Claim, from, f.types, held, u.r.cfg.BatchSize, u.r.cfg.MaxBatchBytes, f.largest)
 }
 
 func (u *unordered) stop(row, int, time.Time)   {}

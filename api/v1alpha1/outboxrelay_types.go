@@ -581,11 +581,13 @@ type BacklogStatus struct {
 	OldestAge metav1.Duration `json:"oldestAge"`
 
 	// Held counts the unpublished rows among the 100000 oldest that no relay
-	// publishes as things stand, for the reasons the operator can see. The
-	// relays count further reasons only they see (topic unavailable, too
-	// large, refused by Kafka; in PartitionKey ordering the later rows of a
-	// held row's key) in their metric outbox_relay_rows_held{reason}; the
-	// operator counts those rows as pending.
+	// publishes as things stand: by the topic map and the rows' columns, and
+	// as the relays recorded them in the held table (<table>_held; `relay
+	// held` lists them, `relay redrive` releases them). They count in
+	// neither Pending nor OldestAge, so they never scale the relays up. Rows
+	// of an unavailable topic are not recorded per row: the relays count
+	// them in outbox_relay_rows_held{reason="topic_unavailable"}, and the
+	// operator counts them as pending.
 	// +optional
 	Held HeldRows `json:"held,omitempty"`
 
@@ -610,10 +612,23 @@ type HeldRows struct {
 	// Unroutable rows have an event type not in spec.topics (or a NULL one).
 	// +optional
 	Unroutable int64 `json:"unroutable,omitempty"`
-	// Invalid rows have a NULL in a column the relay reads; the relay holds
-	// them (reason invalid_row) until the row is fixed.
+	// Invalid rows have a NULL in a column the relay reads, a created_at out
+	// of range, or malformed headers; the relay holds them (reason
+	// invalid_row) until the row is fixed.
 	// +optional
 	Invalid int64 `json:"invalid,omitempty"`
+	// TooLarge rows are larger than their topic and the dead-letter topic
+	// take (reason too_large).
+	// +optional
+	TooLarge int64 `json:"tooLarge,omitempty"`
+	// Refused rows were refused by Kafka for good, with no dead-letter topic
+	// (reason refused).
+	// +optional
+	Refused int64 `json:"refused,omitempty"`
+	// Blocked rows wait behind a held or invalid row of their partition key
+	// on the same topic (PartitionKey ordering), to keep the key's order.
+	// +optional
+	Blocked int64 `json:"blocked,omitempty"`
 }
 
 // OutboxRelayStatus is the observed state of an OutboxRelay.

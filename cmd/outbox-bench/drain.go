@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"sync"
 	"time"
@@ -50,7 +51,7 @@ func ceilingLoop(ctx context.Context, dsn string, batch int) error {
 	for ctx.Err() == nil {
 		ids = ids[:0]
 		err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
-			rows, err := tx.Query(ctx, ceilingSQL.Claim, cursor, []string{eventType}, []int64{}, batch, relayconfig.DefaultMaxBatchBytes)
+			rows, err := tx.Query(ctx, ceilingSQL.Claim, cursor, []string{eventType}, []int64{}, batch, relayconfig.DefaultMaxBatchBytes, math.MaxInt64)
 			if err != nil {
 				return err
 			}

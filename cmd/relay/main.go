@@ -3,6 +3,8 @@
 //
 //	relay --dsn postgres://... --brokers k1:9092 --topic OrderConfirmed=orders.confirmed
 //	relay schema --table app.outbox
+//	relay held --reason too_large
+//	relay redrive --id 42
 //
 // Every flag can also be set by an environment variable RELAY_<FLAG> (upper
 // case, "-" becomes "_"); a flag on the command line wins.
@@ -37,8 +39,15 @@ func main() {
 }
 
 func run(args []string, stdout, stderr io.Writer) int {
-	if len(args) > 0 && args[0] == "schema" {
-		return runSchema(args[1:], stdout, stderr)
+	if len(args) > 0 {
+		switch args[0] {
+		case "schema":
+			return runSchema(args[1:], stdout, stderr)
+		case "held":
+			return runHeld(args[1:], false, stdout, stderr)
+		case "redrive":
+			return runHeld(args[1:], true, stdout, stderr)
+		}
 	}
 	opts, err := parseFlags(args, os.LookupEnv, stderr)
 	if err != nil {

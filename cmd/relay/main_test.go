@@ -274,3 +274,48 @@ func TestSchemaSubcommandPartitioned(t *testing.T) {
 	}, 30*time.Second, 50*time.Millisecond)
 	require.Contains(t, p.Output(), "the table is partitioned")
 }
+
+// `relay held` lists the held rows (DSN and table from the environment, as
+// in a relay pod), `relay redrive` releases them by reason, and bad
+// selections are refused naming the flag and the value.
+func TestHeldAndRedriveSubcommands(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	f.Insert(3, 3, "E")
+	f.Exec(`INSERT INTO outbox_held (id, event_id, event_type, reason, error, retry_at)
+		SELECT id, event_id::text, event_type, CASE WHEN id = 1 THEN 'too_large' ELSE 'refused' END,
+		       'MESSAGE_TOO_LARGE', now() + interval '1 hour' FROM outbox WHERE id IN (1, 2)`)
+	env := append(os.Environ(), relayconfig.EnvDSN+"="+f.DSN)
+	cmd := func(args ...string) (string, error) {
+		c := exec.Command(outboxtest.RelayBinary(t), args...)
+		c.Env = env
+		out, err := c.CombinedOutput()
+		return string(out), err
+	}
+
+	out, err := cmd("held")
+	require.NoError(t, err, out)
+	require.Contains(t, out, "ID  EVENT ID")
+	require.Regexp(t, `(?m)^1\s+\S+\s+E\s+too_large\s+1\s`, out)
+	require.Regexp(t, `(?m)^2\s+\S+\s+E\s+refused\s+1\s`, out)
+
+	out, err = cmd("held", "--reason", "refused", "--output", "json")
+	require.NoError(t, err, out)
+	require.Contains(t, out, `"reason": "refused"`)
+	require.NotContains(t, out, `"too_large"`)
+
+	out, err = cmd("redrive", "--reason", "too_large")
+	require.NoError(t, err, out)
+	require.Contains(t, out, "released 1 held rows of outbox")
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox_held WHERE retry_at <= now()`))
+
+	for _, bad := range [][]string{{"redrive"}, {"redrive", "--reason", "lost"}, {"held", "--id", "x"}, {"redrive", "--all", "--id", "1"}} {
+		out, err = cmd(bad...)
+		require.Error(t, err, "%v: %s", bad, out)
+		require.Equal(t, 2, err.(*exec.ExitError).ExitCode(), out)
+	}
+	out, _ = cmd("redrive", "--reason", "lost")
+	require.Contains(t, out, `flag -reason: "lost" is not one of invalid_row, too_large, refused`)
+	out, _ = cmd("redrive")
+	require.Contains(t, out, "select the rows to release with --id, --reason or --type, or --all")
+}

@@ -77,6 +77,17 @@ func EnvName(flagName string) string {
 	return EnvPrefix + strings.ToUpper(strings.ReplaceAll(flagName, "-", "_"))
 }
 
+// Flag names of `relay held` and `relay redrive`, which list and release
+// the rows the relays hold back.
+const (
+	FlagID     = "id"
+	FlagReason = "reason"
+	FlagType   = "type"
+	FlagAll    = "all"
+	FlagLimit  = "limit"
+	FlagOutput = "output"
+)
+
 // Environment variables that carry secrets; they never appear as arguments.
 var (
 	EnvDSN          = EnvName(FlagDSN)
@@ -411,6 +422,109 @@ func ParseSchema(args []string, usage io.Writer) (SchemaSettings, error) {
 	return s, errors.Join(errs...)
 }
 
+// HeldSettings are the settings of `relay held` and `relay redrive`.
+type HeldSettings struct {
+	DSN   string
+	Table string
+	// IDs, Reasons and Types select held rows: any that matches.
+	IDs     []int64
+	Reasons []string
+	Types   []string
+	// All selects every held row (redrive: required when nothing else selects).
+	All bool
+	// Limit is the most rows `relay held` lists.
+	Limit int
+	// Output is text or json (`relay held`).
+	Output string
+}
+
+// DefaultHeldLimit is how many rows `relay held` lists by default.
+const DefaultHeldLimit = 100
+
+// ParseHeld reads the command line of `relay held` (redrive false) or
+// `relay redrive` (the arguments after the command), filling --dsn and
+// --table from RELAY_DSN and RELAY_TABLE when not given, as in a relay pod.
+// Errors name the flag and the value. For -h it writes the usage to usage
+// and returns ErrHelp.
+func ParseHeld(args []string, redrive bool, lookupEnv func(string) (string, bool), usage io.Writer) (HeldSettings, error) {
+	s := HeldSettings{Table: DefaultTable, Limit: DefaultHeldLimit, Output: "text"}
+	name := "relay held"
+	if redrive {
+		name = "relay redrive"
+	}
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.StringVar(&s.DSN, FlagDSN, "", "PostgreSQL connection string (default "+EnvDSN+")")
+	fs.StringVar(&s.Table, FlagTable, DefaultTable, "outbox table, NAME or SCHEMA.NAME")
+	fs.Func(FlagID, "a held row's id (repeatable, or comma-separated)", func(v string) error {
+		for _, p := range strings.Split(v, ",") {
+			id, err := strconv.ParseInt(strings.TrimSpace(p), 10, 64)
+			if err != nil || id <= 0 {
+				return fmt.Errorf("%q is not a row id", p)
+			}
+			s.IDs = append(s.IDs, id)
+		}
+		return nil
+	})
+	fs.Func(FlagReason, "held for this reason: "+strings.Join(outbox.HeldReasons, ", ")+" (repeatable)", func(v string) error {
+		if !slices.Contains(outbox.HeldReasons, v) {
+			return fmt.Errorf("%q is not one of %s", v, strings.Join(outbox.HeldReasons, ", "))
+		}
+		s.Reasons = append(s.Reasons, v)
+		return nil
+	})
+	fs.Func(FlagType, "rows of this event type (repeatable)", func(v string) error {
+		if err := CheckEventType(v); err != nil {
+			return err
+		}
+		s.Types = append(s.Types, v)
+		return nil
+	})
+	if redrive {
+		fs.BoolVar(&s.All, FlagAll, false, "release every held row")
+	} else {
+		fs.IntVar(&s.Limit, FlagLimit, DefaultHeldLimit, "most rows to list (1..100000)")
+		fs.StringVar(&s.Output, FlagOutput, "text", "text or json")
+	}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			what := "Lists the rows the relays hold back, why, and since when."
+			if redrive {
+				what = "Releases held rows: the relays try them again within seconds. Select them by id, reason or event type, or --all."
+			}
+			fmt.Fprintf(usage, "usage: %s [flags]\n\n%s\n\n", name, what)
+			fs.SetOutput(usage)
+			fs.PrintDefaults()
+			return s, ErrHelp
+		}
+		return s, err
+	}
+	if fs.NArg() > 0 {
+		return s, fmt.Errorf("unexpected argument %q", fs.Arg(0))
+	}
+	if err := applyEnv(fs, lookupEnv); err != nil {
+		return s, err
+	}
+	var errs []error
+	if s.DSN == "" {
+		errs = append(errs, fmt.Errorf("--%s: required (or set %s)", FlagDSN, EnvDSN))
+	}
+	errs = append(errs, flagErr(FlagTable, CheckTable(s.Table)))
+	if s.Limit < 1 || s.Limit > 100000 {
+		errs = append(errs, fmt.Errorf("--%s: %d is outside 1..100000", FlagLimit, s.Limit))
+	}
+	if s.Output != "text" && s.Output != "json" {
+		errs = append(errs, fmt.Errorf("--%s: %q is not one of text, json", FlagOutput, s.Output))
+	}
+	if redrive && !s.All && len(s.IDs)+len(s.Reasons)+len(s.Types) == 0 {
+		errs = append(errs, fmt.Errorf("select the rows to release with --%s, --%s or --%s, or --%s", FlagID, FlagReason, FlagType, FlagAll))
+	}
+	if redrive && s.All && len(s.IDs)+len(s.Reasons)+len(s.Types) > 0 {
+		errs = append(errs, fmt.Errorf("--%s selects every row; drop --%s, --%s and --%s", FlagAll, FlagID, FlagReason, FlagType))
+	}
+	return s, errors.Join(errs...)
+}
+
 // ErrHelp is returned by Parse for -h or --help, after the usage is written.
 var ErrHelp = flag.ErrHelp
 
@@ -454,7 +568,7 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.StringVar(&s.KafkaSASLMechanism, FlagKafkaSASLMech, "", "SASL mechanism: "+strings.Join(SASLMechanisms, ", ")+" (credentials from "+EnvSASLUsername+" and "+EnvSASLPassword+")")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			fmt.Fprintf(usage, "usage: relay [flags]\n       relay schema [--table NAME] [--partitioned]\n\nEvery flag can be set as %s<FLAG> in the environment.\n\n", EnvPrefix)
+			fmt.Fprintf(usage, "usage: relay [flags]\n       relay schema [--table NAME] [--partitioned]\n       relay held [--reason R] [--type T] [--id N]\n       relay redrive (--id N | --reason R | --type T | --all)\n\nEvery flag can be set as %s<FLAG> in the environment.\n\n", EnvPrefix)
 			fs.SetOutput(usage)
 			fs.PrintDefaults()
 			return s, ErrHelp

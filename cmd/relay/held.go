@@ -1,0 +1,88 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
+	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relay"
+)
+
+// heldTimeout bounds `relay held` and `relay redrive`.
+const heldTimeout = 30 * time.Second
+
+// runHeld lists the held rows (`relay held`), or releases them (`relay
+// redrive`). Both take --dsn and --table from RELAY_DSN and RELAY_TABLE when
+// not given, so `kubectl exec deploy/<name>-relay -- relay held` works.
+func runHeld(args []string, redrive bool, stdout, stderr io.Writer) int {
+	cmd := "relay held"
+	if redrive {
+		cmd = "relay redrive"
+	}
+	s, err := relayconfig.ParseHeld(args, redrive, os.LookupEnv, stderr)
+	if err != nil {
+		if errors.Is(err, relayconfig.ErrHelp) {
+			return 0
+		}
+		fmt.Fprintf(stderr, "%s: %v\n", cmd, err)
+		return 2
+	}
+	t, _ := outbox.ParseTable(s.Table) // ParseHeld checked it
+	ctx, cancel := context.WithTimeout(context.Background(), heldTimeout)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, s.DSN)
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: connect to PostgreSQL: %v\n", cmd, err)
+		return 1
+	}
+	defer conn.Close(context.Background())
+	f := relay.HeldFilter{IDs: s.IDs, Reasons: s.Reasons, Types: s.Types, All: s.All}
+	if redrive {
+		n, err := relay.Redrive(ctx, conn, t, f)
+		if err != nil {
+			fmt.Fprintf(stderr, "%s: %v\n", cmd, err)
+			return 1
+		}
+		fmt.Fprintf(stdout, "released %d held rows of %s; the relays try them again within seconds\n", n, t)
+		return 0
+	}
+	if f.Empty() {
+		f.All = true
+	}
+	rows, err := relay.ListHeld(ctx, conn, t, f, s.Limit)
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", cmd, err)
+		return 1
+	}
+	if s.Output == "json" {
+		if rows == nil {
+			rows = []relay.HeldRow{}
+		}
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(rows); err != nil {
+			return 1
+		}
+		return 0
+	}
+	w := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(w, "ID\tEVENT ID\tTYPE\tREASON\tATTEMPTS\tFIRST\tLAST\tRETRY\tERROR")
+	for _, r := range rows {
+		fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\n", r.ID, r.EventID, r.EventType, r.Reason, r.Attempts,
+			r.FirstAttempt.UTC().Format(time.RFC3339), r.LastAttempt.UTC().Format(time.RFC3339), r.RetryAt.UTC().Format(time.RFC3339), r.Error)
+	}
+	w.Flush()
+	if len(rows) == s.Limit {
+		fmt.Fprintf(stderr, "(the first %d; --%s lists more)\n", s.Limit, relayconfig.FlagLimit)
+	}
+	return 0
+}

@@ -1,0 +1,85 @@
+package relay
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/outbox-relay/outbox-operator/outbox"
+)
+
+// HeldRow is one row of the held table: an outbox row the relays hold back.
+type HeldRow struct {
+	ID           int64     `json:"id"`
+	EventID      string    `json:"eventId"`
+	EventType    string    `json:"eventType"`
+	Reason       string    `json:"reason"`
+	Error        string    `json:"error"`
+	Attempts     int       `json:"attempts"`
+	FirstAttempt time.Time `json:"firstAttempt"`
+	LastAttempt  time.Time `json:"lastAttempt"`
+	RetryAt      time.Time `json:"retryAt"`
+}
+
+// HeldFilter selects rows of the held table: those matching any of the
+// ids, reasons or event types, or every row with All.
+type HeldFilter struct {
+	IDs     []int64
+	Reasons []string
+	Types   []string
+	All     bool
+}
+
+// Empty reports whether f selects nothing.
+func (f HeldFilter) Empty() bool {
+	return !f.All && len(f.IDs) == 0 && len(f.Reasons) == 0 && len(f.Types) == 0
+}
+
+// heldWhere is the held table's rows that filter $1..$4 selects.
+const heldWhere = `($4 OR id = ANY($1) OR reason = ANY($2) OR event_type = ANY($3))`
+
+func (f HeldFilter) args() []any {
+	return []any{f.IDs, f.Reasons, f.Types, f.All}
+}
+
+// heldConn is what ListHeld and Redrive need of a connection or pool.
+type heldConn interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// ListHeld returns up to limit rows of t's held table that f selects, in
+// id order.
+func ListHeld(ctx context.Context, conn heldConn, t outbox.Table, f HeldFilter, limit int) ([]HeldRow, error) {
+	h := t.HeldTable()
+	rows, err := conn.Query(ctx, `SELECT id, event_id, event_type, reason, error, attempts, first_attempt, last_attempt, retry_at
+        FROM `+h.Quoted()+` WHERE `+heldWhere+` ORDER BY id LIMIT $5`, append(f.args(), limit)...)
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", h, err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (HeldRow, error) {
+		var x HeldRow
+		err := r.Scan(&x.ID, &x.EventID, &x.EventType, &x.Reason, &x.Error, &x.Attempts, &x.FirstAttempt, &x.LastAttempt, &x.RetryAt)
+		return x, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", h, err)
+	}
+	return out, nil
+}
+
+// Redrive releases the held rows f selects: they are tried again at once,
+// by every replica within statsInterval (when it next reads the held
+// table). A row that fails again is held again, one attempt more. It
+// returns how many rows it released.
+func Redrive(ctx context.Context, conn heldConn, t outbox.Table, f HeldFilter) (int64, error) {
+	h := t.HeldTable()
+	tag, err := conn.Exec(ctx, `UPDATE `+h.Quoted()+` SET retry_at = now() WHERE `+heldWhere, f.args()...)
+	if err != nil {
+		return 0, fmt.Errorf("release rows of %s: %w", h, err)
+	}
+	return tag.RowsAffected(), nil
+}
