@@ -59,7 +59,7 @@ type flowTarget struct {
 	table     outbox.Table
 	interval  time.Duration
 	topics    map[string]outboxv1alpha1.TopicName // the topic map, to tell held rows from pending ones
-	byKey     bool              // PartitionKey ordering
+	byKey     bool                                // PartitionKey ordering
 }
 
 // relayFlow is one OutboxRelay's observer and what it saw.
@@ -68,8 +68,9 @@ type relayFlow struct {
 	cancel context.CancelFunc
 	done   chan struct{}
 
-	latest  *backlogSample // last successful read
-	lastErr string         // the last read's failure, "" when it succeeded
+	latest     *backlogSample // last successful read
+	lastErr    string         // the last read's failure, "" when it succeeded
+	authFailed bool           // the last read failed to authenticate
 	// counters are the recent (time, updated rows) readings for the rate.
 	counters []counterReading
 	// recs are the autoscaler's recent recommendations; since is when the
@@ -86,8 +87,9 @@ type counterReading struct {
 
 // flowView is what Reconcile learns from the observer.
 type flowView struct {
-	sample  *backlogSample // nil before the first successful read
-	lastErr string
+	sample     *backlogSample // nil before the first successful read
+	lastErr    string
+	authFailed bool // the DSN did not authenticate: its Secret may have changed
 }
 
 // Start implements manager.Runnable: observers run until ctx ends.
@@ -133,7 +135,7 @@ func (o *FlowObserver) Observe(key types.NamespacedName, target flowTarget) flow
 		f.target.interval, f.target.dsnSecret = target.interval, target.dsnSecret
 		f.target.topics, f.target.byKey = target.topics, target.byKey
 	}
-	return flowView{sample: f.latest, lastErr: f.lastErr}
+	return flowView{sample: f.latest, lastErr: f.lastErr, authFailed: f.authFailed}
 }
 
 // Forget stops key's observer and closes its pool: the OutboxRelay is gone,
@@ -219,7 +221,7 @@ func (o *FlowObserver) run(ctx context.Context, key types.NamespacedName, target
 			}
 		}
 		lastLogged = msg
-		interval := o.record(key, done, &s, msg)
+		interval := o.record(key, done, &s, msg, isAuthFailure(err))
 		if pool != nil {
 			err = nil // a parse error stays; a failed read is tried again
 		}
@@ -242,6 +244,13 @@ func (o *FlowObserver) query(key types.NamespacedName, done chan struct{}, withH
 		}
 	}
 	return q
+}
+
+// isAuthFailure reports whether PostgreSQL refused the DSN's credentials
+// (invalid_password, invalid_authorization_specification).
+func isAuthFailure(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == "28P01" || pgErr.Code == "28000")
 }
 
 // isUndefinedTable reports whether err is PostgreSQL's "relation does not exist".
@@ -291,13 +300,14 @@ func (o *FlowObserver) recommend(key types.NamespacedName, now time.Time, rec, c
 
 // record stores one read (or its failure) and returns the interval to the
 // next. done identifies the observer, so a replaced one records nothing.
-func (o *FlowObserver) record(key types.NamespacedName, done chan struct{}, s *backlogSample, errMsg string) time.Duration {
+func (o *FlowObserver) record(key types.NamespacedName, done chan struct{}, s *backlogSample, errMsg string, authFailed bool) time.Duration {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	f := o.relays[key]
 	if f == nil || f.done != done {
 		return defaultBacklogInterval
 	}
+	f.authFailed = authFailed
 	if errMsg != "" {
 		f.lastErr = errMsg
 		return f.target.interval

@@ -15,6 +15,7 @@ import (
 type Metrics struct {
 	backlog, oldestAge, desired, ready, lagging *prometheus.GaugeVec
 	held                                        *prometheus.GaugeVec
+	secretReads                                 prometheus.Counter
 }
 
 // NewMetrics registers the operator's gauges with reg (cmd/manager passes
@@ -52,7 +53,23 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			return nil, err
 		}
 	}
+	m.secretReads = prometheus.NewCounter(prometheus.CounterOpts{Name: "outbox_operator_secret_reads_total",
+		Help: "Secrets the operator read from the API server (each referenced Secret once per --secret-refresh-interval, and on a change of the OutboxRelay or a failed login)."})
+	if err := reg.Register(m.secretReads); err != nil {
+		var dup prometheus.AlreadyRegisteredError
+		if !errors.As(err, &dup) {
+			return nil, err
+		}
+		m.secretReads = dup.ExistingCollector.(prometheus.Counter)
+	}
 	return m, nil
+}
+
+// secretRead counts one Secret read.
+func (m *Metrics) secretRead() {
+	if m != nil {
+		m.secretReads.Inc()
+	}
 }
 
 // set reports a relay's status.

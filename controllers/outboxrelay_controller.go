@@ -16,20 +16,15 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
-	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
 // secretRetryInterval is how soon a relay waiting for a Secret is looked at
-// again even without a Secret event.
+// again.
 const secretRetryInterval = 30 * time.Second
-
-// secretIndexKey indexes OutboxRelays by the names of the Secrets they reference.
-const secretIndexKey = ".spec.secretNames"
 
 // OutboxRelayReconciler turns an OutboxRelay into a relay Deployment, a
 // metrics Service and (with more than one replica) a PodDisruptionBudget.
@@ -44,20 +39,27 @@ type OutboxRelayReconciler struct {
 	// RelayImage is the relay image for OutboxRelays that name none.
 	RelayImage string
 	// AllowedImages are the prefixes an OutboxRelay's spec.image must start
-	// with; empty allows any image. RelayImage is always allowed.
+	// with; empty admits RelayImage's repository, AnyImage any image.
+	// RelayImage is always allowed.
 	AllowedImages []string
+	// SecretRefreshInterval is how long what the operator read of a
+	// referenced Secret is used before it reads the Secret again: the
+	// longest a change of it takes to roll the relay's pods
+	// (DefaultSecretRefreshInterval when zero).
+	SecretRefreshInterval time.Duration
 	// Flow reads the relays' backlogs; nil reads none (no Lagging, and
 	// autoscaled relays keep their running count).
 	Flow *FlowObserver
 	// Metrics are the per-relay gauges; nil reports none.
 	Metrics *Metrics
+
+	secrets *secretCache // made by SetupWithManager
 }
 
 // Least privilege: status is only patched; finalizers/update lets the owner
-// references block the owner's deletion. Secrets: get reads a referenced one
-// (uncached); list and watch feed the metadata-only watch. RBAC cannot grant
-// metadata alone, so the manager's code, not its role, keeps it from caching
-// Secret data.
+// references block the owner's deletion. Secrets: get only, of the Secrets
+// an OutboxRelay references (secrets.go): no list or watch, so the install
+// can read no Secret it is not pointed at and list none.
 //
 // +kubebuilder:rbac:groups=outbox.dev,resources=outboxrelays,verbs=get;list;watch
 // +kubebuilder:rbac:groups=outbox.dev,resources=outboxrelays/status,verbs=patch
@@ -65,7 +67,7 @@ type OutboxRelayReconciler struct {
 // +kubebuilder:rbac:groups=apps,resources=deployments,verbs=get;list;watch;create;patch
 // +kubebuilder:rbac:groups="",resources=services,verbs=get;list;watch;create;patch
 // +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=get;list;watch;create;patch;delete
-// +kubebuilder:rbac:groups="",resources=secrets,verbs=get;list;watch
+// +kubebuilder:rbac:groups="",resources=secrets,verbs=get
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
 // Reconcile brings one OutboxRelay's children to the desired state and reports its status.
@@ -114,9 +116,11 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 		}
 	}
 	if prob != nil && prob.requeue {
-		return ctrl.Result{RequeueAfter: secretRetryInterval}, nil
+		return ctrl.Result{RequeueAfter: min(secretRetryInterval, r.secrets.refresh)}, nil
 	}
-	return ctrl.Result{}, nil
+	// Without backlog readings to wake it, look again when the Secrets are
+	// due to be read again, so their changes still reach the pods.
+	return ctrl.Result{RequeueAfter: r.secrets.refresh}, nil
 }
 
 // forget stops observing a relay that is gone and drops its metrics.
@@ -147,6 +151,9 @@ func (r *OutboxRelayReconciler) observe(key types.NamespacedName, relay *outboxv
 	}
 	view := r.Flow.Observe(key, flowTarget{dsn: in.DSN, dsnSecret: relay.Spec.DSNSecretRef.Name, table: table, interval: interval,
 		topics: relay.Spec.Topics, byKey: relay.Spec.Ordering == outboxv1alpha1.OrderingPartitionKey})
+	if view.authFailed { // the Secret may hold a new password: read it again
+		r.secrets.stale(types.NamespacedName{Namespace: relay.Namespace, Name: relay.Spec.DSNSecretRef.Name}, secretRetryInterval)
+	}
 	obs := observation{err: view.lastErr}
 	if view.sample != nil {
 		obs.backlog = backlogStatus(relay, view.sample)
@@ -174,38 +181,19 @@ func (r *OutboxRelayReconciler) decideReplicas(key types.NamespacedName, relay *
 	return min(max(r.Flow.recommend(key, time.Now(), rec, running, scaleDownWindow(as)), lo), hi)
 }
 
-// relaysForSecret maps a Secret to the relays in its namespace that reference it.
-func (r *OutboxRelayReconciler) relaysForSecret(ctx context.Context, secret client.Object) []reconcile.Request {
-	var relays outboxv1alpha1.OutboxRelayList
-	if err := r.List(ctx, &relays, client.InNamespace(secret.GetNamespace()),
-		client.MatchingFields{secretIndexKey: secret.GetName()}); err != nil {
-		ctrl.LoggerFrom(ctx).Error(err, "list OutboxRelays referencing a Secret", "secret", client.ObjectKeyFromObject(secret))
-		return nil
-	}
-	reqs := make([]reconcile.Request, len(relays.Items))
-	for i := range relays.Items {
-		reqs[i].NamespacedName = client.ObjectKeyFromObject(&relays.Items[i])
-	}
-	return reqs
-}
-
-// SetupWithManager registers the controller, its watches and the Secret
-// index. Secrets are watched as metadata only; build the manager with
-// ManagerOptions so that what the cache keeps of them carries no data.
+// SetupWithManager registers the controller and its watches. Secrets are
+// not watched (secrets.go); build the manager with ManagerOptions so that no
+// code path can start a Secret informer.
 func (r *OutboxRelayReconciler) SetupWithManager(ctx context.Context, mgr ctrl.Manager) error {
 	if r.APIReader == nil {
 		r.APIReader = mgr.GetAPIReader()
 	}
-	if err := mgr.GetFieldIndexer().IndexField(ctx, &outboxv1alpha1.OutboxRelay{}, secretIndexKey,
-		func(o client.Object) []string { return referencedSecrets(o.(*outboxv1alpha1.OutboxRelay)) }); err != nil {
-		return fmt.Errorf("index OutboxRelays by Secret: %w", err)
-	}
+	r.secrets = newSecretCache(r.SecretRefreshInterval, r.Metrics.secretRead)
 	b := ctrl.NewControllerManagedBy(mgr).
 		For(&outboxv1alpha1.OutboxRelay{}, builder.WithPredicates(predicate.GenerationChangedPredicate{})).
 		Owns(&appsv1.Deployment{}).
 		Owns(&corev1.Service{}).
 		Owns(&policyv1.PodDisruptionBudget{}).
-		WatchesMetadata(&corev1.Secret{}, handler.EnqueueRequestsFromMapFunc(r.relaysForSecret)).
 		Named("outboxrelay")
 	if r.Flow != nil {
 		if err := mgr.Add(r.Flow); err != nil {

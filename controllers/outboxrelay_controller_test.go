@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	appsv1 "k8s.io/api/apps/v1"
@@ -30,7 +31,7 @@ import (
 // TestController runs the reconciler in a manager against the real API
 // server; each subtest works in its own namespace.
 func TestController(t *testing.T) {
-	r, mgr := startManager(t)
+	r, _ := startManager(t)
 	c := adminClient(t)
 
 	t.Run("SampleCreatesChildren", func(t *testing.T) { t.Parallel(); testSampleCreatesChildren(t, c) })
@@ -45,7 +46,7 @@ func TestController(t *testing.T) {
 	t.Run("ForeignChildIsLeftAlone", func(t *testing.T) { t.Parallel(); testForeignChild(t, c) })
 	t.Run("OrderingSwitchUsesRecreate", func(t *testing.T) { t.Parallel(); testOrderingSwitch(t, c) })
 	t.Run("ImageAllowList", func(t *testing.T) { t.Parallel(); testImageAllowList(t, c) })
-	t.Run("SecretsCachedWithoutData", func(t *testing.T) { t.Parallel(); testSecretsCachedWithoutData(t, c, mgr) })
+	t.Run("SecretsKeptWithoutOtherData", func(t *testing.T) { t.Parallel(); testSecretsKeptWithoutOtherData(t, c, r) })
 }
 
 func create(t *testing.T, c client.Client, objs ...client.Object) {
@@ -237,12 +238,12 @@ func testSpecChanges(t *testing.T, c client.Client, r *OutboxRelayReconciler) {
 	// check that the reconciler sends no write at all.
 	counted := &writeCounter{Client: r.Client}
 	quiet := &OutboxRelayReconciler{Client: counted, APIReader: r.APIReader, Recorder: r.Recorder,
-		RelayImage: r.RelayImage, AllowedImages: r.AllowedImages, Flow: r.Flow, Metrics: r.Metrics}
+		RelayImage: r.RelayImage, AllowedImages: r.AllowedImages, Flow: r.Flow, Metrics: r.Metrics, secrets: r.secrets}
 	rvs := resourceVersions(t, c, relay)
 	for range 3 {
 		res, err := quiet.Reconcile(ctx, req)
 		require.NoError(t, err)
-		require.Zero(t, res.RequeueAfter)
+		require.Equal(t, testSecretRefresh, res.RequeueAfter, "looked at again when its Secrets are due")
 	}
 	require.Equal(t, rvs, resourceVersions(t, c, relay), "a no-op reconcile changed a resourceVersion (relay, Deployment, Service, PDB)")
 	require.Empty(t, counted.writes, "a no-op reconcile sent writes")
@@ -301,8 +302,14 @@ func testSecretRotation(t *testing.T, c client.Client) {
 	create(t, c, secret, relay)
 	first := configHash(waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true }))
 
+	// A rotation reaches the pods within the refresh interval (and its
+	// jitter of a fifth), measured from the write.
+	rotatedAt := time.Now()
 	update(t, c, secret, func(s *corev1.Secret) { s.Data["dsn"] = []byte("postgres://relay@db-2/rotated") })
 	second := configHash(waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return configHash(d) != first }))
+	took := time.Since(rotatedAt)
+	t.Logf("the rotation rolled the pods after %s (refresh interval %s)", took, testSecretRefresh)
+	require.Less(t, took, testSecretRefresh*6/5+2*time.Second, "within the refresh interval, plus a reconcile")
 	// Back to the first DSN: a hash of the data would return to the first
 	// value; the hash of the Secret's version moves on.
 	update(t, c, secret, func(s *corev1.Secret) { s.Data["dsn"] = []byte("postgres://relay@db/rotated") })
@@ -609,25 +616,21 @@ func testImageAllowList(t *testing.T, c client.Client) {
 	require.Equal(t, allowedPrefix+"relay:2", d.Spec.Template.Spec.Containers[0].Image)
 }
 
-// testSecretsCachedWithoutData: the manager's cache knows a referenced Secret
-// by metadata only, and without the annotation `kubectl apply` copies the
-// data into.
-func testSecretsCachedWithoutData(t *testing.T, c client.Client, mgr ctrl.Manager) {
-	ctx := context.Background()
+// testSecretsKeptWithoutOtherData: of a referenced Secret the operator keeps
+// its version and key names, and the value of the DSN key only.
+func testSecretsKeptWithoutOtherData(t *testing.T, c client.Client, r *OutboxRelayReconciler) {
 	ns := newNamespace(t, c)
-	relay, secret := minimalRelay(ns, "cached")
-	secret.Annotations = map[string]string{
-		"kubectl.kubernetes.io/last-applied-configuration": `{"stringData":{"dsn":"postgres://relay:hunter2@db/cached"}}`,
-	}
+	relay, secret := minimalRelay(ns, "kept")
+	secret.StringData["password"] = "hunter2"
 	create(t, c, secret, relay)
 	waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })
-
-	cached := &metav1.PartialObjectMetadata{}
-	cached.SetGroupVersionKind(corev1.SchemeGroupVersion.WithKind("Secret"))
-	require.Eventually(t, func() bool { return mgr.GetCache().Get(ctx, key(secret), cached) == nil }, eventually, tick)
-	require.NotEmpty(t, cached.ResourceVersion)
-	require.Empty(t, cached.Annotations, "the cache keeps no annotation that may hold Secret data")
-	require.Empty(t, cached.ManagedFields)
+	r.secrets.mu.Lock()
+	e := r.secrets.entries[key(secret)]
+	r.secrets.mu.Unlock()
+	require.NotNil(t, e)
+	require.Equal(t, map[string]bool{"dsn": true, "password": true}, e.keys)
+	require.Equal(t, map[string]string{"dsn": "postgres://relay@db/kept"}, e.values, "no other value is kept")
+	require.NotEmpty(t, e.version)
 }
 
 // writeCounter records every write a client sends.

@@ -5,26 +5,130 @@ import (
 	"context"
 	"fmt"
 	"maps"
+	"math/rand/v2"
 	"slices"
 	"strings"
+	"sync"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
-	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 )
 
-// This file is everything the operator learns from Secrets. It caches no
-// Secret data: it watches Secrets as metadata only (to know when a
-// referenced one changes), and reads a referenced Secret directly from the
-// API server, uncached, to check that the keys the pods need exist. Of the
-// data it keeps only the DSN, in memory, for the one connection that reads
-// the relay's backlog.
+// This file is everything the operator learns from Secrets. It may only
+// get a Secret (no list or watch anywhere: the default install grants no
+// access to Secrets it is not told about, and none across the cluster to
+// list). It reads each referenced Secret straight from the API server and
+// keeps of it, for a refresh interval, its UID, resourceVersion and key
+// names, and the value of a key only when a relay uses it as its DSN, for
+// the connection that reads the relay's backlog. So a backlog read, which
+// wakes the reconciler, costs no Secret read; a Secret is read again when
+// its refresh interval is over (rotation rolls the pods within it), when a
+// relay asks for a key or value not kept, and when the DSN stops
+// authenticating.
+
+// DefaultSecretRefreshInterval is the manager's --secret-refresh-interval
+// default: the longest a Secret's change takes to reach the relays' pods.
+const DefaultSecretRefreshInterval = 5 * time.Minute
+
+// secretCache keeps what the reconciler needs of the referenced Secrets.
+type secretCache struct {
+	// refresh is how long an entry is used before the Secret is read again;
+	// each entry's is stretched by up to a fifth, at random, so entries read
+	// together (a manager start) are not all read again together.
+	refresh time.Duration
+	// reads counts the Secret GETs, for the operator's metric.
+	reads func()
+
+	mu      sync.Mutex
+	entries map[types.NamespacedName]*secretEntry
+}
+
+// secretEntry is what the operator keeps of one Secret.
+type secretEntry struct {
+	uid     types.UID
+	version string
+	keys    map[string]bool   // the names of its keys
+	values  map[string]string // the values of the keys a relay connects with (DSNs)
+	read    time.Time
+	expires time.Time
+}
+
+func newSecretCache(refresh time.Duration, reads func()) *secretCache {
+	return &secretCache{refresh: cmp.Or(refresh, DefaultSecretRefreshInterval), reads: reads,
+		entries: map[types.NamespacedName]*secretEntry{}}
+}
+
+// get returns key's entry, reading the Secret when it has none, the entry
+// is due, or value names a key whose value the entry does not keep. A
+// missing Secret is not kept: it is read again at the next reconcile.
+func (c *secretCache) get(ctx context.Context, reader client.Reader, key types.NamespacedName, value string) (*secretEntry, error) {
+	now := time.Now()
+	c.mu.Lock()
+	e := c.entries[key]
+	if e != nil && now.Before(e.expires) {
+		if _, kept := e.values[value]; value == "" || kept || !e.keys[value] {
+			c.mu.Unlock()
+			return e, nil
+		}
+	}
+	c.mu.Unlock()
+	s := &corev1.Secret{}
+	if c.reads != nil {
+		c.reads()
+	}
+	if err := reader.Get(ctx, key, s); err != nil {
+		if apierrors.IsNotFound(err) {
+			c.forget(key)
+		}
+		return nil, err
+	}
+	n := &secretEntry{uid: s.UID, version: s.ResourceVersion, keys: map[string]bool{}, values: map[string]string{}, read: now,
+		expires: now.Add(c.refresh + time.Duration(rand.Int64N(int64(c.refresh)/5+1)))}
+	for k := range s.Data {
+		n.keys[k] = true
+	}
+	keep := []string{value}
+	if e != nil {
+		keep = append(keep, slices.Collect(maps.Keys(e.values))...)
+	}
+	for _, k := range keep {
+		if v, ok := s.Data[k]; ok && k != "" {
+			n.values[k] = string(v)
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.entries[key] = n
+	for k, e := range c.entries { // Secrets no relay asked for in a while (the relay is gone)
+		if now.Sub(e.expires) > c.refresh {
+			delete(c.entries, k)
+		}
+	}
+	return n, nil
+}
+
+// stale makes the next get of key read the Secret, if its entry was read
+// more than minAge ago (so a DSN that keeps failing is not read at every
+// backlog read).
+func (c *secretCache) stale(key types.NamespacedName, minAge time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if e := c.entries[key]; e != nil && time.Since(e.read) > minAge {
+		e.expires = time.Time{}
+	}
+}
+
+func (c *secretCache) forget(key types.NamespacedName) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.entries, key)
+}
 
 // secretInputs is what the relay's pods depend on from the referenced Secrets.
 type secretInputs struct {
@@ -39,15 +143,14 @@ type secretInputs struct {
 	DSN string
 }
 
-// readSecrets reads every referenced Secret through the uncached API reader
-// and checks that the keys the pods need exist. A missing Secret or key is
-// a problem to wait on; any other error is transient.
+// readSecrets reads every referenced Secret through the cache and checks
+// that the keys the pods need exist. A missing Secret or key is a problem
+// to wait on; any other error is transient.
 func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1alpha1.OutboxRelay) (secretInputs, *problem, error) {
 	var in secretInputs
 	versions := map[string]string{}
-	get := func(field, name string) (*corev1.Secret, *problem, error) {
-		s := &corev1.Secret{}
-		err := r.APIReader.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: name}, s)
+	get := func(field, name, value string) (*secretEntry, *problem, error) {
+		e, err := r.secrets.get(ctx, r.APIReader, types.NamespacedName{Namespace: relay.Namespace, Name: name}, value)
 		if apierrors.IsNotFound(err) {
 			return nil, &problem{reason: outboxv1alpha1.ReasonSecretNotFound, requeue: true,
 				message: fmt.Sprintf("Secret %s (%s) not found", name, field)}, nil
@@ -55,49 +158,50 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 		if err != nil {
 			return nil, nil, fmt.Errorf("get Secret %s: %w", name, err)
 		}
-		versions[s.Name] = fmt.Sprintf("%s/%s/%s", s.Name, s.UID, s.ResourceVersion)
-		return s, nil, nil
+		versions[name] = fmt.Sprintf("%s/%s/%s", name, e.uid, e.version)
+		return e, nil, nil
 	}
-	needKeys := func(field string, s *corev1.Secret, keys ...string) *problem {
+	needKeys := func(field, name string, e *secretEntry, keys ...string) *problem {
 		for _, k := range keys {
-			if _, ok := s.Data[k]; !ok {
+			if !e.keys[k] {
 				return &problem{reason: outboxv1alpha1.ReasonSecretKeyMissing, requeue: true,
-					message: fmt.Sprintf("Secret %s has no key %q (%s)", s.Name, k, field)}
+					message: fmt.Sprintf("Secret %s has no key %q (%s)", name, k, field)}
 			}
 		}
 		return nil
 	}
 
 	ref := relay.Spec.DSNSecretRef
-	s, prob, err := get("spec.dsnSecretRef", ref.Name)
+	dsnKey := cmp.Or(ref.Key, outboxv1alpha1.DefaultDSNKey)
+	e, prob, err := get("spec.dsnSecretRef", ref.Name, dsnKey)
 	if prob != nil || err != nil {
 		return in, prob, err
 	}
-	if prob := needKeys("spec.dsnSecretRef.key", s, cmp.Or(ref.Key, outboxv1alpha1.DefaultDSNKey)); prob != nil {
+	if prob := needKeys("spec.dsnSecretRef.key", ref.Name, e, dsnKey); prob != nil {
 		return in, prob, nil
 	}
-	in.DSN = string(s.Data[cmp.Or(ref.Key, outboxv1alpha1.DefaultDSNKey)])
+	in.DSN = e.values[dsnKey]
 	if tls := relay.Spec.Kafka.TLS; tls != nil && tls.SecretRef != nil {
-		s, prob, err := get("spec.kafka.tls.secretRef", tls.SecretRef.Name)
+		name := tls.SecretRef.Name
+		e, prob, err := get("spec.kafka.tls.secretRef", name, "")
 		if prob != nil || err != nil {
 			return in, prob, err
 		}
-		_, in.TLSCA = s.Data["ca.crt"]
-		_, hasCert := s.Data["tls.crt"]
-		_, hasKey := s.Data["tls.key"]
+		in.TLSCA = e.keys["ca.crt"]
+		hasCert, hasKey := e.keys["tls.crt"], e.keys["tls.key"]
 		if hasCert != hasKey {
 			return in, &problem{reason: outboxv1alpha1.ReasonSecretKeyMissing, requeue: true,
-				message: fmt.Sprintf("Secret %s (spec.kafka.tls.secretRef) must hold both tls.crt and tls.key, or neither", s.Name)}, nil
+				message: fmt.Sprintf("Secret %s (spec.kafka.tls.secretRef) must hold both tls.crt and tls.key, or neither", name)}, nil
 		}
 		in.TLSClientCert = hasCert
 	}
 	if sasl := relay.Spec.Kafka.SASL; sasl != nil {
 		ref := sasl.CredentialsSecretRef
-		s, prob, err := get("spec.kafka.sasl.credentialsSecretRef", ref.Name)
+		e, prob, err := get("spec.kafka.sasl.credentialsSecretRef", ref.Name, "")
 		if prob != nil || err != nil {
 			return in, prob, err
 		}
-		if prob := needKeys("spec.kafka.sasl.credentialsSecretRef", s,
+		if prob := needKeys("spec.kafka.sasl.credentialsSecretRef", ref.Name, e,
 			cmp.Or(ref.UsernameKey, outboxv1alpha1.DefaultSASLUsernameKey),
 			cmp.Or(ref.PasswordKey, outboxv1alpha1.DefaultSASLPasswordKey)); prob != nil {
 			return in, prob, nil
@@ -125,34 +229,11 @@ func referencedSecrets(relay *outboxv1alpha1.OutboxRelay) []string {
 	return slices.Compact(names)
 }
 
-// stripSecret is the cache transform for Secrets. The manager watches them as
-// metadata only, but metadata can still carry a Secret's data: `kubectl
-// apply` copies the whole object, data included, into the
-// last-applied-configuration annotation. Only names, UIDs, labels and
-// versions stay; a full Secret, should one ever reach the cache, loses its
-// data too.
-func stripSecret(obj any) (any, error) {
-	if m, err := meta.Accessor(obj); err == nil {
-		m.SetAnnotations(nil)
-		m.SetManagedFields(nil)
-	}
-	if s, ok := obj.(*corev1.Secret); ok {
-		s.Data, s.StringData = nil, nil
-	}
-	return obj, nil
-}
-
-// ManagerOptions returns opts with the cache and client settings the
-// OutboxRelay reconciler relies on to cache no Secret data: the client never
-// serves Secrets from the cache (so no code path can start an informer
-// holding every Secret's data), and whatever the cache keeps of a Secret
-// goes through stripSecret.
+// ManagerOptions returns opts with the client settings the OutboxRelay
+// reconciler relies on to hold no Secret informer: the client never serves
+// Secrets from a cache, so no code path can start one (which would need to
+// list and watch every Secret, and hold their data).
 func ManagerOptions(opts ctrl.Options) ctrl.Options {
-	opts.Cache.ByObject = maps.Clone(opts.Cache.ByObject)
-	if opts.Cache.ByObject == nil {
-		opts.Cache.ByObject = map[client.Object]cache.ByObject{}
-	}
-	opts.Cache.ByObject[&corev1.Secret{}] = cache.ByObject{Transform: stripSecret}
 	if opts.Client.Cache == nil {
 		opts.Client.Cache = &client.CacheOptions{}
 	} else {

@@ -194,8 +194,41 @@ func checkSettings(s relayconfig.Settings) error {
 type images struct {
 	// fallback is the image of relays whose spec names none.
 	fallback string
-	// allowed are the prefixes spec.image must start with; none allows any.
+	// allowed are the prefixes spec.image must start with (the operator's
+	// --allowed-relay-images). None admits the fallback's repository only,
+	// any tag or digest of it; AnyImage admits every image.
 	allowed []string
+}
+
+// AnyImage in --allowed-relay-images admits every image: it trusts whoever
+// may create an OutboxRelay with every Secret they can name.
+const AnyImage = "*"
+
+// admits reports whether spec.image may be image, and what it may start with.
+func (img images) admits(image string) (bool, []string) {
+	if image == img.fallback || slices.Contains(img.allowed, AnyImage) {
+		return true, nil
+	}
+	allowed := img.allowed
+	if len(allowed) == 0 {
+		repo := imageRepository(img.fallback)
+		if image == repo {
+			return true, nil
+		}
+		allowed = []string{repo + ":", repo + "@"}
+	}
+	return slices.ContainsFunc(allowed, func(p string) bool { return strings.HasPrefix(image, p) }), allowed
+}
+
+// imageRepository is an image reference without its tag or digest.
+func imageRepository(ref string) string {
+	if i := strings.Index(ref, "@"); i >= 0 {
+		ref = ref[:i]
+	}
+	if i := strings.LastIndex(ref, ":"); i > strings.LastIndex(ref, "/") {
+		ref = ref[:i]
+	}
+	return ref
 }
 
 // validateSpec re-checks what the CRD schema cannot express, or expresses
@@ -216,10 +249,11 @@ func validateSpec(relay *outboxv1alpha1.OutboxRelay, img images) error {
 	switch {
 	case spec.Image == "" && img.fallback == "":
 		errs = append(errs, "spec.image is empty and the operator has no default relay image")
-	case spec.Image != "" && spec.Image != img.fallback && len(img.allowed) > 0 &&
-		!slices.ContainsFunc(img.allowed, func(p string) bool { return strings.HasPrefix(spec.Image, p) }):
-		errs = append(errs, fmt.Sprintf("spec.image %q does not start with an allowed prefix (the operator's --allowed-relay-images: %s)",
-			spec.Image, strings.Join(img.allowed, ", ")))
+	case spec.Image != "":
+		if ok, allowed := img.admits(spec.Image); !ok {
+			errs = append(errs, fmt.Sprintf("spec.image %q does not start with an allowed prefix (%s; the operator's --allowed-relay-images widens it, %q admits any image)",
+				spec.Image, strings.Join(allowed, ", "), AnyImage))
+		}
 	}
 	s, err := relaySettings(relay, secretInputs{})
 	if err == nil {

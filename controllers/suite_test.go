@@ -34,6 +34,8 @@ const (
 	testImage = "example.test/outbox-relay:test"
 	// allowedPrefix is the test manager's --allowed-relay-images.
 	allowedPrefix = "registry.test/relays/"
+	// testSecretRefresh is the test manager's --secret-refresh-interval.
+	testSecretRefresh = 2 * time.Second
 	// eventually bounds every wait on the controller.
 	eventually = 20 * time.Second
 	tick       = 50 * time.Millisecond
@@ -105,6 +107,8 @@ func startManager(t *testing.T) (*OutboxRelayReconciler, ctrl.Manager) {
 		AllowedImages: []string{allowedPrefix},
 		Flow:          NewFlowObserver(),
 		Metrics:       metrics,
+		// Secrets are read again this often: how soon a rotation rolls the pods.
+		SecretRefreshInterval: testSecretRefresh,
 	}
 	require.NoError(t, r.SetupWithManager(ctx, mgr))
 	done := make(chan error, 1)

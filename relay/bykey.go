@@ -131,6 +131,10 @@ func (k *byKey) failed(x row, i int, now time.Time) {
 
 func (k *byKey) sent(x row) { delete(k.laneBackoff, k.laneOf(x)) }
 
+func (k *byKey) released(key, eventType string) {
+	delete(k.blocked, k.laneOf(row{partitionKey: key, eventType: eventType}))
+}
+
 // backOff: only when Kafka failed everything; otherwise only the failed
 // lanes wait and the rest flows.
 func (k *byKey) backOff(failed, sent int) bool { return failed > 0 && failed == sent }

@@ -29,7 +29,7 @@ type inFlight struct {
 	holds     []heldRecord // rows held in this batch, recorded in its transaction
 	unhold    []int64      // published rows whose held record goes
 	perr      error        // publish failures that make the loop back off
-	done      chan error // the mark and commit's result
+	done      chan error   // the mark and commit's result
 }
 
 // Run claims, publishes and marks batches until ctx is cancelled. A batch in
@@ -127,8 +127,11 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	// publish has its own deadline and the transaction is short.
 	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
 	start := time.Now()
-	if s := r.heldSnap.Swap(nil); s != nil && r.held.merge(*s) {
-		r.cur.rescanSoon() // rows released elsewhere (redrive) are behind the cursor
+	if s := r.heldSnap.Swap(nil); s != nil {
+		for _, h := range r.held.merge(*s) {
+			r.mode.released(h.key, h.eventType)
+			r.cur.rescanSoon() // rows released elsewhere (redrive) are behind the cursor
+		}
 	}
 	if r.held.release(start) {
 		r.cur.rescanSoon() // released rows are behind the cursor
@@ -148,8 +151,11 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 		cancel()
 		return nil, r.dbFailed(fmt.Errorf("begin claim transaction on %s: %w", r.table, err))
 	}
-	f := r.mode.waiting(start) // before the cursor: an expired filter moves it back
-	f.held = r.held.ids()
+	f := r.mode.waiting(start)                  // before the cursor: an expired filter moves it back
+	f.held = []int64{}                          // never NULL: id <> ALL(NULL) matches no row
+	if r.cfg.Ordering != OrderingPartitionKey { // there the lanes keep held rows out (strategy.claim)
+		f.held = r.held.ids()
+	}
 	f.largest = r.largestRecord()
 	r.filter.Store(&f)
 	rows, full, err := r.claim(bctx, tx, r.cur.from(start), f.held, f)

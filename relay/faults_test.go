@@ -45,7 +45,11 @@ var (
 
 // faultSeeds are the scenarios make test runs: each draws both ordering
 // modes, the dead-letter topic on and off, pipelining, and every fault.
-var faultSeeds = []uint64{1, 2, 3, 4, 5, 6}
+// Seeds make chaos found failing stay here:
+//   - 821291: partition-key mode, relay restarts; a restarted relay left the
+//     held rows it read from the held table out of its claims by id while
+//     their lanes flowed, so later rows of their keys overtook them.
+var faultSeeds = []uint64{1, 2, 3, 4, 5, 6, 821291}
 
 // The topics' record batch limit (max.message.bytes) in the scenarios: small,
 // so a hot key's share of a batch exceeds it and a large row is over it.

@@ -59,6 +59,9 @@ type heldRows struct {
 type heldRow struct {
 	reason string
 	until  time.Time
+	// key and eventType of a row held here (empty for one loaded from the
+	// table), so an early release frees its lane in partition-key mode.
+	key, eventType string
 	// at is when this replica held it: a reload read before then may not
 	// see it yet and leaves it as it is.
 	at time.Time
@@ -87,7 +90,7 @@ func newHeldRows() *heldRows {
 // hold keeps x out of claims until until, queues its record, and logs it
 // the first time.
 func (h *heldRows) hold(log *slog.Logger, x row, reason string, until time.Time, err error) {
-	h.rows[x.id] = heldRow{reason: reason, until: until, at: time.Now()}
+	h.rows[x.id] = heldRow{reason: reason, until: until, at: time.Now(), key: x.partitionKey, eventType: x.eventType}
 	if h.recorded {
 		msg := err.Error()
 		if len(msg) > heldErrorBytes {
@@ -160,14 +163,16 @@ func (h *heldRows) forget(ids []int64) []int64 {
 
 // merge takes in a reload of the held table: what other replicas held, and
 // what `relay redrive` released or the sweep removed. A row this replica
-// held after the reload was read stays as it is. It reports whether a row
-// was released, so the cursor looks behind itself again.
-func (h *heldRows) merge(s heldSnapshot) bool {
-	released := false
+// held after the reload was read stays as it is. It returns the rows this
+// replica held that the reload releases early.
+func (h *heldRows) merge(s heldSnapshot) []heldRow {
+	var early []heldRow
 	for id, r := range h.rows {
 		if _, ok := s.rows[id]; !ok && !r.at.After(s.at) {
 			delete(h.rows, id)
-			released = released || !r.released
+			if !r.released {
+				early = append(early, r)
+			}
 		}
 	}
 	for id, n := range s.rows {
@@ -178,10 +183,14 @@ func (h *heldRows) merge(s heldSnapshot) bool {
 		case ok && r.released && !n.until.After(s.at):
 			// released here already; its record goes once it is published
 		default:
+			if ok && !r.released && !n.until.After(s.at) && r.until.After(s.at) {
+				early = append(early, r) // redriven
+			}
+			n.key, n.eventType = r.key, r.eventType
 			h.rows[id] = n // release marks it when its time has come
 		}
 	}
-	return released
+	return early
 }
 
 // count is how many rows are held for reason.

@@ -58,7 +58,7 @@ type Relay struct {
 	// Shared with the stats loop and the probes.
 	topics     *topicState
 	health     *health
-	filter     atomic.Pointer[claimFilter] // the last claim's filters, for the stall check
+	filter     atomic.Pointer[claimFilter]  // the last claim's filters, for the stall check
 	heldSnap   atomic.Pointer[heldSnapshot] // the held table's last reload, for the loop to merge
 	mu         sync.Mutex
 	unroutable map[string]bool // event types already logged as unmapped

@@ -16,7 +16,9 @@ type strategy interface {
 	// transaction, or nil when this replica has nothing to claim now.
 	prepare(ctx context.Context, now time.Time) (beginner, error)
 	// claim runs the mode's claim statement from id from, leaving out the
-	// held rows and what waiting returned.
+	// held rows and what waiting returned. Partition-key mode is handed no
+	// held rows: a held row stops its lane (stop), and the lane, not the
+	// row, stays out of claims, so that a lane never flows past its held row.
 	claim(ctx context.Context, tx pgx.Tx, from int64, held []int64, f claimFilter) (pgx.Rows, error)
 	// stop says that row i of the batch cannot go out now; its key's rows
 	// are not claimed again before until (zero: only this batch waits).
@@ -35,6 +37,10 @@ type strategy interface {
 	// before the cursor picks where to start (an expiring filter moves the
 	// cursor back).
 	waiting(now time.Time) claimFilter
+	// released says that a held row of key and event type was released
+	// before its retry time (`relay redrive`): its key's rows may be claimed
+	// again at once.
+	released(key, eventType string)
 	// left runs when the membership session is gone.
 	left()
 }

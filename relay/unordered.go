@@ -31,6 +31,7 @@ func (u *unordered) failed(row, int, time.Time) {}
 func (u *unordered) sent(row)                   {}
 func (u *unordered) backOff(failed, _ int) bool { return failed > 0 }
 func (u *unordered) left()                      {}
+func (u *unordered) released(string, string)    {}
 
 func (u *unordered) waiting(now time.Time) claimFilter {
 	return claimFilter{types: u.r.availableTypes(now), keys: []string{}, keyTypes: []string{}}

@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"strings"
+	"time"
 
 	"k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
@@ -39,11 +40,14 @@ type config struct {
 	leaderElect             bool
 	leaderElectionNamespace string
 	relayImage              string
-	// allowedImages are the prefixes an OutboxRelay's spec.image must start with; empty allows any.
+	// allowedImages are the prefixes an OutboxRelay's spec.image must start
+	// with; empty admits the relay image's repository, controllers.AnyImage any.
 	allowedImages []string
 	// namespaces to watch; empty means every namespace.
 	namespaces []string
-	zap        zap.Options
+	// secretRefresh is how long what was read of a Secret is used.
+	secretRefresh time.Duration
+	zap           zap.Options
 }
 
 // parseConfig reads the flags, with RELAY_IMAGE and WATCH_NAMESPACE from the
@@ -64,8 +68,12 @@ func parseConfig(args []string, getenv func(string) string) (config, error) {
 	var allowed string
 	fs.StringVar(&allowed, "allowed-relay-images", "",
 		"Comma-separated image prefixes an OutboxRelay's spec.image must start with (end each with / or : so that\n"+
-			"registry.example/relays/ does not also admit registry.example/relays-other/); empty allows any image.\n"+
-			"The --relay-image is always allowed.")
+			"registry.example/relays/ does not also admit registry.example/relays-other/). Empty admits the\n"+
+			"--relay-image's repository only (any tag or digest); \""+controllers.AnyImage+"\" admits any image, which trusts\n"+
+			"everyone who may create an OutboxRelay with every Secret they can name. The --relay-image is always allowed.")
+	fs.DurationVar(&cfg.secretRefresh, "secret-refresh-interval", controllers.DefaultSecretRefreshInterval,
+		"How long the operator uses what it read of a referenced Secret before reading it again (it may get, never\n"+
+			"list or watch, Secrets): the longest a changed Secret takes to roll the relay's pods (plus up to a fifth).")
 	cfg.zap = zap.Options{Development: false} // JSON logs
 	cfg.zap.BindFlags(fs)
 	if err := fs.Parse(args); err != nil {
@@ -73,6 +81,9 @@ func parseConfig(args []string, getenv func(string) string) (config, error) {
 	}
 	if fs.NArg() > 0 {
 		return cfg, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	if cfg.secretRefresh < time.Second || cfg.secretRefresh > 24*time.Hour {
+		return cfg, fmt.Errorf("--secret-refresh-interval: %s is outside 1s..24h", cfg.secretRefresh)
 	}
 	if cfg.relayImage == "" {
 		return cfg, errors.New("--relay-image (or RELAY_IMAGE) must not be empty")
@@ -147,6 +158,8 @@ func run(ctx context.Context, cfg config, restCfg *rest.Config, tweaks ...func(*
 		AllowedImages: cfg.allowedImages,
 		Flow:          controllers.NewFlowObserver(),
 		Metrics:       metrics,
+
+		SecretRefreshInterval: cfg.secretRefresh,
 	}
 	if err := r.SetupWithManager(ctx, mgr); err != nil {
 		return fmt.Errorf("set up the OutboxRelay controller: %w", err)

@@ -19,6 +19,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/controllers"
 	"github.com/outbox-relay/outbox-operator/internal/testenv"
 )
 
@@ -59,17 +60,16 @@ func TestParseConfig(t *testing.T) {
 	require.Equal(t, []string{"registry.example/relays/", "ghcr.io/acme/relay@"}, cfg.allowedImages)
 	cfg, err = parseConfig(nil, env(nil))
 	require.NoError(t, err)
-	require.Empty(t, cfg.allowedImages, "no allow-list by default: any image")
+	require.Empty(t, cfg.allowedImages, "no allow-list by default: the relay image's repository only")
+	require.Equal(t, controllers.DefaultSecretRefreshInterval, cfg.secretRefresh)
+	_, err = parseConfig([]string{"--secret-refresh-interval=100ms"}, env(nil))
+	require.ErrorContains(t, err, "--secret-refresh-interval: 100ms is outside 1s..24h")
 
-	// Secrets: never read through the cache, and stripped by it.
+	// Secrets: never read through a cache, so no informer can hold them.
 	opts = managerOptions(cfg, runtime.NewScheme())
 	require.Len(t, opts.Client.Cache.DisableFor, 1)
 	require.IsType(t, &corev1.Secret{}, opts.Client.Cache.DisableFor[0])
-	require.Len(t, opts.Cache.ByObject, 1)
-	for obj, byObject := range opts.Cache.ByObject {
-		require.IsType(t, &corev1.Secret{}, obj)
-		require.NotNil(t, byObject.Transform)
-	}
+	require.Empty(t, opts.Cache.ByObject, "no Secret informer to configure")
 
 	_, err = parseConfig([]string{"--relay-image="}, env(nil))
 	require.ErrorContains(t, err, "relay-image")

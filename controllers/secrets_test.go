@@ -1,0 +1,83 @@
+package controllers
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+)
+
+// countingReader serves one Secret and counts the reads.
+type countingReader struct {
+	client.Reader
+	secret *corev1.Secret // nil: not found
+	reads  int
+}
+
+func (c *countingReader) Get(_ context.Context, key client.ObjectKey, obj client.Object, _ ...client.GetOption) error {
+	c.reads++
+	if c.secret == nil {
+		return apierrors.NewNotFound(schema.GroupResource{Resource: "secrets"}, key.Name)
+	}
+	c.secret.DeepCopyInto(obj.(*corev1.Secret))
+	return nil
+}
+
+// A Secret is read once per refresh interval however often relays ask
+// (each backlog reading wakes a reconcile), again at once for a key value it
+// does not keep, after a failed login, and while it is missing.
+func TestSecretCacheReadsOncePerChange(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	r := &countingReader{secret: &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "dsn", UID: "u1", ResourceVersion: "1"},
+		Data: map[string][]byte{"dsn": []byte("postgres://a"), "other": []byte("postgres://b"), "password": []byte("x")}}}
+	c := newSecretCache(300*time.Millisecond, nil)
+	k := types.NamespacedName{Namespace: "ns", Name: "dsn"}
+
+	for range 100 {
+		e, err := c.get(ctx, r, k, "dsn")
+		require.NoError(t, err)
+		require.Equal(t, "postgres://a", e.values["dsn"])
+	}
+	require.Equal(t, 1, r.reads, "a hundred reconciles, one read")
+	_, err := c.get(ctx, r, k, "")
+	require.NoError(t, err)
+	_, err = c.get(ctx, r, k, "missing-key")
+	require.NoError(t, err)
+	require.Equal(t, 1, r.reads, "key names are kept: no read to learn a key is missing")
+
+	e, err := c.get(ctx, r, k, "other")
+	require.NoError(t, err)
+	require.Equal(t, 2, r.reads, "a value not kept is read")
+	require.Equal(t, map[string]string{"dsn": "postgres://a", "other": "postgres://b"}, e.values, "only the values asked for")
+
+	c.stale(k, time.Hour)
+	_, _ = c.get(ctx, r, k, "dsn")
+	require.Equal(t, 2, r.reads, "a failed login right after a read does not read again")
+	c.stale(k, 0)
+	r.secret.ResourceVersion = "2"
+	e, _ = c.get(ctx, r, k, "dsn")
+	require.Equal(t, 3, r.reads)
+	require.Equal(t, "2", e.version)
+
+	time.Sleep(300*time.Millisecond*6/5 + 50*time.Millisecond)
+	r.secret.ResourceVersion = "3"
+	e, _ = c.get(ctx, r, k, "dsn")
+	require.Equal(t, 4, r.reads, "read again once the refresh interval (and its jitter) is over")
+	require.Equal(t, "3", e.version)
+
+	r.secret = nil
+	c.stale(k, 0)
+	for range 3 {
+		_, err = c.get(ctx, r, k, "dsn")
+		require.True(t, apierrors.IsNotFound(err))
+	}
+	require.Equal(t, 7, r.reads, "a missing Secret is not kept")
+}
