@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -92,6 +94,17 @@ type backlogQuery struct {
 	withHeld bool
 	topics   map[string]string
 	byKey    bool // PartitionKey ordering
+}
+
+// key identifies the question q asks with bound: readers asking the same
+// share a reading.
+func (q backlogQuery) key(bound int64) string {
+	pairs := make([]string, 0, len(q.topics))
+	for et, t := range q.topics {
+		pairs = append(pairs, et+"="+t)
+	}
+	slices.Sort(pairs)
+	return fmt.Sprintf("%s|%v|%v|%d|%s", q.table, q.withHeld, q.byKey, bound, strings.Join(pairs, ","))
 }
 
 // args are BacklogSQL's arguments after the bound.

@@ -4,11 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"golang.org/x/sync/semaphore"
+	"golang.org/x/sync/singleflight"
 	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/event"
@@ -19,10 +23,12 @@ import (
 	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
-// This file keeps one backlog observer per OutboxRelay: a goroutine with a
-// one-connection pool that reads the backlog every spec.backlog.interval and
-// wakes the reconciler. Reconcile only reads the latest sample, so a slow or
-// unreachable database never holds up the reconcile queue.
+// This file keeps one backlog observer per OutboxRelay: a goroutine that
+// reads the backlog every spec.backlog.interval (with jitter, so that
+// observers started together spread out) through its database's
+// shared pool (flowdb.go) and wakes the reconciler. Reconcile only reads the
+// latest sample, so a slow or unreachable database never holds up the
+// reconcile queue, nor the observers of other databases.
 
 // defaultBacklogInterval is spec.backlog.interval's default.
 const defaultBacklogInterval = 15 * time.Second
@@ -37,11 +43,19 @@ type FlowObserver struct {
 	// Bound is how many unpublished rows one read counts exactly
 	// (outboxv1alpha1.BacklogBound when zero).
 	Bound int64
+	// ConnsPerDatabase caps the backlog reads in flight, and so the
+	// connections in use, per database (DefaultConnsPerDatabase when zero).
+	ConnsPerDatabase int
 
 	mu     sync.Mutex
 	ctx    context.Context // set by Start
 	relays map[types.NamespacedName]*relayFlow
 	events chan event.GenericEvent
+	dbs    map[string]*sharedDB           // by dsnKey
+	sems   map[string]*semaphore.Weighted // by database: host:port/name
+	flight singleflight.Group
+	// queries counts the backlog statements run (shared reads run one).
+	queries atomic.Int64
 }
 
 // NewFlowObserver returns an observer that is not started yet.
@@ -49,6 +63,8 @@ func NewFlowObserver() *FlowObserver {
 	return &FlowObserver{
 		relays: map[types.NamespacedName]*relayFlow{},
 		events: make(chan event.GenericEvent, 1024),
+		dbs:    map[string]*sharedDB{},
+		sems:   map[string]*semaphore.Weighted{},
 	}
 }
 
@@ -179,15 +195,20 @@ func (o *FlowObserver) stopLocked(f *relayFlow) {
 func (o *FlowObserver) run(ctx context.Context, key types.NamespacedName, target flowTarget, done chan struct{}) {
 	defer close(done)
 	log := ctrl.LoggerFrom(ctx).WithValues("outboxrelay", key)
-	pool, err := newBacklogPool(ctx, target)
-	if pool != nil {
-		defer pool.Close()
+	db, err := o.acquire(ctx, target.dsn)
+	if db != nil {
+		defer o.release(db)
 	}
 	bound := o.Bound
 	if bound <= 0 {
 		bound = outboxv1alpha1.BacklogBound
 	}
+	// The first read comes at once (the status wants a backlog soon); the
+	// second after half to one and a half intervals, at random, so that
+	// observers started together (a manager start) spread over the
+	// interval; the later ones every interval, give or take a tenth.
 	timer := time.NewTimer(0)
+	reads := 0
 	defer timer.Stop()
 	lastLogged := ""
 	withHeld := false // the first read finds out whether the held table exists
@@ -198,16 +219,15 @@ func (o *FlowObserver) run(ctx context.Context, key types.NamespacedName, target
 		case <-timer.C:
 		}
 		var s backlogSample
-		if err == nil {
+		if db != nil {
 			q := o.query(key, done, withHeld)
 			q.table = target.table // the same; also when the observer was replaced meanwhile
-			qctx, cancel := context.WithTimeout(ctx, backlogQueryTimeout+time.Second)
-			s, err = observeBacklog(qctx, pool, q, bound)
+			fresh := o.interval(key, done, target.interval) / 2
+			s, err = o.read(ctx, db, q, bound, fresh)
 			if isUndefinedTable(err) && withHeld { // the held table was dropped
 				q.withHeld = false
-				s, err = observeBacklog(qctx, pool, q, bound)
+				s, err = o.read(ctx, db, q, bound, fresh)
 			}
-			cancel()
 			withHeld = err == nil && s.heldTable
 		}
 		if ctx.Err() != nil {
@@ -222,12 +242,24 @@ func (o *FlowObserver) run(ctx context.Context, key types.NamespacedName, target
 		}
 		lastLogged = msg
 		interval := o.record(key, done, &s, msg, isAuthFailure(err))
-		if pool != nil {
-			err = nil // a parse error stays; a failed read is tried again
-		}
 		o.wake(key)
-		timer.Reset(interval)
+		reads++
+		next := interval - interval/10 + time.Duration(rand.Int64N(int64(interval/5)+1))
+		if reads == 1 {
+			next = interval/2 + time.Duration(rand.Int64N(int64(interval)+1))
+		}
+		timer.Reset(next)
 	}
+}
+
+// interval is key's reading interval as the reconciler last handed it over.
+func (o *FlowObserver) interval(key types.NamespacedName, done chan struct{}, fallback time.Duration) time.Duration {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if f := o.relays[key]; f != nil && f.done == done {
+		return f.target.interval
+	}
+	return fallback
 }
 
 // query is what key's next observation reads: its table and the topic map
@@ -352,21 +384,22 @@ func perMinute(rs []counterReading) *int64 {
 	return &v
 }
 
-// newBacklogPool opens the lazy one-connection pool of an observer. Its
-// sessions are read-only, bounded by a statement timeout, and plan each
-// statement for its own arguments (a generic plan for LIMIT $1 could scan
-// the whole backlog). Bitmap scans and sorts are off: reading the oldest
-// rows then walks the partial index in id order and stops at the bound,
-// and the grouping hashes the rows instead of sorting them, which on
-// statistics taken while the table was nearly drained spilled 4 MB to disk
-// and took 76 ms instead of 22 ms at 1M waiting rows (measured here).
-func newBacklogPool(ctx context.Context, target flowTarget) (*pgxpool.Pool, error) {
-	cfg, err := pgxpool.ParseConfig(target.dsn)
+// backlogPoolConfig is the configuration of an observer pool. Its sessions
+// are read-only, bounded by a statement timeout, and plan each statement for
+// its own arguments (a generic plan for LIMIT $1 could scan the whole
+// backlog). Bitmap scans and sorts are off: reading the oldest rows then
+// walks the partial index in id order and stops at the bound, and the
+// grouping hashes the rows instead of sorting them, which on statistics
+// taken while the table was nearly drained spilled 4 MB to disk and took
+// 76 ms instead of 22 ms at 1M waiting rows (measured here). Idle
+// connections close after connIdleTime.
+func backlogPoolConfig(dsn string) (*pgxpool.Config, error) {
+	cfg, err := pgxpool.ParseConfig(dsn)
 	if err != nil {
 		return nil, errDSNUnparsable
 	}
 	cfg.MaxConns, cfg.MinConns = 1, 0
-	cfg.MaxConnIdleTime = 2*target.interval + time.Minute
+	cfg.MaxConnIdleTime = connIdleTime
 	cfg.ConnConfig.ConnectTimeout = backlogQueryTimeout
 	rp := cfg.ConnConfig.RuntimeParams
 	rp["application_name"] = "outbox-operator"
@@ -376,9 +409,15 @@ func newBacklogPool(ctx context.Context, target flowTarget) (*pgxpool.Pool, erro
 	rp["plan_cache_mode"] = "force_custom_plan"
 	rp["enable_bitmapscan"] = "off"
 	rp["enable_sort"] = "off"
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	return cfg, nil
+}
+
+// newBacklogPool opens a lazy one-connection pool with an observer's
+// session settings (for a probe and for tests).
+func newBacklogPool(ctx context.Context, target flowTarget) (*pgxpool.Pool, error) {
+	cfg, err := backlogPoolConfig(target.dsn)
 	if err != nil {
 		return nil, err
 	}
-	return pool, nil
+	return pgxpool.NewWithConfig(ctx, cfg)
 }

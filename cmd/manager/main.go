@@ -47,7 +47,9 @@ type config struct {
 	namespaces []string
 	// secretRefresh is how long what was read of a Secret is used.
 	secretRefresh time.Duration
-	zap           zap.Options
+	// connsPerDatabase caps the backlog reads in flight per database.
+	connsPerDatabase int
+	zap              zap.Options
 }
 
 // parseConfig reads the flags, with RELAY_IMAGE and WATCH_NAMESPACE from the
@@ -74,6 +76,9 @@ func parseConfig(args []string, getenv func(string) string) (config, error) {
 	fs.DurationVar(&cfg.secretRefresh, "secret-refresh-interval", controllers.DefaultSecretRefreshInterval,
 		"How long the operator uses what it read of a referenced Secret before reading it again (it may get, never\n"+
 			"list or watch, Secrets): the longest a changed Secret takes to roll the relay's pods (plus up to a fifth).")
+	fs.IntVar(&cfg.connsPerDatabase, "backlog-connections-per-database", controllers.DefaultConnsPerDatabase,
+		"Most connections the backlog reads hold to one database (host, port and name), shared by every\n"+
+			"OutboxRelay on it (1..100).")
 	cfg.zap = zap.Options{Development: false} // JSON logs
 	cfg.zap.BindFlags(fs)
 	if err := fs.Parse(args); err != nil {
@@ -84,6 +89,9 @@ func parseConfig(args []string, getenv func(string) string) (config, error) {
 	}
 	if cfg.secretRefresh < time.Second || cfg.secretRefresh > 24*time.Hour {
 		return cfg, fmt.Errorf("--secret-refresh-interval: %s is outside 1s..24h", cfg.secretRefresh)
+	}
+	if cfg.connsPerDatabase < 1 || cfg.connsPerDatabase > 100 {
+		return cfg, fmt.Errorf("--backlog-connections-per-database: %d is outside 1..100", cfg.connsPerDatabase)
 	}
 	if cfg.relayImage == "" {
 		return cfg, errors.New("--relay-image (or RELAY_IMAGE) must not be empty")
@@ -150,13 +158,15 @@ func run(ctx context.Context, cfg config, restCfg *rest.Config, tweaks ...func(*
 	if err != nil {
 		return fmt.Errorf("register the operator's metrics: %w", err)
 	}
+	flow := controllers.NewFlowObserver()
+	flow.ConnsPerDatabase = cfg.connsPerDatabase
 	r := &controllers.OutboxRelayReconciler{
 		Client:        mgr.GetClient(),
 		APIReader:     mgr.GetAPIReader(),
 		Recorder:      mgr.GetEventRecorder("outbox-operator"),
 		RelayImage:    cfg.relayImage,
 		AllowedImages: cfg.allowedImages,
-		Flow:          controllers.NewFlowObserver(),
+		Flow:          flow,
 		Metrics:       metrics,
 
 		SecretRefreshInterval: cfg.secretRefresh,

@@ -64,6 +64,9 @@ func TestParseConfig(t *testing.T) {
 	require.Equal(t, controllers.DefaultSecretRefreshInterval, cfg.secretRefresh)
 	_, err = parseConfig([]string{"--secret-refresh-interval=100ms"}, env(nil))
 	require.ErrorContains(t, err, "--secret-refresh-interval: 100ms is outside 1s..24h")
+	require.Equal(t, controllers.DefaultConnsPerDatabase, cfg.connsPerDatabase)
+	_, err = parseConfig([]string{"--backlog-connections-per-database=0"}, env(nil))
+	require.ErrorContains(t, err, "--backlog-connections-per-database: 0 is outside 1..100")
 
 	// Secrets: never read through a cache, so no informer can hold them.
 	opts = managerOptions(cfg, runtime.NewScheme())

@@ -1,0 +1,103 @@
+package controllers
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"k8s.io/apimachinery/pkg/types"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/outbox"
+)
+
+// Sixty OutboxRelays on one database: forty on tables of their own, twenty
+// on one shared table. The operator holds no more connections to it than
+// the cap, every relay gets its backlog, the twenty share their reads, and
+// relays whose database refuses connections report it without holding up
+// the others.
+func TestObserversShareCappedConnections(t *testing.T) {
+	t.Parallel()
+	dsn, db := outboxDB(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	const own, shared, cap = 40, 20, 2
+	for i := range own {
+		_, err := db.Exec(ctx, outbox.SchemaDDL(outbox.Table{Name: fmt.Sprintf("outbox_%d", i)}))
+		require.NoError(t, err)
+	}
+	insertRows(t, db, 7, "OrderConfirmed", 0)
+
+	o := NewFlowObserver()
+	o.ConnsPerDatabase = cap
+	go func() { _ = o.Start(ctx) }()
+	topics := map[string]outboxv1alpha1.TopicName{"OrderConfirmed": "orders"}
+	interval := 300 * time.Millisecond
+	var keys []types.NamespacedName
+	for i := range own + shared {
+		table := outbox.Table{Name: "outbox"}
+		if i < own {
+			table.Name = fmt.Sprintf("outbox_%d", i)
+		}
+		k := types.NamespacedName{Namespace: "ns", Name: fmt.Sprintf("r%d", i)}
+		keys = append(keys, k)
+		o.Observe(k, flowTarget{dsn: dsn, dsnSecret: "dsn", table: table, interval: interval, topics: topics})
+	}
+	refused := types.NamespacedName{Namespace: "ns", Name: "refused"}
+	o.Observe(refused, flowTarget{dsn: "postgres://u:p@127.0.0.1:1/db?connect_timeout=1", dsnSecret: "other-dsn",
+		table: outbox.Table{Name: "outbox"}, interval: interval})
+
+	var peak atomic.Int64
+	stop := make(chan struct{})
+	sampled := make(chan struct{})
+	go func() { // the operator's connections to the database, sampled
+		defer close(sampled)
+		for {
+			var n int64
+			if err := db.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+				WHERE application_name = 'outbox-operator' AND datname = current_database()`).Scan(&n); err == nil && n > peak.Load() {
+				peak.Store(n)
+			}
+			select {
+			case <-stop:
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+	}()
+	require.Eventually(t, func() bool {
+		for _, k := range keys {
+			if v := o.Observe(k, flowTarget{dsn: dsn, table: tableOf(o, k), interval: interval, topics: topics}); v.sample == nil {
+				return false
+			}
+		}
+		return true
+	}, 20*time.Second, 50*time.Millisecond, "every relay gets its backlog")
+	before := o.queries.Load()
+	time.Sleep(3 * time.Second)
+	ran := o.queries.Load() - before
+	close(stop)
+	<-sampled
+
+	require.LessOrEqual(t, peak.Load(), int64(cap), "connections held to the database")
+	require.Positive(t, peak.Load())
+	// Unshared, 60 relays read 10 times in 3 s; the 20 on one table share.
+	t.Logf("%d backlog statements in 3 s for %d relays (peak %d connections)", ran, own+shared, peak.Load())
+	require.Less(t, ran, int64((own+shared/2)*10), "the relays on one table share their reads")
+	v := o.Observe(keys[own], flowTarget{dsn: dsn, table: outbox.Table{Name: "outbox"}, interval: interval, topics: topics})
+	require.Equal(t, int64(7), v.sample.read)
+	require.Eventually(t, func() bool {
+		v := o.Observe(refused, flowTarget{dsn: "postgres://u:p@127.0.0.1:1/db?connect_timeout=1", dsnSecret: "other-dsn", table: outbox.Table{Name: "outbox"}, interval: interval})
+		return v.lastErr != "" && v.sample == nil
+	}, 10*time.Second, 50*time.Millisecond)
+}
+
+// tableOf is the table o observes for k.
+func tableOf(o *FlowObserver, k types.NamespacedName) outbox.Table {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.relays[k].target.table
+}
