@@ -236,7 +236,7 @@ func runChaos(t *testing.T) {
 		fmt.Fprintf(&b, "# Chaos run\n\nWritten by `make chaos` (the fault suite, `relay/faults_test.go`, on random seeds) on %s, for %s.\n\n",
 			time.Now().UTC().Format("2006-01-02 15:04 UTC"), *chaosDuration)
 		fmt.Fprintf(&b, "%d scenarios, %d with a violated invariant.\n\n", ran, failed)
-		b.WriteString("Invariants checked after every scenario: nothing lost; nothing on the dead-letter topic that the broker did not refuse alone; per-key order on each topic in partition-key mode (first deliveries); duplicates within one batch per fault; every healthy row published within 60 s of the faults' end; `/healthz` never failing; `/readyz` passing once the faults end.\n\n")
+		b.WriteString("Invariants checked after every scenario: nothing lost; nothing on the dead-letter topic that the broker did not refuse alone; per-key order on each topic in partition-key mode (first deliveries); duplicates within one batch per fault; every healthy row published within 60 s of the faults' end; `/healthz` never failing; every row held for itself recorded in the held table with its reason, and no row that went out still recorded there; `/readyz` passing once the faults end.\n\n")
 		b.WriteString("Faults injected:\n\n| fault | times |\n| --- | --- |\n")
 		for _, k := range faultKinds {
 			fmt.Fprintf(&b, "| %s | %d |\n", k, faults[k])
