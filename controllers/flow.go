@@ -11,7 +11,6 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"golang.org/x/sync/semaphore"
 	"golang.org/x/sync/singleflight"
 	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -47,13 +46,13 @@ type FlowObserver struct {
 	// connections in use, per database (DefaultConnsPerDatabase when zero).
 	ConnsPerDatabase int
 
-	mu     sync.Mutex
-	ctx    context.Context // set by Start
-	relays map[types.NamespacedName]*relayFlow
-	events chan event.GenericEvent
-	dbs    map[string]*sharedDB           // by dsnKey
-	sems   map[string]*semaphore.Weighted // by database: host:port/name
-	flight singleflight.Group
+	mu        sync.Mutex
+	ctx       context.Context // set by Start
+	relays    map[types.NamespacedName]*relayFlow
+	events    chan event.GenericEvent
+	dbs       map[string]*sharedDB // by dsnKey
+	databases map[string]*database // by host:port/name
+	flight    singleflight.Group
 	// queries counts the backlog statements run (shared reads run one).
 	queries atomic.Int64
 }
@@ -61,10 +60,10 @@ type FlowObserver struct {
 // NewFlowObserver returns an observer that is not started yet.
 func NewFlowObserver() *FlowObserver {
 	return &FlowObserver{
-		relays: map[types.NamespacedName]*relayFlow{},
-		events: make(chan event.GenericEvent, 1024),
-		dbs:    map[string]*sharedDB{},
-		sems:   map[string]*semaphore.Weighted{},
+		relays:    map[types.NamespacedName]*relayFlow{},
+		events:    make(chan event.GenericEvent, 1024),
+		dbs:       map[string]*sharedDB{},
+		databases: map[string]*database{},
 	}
 }
 

@@ -6,8 +6,10 @@ import (
 	"encoding/hex"
 	"fmt"
 	"strconv"
+	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"golang.org/x/sync/semaphore"
 )
@@ -25,11 +27,18 @@ const DefaultConnsPerDatabase = 2
 // connIdleTime is how long an observer connection may idle before it is closed.
 const connIdleTime = time.Minute
 
+// database is what the DSNs of one database (host, port and name) share:
+// the cap on reads in flight, and how many pools reach it.
+type database struct {
+	sem   *semaphore.Weighted
+	pools atomic.Int32
+}
+
 // sharedDB is one DSN's pool and what its readers share.
 type sharedDB struct {
 	key  string // a digest of the DSN: the DSN itself is never a map key that could be logged
 	pool *pgxpool.Pool
-	sem  *semaphore.Weighted // the database's: shared with every DSN of the same database
+	db   *database
 	refs int
 	// recent are the latest readings by question (readKey), for readers of
 	// the same table to share; guarded by FlowObserver.mu.
@@ -67,17 +76,28 @@ func (o *FlowObserver) acquire(ctx context.Context, dsn string) (*sharedDB, erro
 	}
 	cfg.MaxConns = int32(n)
 	cc := cfg.ConnConfig
-	database := cc.Host + ":" + strconv.Itoa(int(cc.Port)) + "/" + cc.Database
-	sem := o.sems[database]
-	if sem == nil {
-		sem = semaphore.NewWeighted(n)
-		o.sems[database] = sem
+	name := cc.Host + ":" + strconv.Itoa(int(cc.Port)) + "/" + cc.Database
+	group := o.databases[name]
+	if group == nil {
+		group = &database{sem: semaphore.NewWeighted(n)}
+		o.databases[name] = group
 	}
+	// A database reached by one DSN keeps its pool's idle connections;
+	// reached by several, each connection closes after its read, so the
+	// connections open to it never exceed the reads in flight (the cap).
+	cfg.AfterRelease = func(*pgx.Conn) bool { return group.pools.Load() <= 1 }
 	pool, err := pgxpool.NewWithConfig(context.WithoutCancel(ctx), cfg)
 	if err != nil {
 		return nil, err
 	}
-	db := &sharedDB{key: k, pool: pool, sem: sem, refs: 1, recent: map[string]recentRead{}}
+	if group.pools.Add(1) == 2 {
+		for _, other := range o.dbs {
+			if other.db == group {
+				other.pool.Reset() // its idle connections go; those in use close on release
+			}
+		}
+	}
+	db := &sharedDB{key: k, pool: pool, db: group, refs: 1, recent: map[string]recentRead{}}
 	o.dbs[k] = db
 	return db, nil
 }
@@ -89,6 +109,7 @@ func (o *FlowObserver) release(db *sharedDB) {
 	last := db.refs == 0
 	if last {
 		delete(o.dbs, db.key)
+		db.db.pools.Add(-1)
 	}
 	o.mu.Unlock()
 	if last {
@@ -111,10 +132,10 @@ func (o *FlowObserver) read(ctx context.Context, db *sharedDB, q backlogQuery, b
 		// Not the first caller's context: its cancellation must not fail the others.
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), backlogQueryTimeout+time.Second)
 		defer cancel()
-		if err := db.sem.Acquire(rctx, 1); err != nil {
+		if err := db.db.sem.Acquire(rctx, 1); err != nil {
 			return backlogSample{}, fmt.Errorf("wait for a connection to read the backlog of %s: %w", q.table, err)
 		}
-		defer db.sem.Release(1)
+		defer db.db.sem.Release(1)
 		o.queries.Add(1)
 		s, err := observeBacklog(rctx, db.pool, q, bound)
 		if err != nil {

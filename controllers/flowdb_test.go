@@ -3,6 +3,7 @@ package controllers
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -14,11 +15,11 @@ import (
 	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
-// Sixty OutboxRelays on one database: forty on tables of their own, twenty
-// on one shared table. The operator holds no more connections to it than
-// the cap, every relay gets its backlog, the twenty share their reads, and
-// relays whose database refuses connections report it without holding up
-// the others.
+// Sixty OutboxRelays on one database: forty on tables of their own (a third
+// of them through a second DSN), twenty on one shared table. The operator
+// holds no more connections to it than the cap, every relay gets its
+// backlog, the twenty share their reads, and relays whose database refuses
+// connections report it without holding up the others.
 func TestObserversShareCappedConnections(t *testing.T) {
 	t.Parallel()
 	dsn, db := outboxDB(t)
@@ -36,15 +37,26 @@ func TestObserversShareCappedConnections(t *testing.T) {
 	go func() { _ = o.Start(ctx) }()
 	topics := map[string]outboxv1alpha1.TopicName{"OrderConfirmed": "orders"}
 	interval := 300 * time.Millisecond
+	sep := "?"
+	if strings.Contains(dsn, "?") {
+		sep = "&"
+	}
+	dsn2 := dsn + sep + "connect_timeout=4" // another DSN of the same database (another team's Secret)
 	var keys []types.NamespacedName
+	dsnOf := map[types.NamespacedName]string{}
 	for i := range own + shared {
 		table := outbox.Table{Name: "outbox"}
+		d := dsn
 		if i < own {
 			table.Name = fmt.Sprintf("outbox_%d", i)
+			if i%3 == 0 {
+				d = dsn2
+			}
 		}
 		k := types.NamespacedName{Namespace: "ns", Name: fmt.Sprintf("r%d", i)}
 		keys = append(keys, k)
-		o.Observe(k, flowTarget{dsn: dsn, dsnSecret: "dsn", table: table, interval: interval, topics: topics})
+		dsnOf[k] = d
+		o.Observe(k, flowTarget{dsn: d, dsnSecret: "dsn", table: table, interval: interval, topics: topics})
 	}
 	refused := types.NamespacedName{Namespace: "ns", Name: "refused"}
 	o.Observe(refused, flowTarget{dsn: "postgres://u:p@127.0.0.1:1/db?connect_timeout=1", dsnSecret: "other-dsn",
@@ -70,7 +82,7 @@ func TestObserversShareCappedConnections(t *testing.T) {
 	}()
 	require.Eventually(t, func() bool {
 		for _, k := range keys {
-			if v := o.Observe(k, flowTarget{dsn: dsn, table: tableOf(o, k), interval: interval, topics: topics}); v.sample == nil {
+			if v := o.Observe(k, flowTarget{dsn: dsnOf[k], table: tableOf(o, k), interval: interval, topics: topics}); v.sample == nil {
 				return false
 			}
 		}
