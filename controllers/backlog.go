@@ -246,6 +246,8 @@ func backlogError(err error, dsnSecret string) string {
 		return fmt.Sprintf("PostgreSQL refused the backlog query: %s (SQLSTATE %s)", pgErr.Message, pgErr.Code)
 	case errors.Is(err, context.DeadlineExceeded):
 		return fmt.Sprintf("the backlog query took longer than %s", backlogQueryTimeout)
+	case errors.Is(err, errNoTurn):
+		return "the operator's connections to this database were busy with other OutboxRelays' reads for the whole interval (raise --backlog-connections-per-database, or spec.backlog.interval)"
 	case errors.Is(err, errDSNUnparsable):
 		return fmt.Sprintf("the DSN in Secret %s cannot be parsed", dsnSecret)
 	default:

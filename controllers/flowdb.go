@@ -4,9 +4,11 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
+	"slices"
 	"strconv"
-	"sync/atomic"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -28,10 +30,52 @@ const DefaultConnsPerDatabase = 2
 const connIdleTime = time.Minute
 
 // database is what the DSNs of one database (host, port and name) share:
-// the cap on reads in flight, and how many pools reach it.
+// the cap on reads in flight and on open connections, and its pools.
 type database struct {
-	sem   *semaphore.Weighted
-	pools atomic.Int32
+	cap int
+	sem *semaphore.Weighted
+
+	mu    sync.Mutex
+	pools []*pgxpool.Pool
+}
+
+// open counts the connections open to the database, across its pools.
+func (d *database) open() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	n := 0
+	for _, p := range d.pools {
+		n += int(p.Stat().TotalConns())
+	}
+	return n
+}
+
+// makeRoom closes an idle connection of another pool than self when the
+// database has as many connections open as its cap: a read (which holds
+// one of the cap's turns) is about to open one. With reads capped at the
+// cap, a connection beyond the reads in flight is idle somewhere.
+func (d *database) makeRoom(ctx context.Context, self *pgxpool.Pool) {
+	if d.open() < d.cap {
+		return
+	}
+	d.mu.Lock()
+	pools := append([]*pgxpool.Pool(nil), d.pools...)
+	d.mu.Unlock()
+	for _, p := range pools {
+		if p == self {
+			continue
+		}
+		idle := p.AcquireAllIdle(ctx)
+		for i, c := range idle {
+			if i == 0 {
+				_ = c.Conn().Close(ctx) // released closed: the pool drops it
+			}
+			c.Release()
+		}
+		if len(idle) > 0 {
+			return
+		}
+	}
 }
 
 // sharedDB is one DSN's pool and what its readers share.
@@ -49,6 +93,9 @@ type recentRead struct {
 	at time.Time
 	s  backlogSample
 }
+
+// errNoTurn: the database's backlog reads were all busy for the whole wait.
+var errNoTurn = errors.New("no turn to read within the interval")
 
 // dsnKey is a digest of dsn, the key of its shared pool.
 func dsnKey(dsn string) string {
@@ -79,24 +126,25 @@ func (o *FlowObserver) acquire(ctx context.Context, dsn string) (*sharedDB, erro
 	name := cc.Host + ":" + strconv.Itoa(int(cc.Port)) + "/" + cc.Database
 	group := o.databases[name]
 	if group == nil {
-		group = &database{sem: semaphore.NewWeighted(n)}
+		group = &database{cap: int(n), sem: semaphore.NewWeighted(n)}
 		o.databases[name] = group
 	}
-	// A database reached by one DSN keeps its pool's idle connections;
-	// reached by several, each connection closes after its read, so the
-	// connections open to it never exceed the reads in flight (the cap).
-	cfg.AfterRelease = func(*pgx.Conn) bool { return group.pools.Load() <= 1 }
-	pool, err := pgxpool.NewWithConfig(context.WithoutCancel(ctx), cfg)
+	// The connections open to the database stay within its cap, across the
+	// pools of its DSNs: an idle one is kept only within the cap, and one
+	// is opened only after another pool's idle one made room.
+	var pool *pgxpool.Pool
+	cfg.AfterRelease = func(*pgx.Conn) bool { return group.open() <= group.cap }
+	cfg.BeforeConnect = func(ctx context.Context, _ *pgx.ConnConfig) error {
+		group.makeRoom(ctx, pool)
+		return nil
+	}
+	pool, err = pgxpool.NewWithConfig(context.WithoutCancel(ctx), cfg)
 	if err != nil {
 		return nil, err
 	}
-	if group.pools.Add(1) == 2 {
-		for _, other := range o.dbs {
-			if other.db == group {
-				other.pool.Reset() // its idle connections go; those in use close on release
-			}
-		}
-	}
+	group.mu.Lock()
+	group.pools = append(group.pools, pool)
+	group.mu.Unlock()
 	db := &sharedDB{key: k, pool: pool, db: group, refs: 1, recent: map[string]recentRead{}}
 	o.dbs[k] = db
 	return db, nil
@@ -109,7 +157,10 @@ func (o *FlowObserver) release(db *sharedDB) {
 	last := db.refs == 0
 	if last {
 		delete(o.dbs, db.key)
-		db.db.pools.Add(-1)
+		g := db.db
+		g.mu.Lock()
+		g.pools = slices.DeleteFunc(g.pools, func(p *pgxpool.Pool) bool { return p == db.pool })
+		g.mu.Unlock()
 	}
 	o.mu.Unlock()
 	if last {
@@ -129,13 +180,18 @@ func (o *FlowObserver) read(ctx context.Context, db *sharedDB, q backlogQuery, b
 	}
 	o.mu.Unlock()
 	v, err, _ := o.flight.Do(rk, func() (any, error) {
-		// Not the first caller's context: its cancellation must not fail the others.
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), backlogQueryTimeout+time.Second)
+		// Not the first caller's context: its cancellation must not fail
+		// the others. Waiting for a turn may take up to an interval (a
+		// thousand relays read at a manager start); the read itself then
+		// has its own deadline.
+		wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), max(2*fresh, backlogQueryTimeout))
 		defer cancel()
-		if err := db.db.sem.Acquire(rctx, 1); err != nil {
-			return backlogSample{}, fmt.Errorf("wait for a connection to read the backlog of %s: %w", q.table, err)
+		if err := db.db.sem.Acquire(wctx, 1); err != nil {
+			return backlogSample{}, fmt.Errorf("read the backlog of %s: %w", q.table, errNoTurn)
 		}
 		defer db.db.sem.Release(1)
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), backlogQueryTimeout+time.Second)
+		defer cancel()
 		o.queries.Add(1)
 		s, err := observeBacklog(rctx, db.pool, q, bound)
 		if err != nil {

@@ -51,7 +51,7 @@ func ceilingLoop(ctx context.Context, dsn string, batch int) error {
 	for ctx.Err() == nil {
 		ids = ids[:0]
 		err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
-			rows, err := tx.Query(ctx, ceilingSQL.Claim, cursor, []string{eventType}, []int64{}, batch, relayconfig.DefaultMaxBatchBytes, math.MaxInt64)
+			rows, err := tx.Query(ctx, ceilingSQL.Claim, cursor, []string{eventType}, []int64{}, batch, relayconfig.DefaultMaxBatchBytes, math.MaxInt32)
 			if err != nil {
 				return err
 			}

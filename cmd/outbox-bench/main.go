@@ -99,7 +99,7 @@ func parseFlags(args []string) (*options, error) {
 	fs.DurationVar(&o.idleFor, "idle-duration", 10*time.Second, "how long each idle relay is watched")
 	fs.DurationVar(&o.writersFor, "writers-duration", 0, "how long the writers insert in each writers run (default 10s, quick 3s)")
 	fs.IntVar(&o.producers, "producers", 8, "producer (writer) clients in the latency, writers, pruning and longlived scenarios")
-	fs.IntVar(&o.relays, "operator-relays", 500, "OutboxRelays the operator reconciles in the footprint scenario")
+	fs.IntVar(&o.relays, "operator-relays", 1000, "OutboxRelays the operator reconciles in the footprint scenario, each on a table of its own in one database")
 	fs.IntVar(&o.longRows, "longlived-rows", 0, "rows the long-lived table drains (scenario longlived; default 1000000, quick 50000)")
 	fs.IntVar(&o.longWriteRate, "longlived-write-rate", 1000, "rows/s the writers insert while the long-lived table drains")
 	fs.StringVar(&backlogRows, "backlog-rows", "", "waiting rows at which the operator's backlog read is timed (scenario backlog; default 10000,1000000, quick 10000,100000)")
