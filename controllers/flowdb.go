@@ -26,6 +26,12 @@ import (
 // default: how many backlog reads may run at once on one database.
 const DefaultConnsPerDatabase = 2
 
+// sessionExit is how long a closed connection's server session is given to
+// end before another one starts in its place: PostgreSQL ends it after the
+// client has gone, and without the pause (measured here, on 2 busy cores)
+// the database listed one session more than the cap now and then.
+const sessionExit = 5 * time.Millisecond
+
 // connIdleTime is how long an observer connection may idle before it is closed.
 const connIdleTime = time.Minute
 
@@ -73,6 +79,7 @@ func (d *database) makeRoom(ctx context.Context, self *pgxpool.Pool) {
 			c.Release()
 		}
 		if len(idle) > 0 {
+			time.Sleep(sessionExit)
 			return
 		}
 	}
@@ -130,10 +137,9 @@ func (o *FlowObserver) acquire(ctx context.Context, dsn string) (*sharedDB, erro
 		o.databases[name] = group
 	}
 	// The connections open to the database stay within its cap, across the
-	// pools of its DSNs: an idle one is kept only within the cap, and one
-	// is opened only after another pool's idle one made room.
+	// pools of its DSNs: one is opened only after another pool's idle one
+	// made room, and one is kept after its read only within the cap (read).
 	var pool *pgxpool.Pool
-	cfg.AfterRelease = func(*pgx.Conn) bool { return group.open() <= group.cap }
 	cfg.BeforeConnect = func(ctx context.Context, _ *pgx.ConnConfig) error {
 		group.makeRoom(ctx, pool)
 		return nil
@@ -193,7 +199,19 @@ func (o *FlowObserver) read(ctx context.Context, db *sharedDB, q backlogQuery, b
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), backlogQueryTimeout+time.Second)
 		defer cancel()
 		o.queries.Add(1)
-		s, err := observeBacklog(rctx, db.pool, q, bound)
+		conn, err := db.pool.Acquire(rctx)
+		if err != nil {
+			return backlogSample{}, fmt.Errorf("read the backlog of %s: %w", q.table, err)
+		}
+		s, err := observeBacklog(rctx, conn, q, bound)
+		if db.db.open() > db.db.cap {
+			// Closed before this read's turn passes on: released, the
+			// pool would close it only in the background, after the next
+			// read may have connected.
+			_ = conn.Conn().Close(rctx)
+			time.Sleep(sessionExit)
+		}
+		conn.Release()
 		if err != nil {
 			return s, err
 		}

@@ -52,6 +52,9 @@ func TestObserversShareCappedConnections(t *testing.T) {
 			if i%3 == 0 {
 				d = dsn2
 			}
+			if i%3 == 1 { // many more DSNs: teams with users of their own
+				d = dsn + sep + fmt.Sprintf("connect_timeout=%d", 5+i)
+			}
 		}
 		k := types.NamespacedName{Namespace: "ns", Name: fmt.Sprintf("r%d", i)}
 		keys = append(keys, k)

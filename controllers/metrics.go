@@ -73,12 +73,11 @@ func (m *Metrics) secretRead() {
 }
 
 // set reports a relay's status.
-func (m *Metrics) set(relay *outboxv1alpha1.OutboxRelay) {
+func (m *Metrics) set(key types.NamespacedName, st *outboxv1alpha1.OutboxRelayStatus) {
 	if m == nil {
 		return
 	}
-	ns, name := relay.Namespace, relay.Name
-	st := &relay.Status
+	ns, name := key.Namespace, key.Name
 	m.desired.WithLabelValues(ns, name).Set(float64(st.DesiredReplicas))
 	m.ready.WithLabelValues(ns, name).Set(float64(st.ReadyReplicas))
 	lag := -1.0

@@ -105,11 +105,14 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 		deploy = current
 	}
 	relay.Status = computeStatus(relay, deploy, prob, obs)
+	r.Metrics.set(req.NamespacedName, &relay.Status) // every reading, also those the status lets wait
+	if settled(original.Status, relay.Status, time.Now()) {
+		relay.Status = original.Status // small moves wait for statusRefresh
+	}
 	if err := r.ensurePodMonitor(ctx, relay); err != nil {
 		return ctrl.Result{}, err
 	}
 	r.recordEvents(original, relay, current, deploy, prob)
-	r.Metrics.set(relay)
 	if !equality.Semantic.DeepEqual(original.Status, relay.Status) {
 		if err := r.Status().Patch(ctx, relay, client.MergeFrom(original)); err != nil {
 			return ctrl.Result{}, fmt.Errorf("write status of %s: %w", req.NamespacedName, err)

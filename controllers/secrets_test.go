@@ -11,6 +11,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
+
+	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 )
 
@@ -80,4 +82,42 @@ func TestSecretCacheReadsOncePerChange(t *testing.T) {
 		require.True(t, apierrors.IsNotFound(err))
 	}
 	require.Equal(t, 7, r.reads, "a missing Secret is not kept")
+}
+
+// A status whose backlog numbers moved only a little (an older oldest row,
+// a tenth of the pending rows or of the rate) is not rewritten within
+// statusRefresh; anything else is.
+func TestSettledStatusWaitsForSmallMoves(t *testing.T) {
+	t.Parallel()
+	now := time.Now()
+	rate := func(v int64) *int64 { return &v }
+	old := outboxv1alpha1.OutboxRelayStatus{
+		Backlog: &outboxv1alpha1.BacklogStatus{Pending: 100, PublishedPerMinute: rate(600),
+			OldestAge: metav1.Duration{Duration: 5 * time.Second}, ObservedAt: metav1.NewTime(now.Add(-10 * time.Second))},
+		Conditions: []metav1.Condition{{Type: outboxv1alpha1.ConditionLagging, Status: metav1.ConditionFalse,
+			Reason: outboxv1alpha1.ReasonFlowing, Message: "oldest waiting row 5s old"}},
+	}
+	moved := func(change func(*outboxv1alpha1.OutboxRelayStatus)) outboxv1alpha1.OutboxRelayStatus {
+		n := *old.DeepCopy()
+		n.Backlog.ObservedAt = metav1.NewTime(now)
+		n.Backlog.OldestAge = metav1.Duration{Duration: 9 * time.Second}
+		n.Conditions[0].Message = "oldest waiting row 9s old"
+		change(&n)
+		return n
+	}
+	require.True(t, settled(old, moved(func(*outboxv1alpha1.OutboxRelayStatus) {}), now), "only the age")
+	require.True(t, settled(old, moved(func(n *outboxv1alpha1.OutboxRelayStatus) { n.Backlog.Pending = 109 }), now))
+	for name, change := range map[string]func(*outboxv1alpha1.OutboxRelayStatus){
+		"pending by more than a tenth": func(n *outboxv1alpha1.OutboxRelayStatus) { n.Backlog.Pending = 120 },
+		"pending to zero":              func(n *outboxv1alpha1.OutboxRelayStatus) { n.Backlog.Pending = 0 },
+		"the rate to zero":             func(n *outboxv1alpha1.OutboxRelayStatus) { n.Backlog.PublishedPerMinute = rate(0) },
+		"a held row":                   func(n *outboxv1alpha1.OutboxRelayStatus) { n.Backlog.Held.TooLarge = 1 },
+		"a condition's status": func(n *outboxv1alpha1.OutboxRelayStatus) {
+			n.Conditions[0].Status, n.Conditions[0].Reason = metav1.ConditionTrue, outboxv1alpha1.ReasonFallingBehind
+		},
+		"the ready replicas": func(n *outboxv1alpha1.OutboxRelayStatus) { n.ReadyReplicas = 2 },
+	} {
+		require.False(t, settled(old, moved(change), now), name)
+	}
+	require.False(t, settled(old, moved(func(*outboxv1alpha1.OutboxRelayStatus) {}), now.Add(statusRefresh)), "written once statusRefresh is over")
 }

@@ -80,6 +80,50 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 // not at every reading.
 const backlogRenewal = 5 * time.Minute
 
+// statusRefresh is how long a status whose backlog numbers moved only a
+// little (the age of the oldest row, a tenth of the pending rows or of the
+// publish rate) is left as it is: a thousand relays would otherwise patch
+// their status at every reading, all the time, because ages grow. The
+// operator's metrics carry every reading; anything that changes a
+// condition's status or reason is written at once.
+const statusRefresh = time.Minute
+
+// settled reports whether new differs from old only in what statusRefresh
+// lets wait, and old's backlog was observed less than statusRefresh before now.
+func settled(old, new outboxv1alpha1.OutboxRelayStatus, now time.Time) bool {
+	if old.Backlog == nil || new.Backlog == nil || now.Sub(old.Backlog.ObservedAt.Time) >= statusRefresh ||
+		!backlogClose(*old.Backlog, *new.Backlog) {
+		return false
+	}
+	n := *new.DeepCopy()
+	n.Backlog = old.Backlog
+	for i, c := range n.Conditions {
+		if o := meta.FindStatusCondition(old.Conditions, c.Type); o != nil && o.Status == c.Status && o.Reason == c.Reason &&
+			o.ObservedGeneration == c.ObservedGeneration {
+			n.Conditions[i] = *o // the message carries the numbers
+		}
+	}
+	return equality.Semantic.DeepEqual(old, n)
+}
+
+// backlogClose reports whether b moved only a little from a: the same held
+// rows, pending rows and publish rate each zero on both or within a tenth,
+// whatever the age of the oldest row.
+func backlogClose(a, b outboxv1alpha1.BacklogStatus) bool {
+	near := func(x, y int64) bool {
+		if x == 0 || y == 0 {
+			return x == y
+		}
+		d := x - y
+		return 10*max(d, -d) <= max(x, y)
+	}
+	if a.Estimated != b.Estimated || a.Held != b.Held || !near(a.Pending, b.Pending) ||
+		(a.PublishedPerMinute == nil) != (b.PublishedPerMinute == nil) {
+		return false
+	}
+	return a.PublishedPerMinute == nil || near(*a.PublishedPerMinute, *b.PublishedPerMinute)
+}
+
 // withObservedAt is b, keeping the observedAt of old when old has the
 // same numbers and was observed less than backlogRenewal before.
 func withObservedAt(old, b *outboxv1alpha1.BacklogStatus) *outboxv1alpha1.BacklogStatus {
