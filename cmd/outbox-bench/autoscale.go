@@ -103,6 +103,9 @@ func burstRun(ctx context.Context, o *options, stack *localcluster.Stack, ns str
 		return nil, err
 	}
 	podDSN.Host = net.JoinHostPort(stack.Postgres.Host, strconv.Itoa(stack.Postgres.Port))
+	// The pods log in with a password as a relay role, never as the superuser.
+	const role = "bench_relay"
+	podDSN.User = url.UserPassword(role, role)
 	defer stack.Postgres.DropDatabase(context.Background(), db) //nolint:errcheck // best effort
 	pool, err := pgxpool.New(ctx, dsn)
 	if err != nil {
@@ -111,6 +114,11 @@ func burstRun(ctx context.Context, o *options, stack *localcluster.Stack, ns str
 	defer pool.Close()
 	table := outbox.Table{Name: "outbox"}
 	if _, err := pool.Exec(ctx, outbox.SchemaDDL(table)); err != nil {
+		return nil, err
+	}
+	if _, err := pool.Exec(ctx, fmt.Sprintf(`DO $$ BEGIN CREATE ROLE %[1]s LOGIN PASSWORD '%[1]s'; EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+		GRANT SELECT, UPDATE ON %[2]s TO %[1]s; GRANT SELECT, INSERT, UPDATE, DELETE ON %[3]s TO %[1]s`,
+		role, table.Quoted(), table.HeldTable().Quoted())); err != nil {
 		return nil, err
 	}
 	topic := stack.Kafka.UniqueTopic("bench", name)

@@ -35,9 +35,9 @@ func CleanDir(dir string) error {
 		}
 	}
 	// The node's leftovers are the machine's (cgroups, iptables, the
-	// bridge): only clean them while no other stack runs.
+	// bridge, sysctls): only clean them while no other stack runs.
 	if release, ok := tryLockMachine(); ok {
-		err := errors.Join(cleanNodeLeftovers(filepath.Join(dir, "node")), removeBridge())
+		err := errors.Join(cleanNodeLeftovers(filepath.Join(dir, "node")), removeBridge(), theMachine.recover())
 		release()
 		if err != nil {
 			return fmt.Errorf("clean up the node of an earlier run in %s: %w", dir, err)

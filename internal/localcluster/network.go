@@ -7,7 +7,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 )
 
 // The node's pod network: a Linux bridge the stack creates, whose host-side
@@ -98,36 +97,4 @@ func writeCNIConfig(confDir, ipamDir string) error {
 }
 `, BridgeName, PodCIDR, HostIP, ipamDir)
 	return os.WriteFile(filepath.Join(confDir, "10-outbox.conflist"), []byte(conf), 0o644)
-}
-
-// removeKubeIPTablesRules removes the KUBE-* chains and the rules that jump
-// to them, which the kubelet and kube-proxy add to the host's iptables and
-// leave behind when they stop. Every other rule is restored as it was.
-func removeKubeIPTablesRules() error {
-	var errs []string
-	for _, family := range []string{"iptables", "ip6tables"} {
-		out, err := exec.Command(family + "-save").Output()
-		if err != nil {
-			continue // no such family here
-		}
-		if !bytes.Contains(out, []byte("KUBE-")) {
-			continue
-		}
-		var kept bytes.Buffer
-		for _, line := range strings.SplitAfter(string(out), "\n") {
-			if strings.Contains(line, "KUBE-") {
-				continue
-			}
-			kept.WriteString(line)
-		}
-		cmd := exec.Command(family + "-restore")
-		cmd.Stdin = &kept
-		if out, err := cmd.CombinedOutput(); err != nil {
-			errs = append(errs, fmt.Sprintf("%s-restore: %v: %s", family, err, out))
-		}
-	}
-	if len(errs) > 0 {
-		return fmt.Errorf("%s", strings.Join(errs, "; "))
-	}
-	return nil
 }

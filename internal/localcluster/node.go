@@ -3,7 +3,6 @@ package localcluster
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -36,9 +35,6 @@ type node struct {
 	procs []*devproc.Proc
 }
 
-// The sysctls the kubelet sets at start-up; the node restores them.
-var kubeletSysctls = []string{"vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops"}
-
 // containerdNamespace is the containerd namespace the CRI plugin uses.
 const containerdNamespace = "k8s.io"
 
@@ -68,22 +64,6 @@ func startNode(ctx context.Context, dir string, kube *testenv.KubeEnv, images []
 		if err := os.MkdirAll(filepath.Join(dir, sub), 0o755); err != nil {
 			return n, err
 		}
-	}
-	// Saved in a file, so that cleaning up after a killed run restores them too.
-	saved := map[string]string{}
-	for _, k := range kubeletSysctls {
-		b, err := os.ReadFile(filepath.Join("/proc/sys", k))
-		if err != nil {
-			return n, err
-		}
-		saved[k] = string(bytes.TrimSpace(b))
-	}
-	b, err := json.Marshal(saved)
-	if err != nil {
-		return n, err
-	}
-	if err := os.WriteFile(n.path(savedSysctlsFile), b, 0o644); err != nil {
-		return n, err
 	}
 	kubeconfigs := map[string]envtest.User{
 		"kubelet":                 {Name: "system:node:" + NodeName, Groups: []string{"system:nodes", "system:masters"}},
@@ -298,7 +278,9 @@ iptables:
 	return err
 }
 
-// startKubelet writes the kubelet's configuration and starts it. The machine
+// startKubelet writes the kubelet's configuration and starts it. Its API
+// takes no anonymous request: callers are authenticated and authorized by
+// the API server (token and subject access reviews). The machine
 // is cgroup v1 (failCgroupV1: false, the cgroupfs driver), and the kubelet
 // must not ask for an OOM score adjustment root may not set here
 // (oomScoreAdj: 0). Eviction thresholds are low: the node shares a
@@ -321,12 +303,13 @@ healthzBindAddress: 127.0.0.1
 healthzPort: %[3]d
 authentication:
   anonymous:
-    enabled: true
-  webhook:
     enabled: false
+  webhook:
+    enabled: true
 authorization:
-  mode: AlwaysAllow
+  mode: Webhook
 cgroupDriver: cgroupfs
+cgroupRoot: /%[6]s
 failCgroupV1: false
 failSwapOn: false
 oomScoreAdj: 0
@@ -344,7 +327,7 @@ registerNode: true
 protectKernelDefaults: false
 syncFrequency: 10s
 fileCheckFrequency: 10s
-`, HostIP, port, healthz, n.sock, n.path("pod-logs"))
+`, HostIP, port, healthz, n.sock, n.path("pod-logs"), cgroupParent)
 	cfg := n.path("config", "kubelet.yaml")
 	if err := os.WriteFile(cfg, []byte(conf), 0o644); err != nil {
 		return err
@@ -394,8 +377,8 @@ func (n *node) waitReady(ctx context.Context, c client.Client, timeout time.Dura
 // close stops the node and undoes what it did to the machine: the
 // Kubernetes processes stop in reverse order (the kubelet before the
 // containers, so that it restarts nothing), every container and runc shim
-// is killed, containerd stops, and the mounts, cgroups, iptables rules and
-// sysctls they left are removed or restored.
+// is killed, containerd stops, and the mounts, cgroups and iptables rules
+// they left are removed.
 func (n *node) close() error {
 	for i := len(n.procs) - 1; i >= 0; i-- {
 		if strings.HasSuffix(n.procs[i].Cmd.Path, "/containerd") {
@@ -406,64 +389,23 @@ func (n *node) close() error {
 	return cleanNodeLeftovers(n.dir)
 }
 
-// savedSysctlsFile holds, under the node's folder, the sysctls the kubelet
-// changes as they were before it started.
-const savedSysctlsFile = "sysctls.json"
-
-// restoreSysctls sets the sysctls saved under dir back.
-func restoreSysctls(dir string) error {
-	b, err := os.ReadFile(filepath.Join(dir, savedSysctlsFile))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil
-	}
-	if err != nil {
-		return err
-	}
-	var saved map[string]string
-	if err := json.Unmarshal(b, &saved); err != nil {
-		return fmt.Errorf("%s: %w", savedSysctlsFile, err)
-	}
-	var errs []error
-	for k, v := range saved {
-		if err := os.WriteFile(filepath.Join("/proc/sys", k), []byte(v), 0o644); err != nil {
-			errs = append(errs, fmt.Errorf("restore sysctl %s=%s: %w", k, v, err))
-		}
-	}
-	return errors.Join(errs...)
-}
-
 // cleanNodeLeftovers removes what a node under dir leaves on the machine,
-// also after a run that was killed: processes still in the pods' cgroups
-// and the runc shims, mounts under dir, the kubepods cgroups and the KUBE-*
-// iptables rules; and it restores the sysctls the kubelet set. It is
-// idempotent. The bridge outlives the node: the
-// servers bound to HostIP stop after it.
+// also after a run that was killed: the processes in its cgroup parent (the
+// pods' containers) and the runc shims of its containerd, mounts under dir,
+// its cgroups, and the iptables chains of its kubelet and kube-proxy. It is
+// idempotent. The sysctls are restored by the machine's recover, after the
+// bridge (the servers bound to HostIP stop after the node).
 func cleanNodeLeftovers(dir string) error {
-	var errs []error
 	killPods(dir)
-	errs = append(errs, unmountUnder(dir))
-	errs = append(errs, removeCgroups("kubepods"))
-	errs = append(errs, removeKubeIPTablesRules())
-	errs = append(errs, restoreSysctls(dir))
-	return errors.Join(errs...)
+	return errors.Join(unmountUnder(dir), removeCgroups(cgroupParent), theMachine.removeChains())
 }
 
-// killPods kills every process in the kubepods cgroups (the containers
+// killPods kills every process in the node's cgroup parent (the containers
 // of a node that was not stopped) and the runc shims of a containerd whose
 // socket is under dir.
 func killPods(dir string) {
+	killCgroup(cgroupParent)
 	var pids []int
-	_ = filepath.WalkDir("/sys/fs/cgroup/pids/kubepods", func(path string, d os.DirEntry, err error) error {
-		if err == nil && !d.IsDir() && d.Name() == "cgroup.procs" {
-			b, _ := os.ReadFile(path)
-			for _, f := range strings.Fields(string(b)) {
-				if pid, err := strconv.Atoi(f); err == nil {
-					pids = append(pids, pid)
-				}
-			}
-		}
-		return nil
-	})
 	entries, _ := os.ReadDir("/proc")
 	needle := []byte(dir + string(filepath.Separator))
 	for _, e := range entries {
@@ -531,26 +473,4 @@ func unescapeMount(s string) string {
 		out.WriteByte(s[i])
 	}
 	return out.String()
-}
-
-// removeCgroups removes the named cgroup and its children from every v1
-// hierarchy, deepest first (a cgroup can be removed only once empty).
-func removeCgroups(name string) error {
-	roots, _ := filepath.Glob(filepath.Join("/sys/fs/cgroup", "*", name))
-	var errs []error
-	for _, root := range roots {
-		var dirs []string
-		_ = filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
-			if err == nil && d.IsDir() {
-				dirs = append(dirs, path)
-			}
-			return nil
-		})
-		for i := len(dirs) - 1; i >= 0; i-- {
-			if err := syscall.Rmdir(dirs[i]); err != nil && !errors.Is(err, syscall.ENOENT) {
-				errs = append(errs, fmt.Errorf("remove cgroup %s: %w", dirs[i], err))
-			}
-		}
-	}
-	return errors.Join(errs...)
 }

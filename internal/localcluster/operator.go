@@ -19,6 +19,9 @@ import (
 // operatorNamespace is where config/default installs the manager.
 const operatorNamespace = "outbox-system"
 
+// localSecretRefresh is the local stack's --secret-refresh-interval.
+const localSecretRefresh = 15 * time.Second
+
 // installOperator applies config/default as a user does, through a
 // kustomization that only pins the image (the manager's, and the relay
 // image it gives OutboxRelays that name none), and waits until the
@@ -60,7 +63,17 @@ patches:
                 env:
                   - name: RELAY_IMAGE
                     value: %s
-`, base, repo, tag, operatorNamespace, s.OperatorImage)
+  # A rotated Secret reaches the relay pods within seconds here, not the
+  # default 5 minutes (the operator may only get Secrets, so it reads them
+  # again on a schedule).
+  - target:
+      kind: Deployment
+      name: outbox-operator-controller-manager
+    patch: |-
+      - op: add
+        path: /spec/template/spec/containers/0/args/-
+        value: --secret-refresh-interval=%s
+`, base, repo, tag, operatorNamespace, s.OperatorImage, localSecretRefresh)
 	if err := os.WriteFile(filepath.Join(overlay, "kustomization.yaml"), []byte(kustomization), 0o644); err != nil {
 		return err
 	}

@@ -58,13 +58,16 @@ func (s *Stack) PrepareOrders(ctx context.Context) error {
 	return nil
 }
 
-// CreateRelayRole creates a login role with the grants a relay needs on the
-// outbox table (SELECT, and UPDATE for FOR UPDATE and the mark). The local
-// cluster trusts loopback connections, so the password is not checked.
+// CreateRelayRole creates a login role with the grants a relay needs: on
+// the outbox table SELECT, and UPDATE for FOR UPDATE and the mark; on its
+// held table (outbox.HeldDDL) SELECT, INSERT, UPDATE and DELETE. Its
+// password is its name: the relay pods log in with it.
 func (s *Stack) CreateRelayRole(ctx context.Context, role string) error {
 	id := pgx.Identifier{role}.Sanitize()
-	sql := fmt.Sprintf(`CREATE ROLE %s LOGIN PASSWORD %s; GRANT SELECT, UPDATE ON %s TO %s;`,
-		id, quoteLiteral(role), pgx.Identifier{outbox.DefaultTable}.Sanitize(), id)
+	t := outbox.Table{Name: outbox.DefaultTable}
+	sql := fmt.Sprintf(`CREATE ROLE %s LOGIN PASSWORD %s; GRANT SELECT, UPDATE ON %s TO %s;
+		GRANT SELECT, INSERT, UPDATE, DELETE ON %s TO %s;`,
+		id, quoteLiteral(role), t.Quoted(), id, t.HeldTable().Quoted(), id)
 	if err := s.Postgres.Exec(ctx, OrdersDatabase, sql); err != nil {
 		return fmt.Errorf("create role %s: %w", role, err)
 	}

@@ -6,7 +6,9 @@
 // builds.
 //
 // It is a development and test tool: it runs as root, creates a bridge
-// (BridgeName) for the pods' network, and undoes what it changed on Close.
+// (BridgeName) for the pods' network, and undoes what it changed on Close,
+// or at the next start after a run that was killed (machine.go): only what
+// it made itself.
 package localcluster
 
 import (
@@ -41,8 +43,9 @@ type Options struct {
 
 // Stack is a running local system.
 type Stack struct {
-	// Postgres is the PostgreSQL cluster (trust auth: any role logs in by
-	// name), at HostIP as well as loopback, so pods reach it.
+	// Postgres is the PostgreSQL cluster: on loopback any role logs in by
+	// name (trust); at HostIP, pods log in with a password, never as the
+	// superuser.
 	Postgres *testenv.PostgresCluster
 	// Kafka is the single-node broker, at HostIP.
 	Kafka *testenv.KafkaBroker
@@ -92,6 +95,10 @@ func Start(ctx context.Context, opts Options) (s *Stack, err error) {
 		return s, err
 	}
 	s.closers = append(s.closers, unlock)
+	if err := theMachine.prepare(filepath.Join(dir, "node")); err != nil {
+		return s, err
+	}
+	s.closers = append(s.closers, theMachine.recover) // last before the unlock: sysctls, and whatever the node left
 	if err := ensureBridge(); err != nil {
 		return s, err
 	}

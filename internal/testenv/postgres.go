@@ -35,9 +35,10 @@ type PostgresCluster struct {
 	dbSeq   atomic.Int64
 }
 
-// StartPostgres creates a cluster under dir (initdb, trust auth for the
-// postgres superuser) and starts it on a free port. With a Listen, it also
-// listens at Listen.Host and trusts connections from Listen.Clients.
+// StartPostgres creates a cluster under dir (initdb, trust auth on
+// loopback, for the postgres superuser too) and starts it on a free port.
+// With a Listen, it also listens at Listen.Host and takes connections from
+// Listen.Clients with a password (scram-sha-256), and never as postgres.
 func StartPostgres(dir string, listen ...Listen) (*PostgresCluster, error) {
 	binDir, err := findDir("OUTBOX_PG_BIN", "make deps-postgres", "postgres",
 		filepath.Join(RepoRoot(), "bin", "postgresql", "*"),
@@ -93,7 +94,10 @@ log_line_prefix = '%%m [%%p] %%d '
 		return nil, err
 	}
 	if l.Clients != "" {
-		if err := appendFile(filepath.Join(c.dataDir, "pg_hba.conf"), fmt.Sprintf("host all all %s trust\n", l.Clients)); err != nil {
+		// Clients there (the local cluster's pods) log in with a password,
+		// never as the superuser.
+		hba := fmt.Sprintf("host all postgres %[1]s reject\nhost all all %[1]s scram-sha-256\n", l.Clients)
+		if err := appendFile(filepath.Join(c.dataDir, "pg_hba.conf"), hba); err != nil {
 			return nil, err
 		}
 	}
