@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"golang.org/x/sync/singleflight"
@@ -115,7 +116,15 @@ func (o *FlowObserver) Start(ctx context.Context) error {
 		o.startLocked(key, f)
 	}
 	o.mu.Unlock()
-	<-ctx.Done()
+	idle := time.NewTicker(connIdleTime / 4)
+	defer idle.Stop()
+	for ctx.Err() == nil {
+		select {
+		case <-ctx.Done():
+		case <-idle.C:
+			o.closeIdleConns()
+		}
+	}
 	o.mu.Lock()
 	flows := make([]*relayFlow, 0, len(o.relays))
 	for _, f := range o.relays {
@@ -194,7 +203,7 @@ func (o *FlowObserver) stopLocked(f *relayFlow) {
 func (o *FlowObserver) run(ctx context.Context, key types.NamespacedName, target flowTarget, done chan struct{}) {
 	defer close(done)
 	log := ctrl.LoggerFrom(ctx).WithValues("outboxrelay", key)
-	db, err := o.acquire(ctx, target.dsn)
+	db, err := o.acquire(target.dsn)
 	if db != nil {
 		defer o.release(db)
 	}
@@ -383,24 +392,21 @@ func perMinute(rs []counterReading) *int64 {
 	return &v
 }
 
-// backlogPoolConfig is the configuration of an observer pool. Its sessions
-// are read-only, bounded by a statement timeout, and plan each statement for
-// its own arguments (a generic plan for LIMIT $1 could scan the whole
-// backlog). Bitmap scans and sorts are off: reading the oldest rows then
-// walks the partial index in id order and stops at the bound, and the
-// grouping hashes the rows instead of sorting them, which on statistics
-// taken while the table was nearly drained spilled 4 MB to disk and took
-// 76 ms instead of 22 ms at 1M waiting rows (measured here). Idle
-// connections close after connIdleTime.
-func backlogPoolConfig(dsn string) (*pgxpool.Config, error) {
-	cfg, err := pgxpool.ParseConfig(dsn)
+// backlogConnConfig is the configuration of an observer connection. Its
+// sessions are read-only, bounded by a statement timeout, and plan each
+// statement for its own arguments (a generic plan for LIMIT $1 could scan
+// the whole backlog). Bitmap scans and sorts are off: reading the oldest
+// rows then walks the partial index in id order and stops at the bound,
+// and the grouping hashes the rows instead of sorting them, which on
+// statistics taken while the table was nearly drained spilled 4 MB to disk
+// and took 76 ms instead of 22 ms at 1M waiting rows (measured here).
+func backlogConnConfig(dsn string) (*pgx.ConnConfig, error) {
+	cfg, err := pgx.ParseConfig(dsn)
 	if err != nil {
 		return nil, errDSNUnparsable
 	}
-	cfg.MaxConns, cfg.MinConns = 1, 0
-	cfg.MaxConnIdleTime = connIdleTime
-	cfg.ConnConfig.ConnectTimeout = backlogQueryTimeout
-	rp := cfg.ConnConfig.RuntimeParams
+	cfg.ConnectTimeout = backlogQueryTimeout
+	rp := cfg.RuntimeParams
 	rp["application_name"] = "outbox-operator"
 	rp["default_transaction_read_only"] = "on"
 	rp["statement_timeout"] = fmt.Sprint(backlogQueryTimeout.Milliseconds())
@@ -414,9 +420,16 @@ func backlogPoolConfig(dsn string) (*pgxpool.Config, error) {
 // newBacklogPool opens a lazy one-connection pool with an observer's
 // session settings (for a probe and for tests).
 func newBacklogPool(ctx context.Context, target flowTarget) (*pgxpool.Pool, error) {
-	cfg, err := backlogPoolConfig(target.dsn)
+	cc, err := backlogConnConfig(target.dsn)
 	if err != nil {
 		return nil, err
 	}
+	cfg, err := pgxpool.ParseConfig("")
+	if err != nil {
+		return nil, err
+	}
+	cfg.ConnConfig = cc
+	cfg.MaxConns, cfg.MinConns = 1, 0
+	cfg.MaxConnIdleTime = connIdleTime
 	return pgxpool.NewWithConfig(ctx, cfg)
 }

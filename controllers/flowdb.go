@@ -6,89 +6,50 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"slices"
+	"io"
 	"strconv"
 	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"golang.org/x/sync/semaphore"
 )
 
-// This file is how the backlog observers reach the databases: one pool per
-// distinct DSN, shared by every OutboxRelay that uses it, and a cap on the
-// reads in flight per database (host, port and database name), so a thousand
-// OutboxRelays on one PostgreSQL server hold as many of its connections as a
-// handful do. Reads of one table with the same question are shared too.
+// This file is how the backlog observers reach the databases: the
+// connections to one database (host, port and name) are shared by every
+// OutboxRelay on it, whatever its DSN, and capped: a thousand OutboxRelays
+// on one PostgreSQL server hold as many of its connections as a handful do.
+// Reads of one table with the same question are shared too.
 
 // DefaultConnsPerDatabase is the manager's --backlog-connections-per-database
-// default: how many backlog reads may run at once on one database.
+// default: how many connections the backlog reads hold to one database.
 const DefaultConnsPerDatabase = 2
-
-// sessionExit is how long a closed connection's server session is given to
-// end before another one starts in its place: PostgreSQL ends it after the
-// client has gone, and without the pause (measured here, on 2 busy cores)
-// the database listed one session more than the cap now and then.
-const sessionExit = 5 * time.Millisecond
 
 // connIdleTime is how long an observer connection may idle before it is closed.
 const connIdleTime = time.Minute
 
-// database is what the DSNs of one database (host, port and name) share:
-// the cap on reads in flight and on open connections, and its pools.
+// database is the connections to one database, across its DSNs: at most
+// cap open, each kept for reuse by reads with the same DSN, and closed for
+// a read with another DSN when the cap is reached. Reads take a turn first
+// (sem), so there is always one to close then.
 type database struct {
 	cap int
 	sem *semaphore.Weighted
 
-	mu    sync.Mutex
-	pools []*pgxpool.Pool
+	mu   sync.Mutex
+	open int                   // connections open or being opened
+	idle map[string][]idleConn // by dsnKey
 }
 
-// open counts the connections open to the database, across its pools.
-func (d *database) open() int {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	n := 0
-	for _, p := range d.pools {
-		n += int(p.Stat().TotalConns())
-	}
-	return n
+type idleConn struct {
+	conn  *pgx.Conn
+	since time.Time
 }
 
-// makeRoom closes an idle connection of another pool than self when the
-// database has as many connections open as its cap: a read (which holds
-// one of the cap's turns) is about to open one. With reads capped at the
-// cap, a connection beyond the reads in flight is idle somewhere.
-func (d *database) makeRoom(ctx context.Context, self *pgxpool.Pool) {
-	if d.open() < d.cap {
-		return
-	}
-	d.mu.Lock()
-	pools := append([]*pgxpool.Pool(nil), d.pools...)
-	d.mu.Unlock()
-	for _, p := range pools {
-		if p == self {
-			continue
-		}
-		idle := p.AcquireAllIdle(ctx)
-		for i, c := range idle {
-			if i == 0 {
-				_ = c.Conn().Close(ctx) // released closed: the pool drops it
-			}
-			c.Release()
-		}
-		if len(idle) > 0 {
-			time.Sleep(sessionExit)
-			return
-		}
-	}
-}
-
-// sharedDB is one DSN's pool and what its readers share.
+// sharedDB is one DSN's way to its database, and what its readers share.
 type sharedDB struct {
 	key  string // a digest of the DSN: the DSN itself is never a map key that could be logged
-	pool *pgxpool.Pool
+	cfg  *pgx.ConnConfig
 	db   *database
 	refs int
 	// recent are the latest readings by question (readKey), for readers of
@@ -104,15 +65,15 @@ type recentRead struct {
 // errNoTurn: the database's backlog reads were all busy for the whole wait.
 var errNoTurn = errors.New("no turn to read within the interval")
 
-// dsnKey is a digest of dsn, the key of its shared pool.
+// dsnKey is a digest of dsn, the key of its shared state.
 func dsnKey(dsn string) string {
 	sum := sha256.Sum256([]byte(dsn))
 	return hex.EncodeToString(sum[:16])
 }
 
-// acquire returns dsn's shared pool, opening it (lazily: no connection yet)
-// on first use. An unparsable DSN is errDSNUnparsable.
-func (o *FlowObserver) acquire(ctx context.Context, dsn string) (*sharedDB, error) {
+// acquire returns dsn's shared state, making it on first use (no
+// connection yet). An unparsable DSN is errDSNUnparsable.
+func (o *FlowObserver) acquire(dsn string) (*sharedDB, error) {
 	k := dsnKey(dsn)
 	o.mu.Lock()
 	defer o.mu.Unlock()
@@ -120,63 +81,142 @@ func (o *FlowObserver) acquire(ctx context.Context, dsn string) (*sharedDB, erro
 		db.refs++
 		return db, nil
 	}
-	cfg, err := backlogPoolConfig(dsn)
+	cfg, err := backlogConnConfig(dsn)
 	if err != nil {
 		return nil, err
 	}
-	n := int64(max(o.ConnsPerDatabase, 1))
-	if o.ConnsPerDatabase <= 0 {
+	n := o.ConnsPerDatabase
+	if n <= 0 {
 		n = DefaultConnsPerDatabase
 	}
-	cfg.MaxConns = int32(n)
-	cc := cfg.ConnConfig
-	name := cc.Host + ":" + strconv.Itoa(int(cc.Port)) + "/" + cc.Database
+	name := cfg.Host + ":" + strconv.Itoa(int(cfg.Port)) + "/" + cfg.Database
 	group := o.databases[name]
 	if group == nil {
-		group = &database{cap: int(n), sem: semaphore.NewWeighted(n)}
+		group = &database{cap: n, sem: semaphore.NewWeighted(int64(n)), idle: map[string][]idleConn{}}
 		o.databases[name] = group
 	}
-	// The connections open to the database stay within its cap, across the
-	// pools of its DSNs: one is opened only after another pool's idle one
-	// made room, and one is kept after its read only within the cap (read).
-	var pool *pgxpool.Pool
-	cfg.BeforeConnect = func(ctx context.Context, _ *pgx.ConnConfig) error {
-		group.makeRoom(ctx, pool)
-		return nil
-	}
-	pool, err = pgxpool.NewWithConfig(context.WithoutCancel(ctx), cfg)
-	if err != nil {
-		return nil, err
-	}
-	group.mu.Lock()
-	group.pools = append(group.pools, pool)
-	group.mu.Unlock()
-	db := &sharedDB{key: k, pool: pool, db: group, refs: 1, recent: map[string]recentRead{}}
+	db := &sharedDB{key: k, cfg: cfg, db: group, refs: 1, recent: map[string]recentRead{}}
 	o.dbs[k] = db
 	return db, nil
 }
 
-// release drops one reference to db, closing its pool after the last.
+// release drops one reference to db; after the last, its idle connections close.
 func (o *FlowObserver) release(db *sharedDB) {
 	o.mu.Lock()
 	db.refs--
 	last := db.refs == 0
 	if last {
 		delete(o.dbs, db.key)
-		g := db.db
-		g.mu.Lock()
-		g.pools = slices.DeleteFunc(g.pools, func(p *pgxpool.Pool) bool { return p == db.pool })
-		g.mu.Unlock()
 	}
 	o.mu.Unlock()
 	if last {
-		db.pool.Close()
+		db.db.closeIdle(db.key, time.Time{})
+	}
+}
+
+// conn returns an idle connection of key's DSN, or opens one, first closing
+// another DSN's idle connection when the database has cap open. The caller
+// holds a turn.
+func (d *database) conn(ctx context.Context, key string, cfg *pgx.ConnConfig) (*pgx.Conn, error) {
+	d.mu.Lock()
+	if l := d.idle[key]; len(l) > 0 {
+		c := l[len(l)-1].conn
+		d.idle[key] = l[:len(l)-1]
+		d.mu.Unlock()
+		return c, nil
+	}
+	var victim *pgx.Conn
+	if d.open >= d.cap {
+		for k, l := range d.idle {
+			if len(l) > 0 {
+				victim = l[0].conn
+				d.idle[k] = l[1:]
+				break
+			}
+		}
+	}
+	if victim == nil && d.open >= d.cap {
+		d.mu.Unlock()
+		return nil, fmt.Errorf("%d backlog connections open and none idle", d.open) // cannot happen while reads take turns
+	}
+	if victim == nil {
+		d.open++ // counted before it is opened: the cap holds while it connects
+	}
+	d.mu.Unlock()
+	if victim != nil {
+		closeAndWait(victim) // its place passes to the new one
+	}
+	c, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		d.mu.Lock()
+		d.open--
+		d.mu.Unlock()
+		return nil, err
+	}
+	return c, nil
+}
+
+// put keeps c for key's next read, or closes it when it is broken.
+func (d *database) put(key string, c *pgx.Conn) {
+	if c.IsClosed() || c.PgConn().IsBusy() || c.PgConn().TxStatus() != 'I' {
+		closeAndWait(c)
+		d.mu.Lock()
+		d.open--
+		d.mu.Unlock()
+		return
+	}
+	d.mu.Lock()
+	d.idle[key] = append(d.idle[key], idleConn{conn: c, since: time.Now()})
+	d.mu.Unlock()
+}
+
+// closeIdle closes key's idle connections idle since before (all with a zero before).
+func (d *database) closeIdle(key string, before time.Time) {
+	d.mu.Lock()
+	var doomed []*pgx.Conn
+	keep := d.idle[key][:0]
+	for _, ic := range d.idle[key] {
+		if before.IsZero() || ic.since.Before(before) {
+			doomed = append(doomed, ic.conn)
+		} else {
+			keep = append(keep, ic)
+		}
+	}
+	d.idle[key] = keep
+	if len(keep) == 0 {
+		delete(d.idle, key)
+	}
+	d.open -= len(doomed)
+	d.mu.Unlock()
+	for _, c := range doomed {
+		closeAndWait(c)
+	}
+}
+
+// closeIdleConns closes the connections idle longer than connIdleTime.
+func (o *FlowObserver) closeIdleConns() {
+	o.mu.Lock()
+	dbs := make([]*database, 0, len(o.databases))
+	for _, d := range o.databases {
+		dbs = append(dbs, d)
+	}
+	o.mu.Unlock()
+	for _, d := range dbs {
+		d.mu.Lock()
+		keys := make([]string, 0, len(d.idle))
+		for k := range d.idle {
+			keys = append(keys, k)
+		}
+		d.mu.Unlock()
+		for _, k := range keys {
+			d.closeIdle(k, time.Now().Add(-connIdleTime))
+		}
 	}
 }
 
 // read answers q on db: a reading of the same question taken within fresh
 // is shared, so is one in flight, and at most the database's cap of reads
-// run at once (waiting for a turn counts in the read's deadline).
+// run at once.
 func (o *FlowObserver) read(ctx context.Context, db *sharedDB, q backlogQuery, bound int64, fresh time.Duration) (backlogSample, error) {
 	rk := db.key + "|" + q.key(bound)
 	o.mu.Lock()
@@ -199,19 +239,12 @@ func (o *FlowObserver) read(ctx context.Context, db *sharedDB, q backlogQuery, b
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), backlogQueryTimeout+time.Second)
 		defer cancel()
 		o.queries.Add(1)
-		conn, err := db.pool.Acquire(rctx)
+		conn, err := db.db.conn(rctx, db.key, db.cfg)
 		if err != nil {
 			return backlogSample{}, fmt.Errorf("read the backlog of %s: %w", q.table, err)
 		}
 		s, err := observeBacklog(rctx, conn, q, bound)
-		if db.db.open() > db.db.cap {
-			// Closed before this read's turn passes on: released, the
-			// pool would close it only in the background, after the next
-			// read may have connected.
-			_ = conn.Conn().Close(rctx)
-			time.Sleep(sessionExit)
-		}
-		conn.Release()
+		db.db.put(db.key, conn)
 		if err != nil {
 			return s, err
 		}
@@ -226,4 +259,22 @@ func (o *FlowObserver) read(ctx context.Context, db *sharedDB, q backlogQuery, b
 		return s, nil
 	})
 	return v.(backlogSample), err
+}
+
+// closeAndWait ends c's session and returns once the server has ended it:
+// PostgreSQL closes the socket only after the session has left
+// pg_stat_activity, while a plain close returns at once.
+func closeAndWait(c *pgx.Conn) {
+	hc, err := c.PgConn().Hijack()
+	if err != nil {
+		_ = c.Close(context.Background())
+		return
+	}
+	nc := hc.Conn
+	defer nc.Close()
+	_ = nc.SetDeadline(time.Now().Add(time.Second))
+	if _, err := nc.Write([]byte{'X', 0, 0, 0, 4}); err != nil { // Terminate
+		return
+	}
+	_, _ = io.Copy(io.Discard, nc) // until the server closes it
 }
