@@ -104,6 +104,12 @@ type scenario struct {
 	// pgRestartAt, when not zero, is when PostgreSQL stops and starts
 	// again (the scenario then runs on a server of its own).
 	pgRestartAt time.Duration
+	// killAt, when not zero, is when the relay dies as by SIGKILL: its
+	// sessions end at once (its transaction with them, its locks freed)
+	// and another relay takes its place.
+	killAt time.Duration
+	// deleteOnPublish: published rows are deleted (--on-publish delete).
+	deleteOnPublish bool
 }
 
 func (s scenario) String() string {
@@ -118,8 +124,11 @@ func (s scenario) String() string {
 	if s.pgRestartAt > 0 {
 		fs = append(fs, fmt.Sprintf("%s@%s", pgRestart, s.pgRestartAt))
 	}
-	return fmt.Sprintf("seed=%d ordering=%s deadLetter=%t inFlight=%d batch=%d rows=%d faults=[%s]",
-		s.seed, s.ordering, s.deadLetter, s.inFlight, s.batchSize, n, strings.Join(fs, " "))
+	if s.killAt > 0 {
+		fs = append(fs, fmt.Sprintf("%s@%s", relayKill, s.killAt))
+	}
+	return fmt.Sprintf("seed=%d ordering=%s deadLetter=%t inFlight=%d batch=%d deleteOnPublish=%t rows=%d faults=[%s]",
+		s.seed, s.ordering, s.deadLetter, s.inFlight, s.batchSize, s.deleteOnPublish, n, strings.Join(fs, " "))
 }
 
 // faultKinds are the faults a scenario draws from.
@@ -188,8 +197,19 @@ func drawScenario(seed uint64) scenario {
 	if pg.IntN(3) == 0 {
 		s.pgRestartAt = time.Duration(500+pg.IntN(4000)) * time.Millisecond
 	}
+	more := rand.New(rand.NewPCG(seed, 0x6b696c6c64656c)) // later draws, a stream of their own too
+	if more.IntN(3) == 0 {
+		s.killAt = time.Duration(500+more.IntN(4000)) * time.Millisecond
+	}
+	s.deleteOnPublish = more.IntN(4) == 0
 	return s
 }
+
+// stallReasons are the reasons /readyz and outbox_relay_stalled name.
+var stallReasons = []string{relay.StallBatchFailing, relay.StallNoProgress, relay.StallRowsWaiting, relay.StallModeConflict, relay.StallLoopWedged}
+
+// relayKill is the fault of a relay dying as by SIGKILL (scenario.killAt).
+const relayKill = "relay_kill"
 
 // pgRestart is the fault of a PostgreSQL stop and start (scenario.pgRestartAt).
 const pgRestart = "pg_restart"
@@ -241,6 +261,9 @@ func runChaos(t *testing.T) {
 		if sc.pgRestartAt > 0 {
 			faults[pgRestart]++
 		}
+		if sc.killAt > 0 {
+			faults[relayKill]++
+		}
 		for k, n := range res.kinds {
 			held[k] += n
 		}
@@ -257,9 +280,9 @@ func runChaos(t *testing.T) {
 		fmt.Fprintf(&b, "# Chaos run\n\nWritten by `make chaos` (the fault suite, `relay/faults_test.go`, on random seeds) on %s, for %s.\n\n",
 			time.Now().UTC().Format("2006-01-02 15:04 UTC"), *chaosDuration)
 		fmt.Fprintf(&b, "%d scenarios, %d with a violated invariant.\n\n", ran, failed)
-		b.WriteString("Invariants checked after every scenario: nothing lost; nothing on the dead-letter topic that the broker did not refuse alone; per-key order on each topic in partition-key mode (first deliveries); duplicates within one batch per fault; every healthy row published within 60 s of the faults' end; `/healthz` never failing; every row held for itself recorded in the held table with its reason, and no row that went out still recorded there; `/readyz` passing once the faults end.\n\n")
+		b.WriteString("Invariants checked after every scenario: nothing lost; nothing on the dead-letter topic that the broker did not refuse alone; per-key order on each topic in partition-key mode (first deliveries); duplicates within one batch per fault; every healthy row published within 60 s of the faults' end; `/healthz` never failing; every row held for itself recorded in the held table with its reason, and no row that went out still recorded there; `/readyz` naming a stall reason or an unreachable dependency whenever it fails, and passing, with every stall gauge at 0, once the faults end.\n\n")
 		b.WriteString("Faults injected:\n\n| fault | times |\n| --- | --- |\n")
-		for _, k := range append(slices.Clone(faultKinds), pgRestart) {
+		for _, k := range append(slices.Clone(faultKinds), pgRestart, relayKill) {
 			fmt.Fprintf(&b, "| %s | %d |\n", k, faults[k])
 		}
 		b.WriteString("\nRows by kind:\n\n| kind | rows |\n| --- | --- |\n")
@@ -368,6 +391,9 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 	if sc.deadLetter {
 		cfg.DeadLetterTopic = "dead-letters"
 	}
+	if sc.deleteOnPublish {
+		cfg.OnPublish = relay.OnPublishDelete
+	}
 	if testing.Verbose() {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})).With("seed", sc.seed)
 	}
@@ -419,7 +445,7 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 	t.Cleanup(func() { _ = current.Load().Close() })
 
 	// /healthz must never fail: sample it all along.
-	var liveErr atomic.Pointer[string]
+	var liveErr, unnamedStall atomic.Pointer[string]
 	stopProbe := make(chan struct{})
 	probeDone := make(chan struct{})
 	go func() {
@@ -433,6 +459,12 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 			if err := current.Load().R.Live(); err != nil {
 				msg := err.Error()
 				liveErr.CompareAndSwap(nil, &msg)
+			}
+			if err := current.Load().R.Ready(); err != nil && !slices.ContainsFunc(stallReasons, func(r string) bool {
+				return strings.Contains(err.Error(), "("+r+")")
+			}) && err.Error() != "database: unreachable" && err.Error() != "kafka: unreachable" {
+				msg := err.Error()
+				unnamedStall.CompareAndSwap(nil, &msg)
 			}
 		}
 	}()
@@ -456,6 +488,12 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 			require.NoError(t, server.Start())
 		}})
 		faultEnd = max(faultEnd, sc.pgRestartAt+3*time.Second)
+	}
+	if sc.killAt > 0 {
+		events = append(events, event{sc.killAt, func() {
+			injectFault(t, c, pool, fault{kind: "pg_terminate"}, &current, start)
+			injectFault(t, c, pool, fault{kind: "relay_restart"}, &current, start)
+		}})
 	}
 	for _, f := range sc.faults {
 		f := f
@@ -525,13 +563,18 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 	var unpublished []string
 	for {
 		unpublished = unpublished[:0]
+		// Out: every inserted row but those still unpublished (a deleted
+		// row went out too, with --on-publish delete).
+		rs, err := pool.Query(ctx, `SELECT event_id::text FROM outbox WHERE published_at IS NULL`)
+		require.NoError(t, err)
+		waiting, err := pgx.CollectRows(rs, pgx.RowTo[string])
+		require.NoError(t, err)
 		got := map[string]bool{}
-		rs, err := pool.Query(ctx, `SELECT event_id::text FROM outbox WHERE published_at IS NOT NULL`)
-		require.NoError(t, err)
-		ids, err := pgx.CollectRows(rs, pgx.RowTo[string])
-		require.NoError(t, err)
-		for _, id := range ids {
-			got[id] = true
+		for _, r := range rows {
+			got[r.eventID] = true
+		}
+		for _, id := range waiting {
+			delete(got, id)
 		}
 		for id := range expectPublished {
 			if !got[id] {
@@ -556,6 +599,9 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 	<-probeDone
 	if msg := liveErr.Load(); msg != nil {
 		res.violations = append(res.violations, "/healthz failed: "+*msg)
+	}
+	if msg := unnamedStall.Load(); msg != nil {
+		res.violations = append(res.violations, "/readyz failed without naming a stall reason or a dependency: "+*msg)
 	}
 
 	// What reached each topic.
@@ -624,6 +670,17 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 	x := current.Load()
 	if !eventually(15*time.Second, func() bool { return x.R.Ready() == nil }) {
 		res.violations = append(res.violations, fmt.Sprintf("/readyz still fails after the faults ended: %v", x.R.Ready()))
+	}
+	// ... and the stall gauge says so too, for every reason.
+	if !eventually(15*time.Second, func() bool {
+		for _, r := range stallReasons {
+			if v, _, err := outboxtest.ReadMetric(x.Reg, "outbox_relay_stalled", "reason", r); err != nil || v != 0 {
+				return false
+			}
+		}
+		return true
+	}) {
+		res.violations = append(res.violations, "outbox_relay_stalled still names a stall after the faults ended")
 	}
 	res.rows = len(rows)
 	t.Logf("%d rows, %d produce requests, %d duplicates", len(rows), produceRequests.Load(), res.duplicates)
