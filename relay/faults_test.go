@@ -110,6 +110,10 @@ type scenario struct {
 	killAt time.Duration
 	// deleteOnPublish: published rows are deleted (--on-publish delete).
 	deleteOnPublish bool
+	// retention: published rows are pruned (--keep-published-for, its
+	// minimum), among them rows published long before the scenario, which
+	// the relay prunes while it claims and the faults happen.
+	retention bool
 }
 
 func (s scenario) String() string {
@@ -127,8 +131,8 @@ func (s scenario) String() string {
 	if s.killAt > 0 {
 		fs = append(fs, fmt.Sprintf("%s@%s", relayKill, s.killAt))
 	}
-	return fmt.Sprintf("seed=%d ordering=%s deadLetter=%t inFlight=%d batch=%d deleteOnPublish=%t rows=%d faults=[%s]",
-		s.seed, s.ordering, s.deadLetter, s.inFlight, s.batchSize, s.deleteOnPublish, n, strings.Join(fs, " "))
+	return fmt.Sprintf("seed=%d ordering=%s deadLetter=%t inFlight=%d batch=%d deleteOnPublish=%t retention=%t rows=%d faults=[%s]",
+		s.seed, s.ordering, s.deadLetter, s.inFlight, s.batchSize, s.deleteOnPublish, s.retention, n, strings.Join(fs, " "))
 }
 
 // faultKinds are the faults a scenario draws from.
@@ -202,8 +206,12 @@ func drawScenario(seed uint64) scenario {
 		s.killAt = time.Duration(500+more.IntN(4000)) * time.Millisecond
 	}
 	s.deleteOnPublish = more.IntN(4) == 0
+	s.retention = more.IntN(3) == 0 && !s.deleteOnPublish
 	return s
 }
+
+// historyRows are the rows a retention scenario finds published long ago.
+const historyRows = 300
 
 // stallReasons are the reasons /readyz and outbox_relay_stalled name.
 var stallReasons = []string{relay.StallBatchFailing, relay.StallNoProgress, relay.StallRowsWaiting, relay.StallModeConflict, relay.StallLoopWedged}
@@ -280,7 +288,7 @@ func runChaos(t *testing.T) {
 		fmt.Fprintf(&b, "# Chaos run\n\nWritten by `make chaos` (the fault suite, `relay/faults_test.go`, on random seeds) on %s, for %s.\n\n",
 			time.Now().UTC().Format("2006-01-02 15:04 UTC"), *chaosDuration)
 		fmt.Fprintf(&b, "%d scenarios, %d with a violated invariant.\n\n", ran, failed)
-		b.WriteString("Invariants checked after every scenario: nothing lost; nothing on the dead-letter topic that the broker did not refuse alone; per-key order on each topic in partition-key mode (first deliveries); duplicates within one batch per fault; every healthy row published within 60 s of the faults' end; `/healthz` never failing; every row held for itself recorded in the held table with its reason, and no row that went out still recorded there; `/readyz` naming a stall reason or an unreachable dependency whenever it fails, and passing, with every stall gauge at 0, once the faults end.\n\n")
+		b.WriteString("Invariants checked after every scenario: nothing lost; nothing on the dead-letter topic that the broker did not refuse alone; per-key order on each topic in partition-key mode (first deliveries); duplicates within one batch per fault; every healthy row published within 60 s of the faults' end; `/healthz` never failing; every row held for itself recorded in the held table with its reason, and no row that went out still recorded there; with retention, every row published long ago pruned; `/readyz` naming a stall reason or an unreachable dependency whenever it fails, and passing, with every stall gauge at 0, once the faults end.\n\n")
 		b.WriteString("Faults injected:\n\n| fault | times |\n| --- | --- |\n")
 		for _, k := range append(slices.Clone(faultKinds), pgRestart, relayKill) {
 			fmt.Fprintf(&b, "| %s | %d |\n", k, faults[k])
@@ -393,6 +401,13 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 	}
 	if sc.deleteOnPublish {
 		cfg.OnPublish = relay.OnPublishDelete
+	}
+	if sc.retention {
+		cfg.KeepPublishedFor = time.Minute
+		_, err := pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at, published_at)
+			SELECT gen_random_uuid(), 'History', 'h' || i, 'A1', '{}', 'h' || i, now() - interval '1 hour', now() - interval '2 minutes'
+			FROM generate_series(1, $1) i`, historyRows)
+		require.NoError(t, err)
 	}
 	if testing.Verbose() {
 		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})).With("seed", sc.seed)
@@ -670,6 +685,14 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 	x := current.Load()
 	if !eventually(15*time.Second, func() bool { return x.R.Ready() == nil }) {
 		res.violations = append(res.violations, fmt.Sprintf("/readyz still fails after the faults ended: %v", x.R.Ready()))
+	}
+	// Retention pruned what was published long ago (and, by the checks
+	// above, nothing that was not published).
+	if sc.retention && !eventually(30*time.Second, func() bool {
+		var n int
+		return pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE aggregate_type = 'History'`).Scan(&n) == nil && n == 0
+	}) {
+		res.violations = append(res.violations, "rows published long ago were not pruned")
 	}
 	// ... and the stall gauge says so too, for every reason.
 	if !eventually(15*time.Second, func() bool {
