@@ -53,11 +53,10 @@ func TestHeldRowsAreRecordedSurviveRestartsAndRedrive(t *testing.T) {
 	x = run(t, cfg, nil)
 	f.Insert(5, 5, "E")
 	f.WaitDrained(1, 30*time.Second)
-	time.Sleep(6 * time.Second) // a stats round and more
-	held, err := relay.ListHeld(ctx, f.Pool, table, relay.HeldFilter{Reasons: []string{relay.HeldTooLarge}}, 10)
-	require.NoError(t, err)
-	require.Len(t, held, 1)
-	require.Equal(t, 1, held[0].Attempts, "not tried again before retry_at")
+	require.Never(t, func() bool { // over a stats round and more
+		held, err := relay.ListHeld(ctx, f.Pool, table, relay.HeldFilter{Reasons: []string{relay.HeldTooLarge}}, 10)
+		return err != nil || len(held) != 1 || held[0].Attempts != 1
+	}, 6*time.Second, 100*time.Millisecond, "held once, not tried again before retry_at")
 	require.Equal(t, 1.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTooLarge))
 
 	// Filters select by id, reason or type; nothing matches another type.
@@ -121,9 +120,10 @@ func TestRedriveReleasesAHeldLaneInOrder(t *testing.T) {
 	f.WaitDrained(6, 30*time.Second)
 	x.Stop(t)
 	run(t, cfg, nil) // a restart does not let the lane flow past its held row
-	time.Sleep(3 * time.Second)
+	require.Never(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NOT NULL AND partition_key = 'k'`) > 0
+	}, 3*time.Second, 50*time.Millisecond, "the key's rows wait behind its held row")
 	require.Equal(t, 6, f.Unpublished())
-	require.Zero(t, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NOT NULL AND partition_key = 'k'`))
 
 	f.Exec(`UPDATE outbox SET payload = '{"small":true}' WHERE id = 1`)
 	n, err := relay.Redrive(ctx, f.Pool, outbox.Table{Name: "outbox"}, relay.HeldFilter{Reasons: []string{relay.HeldTooLarge}})
