@@ -32,7 +32,7 @@ CHART := charts/outbox-operator
 IMG ?= ghcr.io/outbox-relay/outbox-operator:v0.1.0
 DIST ?= $(CURDIR)/dist
 
-# What tests and tools find the dependencies through (internal/testenv).
+# What tests and tools find the dependencies through (test/testenv).
 export KUBEBUILDER_ASSETS := $(KUBE_ASSETS)
 export OUTBOX_NODE_ASSETS := $(NODE_ASSETS)
 export OUTBOX_KAFKA_LIBS := $(KAFKA_LIBS)
@@ -129,7 +129,7 @@ BENCH_QUICK_FLAGS ?=
 
 .PHONY: bench
 bench: deps-postgres deps-kafka deps-kube deps-node ## Measure ceiling, drain, the naive claim shape, scaling, latency, retention, headers and tracing, a long-lived table, the backlog read, footprint and autoscaling (~25 min); writes docs/benchmarks.md and bench/results.json.
-	go run ./cmd/outbox-bench $(BENCH_FLAGS)
+	go run ./test/bench $(BENCH_FLAGS)
 
 .PHONY: chaos
 CHAOS_DURATION ?= 10m
@@ -138,15 +138,15 @@ chaos: deps-postgres deps-kafka ## Run random fault scenarios for CHAOS_DURATION
 
 .PHONY: bench-quick
 bench-quick: deps-postgres deps-kafka ## A ~3-minute subset of `make bench` (writes bench/quick.md and bench/quick-results.json).
-	go run ./cmd/outbox-bench -quick $(BENCH_QUICK_FLAGS)
+	go run ./test/bench -quick $(BENCH_QUICK_FLAGS)
 
 .PHONY: bench-fleet
 bench-fleet: deps-postgres deps-kube ## The operator with 1,000 OutboxRelays in 50 namespaces on one real database: time to Ready, RSS, CPU, connections, API and Secret requests (writes bench/fleet.md and bench/fleet-results.json).
-	go run ./cmd/outbox-bench -scenarios footprint -out-md bench/fleet.md -out-json bench/fleet-results.json $(BENCH_FLAGS)
+	go run ./test/bench -scenarios footprint -out-md bench/fleet.md -out-json bench/fleet-results.json $(BENCH_FLAGS)
 
 .PHONY: bench-relay
 bench-relay: deps-postgres deps-kafka ## The relay alone: ceiling, drain at batch 50 and 500, the naive claim shape (writes bench/relay.md and bench/relay-results.json).
-	go run ./cmd/outbox-bench -scenarios ceiling,drain,seeds -orderings none -out-md bench/relay.md -out-json bench/relay-results.json $(BENCH_FLAGS)
+	go run ./test/bench -scenarios ceiling,drain,seeds -orderings none -out-md bench/relay.md -out-json bench/relay-results.json $(BENCH_FLAGS)
 
 ##@ Dependencies
 

@@ -19,7 +19,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
-	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
 // argoHealth runs config/argocd/health.lua over an OutboxRelay as Argo CD

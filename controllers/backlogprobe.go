@@ -15,7 +15,7 @@ const DefaultBacklogInterval = defaultBacklogInterval
 
 // BacklogProbe reads an outbox table's backlog exactly as an OutboxRelay's
 // observer does — its session settings, its statement, its bound — so that
-// what one read costs the database can be measured (cmd/outbox-bench).
+// what one read costs the database can be measured (test/bench).
 type BacklogProbe struct {
 	pool  *pgxpool.Pool
 	table outbox.Table

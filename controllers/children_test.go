@@ -13,7 +13,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
-	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 func unitRelay() *outboxv1alpha1.OutboxRelay {

@@ -11,7 +11,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
-	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 // Secret values the round-trip tests give the relay pods.

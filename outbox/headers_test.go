@@ -10,8 +10,8 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
-	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
 	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/test/outboxtest"
 )
 
 func store(t *testing.T, f *outboxtest.Fixture, ctx context.Context, e outbox.Entry) error {

@@ -11,8 +11,8 @@ import (
 	"github.com/segmentio/kafka-go/sasl"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 // Ordering says what order the relay promises per partition key.
@@ -55,7 +55,7 @@ type Compression = relayconfig.Compression
 
 // Config configures a Relay. Zero fields take the defaults documented on
 // them; New validates the result and names every bad field and value. The
-// defaults and ranges are the relay command's (internal/relayconfig).
+// defaults and ranges are the relay command's (relayconfig).
 type Config struct {
 	// DSN is the PostgreSQL connection string. Required.
 	DSN string

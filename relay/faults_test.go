@@ -25,10 +25,10 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
-	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
-	"github.com/outbox-relay/outbox-operator/internal/testenv"
 	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relay"
+	"github.com/outbox-relay/outbox-operator/test/outboxtest"
+	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
 // The fault suite: seeded random scenarios of rows and faults against the

@@ -12,8 +12,8 @@ import (
 	"sigs.k8s.io/yaml"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
-	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
-	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
+	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
 // schema is the part of an OpenAPI v3 schema the CRD's rules live in.
@@ -96,7 +96,7 @@ func defaultOf(t *testing.T, s *schema, want any) {
 
 // TestCRDMatchesRelayContract compares every rule the OutboxRelay schema
 // shares with the relay (patterns, bounds, defaults, CEL ranges) with
-// internal/relayconfig's constants. The kubebuilder markers must be
+// relayconfig's constants. The kubebuilder markers must be
 // literals, so this is what keeps them from drifting apart: a marker
 // changed without the constant (or the reverse) fails here.
 func TestCRDMatchesRelayContract(t *testing.T) {

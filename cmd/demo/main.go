@@ -1,7 +1,7 @@
 // Command demo is `make demo`: it starts the whole system on this machine
 // (PostgreSQL, Kafka, and a real one-node Kubernetes cluster with the
 // operator installed from config/default and running from the locally built
-// image, see internal/localcluster), applies config/samples, runs the
+// image, see test/localcluster), applies config/samples, runs the
 // example order service at a steady rate, and shows live what the relay
 // does. Ctrl-C stops everything and undoes what the node changed.
 //
@@ -21,7 +21,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/outbox-relay/outbox-operator/internal/localcluster"
+	"github.com/outbox-relay/outbox-operator/test/localcluster"
 )
 
 func main() {

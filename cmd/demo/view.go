@@ -11,7 +11,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
-	"github.com/outbox-relay/outbox-operator/internal/localcluster"
+	"github.com/outbox-relay/outbox-operator/test/localcluster"
 )
 
 // snapshot is what one frame shows.

@@ -20,7 +20,7 @@ import (
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 	"github.com/outbox-relay/outbox-operator/controllers"
-	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
 func TestMain(m *testing.M) { os.Exit(testenv.Run(m, testenv.NeedKube)) }

@@ -13,8 +13,8 @@ import (
 	"github.com/segmentio/kafka-go/sasl/scram"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
-	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 	"github.com/outbox-relay/outbox-operator/relay"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 // options is the parsed command line.

@@ -21,7 +21,7 @@ import (
 	"runtime/debug"
 	"syscall"
 
-	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 // softMemoryLimit is the Go heap's soft limit when GOMEMLIMIT does not set

@@ -12,8 +12,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
-	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/test/outboxtest"
+	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
 // The binary exports spans over OTLP/HTTP when the OTEL_* environment asks

@@ -5,8 +5,8 @@ import (
 	"fmt"
 	"io"
 
-	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 // runSchema prints the outbox DDL for a table: a plain one, or with

@@ -1,5 +1,5 @@
 // Package e2e runs the whole system on this machine, as `make demo` does
-// (internal/localcluster: PostgreSQL, Kafka, and a real one-node cluster:
+// (test/localcluster: PostgreSQL, Kafka, and a real one-node cluster:
 // kube-apiserver + etcd, kube-controller-manager, kube-scheduler,
 // kube-proxy, the kubelet and containerd, with the operator installed from
 // config/default and running from the locally built image), and goes
@@ -32,8 +32,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
-	"github.com/outbox-relay/outbox-operator/internal/localcluster"
 	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/test/localcluster"
 )
 
 const (

@@ -21,8 +21,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
-	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
+	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
 // Build builds main packages (such as "./cmd/relay") into dir as `make build`

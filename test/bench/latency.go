@@ -14,11 +14,11 @@ import (
 	"github.com/google/uuid"
 	"github.com/segmentio/kafka-go"
 
-	"github.com/outbox-relay/outbox-operator/internal/devproc"
-	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
-	"github.com/outbox-relay/outbox-operator/internal/testenv"
 	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relay"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
+	"github.com/outbox-relay/outbox-operator/test/devproc"
+	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
 // runLatency measures the steady state (and the relay's footprint in it):

@@ -7,7 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
 // TestUserBinariesLeaveDevToolingOut guards the line between the binaries
@@ -16,7 +16,7 @@ import (
 // stack, which start databases, brokers and API servers.
 func TestUserBinariesLeaveDevToolingOut(t *testing.T) {
 	t.Parallel()
-	devOnly := []string{"internal/testenv", "internal/outboxtest", "internal/devproc", "internal/localcluster"}
+	devOnly := []string{"test/testenv", "test/outboxtest", "test/devproc", "test/localcluster"}
 	for _, bin := range []string{"./cmd/manager", "./cmd/relay"} {
 		cmd := exec.Command("go", "list", "-deps", bin)
 		cmd.Dir = testenv.RepoRoot()

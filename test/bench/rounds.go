@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"slices"
 
-	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 // benchCase is one measured configuration of a throughput scenario.

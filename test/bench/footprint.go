@@ -26,10 +26,10 @@ import (
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 	"github.com/outbox-relay/outbox-operator/controllers"
-	"github.com/outbox-relay/outbox-operator/internal/devproc"
-	"github.com/outbox-relay/outbox-operator/internal/localcluster"
-	"github.com/outbox-relay/outbox-operator/internal/testenv"
 	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/test/devproc"
+	"github.com/outbox-relay/outbox-operator/test/localcluster"
+	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
 // runFootprint measures what a fleet of OutboxRelays costs: o.relays

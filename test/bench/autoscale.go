@@ -17,10 +17,10 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
-	"github.com/outbox-relay/outbox-operator/internal/localcluster"
-	"github.com/outbox-relay/outbox-operator/internal/outboxtest"
-	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
 	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
+	"github.com/outbox-relay/outbox-operator/test/localcluster"
+	"github.com/outbox-relay/outbox-operator/test/outboxtest"
 )
 
 // runAutoscale drains a burst of o.burstRows rows with the operator running

@@ -19,8 +19,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
-	"github.com/outbox-relay/outbox-operator/internal/devproc"
-	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/test/devproc"
+	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
 // node is a real Kubernetes node and the control-plane processes beside the

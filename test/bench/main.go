@@ -29,7 +29,7 @@ import (
 	"unicode"
 
 	"github.com/outbox-relay/outbox-operator/controllers"
-	"github.com/outbox-relay/outbox-operator/internal/testenv"
+	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
 // options is the parsed command line.

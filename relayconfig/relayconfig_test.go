@@ -12,7 +12,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/outbox-relay/outbox-operator/internal/relayconfig"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 func env(m map[string]string) func(string) (string, bool) {
@@ -131,7 +131,7 @@ func TestFormatAndCompressionValues(t *testing.T) {
 // docs/relay.md's flag table lists every flag, with the defaults the relay has.
 func TestDocsFlagTableMatches(t *testing.T) {
 	t.Parallel()
-	doc, err := os.ReadFile("../../docs/relay.md")
+	doc, err := os.ReadFile("../docs/relay.md")
 	require.NoError(t, err)
 	var usage bytes.Buffer
 	_, err = relayconfig.Parse([]string{"-h"}, env(nil), &usage)
@@ -180,7 +180,7 @@ func TestParseSchema(t *testing.T) {
 // docs/relay.md describes every flag of `relay schema`.
 func TestDocsDescribeSchemaFlags(t *testing.T) {
 	t.Parallel()
-	doc, err := os.ReadFile("../../docs/relay.md")
+	doc, err := os.ReadFile("../docs/relay.md")
 	require.NoError(t, err)
 	var usage bytes.Buffer
 	_, err = relayconfig.ParseSchema([]string{"-h"}, &usage)
