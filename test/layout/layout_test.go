@@ -5,7 +5,10 @@
 package layout
 
 import (
+	"fmt"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -34,4 +37,34 @@ func TestProductImportsNoTooling(t *testing.T) {
 			require.False(t, strings.HasPrefix(d, root), "a shipped package depends on %s, which is development tooling", d)
 		}
 	}
+}
+
+// graphBegin and graphEnd fence the package graph in docs/architecture.md.
+const (
+	graphBegin = "<!-- package graph: go list; test/layout keeps it true -->"
+	graphEnd   = "<!-- end of package graph -->"
+)
+
+// docs/architecture.md draws the imports among the shipped packages; the
+// drawing is what `go list` says, or this test fails and prints the true one.
+func TestArchitectureGraphIsTrue(t *testing.T) {
+	cmd := exec.Command("go", append([]string{"list", "-f", "{{.ImportPath}}{{range .Imports}} {{.}}{{end}}"}, product...)...)
+	cmd.Dir = testenv.RepoRoot()
+	out, err := cmd.Output()
+	require.NoError(t, err)
+	var b strings.Builder
+	b.WriteString(graphBegin + "\n```mermaid\nflowchart LR\n")
+	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		f := strings.Fields(line)
+		from := strings.TrimPrefix(f[0], module+"/")
+		for _, imp := range f[1:] {
+			if to, ok := strings.CutPrefix(imp, module+"/"); ok {
+				fmt.Fprintf(&b, "  %s --> %s\n", strings.ReplaceAll(from, "/", "_")+`["`+from+`"]`, strings.ReplaceAll(to, "/", "_")+`["`+to+`"]`)
+			}
+		}
+	}
+	b.WriteString("```\n" + graphEnd)
+	doc, err := os.ReadFile(filepath.Join(testenv.RepoRoot(), "docs", "architecture.md"))
+	require.NoError(t, err)
+	require.Contains(t, string(doc), b.String(), "docs/architecture.md's package graph differs from the code; the true one:\n%s", b.String())
 }
