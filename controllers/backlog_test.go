@@ -221,3 +221,26 @@ func TestBacklogCountsHeldRowsApart(t *testing.T) {
 	require.False(t, s.heldTable)
 	require.Equal(t, int64(5), backlogStatus(relay, &s).Pending, "without the held table the relays' holds are not known")
 }
+
+// The backlog statement, with and without the held table, prepares against
+// the shipped DDL, plain and partitioned.
+func TestBacklogStatementPreparesOnTheShippedDDL(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	table := outbox.Table{Schema: "app", Name: "outbox"}
+	for name, ddl := range map[string]string{
+		"plain":       outbox.SchemaDDL(table),
+		"partitioned": outbox.PartitionedSchemaDDL(table, outbox.PartitionDay, 1),
+	} {
+		_, db := outboxDB(t)
+		_, err := db.Exec(ctx, ddl)
+		require.NoError(t, err, name)
+		for i, withHeld := range []bool{false, true} {
+			conn, err := db.Acquire(ctx)
+			require.NoError(t, err)
+			_, err = conn.Conn().Prepare(ctx, fmt.Sprintf("backlog%d", i), BacklogSQL(table, withHeld))
+			conn.Release()
+			require.NoError(t, err, "%s table, held table %v", name, withHeld)
+		}
+	}
+}
