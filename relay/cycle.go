@@ -48,7 +48,8 @@ func (r *Relay) Run(ctx context.Context) error {
 	defer func() { <-statsDone }()
 	if r.cfg.KeepPublishedFor > 0 {
 		pruneDone := make(chan struct{})
-		go func() { defer close(pruneDone); r.pruneLoop(ctx) }()
+		pr := r.newPruner()
+		go func() { defer close(pruneDone); pr.loop(ctx) }()
 		defer func() { <-pruneDone }()
 	}
 	if r.cfg.Notify {

@@ -50,7 +50,7 @@ var boundRE = regexp.MustCompile(`^FOR VALUES FROM \((MINVALUE|'[^']*')\) TO \((
 // partitions lists the table's partitions in range order, and the tables
 // the pruner detached and has not dropped (pending true, see detachedMark);
 // and the cut: ranges that ended before it are old.
-func (r *Relay) partitions(ctx context.Context, conn *pgx.Conn, parent uint32) ([]partition, time.Time, error) {
+func (pr *pruner) partitions(ctx context.Context, conn *pgx.Conn, parent uint32) ([]partition, time.Time, error) {
 	rows, err := conn.Query(ctx, `
 		SELECT c.oid::regclass::text, pg_get_expr(c.relpartbound, c.oid), c.relkind = 'r', i.inhdetachpending,
 		       `+boundsSQL("pg_get_expr(c.relpartbound, c.oid)")+`, pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT'
@@ -64,21 +64,21 @@ func (r *Relay) partitions(ctx context.Context, conn *pgx.Conn, parent uint32) (
 		  AND c.relkind = 'r' AND NOT c.relispartition`,
 		parent, detachedMark+strconv.FormatUint(uint64(parent), 10)+": ")
 	if err != nil {
-		return nil, time.Time{}, fmt.Errorf("list the partitions of %s: %w", r.table, err)
+		return nil, time.Time{}, fmt.Errorf("list the partitions of %s: %w", pr.table, err)
 	}
 	var parts []partition
 	for rows.Next() {
 		var p partition
 		if err := rows.Scan(&p.name, &p.bound, &p.leaf, &p.pending, &p.lo, &p.hi, &p.isDef); err != nil {
-			return nil, time.Time{}, fmt.Errorf("list the partitions of %s: %w", r.table, err)
+			return nil, time.Time{}, fmt.Errorf("list the partitions of %s: %w", pr.table, err)
 		}
 		parts = append(parts, p)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, time.Time{}, fmt.Errorf("list the partitions of %s: %w", r.table, err)
+		return nil, time.Time{}, fmt.Errorf("list the partitions of %s: %w", pr.table, err)
 	}
 	var cut time.Time
-	if err := conn.QueryRow(ctx, `SELECT now() - $1::float8 * interval '1 second'`, r.cfg.KeepPublishedFor.Seconds()).Scan(&cut); err != nil {
+	if err := conn.QueryRow(ctx, `SELECT now() - $1::float8 * interval '1 second'`, pr.cfg.KeepPublishedFor.Seconds()).Scan(&cut); err != nil {
 		return nil, time.Time{}, fmt.Errorf("read the time: %w", err)
 	}
 	for i := range parts {
@@ -113,18 +113,18 @@ func compareLow(a, b *time.Time) int {
 // published as usual. DETACH … CONCURRENTLY waits for the transactions
 // using the table instead of locking them out (it cannot run inside a
 // transaction block, and not beside a DEFAULT partition).
-func (r *Relay) prunePartitions(ctx context.Context, conn *pgx.Conn, parent uint32) error {
+func (pr *pruner) prunePartitions(ctx context.Context, conn *pgx.Conn, parent uint32) error {
 	if _, err := conn.Exec(ctx, `SELECT set_config('lock_timeout', $1, false)`, strconv.FormatInt(pruneLockTimeout.Milliseconds(), 10)); err != nil {
 		return fmt.Errorf("set lock_timeout on the pruning session: %w", err)
 	}
-	parts, _, err := r.partitions(ctx, conn, parent)
+	parts, _, err := pr.partitions(ctx, conn, parent)
 	if err != nil {
 		return err
 	}
 	if slices.ContainsFunc(parts, func(p partition) bool { return p.isDef }) {
-		if !r.warnedDefault {
-			r.warnedDefault = true
-			r.log.Warn("the table has a DEFAULT partition; partitions cannot be detached concurrently beside one, so none is dropped while it exists")
+		if !pr.warnedDefault {
+			pr.warnedDefault = true
+			pr.log.Warn("the table has a DEFAULT partition; partitions cannot be detached concurrently beside one, so none is dropped while it exists")
 		}
 		return nil
 	}
@@ -147,26 +147,26 @@ func (r *Relay) prunePartitions(ctx context.Context, conn *pgx.Conn, parent uint
 			}
 		}
 		start := time.Now()
-		if err := r.detach(ctx, conn, parent, p); err != nil {
+		if err := pr.detach(ctx, conn, parent, p); err != nil {
 			errs = append(errs, err)
 			continue
 		}
-		if err := r.dropDetached(ctx, conn, p); err != nil {
+		if err := pr.dropDetached(ctx, conn, p); err != nil {
 			errs = append(errs, err)
 			continue
 		}
-		r.m.pruneDuration.Observe(time.Since(start).Seconds())
-		sleep(ctx, r.cfg.PrunePause)
+		pr.m.pruneDuration.Observe(time.Since(start).Seconds())
+		sleep(ctx, pr.cfg.PrunePause)
 	}
-	if r.shape.eventIDs && ctx.Err() == nil {
-		errs = append(errs, r.pruneEventIDs(ctx, conn, parent))
+	if pr.shape.eventIDs && ctx.Err() == nil {
+		errs = append(errs, pr.pruneEventIDs(ctx, conn, parent))
 	}
 	return errors.Join(errs...)
 }
 
 // detach takes p out of the table: marks it (detachedMark), then DETACH …
 // CONCURRENTLY, or … FINALIZE for a detach left pending.
-func (r *Relay) detach(ctx context.Context, conn *pgx.Conn, parent uint32, p partition) error {
+func (pr *pruner) detach(ctx context.Context, conn *pgx.Conn, parent uint32, p partition) error {
 	var attached bool
 	if err := conn.QueryRow(ctx, `SELECT relispartition FROM pg_class WHERE oid = $1::regclass`, p.name).Scan(&attached); err != nil {
 		return fmt.Errorf("find %s: %w", p.name, err)
@@ -182,15 +182,15 @@ func (r *Relay) detach(ctx context.Context, conn *pgx.Conn, parent uint32, p par
 	if p.pending {
 		how = "FINALIZE"
 	}
-	if _, err := conn.Exec(ctx, `ALTER TABLE `+r.table.Quoted()+` DETACH PARTITION `+p.name+` `+how); err != nil {
-		return fmt.Errorf("detach %s from %s (%s): %w", p.name, r.table, how, err)
+	if _, err := conn.Exec(ctx, `ALTER TABLE `+pr.table.Quoted()+` DETACH PARTITION `+p.name+` `+how); err != nil {
+		return fmt.Errorf("detach %s from %s (%s): %w", p.name, pr.table, how, err)
 	}
 	return nil
 }
 
 // dropDetached drops a detached partition whose rows are all published, or
 // attaches it again when it holds an unpublished row.
-func (r *Relay) dropDetached(ctx context.Context, conn *pgx.Conn, p partition) error {
+func (pr *pruner) dropDetached(ctx context.Context, conn *pgx.Conn, p partition) error {
 	tx, err := conn.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("drop %s: %w", p.name, err)
@@ -213,7 +213,7 @@ func (r *Relay) dropDetached(ctx context.Context, conn *pgx.Conn, p partition) e
 		if !boundRE.MatchString(p.bound) {
 			return fmt.Errorf("detached partition %s holds %d unpublished rows and its bound %q cannot be read back; attach it again by hand", p.name, unpublished, p.bound)
 		}
-		if _, err := tx.Exec(ctx, `ALTER TABLE `+r.table.Quoted()+` ATTACH PARTITION `+p.name+` `+p.bound); err != nil {
+		if _, err := tx.Exec(ctx, `ALTER TABLE `+pr.table.Quoted()+` ATTACH PARTITION `+p.name+` `+p.bound); err != nil {
 			return fmt.Errorf("attach %s again (it holds %d unpublished rows): %w", p.name, unpublished, err)
 		}
 		if _, err := tx.Exec(ctx, `COMMENT ON TABLE `+p.name+` IS NULL`); err != nil {
@@ -222,7 +222,7 @@ func (r *Relay) dropDetached(ctx context.Context, conn *pgx.Conn, p partition) e
 		if err := tx.Commit(ctx); err != nil {
 			return fmt.Errorf("attach %s again (it holds %d unpublished rows): %w", p.name, unpublished, err)
 		}
-		r.log.Warn("a detached partition holds unpublished rows (a writer whose transaction began inside its range committed late, or a pruner stopped between the detach and this check); attached it again",
+		pr.log.Warn("a detached partition holds unpublished rows (a writer whose transaction began inside its range committed late, or a pruner stopped between the detach and this check); attached it again",
 			"partition", p.name, "unpublished", unpublished)
 		return nil
 	}
@@ -232,9 +232,9 @@ func (r *Relay) dropDetached(ctx context.Context, conn *pgx.Conn, p partition) e
 	if err := tx.Commit(ctx); err != nil {
 		return fmt.Errorf("drop detached partition %s: %w", p.name, err)
 	}
-	r.m.pruned.Add(float64(rows))
-	r.m.prunedPartitions.Inc()
-	r.log.Info("dropped a partition whose rows were all published", "partition", p.name, "rows", rows, "range", p.bound)
+	pr.m.pruned.Add(float64(rows))
+	pr.m.prunedPartitions.Inc()
+	pr.log.Info("dropped a partition whose rows were all published", "partition", p.name, "rows", rows, "range", p.bound)
 	return nil
 }
 
@@ -243,24 +243,24 @@ func (r *Relay) dropDetached(ctx context.Context, conn *pgx.Conn, p partition) e
 // stretches that ended more than KeepPublishedFor ago. A store into such a
 // stretch fails as a whole (no partition takes the row), so every id there
 // belongs to a dropped row.
-func (r *Relay) pruneEventIDs(ctx context.Context, conn *pgx.Conn, parent uint32) error {
-	parts, cut, err := r.partitions(ctx, conn, parent)
+func (pr *pruner) pruneEventIDs(ctx context.Context, conn *pgx.Conn, parent uint32) error {
+	parts, cut, err := pr.partitions(ctx, conn, parent)
 	if err != nil {
 		return err
 	}
-	ids := r.table.EventIDsTable().Quoted()
+	ids := pr.table.EventIDsTable().Quoted()
 	for _, g := range uncovered(parts, cut) {
 		for ctx.Err() == nil {
 			tag, err := conn.Exec(ctx, `DELETE FROM `+ids+` WHERE event_id IN (
 				SELECT event_id FROM `+ids+` WHERE created_at >= COALESCE($1::timestamptz, '-infinity') AND created_at < $2 LIMIT $3)`,
-				g.lo, g.hi, r.cfg.PruneBatchSize)
+				g.lo, g.hi, pr.cfg.PruneBatchSize)
 			if err != nil {
 				return fmt.Errorf("delete the event ids of dropped partitions from %s: %w", ids, err)
 			}
-			if tag.RowsAffected() < int64(r.cfg.PruneBatchSize) {
+			if tag.RowsAffected() < int64(pr.cfg.PruneBatchSize) {
 				break
 			}
-			sleep(ctx, r.cfg.PrunePause)
+			sleep(ctx, pr.cfg.PrunePause)
 		}
 	}
 	return nil

@@ -3,9 +3,13 @@ package relay
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
 // pruneKey is the advisory-lock key (in the table's membership lock class)
@@ -16,52 +20,74 @@ const pruneKey = 3
 // the pruner rests after a pass that found nothing more to delete.
 const pruneEvery = 10 * time.Second
 
-// pruneLoop deletes published rows older than KeepPublishedFor (on a
+// pruner is the relay's maintenance, apart from its claim–publish–mark
+// loop: it deletes published rows past retention (prune.go) and, on a
+// partitioned table, drops whole published partitions (partitions.go). It
+// needs only the table, the settings, the statements, a way to connect,
+// the metrics and the log; Run starts it beside the loop.
+type pruner struct {
+	table outbox.Table
+	cfg   Config
+	sql   SQL
+	shape tableShape
+	pool  *pgxpool.Pool // whose connection settings it connects with
+	m     *metrics
+	log   *slog.Logger
+
+	warnedDefault bool // the DEFAULT partition that stops partition drops was logged
+}
+
+// newPruner is r's pruner, once Check has read the table.
+func (r *Relay) newPruner() *pruner {
+	return &pruner{table: r.table, cfg: r.cfg, sql: r.sql, shape: r.shape, pool: r.pool, m: r.m, log: r.log}
+}
+
+// loop deletes published rows older than KeepPublishedFor (on a
 // partitioned table: whole partitions, see prunePartitions). Exactly one
 // replica of a table prunes at a time (a session advisory lock on its own
 // connection), in transactions of at most PruneBatchSize rows with
 // PrunePause between them. It only deletes rows whose published_at is set
 // and skips rows another transaction holds, so it never touches an
 // unpublished row and never waits on a claim or a writer.
-func (r *Relay) pruneLoop(ctx context.Context) {
+func (pr *pruner) loop(ctx context.Context) {
 	for ctx.Err() == nil {
-		if err := r.prune(ctx); err != nil && ctx.Err() == nil {
-			r.log.Warn("pruning failed; retrying", "err", err, "in", pruneEvery)
+		if err := pr.prune(ctx); err != nil && ctx.Err() == nil {
+			pr.log.Warn("pruning failed; retrying", "err", err, "in", pruneEvery)
 		}
 		sleep(ctx, jitter(pruneEvery))
 	}
 }
 
 // prune holds the prune lock for as long as pruning keeps finding rows.
-func (r *Relay) prune(ctx context.Context) error {
-	conn, err := pgx.ConnectConfig(ctx, r.pool.Config().ConnConfig.Copy())
+func (pr *pruner) prune(ctx context.Context) error {
+	conn, err := pgx.ConnectConfig(ctx, pr.pool.Config().ConnConfig.Copy())
 	if err != nil {
 		return fmt.Errorf("connect pruning session: %w", err)
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
 	var oid uint32
-	if err := conn.QueryRow(ctx, `SELECT to_regclass($1)::oid`, r.table.Quoted()).Scan(&oid); err != nil || oid == 0 {
-		return fmt.Errorf("resolve table %s: %v", r.table, err)
+	if err := conn.QueryRow(ctx, `SELECT to_regclass($1)::oid`, pr.table.Quoted()).Scan(&oid); err != nil || oid == 0 {
+		return fmt.Errorf("resolve table %s: %v", pr.table, err)
 	}
 	var mine bool
 	if err := conn.QueryRow(ctx, `SELECT pg_try_advisory_lock($1::int4, $2::int4)`, int32(oid&0x1fffffff)<<1, pruneKey).Scan(&mine); err != nil {
-		return fmt.Errorf("take the prune lock of %s: %w", r.table, err)
+		return fmt.Errorf("take the prune lock of %s: %w", pr.table, err)
 	}
 	if !mine {
 		return nil // another replica prunes
 	}
-	if r.shape.partitioned {
-		return r.prunePartitions(ctx, conn, oid)
+	if pr.shape.partitioned {
+		return pr.prunePartitions(ctx, conn, oid)
 	}
 	var after int64
 	for ctx.Err() == nil {
 		start := time.Now()
 		var n, last int64
-		if err := conn.QueryRow(ctx, r.sql.Prune, after, r.cfg.KeepPublishedFor.Seconds(), r.cfg.PruneBatchSize).Scan(&n, &last); err != nil {
-			return fmt.Errorf("prune %s: %w", r.table, err)
+		if err := conn.QueryRow(ctx, pr.sql.Prune, after, pr.cfg.KeepPublishedFor.Seconds(), pr.cfg.PruneBatchSize).Scan(&n, &last); err != nil {
+			return fmt.Errorf("prune %s: %w", pr.table, err)
 		}
-		r.m.pruneDuration.Observe(time.Since(start).Seconds())
-		r.m.pruned.Add(float64(n))
+		pr.m.pruneDuration.Observe(time.Since(start).Seconds())
+		pr.m.pruned.Add(float64(n))
 		if n == 0 {
 			if after == 0 {
 				return nil // nothing old enough
@@ -71,7 +97,7 @@ func (r *Relay) prune(ctx context.Context) error {
 			continue
 		}
 		after = last
-		sleep(ctx, r.cfg.PrunePause)
+		sleep(ctx, pr.cfg.PrunePause)
 	}
 	return nil
 }

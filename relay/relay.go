@@ -68,9 +68,6 @@ type Relay struct {
 
 	// Owned by the stats loop.
 	heldRefreshes int
-
-	// Owned by the pruning goroutine.
-	warnedDefault bool // the DEFAULT partition that stops partition drops was logged
 }
 
 // claimFilter is what the last claim left out, so the stall check counts
