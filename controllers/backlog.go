@@ -39,38 +39,57 @@ const backlogQueryTimeout = 5 * time.Second
 // table exists ($3, its quoted name).
 //
 // The held reason is the relays' record in the held table (withHeld: it
-// exists; outbox.HeldDDL), or, with $6 true (PartitionKey ordering),
+// exists; outbox.HeldDDL), or, with byKey (PartitionKey ordering),
 // "blocked" for a later row of the same partition key and topic as a held
-// or invalid row: the relays keep it back to keep the key's order. $4 and
-// $5 are the topic map as two arrays (event types, topics).
-func BacklogSQL(t outbox.Table, withHeld bool) string {
+// or invalid row: the relays keep it back to keep the key's order. With
+// byKey, $4 and $5 are the topic map as two arrays (event types, topics);
+// without, the sample is read in one pass (measured: grouping it by lane
+// too made a read at 10,000 waiting rows five times as costly).
+func BacklogSQL(t outbox.Table, withHeld, byKey bool) string {
 	q := t.Quoted()
-	held := `(SELECT NULL::bigint AS id, NULL::text AS reason) h ON false`
-	if withHeld {
-		held = t.HeldTable().Quoted() + ` h ON h.id = s.id`
+	key := ""
+	if byKey {
+		key = "partition_key, "
 	}
-	return `WITH s AS (
-    SELECT id, event_type, partition_key, CASE WHEN ` + outbox.CreatedAtCheck + ` THEN created_at END AS created_at,
+	sample := `WITH s AS (
+    SELECT id, event_type, ` + key + `CASE WHEN ` + outbox.CreatedAtCheck + ` THEN created_at END AS created_at,
            (event_id IS NULL OR event_type IS NULL OR aggregate_type IS NULL OR aggregate_id IS NULL
             OR partition_key IS NULL OR payload IS NULL OR created_at IS NULL
             OR NOT (` + outbox.CreatedAtCheck + `)) AS invalid
     FROM ` + q + `
     WHERE published_at IS NULL
     ORDER BY id
-    LIMIT $1),
+    LIMIT $1),`
+	held, reason := `(SELECT NULL::bigint AS id, NULL::text AS reason) h ON false`, `NULL::text`
+	if withHeld {
+		held, reason = t.HeldTable().Quoted()+` h ON h.id = s.id`, `h.reason`
+	}
+	var groups string
+	if !byKey {
+		// One pass over the sample: no lanes, so nothing is read twice.
+		groups = `
+g AS (
+    SELECT s.event_type, s.invalid, ` + reason + ` AS held,
+           count(*) AS n, max(s.id) AS last, extract(epoch FROM now() - min(s.created_at))::float8 AS age
+    FROM s LEFT JOIN ` + held + `
+    GROUP BY 1, 2, 3)`
+	} else {
+		groups = `
 sh AS (
-    SELECT s.*, h.reason AS held, m.topic
+    SELECT s.*, ` + reason + ` AS held, m.topic
     FROM s LEFT JOIN ` + held + `
     LEFT JOIN unnest($4::text[], $5::text[]) AS m(event_type, topic) ON m.event_type = s.event_type),
 lanes AS (
     SELECT partition_key, topic, min(id) AS first FROM sh
-    WHERE $6 AND (held IS NOT NULL OR invalid) AND topic IS NOT NULL
+    WHERE (held IS NOT NULL OR invalid) AND topic IS NOT NULL
     GROUP BY 1, 2),
 g AS (
     SELECT sh.event_type, sh.invalid, COALESCE(sh.held, CASE WHEN l.first < sh.id THEN 'blocked' END) AS held,
            count(*) AS n, max(sh.id) AS last, extract(epoch FROM now() - min(sh.created_at))::float8 AS age
     FROM sh LEFT JOIN lanes l ON l.partition_key = sh.partition_key AND l.topic = sh.topic
-    GROUP BY 1, 2, 3)
+    GROUP BY 1, 2, 3)`
+	}
+	return sample + groups + `
 SELECT COALESCE((SELECT sum(n) FROM g), 0)::bigint, (SELECT max(last) FROM g)::bigint, (SELECT max(id) FROM ` + q + `)::bigint,
        (SELECT CASE WHEN c.relkind = 'p' THEN
                    (SELECT COALESCE(sum(pg_stat_get_tuples_updated(t.relid) + pg_stat_get_tuples_deleted(t.relid)), 0)
@@ -114,7 +133,11 @@ func (q backlogQuery) args(bound int64) []any {
 	for et, t := range q.topics {
 		types, topics = append(types, et), append(topics, t)
 	}
-	return []any{bound, q.table.Quoted(), q.table.HeldTable().Quoted(), types, topics, q.byKey}
+	args := []any{bound, q.table.Quoted(), q.table.HeldTable().Quoted()}
+	if q.byKey {
+		args = append(args, types, topics)
+	}
+	return args
 }
 
 // typeCount is one group of the sampled rows.
@@ -154,7 +177,7 @@ type queryRower interface {
 func observeBacklog(ctx context.Context, db queryRower, q backlogQuery, bound int64) (backlogSample, error) {
 	s := backlogSample{at: time.Now()}
 	table := q.table
-	rows, err := db.Query(ctx, BacklogSQL(table, q.withHeld), q.args(bound)...)
+	rows, err := db.Query(ctx, BacklogSQL(table, q.withHeld, q.byKey), q.args(bound)...)
 	if err != nil {
 		return s, fmt.Errorf("read the backlog of %s: %w", table, err)
 	}
