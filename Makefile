@@ -142,11 +142,11 @@ bench-quick: deps-postgres deps-kafka ## A ~3-minute subset of `make bench` (wri
 
 .PHONY: bench-fleet
 bench-fleet: deps-postgres deps-kube ## The operator with 1,000 OutboxRelays in 50 namespaces on one real database: time to Ready, RSS, CPU, connections, API and Secret requests (writes bench/fleet.md and bench/fleet-results.json).
-	go run ./test/bench -scenarios footprint -out-md bench/fleet.md -out-json bench/fleet-results.json $(BENCH_FLAGS)
+	go run ./test/bench -scenarios operator-fleet -out-md bench/fleet.md -out-json bench/fleet-results.json $(BENCH_FLAGS)
 
 .PHONY: bench-relay
 bench-relay: deps-postgres deps-kafka ## The relay alone: ceiling, drain at batch 50 and 500, the naive claim shape (writes bench/relay.md and bench/relay-results.json).
-	go run ./test/bench -scenarios ceiling,drain,seeds -orderings none -out-md bench/relay.md -out-json bench/relay-results.json $(BENCH_FLAGS)
+	go run ./test/bench -scenarios claim-ceiling,drain,naive-per-row -orderings none -out-md bench/relay.md -out-json bench/relay-results.json $(BENCH_FLAGS)
 
 ##@ Dependencies
 

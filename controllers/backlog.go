@@ -53,8 +53,7 @@ func BacklogSQL(t outbox.Table, withHeld, byKey bool) string {
 	}
 	sample := `WITH s AS (
     SELECT id, event_type, ` + key + `CASE WHEN ` + outbox.CreatedAtCheck + ` THEN created_at END AS created_at,
-           (event_id IS NULL OR event_type IS NULL OR aggregate_type IS NULL OR aggregate_id IS NULL
-            OR partition_key IS NULL OR payload IS NULL OR created_at IS NULL
+           (` + strings.Join(outbox.RequiredColumns(), " IS NULL OR ") + ` IS NULL
             OR NOT (` + outbox.CreatedAtCheck + `)) AS invalid
     FROM ` + q + `
     WHERE published_at IS NULL

@@ -144,18 +144,11 @@ func rolloutStrategy(current *appsv1.Deployment, ordering relayconfig.Ordering) 
 	return appsv1.DeploymentStrategy{Type: appsv1.RollingUpdateDeploymentStrategyType}
 }
 
-// relayDeployment builds the desired relay Deployment, or says which spec
-// fields keep it from being built. in is what the referenced Secrets
-// provide; current is the Deployment as it runs (nil when none), which
-// decides the rollout strategy.
-func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, in secretInputs, current *appsv1.Deployment) (*appsv1.Deployment, error) {
-	if err := validateSpec(relay, img); err != nil {
-		return nil, err
-	}
-	settings, err := relaySettings(relay, in)
-	if err != nil {
-		return nil, err
-	}
+// relayDeployment builds the desired relay Deployment from settings, the
+// relay's settings that checkSpec built and checked. in is what the
+// referenced Secrets provide; current is the Deployment as it runs (nil
+// when none), which decides the rollout strategy.
+func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, settings relayconfig.Command, in secretInputs, current *appsv1.Deployment) *appsv1.Deployment {
 	spec := &relay.Spec
 	image := cmp.Or(spec.Image, img.fallback)
 	args := settings.Args()
@@ -247,7 +240,7 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, in secretInp
 		},
 	}
 	d.Annotations[specHashAnnotation] = hashOf(d.Spec)
-	return d, nil
+	return d
 }
 
 // readinessPeriodSeconds is how often the kubelet asks a relay's /readyz.

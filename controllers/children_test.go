@@ -27,7 +27,7 @@ var testImages = images{fallback: "img:default", allowed: []string{AnyImage}}
 
 func build(t *testing.T, relay *outboxv1alpha1.OutboxRelay, in secretInputs) *appsv1.Deployment {
 	t.Helper()
-	d, err := relayDeployment(relay, testImages, in, nil)
+	d, err := buildDeployment(relay, testImages, in, nil)
 	require.NoError(t, err)
 	return d
 }
@@ -169,7 +169,7 @@ func TestRolloutStrategyOnOrderingSwitch(t *testing.T) {
 		if edit != nil {
 			edit(r)
 		}
-		d, err := relayDeployment(r, testImages, secretInputs{}, current)
+		d, err := buildDeployment(r, testImages, secretInputs{}, current)
 		require.NoError(t, err)
 		return d.Spec.Strategy.Type
 	}
@@ -184,7 +184,7 @@ func TestRolloutStrategyOnOrderingSwitch(t *testing.T) {
 	require.Equal(t, appsv1.RecreateDeploymentStrategyType, strategy(toPartitionKey, running), "None -> PartitionKey")
 
 	// The switch has been written: the template runs partition-key with Recreate.
-	switching, err := relayDeployment(func() *outboxv1alpha1.OutboxRelay { r := unitRelay(); toPartitionKey(r); return r }(),
+	switching, err := buildDeployment(func() *outboxv1alpha1.OutboxRelay { r := unitRelay(); toPartitionKey(r); return r }(),
 		testImages, secretInputs{}, running)
 	require.NoError(t, err)
 	switching.Generation = 4
@@ -278,7 +278,7 @@ func TestValidateSpecCatchesWhatTheSchemaCannot(t *testing.T) {
 		for _, want := range tc.want {
 			require.ErrorContains(t, err, want, name)
 		}
-		_, err = relayDeployment(relay, testImages, secretInputs{}, nil)
+		_, err = buildDeployment(relay, testImages, secretInputs{}, nil)
 		require.Error(t, err, "%s: the builder refuses what validateSpec refuses", name)
 	}
 	require.NoError(t, validateSpec(unitRelay(), testImages))
@@ -397,4 +397,22 @@ func TestComputeStatus(t *testing.T) {
 	relay.Status.Conditions[0].LastTransitionTime = metav1.NewTime(before.Add(-3600e9))
 	again := computeStatus(relay, deploy(1, 1, 1), nil, observation{})
 	require.Equal(t, relay.Status, again, "a second computation over the same inputs changes nothing")
+}
+
+// buildDeployment is what a reconcile does to build the Deployment: the
+// settings checked once (checkSpec), the TLS Secret's files added, the
+// Deployment built from them.
+func buildDeployment(relay *outboxv1alpha1.OutboxRelay, img images, in secretInputs, current *appsv1.Deployment) (*appsv1.Deployment, error) {
+	s, err := checkSpec(relay, img)
+	if err != nil {
+		return nil, err
+	}
+	kafkaFiles(&s, in)
+	return relayDeployment(relay, img, s, in, current), nil
+}
+
+// validateSpec is checkSpec's verdict alone.
+func validateSpec(relay *outboxv1alpha1.OutboxRelay, img images) error {
+	_, err := checkSpec(relay, img)
+	return err
 }

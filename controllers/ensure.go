@@ -16,33 +16,36 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 // This file writes the children: one way for all of them (a spec-hash
 // annotation plus a merge patch of the fields the operator owns).
 
-// inputs validates the spec and reads the referenced Secrets: what the
-// children are built from, or the problem that keeps them from being built.
-func (r *OutboxRelayReconciler) inputs(ctx context.Context, relay *outboxv1alpha1.OutboxRelay) (secretInputs, *problem, error) {
-	if err := validateSpec(relay, r.images()); err != nil {
-		return secretInputs{}, &problem{reason: outboxv1alpha1.ReasonInvalidSpec, message: err.Error()}, nil
+// inputs builds and checks the relay's settings and reads the referenced
+// Secrets: what the children are built from, or the problem that keeps
+// them from being built.
+func (r *OutboxRelayReconciler) inputs(ctx context.Context, relay *outboxv1alpha1.OutboxRelay) (relayconfig.Command, secretInputs, *problem, error) {
+	s, err := checkSpec(relay, r.images())
+	if err != nil {
+		return s, secretInputs{}, &problem{reason: outboxv1alpha1.ReasonInvalidSpec, message: err.Error()}, nil
 	}
-	return r.readSecrets(ctx, relay)
+	in, prob, err := r.readSecrets(ctx, relay)
+	kafkaFiles(&s, in)
+	return s, in, prob, err
 }
 
 func (r *OutboxRelayReconciler) images() images {
 	return images{fallback: r.RelayImage, allowed: r.AllowedImages}
 }
 
-// ensureChildren ensures every child from the inputs. current is the
+// ensureChildren ensures every child from the inputs: s, the relay's
+// settings checked by inputs, and in, the Secrets. current is the
 // relay's Deployment as it runs (nil when none). It returns the Deployment
 // as written, or a nil Deployment and the problem that kept it from writing
 // the children.
-func (r *OutboxRelayReconciler) ensureChildren(ctx context.Context, relay *outboxv1alpha1.OutboxRelay, in secretInputs, current *appsv1.Deployment) (*appsv1.Deployment, *problem, error) {
-	desired, err := relayDeployment(relay, r.images(), in, current)
-	if err != nil {
-		return nil, &problem{reason: outboxv1alpha1.ReasonInvalidSpec, message: err.Error()}, nil
-	}
+func (r *OutboxRelayReconciler) ensureChildren(ctx context.Context, relay *outboxv1alpha1.OutboxRelay, s relayconfig.Command, in secretInputs, current *appsv1.Deployment) (*appsv1.Deployment, *problem, error) {
+	desired := relayDeployment(relay, r.images(), s, in, current)
 	deploy, err := ensure(ctx, r.Client, relay, desired, &appsv1.Deployment{},
 		func(cur, want *appsv1.Deployment) bool { return *cur.Spec.Replicas != *want.Spec.Replicas },
 		func(cur, want *appsv1.Deployment) {

@@ -182,8 +182,9 @@ func testScaleToZeroAndBack(t *testing.T, c client.Client) {
 	setDeploymentStatus(t, c, childKey(relay), 0)
 	o := waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
 		return condOf(o, "Ready").Reason == outboxv1alpha1.ReasonScaledToZero && condOf(o, "Ready").Status == metav1.ConditionTrue &&
-			condOf(o, "Reconciling").Status == metav1.ConditionFalse
+			condOf(o, "Reconciling").Status == metav1.ConditionFalse && condOf(o, "Lagging").Status == metav1.ConditionFalse
 	})
+	require.Equal(t, "autoscaled to zero: no row waits", condOf(o, "Ready").Message, "said only after a reading")
 	require.Equal(t, int32(0), o.Status.DesiredReplicas)
 	requireHealth(t, o, "Healthy")
 	require.Equal(t, status.CurrentStatus, kstatusOf(t, o))

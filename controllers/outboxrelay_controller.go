@@ -89,7 +89,7 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 	if err != nil {
 		return ctrl.Result{}, err
 	}
-	in, prob, err := r.inputs(ctx, relay)
+	settings, in, prob, err := r.inputs(ctx, relay)
 	if err != nil {
 		return ctrl.Result{}, err
 	}
@@ -97,7 +97,7 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 	relay.Status.DesiredReplicas = r.decideReplicas(req.NamespacedName, relay, obs, current)
 	var deploy *appsv1.Deployment
 	if prob == nil {
-		if deploy, prob, err = r.ensureChildren(ctx, relay, in, current); err != nil {
+		if deploy, prob, err = r.ensureChildren(ctx, relay, settings, in, current); err != nil {
 			return ctrl.Result{}, err
 		}
 	}

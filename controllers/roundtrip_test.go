@@ -41,7 +41,7 @@ func podEnv(t testing.TB, env []corev1.EnvVar, data map[string]map[string]string
 }
 
 // relayReads is what the relay parses from the pod the operator builds for relay.
-func relayReads(t testing.TB, relay *outboxv1alpha1.OutboxRelay, in secretInputs) (relayconfig.Settings, error) {
+func relayReads(t testing.TB, relay *outboxv1alpha1.OutboxRelay, in secretInputs) (relayconfig.Command, error) {
 	s, err := relaySettings(relay, in)
 	require.NoError(t, err)
 	return relayconfig.Parse(s.Args(), podEnv(t, relayEnv(relay), testSecretData), io.Discard)
@@ -70,7 +70,7 @@ func TestSpecRoundTrip(t *testing.T) {
 	for name, tc := range map[string]struct {
 		edit func(*outboxv1alpha1.OutboxRelay)
 		in   secretInputs
-		want func(*relayconfig.Settings)
+		want func(*relayconfig.Command)
 	}{
 		"defaults": {},
 		"every plain field": {
@@ -86,7 +86,7 @@ func TestSpecRoundTrip(t *testing.T) {
 				s.Ordering = outboxv1alpha1.OrderingPartitionKey
 				s.Kafka.Brokers = []outboxv1alpha1.BrokerAddress{"[::1]:1", "kafka-0.kafka.svc:65535", "10.0.0.7:9092"}
 			},
-			want: func(s *relayconfig.Settings) {
+			want: func(s *relayconfig.Command) {
 				s.Table = "events.outbox_2"
 				s.BatchSize, s.MaxBatchBytes = 10000, relayconfig.MaxMaxBatchBytes
 				s.PollInterval = 90 * time.Second
@@ -100,7 +100,7 @@ func TestSpecRoundTrip(t *testing.T) {
 			edit: func(r *outboxv1alpha1.OutboxRelay) {
 				r.Spec.BatchSize, r.Spec.MaxBatchBytes, r.Spec.PollInterval = ptr.To[int32](1), ptr.To[int32](relayconfig.MinMaxBatchBytes), "10ms"
 			},
-			want: func(s *relayconfig.Settings) {
+			want: func(s *relayconfig.Command) {
 				s.BatchSize, s.MaxBatchBytes, s.PollInterval = 1, relayconfig.MinMaxBatchBytes, 10*time.Millisecond
 			},
 		},
@@ -110,7 +110,7 @@ func TestSpecRoundTrip(t *testing.T) {
 				r.Spec.Retention = &outboxv1alpha1.RetentionSpec{OnPublish: outboxv1alpha1.OnPublishMark,
 					KeepPublishedFor: "168h", PruneBatchSize: ptr.To[int32](500)}
 			},
-			want: func(s *relayconfig.Settings) {
+			want: func(s *relayconfig.Command) {
 				s.MaxInFlight, s.Notify = 1, true
 				s.OnPublish, s.KeepPublishedFor, s.PruneBatchSize = relayconfig.OnPublishMark, 168*time.Hour, 500
 			},
@@ -119,11 +119,11 @@ func TestSpecRoundTrip(t *testing.T) {
 			edit: func(r *outboxv1alpha1.OutboxRelay) {
 				r.Spec.Retention = &outboxv1alpha1.RetentionSpec{OnPublish: outboxv1alpha1.OnPublishDelete}
 			},
-			want: func(s *relayconfig.Settings) { s.OnPublish = relayconfig.OnPublishDelete },
+			want: func(s *relayconfig.Command) { s.OnPublish = relayconfig.OnPublishDelete },
 		},
 		"fractional poll interval": {
 			edit: func(r *outboxv1alpha1.OutboxRelay) { r.Spec.PollInterval = "0.25s" },
-			want: func(s *relayconfig.Settings) { s.PollInterval = 250 * time.Millisecond },
+			want: func(s *relayconfig.Command) { s.PollInterval = 250 * time.Millisecond },
 		},
 		"longest names": {
 			edit: func(r *outboxv1alpha1.OutboxRelay) {
@@ -132,7 +132,7 @@ func TestSpecRoundTrip(t *testing.T) {
 					strings.Repeat("é", relayconfig.MaxEventTypeLength): outboxv1alpha1.TopicName(strings.Repeat("t", relayconfig.MaxTopicLength)),
 				}
 			},
-			want: func(s *relayconfig.Settings) {
+			want: func(s *relayconfig.Command) {
 				s.Table = strings.Repeat("s", 63) + "." + strings.Repeat("t", 63)
 				s.Topics = map[string]string{strings.Repeat("é", relayconfig.MaxEventTypeLength): strings.Repeat("t", relayconfig.MaxTopicLength)}
 			},
@@ -144,7 +144,7 @@ func TestSpecRoundTrip(t *testing.T) {
 					CredentialsSecretRef: outboxv1alpha1.SASLCredentialsReference{Name: "creds", UsernameKey: "u", PasswordKey: "p"}}
 				r.Spec.DSNSecretRef.Key = "url"
 			},
-			want: func(s *relayconfig.Settings) {
+			want: func(s *relayconfig.Command) {
 				s.KafkaTLS = true
 				s.KafkaSASLMechanism = relayconfig.SASLScramSHA512
 				s.KafkaSASLUsername, s.KafkaSASLPassword = testUser, testPassword
@@ -157,7 +157,7 @@ func TestSpecRoundTrip(t *testing.T) {
 					CredentialsSecretRef: outboxv1alpha1.SASLCredentialsReference{Name: "creds"}}
 			},
 			in: secretInputs{TLSCA: true, TLSClientCert: true},
-			want: func(s *relayconfig.Settings) {
+			want: func(s *relayconfig.Command) {
 				s.KafkaTLS = true
 				s.KafkaTLSCAFile, s.KafkaTLSCertFile, s.KafkaTLSKeyFile = "/etc/relay/tls/ca.crt", "/etc/relay/tls/tls.crt", "/etc/relay/tls/tls.key"
 				s.KafkaSASLMechanism = relayconfig.SASLPlain
@@ -180,7 +180,7 @@ func TestSpecRoundTrip(t *testing.T) {
 		require.Equal(t, want, got, name)
 
 		// The Deployment carries exactly these arguments and environment.
-		d, err := relayDeployment(relay, testImages, tc.in, nil)
+		d, err := buildDeployment(relay, testImages, tc.in, nil)
 		require.NoError(t, err, name)
 		ct := d.Spec.Template.Spec.Containers[0]
 		fromPod, err := relayconfig.Parse(ct.Args, podEnv(t, ct.Env, testSecretData), io.Discard)

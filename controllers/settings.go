@@ -4,7 +4,6 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
-	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -56,7 +55,14 @@ func tracingEnv(relay *outboxv1alpha1.OutboxRelay) []corev1.EnvVar {
 // values are not among them (the pod gets them from the Secrets); in says
 // which TLS files the TLS Secret provides. The only error is a value that
 // cannot be put on a command line at all; rules are checked by checkSettings.
-func relaySettings(relay *outboxv1alpha1.OutboxRelay, in secretInputs) (relayconfig.Settings, error) {
+func relaySettings(relay *outboxv1alpha1.OutboxRelay, in secretInputs) (relayconfig.Command, error) {
+	s, err := specSettings(relay)
+	kafkaFiles(&s, in)
+	return s, err
+}
+
+// specSettings are relaySettings without the files of the TLS Secret.
+func specSettings(relay *outboxv1alpha1.OutboxRelay) (relayconfig.Command, error) {
 	spec := &relay.Spec
 	s := relayconfig.Defaults()
 	s.Table = cmp.Or(spec.Table, s.Table)
@@ -123,19 +129,24 @@ func relaySettings(relay *outboxv1alpha1.OutboxRelay, in secretInputs) (relaycon
 	s.Format = format
 	s.CloudEventsSource = spec.CloudEventsSource
 	s.Compression = relayconfig.Compression(cmp.Or(string(spec.Kafka.Compression), string(s.Compression)))
-	if spec.Kafka.TLS != nil {
-		s.KafkaTLS = true
-		if in.TLSCA {
-			s.KafkaTLSCAFile = tlsMountPath + "/ca.crt"
-		}
-		if in.TLSClientCert {
-			s.KafkaTLSCertFile, s.KafkaTLSKeyFile = tlsMountPath+"/tls.crt", tlsMountPath+"/tls.key"
-		}
-	}
+	s.KafkaTLS = spec.Kafka.TLS != nil
 	if sasl := spec.Kafka.SASL; sasl != nil {
 		s.KafkaSASLMechanism = string(sasl.Mechanism)
 	}
 	return s, nil
+}
+
+// kafkaFiles points s at the files the TLS Secret provides (in says which).
+func kafkaFiles(s *relayconfig.Command, in secretInputs) {
+	if !s.KafkaTLS {
+		return
+	}
+	if in.TLSCA {
+		s.KafkaTLSCAFile = tlsMountPath + "/ca.crt"
+	}
+	if in.TLSClientCert {
+		s.KafkaTLSCertFile, s.KafkaTLSKeyFile = tlsMountPath+"/tls.crt", tlsMountPath+"/tls.key"
+	}
 }
 
 // specFields names the spec field behind each relay flag the operator sets.
@@ -160,32 +171,30 @@ var specFields = map[string]string{
 	relayconfig.FlagPruneBatchSize:    "spec.retention.pruneBatchSize",
 }
 
-// checkSettings is the relay's own verdict on s (Settings.Validate), so a
+// checkSettings is the relay's own verdict on s (Command.Validate), so a
 // spec the relay would refuse is reported instead of becoming pods that
-// crash-loop. The SASL credentials are placeholders: the real ones reach
-// the pod from a Secret at run time. Errors name the spec field, not the flag.
-func checkSettings(s relayconfig.Settings) error {
+// crash-loop. The DSN and SASL credentials are placeholders: the real ones
+// reach the pod from Secrets at run time. Each error names the spec field
+// behind the flag it carries.
+func checkSettings(s relayconfig.Command) error {
+	s.DSN = "from-secret"
 	if s.KafkaSASLMechanism != "" {
 		s.KafkaSASLUsername, s.KafkaSASLPassword = "from-secret", "from-secret"
 	}
-	err := s.Validate()
-	if err == nil {
+	errs := relayconfig.Errors(s.Validate())
+	if len(errs) == 0 {
 		return nil
-	}
-	errs := []error{err}
-	if joined, ok := err.(interface{ Unwrap() []error }); ok {
-		errs = joined.Unwrap()
 	}
 	msgs := make([]string, 0, len(errs))
 	for _, e := range errs {
-		msg := e.Error()
-		for _, flag := range slices.Sorted(maps.Keys(specFields)) {
-			if rest, ok := strings.CutPrefix(msg, "--"+flag+": "); ok {
-				msg = specFields[flag] + ": " + rest
-				break
+		var fe *relayconfig.FieldError
+		if errors.As(e, &fe) {
+			if field, ok := specFields[fe.Flag]; ok {
+				msgs = append(msgs, field+": "+fe.Err.Error())
+				continue
 			}
 		}
-		msgs = append(msgs, msg)
+		msgs = append(msgs, e.Error())
 	}
 	return errors.New(strings.Join(msgs, "; "))
 }
@@ -231,11 +240,14 @@ func imageRepository(ref string) string {
 	return ref
 }
 
-// validateSpec re-checks what the CRD schema cannot express, or expresses
-// only as a copy of the relay's rules: the relay's own verdict on the
-// settings, the operator's image allow-list, and the labels and
-// annotations the operator reserves. It names every spec field at fault.
-func validateSpec(relay *outboxv1alpha1.OutboxRelay, img images) error {
+// checkSpec builds the relay's settings from the spec (without the TLS
+// Secret's files: kafkaFiles adds them) and checks what the CRD schema
+// cannot express, or expresses only as a copy of the relay's rules: the
+// relay's own verdict on the settings, the operator's image allow-list,
+// and the labels and annotations the operator reserves. It names every
+// spec field at fault. One reconcile builds and checks the settings here,
+// once, and hands them to the pure builders.
+func checkSpec(relay *outboxv1alpha1.OutboxRelay, img images) (relayconfig.Command, error) {
 	spec := &relay.Spec
 	var errs []string
 	for k := range spec.PodLabels {
@@ -255,7 +267,7 @@ func validateSpec(relay *outboxv1alpha1.OutboxRelay, img images) error {
 				spec.Image, strings.Join(allowed, ", "), AnyImage))
 		}
 	}
-	s, err := relaySettings(relay, secretInputs{})
+	s, err := specSettings(relay)
 	if err == nil {
 		err = checkSettings(s)
 	}
@@ -264,7 +276,7 @@ func validateSpec(relay *outboxv1alpha1.OutboxRelay, img images) error {
 	}
 	slices.Sort(errs)
 	if len(errs) == 0 {
-		return nil
+		return s, nil
 	}
-	return errors.New(strings.Join(errs, "; "))
+	return s, errors.New(strings.Join(errs, "; "))
 }

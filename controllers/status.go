@@ -44,14 +44,14 @@ func lagThreshold(relay *outboxv1alpha1.OutboxRelay) time.Duration {
 // cannot vouch for the flow now), True when the oldest
 // waiting row is older than the threshold, with the reason that best says
 // why: no ready replica, nothing published in the last minute, or too slow.
-func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, now time.Time) (metav1.ConditionStatus, string, string) {
+func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, now time.Time) verdict {
 	threshold := lagThreshold(relay)
 	b := obs.backlog
 	switch {
 	case b == nil && obs.err == "":
-		return metav1.ConditionUnknown, outboxv1alpha1.ReasonObserving, "the operator has not read the backlog yet"
+		return verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonObserving, "the operator has not read the backlog yet"}
 	case obs.err != "":
-		return metav1.ConditionUnknown, outboxv1alpha1.ReasonBacklogUnavailable, obs.err
+		return verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonBacklogUnavailable, obs.err}
 	}
 	approx := ""
 	if b.Estimated {
@@ -65,13 +65,13 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 		b.OldestAge.Duration, threshold, approx, groupDigits(b.Pending), published, ready)
 	switch {
 	case b.OldestAge.Duration <= threshold:
-		return metav1.ConditionFalse, outboxv1alpha1.ReasonFlowing, msg
+		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonFlowing, msg}
 	case ready == 0:
-		return metav1.ConditionTrue, outboxv1alpha1.ReasonNoReadyReplicas, msg
+		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonNoReadyReplicas, msg}
 	case b.PublishedPerMinute != nil && *b.PublishedPerMinute == 0:
-		return metav1.ConditionTrue, outboxv1alpha1.ReasonNotPublishing, msg
+		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonNotPublishing, msg}
 	default:
-		return metav1.ConditionTrue, outboxv1alpha1.ReasonFallingBehind, msg
+		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonFallingBehind, msg}
 	}
 }
 
@@ -159,103 +159,158 @@ func computeStatus(relay *outboxv1alpha1.OutboxRelay, deploy *appsv1.Deployment,
 	}
 	st.Ready = fmt.Sprintf("%d/%d", st.ReadyReplicas, desired)
 
-	set := func(typ string, status metav1.ConditionStatus, reason, msg string) {
-		meta.SetStatusCondition(&st.Conditions, metav1.Condition{
-			Type: typ, Status: status, Reason: reason, Message: msg, ObservedGeneration: relay.Generation,
-		})
-	}
-	lagStatus, lagReason, lagMsg := lagging(relay, obs, st.ReadyReplicas, time.Now())
+	f := facts{relay: relay, deploy: deploy, obs: obs, desired: desired, ready: st.ReadyReplicas, rolledOut: rolledOut(deploy, desired)}
+	f.lag = lagging(relay, obs, st.ReadyReplicas, time.Now())
 	if prob != nil {
-		lagStatus, lagReason, lagMsg = metav1.ConditionUnknown, prob.reason, "the backlog is not read: "+prob.message
+		f.lag = verdict{metav1.ConditionUnknown, prob.reason, "the backlog is not read: " + prob.message}
 	}
-	set(outboxv1alpha1.ConditionLagging, lagStatus, lagReason, lagMsg)
 	// Lagging speaks for the flow of events: Ready does not claim all is well
 	// while rows wait past the threshold, and Degraded says a human is
 	// needed; a suspended relay is expected to fall behind.
-	lag := lagStatus == metav1.ConditionTrue && !relay.Spec.Suspend
-	if prob != nil {
-		set(outboxv1alpha1.ConditionReady, metav1.ConditionFalse, prob.reason, prob.message)
-		set(outboxv1alpha1.ConditionProgressing, metav1.ConditionFalse, prob.reason, "the operator cannot apply this generation: "+prob.message)
-		set(outboxv1alpha1.ConditionDegraded, metav1.ConditionTrue, prob.reason, prob.message)
-		set(outboxv1alpha1.ConditionReconciling, metav1.ConditionFalse, prob.reason, "stalled: "+prob.message)
-		set(outboxv1alpha1.ConditionStalled, metav1.ConditionTrue, prob.reason, prob.message)
-		return st
+	f.lagging = f.lag.status == metav1.ConditionTrue && !relay.Spec.Suspend
+	if c := deploymentCondition(deploy, appsv1.DeploymentProgressing); c != nil &&
+		c.Status == corev1.ConditionFalse && c.Reason == "ProgressDeadlineExceeded" {
+		f.deadline = c.Message
 	}
+	for _, c := range conditionRules {
+		var v verdict
+		if prob != nil && c.onProblem != nil {
+			v = c.onProblem(prob)
+		} else {
+			v = c.rule(&f)
+		}
+		meta.SetStatusCondition(&st.Conditions, metav1.Condition{
+			Type: c.typ, Status: v.status, Reason: v.reason, Message: v.message, ObservedGeneration: relay.Generation,
+		})
+	}
+	return st
+}
 
+// facts are what the conditions are derived from.
+type facts struct {
+	relay     *outboxv1alpha1.OutboxRelay
+	deploy    *appsv1.Deployment
+	obs       observation
+	desired   int32
+	ready     int32
+	rolledOut bool
+	lag       verdict // the Lagging condition
+	lagging   bool    // Lagging True, and not suspended
+	deadline  string  // the Deployment's ProgressDeadlineExceeded message, if any
+}
+
+// verdict is one condition's status, reason and message.
+type verdict struct {
+	status          metav1.ConditionStatus
+	reason, message string
+}
+
+// conditionRules are the conditions of an OutboxRelay, in the order they
+// are derived: each a rule over the facts, and what it says instead when a
+// problem stopped the reconcile (nil: the rule covers it).
+var conditionRules = []struct {
+	typ       string
+	rule      func(f *facts) verdict
+	onProblem func(p *problem) verdict
+}{
+	{outboxv1alpha1.ConditionLagging, func(f *facts) verdict { return f.lag }, nil},
+	{outboxv1alpha1.ConditionReady, readyRule, func(p *problem) verdict {
+		return verdict{metav1.ConditionFalse, p.reason, p.message}
+	}},
+	{outboxv1alpha1.ConditionProgressing, progressingRule, func(p *problem) verdict {
+		return verdict{metav1.ConditionFalse, p.reason, "the operator cannot apply this generation: " + p.message}
+	}},
+	{outboxv1alpha1.ConditionDegraded, degradedRule, func(p *problem) verdict {
+		return verdict{metav1.ConditionTrue, p.reason, p.message}
+	}},
+	{outboxv1alpha1.ConditionStalled, stalledRule, func(p *problem) verdict {
+		return verdict{metav1.ConditionTrue, p.reason, p.message}
+	}},
+	{outboxv1alpha1.ConditionReconciling, reconcilingRule, func(p *problem) verdict {
+		return verdict{metav1.ConditionFalse, p.reason, "stalled: " + p.message}
+	}},
+}
+
+// readyRule: no pods by request is the desired state, Ready once they are
+// gone, so GitOps tools judge a suspended relay healthy, not progressing;
+// otherwise Ready when the desired replicas are ready and rows do not wait
+// past the threshold.
+func readyRule(f *facts) verdict {
+	relay := f.relay
 	switch {
-	case relay.Spec.Suspend || (desired == 0 && !lag):
-		// No pods by request is the desired state: Ready once they are gone,
-		// so GitOps tools judge a suspended relay healthy, not progressing.
+	case relay.Spec.Suspend || (f.desired == 0 && !f.lagging):
 		reason, msg := outboxv1alpha1.ReasonScaledToZero, "spec.replicas is 0: the relay runs no pods"
 		switch {
 		case relay.Spec.Suspend:
 			reason, msg = outboxv1alpha1.ReasonSuspended, "spec.suspend is true: the relay runs no pods"
+		case relay.Spec.Autoscaling != nil && f.obs.backlog == nil:
+			msg = "autoscaled to zero: the backlog is not read yet"
 		case relay.Spec.Autoscaling != nil:
 			msg = "autoscaled to zero: no row waits"
 		}
-		status := metav1.ConditionTrue
-		if deploy != nil && deploy.Status.Replicas > 0 {
-			status, msg = metav1.ConditionFalse, msg+" (stopping the running ones)"
+		if f.deploy != nil && f.deploy.Status.Replicas > 0 {
+			return verdict{metav1.ConditionFalse, reason, msg + " (stopping the running ones)"}
 		}
-		set(outboxv1alpha1.ConditionReady, status, reason, msg)
-	case st.ReadyReplicas >= desired && lag:
-		set(outboxv1alpha1.ConditionReady, metav1.ConditionFalse, outboxv1alpha1.ReasonLagging, lagMsg)
-	case st.ReadyReplicas >= desired:
-		set(outboxv1alpha1.ConditionReady, metav1.ConditionTrue, outboxv1alpha1.ReasonAvailable,
-			fmt.Sprintf("%d of %d replicas ready", st.ReadyReplicas, desired))
+		return verdict{metav1.ConditionTrue, reason, msg}
+	case f.ready >= f.desired && f.lagging:
+		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonLagging, f.lag.message}
+	case f.ready >= f.desired:
+		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonAvailable, fmt.Sprintf("%d of %d replicas ready", f.ready, f.desired)}
 	default:
-		set(outboxv1alpha1.ConditionReady, metav1.ConditionFalse, outboxv1alpha1.ReasonDeploymentUnavailable,
-			fmt.Sprintf("%d of %d replicas ready", st.ReadyReplicas, desired))
+		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonDeploymentUnavailable, fmt.Sprintf("%d of %d replicas ready", f.ready, f.desired)}
 	}
+}
 
-	if rolledOut(deploy, desired) {
-		set(outboxv1alpha1.ConditionProgressing, metav1.ConditionFalse, outboxv1alpha1.ReasonRolloutComplete,
-			fmt.Sprintf("%d replicas run the current pod template", desired))
-	} else {
-		set(outboxv1alpha1.ConditionProgressing, metav1.ConditionTrue, outboxv1alpha1.ReasonRollingOut,
-			"the Deployment is rolling out or scaling to the current spec")
+func progressingRule(f *facts) verdict {
+	if f.rolledOut {
+		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonRolloutComplete, fmt.Sprintf("%d replicas run the current pod template", f.desired)}
 	}
+	return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonRollingOut, "the Deployment is rolling out or scaling to the current spec"}
+}
 
-	// A relay whose ready replicas publish nothing while rows wait past the
-	// threshold is Stalled (kstatus: Failed): it runs as specified and moves
-	// nothing, and waiting will not fix it. Lagging while rows still flow
-	// leaves Stalled False: Ready False makes kstatus say InProgress.
-	stalledReason := ""
-	if c := deploymentCondition(deploy, appsv1.DeploymentProgressing); c != nil &&
-		c.Status == corev1.ConditionFalse && c.Reason == "ProgressDeadlineExceeded" {
-		stalledReason = outboxv1alpha1.ReasonProgressDeadlineExceeded
-		set(outboxv1alpha1.ConditionDegraded, metav1.ConditionTrue, outboxv1alpha1.ReasonProgressDeadlineExceeded, c.Message)
-		set(outboxv1alpha1.ConditionStalled, metav1.ConditionTrue, outboxv1alpha1.ReasonProgressDeadlineExceeded, c.Message)
-	} else if lag {
-		set(outboxv1alpha1.ConditionDegraded, metav1.ConditionTrue, outboxv1alpha1.ReasonLagging, lagMsg)
-		if lagReason == outboxv1alpha1.ReasonNotPublishing {
-			stalledReason = outboxv1alpha1.ReasonNotPublishing
-			set(outboxv1alpha1.ConditionStalled, metav1.ConditionTrue, outboxv1alpha1.ReasonNotPublishing, lagMsg)
-		} else {
-			set(outboxv1alpha1.ConditionStalled, metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "rows still flow")
-		}
-	} else {
-		set(outboxv1alpha1.ConditionDegraded, metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "nothing is degraded")
-		set(outboxv1alpha1.ConditionStalled, metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "nothing is stalled")
+// degradedRule: a human is needed when the Deployment missed its progress
+// deadline or rows wait past the threshold.
+func degradedRule(f *facts) verdict {
+	switch {
+	case f.deadline != "":
+		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonProgressDeadlineExceeded, f.deadline}
+	case f.lagging:
+		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonLagging, f.lag.message}
 	}
-	stalled := stalledReason != ""
+	return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "nothing is degraded"}
+}
 
-	// kstatus reads Reconciling: True until the current template runs on
-	// every desired replica and they are ready (a Secret-triggered roll
-	// changes no generation, so observedGeneration alone cannot show it).
-	switch ready := st.ReadyReplicas >= desired; {
-	case stalled:
-		set(outboxv1alpha1.ConditionReconciling, metav1.ConditionFalse, stalledReason, "stalled")
-	case !rolledOut(deploy, desired):
-		set(outboxv1alpha1.ConditionReconciling, metav1.ConditionTrue, outboxv1alpha1.ReasonRollingOut,
-			"the Deployment is rolling out or scaling to the current spec")
-	case !ready && desired > 0:
-		set(outboxv1alpha1.ConditionReconciling, metav1.ConditionTrue, outboxv1alpha1.ReasonDeploymentUnavailable,
-			fmt.Sprintf("%d of %d replicas ready", st.ReadyReplicas, desired))
-	default:
-		set(outboxv1alpha1.ConditionReconciling, metav1.ConditionFalse, outboxv1alpha1.ReasonRolloutComplete, "the relay matches its spec")
+// stalledRule: a relay whose ready replicas publish nothing while rows wait
+// past the threshold is Stalled (kstatus: Failed): it runs as specified
+// and moves nothing, and waiting will not fix it. Lagging while rows still
+// flow leaves Stalled False: Ready False makes kstatus say InProgress.
+func stalledRule(f *facts) verdict {
+	switch {
+	case f.deadline != "":
+		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonProgressDeadlineExceeded, f.deadline}
+	case f.lagging && f.lag.reason == outboxv1alpha1.ReasonNotPublishing:
+		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonNotPublishing, f.lag.message}
+	case f.lagging:
+		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "rows still flow"}
 	}
-	return st
+	return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "nothing is stalled"}
+}
+
+// reconcilingRule: kstatus reads Reconciling True until the current
+// template runs on every desired replica and they are ready (a
+// Secret-triggered roll changes no generation, so observedGeneration alone
+// cannot show it).
+func reconcilingRule(f *facts) verdict {
+	if v := stalledRule(f); v.status == metav1.ConditionTrue {
+		return verdict{metav1.ConditionFalse, v.reason, "stalled"}
+	}
+	switch {
+	case !f.rolledOut:
+		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonRollingOut, "the Deployment is rolling out or scaling to the current spec"}
+	case f.ready < f.desired && f.desired > 0:
+		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonDeploymentUnavailable, fmt.Sprintf("%d of %d replicas ready", f.ready, f.desired)}
+	}
+	return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonRolloutComplete, "the relay matches its spec"}
 }
 
 // rolledOut is the Deployment's own notion of a complete rollout: it has

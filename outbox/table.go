@@ -177,6 +177,19 @@ var Columns = []Column{
 	{"published_at", []string{"timestamp with time zone"}, false},
 }
 
+// RequiredColumns are the columns a row must fill to be published: the
+// NOT NULL columns of Columns but id (a primary key is never NULL). The
+// relay holds a row with one of them NULL as invalid; the operator counts it so.
+func RequiredColumns() []string {
+	var names []string
+	for _, c := range Columns {
+		if c.NotNull && c.Name != "id" {
+			names = append(names, c.Name)
+		}
+	}
+	return names
+}
+
 // OptionalColumns are columns the relay reads when the table has them; a
 // table made before they existed keeps working without them.
 var OptionalColumns = []Column{

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
 // numBuckets is how many key-hash buckets a table's keys are spread over in
@@ -27,7 +29,7 @@ const numBuckets = 64
 // lane stays out of claims for a while, so no row overtakes an older one of
 // its key on its topic; the key's rows on other topics flow.
 type byKey struct {
-	r           *Relay
+	byKeyDeps
 	mine        []int32
 	fairShare   int
 	nextBalance time.Time
@@ -47,13 +49,26 @@ type lane struct{ key, topic string }
 // can start with it (topic names are [a-zA-Z0-9._-]).
 const unmappedLane = "\x00"
 
-func newByKey(r *Relay) *byKey {
-	return &byKey{r: r, blocked: map[lane]time.Time{}, laneBackoff: map[lane]time.Duration{}, firstStop: map[lane]int{}, gauged: map[string]bool{}}
+// byKeyDeps are what partition-key mode is built with.
+type byKeyDeps struct {
+	sql        string // SQL.ClaimBuckets
+	limits     claimLimits
+	topics     map[string]string // event type → topic
+	mapped     []string          // the mapped event types, sorted
+	maxBackoff time.Duration     // a failing lane's longest wait
+	member     *member           // the membership session: bucket locks, claims
+	cur        *cursor           // rescans when lanes reopen or buckets are gained
+	m          *metrics
+	table      outbox.Table
+}
+
+func newByKey(d byKeyDeps) *byKey {
+	return &byKey{byKeyDeps: d, blocked: map[lane]time.Time{}, laneBackoff: map[lane]time.Duration{}, firstStop: map[lane]int{}, gauged: map[string]bool{}}
 }
 
 // laneOf is x's lane.
 func (k *byKey) laneOf(x row) lane {
-	if t, ok := k.r.cfg.Topics[x.eventType]; ok {
+	if t, ok := k.topics[x.eventType]; ok {
 		return lane{x.partitionKey, t}
 	}
 	return lane{x.partitionKey, unmappedLane + x.eventType}
@@ -65,23 +80,22 @@ func (k *byKey) types(l lane) []string {
 		return []string{t}
 	}
 	var ts []string
-	for _, et := range k.r.types {
-		if k.r.cfg.Topics[et] == l.topic {
+	for _, et := range k.mapped {
+		if k.topics[et] == l.topic {
 			ts = append(ts, et)
 		}
 	}
 	return ts
 }
 
+// prepare runs before each batch of a replica that may claim: it starts
+// the batch's lanes afresh and rebalances the buckets when due. It returns
+// the membership session to claim on, or nil when this replica owns no
+// bucket now; after an error the caller leaves (the session is suspect).
 func (k *byKey) prepare(ctx context.Context, now time.Time) (beginner, error) {
 	clear(k.firstStop)
-	fenced, err := k.r.fenced(ctx, now)
-	if err != nil || fenced {
-		return nil, err
-	}
 	if !now.Before(k.nextBalance) {
 		if err := k.rebalance(ctx); err != nil {
-			k.r.leave()
 			return nil, err
 		}
 		k.nextBalance = now.Add(time.Second)
@@ -92,13 +106,15 @@ func (k *byKey) prepare(ctx context.Context, now time.Time) (beginner, error) {
 	if len(k.mine) == 0 {
 		return nil, nil // every bucket is taken by other replicas
 	}
-	return k.r.member.conn, nil
+	return k.member.conn, nil
 }
 
-func (k *byKey) claim(ctx context.Context, tx pgx.Tx, from int64, held []int64, f claimFilter) (pgx.Rows, error) {
-	return tx.Query(ctx, k.r.sql.ClaimBuckets, from, held, f.keys, f.keyTypes, k.mine, k.r.cfg.BatchSize, k.r.cfg.MaxBatchBytes, f.largest)
+func (k *byKey) claim(ctx context.Context, tx pgx.Tx, from int64, f claimFilter) (pgx.Rows, error) {
+	return tx.Query(ctx, k.sql, from, f.held, f.keys, f.keyTypes, k.mine, k.limits.rows, k.limits.bytes, f.largest)
 }
 
+// stop says that row i of the batch cannot go out now; its lane's rows are
+// not claimed again before until (zero: only this batch waits).
 func (k *byKey) stop(x row, i int, until time.Time) {
 	l := k.laneOf(x)
 	// The earliest stop counts: admit may stop a later row (an invalid one)
@@ -114,23 +130,29 @@ func (k *byKey) stop(x row, i int, until time.Time) {
 	}
 }
 
+// stopped reports whether row i must wait for an older row of its lane.
 func (k *byKey) stopped(x row, i int) bool {
 	j, ok := k.firstStop[k.laneOf(x)]
 	return ok && j < i
 }
 
+// failed records a transient failure of row i: its lane waits, longer
+// each time, up to maxBackoff.
 func (k *byKey) failed(x row, i int, now time.Time) {
 	if k.stopped(x, i) {
 		return
 	}
 	l := k.laneOf(x)
-	d := min(max(2*k.laneBackoff[l], 100*time.Millisecond), k.r.cfg.MaxBackoff)
+	d := min(max(2*k.laneBackoff[l], 100*time.Millisecond), k.maxBackoff)
 	k.laneBackoff[l] = d
 	k.stop(x, i, now.Add(jitter(d)))
 }
 
+// sent records that row i was acknowledged: its lane's backoff starts over.
 func (k *byKey) sent(x row) { delete(k.laneBackoff, k.laneOf(x)) }
 
+// released says that a held row of key and event type was released
+// before its retry time (`relay redrive`): its lane may be claimed at once.
 func (k *byKey) released(key, eventType string) {
 	delete(k.blocked, k.laneOf(row{partitionKey: key, eventType: eventType}))
 }
@@ -139,16 +161,15 @@ func (k *byKey) released(key, eventType string) {
 // lanes wait and the rest flows.
 func (k *byKey) backOff(failed, sent int) bool { return failed > 0 && failed == sent }
 
-// waiting returns the mapped types whose topic is available, and the
-// (key, type) pairs of the lanes blocked now (dropping expired ones; their
-// rows are behind the cursor).
-func (k *byKey) waiting(now time.Time) claimFilter {
-	f := claimFilter{types: k.r.availableTypes(now), keys: []string{}, keyTypes: []string{}}
+// holdBack adds to f the (key, type) pairs of the lanes blocked now
+// (dropping expired ones; their rows are behind the cursor). Call it before
+// the cursor picks where to start: an expiring lane moves the cursor back.
+func (k *byKey) holdBack(f *claimFilter, now time.Time) {
 	perTopic := map[string]int{}
 	for l, until := range k.blocked {
 		if now.After(until) {
 			delete(k.blocked, l)
-			k.r.cur.rescanSoon()
+			k.cur.rescanSoon()
 			continue
 		}
 		perTopic[l.topic]++
@@ -157,7 +178,6 @@ func (k *byKey) waiting(now time.Time) claimFilter {
 		}
 	}
 	k.gaugeBlocked(perTopic)
-	return f
 }
 
 // gaugeBlocked sets outbox_relay_ordering_blocked_keys{topic}, dropping the
@@ -169,53 +189,50 @@ func (k *byKey) gaugeBlocked(perTopic map[string]int) {
 			topic = "unmapped:" + t
 		}
 		now[topic] = true
-		k.r.m.blockedKeys.WithLabelValues(topic).Set(float64(n))
+		k.m.blockedKeys.WithLabelValues(topic).Set(float64(n))
 	}
 	for topic := range k.gauged {
 		if !now[topic] {
-			k.r.m.blockedKeys.DeleteLabelValues(topic)
+			k.m.blockedKeys.DeleteLabelValues(topic)
 		}
 	}
 	k.gauged = now
 }
 
+// left runs when the membership session is gone, and its bucket locks with it.
 func (k *byKey) left() {
 	k.mine = nil
-	k.r.m.buckets.Set(0)
+	k.m.buckets.Set(0)
 }
 
 // rebalance keeps this replica at ceil(numBuckets / live replicas) buckets:
 // it releases extras (only between batches, so none is in flight) and takes
 // free ones.
 func (k *byKey) rebalance(ctx context.Context) error {
-	m := k.r.member
+	m := k.member
 	bucketClass := m.class | 1
 	members, err := m.holders(ctx, OrderingPartitionKey)
 	if err != nil {
-		return fmt.Errorf("count replicas of %s: %w", k.r.table, err)
+		return fmt.Errorf("count replicas of %s: %w", k.table, err)
 	}
 	members = max(members, 1)
 	share := (numBuckets + members - 1) / members
 	k.fairShare = share
 	for len(k.mine) > share {
 		b := k.mine[len(k.mine)-1]
-		if _, err := m.conn.Exec(ctx, `SELECT pg_advisory_unlock($1::int4, $2::int4)`, bucketClass, b); err != nil {
+		if _, err := m.conn.Exec(ctx, sqlUnlock, bucketClass, b); err != nil {
 			return fmt.Errorf("release bucket %d: %w", b, err)
 		}
 		k.mine = k.mine[:len(k.mine)-1]
 	}
 	if len(k.mine) < share {
-		rows, err := m.conn.Query(ctx, `SELECT b FROM generate_series(0, $2::int4 - 1) b
-			WHERE NOT EXISTS (SELECT 1 FROM pg_locks
-				WHERE locktype = 'advisory' AND granted AND objsubid = 2
-				  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-				  AND classid::bigint = $1 AND objid::bigint = b)`, int64(uint32(bucketClass)), numBuckets)
+		rows, err := m.conn.Query(ctx, sqlFreeLocks, int64(uint32(bucketClass)), numBuckets)
 		if err != nil {
-			return fmt.Errorf("find free buckets of %s: %w", k.r.table, err)
+			return fmt.Errorf("find free buckets of %s: %w", k.table, err)
 		}
 		free, err := pgx.CollectRows(rows, pgx.RowTo[int32])
 		if err != nil {
-			return fmt.Errorf("find free buckets of %s: %w", k.r.table, err)
+			return fmt.Errorf("find free buckets of %s: %w", k.table, err)
 		}
 		gained := false
 		for _, b := range free {
@@ -223,7 +240,7 @@ func (k *byKey) rebalance(ctx context.Context) error {
 				break
 			}
 			var ok bool
-			if err := m.conn.QueryRow(ctx, `SELECT pg_try_advisory_lock($1::int4, $2::int4)`, bucketClass, b).Scan(&ok); err != nil {
+			if err := m.conn.QueryRow(ctx, sqlTryLock, bucketClass, b).Scan(&ok); err != nil {
 				return fmt.Errorf("take bucket %d: %w", b, err)
 			}
 			if ok {
@@ -233,9 +250,9 @@ func (k *byKey) rebalance(ctx context.Context) error {
 		}
 		slices.Sort(k.mine)
 		if gained {
-			k.r.cur.rescanSoon() // the new buckets' rows may lie behind the cursor
+			k.cur.rescanSoon() // the new buckets' rows may lie behind the cursor
 		}
 	}
-	k.r.m.buckets.Set(float64(len(k.mine)))
+	k.m.buckets.Set(float64(len(k.mine)))
 	return nil
 }

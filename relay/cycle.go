@@ -121,6 +121,25 @@ func (r *Relay) pipelined() bool {
 	return r.cfg.MaxInFlight > 1 && r.cfg.Ordering == OrderingNone
 }
 
+// begin says where this batch's claim runs: nil when this replica must not
+// claim now (a replica of the other ordering mode is live) or, in
+// partition-key mode, owns no bucket.
+func (r *Relay) begin(ctx context.Context, now time.Time) (beginner, error) {
+	fenced, err := r.fenced(ctx, now)
+	if err != nil || fenced {
+		return nil, err
+	}
+	if r.lanes == nil {
+		return r.pool, nil
+	}
+	db, err := r.lanes.prepare(ctx, now)
+	if err != nil {
+		r.leave()
+		return nil, err
+	}
+	return db, nil
+}
+
 // claimAndPublish runs the first half of a batch: claim and publish. It
 // returns nil when there was nothing to claim.
 func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
@@ -130,14 +149,16 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	start := time.Now()
 	if s := r.heldSnap.Swap(nil); s != nil {
 		for _, h := range r.held.merge(*s) {
-			r.mode.released(h.key, h.eventType)
+			if r.lanes != nil {
+				r.lanes.released(h.key, h.eventType)
+			}
 			r.cur.rescanSoon() // rows released elsewhere (redrive) are behind the cursor
 		}
 	}
 	if r.held.release(start) {
 		r.cur.rescanSoon() // released rows are behind the cursor
 	}
-	db, err := r.mode.prepare(bctx, start)
+	db, err := r.begin(bctx, start)
 	if err != nil {
 		cancel()
 		return nil, r.dbFailed(err)
@@ -152,14 +173,15 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 		cancel()
 		return nil, r.dbFailed(fmt.Errorf("begin claim transaction on %s: %w", r.table, err))
 	}
-	f := r.mode.waiting(start)                  // before the cursor: an expired filter moves it back
-	f.held = []int64{}                          // never NULL: id <> ALL(NULL) matches no row
-	if r.cfg.Ordering != OrderingPartitionKey { // there the lanes keep held rows out (strategy.claim)
+	// Never NULL arrays: id <> ALL(NULL) matches no row.
+	f := claimFilter{types: r.availableTypes(start), held: []int64{}, keys: []string{}, keyTypes: []string{}, largest: r.largestRecord()}
+	if r.lanes != nil {
+		r.lanes.holdBack(&f, start) // before the cursor: an expired lane moves it back; the lanes keep held rows out
+	} else {
 		f.held = r.held.ids()
 	}
-	f.largest = r.largestRecord()
 	r.filter.Store(&f)
-	rows, full, err := r.claim(bctx, tx, r.cur.from(start), f.held, f)
+	rows, full, err := r.claim(bctx, tx, r.cur.from(start), f)
 	if err != nil {
 		tx.Rollback(bctx) //nolint:errcheck // the claim's error is the one to report
 		cancel()

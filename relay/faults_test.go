@@ -391,10 +391,12 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 	require.NoError(t, err)
 
 	cfg := relay.Config{
-		DSN: dsn, Table: "outbox", Brokers: c.ListenAddrs(), Topics: topicOf,
-		Ordering: sc.ordering, BatchSize: sc.batchSize, MaxInFlight: sc.inFlight,
-		PollInterval: 20 * time.Millisecond, MaxBackoff: time.Second, HeldRetryInterval: 2 * time.Second,
-		PublishTimeout: 2 * time.Second, StallTimeout: 5 * time.Second,
+		Settings: relay.Settings{
+			DSN: dsn, Table: "outbox", Brokers: c.ListenAddrs(), Topics: topicOf,
+			Ordering: sc.ordering, BatchSize: sc.batchSize, MaxInFlight: sc.inFlight,
+			PollInterval: 20 * time.Millisecond, PublishTimeout: 2 * time.Second, StallTimeout: 5 * time.Second,
+		},
+		MaxBackoff: time.Second, HeldRetryInterval: 2 * time.Second,
 	}
 	if sc.deadLetter {
 		cfg.DeadLetterTopic = "dead-letters"

@@ -38,9 +38,6 @@ func (f HeldFilter) Empty() bool {
 	return !f.All && len(f.IDs) == 0 && len(f.Reasons) == 0 && len(f.Types) == 0
 }
 
-// heldWhere is the held table's rows that filter $1..$4 selects.
-const heldWhere = `($4 OR id = ANY($1) OR reason = ANY($2) OR event_type = ANY($3))`
-
 func (f HeldFilter) args() []any {
 	return []any{f.IDs, f.Reasons, f.Types, f.All}
 }
@@ -55,8 +52,7 @@ type heldConn interface {
 // id order.
 func ListHeld(ctx context.Context, conn heldConn, t outbox.Table, f HeldFilter, limit int) ([]HeldRow, error) {
 	h := t.HeldTable()
-	rows, err := conn.Query(ctx, `SELECT id, event_id, event_type, reason, error, attempts, first_attempt, last_attempt, retry_at
-        FROM `+h.Quoted()+` WHERE `+heldWhere+` ORDER BY id LIMIT $5`, append(f.args(), limit)...)
+	rows, err := conn.Query(ctx, NewSQL(t).ListHeld, append(f.args(), limit)...)
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", h, err)
 	}
@@ -77,7 +73,7 @@ func ListHeld(ctx context.Context, conn heldConn, t outbox.Table, f HeldFilter, 
 // returns how many rows it released.
 func Redrive(ctx context.Context, conn heldConn, t outbox.Table, f HeldFilter) (int64, error) {
 	h := t.HeldTable()
-	tag, err := conn.Exec(ctx, `UPDATE `+h.Quoted()+` SET retry_at = now() WHERE `+heldWhere, f.args()...)
+	tag, err := conn.Exec(ctx, NewSQL(t).Redrive, f.args()...)
 	if err != nil {
 		return 0, fmt.Errorf("release rows of %s: %w", h, err)
 	}

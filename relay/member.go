@@ -43,7 +43,7 @@ func (r *Relay) join(ctx context.Context) error {
 		return fmt.Errorf("connect membership session: %w", err)
 	}
 	var oid uint32
-	if err := conn.QueryRow(ctx, `SELECT to_regclass($1)::oid`, r.table.Quoted()).Scan(&oid); err != nil || oid == 0 {
+	if err := conn.QueryRow(ctx, sqlTableOID, r.table.Quoted()).Scan(&oid); err != nil || oid == 0 {
 		conn.Close(ctx)
 		return fmt.Errorf("resolve table %s: %v", r.table, err)
 	}
@@ -54,11 +54,11 @@ func (r *Relay) join(ctx context.Context) error {
 	// partitioned) would keep its locks forever: the server ends a session
 	// left idle longer than the loop ever leaves it.
 	timeout := 2*max(r.cfg.PollInterval, r.cfg.MaxBackoff) + r.cfg.PublishTimeout + 10*time.Second
-	if _, err := conn.Exec(ctx, `SELECT set_config('idle_session_timeout', $1, false)`, strconv.FormatInt(timeout.Milliseconds(), 10)); err != nil {
+	if _, err := conn.Exec(ctx, sqlSetSession, "idle_session_timeout", strconv.FormatInt(timeout.Milliseconds(), 10)); err != nil {
 		conn.Close(ctx)
 		return fmt.Errorf("set idle_session_timeout on the membership session: %w", err)
 	}
-	if _, err := conn.Exec(ctx, `SELECT pg_advisory_lock_shared($1::int4, $2::int4)`, m.class, modeKeys[m.mode]); err != nil {
+	if _, err := conn.Exec(ctx, sqlLockShared, m.class, modeKeys[m.mode]); err != nil {
 		conn.Close(ctx)
 		return fmt.Errorf("join the replicas of %s: %w", r.table, err)
 	}
@@ -70,10 +70,7 @@ func (r *Relay) join(ctx context.Context) error {
 // holders counts the live replicas holding mode's membership lock.
 func (m *member) holders(ctx context.Context, mode Ordering) (int, error) {
 	var n int
-	err := m.conn.QueryRow(ctx, `SELECT count(DISTINCT pid) FROM pg_locks
-		WHERE locktype = 'advisory' AND granted AND objsubid = 2
-		  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-		  AND classid::bigint = $1 AND objid::bigint = $2`, int64(uint32(m.class)), int64(modeKeys[mode])).Scan(&n)
+	err := m.conn.QueryRow(ctx, sqlLockHolders, int64(uint32(m.class)), int64(modeKeys[mode])).Scan(&n)
 	return n, err
 }
 
@@ -122,7 +119,9 @@ func (r *Relay) leave() {
 		_ = c.Close(ctx)
 	}
 	r.member.conn = nil
-	r.mode.left()
+	if r.lanes != nil {
+		r.lanes.left()
+	}
 }
 
 func boolGauge(b bool) float64 {

@@ -31,14 +31,6 @@ type partition struct {
 	isDef   bool       // the DEFAULT partition
 }
 
-// boundsSQL reads a range partition's bounds from its bound expression
-// (NULL for MINVALUE and MAXVALUE); a timestamptz literal reads back in the
-// session that printed it.
-func boundsSQL(expr string) string {
-	return `(regexp_match(` + expr + `, 'FROM \(''([^'']*)''\)'))[1]::timestamptz,
-       (regexp_match(` + expr + `, 'TO \(''([^'']*)''\)'))[1]::timestamptz`
-}
-
 // detachedMark starts the comment the pruner puts on a partition before it
 // detaches it, followed by the parent's oid and the bound: a pruner that
 // dies between the detach and the drop leaves a table the next pass finds,
@@ -51,17 +43,7 @@ var boundRE = regexp.MustCompile(`^FOR VALUES FROM \((MINVALUE|'[^']*')\) TO \((
 // the pruner detached and has not dropped (pending true, see detachedMark);
 // and the cut: ranges that ended before it are old.
 func (pr *pruner) partitions(ctx context.Context, conn *pgx.Conn, parent uint32) ([]partition, time.Time, error) {
-	rows, err := conn.Query(ctx, `
-		SELECT c.oid::regclass::text, pg_get_expr(c.relpartbound, c.oid), c.relkind = 'r', i.inhdetachpending,
-		       `+boundsSQL("pg_get_expr(c.relpartbound, c.oid)")+`, pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT'
-		FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-		WHERE i.inhparent = $1
-		UNION ALL
-		SELECT c.oid::regclass::text, substr(d.description, length($2) + 1), true, true,
-		       `+boundsSQL("substr(d.description, length($2) + 1)")+`, false
-		FROM pg_description d JOIN pg_class c ON c.oid = d.objoid
-		WHERE d.classoid = 'pg_class'::regclass AND d.objsubid = 0 AND starts_with(d.description, $2)
-		  AND c.relkind = 'r' AND NOT c.relispartition`,
+	rows, err := conn.Query(ctx, sqlPartitions,
 		parent, detachedMark+strconv.FormatUint(uint64(parent), 10)+": ")
 	if err != nil {
 		return nil, time.Time{}, fmt.Errorf("list the partitions of %s: %w", pr.table, err)
@@ -78,7 +60,7 @@ func (pr *pruner) partitions(ctx context.Context, conn *pgx.Conn, parent uint32)
 		return nil, time.Time{}, fmt.Errorf("list the partitions of %s: %w", pr.table, err)
 	}
 	var cut time.Time
-	if err := conn.QueryRow(ctx, `SELECT now() - $1::float8 * interval '1 second'`, pr.cfg.KeepPublishedFor.Seconds()).Scan(&cut); err != nil {
+	if err := conn.QueryRow(ctx, sqlPruneCut, pr.cfg.KeepPublishedFor.Seconds()).Scan(&cut); err != nil {
 		return nil, time.Time{}, fmt.Errorf("read the time: %w", err)
 	}
 	for i := range parts {
@@ -114,7 +96,7 @@ func compareLow(a, b *time.Time) int {
 // using the table instead of locking them out (it cannot run inside a
 // transaction block, and not beside a DEFAULT partition).
 func (pr *pruner) prunePartitions(ctx context.Context, conn *pgx.Conn, parent uint32) error {
-	if _, err := conn.Exec(ctx, `SELECT set_config('lock_timeout', $1, false)`, strconv.FormatInt(pruneLockTimeout.Milliseconds(), 10)); err != nil {
+	if _, err := conn.Exec(ctx, sqlSetSession, "lock_timeout", strconv.FormatInt(pruneLockTimeout.Milliseconds(), 10)); err != nil {
 		return fmt.Errorf("set lock_timeout on the pruning session: %w", err)
 	}
 	parts, _, err := pr.partitions(ctx, conn, parent)
@@ -138,7 +120,7 @@ func (pr *pruner) prunePartitions(ctx context.Context, conn *pgx.Conn, parent ui
 		}
 		if !p.pending {
 			var waiting bool
-			if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM ONLY `+p.name+` WHERE published_at IS NULL)`).Scan(&waiting); err != nil {
+			if err := conn.QueryRow(ctx, sqlPartitionWaits(p.name)).Scan(&waiting); err != nil {
 				errs = append(errs, fmt.Errorf("look for unpublished rows in %s: %w", p.name, err))
 				continue
 			}
@@ -168,21 +150,21 @@ func (pr *pruner) prunePartitions(ctx context.Context, conn *pgx.Conn, parent ui
 // CONCURRENTLY, or … FINALIZE for a detach left pending.
 func (pr *pruner) detach(ctx context.Context, conn *pgx.Conn, parent uint32, p partition) error {
 	var attached bool
-	if err := conn.QueryRow(ctx, `SELECT relispartition FROM pg_class WHERE oid = $1::regclass`, p.name).Scan(&attached); err != nil {
+	if err := conn.QueryRow(ctx, sqlIsAttached, p.name).Scan(&attached); err != nil {
 		return fmt.Errorf("find %s: %w", p.name, err)
 	}
 	if !attached {
 		return nil // detached by an earlier pass that did not get to drop it
 	}
 	mark := detachedMark + strconv.FormatUint(uint64(parent), 10) + ": " + p.bound
-	if _, err := conn.Exec(ctx, `COMMENT ON TABLE `+p.name+` IS `+quoteLiteral(mark)); err != nil {
+	if _, err := conn.Exec(ctx, sqlComment(p.name, quoteLiteral(mark))); err != nil {
 		return fmt.Errorf("mark %s before detaching it: %w", p.name, err)
 	}
 	how := "CONCURRENTLY"
 	if p.pending {
 		how = "FINALIZE"
 	}
-	if _, err := conn.Exec(ctx, `ALTER TABLE `+pr.table.Quoted()+` DETACH PARTITION `+p.name+` `+how); err != nil {
+	if _, err := conn.Exec(ctx, sqlDetach(pr.table.Quoted(), p.name, how)); err != nil {
 		return fmt.Errorf("detach %s from %s (%s): %w", p.name, pr.table, how, err)
 	}
 	return nil
@@ -199,24 +181,24 @@ func (pr *pruner) dropDetached(ctx context.Context, conn *pgx.Conn, p partition)
 	// Counting a large partition can outlast the session's statement
 	// timeout; the table is detached and locked by this transaction alone,
 	// so nothing waits on it meanwhile.
-	if _, err := tx.Exec(ctx, `SET LOCAL statement_timeout = '10min'`); err != nil {
+	if _, err := tx.Exec(ctx, sqlLongStatements); err != nil {
 		return fmt.Errorf("drop %s: %w", p.name, err)
 	}
-	if _, err := tx.Exec(ctx, `LOCK TABLE `+p.name+` IN ACCESS EXCLUSIVE MODE`); err != nil {
+	if _, err := tx.Exec(ctx, sqlLockAlone(p.name)); err != nil {
 		return fmt.Errorf("lock detached partition %s: %w", p.name, err)
 	}
 	var rows, unpublished int64
-	if err := tx.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE published_at IS NULL) FROM `+p.name).Scan(&rows, &unpublished); err != nil {
+	if err := tx.QueryRow(ctx, sqlCountRows(p.name)).Scan(&rows, &unpublished); err != nil {
 		return fmt.Errorf("count the rows of detached partition %s: %w", p.name, err)
 	}
 	if unpublished > 0 {
 		if !boundRE.MatchString(p.bound) {
 			return fmt.Errorf("detached partition %s holds %d unpublished rows and its bound %q cannot be read back; attach it again by hand", p.name, unpublished, p.bound)
 		}
-		if _, err := tx.Exec(ctx, `ALTER TABLE `+pr.table.Quoted()+` ATTACH PARTITION `+p.name+` `+p.bound); err != nil {
+		if _, err := tx.Exec(ctx, sqlAttach(pr.table.Quoted(), p.name, p.bound)); err != nil {
 			return fmt.Errorf("attach %s again (it holds %d unpublished rows): %w", p.name, unpublished, err)
 		}
-		if _, err := tx.Exec(ctx, `COMMENT ON TABLE `+p.name+` IS NULL`); err != nil {
+		if _, err := tx.Exec(ctx, sqlComment(p.name, "NULL")); err != nil {
 			return fmt.Errorf("attach %s again: %w", p.name, err)
 		}
 		if err := tx.Commit(ctx); err != nil {
@@ -226,7 +208,7 @@ func (pr *pruner) dropDetached(ctx context.Context, conn *pgx.Conn, p partition)
 			"partition", p.name, "unpublished", unpublished)
 		return nil
 	}
-	if _, err := tx.Exec(ctx, `DROP TABLE `+p.name); err != nil {
+	if _, err := tx.Exec(ctx, sqlDrop(p.name)); err != nil {
 		return fmt.Errorf("drop detached partition %s: %w", p.name, err)
 	}
 	if err := tx.Commit(ctx); err != nil {
@@ -251,8 +233,7 @@ func (pr *pruner) pruneEventIDs(ctx context.Context, conn *pgx.Conn, parent uint
 	ids := pr.table.EventIDsTable().Quoted()
 	for _, g := range uncovered(parts, cut) {
 		for ctx.Err() == nil {
-			tag, err := conn.Exec(ctx, `DELETE FROM `+ids+` WHERE event_id IN (
-				SELECT event_id FROM `+ids+` WHERE created_at >= COALESCE($1::timestamptz, '-infinity') AND created_at < $2 LIMIT $3)`,
+			tag, err := conn.Exec(ctx, sqlDeleteEventIDs(ids),
 				g.lo, g.hi, pr.cfg.PruneBatchSize)
 			if err != nil {
 				return fmt.Errorf("delete the event ids of dropped partitions from %s: %w", ids, err)

@@ -66,11 +66,11 @@ func (pr *pruner) prune(ctx context.Context) error {
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
 	var oid uint32
-	if err := conn.QueryRow(ctx, `SELECT to_regclass($1)::oid`, pr.table.Quoted()).Scan(&oid); err != nil || oid == 0 {
+	if err := conn.QueryRow(ctx, sqlTableOID, pr.table.Quoted()).Scan(&oid); err != nil || oid == 0 {
 		return fmt.Errorf("resolve table %s: %v", pr.table, err)
 	}
 	var mine bool
-	if err := conn.QueryRow(ctx, `SELECT pg_try_advisory_lock($1::int4, $2::int4)`, int32(oid&0x1fffffff)<<1, pruneKey).Scan(&mine); err != nil {
+	if err := conn.QueryRow(ctx, sqlTryLock, int32(oid&0x1fffffff)<<1, pruneKey).Scan(&mine); err != nil {
 		return fmt.Errorf("take the prune lock of %s: %w", pr.table, err)
 	}
 	if !mine {

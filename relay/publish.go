@@ -104,37 +104,41 @@ func (r *Relay) publish(ctx context.Context, rows []row) ([]int64, error) {
 			// older row failed, even transiently) is not a verdict either:
 			// it waits for a later batch, never the dead-letter topic.
 			b.out[i] = skipped
-			if !r.mode.stopped(x, i) {
+			if !r.laneStopped(x, i) {
 				r.write(ctx, []kafka.Message{r.message(x, r.cfg.Topics[x.eventType])},
 					func(_ int, o outcome, err error) { b.out[i], b.errs[i] = o, err })
 			}
 		}
 		switch b.out[i] {
 		case acked:
-			if r.mode.stopped(x, i) {
+			if r.laneStopped(x, i) {
 				r.log.Error("a row was acknowledged after an older row of its key failed; its order may be broken",
 					"id", x.id, "partition_key", x.partitionKey)
 			}
 			published = append(published, x.id)
 			r.m.published.WithLabelValues(r.cfg.Topics[x.eventType]).Inc()
 			r.m.latency.Observe(now.Sub(x.createdAt).Seconds())
-			r.mode.sent(x)
+			if r.lanes != nil {
+				r.lanes.sent(x)
+			}
 		case transient:
 			r.m.publishErrors.WithLabelValues("transient").Inc()
 			failed++
 			transientErr = b.errs[i]
-			r.mode.failed(x, i, now)
+			if r.lanes != nil {
+				r.lanes.failed(x, i, now)
+			}
 		case skipped:
-			r.mode.stop(x, i, time.Time{}) // its key's later rows wait for the next batch
+			r.stopLane(x, i, time.Time{}) // its key's later rows wait for the next batch
 		case topicDown:
 			r.m.publishErrors.WithLabelValues(HeldTopicUnavailable).Inc()
 			r.topicFailed(r.cfg.Topics[x.eventType], x, b.errs[i], now)
-			r.mode.stop(x, i, now.Add(r.cfg.MaxBackoff))
+			r.stopLane(x, i, now.Add(r.cfg.MaxBackoff))
 		case permanent:
 			r.m.publishErrors.WithLabelValues("permanent").Inc()
 			if r.deadLetter(ctx, x, b.errs[i]) {
 				published = append(published, x.id)
-				r.mode.stop(x, i, time.Time{}) // its key's later rows go in the next batch
+				r.stopLane(x, i, time.Time{}) // its key's later rows go in the next batch
 				continue
 			}
 			reason := HeldRefused
@@ -143,12 +147,12 @@ func (r *Relay) publish(ctx context.Context, rows []row) ([]int64, error) {
 			}
 			until := now.Add(r.cfg.HeldRetryInterval)
 			r.held.hold(r.log, x, reason, until, b.errs[i])
-			r.mode.stop(x, i, until)
+			r.stopLane(x, i, until)
 		}
 	}
 	if transientErr != nil {
 		r.setKafkaErr(transientErr)
-		if r.mode.backOff(failed, len(msgs)) {
+		if r.claimer.backOff(failed, len(msgs)) {
 			return published, fmt.Errorf("publish to Kafka: %w", transientErr)
 		}
 		return published, nil // only some keys failed; they wait, the rest flows
@@ -159,10 +163,24 @@ func (r *Relay) publish(ctx context.Context, rows []row) ([]int64, error) {
 	return published, nil
 }
 
+// stopLane stops row i's lane until until (byKey.stop) in partition-key
+// mode; with no lanes a row that cannot go out holds back nothing else.
+func (r *Relay) stopLane(x row, i int, until time.Time) {
+	if r.lanes != nil {
+		r.lanes.stop(x, i, until)
+	}
+}
+
+// laneStopped reports whether row i waits for an older row of its lane
+// (byKey.stopped); with no lanes no row waits for another.
+func (r *Relay) laneStopped(x row, i int) bool {
+	return r.lanes != nil && r.lanes.stopped(x, i)
+}
+
 // admit decides whether row i can be sent in this batch and builds its record.
 func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 	x := b.rows[i]
-	if r.mode.stopped(x, i) {
+	if r.laneStopped(x, i) {
 		return kafka.Message{}, false // an older row of its key is not out yet
 	}
 	if x.invalid != "" {
@@ -170,7 +188,7 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 		// unroutable, an infinite created_at a wrong time.
 		until := now.Add(r.cfg.HeldRetryInterval)
 		r.held.hold(r.log, x, HeldInvalidRow, until, errors.New(x.invalid))
-		r.mode.stop(x, i, until)
+		r.stopLane(x, i, until)
 		return kafka.Message{}, false
 	}
 	if x.oversize {
@@ -178,7 +196,7 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 		until := now.Add(r.cfg.HeldRetryInterval)
 		r.held.hold(r.log, x, HeldTooLarge, until, fmt.Errorf(
 			"payload and headers of %d bytes, more than any of the relay's topics takes (%d bytes); held without reading them", x.size, r.largestRecord()))
-		r.mode.stop(x, i, until)
+		r.stopLane(x, i, until)
 		return kafka.Message{}, false
 	}
 	custom, skippedHeaders, err := rowHeaders(x.headers)
@@ -187,17 +205,17 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 		// writer meant to tell it.
 		until := now.Add(r.cfg.HeldRetryInterval)
 		r.held.hold(r.log, x, HeldInvalidRow, until, fmt.Errorf("headers column: %w", err))
-		r.mode.stop(x, i, until)
+		r.stopLane(x, i, until)
 		return kafka.Message{}, false
 	}
 	topic, ok := r.cfg.Topics[x.eventType]
 	if !ok {
 		// Only partition-key claims return unmapped rows: the key waits for the map.
-		r.mode.stop(x, i, now.Add(r.cfg.HeldRetryInterval))
+		r.stopLane(x, i, now.Add(r.cfg.HeldRetryInterval))
 		return kafka.Message{}, false
 	}
 	if !r.topics.available(topic, now) {
-		r.mode.stop(x, i, now.Add(r.cfg.MaxBackoff))
+		r.stopLane(x, i, now.Add(r.cfg.MaxBackoff))
 		return kafka.Message{}, false
 	}
 	if skippedHeaders > 0 {
@@ -212,7 +230,7 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 	if size, budget := recordSize(m), r.topics.budget(topic); size > budget {
 		// Decided here: sent, it would fail the whole partition batch.
 		b.out[i], b.errs[i] = permanent, errTooLarge(size, budget, topic)
-		r.mode.stop(x, i, time.Time{})
+		r.stopLane(x, i, time.Time{})
 		return kafka.Message{}, false
 	}
 	return m, true
@@ -283,7 +301,7 @@ func (r *Relay) send(ctx context.Context, b *batch, msgs []kafka.Message, idx []
 		var ti []int
 		for j, m := range msgs {
 			if i := idx[j]; m.Topic == topic {
-				if r.mode.stopped(b.rows[i], i) {
+				if r.laneStopped(b.rows[i], i) {
 					b.out[i] = skipped // an older row of its key on this topic did not go out
 					continue
 				}
@@ -293,7 +311,7 @@ func (r *Relay) send(ctx context.Context, b *batch, msgs []kafka.Message, idx []
 		r.write(ctx, tm, func(j int, o outcome, err error) { b.out[ti[j]], b.errs[ti[j]] = o, err })
 		for _, i := range ti {
 			if b.out[i] != acked {
-				r.mode.stop(b.rows[i], i, time.Time{})
+				r.stopLane(b.rows[i], i, time.Time{})
 			}
 		}
 	}

@@ -25,7 +25,7 @@ func BenchmarkRecord(b *testing.B) {
 	}
 	for _, c := range cases {
 		b.Run(c.name, func(b *testing.B) {
-			r := &Relay{cfg: Config{Format: FormatRaw}.withDefaults(), m: newMetrics(nil)}
+			r := &Relay{cfg: Config{Settings: Settings{Format: FormatRaw}}.withDefaults(), m: newMetrics(nil)}
 			if c.tp != nil {
 				r.tracer = c.tp.Tracer(tracerName)
 			}

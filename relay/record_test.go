@@ -182,7 +182,7 @@ func TestCompressionCodecs(t *testing.T) {
 			}
 		})
 	}
-	_, err := relay.New(relay.Config{DSN: "postgres://x", Brokers: []string{"k:9092"}, Topics: map[string]string{"E": "t"}, Compression: "brotli"})
+	_, err := relay.New(relay.Config{Settings: relay.Settings{DSN: "postgres://x", Brokers: []string{"k:9092"}, Topics: map[string]string{"E": "t"}, Compression: "brotli"}})
 	require.ErrorContains(t, err, `compression: "brotli" is not one of`)
 }
 

@@ -50,10 +50,11 @@ type Relay struct {
 	tracer    trace.Tracer // nil when tracing is off
 
 	// Loop state, owned by Run's goroutine.
-	mode   strategy
-	member *member
-	cur    cursor
-	held   *heldRows
+	claimer claimer // the ordering mode's claim
+	lanes   *byKey  // partition-key mode's lanes and buckets; nil in OrderingNone
+	member  *member
+	cur     cursor
+	held    *heldRows
 
 	// Shared with the stats loop and the probes.
 	topics     *topicState
@@ -95,7 +96,7 @@ func NewWithWriter(cfg Config, w MessageWriter) (*Relay, error) {
 
 func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 	cfg = cfg.withDefaults()
-	if err := cfg.validate(); err != nil {
+	if err := cfg.Settings.Validate(); err != nil {
 		return nil, err
 	}
 	table, _ := outbox.ParseTable(cfg.Table)
@@ -149,7 +150,6 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 		unroutable: map[string]bool{},
 		wake:       make(chan struct{}, 1),
 	}
-	r.mode = newStrategy(r)
 	if cfg.TracerProvider != nil {
 		r.tracer = cfg.TracerProvider.Tracer(tracerName)
 	}
@@ -182,6 +182,7 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 		r.types = append(r.types, t)
 	}
 	slices.Sort(r.types)
+	r.claimer, r.lanes = newModes(r)
 	errNotChecked := errors.New("not connected yet")
 	r.dbErr.Store(&errNotChecked)
 	r.kafkaErr.Store(&errNotChecked)
@@ -233,7 +234,7 @@ func (r *Relay) Check(ctx context.Context) error {
 	}
 	r.setDBErr(nil)
 	var version int
-	if err := r.pool.QueryRow(ctx, `SELECT current_setting('server_version_num')::int`).Scan(&version); err != nil {
+	if err := r.pool.QueryRow(ctx, sqlServerVersion).Scan(&version); err != nil {
 		return fmt.Errorf("read the server version: %w", err)
 	}
 	if version < minServerVersion {
@@ -265,7 +266,7 @@ func (r *Relay) Check(ctx context.Context) error {
 		}
 	}
 	r.shape = shape
-	r.sql = NewSQL(r.table, opts...)
+	r.useSQL(NewSQL(r.table, opts...))
 	r.held.recorded = r.ensureHeldTable(ctx)
 	md, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: r.allTopics()})
 	if err != nil {
@@ -474,8 +475,8 @@ func payloadBytes(rows []row) int {
 
 // claim runs the mode's claim and reads the rows, and whether the claim was
 // full: it locked as many rows as the batch size, or the byte budget cut it.
-func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, held []int64, f claimFilter) ([]row, bool, error) {
-	rs, err := r.mode.claim(ctx, tx, from, held, f)
+func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, f claimFilter) ([]row, bool, error) {
+	rs, err := r.claimer.claim(ctx, tx, from, f)
 	if err != nil {
 		return nil, false, fmt.Errorf("claim batch from %s: %w", r.table, err)
 	}

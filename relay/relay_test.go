@@ -16,6 +16,7 @@ import (
 
 	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relay"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 	"github.com/outbox-relay/outbox-operator/test/outboxtest"
 	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
@@ -369,7 +370,7 @@ func TestHostileTableNamesRefused(t *testing.T) {
 	} {
 		_, err := outbox.ParseTable(name)
 		require.Error(t, err, "table %q", name)
-		cfg := relay.Config{DSN: "postgres://x", Table: name, Brokers: []string{"k:9092"}, Topics: map[string]string{"E": "t"}}
+		cfg := relay.Config{Settings: relay.Settings{DSN: "postgres://x", Table: name, Brokers: []string{"k:9092"}, Topics: map[string]string{"E": "t"}}}
 		if name == "" {
 			continue // empty means the default
 		}
@@ -450,7 +451,7 @@ func TestClaimPlanUsesPartialIndexAfterDrain(t *testing.T) {
 
 func TestConfigValidationNamesFieldAndValue(t *testing.T) {
 	t.Parallel()
-	ok := relay.Config{DSN: "postgres://x", Brokers: []string{"k:9092"}, Topics: map[string]string{"E": "t"}}
+	ok := relay.Config{Settings: relay.Settings{DSN: "postgres://x", Brokers: []string{"k:9092"}, Topics: map[string]string{"E": "t"}}}
 	cases := map[string]func(c *relay.Config){
 		`batch-size: 20000`:                      func(c *relay.Config) { c.BatchSize = 20000 },
 		`poll-interval: 2h0m0s`:                  func(c *relay.Config) { c.PollInterval = 2 * time.Hour },
@@ -468,8 +469,12 @@ func TestConfigValidationNamesFieldAndValue(t *testing.T) {
 	for want, mutate := range cases {
 		c := ok
 		mutate(&c)
-		err := relay.ValidateConfig(c)
+		_, err := relay.New(c)
 		require.ErrorContains(t, err, want, fmt.Sprintf("%+v", c))
+		var fe *relayconfig.FieldError
+		require.ErrorAs(t, err, &fe, "the bad field is data, not only text")
 	}
-	require.NoError(t, relay.ValidateConfig(ok))
+	r, err := relay.New(ok)
+	require.NoError(t, err)
+	require.NoError(t, r.Close())
 }

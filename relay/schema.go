@@ -20,8 +20,7 @@ type querier interface {
 // hasColumn reports whether table t has a column named name.
 func hasColumn(ctx context.Context, conn querier, t outbox.Table, name string) (bool, error) {
 	var ok bool
-	err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_attribute
-		WHERE attrelid = to_regclass($1) AND attname = $2 AND attnum > 0 AND NOT attisdropped)`, t.Quoted(), name).Scan(&ok)
+	err := conn.QueryRow(ctx, sqlHasColumn, t.Quoted(), name).Scan(&ok)
 	if err != nil {
 		return false, fmt.Errorf("read columns of %s: %w", t, err)
 	}
@@ -46,14 +45,7 @@ type tableShape struct {
 // whether its event-id table exists.
 func readShape(ctx context.Context, conn querier, t outbox.Table) (tableShape, error) {
 	var s tableShape
-	err := conn.QueryRow(ctx, `SELECT c.relkind = 'p',
-		    COALESCE(p.partstrat = 'r' AND p.partnatts = 1 AND a.attname = 'created_at', false),
-		    COALESCE(p.partdefid <> 0, false),
-		    to_regclass($2) IS NOT NULL
-		FROM pg_class c
-		LEFT JOIN pg_partitioned_table p ON p.partrelid = c.oid
-		LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = p.partattrs[0]
-		WHERE c.oid = to_regclass($1)`, t.Quoted(), t.EventIDsTable().Quoted()).Scan(&s.partitioned, &s.byCreatedAt, &s.hasDefault, &s.eventIDs)
+	err := conn.QueryRow(ctx, sqlTableShape, t.Quoted(), t.EventIDsTable().Quoted()).Scan(&s.partitioned, &s.byCreatedAt, &s.hasDefault, &s.eventIDs)
 	if err != nil {
 		return s, fmt.Errorf("read the partitioning of %s: %w", t, err)
 	}
@@ -66,14 +58,11 @@ func readShape(ctx context.Context, conn querier, t outbox.Table) (tableShape, e
 // the DDL that fixes it.
 func CheckSchema(ctx context.Context, conn querier, t outbox.Table) error {
 	var oid uint32
-	err := conn.QueryRow(ctx, `SELECT to_regclass($1)::oid`, t.Quoted()).Scan(&oid)
+	err := conn.QueryRow(ctx, sqlTableOID, t.Quoted()).Scan(&oid)
 	if err != nil || oid == 0 {
 		return fmt.Errorf("table %s does not exist; create it with the DDL from `relay schema --table %s`", t, t)
 	}
-	rows, err := conn.Query(ctx, `
-		SELECT a.attname, format_type(a.atttypid, NULL), a.attnotnull
-		FROM pg_attribute a
-		WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped`, oid)
+	rows, err := conn.Query(ctx, sqlColumns, oid)
 	if err != nil {
 		return fmt.Errorf("read columns of %s: %w", t, err)
 	}
@@ -115,18 +104,13 @@ func CheckSchema(ctx context.Context, conn querier, t outbox.Table) error {
 		return fmt.Errorf("table %s: %s", t, strings.Join(problems, "; "))
 	}
 	var hasIndex bool
-	err = conn.QueryRow(ctx, `
-		SELECT EXISTS (
-			SELECT 1 FROM pg_index i
-			WHERE i.indrelid = $1 AND i.indisvalid
-			  AND i.indkey[0] = (SELECT attnum FROM pg_attribute WHERE attrelid = $1 AND attname = 'id')
-			  AND regexp_replace(pg_get_expr(i.indpred, i.indrelid), '[()]', '', 'g') = 'published_at IS NULL')`, oid).Scan(&hasIndex)
+	err = conn.QueryRow(ctx, sqlHasUnpublishedIndex, oid).Scan(&hasIndex)
 	if err != nil {
 		return fmt.Errorf("read indexes of %s: %w", t, err)
 	}
 	if !hasIndex {
-		var kind string
-		if err := conn.QueryRow(ctx, `SELECT relkind::text FROM pg_class WHERE oid = $1`, oid).Scan(&kind); err == nil && kind == "p" {
+		var partitioned bool
+		if err := conn.QueryRow(ctx, sqlIsPartitioned, oid).Scan(&partitioned); err == nil && partitioned {
 			// CREATE INDEX CONCURRENTLY does not exist for a partitioned table.
 			return fmt.Errorf("table %s has no valid partial index on (id) WHERE published_at IS NULL; without it every claim scans every partition. Create it with: CREATE INDEX %s ON %s (id) WHERE published_at IS NULL (it blocks writes while it builds; to avoid that, create it ON ONLY the table, then CONCURRENTLY on each partition, and ALTER INDEX … ATTACH PARTITION each)",
 				t, pgx.Identifier{t.IndexName()}.Sanitize(), t.Quoted())

@@ -1,6 +1,10 @@
 package relay
 
-import "github.com/outbox-relay/outbox-operator/outbox"
+import (
+	"strings"
+
+	"github.com/outbox-relay/outbox-operator/outbox"
+)
 
 // SQL holds every statement the relay runs against the outbox table, built
 // once per table. The benchmark runs the same statements.
@@ -64,7 +68,15 @@ type SQL struct {
 	// (published by a replica that did not know it was held, fixed and
 	// published, or deleted by hand).
 	SweepHeld string
+	// ListHeld reads up to $5 records that a HeldFilter ($1 ids, $2
+	// reasons, $3 event types, $4 all) selects, in id order.
+	ListHeld string
+	// Redrive makes the records a HeldFilter selects due at once.
+	Redrive string
 }
+
+// heldWhere is the held table's rows that a HeldFilter ($1..$4) selects.
+const heldWhere = `($4 OR id = ANY($1) OR reason = ANY($2) OR event_type = ANY($3))`
 
 // bucketSQL is the key-hash bucket of a row, the same in every replica. A
 // NULL key hashes as ” so the row is claimed (and held as invalid), not
@@ -98,17 +110,26 @@ func WithPartitions() SQLOption { return func(o *sqlOptions) { o.partitioned = t
 // the epoch, and invalid names each such value, so one bad row is held on
 // its own instead of failing the claim for every replica.
 // claimHeaders adds the headers and the size.
-const claimColumns = `id,
+var claimColumns = `id,
     COALESCE(event_id::text, '') AS event_id, COALESCE(event_type, '') AS event_type,
     COALESCE(aggregate_type, '') AS aggregate_type, COALESCE(aggregate_id, '') AS aggregate_id,
     COALESCE(partition_key, '') AS partition_key, payload,
     CASE WHEN ` + validCreatedAt + ` THEN created_at ELSE 'epoch' END AS created_at,
-    concat_ws(', ',
-        CASE WHEN event_id IS NULL THEN 'event_id is NULL' END, CASE WHEN event_type IS NULL THEN 'event_type is NULL' END,
-        CASE WHEN aggregate_type IS NULL THEN 'aggregate_type is NULL' END, CASE WHEN aggregate_id IS NULL THEN 'aggregate_id is NULL' END,
-        CASE WHEN partition_key IS NULL THEN 'partition_key is NULL' END, CASE WHEN payload IS NULL THEN 'payload is NULL' END,
-        CASE WHEN created_at IS NULL THEN 'created_at is NULL'
-             WHEN NOT (` + validCreatedAt + `) THEN 'created_at is out of range: ' || created_at::text END) AS invalid`
+    concat_ws(', ', ` + nullColumns() + `,
+        CASE WHEN created_at IS NOT NULL AND NOT (` + validCreatedAt + `) THEN 'created_at is out of range: ' || created_at::text END) AS invalid`
+
+// nullColumns names each required column (outbox.RequiredColumns) that is
+// NULL in the row: "event_id is NULL", …, one concat_ws argument each.
+func nullColumns() string {
+	var b strings.Builder
+	for i, c := range outbox.RequiredColumns() {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		b.WriteString(`CASE WHEN ` + c + ` IS NULL THEN '` + c + ` is NULL' END`)
+	}
+	return b.String()
+}
 
 // validCreatedAt is the created_at range the relay publishes, the same as
 // the shipped DDL's CHECK (outbox.CreatedAtCheck).
@@ -215,5 +236,8 @@ SELECT count(*), COALESCE(max(id), 0) FROM gone`,
 		LoadHeld: `SELECT id, reason, GREATEST(extract(epoch FROM retry_at - now()), 0)::float8 FROM ` + h + ` ORDER BY retry_at LIMIT $1`,
 		SweepHeld: `DELETE FROM ` + h + ` h WHERE NOT EXISTS (
     SELECT 1 FROM ` + q + ` o WHERE o.id = h.id AND o.published_at IS NULL)`,
+		ListHeld: `SELECT id, event_id, event_type, reason, error, attempts, first_attempt, last_attempt, retry_at
+    FROM ` + h + ` WHERE ` + heldWhere + ` ORDER BY id LIMIT $5`,
+		Redrive: `UPDATE ` + h + ` SET retry_at = now() WHERE ` + heldWhere,
 	}
 }

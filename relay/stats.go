@@ -68,7 +68,7 @@ func (r *Relay) refreshBacklog(ctx context.Context) {
 	// Relay sessions run with bitmap scans off, for the claim; a count over
 	// the backlog is better served with them (else, on stale statistics,
 	// perhaps a sequential scan of the whole table every few seconds).
-	if _, err := tx.Exec(ctx, `SET LOCAL enable_bitmapscan = on`); err != nil {
+	if _, err := tx.Exec(ctx, sqlBitmapScansOn); err != nil {
 		return
 	}
 	rows, err := tx.Query(ctx, r.sql.BacklogByType, backlogCap)

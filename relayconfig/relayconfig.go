@@ -8,6 +8,7 @@
 package relayconfig
 
 import (
+	"cmp"
 	"errors"
 	"flag"
 	"fmt"
@@ -253,23 +254,41 @@ var (
 	brokerRE    = regexp.MustCompile(BrokerPattern)
 )
 
-// Settings are the relay's settings as its command line carries them.
+// Settings are what shape a relay: its database, table, brokers, topics
+// and loop. The relay library takes them as they are (relay.Config embeds
+// them) and validates them once, in relay.New; the operator builds them
+// from an OutboxRelay's spec; Command adds the process's own settings.
+// Zero fields take their defaults (WithDefaults).
 type Settings struct {
 	// DSN is the PostgreSQL connection string; it travels in RELAY_DSN, never as an argument.
-	DSN             string
-	Table           string
-	Brokers         []string
-	Topics          map[string]string
+	DSN string
+	// Table is the outbox table, "name" or "schema.name".
+	Table string
+	// Brokers are the Kafka bootstrap addresses, host:port.
+	Brokers []string
+	// Topics maps event_type to Kafka topic. Rows whose event_type is not
+	// here are held (never claimed) until it is.
+	Topics map[string]string
+	// DeadLetterTopic receives rows that Kafka refuses permanently, with
+	// the error in headers. Empty: such rows are held and reported.
 	DeadLetterTopic string
-	BatchSize       int
-	MaxBatchBytes   int
-	PollInterval    time.Duration
-	PublishTimeout  time.Duration
-	Ordering        Ordering
+	// BatchSize is the most rows claimed per transaction.
+	BatchSize int
+	// MaxBatchBytes is the most payload and headers bytes claimed per
+	// transaction; a larger row is claimed alone.
+	MaxBatchBytes int
+	// PollInterval is the sleep after a short batch, jittered ±20%.
+	PollInterval time.Duration
+	// PublishTimeout bounds one batch's publish to Kafka.
+	PublishTimeout time.Duration
+	// Ordering is the per-key ordering mode.
+	Ordering Ordering
 	// MaxInFlight is how many batches may be in flight at once: 2 claims
 	// and publishes the next batch while one commits (ordering none only).
+	// A crash may then publish up to this many batches again.
 	MaxInFlight int
-	// Notify: LISTEN on the table's channel for writers that notify.
+	// Notify: LISTEN on the table's channel for writers that notify
+	// (outbox.WithNotify); notifying serializes the writers' commits.
 	Notify bool
 	// OnPublish: mark or delete an acknowledged row.
 	OnPublish OnPublish
@@ -279,8 +298,8 @@ type Settings struct {
 	PruneBatchSize int
 	// PrunePause is the pause between two prune transactions.
 	PrunePause time.Duration
-	// StallTimeout: /readyz fails when no batch completes, or rows wait and
-	// none is published, for this long.
+	// StallTimeout: readiness fails when no batch completes, or rows wait
+	// and none is published, for this long.
 	StallTimeout time.Duration
 	// Format is the record layout: raw or cloudevents.
 	Format Format
@@ -289,6 +308,31 @@ type Settings struct {
 	CloudEventsSource string
 	// Compression is the produce requests' codec.
 	Compression Compression
+}
+
+// WithDefaults is s with every zero field set to its default.
+func (s Settings) WithDefaults() Settings {
+	s.Table = cmp.Or(s.Table, DefaultTable)
+	s.BatchSize = cmp.Or(s.BatchSize, DefaultBatchSize)
+	s.MaxBatchBytes = cmp.Or(s.MaxBatchBytes, DefaultMaxBatchBytes)
+	s.PollInterval = cmp.Or(s.PollInterval, DefaultPollInterval)
+	s.PublishTimeout = cmp.Or(s.PublishTimeout, DefaultPublishTimeout)
+	s.StallTimeout = cmp.Or(s.StallTimeout, DefaultStallTimeout)
+	s.Ordering = cmp.Or(s.Ordering, DefaultOrdering)
+	s.MaxInFlight = cmp.Or(s.MaxInFlight, DefaultMaxInFlight)
+	s.OnPublish = cmp.Or(s.OnPublish, DefaultOnPublish)
+	s.KeepPublishedFor = cmp.Or(s.KeepPublishedFor, DefaultKeepPublishedFor)
+	s.PruneBatchSize = cmp.Or(s.PruneBatchSize, DefaultPruneBatchSize)
+	s.PrunePause = cmp.Or(s.PrunePause, DefaultPrunePause)
+	s.Format = cmp.Or(s.Format, DefaultFormat)
+	s.Compression = cmp.Or(s.Compression, DefaultCompression)
+	return s
+}
+
+// Command is the relay command's settings: the relay's Settings and the
+// process's own (endpoints, logging, Kafka TLS files and SASL).
+type Command struct {
+	Settings
 	MetricsAddr string
 	LogFormat   string
 	KafkaTLS    bool
@@ -300,32 +344,16 @@ type Settings struct {
 	KafkaSASLUsername, KafkaSASLPassword string
 }
 
-// Defaults are the settings of a relay given no flags.
-func Defaults() Settings {
-	return Settings{
-		Table:          DefaultTable,
-		BatchSize:      DefaultBatchSize,
-		MaxBatchBytes:  DefaultMaxBatchBytes,
-		PollInterval:   DefaultPollInterval,
-		PublishTimeout: DefaultPublishTimeout,
-		Ordering:       DefaultOrdering,
-		MaxInFlight:    DefaultMaxInFlight,
-		OnPublish:      DefaultOnPublish,
-		PruneBatchSize: DefaultPruneBatchSize,
-		PrunePause:     DefaultPrunePause,
-		StallTimeout:   DefaultStallTimeout,
-		Format:         DefaultFormat,
-		Compression:    DefaultCompression,
-		MetricsAddr:    DefaultMetricsAddr,
-		LogFormat:      DefaultLogFormat,
-	}
+// Defaults are the settings of a relay command given no flags.
+func Defaults() Command {
+	return Command{Settings: Settings{}.WithDefaults(), MetricsAddr: DefaultMetricsAddr, LogFormat: DefaultLogFormat}
 }
 
 // Args is the command line that gives a relay s, in a fixed order so a pod
 // template built from it is stable. Secrets (DSN, SASL credentials) are
 // never among the arguments: pass them in the environment (EnvDSN,
 // EnvSASLUsername, EnvSASLPassword).
-func (s Settings) Args() []string {
+func (s Command) Args() []string {
 	arg := func(name, v string) string { return "--" + name + "=" + v }
 	args := []string{
 		arg(FlagTable, s.Table),
@@ -405,7 +433,7 @@ func ParseSchema(args []string, usage io.Writer) (SchemaSettings, error) {
 	if fs.NArg() > 0 {
 		return s, fmt.Errorf("unexpected argument %q", fs.Arg(0))
 	}
-	errs := []error{flagErr(FlagTable, CheckTable(s.Table))}
+	errs := []error{fieldErr(FlagTable, CheckTable(s.Table))}
 	if !slices.Contains(outbox.PartitionPeriods, s.Period) {
 		errs = append(errs, fmt.Errorf("--%s: %q is not one of hour, day, week, month", FlagPartitionPeriod, s.Period))
 	}
@@ -509,7 +537,7 @@ func ParseHeld(args []string, redrive bool, lookupEnv func(string) (string, bool
 	if s.DSN == "" {
 		errs = append(errs, fmt.Errorf("--%s: required (or set %s)", FlagDSN, EnvDSN))
 	}
-	errs = append(errs, flagErr(FlagTable, CheckTable(s.Table)))
+	errs = append(errs, fieldErr(FlagTable, CheckTable(s.Table)))
 	if s.Limit < 1 || s.Limit > 100000 {
 		errs = append(errs, fmt.Errorf("--%s: %d is outside 1..100000", FlagLimit, s.Limit))
 	}
@@ -530,9 +558,11 @@ var ErrHelp = flag.ErrHelp
 
 // Parse reads the relay's command line, filling each flag not given from
 // its RELAY_<FLAG> variable (looked up through lookupEnv), and validates the
-// result. Errors name the flag (or variable) and the bad value. For -h it
-// writes the usage to usage and returns ErrHelp.
-func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer) (Settings, error) {
+// result (Command.Validate): an explicit zero is refused here, where the
+// relay library would take it for "the default". Errors name the flag (or
+// variable) and the bad value. For -h it writes the usage to usage and
+// returns ErrHelp.
+func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer) (Command, error) {
 	s := Defaults()
 	fs := flag.NewFlagSet("relay", flag.ContinueOnError)
 	fs.SetOutput(io.Discard) // errors are returned, and printed once by the caller
@@ -596,77 +626,107 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 			s.Brokers = append(s.Brokers, b)
 		}
 	}
-	var errs []error
-	if s.DSN == "" {
-		errs = append(errs, fmt.Errorf("--%s: required (set %s)", FlagDSN, EnvDSN))
-	}
-	return s, errors.Join(append(errs, s.Validate())...)
+	return s, s.Validate()
 }
 
-// Validate checks every setting and names each bad flag and its value.
-func (s Settings) Validate() error {
+// Validate checks every setting of the command, the relay's and the
+// process's, and names each bad flag and its value: the operator's verdict
+// on the command line it gives a relay pod. Every error is a *FieldError.
+func (s Command) Validate() error {
+	return errors.Join(append(Errors(s.Settings.Validate()), Errors(s.validateProcess())...)...)
+}
+
+// validateProcess checks the process's own settings.
+func (s Command) validateProcess() error {
 	var errs []error
-	if err := s.ValidateRelay(); err != nil {
-		errs = append(errs, err.(interface{ Unwrap() []error }).Unwrap()...) // one flat list
-	}
 	if !slices.Contains(LogFormats, s.LogFormat) {
-		errs = append(errs, fmt.Errorf("--%s: %q is not one of %s", FlagLogFormat, s.LogFormat, strings.Join(LogFormats, ", ")))
+		errs = append(errs, fieldErr(FlagLogFormat, fmt.Errorf("%q is not one of %s", s.LogFormat, strings.Join(LogFormats, ", "))))
 	}
 	if (s.KafkaTLSCertFile == "") != (s.KafkaTLSKeyFile == "") {
-		errs = append(errs, fmt.Errorf("--%s and --%s go together", FlagKafkaTLSCertFile, FlagKafkaTLSKeyFile))
+		errs = append(errs, fieldErr(FlagKafkaTLSCertFile, fmt.Errorf("goes together with --%s", FlagKafkaTLSKeyFile)))
 	}
 	if m := s.KafkaSASLMechanism; m != "" {
 		switch {
 		case !slices.Contains(SASLMechanisms, m):
-			errs = append(errs, fmt.Errorf("--%s: %q is not one of %s", FlagKafkaSASLMech, m, strings.Join(SASLMechanisms, ", ")))
+			errs = append(errs, fieldErr(FlagKafkaSASLMech, fmt.Errorf("%q is not one of %s", m, strings.Join(SASLMechanisms, ", "))))
 		case m == SASLPlain && !s.TLSEnabled():
-			errs = append(errs, fmt.Errorf("--%s: %s sends the password in clear text; it needs --%s", FlagKafkaSASLMech, m, FlagKafkaTLS))
+			errs = append(errs, fieldErr(FlagKafkaSASLMech, fmt.Errorf("%s sends the password in clear text; it needs --%s", m, FlagKafkaTLS)))
 		case s.KafkaSASLUsername == "" || s.KafkaSASLPassword == "":
-			errs = append(errs, fmt.Errorf("--%s %s needs %s and %s", FlagKafkaSASLMech, m, EnvSASLUsername, EnvSASLPassword))
+			errs = append(errs, fieldErr(FlagKafkaSASLMech, fmt.Errorf("%s needs %s and %s", m, EnvSASLUsername, EnvSASLPassword)))
 		}
 	}
 	return errors.Join(errs...)
 }
 
-// ValidateRelay checks the settings that shape the relay's loop (those the
-// relay library's Config carries too, and validates with this), naming
-// each bad flag and its value.
-func (s Settings) ValidateRelay() error {
-	errs := []error{
-		flagErr(FlagTable, CheckTable(s.Table)),
-		flagErr(FlagBrokers, CheckBrokers(s.Brokers)),
-		flagErr(FlagTopic, CheckTopics(s.Topics)),
-		flagErr(FlagBatchSize, CheckBatchSize(s.BatchSize)),
-		flagErr(FlagMaxBatchBytes, CheckMaxBatchBytes(s.MaxBatchBytes)),
-		flagErr(FlagPollInterval, CheckPollInterval(s.PollInterval)),
-		flagErr(FlagPublishTimeout, CheckPublishTimeout(s.PublishTimeout)),
-		flagErr(FlagStallTimeout, CheckStallTimeout(s.StallTimeout)),
-		flagErr(FlagMaxInFlight, CheckMaxInFlight(s.MaxInFlight)),
-		flagErr(FlagOnPublish, CheckOnPublish(s.OnPublish)),
-		flagErr(FlagKeepPublishedFor, CheckKeepPublishedFor(s.KeepPublishedFor)),
-		flagErr(FlagPruneBatchSize, CheckPruneBatchSize(s.PruneBatchSize)),
-		flagErr(FlagPrunePause, CheckPrunePause(s.PrunePause)),
-		flagErr(FlagOrdering, CheckOrdering(s.Ordering)),
-		flagErr(FlagFormat, CheckFormat(s.Format)),
-		flagErr(FlagCloudEventsSource, CheckCloudEventsSource(s.CloudEventsSource)),
-		flagErr(FlagCompression, CheckCompression(s.Compression)),
+// Validate checks the relay's settings, with their defaults applied, and
+// names each bad flag and its value. Every error is a *FieldError.
+func (s Settings) Validate() error {
+	var errs []error
+	if s.DSN == "" {
+		errs = append(errs, fieldErr(FlagDSN, fmt.Errorf("required (set %s)", EnvDSN)))
 	}
+	errs = append(errs,
+		fieldErr(FlagTable, CheckTable(s.Table)),
+		fieldErr(FlagBrokers, CheckBrokers(s.Brokers)),
+		fieldErr(FlagTopic, CheckTopics(s.Topics)),
+		fieldErr(FlagBatchSize, CheckBatchSize(s.BatchSize)),
+		fieldErr(FlagMaxBatchBytes, CheckMaxBatchBytes(s.MaxBatchBytes)),
+		fieldErr(FlagPollInterval, CheckPollInterval(s.PollInterval)),
+		fieldErr(FlagPublishTimeout, CheckPublishTimeout(s.PublishTimeout)),
+		fieldErr(FlagStallTimeout, CheckStallTimeout(s.StallTimeout)),
+		fieldErr(FlagMaxInFlight, CheckMaxInFlight(s.MaxInFlight)),
+		fieldErr(FlagOnPublish, CheckOnPublish(s.OnPublish)),
+		fieldErr(FlagKeepPublishedFor, CheckKeepPublishedFor(s.KeepPublishedFor)),
+		fieldErr(FlagPruneBatchSize, CheckPruneBatchSize(s.PruneBatchSize)),
+		fieldErr(FlagPrunePause, CheckPrunePause(s.PrunePause)),
+		fieldErr(FlagOrdering, CheckOrdering(s.Ordering)),
+		fieldErr(FlagFormat, CheckFormat(s.Format)),
+		fieldErr(FlagCloudEventsSource, CheckCloudEventsSource(s.CloudEventsSource)),
+		fieldErr(FlagCompression, CheckCompression(s.Compression)),
+	)
 	if s.DeadLetterTopic != "" {
-		errs = append(errs, flagErr(FlagDeadLetterTopic, CheckDeadLetterTopic(s.DeadLetterTopic, s.Topics)))
+		errs = append(errs, fieldErr(FlagDeadLetterTopic, CheckDeadLetterTopic(s.DeadLetterTopic, s.Topics)))
 	}
 	return errors.Join(errs...)
 }
 
-// TLSEnabled reports whether the relay talks TLS to Kafka.
-func (s Settings) TLSEnabled() bool {
-	return s.KafkaTLS || s.KafkaTLSCAFile != "" || s.KafkaTLSCertFile != ""
+// FieldError is one bad setting: the flag that carries it (the operator
+// maps it to its spec field) and what is wrong with the value.
+type FieldError struct {
+	Flag string
+	Err  error
 }
 
-func flagErr(name string, err error) error {
+func (e *FieldError) Error() string { return "--" + e.Flag + ": " + e.Err.Error() }
+
+func (e *FieldError) Unwrap() error { return e.Err }
+
+// Errors is the flat list of the errors in err (those errors.Join joined), nil for nil.
+func Errors(err error) []error {
 	if err == nil {
 		return nil
 	}
-	return fmt.Errorf("--%s: %w", name, err)
+	joined, ok := err.(interface{ Unwrap() []error })
+	if !ok {
+		return []error{err}
+	}
+	var errs []error
+	for _, e := range joined.Unwrap() {
+		errs = append(errs, Errors(e)...)
+	}
+	return errs
+}
+
+// TLSEnabled reports whether the relay talks TLS to Kafka.
+func (s Command) TLSEnabled() bool {
+	return s.KafkaTLS || s.KafkaTLSCAFile != "" || s.KafkaTLSCertFile != ""
+}
+
+func fieldErr(flag string, err error) error {
+	if err == nil {
+		return nil
+	}
+	return &FieldError{Flag: flag, Err: err}
 }
 
 // CheckTable applies the table-name rule.

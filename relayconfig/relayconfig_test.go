@@ -19,7 +19,7 @@ func env(m map[string]string) func(string) (string, bool) {
 	return func(k string) (string, bool) { v, ok := m[k]; return v, ok }
 }
 
-func valid() relayconfig.Settings {
+func valid() relayconfig.Command {
 	s := relayconfig.Defaults()
 	s.DSN = "postgres://x"
 	s.Brokers = []string{"k1:9092", "[::1]:9093"}
@@ -30,9 +30,9 @@ func valid() relayconfig.Settings {
 // Args and Parse are inverses for valid settings.
 func TestArgsRoundTrip(t *testing.T) {
 	t.Parallel()
-	cases := map[string]func(s *relayconfig.Settings){
-		"defaults": func(*relayconfig.Settings) {},
-		"everything": func(s *relayconfig.Settings) {
+	cases := map[string]func(s *relayconfig.Command){
+		"defaults": func(*relayconfig.Command) {},
+		"everything": func(s *relayconfig.Command) {
 			s.Table = "app.outbox_2"
 			s.DeadLetterTopic = "dlt"
 			s.BatchSize = relayconfig.MaxBatchSize

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"crypto/tls"
 	"crypto/x509"
 	"fmt"
@@ -8,6 +9,8 @@ import (
 	"log/slog"
 	"os"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/segmentio/kafka-go/sasl"
 	"github.com/segmentio/kafka-go/sasl/plain"
 	"github.com/segmentio/kafka-go/sasl/scram"
@@ -17,24 +20,37 @@ import (
 	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
-// options is the parsed command line.
+// options is the parsed command line and the relay it configures.
 type options struct {
-	cfg         relay.Config
+	relay       *relay.Relay
+	settings    relay.Settings
+	registry    *prometheus.Registry // the relay's metrics and the process's
 	metricsAddr string
 	logger      *slog.Logger
 	tracing     *sdktrace.TracerProvider // nil when tracing is off
 }
 
-// parseFlags reads the command line and the RELAY_* environment with the
-// operator's contract (relayconfig) and builds the relay's Config from it.
+// parseFlags reads and checks the command line and the RELAY_* environment
+// with the operator's contract (relayconfig), and builds the relay from the
+// settings as they are.
 func parseFlags(args []string, lookupEnv func(string) (string, bool), stderr io.Writer) (*options, error) {
 	s, err := relayconfig.Parse(args, lookupEnv, stderr)
 	if err != nil {
 		return nil, err
 	}
-	cfg, err := configFrom(s)
-	if err != nil {
-		return nil, err
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	logger := newLogger(s.LogFormat, os.Stderr)
+	cfg := relay.Config{Settings: s.Settings, Logger: logger, Registerer: reg}
+	if s.TLSEnabled() {
+		if cfg.TLS, err = tlsConfig(s.KafkaTLSCAFile, s.KafkaTLSCertFile, s.KafkaTLSKeyFile); err != nil {
+			return nil, err
+		}
+	}
+	if s.KafkaSASLMechanism != "" {
+		if cfg.SASL, err = saslMechanism(s.KafkaSASLMechanism, s.KafkaSASLUsername, s.KafkaSASLPassword); err != nil {
+			return nil, err
+		}
 	}
 	tp, err := tracerProvider(lookupEnv)
 	if err != nil {
@@ -43,33 +59,11 @@ func parseFlags(args []string, lookupEnv func(string) (string, bool), stderr io.
 	if tp != nil {
 		cfg.TracerProvider = tp
 	}
-	logger := newLogger(s.LogFormat, os.Stderr)
-	cfg.Logger = logger
-	return &options{cfg: cfg, metricsAddr: s.MetricsAddr, logger: logger, tracing: tp}, nil
-}
-
-// configFrom turns the command's settings into the relay's Config (reading
-// the TLS files and building the SASL mechanism).
-func configFrom(s relayconfig.Settings) (relay.Config, error) {
-	cfg := relay.ConfigFrom(s)
-	if err := relay.ValidateConfig(cfg); err != nil {
-		return cfg, err
+	r, err := relay.New(cfg)
+	if err != nil {
+		return nil, errors.Join(err, shutdownTracing(tp))
 	}
-	if s.TLSEnabled() {
-		t, err := tlsConfig(s.KafkaTLSCAFile, s.KafkaTLSCertFile, s.KafkaTLSKeyFile)
-		if err != nil {
-			return cfg, err
-		}
-		cfg.TLS = t
-	}
-	if s.KafkaSASLMechanism != "" {
-		m, err := saslMechanism(s.KafkaSASLMechanism, s.KafkaSASLUsername, s.KafkaSASLPassword)
-		if err != nil {
-			return cfg, err
-		}
-		cfg.SASL = m
-	}
-	return cfg, nil
+	return &options{relay: r, settings: s.Settings, registry: reg, metricsAddr: s.MetricsAddr, logger: logger, tracing: tp}, nil
 }
 
 func tlsConfig(caFile, certFile, keyFile string) (*tls.Config, error) {

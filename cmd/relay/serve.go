@@ -8,8 +8,6 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/outbox-relay/outbox-operator/relay"
@@ -17,18 +15,12 @@ import (
 
 // serve runs the relay and its HTTP endpoints until ctx ends.
 func serve(ctx context.Context, o *options) error {
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	o.cfg.Registerer = reg
 	defer func() {
 		if err := shutdownTracing(o.tracing); err != nil {
 			o.logger.Warn("could not flush the last spans", "err", err)
 		}
 	}()
-	r, err := relay.New(o.cfg)
-	if err != nil {
-		return err
-	}
+	r, reg := o.relay, o.registry
 	defer r.Close()
 
 	mux := http.NewServeMux()
@@ -82,7 +74,7 @@ func serve(ctx context.Context, o *options) error {
 		}
 		backoff = min(2*backoff, 5*time.Second)
 	}
-	o.logger.Info("relay started", "table", o.cfg.Table, "brokers", o.cfg.Brokers, "topics", len(o.cfg.Topics), "batch_size", o.cfg.BatchSize)
+	o.logger.Info("relay started", "table", o.settings.Table, "brokers", o.settings.Brokers, "topics", len(o.settings.Topics), "batch_size", o.settings.BatchSize)
 
 	runErr := make(chan error, 1)
 	go func() { runErr <- r.Run(ctx) }()

@@ -57,7 +57,7 @@ func runAutoscale(ctx context.Context, o *options, e *benchEnv, rep *report) err
 		} else {
 			params["replicas"] = 1
 		}
-		rep.add("autoscale", autoscaleCase(auto), params, []map[string]float64{m})
+		rep.add(scAutoscale, autoscaleCase(auto), params, []map[string]float64{m})
 	}
 	if f, a := results[false], results[true]; f != nil && a != nil {
 		for k, what := range map[string]string{"drain_s": "time to drain", "replica_s_drain": "replica-seconds to drain"} {

@@ -53,7 +53,7 @@ func runBacklogCost(ctx context.Context, o *options, e *benchEnv, rep *report) e
 		}
 		logf("backlog read at %d waiting rows: %.1f ms (p95 %.1f), %.0f rows read; %.2f ms of database time per second per OutboxRelay at %s",
 			n, m["read_ms"], m["read_ms_p95"], m["rows_read"], m["db_ms_per_s"], interval)
-		rep.add("backlog", fmt.Sprintf("pending=%d", n), map[string]any{"pending": n, "interval": interval.String(),
+		rep.add(scBacklog, fmt.Sprintf("pending=%d", n), map[string]any{"pending": n, "interval": interval.String(),
 			"bound": outboxv1alpha1.BacklogBound, "reads": o.backlogReads}, []map[string]float64{m})
 	}
 	return nil

@@ -39,20 +39,20 @@ func TestBenchQuick(t *testing.T) {
 		seen[r.Scenario] = true
 		require.NotEmpty(t, r.Median, "%s %s has no values", r.Scenario, r.Case)
 	}
-	for _, s := range []string{"ceiling", "drain", "seeds", "scaling", "latency", "breakdown", "headers", "pruning", "longlived", "backlog"} {
+	for _, s := range []string{scCeiling, scDrain, scNaive, scScaling, scLatency, scBreakdown, scHeaders, scPruning, scLongLived, scBacklog} {
 		require.True(t, seen[s], "scenario %s missing from %s", s, js)
 	}
-	v, ok := rep.get("drain", "ordering=none batch=500", "events_per_s")
+	v, ok := rep.get(scDrain, "ordering=none batch=500", "events_per_s")
 	require.True(t, ok)
 	require.Positive(t, v)
 	// With tracing on, every span reaches the sink.
-	v, ok = rep.get("headers", headersCaseName(true, true), "spans_per_event")
+	v, ok = rep.get(scHeaders, headersCaseName(true, true), "spans_per_event")
 	require.True(t, ok)
 	require.InDelta(t, 1, v, 0.001)
-	v, ok = rep.get("pruning", "writers pruning=true", "pruned")
+	v, ok = rep.get(scPruning, "writers pruning=true", "pruned")
 	require.True(t, ok)
 	require.Positive(t, v, "nothing pruned while the writers ran")
-	v, ok = rep.get("backlog", "pending=5000", "rows_read")
+	v, ok = rep.get(scBacklog, "pending=5000", "rows_read")
 	require.True(t, ok)
 	require.Equal(t, 5000.0, v)
 	require.NotNil(t, rep.Profile)
@@ -86,9 +86,9 @@ func TestTimeAt(t *testing.T) {
 func TestQuickScenarios(t *testing.T) {
 	o, err := parseFlags([]string{"-quick"})
 	require.NoError(t, err)
-	require.NotContains(t, o.scenarios, "footprint")
-	require.NotContains(t, o.scenarios, "autoscale")
-	require.Contains(t, o.scenarios, "longlived")
+	require.NotContains(t, o.scenarios, scFootprint)
+	require.NotContains(t, o.scenarios, scAutoscale)
+	require.Contains(t, o.scenarios, scLongLived)
 	require.Equal(t, []int{10000, 100000}, o.backlogRows)
 	o, err = parseFlags(nil)
 	require.NoError(t, err)
@@ -104,16 +104,16 @@ func TestTablesRender(t *testing.T) {
 	rep := &report{Rows: 1000, Ratios: map[string]ratioResult{}, Notes: map[string]string{}}
 	one := func(m map[string]float64) []map[string]float64 { return []map[string]float64{m} }
 	for _, h := range []bool{false, true} {
-		rep.add("headers", headersCaseName(h, h), map[string]any{"headers": h, "tracing": h, "batch": 500},
+		rep.add(scHeaders, headersCaseName(h, h), map[string]any{"headers": h, "tracing": h, "batch": 500},
 			one(map[string]float64{"events_per_s": 1000, "cpu_s_per_10k": 0.1, "spans_per_event": 1, "topic_mib": 1}))
-		rep.add("pruning", fmt.Sprintf("writers pruning=%v", h), map[string]any{"kind": "writers", "pruning": h, "batch": 50, "writers": 8},
+		rep.add(scPruning, fmt.Sprintf("writers pruning=%v", h), map[string]any{"kind": "writers", "pruning": h, "batch": 50, "writers": 8},
 			one(map[string]float64{"events_per_s": 900, "pruned": 10}))
 	}
-	rep.add("longlived", "on-publish=delete", map[string]any{"on_publish": "delete", "rows": 1000, "batch": 500, "writers": 8,
+	rep.add(scLongLived, "on-publish=delete", map[string]any{"on_publish": "delete", "rows": 1000, "batch": 500, "writers": 8,
 		"write_rate": 1000, "long_tx_from": longTxFrom, "long_tx_to": longTxTo}, one(map[string]float64{"first10_per_s": 10, "last10_per_s": 9, "last_first": 0.9}))
-	rep.add("backlog", "pending=1000", map[string]any{"pending": 1000}, one(map[string]float64{"rows_read": 1000, "read_ms": 1, "db_ms_per_s": 0.1}))
+	rep.add(scBacklog, "pending=1000", map[string]any{"pending": 1000}, one(map[string]float64{"rows_read": 1000, "read_ms": 1, "db_ms_per_s": 0.1}))
 	for _, auto := range []bool{false, true} {
-		rep.add("autoscale", autoscaleCase(auto), map[string]any{"autoscaling": auto, "burst_rows": 1000, "batch": 50, "interval": "15s",
+		rep.add(scAutoscale, autoscaleCase(auto), map[string]any{"autoscaling": auto, "burst_rows": 1000, "batch": 50, "interval": "15s",
 			"min_replicas": 0, "max_replicas": 4, "pending_per_replica": 125, "scale_down_stabilization": "30s"},
 			one(map[string]float64{"drain_s": 10 + 10*b2f(auto), "replica_s_drain": 10, "peak_replicas": 1}))
 	}

@@ -272,7 +272,7 @@ type naiveRow struct {
 }
 
 // naiveShape drains the table for d the way a hand-written relay commonly
-// does, to measure what the relay's design buys (scenario "seeds"): claim a
+// does, to measure what the relay's design buys (scenario naive-per-row): claim a
 // batch with FOR UPDATE SKIP LOCKED through the pool, whose implicit
 // transaction ends (and drops the locks) with the SELECT, then publish and
 // mark one row at a time, with the relay's Writer settings.

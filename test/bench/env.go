@@ -47,9 +47,9 @@ func startEnv(ctx context.Context, o *options, work string) (*benchEnv, error) {
 	// The autoscale scenario starts a cluster of its own (and the backlog
 	// scenario needs no broker).
 	needKafka := slices.ContainsFunc(o.scenarios, func(s string) bool {
-		return s != "ceiling" && s != "footprint" && s != "backlog" && s != "autoscale"
+		return s != scCeiling && s != scFootprint && s != scBacklog && s != scAutoscale
 	})
-	needManager := slices.Contains(o.scenarios, "footprint")
+	needManager := slices.Contains(o.scenarios, scFootprint)
 	logf("starting PostgreSQL (fsync %v)", o.fsync)
 	if e.pg, err = testenv.StartPostgres(filepath.Join(work, "postgres")); err != nil {
 		return nil, err

@@ -47,7 +47,7 @@ func runFootprint(ctx context.Context, o *options, e *benchEnv, rep *report) err
 	if err != nil {
 		return err
 	}
-	rep.add("footprint", fmt.Sprintf("relays=%d", o.relays), map[string]any{"relays": o.relays, "namespaces": fleetNamespaces,
+	rep.add(scFootprint, fmt.Sprintf("relays=%d", o.relays), map[string]any{"relays": o.relays, "namespaces": fleetNamespaces,
 		"steady_window": fleetSteadyWindow.String(), "connections_per_database": controllers.DefaultConnsPerDatabase,
 		"secret_refresh": controllers.DefaultSecretRefreshInterval.String(), "backlog_interval": controllers.DefaultBacklogInterval.String()}, reps)
 	return nil

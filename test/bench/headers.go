@@ -25,7 +25,7 @@ func headersCases(o *options, e *benchEnv) []*benchCase {
 	var cases []*benchCase
 	for _, tracing := range []bool{false, true} {
 		for _, headers := range []bool{false, true} {
-			cases = append(cases, &benchCase{scenario: "headers", name: headersCaseName(headers, tracing),
+			cases = append(cases, &benchCase{scenario: scHeaders, name: headersCaseName(headers, tracing),
 				params: map[string]any{"headers": headers, "tracing": tracing, "batch": batch, "ordering": "none"},
 				run: func(ctx context.Context) (map[string]float64, error) {
 					d := drainSetup{headers: headers}

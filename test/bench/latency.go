@@ -59,7 +59,7 @@ func runLatency(ctx context.Context, o *options, e *benchEnv, rep *report) error
 		}
 		logf("latency %s: achieved %.0f/s, p50 %.0f ms, p95 %.0f ms, p99 %.0f ms, backlog %.0f→%.0f, RSS %.1f MiB",
 			name, m["achieved_per_s"], m["p50_ms"], m["p95_ms"], m["p99_ms"], m["backlog_start"], m["backlog_end"], m["relay_rss_mib"])
-		rep.add("latency", name, map[string]any{"rate": c.rate, "duration_s": o.latencyFor.Seconds(),
+		rep.add(scLatency, name, map[string]any{"rate": c.rate, "duration_s": o.latencyFor.Seconds(),
 			"producers": o.producers, "batch": relayconfig.DefaultBatchSize, "poll_interval": c.poll.String(), "notify": c.notify},
 			[]map[string]float64{m})
 	}
@@ -73,7 +73,7 @@ func runIdle(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 		if err := e.freshTable(ctx, 0); err != nil {
 			return err
 		}
-		topic, err := e.newTopic(o, "idle")
+		topic, err := e.newTopic(o, scIdle)
 		if err != nil {
 			return err
 		}
@@ -108,7 +108,7 @@ func runIdle(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 			return err
 		}
 		logf("idle poll=%s: %.1f database transactions/s, relay %.1f millicores", poll, m["db_xacts_per_s"], m["relay_cpu_millicores"])
-		rep.add("idle", "poll="+poll.String(), map[string]any{"poll_interval": poll.String(), "duration_s": o.idleFor.Seconds()}, []map[string]float64{m})
+		rep.add(scIdle, "poll="+poll.String(), map[string]any{"poll_interval": poll.String(), "duration_s": o.idleFor.Seconds()}, []map[string]float64{m})
 	}
 	return nil
 }
@@ -352,7 +352,7 @@ func runWriters(ctx context.Context, o *options, e *benchEnv, rep *report) error
 		}
 	}
 	for _, notify := range []bool{false, true} {
-		rep.add("writers", fmt.Sprintf("notify=%v", notify), map[string]any{"writers": o.producers, "duration_s": o.writersFor.Seconds(), "notify": notify}, results[notify])
+		rep.add(scWriters, fmt.Sprintf("notify=%v", notify), map[string]any{"writers": o.producers, "duration_s": o.writersFor.Seconds(), "notify": notify}, results[notify])
 	}
 	if len(ratios) > 0 {
 		rep.Ratios["writers notify / without"] = ratioResult{Median: median(ratios), Rounds: ratios}
@@ -371,7 +371,7 @@ func writersRunWith(ctx context.Context, o *options, e *benchEnv, fill tableFill
 	if err := e.fillTable(ctx, fill); err != nil {
 		return nil, err
 	}
-	topic, err := e.newTopic(o, "writers")
+	topic, err := e.newTopic(o, scWriters)
 	if err != nil {
 		return nil, err
 	}

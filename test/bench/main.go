@@ -1,7 +1,7 @@
 // Command outbox-bench measures the relay side by side with the limits of
 // this machine in one run: the PostgreSQL claim+mark ceiling, the relay
 // binary draining a pre-inserted backlog, the naive shape of a hand-written
-// relay (scenario "seeds"), scaling over replicas, what headers, tracing,
+// relay (scenario naive-per-row), scaling over replicas, what headers, tracing,
 // retention and pruning cost, a long-lived table, steady-state latency, the
 // idle cost of the poll interval, what the operator's backlog reads cost the
 // database, a burst drained by one relay pod or by autoscaled ones, and the
@@ -13,7 +13,7 @@
 //
 //	outbox-bench                     # the full run (make bench)
 //	outbox-bench -quick              # a ~3-minute subset (make bench-quick)
-//	outbox-bench -scenarios ceiling,drain,seeds   # the relay's throughput alone (make bench-relay)
+//	outbox-bench -scenarios claim-ceiling,drain,naive-per-row   # the relay's throughput alone (make bench-relay)
 package main
 
 import (
@@ -71,12 +71,33 @@ type options struct {
 	autoscaleDown     time.Duration
 }
 
-var allScenarios = []string{"ceiling", "drain", "seeds", "scaling", "retention", "compression", "headers", "pruning", "longlived",
-	"latency", "writers", "idle", "backlog", "breakdown", "profile", "footprint", "autoscale"}
+var allScenarios = []string{scCeiling, scDrain, scNaive, scScaling, scRetention, scCompression, scHeaders, scPruning, scLongLived,
+	scLatency, scWriters, scIdle, scBacklog, scBreakdown, scProfile, scFootprint, scAutoscale}
+
+// The scenarios, each named for what it measures.
+const (
+	scCeiling     = "claim-ceiling"       // PostgreSQL claim and mark alone, no Kafka: the ceiling any relay meets
+	scDrain       = "drain"               // one relay process draining a pre-inserted backlog, per ordering and batch size
+	scNaive       = "naive-per-row"       // a hand-written relay: claim through the pool, one WriteMessages and one UPDATE per row
+	scScaling     = "replica-scaling"     // replicas draining one table together
+	scRetention   = "mark-or-delete"      // marking published rows against deleting them
+	scCompression = "compression"         // one relay draining with each produce codec
+	scHeaders     = "headers-and-tracing" // a headers column and tracing, off and on
+	scPruning     = "pruning-cost"        // what pruning published rows costs the relay and the writers
+	scLongLived   = "long-transaction"    // a long drain while writers insert and an old transaction holds back vacuum
+	scLatency     = "latency"             // end-to-end latency at steady insert rates
+	scWriters     = "notify-cost"         // what a notification per transaction costs the writers
+	scIdle        = "idle-cost"           // what an idle relay costs the database per poll interval
+	scBacklog     = "backlog-read"        // the operator's backlog read at growing backlogs
+	scBreakdown   = "batch-time"          // where a batch's time goes
+	scProfile     = "cpu-profile"         // a CPU profile of the relay at batch 500
+	scFootprint   = "operator-fleet"      // the operator reconciling a thousand OutboxRelays
+	scAutoscale   = "autoscale"           // a burst drained by a fixed relay and by an autoscaled one
+)
 
 // quickScenarios are the scenarios of -quick: all but those that need
 // kube-apiserver (footprint, autoscale).
-var quickScenarios = slices.DeleteFunc(slices.Clone(allScenarios), func(s string) bool { return s == "footprint" || s == "autoscale" })
+var quickScenarios = slices.DeleteFunc(slices.Clone(allScenarios), func(s string) bool { return s == scFootprint || s == scAutoscale })
 
 func parseFlags(args []string) (*options, error) {
 	fs := flag.NewFlagSet("outbox-bench", flag.ContinueOnError)
@@ -294,7 +315,7 @@ func runScenarios(ctx context.Context, o *options, env *benchEnv, rep *report) e
 	want := func(s string) bool {
 		if s == "throughput" {
 			return slices.ContainsFunc(o.scenarios, func(x string) bool {
-				return x == "ceiling" || x == "drain" || x == "seeds" || x == "scaling" || x == "retention" || x == "compression" || x == "headers"
+				return x == scCeiling || x == scDrain || x == scNaive || x == scScaling || x == scRetention || x == scCompression || x == scHeaders
 			})
 		}
 		return slices.Contains(o.scenarios, s)
@@ -304,17 +325,17 @@ func runScenarios(ctx context.Context, o *options, env *benchEnv, rep *report) e
 		fn   func(context.Context, *options, *benchEnv, *report) error
 	}{
 		{"throughput", runRounds},
-		{"pruning", runPruning},
-		{"longlived", runLongLived},
-		{"latency", runLatency},
-		{"writers", runWriters},
-		{"idle", runIdle},
-		{"backlog", runBacklogCost},
-		{"breakdown", runBreakdown},
-		{"profile", runProfile},
-		{"footprint", runFootprint},
+		{scPruning, runPruning},
+		{scLongLived, runLongLived},
+		{scLatency, runLatency},
+		{scWriters, runWriters},
+		{scIdle, runIdle},
+		{scBacklog, runBacklogCost},
+		{scBreakdown, runBreakdown},
+		{scProfile, runProfile},
+		{scFootprint, runFootprint},
 		// Last: it starts a cluster of its own.
-		{"autoscale", runAutoscale},
+		{scAutoscale, runAutoscale},
 	}
 	if err := warmUp(ctx, o, env); err != nil {
 		return fmt.Errorf("warm-up: %w", err)

@@ -38,14 +38,14 @@ type profileSummary struct {
 func runProfile(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 	batch, best := 500, 0.0
 	for _, b := range o.batches {
-		if v, ok := rep.get("drain", fmt.Sprintf("ordering=none batch=%d", b), "events_per_s"); ok && v > best {
+		if v, ok := rep.get(scDrain, fmt.Sprintf("ordering=none batch=%d", b), "events_per_s"); ok && v > best {
 			batch, best = b, v
 		}
 	}
 	if err := e.freshTable(ctx, o.rows); err != nil {
 		return err
 	}
-	topic, err := e.newTopic(o, "profile")
+	topic, err := e.newTopic(o, scProfile)
 	if err != nil {
 		return err
 	}
@@ -96,8 +96,9 @@ func runProfile(ctx context.Context, o *options, e *benchEnv, rep *report) error
 // it has published rows events, then stops it, and returns the relay's
 // metrics; w, when not nil, is its Kafka writer.
 func inProcessDrain(ctx context.Context, e *benchEnv, topic string, batch, rows int, w relay.MessageWriter) (*prometheus.Registry, error) {
-	x, err := outboxtest.RunRelay(relay.Config{DSN: e.dsn, Brokers: []string{e.kafka.Addr()}, Topics: map[string]string{eventType: topic},
-		BatchSize: batch}, w)
+	x, err := outboxtest.RunRelay(relay.Config{
+		Settings: relay.Settings{DSN: e.dsn, Brokers: []string{e.kafka.Addr()}, Topics: map[string]string{eventType: topic}, BatchSize: batch},
+	}, w)
 	if err != nil {
 		return nil, err
 	}
@@ -197,7 +198,7 @@ func runBreakdown(ctx context.Context, o *options, e *benchEnv, rep *report) err
 		if err != nil {
 			return err
 		}
-		rep.add("breakdown", fmt.Sprintf("batch=%d", batch), map[string]any{"batch": batch}, reps)
+		rep.add(scBreakdown, fmt.Sprintf("batch=%d", batch), map[string]any{"batch": batch}, reps)
 	}
 	return nil
 }

@@ -166,13 +166,13 @@ func (r *report) evaluate(o *options) {
 	add("one replica at batch 50 vs the naive shape (median of per-round ratios)", "≥ 10×", q.Median, ok, q.Median >= 10, "%.1f×")
 	q, ok = r.Ratios["scaling none 4 replicas / 1"]
 	add("4 replicas vs 1 at batch 50 (median of per-round ratios)", "≥ 1.5×", q.Median, ok, q.Median >= 1.5, "%.2f×")
-	p99, ok1 := r.get("latency", "rate=1000", "p99_ms")
+	p99, ok1 := r.get(scLatency, "rate=1000", "p99_ms")
 	add("commit-to-consumed p99 at 1,000 events/s (default settings)", "≤ 30 ms", p99, ok1, p99 <= 30, "%.0f ms")
-	p99, ok1 = r.get("latency", "rate=5000", "p99_ms")
+	p99, ok1 = r.get(scLatency, "rate=5000", "p99_ms")
 	add("commit-to-consumed p99 at 5,000 events/s (default settings)", "≤ 50 ms", p99, ok1, p99 <= 50, "%.0f ms")
-	p99, ok1 = r.get("latency", "rate=1000 notify", "p99_ms")
+	p99, ok1 = r.get(scLatency, "rate=1000 notify", "p99_ms")
 	add("commit-to-consumed p99 at 1,000 events/s with --notify", "≤ 5 ms", p99, ok1, p99 <= 5, "%.1f ms")
-	x, ok1 := r.get("idle", "poll="+relayconfig.DefaultPollInterval.String(), "db_xacts_per_s")
+	x, ok1 := r.get(scIdle, "poll="+relayconfig.DefaultPollInterval.String(), "db_xacts_per_s")
 	add("idle relay at default settings: database transactions/s", "≤ 10", x, ok1, x <= 10, "%.1f")
 	q, ok = r.Ratios["writers notify / without"]
 	add("writers' throughput with a notification per transaction vs without (8 writers, one row per transaction)", "reported", 100*q.Median, ok, true, "%.0f%%")
@@ -199,18 +199,18 @@ func (r *report) evaluate(o *options) {
 	add("the same: replica-seconds until drained", "reported", 100*q.Median, ok, true, "%.0f%%")
 	if len(o.backlogRows) > 0 {
 		n := slices.Max(o.backlogRows)
-		x, ok1 := r.get("backlog", fmt.Sprintf("pending=%d", n), "db_ms_per_s")
+		x, ok1 := r.get(scBacklog, fmt.Sprintf("pending=%d", n), "db_ms_per_s")
 		add(fmt.Sprintf("the operator's backlog reads at %d waiting rows: database time per OutboxRelay", n), "reported", x, ok1, true, "%.2f ms/s")
 	}
-	flat, ok1 := r.get("latency", "rate=5000", "backlog_flat")
-	grow, _ := r.get("latency", "rate=5000", "backlog_end")
+	flat, ok1 := r.get(scLatency, "rate=5000", "backlog_flat")
+	grow, _ := r.get(scLatency, "rate=5000", "backlog_end")
 	add("backlog at 5,000 events/s", "flat", grow, ok1, flat == 1, "flat=%v"+fmt.Sprintf(" (end-of-run backlog %.0f rows)", grow))
 	if ok1 {
 		r.Targets[len(r.Targets)-1].Measured = map[bool]string{true: "flat", false: "growing"}[flat == 1] + fmt.Sprintf(" (last-10 s backlog %.0f rows)", grow)
 	}
 	rss := math.NaN()
 	for _, x := range r.Results {
-		if x.Scenario == "latency" {
+		if x.Scenario == scLatency {
 			if v, ok := x.Median["relay_rss_mib"]; ok && !(v <= rss) {
 				rss = v
 			}
@@ -219,16 +219,16 @@ func (r *report) evaluate(o *options) {
 	add("relay RSS at steady state (largest of the latency runs)", "≤ 64 MiB", rss, !math.IsNaN(rss), rss <= 64, "%.1f MiB")
 	n := o.relays
 	fleet := fmt.Sprintf("relays=%d", n)
-	t, ok1 := r.get("footprint", fleet, "ready_s")
+	t, ok1 := r.get(scFootprint, fleet, "ready_s")
 	add(fmt.Sprintf("%d OutboxRelays Ready, backlogs read", n), "≤ 60 s", t, ok1, t <= 60, "%.1f s")
-	m, ok1 := r.get("footprint", fleet, "manager_rss_mib")
+	m, ok1 := r.get(scFootprint, fleet, "manager_rss_mib")
 	add("manager RSS with them", "≤ 256 MiB", m, ok1, m <= 256, "%.1f MiB")
-	c, ok1 := r.get("footprint", fleet, "db_conns_peak")
+	c, ok1 := r.get(scFootprint, fleet, "db_conns_peak")
 	add(fmt.Sprintf("operator connections to their one database (%d users), peak", fleetNamespaces),
 		fmt.Sprintf("≤ %d (the cap)", controllers.DefaultConnsPerDatabase), c, ok1, c <= controllers.DefaultConnsPerDatabase, "%.0f")
-	g, ok1 := r.get("footprint", fleet, "secret_gets_per_s")
+	g, ok1 := r.get(scFootprint, fleet, "secret_gets_per_s")
 	add("Secret GETs in the steady window", "0 /s", g, ok1, g == 0, "%.2f /s")
-	w, ok1 := r.get("footprint", fleet, "fleet_writes_per_s")
+	w, ok1 := r.get(scFootprint, fleet, "fleet_writes_per_s")
 	most := float64(n) / 60 // a status write per OutboxRelay per minute, as the rows age (controllers.statusRefresh)
 	add("API writes in the steady window (only the rows' age changes)", fmt.Sprintf("≤ %.1f /s (one status write per OutboxRelay per minute)", most),
 		w, ok1, w <= most, "%.2f /s")
@@ -334,41 +334,41 @@ func (r *report) tables() string {
 			b.WriteString("\n")
 		}
 	}
-	section("ceiling", "1. Ceiling: PostgreSQL claim+mark, no Kafka",
+	section(scCeiling, "1. Ceiling: PostgreSQL claim+mark, no Kafka",
 		"| batch | loops | rows/s (median) | repetitions |\n| ---: | ---: | ---: | --- |",
 		func(x *result) string {
 			return fmt.Sprintf("| %v | %v | %.0f | %s |", x.Params["batch"], x.Params["loops"], x.Median["events_per_s"], reps(x, "events_per_s", "%.0f"))
 		})
-	section("drain", "2. Relay drain: one relay process, pre-inserted backlog",
+	section(scDrain, "2. Relay drain: one relay process, pre-inserted backlog",
 		"| ordering | batch | events/s (median) | vs ceiling | CPU s / 10k events | peak RSS MiB | repetitions (events/s) |\n| --- | ---: | ---: | ---: | ---: | ---: | --- |",
 		func(x *result) string {
 			ratio := "–"
-			if c, ok := r.get("ceiling", fmt.Sprintf("batch=%v loops=1", x.Params["batch"]), "events_per_s"); ok {
+			if c, ok := r.get(scCeiling, fmt.Sprintf("batch=%v loops=1", x.Params["batch"]), "events_per_s"); ok {
 				ratio = fmt.Sprintf("%.0f%%", 100*x.Median["events_per_s"]/c)
 			}
 			return fmt.Sprintf("| %v | %v | %.0f | %s | %.2f | %.1f | %s |", x.Params["ordering"], x.Params["batch"], x.Median["events_per_s"], ratio,
 				x.Median["cpu_s_per_10k"], x.Median["peak_rss_mib"], reps(x, "events_per_s", "%.0f"))
 		})
-	section("seeds", "3. The naive shape: claim through the pool, one WriteMessages and one UPDATE per row",
+	section(scNaive, "3. The naive shape: claim through the pool, one WriteMessages and one UPDATE per row",
 		"| batch | events/s (median) | relay batch 50 / naive | repetitions |\n| ---: | ---: | ---: | --- |",
 		func(x *result) string {
 			ratio := "–"
-			if d, ok := r.get("drain", "ordering=none batch=50", "events_per_s"); ok {
+			if d, ok := r.get(scDrain, "ordering=none batch=50", "events_per_s"); ok {
 				ratio = fmt.Sprintf("%.1f×", d/x.Median["events_per_s"])
 			}
 			return fmt.Sprintf("| %v | %.0f | %s | %s |", x.Params["batch"], x.Median["events_per_s"], ratio, reps(x, "events_per_s", "%.0f"))
 		})
-	section("scaling", "4. Scaling: replicas draining one table, batch 50",
+	section(scScaling, "4. Scaling: replicas draining one table, batch 50",
 		"| ordering | replicas | events/s (median) | vs 1 replica | CPU s / 10k (all replicas) | repetitions |\n| --- | ---: | ---: | ---: | ---: | --- |",
 		func(x *result) string {
 			ratio := "–"
-			if one, ok := r.get("scaling", fmt.Sprintf("ordering=%v replicas=1", x.Params["ordering"]), "events_per_s"); ok {
+			if one, ok := r.get(scScaling, fmt.Sprintf("ordering=%v replicas=1", x.Params["ordering"]), "events_per_s"); ok {
 				ratio = fmt.Sprintf("%.2f×", x.Median["events_per_s"]/one)
 			}
 			return fmt.Sprintf("| %v | %v | %.0f | %s | %.2f | %s |", x.Params["ordering"], x.Params["replicas"], x.Median["events_per_s"], ratio,
 				x.Median["cpu_s_per_10k"], reps(x, "events_per_s", "%.0f"))
 		})
-	section("latency", "5. Steady state: one relay (batch 50), producers inserting one row per transaction",
+	section(scLatency, "5. Steady state: one relay (batch 50), producers inserting one row per transaction",
 		"| target events/s | poll interval | achieved inserts/s | consumed | p50 ms | p95 ms | p99 ms | max ms | p99 per third (ms) | rows overtaken (%) | p99 of the rest ms | backlog first / last 10 s (rows) | backlog flat | relay CPU (cores) | relay RSS MiB |\n| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- | --- | ---: | ---: |",
 		func(x *result) string {
 			m := x.Median
@@ -381,21 +381,21 @@ func (r *report) tables() string {
 				m["p99_ms_w1"], m["p99_ms_w2"], m["p99_ms_w3"], m["overtaken_pct"], m["p99_ms_in_order"], m["backlog_start"], m["backlog_end"],
 				map[bool]string{true: "yes", false: "no"}[m["backlog_flat"] == 1], m["relay_cpu_cores"], m["relay_rss_mib"])
 		})
-	section("retention", "Retention: mark against delete on publish, one relay, batch 500 (timed by the relay's counter)",
+	section(scRetention, "Retention: mark against delete on publish, one relay, batch 500 (timed by the relay's counter)",
 		"| on publish | events/s (median) | repetitions |\n| --- | ---: | --- |",
 		func(x *result) string {
 			return fmt.Sprintf("| %v | %.0f | %s |", x.Params["on_publish"], x.Median["events_per_s"], reps(x, "events_per_s", "%.0f"))
 		})
-	section("compression", fmt.Sprintf("Compression: one relay draining at batch 500 with each codec (same %d rows)", r.Rows),
+	section(scCompression, fmt.Sprintf("Compression: one relay draining at batch 500 with each codec (same %d rows)", r.Rows),
 		"| codec | events/s (median) | topic on the broker's disk (MiB) | repetitions |\n| --- | ---: | ---: | --- |",
 		func(x *result) string {
 			return fmt.Sprintf("| %v | %.0f | %.1f | %s |", x.Params["codec"], x.Median["events_per_s"], x.Median["topic_mib"], reps(x, "events_per_s", "%.0f"))
 		})
-	section("headers", fmt.Sprintf("Headers and tracing: one relay draining at batch 500 (%d rows), with and without a headers column of three entries, tracing off and on", r.Rows),
+	section(scHeaders, fmt.Sprintf("Headers and tracing: one relay draining at batch 500 (%d rows), with and without a headers column of three entries, tracing off and on", r.Rows),
 		"| headers column | tracing | events/s (median) | vs neither | CPU s / 10k events | spans exported per event | topic on the broker's disk (MiB) | repetitions |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
 		func(x *result) string {
 			ratio, spans := "–", "–"
-			if v, ok := r.get("headers", headersCaseName(false, false), "events_per_s"); ok {
+			if v, ok := r.get(scHeaders, headersCaseName(false, false), "events_per_s"); ok {
 				ratio = fmt.Sprintf("%.0f%%", 100*x.Median["events_per_s"]/v)
 			}
 			if v, ok := x.Median["spans_per_event"]; ok {
@@ -404,11 +404,11 @@ func (r *report) tables() string {
 			return fmt.Sprintf("| %s | %s | %.0f | %s | %.2f | %s | %.1f | %s |", map[bool]string{true: "set", false: "NULL"}[x.Params["headers"] == true],
 				onOff(x.Params["tracing"] == true), x.Median["events_per_s"], ratio, x.Median["cpu_s_per_10k"], spans, x.Median["topic_mib"], reps(x, "events_per_s", "%.0f"))
 		})
-	section("pruning", fmt.Sprintf("Pruning: what it costs the relay and the writers (the table also holds %d rows published a day ago; pruning is --%s=%s)", r.Rows, relayconfig.FlagKeepPublishedFor, pruneKeep),
+	section(scPruning, fmt.Sprintf("Pruning: what it costs the relay and the writers (the table also holds %d rows published a day ago; pruning is --%s=%s)", r.Rows, relayconfig.FlagKeepPublishedFor, pruneKeep),
 		"| run | pruning | rows/s (median) | vs without | rows pruned during the run | repetitions |\n| --- | --- | ---: | ---: | ---: | --- |",
 		func(x *result) string {
 			ratio := "–"
-			if v, ok := r.get("pruning", fmt.Sprintf("%v pruning=false", x.Params["kind"]), "events_per_s"); ok {
+			if v, ok := r.get(scPruning, fmt.Sprintf("%v pruning=false", x.Params["kind"]), "events_per_s"); ok {
 				ratio = fmt.Sprintf("%.0f%%", 100*x.Median["events_per_s"]/v)
 			}
 			run := fmt.Sprintf("drain, one relay at batch %v", x.Params["batch"])
@@ -417,7 +417,7 @@ func (r *report) tables() string {
 			}
 			return fmt.Sprintf("| %s | %s | %.0f | %s | %.0f | %s |", run, onOff(x.Params["pruning"] == true), x.Median["events_per_s"], ratio, x.Median["pruned"], reps(x, "events_per_s", "%.0f"))
 		})
-	section("longlived", r.longLivedTitle(),
+	section(scLongLived, r.longLivedTitle(),
 		"| on publish | autovacuum settings | first 10% events/s | last 10% events/s | last / first | while the long transaction was open | whole drain | long transaction open (s) | writers' rows/s | table at the end (MiB) |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
 		func(x *result) string {
 			m := x.Median
@@ -428,12 +428,12 @@ func (r *report) tables() string {
 			return fmt.Sprintf("| %v | %v | %.0f | %.0f | %s | %.0f | %.0f | %.1f | %.0f | %.0f |", x.Params["on_publish"], cmp.Or(x.Params["autovacuum"], any(autovacuumLabel(false))), m["first10_per_s"], m["last10_per_s"], lastFirst,
 				m["long_tx_per_s"], m["events_per_s"], m["long_tx_open_s"], m["writers_per_s"], m["table_mib"])
 		})
-	section("writers", "Writers: what a notification per transaction costs (8 writers, one row per transaction)",
+	section(scWriters, "Writers: what a notification per transaction costs (8 writers, one row per transaction)",
 		"| notify | rows/s (median) | repetitions |\n| --- | ---: | --- |",
 		func(x *result) string {
 			return fmt.Sprintf("| %v | %.0f | %s |", x.Params["notify"], x.Median["rows_per_s"], reps(x, "rows_per_s", "%.0f"))
 		})
-	section("footprint", fmt.Sprintf("6. Footprint: a fleet of OutboxRelays in %d namespaces (one database user each), each on an outbox table of its own with %d waiting rows in one real PostgreSQL database, reconciled in envtest; the steady window follows all Ready (defaults: %s backlog interval, %d connections per database, Secrets read every %s)",
+	section(scFootprint, fmt.Sprintf("6. Footprint: a fleet of OutboxRelays in %d namespaces (one database user each), each on an outbox table of its own with %d waiting rows in one real PostgreSQL database, reconciled in envtest; the steady window follows all Ready (defaults: %s backlog interval, %d connections per database, Secrets read every %s)",
 		fleetNamespaces, fleetRows, controllers.DefaultBacklogInterval, controllers.DefaultConnsPerDatabase, controllers.DefaultSecretRefreshInterval),
 		"| OutboxRelays | created in s | all Ready, backlogs read, in s | manager CPU s until then | manager RSS MiB | peak RSS MiB | steady millicores | database connections, peak / steady | database ms/s (steady) | Secret GETs/s (steady) | API writes/s (steady) | API reads/s (steady) |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
 		func(x *result) string {
@@ -442,19 +442,19 @@ func (r *report) tables() string {
 				m["manager_cpu_s"], m["manager_rss_mib"], m["manager_peak_rss_mib"], m["manager_steady_millicores"], m["db_conns_peak"], m["db_conns_steady"],
 				m["db_ms_per_s"], m["secret_gets_per_s"], m["fleet_writes_per_s"], m["fleet_reads_per_s"])
 		})
-	section("idle", "Idle cost of the poll interval (one relay, empty table)",
+	section(scIdle, "Idle cost of the poll interval (one relay, empty table)",
 		"| poll interval | database transactions/s | relay CPU (millicores) |\n| --- | ---: | ---: |",
 		func(x *result) string {
 			return fmt.Sprintf("| %v | %.1f | %.1f |", x.Params["poll_interval"], x.Median["db_xacts_per_s"], x.Median["relay_cpu_millicores"])
 		})
-	section("backlog", fmt.Sprintf("The operator's backlog read: one query per OutboxRelay every %s (the default), on its own connection with the operator's settings, at most %d rows read",
+	section(scBacklog, fmt.Sprintf("The operator's backlog read: one query per OutboxRelay every %s (the default), on its own connection with the operator's settings, at most %d rows read",
 		controllers.DefaultBacklogInterval, outboxv1alpha1.BacklogBound),
 		"| waiting rows | rows read | ms per read (median) | p95 ms | database ms per second, per OutboxRelay | OutboxRelays per database core |\n| ---: | ---: | ---: | ---: | ---: | ---: |",
 		func(x *result) string {
 			m := x.Median
 			return fmt.Sprintf("| %v | %.0f | %.1f | %.1f | %.2f | %.0f |", x.Params["pending"], m["rows_read"], m["read_ms"], m["read_ms_p95"], m["db_ms_per_s"], m["relays_per_core"])
 		})
-	section("autoscale", r.autoscaleTitle(),
+	section(scAutoscale, r.autoscaleTitle(),
 		"| relay | burst drained in s | vs fixed | replica-seconds until drained | peak replicas | first replica ready after s | back at its minimum after s | replica-seconds until then |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
 		func(x *result) string {
 			m := x.Median
@@ -463,13 +463,13 @@ func (r *report) tables() string {
 				relay = fmt.Sprintf("autoscaling %v..%v, %v pending rows per replica, scale-down after %v", x.Params["min_replicas"], x.Params["max_replicas"],
 					x.Params["pending_per_replica"], x.Params["scale_down_stabilization"])
 			}
-			if v, ok := r.get("autoscale", autoscaleCase(false), "drain_s"); ok {
+			if v, ok := r.get(scAutoscale, autoscaleCase(false), "drain_s"); ok {
 				ratio = fmt.Sprintf("%.2f×", m["drain_s"]/v)
 			}
 			return fmt.Sprintf("| %s | %.1f | %s | %.1f | %.0f | %.1f | %.1f | %.1f |", relay, m["drain_s"], ratio, m["replica_s_drain"], m["peak_replicas"],
 				m["first_ready_s"], m["settled_s"], m["replica_s_settled"])
 		})
-	section("breakdown", "Where a batch's time goes (in-process relay, one replica, same Writer settings, wall time per batch)",
+	section(scBreakdown, "Where a batch's time goes (in-process relay, one replica, same Writer settings, wall time per batch)",
 		"| batch | events/s | ms per batch | claim ms | publish (WriteMessages) ms | mark + commit ms |\n| ---: | ---: | ---: | ---: | ---: | ---: |",
 		func(x *result) string {
 			m := x.Median
@@ -510,7 +510,7 @@ func (r *report) tables() string {
 // longLivedTitle says what the long-lived runs did, from their parameters.
 func (r *report) longLivedTitle() string {
 	for _, x := range r.Results {
-		if x.Scenario == "longlived" {
+		if x.Scenario == scLongLived {
 			p := x.Params
 			return fmt.Sprintf("A long-lived table: one relay drains %v rows at batch %v while %v writers insert %v rows/s and a transaction holding a transaction id stays open from %.0f%% to %.0f%% of the drain",
 				p["rows"], p["batch"], p["writers"], p["write_rate"], 100*toFloat(p["long_tx_from"]), 100*toFloat(p["long_tx_to"]))
@@ -522,7 +522,7 @@ func (r *report) longLivedTitle() string {
 // autoscaleTitle says what the autoscale runs did, from their parameters.
 func (r *report) autoscaleTitle() string {
 	for _, x := range r.Results {
-		if x.Scenario == "autoscale" {
+		if x.Scenario == scAutoscale {
 			return fmt.Sprintf("Autoscaling: a burst of %v rows inserted in one transaction, drained by relay pods the operator runs (batch %v, backlog read every %v)",
 				x.Params["burst_rows"], x.Params["batch"], x.Params["interval"])
 		}

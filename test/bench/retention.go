@@ -64,7 +64,7 @@ func runPruning(ctx context.Context, o *options, e *benchEnv, rep *report) error
 		}
 	}
 	for _, c := range cases {
-		rep.add("pruning", fmt.Sprintf("%s pruning=%v", c.kind, c.on), map[string]any{"kind": c.kind, "pruning": c.on,
+		rep.add(scPruning, fmt.Sprintf("%s pruning=%v", c.kind, c.on), map[string]any{"kind": c.kind, "pruning": c.on,
 			"published_rows": o.rows, "keep_published_for": pruneKeep.String(), "batch": map[bool]int{true: batch, false: relayconfig.DefaultBatchSize}[c.kind == "drain"],
 			"writers": o.producers}, results[c])
 	}
@@ -110,7 +110,7 @@ func runLongLived(ctx context.Context, o *options, e *benchEnv, rep *report) err
 		av := autovacuumLabel(c.serverAutovacuum)
 		logf("longlived on-publish=%s autovacuum=%s: first 10%% %.0f events/s, last 10%% %.0f (%.0f%%), with the long transaction %.0f, whole drain %.0f; writers %.0f rows/s",
 			c.onPublish, av, m["first10_per_s"], m["last10_per_s"], 100*m["last_first"], m["long_tx_per_s"], m["events_per_s"], m["writers_per_s"])
-		rep.add("longlived", "on-publish="+string(c.onPublish)+" autovacuum="+av, map[string]any{"on_publish": string(c.onPublish), "autovacuum": av, "rows": o.longRows, "batch": 500,
+		rep.add(scLongLived, "on-publish="+string(c.onPublish)+" autovacuum="+av, map[string]any{"on_publish": string(c.onPublish), "autovacuum": av, "rows": o.longRows, "batch": 500,
 			"write_rate": o.longWriteRate, "writers": o.producers, "long_tx_from": longTxFrom, "long_tx_to": longTxTo}, []map[string]float64{m})
 		if v, ok := m["last_first"]; ok {
 			rep.Ratios[longLivedRatio(c.onPublish, c.serverAutovacuum)] = ratioResult{Median: v, Rounds: []float64{v}}
@@ -183,7 +183,7 @@ func longLivedRun(ctx context.Context, o *options, e *benchEnv, onPublish relayc
 		}
 	}
 	fillS := time.Since(t0).Seconds()
-	topic, err := e.newTopic(o, "longlived")
+	topic, err := e.newTopic(o, scLongLived)
 	if err != nil {
 		return nil, err
 	}

@@ -25,7 +25,7 @@ type benchCase struct {
 func runRounds(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 	want := func(s string) bool { return slices.Contains(o.scenarios, s) }
 	var cases []*benchCase
-	if want("ceiling") {
+	if want(scCeiling) {
 		type tc struct{ batch, loops int }
 		var tcs []tc
 		for _, b := range o.batches {
@@ -34,7 +34,7 @@ func runRounds(ctx context.Context, o *options, e *benchEnv, rep *report) error 
 		// Four loops at batch 50 show where the database saturates (scaling).
 		tcs = append(tcs, tc{50, 4})
 		for _, c := range tcs {
-			cases = append(cases, &benchCase{scenario: "ceiling", name: fmt.Sprintf("batch=%d loops=%d", c.batch, c.loops),
+			cases = append(cases, &benchCase{scenario: scCeiling, name: fmt.Sprintf("batch=%d loops=%d", c.batch, c.loops),
 				params: map[string]any{"batch": c.batch, "loops": c.loops},
 				run: func(ctx context.Context) (map[string]float64, error) {
 					if err := e.freshTable(ctx, o.rows); err != nil {
@@ -55,7 +55,7 @@ func runRounds(ctx context.Context, o *options, e *benchEnv, rep *report) error 
 		}
 	}
 	for _, mode := range o.orderings {
-		if !want("drain") && !want("scaling") {
+		if !want(scDrain) && !want(scScaling) {
 			break
 		}
 		ok, msg, err := orderingAvailable(ctx, o, e, mode)
@@ -63,33 +63,33 @@ func runRounds(ctx context.Context, o *options, e *benchEnv, rep *report) error 
 			return err
 		}
 		if !ok {
-			for _, s := range []string{"drain", "scaling"} {
+			for _, s := range []string{scDrain, scScaling} {
 				if want(s) {
 					rep.note(s, "ordering="+mode, "not available: "+msg)
 				}
 			}
 			continue
 		}
-		if want("drain") {
+		if want(scDrain) {
 			for _, b := range o.batches {
-				cases = append(cases, &benchCase{scenario: "drain", name: fmt.Sprintf("ordering=%s batch=%d", mode, b),
+				cases = append(cases, &benchCase{scenario: scDrain, name: fmt.Sprintf("ordering=%s batch=%d", mode, b),
 					params: map[string]any{"ordering": mode, "batch": b, "replicas": 1},
 					run:    func(ctx context.Context) (map[string]float64, error) { return relayDrain(ctx, o, e, b, 1, mode) }})
 			}
 		}
-		if want("scaling") {
+		if want(scScaling) {
 			for _, n := range o.replicas {
-				cases = append(cases, &benchCase{scenario: "scaling", name: fmt.Sprintf("ordering=%s replicas=%d", mode, n),
+				cases = append(cases, &benchCase{scenario: scScaling, name: fmt.Sprintf("ordering=%s replicas=%d", mode, n),
 					params: map[string]any{"ordering": mode, "batch": 50, "replicas": n},
 					run:    func(ctx context.Context) (map[string]float64, error) { return relayDrain(ctx, o, e, 50, n, mode) }})
 			}
 		}
 	}
-	if want("retention") {
+	if want(scRetention) {
 		// Mark against delete at batch 500, both timed by the relay's own
 		// counter (deleted rows leave no published_at to time them by).
 		for _, onPublish := range relayconfig.OnPublishes {
-			cases = append(cases, &benchCase{scenario: "retention", name: "on-publish=" + string(onPublish) + " batch=500",
+			cases = append(cases, &benchCase{scenario: scRetention, name: "on-publish=" + string(onPublish) + " batch=500",
 				params: map[string]any{"on_publish": string(onPublish), "batch": 500, "ordering": "none"},
 				run: func(ctx context.Context) (map[string]float64, error) {
 					m, err := relayDrain(ctx, o, e, 500, 1, "none", flagArg(relayconfig.FlagOnPublish, onPublish))
@@ -100,29 +100,29 @@ func runRounds(ctx context.Context, o *options, e *benchEnv, rep *report) error 
 				}})
 		}
 	}
-	if want("compression") {
+	if want(scCompression) {
 		// Each codec kafka-go offers, at batch 500: drain rate, and the
 		// topic's size on the broker's disk for the same 200,000 rows.
 		for _, codec := range relayconfig.Compressions {
-			cases = append(cases, &benchCase{scenario: "compression", name: "codec=" + string(codec),
+			cases = append(cases, &benchCase{scenario: scCompression, name: "codec=" + string(codec),
 				params: map[string]any{"codec": string(codec), "batch": 500, "ordering": "none"},
 				run: func(ctx context.Context) (map[string]float64, error) {
 					return relayDrain(ctx, o, e, 500, 1, "none", flagArg(relayconfig.FlagCompression, codec))
 				}})
 		}
 	}
-	if want("headers") {
+	if want(scHeaders) {
 		cases = append(cases, headersCases(o, e)...)
 	}
-	if want("seeds") {
+	if want(scNaive) {
 		const batch = 50
-		cases = append(cases, &benchCase{scenario: "seeds", name: fmt.Sprintf("batch=%d", batch),
+		cases = append(cases, &benchCase{scenario: scNaive, name: fmt.Sprintf("batch=%d", batch),
 			params: map[string]any{"batch": batch, "duration_s": o.seedsFor.Seconds()},
 			run: func(ctx context.Context) (map[string]float64, error) {
 				if err := e.freshTable(ctx, o.rows); err != nil {
 					return nil, err
 				}
-				topic, err := e.newTopic(o, "seeds")
+				topic, err := e.newTopic(o, scNaive)
 				if err != nil {
 					return nil, err
 				}

@@ -105,12 +105,11 @@ func (f *Fixture) Unpublished() int {
 // Config is a relay configuration for the fixture with fast polling.
 func (f *Fixture) Config() relay.Config {
 	return relay.Config{
-		DSN:          f.DSN,
-		Table:        f.Table,
-		Brokers:      []string{testenv.Broker().Addr()},
-		Topics:       f.Topics,
-		PollInterval: 20 * time.Millisecond,
-		MaxBackoff:   time.Second,
+		Settings: relay.Settings{
+			DSN: f.DSN, Table: f.Table, Brokers: []string{testenv.Broker().Addr()}, Topics: f.Topics,
+			PollInterval: 20 * time.Millisecond,
+		},
+		MaxBackoff: time.Second,
 	}
 }
 

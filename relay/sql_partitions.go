@@ -1,0 +1,76 @@
+package relay
+
+// Statements of retention on a partitioned outbox (partitions.go). Those
+// about one partition take its name as a regclass prints it (quoted and
+// qualified where needed), never a value from a row.
+// TestPartitionStatementsPrepare prepares every one against the shipped
+// partitioned DDL.
+
+// sqlPartitions lists the partitions of the table of oid $1 (name, bound,
+// plain table, detach pending, range, DEFAULT) and the tables a pruner
+// detached from it and has not dropped: those whose comment starts with
+// $2, detachedMark and the parent's oid, followed by their bound.
+var sqlPartitions = `
+		SELECT c.oid::regclass::text, pg_get_expr(c.relpartbound, c.oid), c.relkind = 'r', i.inhdetachpending,
+		       ` + boundsSQL("pg_get_expr(c.relpartbound, c.oid)") + `, pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT'
+		FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+		WHERE i.inhparent = $1
+		UNION ALL
+		SELECT c.oid::regclass::text, substr(d.description, length($2) + 1), true, true,
+		       ` + boundsSQL("substr(d.description, length($2) + 1)") + `, false
+		FROM pg_description d JOIN pg_class c ON c.oid = d.objoid
+		WHERE d.classoid = 'pg_class'::regclass AND d.objsubid = 0 AND starts_with(d.description, $2)
+		  AND c.relkind = 'r' AND NOT c.relispartition`
+
+// boundsSQL reads a range partition's bounds from its bound expression
+// (NULL for MINVALUE and MAXVALUE); a timestamptz literal reads back in the
+// session that printed it.
+func boundsSQL(expr string) string {
+	return `(regexp_match(` + expr + `, 'FROM \(''([^'']*)''\)'))[1]::timestamptz,
+       (regexp_match(` + expr + `, 'TO \(''([^'']*)''\)'))[1]::timestamptz`
+}
+
+const (
+	// sqlPruneCut is the time $1 seconds ago, by the server's clock.
+	sqlPruneCut = `SELECT now() - $1::float8 * interval '1 second'`
+	// sqlIsAttached: the table named $1 is a partition.
+	sqlIsAttached = `SELECT relispartition FROM pg_class WHERE oid = $1::regclass`
+	// sqlLongStatements lets one transaction's statements run for 10 minutes.
+	sqlLongStatements = `SET LOCAL statement_timeout = '10min'`
+)
+
+// sqlPartitionWaits: partition p itself holds an unpublished row.
+func sqlPartitionWaits(p string) string {
+	return `SELECT EXISTS (SELECT 1 FROM ONLY ` + p + ` WHERE published_at IS NULL)`
+}
+
+// sqlComment sets table p's comment to the literal lit (quoteLiteral), or removes it for "NULL".
+func sqlComment(p, lit string) string { return `COMMENT ON TABLE ` + p + ` IS ` + lit }
+
+// sqlDetach detaches partition p from table t; how is CONCURRENTLY or FINALIZE.
+func sqlDetach(t, p, how string) string {
+	return `ALTER TABLE ` + t + ` DETACH PARTITION ` + p + ` ` + how
+}
+
+// sqlAttach attaches table p to table t with bound, as pg_get_expr printed it.
+func sqlAttach(t, p, bound string) string {
+	return `ALTER TABLE ` + t + ` ATTACH PARTITION ` + p + ` ` + bound
+}
+
+// sqlLockAlone locks table p against every other session until the transaction ends.
+func sqlLockAlone(p string) string { return `LOCK TABLE ` + p + ` IN ACCESS EXCLUSIVE MODE` }
+
+// sqlCountRows counts table p's rows, and those unpublished.
+func sqlCountRows(p string) string {
+	return `SELECT count(*), count(*) FILTER (WHERE published_at IS NULL) FROM ` + p
+}
+
+// sqlDrop drops table p.
+func sqlDrop(p string) string { return `DROP TABLE ` + p }
+
+// sqlDeleteEventIDs deletes up to $3 event ids of table ids (the outbox's
+// event-id table) whose created_at is in [$1, $2); a NULL $1 is unbounded.
+func sqlDeleteEventIDs(ids string) string {
+	return `DELETE FROM ` + ids + ` WHERE event_id IN (
+				SELECT event_id FROM ` + ids + ` WHERE created_at >= COALESCE($1::timestamptz, '-infinity') AND created_at < $2 LIMIT $3)`
+}

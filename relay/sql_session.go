@@ -1,0 +1,74 @@
+package relay
+
+// Statements about the catalog, the session and advisory locks: the same
+// for every table (a table comes in as its quoted name, a lock as its
+// class and key). TestSessionStatementsPrepare prepares every one.
+const (
+	// sqlTableOID is the oid of the table whose quoted name is $1, NULL
+	// when it does not exist; lock classes derive from it.
+	sqlTableOID = `SELECT to_regclass($1)::oid`
+	// sqlHasColumn: table $1 has a live column named $2.
+	sqlHasColumn = `SELECT EXISTS (SELECT 1 FROM pg_attribute
+		WHERE attrelid = to_regclass($1) AND attname = $2 AND attnum > 0 AND NOT attisdropped)`
+	// sqlTableShape: whether table $1 is partitioned, by RANGE (created_at)
+	// alone, with a DEFAULT partition, and whether table $2 (its event-id
+	// table) exists.
+	sqlTableShape = `SELECT c.relkind = 'p',
+		    COALESCE(p.partstrat = 'r' AND p.partnatts = 1 AND a.attname = 'created_at', false),
+		    COALESCE(p.partdefid <> 0, false),
+		    to_regclass($2) IS NOT NULL
+		FROM pg_class c
+		LEFT JOIN pg_partitioned_table p ON p.partrelid = c.oid
+		LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = p.partattrs[0]
+		WHERE c.oid = to_regclass($1)`
+	// sqlColumns: name, type and NOT NULL of each live column of the table of oid $1.
+	sqlColumns = `SELECT a.attname, format_type(a.atttypid, NULL), a.attnotnull
+		FROM pg_attribute a
+		WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped`
+	// sqlHasUnpublishedIndex: the table of oid $1 has a valid index on
+	// (id) WHERE published_at IS NULL, the one every claim walks.
+	sqlHasUnpublishedIndex = `SELECT EXISTS (
+			SELECT 1 FROM pg_index i
+			WHERE i.indrelid = $1 AND i.indisvalid
+			  AND i.indkey[0] = (SELECT attnum FROM pg_attribute WHERE attrelid = $1 AND attname = 'id')
+			  AND regexp_replace(pg_get_expr(i.indpred, i.indrelid), '[()]', '', 'g') = 'published_at IS NULL')`
+	// sqlIsPartitioned: the table of oid $1 is partitioned.
+	sqlIsPartitioned = `SELECT relkind = 'p' FROM pg_class WHERE oid = $1`
+	// sqlServerVersion is server_version_num.
+	sqlServerVersion = `SELECT current_setting('server_version_num')::int`
+	// sqlSetSession sets setting $1 to $2 for the rest of the session.
+	sqlSetSession = `SELECT set_config($1, $2, false)`
+	// sqlBitmapScansOn turns bitmap scans back on for one transaction (the
+	// relay's sessions run with them off, for the claim).
+	sqlBitmapScansOn = `SET LOCAL enable_bitmapscan = on`
+
+	// sqlLockShared takes advisory lock ($1 class, $2 key) shared, for the session.
+	sqlLockShared = `SELECT pg_advisory_lock_shared($1::int4, $2::int4)`
+	// sqlTryLock takes advisory lock ($1, $2) for the session if it is free.
+	sqlTryLock = `SELECT pg_try_advisory_lock($1::int4, $2::int4)`
+	// sqlUnlock releases advisory lock ($1, $2).
+	sqlUnlock = `SELECT pg_advisory_unlock($1::int4, $2::int4)`
+	// sqlLockHolders counts the sessions of this database holding advisory
+	// lock (class $1, key $2), its arguments as the unsigned values pg_locks shows.
+	sqlLockHolders = `SELECT count(DISTINCT pid) FROM pg_locks
+		WHERE locktype = 'advisory' AND granted AND objsubid = 2
+		  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+		  AND classid::bigint = $1 AND objid::bigint = $2`
+	// sqlFreeLocks lists the keys 0..$2-1 of class $1 (unsigned) that no
+	// session of this database holds.
+	sqlFreeLocks = `SELECT b FROM generate_series(0, $2::int4 - 1) b
+		WHERE NOT EXISTS (SELECT 1 FROM pg_locks
+			WHERE locktype = 'advisory' AND granted AND objsubid = 2
+			  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+			  AND classid::bigint = $1 AND objid::bigint = b)`
+)
+
+// sessionStatements are the statements above by name, for the test that
+// prepares each.
+var sessionStatements = map[string]string{
+	"sqlTableOID": sqlTableOID, "sqlHasColumn": sqlHasColumn, "sqlTableShape": sqlTableShape,
+	"sqlColumns": sqlColumns, "sqlHasUnpublishedIndex": sqlHasUnpublishedIndex, "sqlIsPartitioned": sqlIsPartitioned,
+	"sqlServerVersion": sqlServerVersion, "sqlSetSession": sqlSetSession, "sqlBitmapScansOn": sqlBitmapScansOn,
+	"sqlLockShared": sqlLockShared, "sqlTryLock": sqlTryLock, "sqlUnlock": sqlUnlock,
+	"sqlLockHolders": sqlLockHolders, "sqlFreeLocks": sqlFreeLocks,
+}
