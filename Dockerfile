@@ -22,13 +22,20 @@ COPY cmd/ cmd/
 COPY controllers/ controllers/
 COPY relay/ relay/
 COPY outbox/ outbox/
-COPY internal/ internal/
+COPY relayconfig/ relayconfig/
+COPY version/ version/
 ENV CGO_ENABLED=0
-RUN GOOS=$TARGETOS GOARCH=$TARGETARCH go build -trimpath -buildvcs=false -ldflags "-s -w -X main.version=${VERSION}" -o /out/manager ./cmd/manager && \
-    GOOS=$TARGETOS GOARCH=$TARGETARCH go build -trimpath -buildvcs=false -ldflags "-s -w" -o /out/relay ./cmd/relay
+RUN GOOS=$TARGETOS GOARCH=$TARGETARCH go build -trimpath -buildvcs=false -ldflags "-s -w -X github.com/outbox-relay/outbox-operator/version.Version=${VERSION}" -o /out/manager ./cmd/manager && \
+    GOOS=$TARGETOS GOARCH=$TARGETARCH go build -trimpath -buildvcs=false -ldflags "-s -w -X github.com/outbox-relay/outbox-operator/version.Version=${VERSION}" -o /out/relay ./cmd/relay
 
 # Static binaries on distroless: no shell, no package manager, user 65532.
 FROM gcr.io/distroless/static-debian12:nonroot
+ARG VERSION=latest
+LABEL org.opencontainers.image.title=outbox-operator
+LABEL org.opencontainers.image.description="Kubernetes operator for transactional-outbox relays (PostgreSQL to Kafka); /manager and /relay"
+LABEL org.opencontainers.image.source=https://github.com/outbox-relay/outbox-operator
+LABEL org.opencontainers.image.licenses=Apache-2.0
+LABEL org.opencontainers.image.version=${VERSION}
 # The nonroot base's working directory is /home/nonroot; the programs use none.
 WORKDIR /
 COPY --from=build /out/manager /manager

@@ -25,18 +25,17 @@ import (
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 	"github.com/outbox-relay/outbox-operator/controllers"
+	"github.com/outbox-relay/outbox-operator/version"
 )
 
-// version is the release, set at build time (-ldflags "-X main.version=v0.1.0");
-// the default relay image carries the same tag.
-var version = "latest"
-
-// defaultRelayImage is the image holding /relay (the manager's own image).
-func defaultRelayImage() string { return "ghcr.io/outbox-relay/outbox-operator:" + version }
+// defaultRelayImage is the image holding /relay: the manager's own image,
+// tagged with the release the manager was built from.
+func defaultRelayImage() string { return "ghcr.io/outbox-relay/outbox-operator:" + version.Version }
 
 // config is what the flags and environment say.
 type config struct {
 	metricsAddr, probeAddr  string
+	printVersion            bool
 	leaderElect             bool
 	leaderElectionNamespace string
 	relayImage              string
@@ -79,6 +78,7 @@ func parseConfig(args []string, getenv func(string) string) (config, error) {
 	fs.IntVar(&cfg.connsPerDatabase, "backlog-connections-per-database", controllers.DefaultConnsPerDatabase,
 		"Most connections the backlog reads hold to one database (host, port and name), shared by every\n"+
 			"OutboxRelay on it (1..100).")
+	fs.BoolVar(&cfg.printVersion, "version", false, "Print the version and exit.")
 	cfg.zap = zap.Options{Development: false} // JSON logs
 	cfg.zap.BindFlags(fs)
 	if err := fs.Parse(args); err != nil {
@@ -186,7 +186,7 @@ func run(ctx context.Context, cfg config, restCfg *rest.Config, tweaks ...func(*
 	}); err != nil {
 		return err
 	}
-	ctrl.Log.Info("starting manager", "version", version, "relayImage", cfg.relayImage,
+	ctrl.Log.Info("starting manager", "version", version.Version, "relayImage", cfg.relayImage,
 		"allowedRelayImages", cfg.allowedImages, "namespaces", cfg.namespaces, "leaderElect", cfg.leaderElect)
 	return mgr.Start(ctx)
 }
@@ -199,6 +199,10 @@ func main() {
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "manager:", err)
 		os.Exit(2)
+	}
+	if cfg.printVersion {
+		fmt.Println(version.String("manager"))
+		return
 	}
 	ctrl.SetLogger(zap.New(zap.UseFlagOptions(&cfg.zap)))
 	if err := run(ctrl.SetupSignalHandler(), cfg, ctrl.GetConfigOrDie()); err != nil {

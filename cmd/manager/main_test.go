@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"github.com/outbox-relay/outbox-operator/version"
 	"io"
 	"net/http"
 	"os"
@@ -36,7 +37,7 @@ func TestParseConfig(t *testing.T) {
 	require.Equal(t, ":8080", cfg.metricsAddr)
 	require.Equal(t, ":8081", cfg.probeAddr)
 	require.False(t, cfg.leaderElect)
-	require.Equal(t, "ghcr.io/outbox-relay/outbox-operator:"+version, cfg.relayImage)
+	require.Equal(t, "ghcr.io/outbox-relay/outbox-operator:"+version.Version, cfg.relayImage)
 	require.Empty(t, cfg.namespaces)
 	require.Nil(t, managerOptions(cfg, runtime.NewScheme()).Cache.DefaultNamespaces, "all namespaces")
 

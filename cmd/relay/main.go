@@ -22,6 +22,7 @@ import (
 	"syscall"
 
 	"github.com/outbox-relay/outbox-operator/relayconfig"
+	"github.com/outbox-relay/outbox-operator/version"
 )
 
 // softMemoryLimit is the Go heap's soft limit when GOMEMLIMIT does not set
@@ -47,6 +48,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 			return runHeld(args[1:], false, stdout, stderr)
 		case "redrive":
 			return runHeld(args[1:], true, stdout, stderr)
+		case "version", "-version", "--version":
+			fmt.Fprintln(stdout, version.String("relay"))
+			return 0
 		}
 	}
 	opts, err := parseFlags(args, os.LookupEnv, stderr)

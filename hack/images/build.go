@@ -22,6 +22,8 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/empty"
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
+
+	versionpkg "github.com/outbox-relay/outbox-operator/version"
 )
 
 // What the images are called and where they are written.
@@ -31,7 +33,7 @@ const (
 	// operatorRepo:<its version>).
 	operatorRepo = "ghcr.io/outbox-relay/outbox-operator"
 	// defaultVersion is the operator image's tag and the manager's
-	// main.version when none is given, as in the Dockerfile (ARG VERSION).
+	// version (package version) when none is given, as in the Dockerfile (ARG VERSION).
 	defaultVersion = "latest"
 	// pauseTag names the pod sandbox image, for the container runtime's
 	// sandbox image setting. "localhost/" keeps it apart from any registry.
@@ -92,10 +94,10 @@ func buildEnv(goarch string) []string {
 // operatorBinaries are the operator image's programs: the manager (the
 // entrypoint, which stamps its version into the default relay image) and
 // the relay, which relay pods run.
-func operatorBinaries(version string) []goBinary {
+func operatorBinaries(release string) []goBinary {
 	return []goBinary{
-		{Path: "/manager", Pkg: "./cmd/manager", LDFlags: "-s -w -X main.version=" + version},
-		{Path: "/relay", Pkg: "./cmd/relay", LDFlags: "-s -w"},
+		{Path: "/manager", Pkg: "./cmd/manager", LDFlags: "-s -w " + versionpkg.LDFlag(release)},
+		{Path: "/relay", Pkg: "./cmd/relay", LDFlags: "-s -w " + versionpkg.LDFlag(release)},
 	}
 }
 
@@ -105,17 +107,29 @@ var pauseBinary = goBinary{Path: "/pause", Pkg: "./hack/images/pause", LDFlags: 
 // operatorConfig is the operator image's configuration: what the
 // Dockerfile's final stage gives (its USER, WORKDIR, EXPOSE and ENTRYPOINT
 // over the distroless base's environment).
-func operatorConfig() v1.Config {
+func operatorConfig(release string) v1.Config {
 	ports := make(map[string]struct{}, len(operatorPorts))
 	for _, p := range operatorPorts {
 		ports[p] = struct{}{}
 	}
 	return v1.Config{
 		Entrypoint:   []string{"/manager"},
+		Labels:       operatorLabels(release),
 		User:         fmt.Sprintf("%d:%d", nonrootID, nonrootID),
 		ExposedPorts: ports,
 		Env:          append([]string(nil), baseEnv...),
 		WorkingDir:   "/",
+	}
+}
+
+// operatorLabels are the operator image's OCI annotations (the Dockerfile's LABELs).
+func operatorLabels(release string) map[string]string {
+	return map[string]string{
+		"org.opencontainers.image.title":       "outbox-operator",
+		"org.opencontainers.image.description": "Kubernetes operator for transactional-outbox relays (PostgreSQL to Kafka); /manager and /relay",
+		"org.opencontainers.image.source":      "https://github.com/outbox-relay/outbox-operator",
+		"org.opencontainers.image.licenses":    "Apache-2.0",
+		"org.opencontainers.image.version":     release,
 	}
 }
 
@@ -134,7 +148,7 @@ type options struct {
 	RepoRoot string
 	// OutDir receives the tarballs.
 	OutDir string
-	// Version is the operator image's tag and the manager's main.version.
+	// Version is the operator image's tag and the binaries' version (package version).
 	Version string
 	// GOARCH is the images' architecture (their OS is linux).
 	GOARCH string
@@ -190,7 +204,7 @@ func buildImages(ctx context.Context, o options) (operator, pause result, err er
 	if err != nil {
 		return result{}, result{}, err
 	}
-	opImg, err := assemble(operatorConfig(), o.GOARCH, o.Epoch,
+	opImg, err := assemble(operatorConfig(o.Version), o.GOARCH, o.Epoch,
 		mutate.Addendum{Layer: base, History: history(o.Epoch,
 			"users (root, nobody, nonroot 65532), nsswitch.conf, CA certificates, /tmp, home directories")},
 		mutate.Addendum{Layer: opBins, History: history(o.Epoch,

@@ -5,9 +5,11 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -197,6 +199,30 @@ func TestDockerfileBuildsTheSameImage(t *testing.T) {
 	require.NotNil(t, goLine, "go.mod's go directive")
 	require.Equal(t, "golang:"+string(goLine[1])+" AS build", buildStage[0].args)
 
+	// The sources: every directory of the module that the binaries import
+	// is copied into the build stage (a package moved to a new directory
+	// must not break `docker build`).
+	var copiedDirs []string
+	for _, in := range buildStage {
+		if w := strings.Fields(in.args); in.cmd == "COPY" && len(w) == 2 && strings.HasSuffix(w[0], "/") {
+			copiedDirs = append(copiedDirs, strings.TrimSuffix(w[0], "/"))
+			_, err := os.Stat(filepath.Join(root, w[0]))
+			require.NoError(t, err, "the Dockerfile copies %s, which is not in the repository", w[0])
+		}
+	}
+	list := exec.Command("go", "list", "-deps", "-f", "{{.ImportPath}}", "./cmd/manager", "./cmd/relay")
+	list.Dir = root
+	out, err := list.Output()
+	require.NoError(t, err)
+	for _, pkg := range strings.Fields(string(out)) {
+		rel, ok := strings.CutPrefix(pkg, "github.com/outbox-relay/outbox-operator/")
+		if !ok {
+			continue
+		}
+		top, _, _ := strings.Cut(rel, "/")
+		require.Contains(t, copiedDirs, top, "the binaries import %s; the Dockerfile's build stage must COPY %s/", pkg, top)
+	}
+
 	// The build: each binary built with the builder's flags and environment.
 	require.Contains(t, buildStage, instruction{cmd: "ENV", args: "CGO_ENABLED=0"})
 	require.Contains(t, buildStage, instruction{cmd: "ARG", args: "TARGETOS=linux"})
@@ -225,9 +251,19 @@ func TestDockerfileBuildsTheSameImage(t *testing.T) {
 		ports            []string
 		entrypoint, cmd  []string
 		copied, copySrcs []string
-	}{user: distroless.config.user, workdir: distroless.config.workdir, env: distroless.config.env}
+		labels           map[string]string
+	}{user: distroless.config.user, workdir: distroless.config.workdir, env: distroless.config.env, labels: map[string]string{}}
 	for _, in := range final[1:] {
 		switch in.cmd {
+		case "ARG":
+			require.Equal(t, "VERSION="+defaultVersion, in.args, "the final stage's only ARG")
+		case "LABEL":
+			k, v, ok := strings.Cut(in.args, "=")
+			require.True(t, ok, "LABEL KEY=VALUE, one per line: %q", in.args)
+			if u, err := strconv.Unquote(v); err == nil {
+				v = u
+			}
+			cfg.labels[k] = v
 		case "USER":
 			cfg.user = in.args
 		case "WORKDIR":
@@ -258,7 +294,8 @@ func TestDockerfileBuildsTheSameImage(t *testing.T) {
 			t.Fatalf("the final stage has %s %s, which this test (and hack/images) does not know", in.cmd, in.args)
 		}
 	}
-	want := operatorConfig()
+	want := operatorConfig("${VERSION}")
+	require.Equal(t, want.Labels, cfg.labels, "LABELs (the image's OCI annotations)")
 	require.Equal(t, want.User, cfg.user, "USER")
 	require.Equal(t, want.WorkingDir, cfg.workdir, "WORKDIR")
 	require.Equal(t, want.Env, cfg.env, "the environment")

@@ -46,7 +46,7 @@ func main() {
 	}
 	o := options{}
 	flag.StringVar(&o.OutDir, "out", "bin/images", "directory the tarballs are written to")
-	flag.StringVar(&o.Version, "version", defaultVersion, "the operator image's tag and the manager's main.version")
+	flag.StringVar(&o.Version, "version", defaultVersion, "the operator image's tag and the binaries' version (package version)")
 	flag.StringVar(&o.GOARCH, "goarch", runtime.GOARCH, "the images' architecture (GOARCH); the OS is linux")
 	flag.StringVar(&o.CABundle, "ca-bundle", defaultCABundle, "PEM CA bundle copied to /etc/ssl/certs/ca-certificates.crt")
 	seconds := flag.Int64("source-date-epoch", epoch, "Unix time of every file and of the images' creation")
