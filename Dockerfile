@@ -41,5 +41,5 @@ WORKDIR /
 COPY --from=build /out/manager /manager
 COPY --from=build /out/relay /relay
 USER 65532:65532
-EXPOSE 8080 8081 9090
+EXPOSE 8443 8081 9090
 ENTRYPOINT ["/manager"]

@@ -108,10 +108,16 @@ images: ## Build the operator image (as the Dockerfile does) and the pod sandbox
 
 ##@ Release
 
+.PHONY: release
+release: deps-kube ## Write release VERSION=x.y.z into dist/: the image for linux/amd64 and linux/arm64 (OCI index), its SBOM, the chart, install.yaml pinned by digest, checksums.txt (docs/release.md).
+	@test -n "$(VERSION)" || { echo "make release VERSION=x.y.z (no leading v)"; exit 2; }
+	go run ./hack/images -release $(VERSION) -out $(DIST) -kubectl $(KUBECTL)
+
 .PHONY: chart-sync
 chart-sync: ## Copy the CRD, the RBAC rules, the alerts and the dashboard from config/ into the Helm chart.
-	cp config/crd/bases/*.yaml $(CHART)/crds/
-	cp config/rbac/role.yaml config/rbac/leader_election_role.yaml config/prometheus/prometheusrule.yaml \
+	cp config/crd/bases/*.yaml $(CHART)/files/crds/
+	cp config/rbac/role.yaml config/rbac/leader_election_role.yaml config/rbac/metrics_auth_role.yaml config/rbac/metrics_reader_role.yaml \
+		config/rbac/outboxrelay_editor_role.yaml config/rbac/outboxrelay_viewer_role.yaml config/prometheus/prometheusrule.yaml \
 		config/grafana/outbox-operator-dashboard.json $(CHART)/files/
 
 # RELAY_IMAGE is an env value, which kustomize's image setter leaves alone:

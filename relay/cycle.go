@@ -282,7 +282,9 @@ func (r *Relay) commitAsync(b *inFlight) *inFlight {
 // commit failed published rows that stay unpublished: they are claimed and
 // published again (the duplicates at-least-once allows).
 func (r *Relay) finish(b *inFlight) error {
-	if err := <-b.done; err != nil {
+	err := <-b.done
+	r.held.committed(b.holds, time.Now())
+	if err != nil {
 		r.cur.settled(b.rows, func(int64) bool { return false })
 		return r.dbFailed(err)
 	}

@@ -62,9 +62,13 @@ type heldRow struct {
 	// key and eventType of a row held here (empty for one loaded from the
 	// table), so an early release frees its lane in partition-key mode.
 	key, eventType string
-	// at is when this replica held it: a reload read before then may not
-	// see it yet and leaves it as it is.
+	// at is when this replica's hold became durable (its batch committed
+	// the record): a reload read before then may not see it yet and leaves
+	// it as it is.
 	at time.Time
+	// uncommitted: held in a batch that has not committed yet, so no
+	// reload can hold its record; a reload leaves it as it is.
+	uncommitted bool
 	// released: its retry time came; it may be claimed, and its record
 	// goes once it is published (forget).
 	released bool
@@ -90,7 +94,7 @@ func newHeldRows() *heldRows {
 // hold keeps x out of claims until until, queues its record, and logs it
 // the first time.
 func (h *heldRows) hold(log *slog.Logger, x row, reason string, until time.Time, err error) {
-	h.rows[x.id] = heldRow{reason: reason, until: until, at: time.Now(), key: x.partitionKey, eventType: x.eventType}
+	h.rows[x.id] = heldRow{reason: reason, until: until, at: time.Now(), key: x.partitionKey, eventType: x.eventType, uncommitted: h.recorded}
 	if h.recorded {
 		msg := err.Error()
 		if len(msg) > heldErrorBytes {
@@ -107,6 +111,18 @@ func (h *heldRows) hold(log *slog.Logger, x row, reason string, until time.Time,
 	h.logged[x.id] = true
 	log.Error("row held; it is retried later", "id", x.id, "event_id", x.eventID, "event_type", x.eventType,
 		"reason", reason, "err", err)
+}
+
+// committed says that the batch recording holds is over (committed, or
+// failed: then the rows are claimed and held again): from now, a reload
+// read after at shows the holds as they are.
+func (h *heldRows) committed(holds []heldRecord, at time.Time) {
+	for _, rec := range holds {
+		if r, ok := h.rows[rec.id]; ok && r.uncommitted {
+			r.uncommitted, r.at = false, at
+			h.rows[rec.id] = r
+		}
+	}
 }
 
 // take returns the holds queued since the last take.
@@ -168,7 +184,7 @@ func (h *heldRows) forget(ids []int64) []int64 {
 func (h *heldRows) merge(s heldSnapshot) []heldRow {
 	var early []heldRow
 	for id, r := range h.rows {
-		if _, ok := s.rows[id]; !ok && !r.at.After(s.at) {
+		if _, ok := s.rows[id]; !ok && !r.uncommitted && !r.at.After(s.at) {
 			delete(h.rows, id)
 			if !r.released {
 				early = append(early, r)
@@ -178,7 +194,7 @@ func (h *heldRows) merge(s heldSnapshot) []heldRow {
 	for id, n := range s.rows {
 		r, ok := h.rows[id]
 		switch {
-		case ok && r.at.After(s.at):
+		case ok && (r.uncommitted || r.at.After(s.at)):
 			// held here since the reload was read
 		case ok && r.released && !n.until.After(s.at):
 			// released here already; its record goes once it is published

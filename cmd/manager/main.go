@@ -21,6 +21,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 	ctrlmetrics "sigs.k8s.io/controller-runtime/pkg/metrics"
+	"sigs.k8s.io/controller-runtime/pkg/metrics/filters"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
@@ -36,6 +37,7 @@ func defaultRelayImage() string { return "ghcr.io/outbox-relay/outbox-operator:"
 type config struct {
 	metricsAddr, probeAddr  string
 	printVersion            bool
+	metricsSecure           bool
 	leaderElect             bool
 	leaderElectionNamespace string
 	relayImage              string
@@ -56,8 +58,12 @@ type config struct {
 func parseConfig(args []string, getenv func(string) string) (config, error) {
 	var cfg config
 	fs := flag.NewFlagSet("manager", flag.ContinueOnError)
-	fs.StringVar(&cfg.metricsAddr, "metrics-bind-address", ":8080",
+	fs.StringVar(&cfg.metricsAddr, "metrics-bind-address", ":8443",
 		"Address the /metrics endpoint binds to; 0 disables it.")
+	fs.BoolVar(&cfg.metricsSecure, "metrics-secure", true,
+		"Serve /metrics over HTTPS to clients the API server authenticates (TokenReview) and authorizes\n"+
+			"(SubjectAccessReview: get on the /metrics URL, the outbox-operator-metrics-reader ClusterRole);\n"+
+			"false serves plain HTTP to anyone who can reach the port.")
 	fs.StringVar(&cfg.probeAddr, "health-probe-bind-address", ":8081",
 		"Address the /healthz and /readyz endpoints bind to.")
 	fs.BoolVar(&cfg.leaderElect, "leader-elect", false,
@@ -117,7 +123,7 @@ func splitList(s string) []string {
 func managerOptions(cfg config, scheme *runtime.Scheme) ctrl.Options {
 	opts := ctrl.Options{
 		Scheme:                  scheme,
-		Metrics:                 metricsserver.Options{BindAddress: cfg.metricsAddr},
+		Metrics:                 metricsOptions(cfg),
 		HealthProbeBindAddress:  cfg.probeAddr,
 		LeaderElection:          cfg.leaderElect,
 		LeaderElectionID:        "outbox-operator.outbox.dev",
@@ -133,6 +139,18 @@ func managerOptions(cfg config, scheme *runtime.Scheme) ctrl.Options {
 		}
 	}
 	return controllers.ManagerOptions(opts)
+}
+
+// metricsOptions serve /metrics at cfg.metricsAddr; with cfg.metricsSecure
+// over HTTPS (a self-signed certificate unless one is mounted), to clients
+// the API server authenticates and authorizes.
+func metricsOptions(cfg config) metricsserver.Options {
+	o := metricsserver.Options{BindAddress: cfg.metricsAddr}
+	if cfg.metricsSecure {
+		o.SecureServing = true
+		o.FilterProvider = filters.WithAuthenticationAndAuthorization
+	}
+	return o
 }
 
 // run starts the manager and blocks until ctx ends or the manager fails.

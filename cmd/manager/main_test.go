@@ -2,8 +2,8 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
-	"github.com/outbox-relay/outbox-operator/version"
 	"io"
 	"net/http"
 	"os"
@@ -12,16 +12,20 @@ import (
 
 	"github.com/stretchr/testify/require"
 	appsv1 "k8s.io/api/apps/v1"
+	authenticationv1 "k8s.io/api/authentication/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 	"github.com/outbox-relay/outbox-operator/controllers"
 	"github.com/outbox-relay/outbox-operator/test/testenv"
+	"github.com/outbox-relay/outbox-operator/version"
 )
 
 func TestMain(m *testing.M) { os.Exit(testenv.Run(m, testenv.NeedKube)) }
@@ -34,7 +38,10 @@ func TestParseConfig(t *testing.T) {
 	t.Parallel()
 	cfg, err := parseConfig(nil, env(nil))
 	require.NoError(t, err)
-	require.Equal(t, ":8080", cfg.metricsAddr)
+	require.Equal(t, ":8443", cfg.metricsAddr)
+	require.True(t, cfg.metricsSecure, "HTTPS with authentication and authorization by default")
+	require.True(t, metricsOptions(cfg).SecureServing)
+	require.NotNil(t, metricsOptions(cfg).FilterProvider)
 	require.Equal(t, ":8081", cfg.probeAddr)
 	require.False(t, cfg.leaderElect)
 	require.Equal(t, "ghcr.io/outbox-relay/outbox-operator:"+version.Version, cfg.relayImage)
@@ -163,9 +170,58 @@ func TestManagerRuns(t *testing.T) {
 	err = c.Get(ctx, client.ObjectKey{Namespace: ignored, Name: "orders-relay"}, &appsv1.Deployment{})
 	require.True(t, client.IgnoreNotFound(err) == nil && err != nil, "no Deployment outside WATCH_NAMESPACE")
 
-	code, body := get(fmt.Sprintf("http://127.0.0.1:%d/metrics", metricsPort))
-	require.Equal(t, http.StatusOK, code)
+	// /metrics is HTTPS, for clients the API server authenticates and
+	// authorizes: nobody without a token, a service account only with the
+	// metrics-reader rule.
+	metricsURL := fmt.Sprintf("https://127.0.0.1:%d/metrics", metricsPort)
+	code, _ := getTLS(metricsURL, "")
+	require.Equal(t, http.StatusUnauthorized, code, "no token")
+	stranger := serviceAccountToken(ctx, t, c, "default", "stranger")
+	code, _ = getTLS(metricsURL, stranger)
+	require.Equal(t, http.StatusForbidden, code, "a service account without the metrics-reader rule")
+	role := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: "test-metrics-reader"},
+		Rules: []rbacv1.PolicyRule{{NonResourceURLs: []string{"/metrics"}, Verbs: []string{"get"}}}}
+	require.NoError(t, c.Create(ctx, role))
+	require.NoError(t, c.Create(ctx, &rbacv1.ClusterRoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "test-metrics-reader"},
+		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role.Name},
+		Subjects: []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: "default", Name: "scraper"}}}))
+	reader := serviceAccountToken(ctx, t, c, "default", "scraper") // asked only now: the filter caches denials for 30 s
+	var body string
+	require.Eventually(t, func() bool { code, body = getTLS(metricsURL, reader); return code == http.StatusOK }, 30*time.Second, 200*time.Millisecond,
+		"the reader may scrape: %d %s", code, body)
 	require.Contains(t, body, `controller_runtime_reconcile_total{controller="outboxrelay"`)
+}
+
+// getTLS GETs url over TLS (the manager's certificate is self-signed) with
+// token as the bearer token when it is not empty.
+func getTLS(url, token string) (int, string) {
+	req, err := http.NewRequest(http.MethodGet, url, nil)
+	if err != nil {
+		return 0, err.Error()
+	}
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
+	}
+	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}} //nolint:gosec // the test trusts the self-signed certificate
+	resp, err := hc.Do(req)
+	if err != nil {
+		return 0, err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// serviceAccountToken creates service account ns/name and returns a token
+// of it from the TokenRequest API.
+func serviceAccountToken(ctx context.Context, t *testing.T, c client.Client, ns, name string) string {
+	t.Helper()
+	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}}
+	require.NoError(t, c.Create(ctx, sa))
+	tr := &authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: ptr.To[int64](3600)}}
+	require.NoError(t, c.SubResource("token").Create(ctx, sa, tr))
+	require.NotEmpty(t, tr.Status.Token)
+	return tr.Status.Token
 }
 
 // createOrdersRelay creates a DSN Secret and an OutboxRelay "orders" using it in ns.

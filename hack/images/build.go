@@ -57,9 +57,9 @@ const (
 	pauseID = 65535
 )
 
-// operatorPorts are the manager's metrics (8080) and probe (8081) ports and
+// operatorPorts are the manager's metrics (8443, HTTPS) and probe (8081) ports and
 // the relay's metrics port (9090): the Dockerfile's EXPOSE.
-var operatorPorts = []string{"8080/tcp", "8081/tcp", "9090/tcp"}
+var operatorPorts = []string{"8443/tcp", "8081/tcp", "9090/tcp"}
 
 // baseEnv is the environment gcr.io/distroless/static sets, which the
 // Dockerfile's image inherits.
@@ -196,19 +196,7 @@ func buildImages(ctx context.Context, o options) (operator, pause result, err er
 		return result{}, result{}, err
 	}
 
-	base, err := layerOf(baseFiles(ca), o.Epoch)
-	if err != nil {
-		return result{}, result{}, err
-	}
-	opBins, err := layerOf(bins[:len(progs)-1], o.Epoch)
-	if err != nil {
-		return result{}, result{}, err
-	}
-	opImg, err := assemble(operatorConfig(o.Version), o.GOARCH, o.Epoch,
-		mutate.Addendum{Layer: base, History: history(o.Epoch,
-			"users (root, nobody, nonroot 65532), nsswitch.conf, CA certificates, /tmp, home directories")},
-		mutate.Addendum{Layer: opBins, History: history(o.Epoch,
-			"go build "+o.Version+": /manager (./cmd/manager), /relay (./cmd/relay)")})
+	opImg, err := operatorImage(o, o.GOARCH, ca, bins[:len(progs)-1])
 	if err != nil {
 		return result{}, result{}, err
 	}
@@ -232,6 +220,25 @@ func buildImages(ctx context.Context, o options) (operator, pause result, err er
 		return result{}, result{}, err
 	}
 	return operator, pause, nil
+}
+
+// operatorImage assembles the operator image for goarch from the CA bundle
+// and its binaries (operatorBinaries, built for goarch). layerOpts set the
+// layers' media type (the docker-archive's default, or OCI's).
+func operatorImage(o options, goarch string, ca []byte, bins []file, layerOpts ...tarball.LayerOption) (v1.Image, error) {
+	base, err := layerOf(baseFiles(ca), o.Epoch, layerOpts...)
+	if err != nil {
+		return nil, err
+	}
+	opBins, err := layerOf(bins, o.Epoch, layerOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return assemble(operatorConfig(o.Version), goarch, o.Epoch,
+		mutate.Addendum{Layer: base, History: history(o.Epoch,
+			"users (root, nobody, nonroot 65532), nsswitch.conf, CA certificates, /tmp, home directories")},
+		mutate.Addendum{Layer: opBins, History: history(o.Epoch,
+			"go build "+o.Version+": /manager (./cmd/manager), /relay (./cmd/relay)")})
 }
 
 // readCABundle reads a PEM bundle and checks that it holds certificates.
@@ -323,7 +330,7 @@ func baseFiles(caBundle []byte) []file {
 // layerOf makes a reproducible layer of files: entries sorted by path, every
 // missing parent directory added (0755, root), every time set to mtime, no
 // user or group names, and gzip without a timestamp.
-func layerOf(files []file, mtime time.Time) (v1.Layer, error) {
+func layerOf(files []file, mtime time.Time, opts ...tarball.LayerOption) (v1.Layer, error) {
 	all := map[string]file{}
 	for _, f := range files {
 		clean := path.Clean("/" + f.Name)
@@ -383,7 +390,7 @@ func layerOf(files []file, mtime time.Time) (v1.Layer, error) {
 	data := buf.Bytes()
 	return tarball.LayerFromOpener(func() (io.ReadCloser, error) {
 		return io.NopCloser(bytes.NewReader(data)), nil
-	}, tarball.WithCompressedCaching)
+	}, append([]tarball.LayerOption{tarball.WithCompressedCaching}, opts...)...)
 }
 
 // assemble puts layers on an empty base under cfg.

@@ -6,7 +6,7 @@
 //     the static binaries /manager (the entrypoint) and /relay, with the files
 //     of gcr.io/distroless/static's nonroot variant that they rely on
 //     (/etc/passwd and /etc/group with nonroot 65532, the CA bundle, /tmp),
-//     on an empty base; user 65532:65532, ports 8080, 8081 and 9090. It is
+//     on an empty base; user 65532:65532, ports 8443, 8081 and 9090. It is
 //     the image the Dockerfile builds, file for file where it matters (the
 //     tests parse the Dockerfile and compare).
 //   - pause.tar, tagged localhost/outbox-pause:3.10: the pod sandbox image
@@ -20,6 +20,11 @@
 // Run it from the repository (make images does):
 //
 //	go run ./hack/images -out bin/images [-version v0.1.0]
+//
+// With -release MAJOR.MINOR.PATCH it writes a release instead (make release,
+// docs/release.md): the operator image for linux/amd64 and linux/arm64 as
+// an OCI image index in an OCI layout tar, its CycloneDX SBOM, the packaged
+// chart, install.yaml pinned by the index's digest, and checksums.txt.
 //
 // It is development tooling: the manager and the relay do not link it.
 package main
@@ -50,6 +55,8 @@ func main() {
 	flag.StringVar(&o.GOARCH, "goarch", runtime.GOARCH, "the images' architecture (GOARCH); the OS is linux")
 	flag.StringVar(&o.CABundle, "ca-bundle", defaultCABundle, "PEM CA bundle copied to /etc/ssl/certs/ca-certificates.crt")
 	seconds := flag.Int64("source-date-epoch", epoch, "Unix time of every file and of the images' creation")
+	releaseVersion := flag.String("release", "", "write release MAJOR.MINOR.PATCH into -out instead: the image index (linux/"+strings.Join(releaseArchs, ", linux/")+"), its SBOM, the chart, install.yaml and checksums.txt")
+	kubectl := flag.String("kubectl", "kubectl", "kubectl that renders config/default for -release")
 	flag.Parse()
 	if flag.NArg() != 0 {
 		fail(fmt.Errorf("unexpected arguments %q", flag.Args()))
@@ -61,6 +68,17 @@ func main() {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	if *releaseVersion != "" {
+		res, err := release(ctx, o, *releaseVersion, *kubectl)
+		if err != nil {
+			fail(err)
+		}
+		for _, f := range res.Files {
+			fmt.Println(filepath.Join(o.OutDir, f))
+		}
+		fmt.Printf("image index %s@%s\n", operatorRepo, res.Index)
+		return
+	}
 	operator, pause, err := buildImages(ctx, o)
 	if err != nil {
 		fail(err)

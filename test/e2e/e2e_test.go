@@ -740,3 +740,25 @@ func dumpPodLogs(t *testing.T) {
 		})
 	}
 }
+
+// TestNamespaceEditorsManageOutboxRelays: on the real node, whose
+// controller manager aggregates ClusterRoles, the installed
+// outboxrelay-editor and -viewer roles reach the built-in edit and view
+// roles: a user bound to edit in a namespace may create OutboxRelays there,
+// one bound to view may read them and not create them.
+func TestNamespaceEditorsManageOutboxRelays(t *testing.T) {
+	kubectl(t, "create", "rolebinding", "alice-edit", "--clusterrole=edit", "--user=alice", "-n", "default")
+	kubectl(t, "create", "rolebinding", "bob-view", "--clusterrole=view", "--user=bob", "-n", "default")
+	t.Cleanup(func() { _, _ = stack.Kubectl(context.Background(), "delete", "rolebinding", "alice-edit", "bob-view", "-n", "default") })
+	canI := func(user, verb string) string {
+		out, _ := stack.Kubectl(context.Background(), "auth", "can-i", verb, "outboxrelays.outbox.dev", "--as="+user, "-n", "default")
+		return strings.TrimSpace(string(out))
+	}
+	require.Eventually(t, func() bool { return canI("alice", "create") == "yes" }, 30*time.Second, 200*time.Millisecond,
+		"edit aggregates outboxrelay-editor")
+	require.Equal(t, "yes", canI("alice", "delete"))
+	require.Eventually(t, func() bool { return canI("bob", "list") == "yes" }, 30*time.Second, 200*time.Millisecond,
+		"view aggregates outboxrelay-viewer")
+	require.Equal(t, "no", canI("bob", "create"))
+	require.Equal(t, "no", canI("carol", "get"), "no binding, no access")
+}

@@ -1,14 +1,28 @@
-{{/* The chart's name. */}}
+{{/* The chart's name, or nameOverride. */}}
 {{- define "outbox-operator.name" -}}
-{{- .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- .Values.nameOverride | default .Chart.Name | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* The release's base name: the release name, with the chart's name unless it already holds it. */}}
+{{/* The release's base name: fullnameOverride, else the release name, with the chart's name unless it already holds it. */}}
 {{- define "outbox-operator.fullname" -}}
-{{- if contains .Chart.Name .Release.Name }}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := include "outbox-operator.name" . }}
+{{- if contains $name .Release.Name }}
 {{- .Release.Name | trunc 63 | trimSuffix "-" }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The manager's service account: the one the chart creates, or serviceAccount.name. */}}
+{{- define "outbox-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- .Values.serviceAccount.name | default (include "outbox-operator.fullname" .) }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
 {{- end }}
 {{- end }}
 
@@ -21,7 +35,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: outbox-operator
 {{- end }}
 
-{{/* Labels that select the manager pods; the same as config/manager's. */}}
+{{/* Labels that select the manager pods; the same as config/manager's (the alerts find the manager as job="outbox-operator"). */}}
 {{- define "outbox-operator.selectorLabels" -}}
 app.kubernetes.io/name: outbox-operator
 app.kubernetes.io/instance: {{ .Release.Name }}
@@ -40,4 +54,9 @@ app.kubernetes.io/component: manager
 {{/* The manager's RBAC rules, generated from the +kubebuilder:rbac markers (config/rbac/role.yaml). */}}
 {{- define "outbox-operator.managerRules" -}}
 {{- (.Files.Get "files/role.yaml" | fromYaml).rules | toYaml }}
+{{- end }}
+
+{{/* The rules of a ClusterRole kept under config/rbac (files/<name>.yaml). */}}
+{{- define "outbox-operator.rulesOf" -}}
+{{- (.root.Files.Get (printf "files/%s.yaml" .file) | fromYaml).rules | toYaml }}
 {{- end }}

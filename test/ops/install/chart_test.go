@@ -77,16 +77,20 @@ func TestChartCopiesAreIdentical(t *testing.T) {
 		"files/leader_election_role.yaml":      "config/rbac/leader_election_role.yaml",
 		"files/prometheusrule.yaml":            "config/prometheus/prometheusrule.yaml",
 		"files/outbox-operator-dashboard.json": "config/grafana/outbox-operator-dashboard.json",
+		"files/metrics_auth_role.yaml":         "config/rbac/metrics_auth_role.yaml",
+		"files/metrics_reader_role.yaml":       "config/rbac/metrics_reader_role.yaml",
+		"files/outboxrelay_editor_role.yaml":   "config/rbac/outboxrelay_editor_role.yaml",
+		"files/outboxrelay_viewer_role.yaml":   "config/rbac/outboxrelay_viewer_role.yaml",
 	}
 	crds, err := filepath.Glob(repo("config", "crd", "bases", "*.yaml"))
 	require.NoError(t, err)
 	require.NotEmpty(t, crds)
 	for _, src := range crds {
-		pairs["crds/"+filepath.Base(src)] = "config/crd/bases/" + filepath.Base(src)
+		pairs["files/crds/"+filepath.Base(src)] = "config/crd/bases/" + filepath.Base(src)
 	}
-	shipped, err := filepath.Glob(filepath.Join(chartDir(), "crds", "*"))
+	shipped, err := filepath.Glob(filepath.Join(chartDir(), "files", "crds", "*"))
 	require.NoError(t, err)
-	require.Len(t, shipped, len(crds), "charts/outbox-operator/crds holds exactly the CRDs of config/crd/bases")
+	require.Len(t, shipped, len(crds), "charts/outbox-operator/files/crds holds exactly the CRDs of config/crd/bases")
 	for copyPath, src := range pairs {
 		want, err := os.ReadFile(repo(src))
 		require.NoError(t, err)
@@ -111,7 +115,7 @@ nodeSelector: {kubernetes.io/os: linux}
 tolerations: [{key: dedicated, operator: Equal, value: ops, effect: NoSchedule}]
 priorityClassName: system-cluster-critical
 serviceAccount: {annotations: {example.com/role: outbox}}
-metrics: {port: 9443}
+metrics: {port: 9443, secure: false}
 monitoring:
   podMonitor: {enabled: true, labels: {release: prometheus}, interval: 30s}
   prometheusRule: {enabled: true, labels: {release: prometheus}}
@@ -179,9 +183,25 @@ func TestChartDefaultMirrorsConfigDefault(t *testing.T) {
 		require.Equal(t, want, got, "pod %s", field)
 	}
 
-	require.Equal(t, find(t, kustomized, "ClusterRole", "").Object["rules"], find(t, objs, "ClusterRole", "").Object["rules"])
+	for kust, chart := range map[string]string{
+		"outbox-operator-manager-role":       "outbox-outbox-operator-manager",
+		"outbox-operator-metrics-auth-role":  "outbox-outbox-operator-metrics-auth",
+		"outbox-operator-metrics-reader":     "outbox-outbox-operator-metrics-reader",
+		"outbox-operator-outboxrelay-editor": "outbox-outbox-operator-outboxrelay-editor",
+		"outbox-operator-outboxrelay-viewer": "outbox-outbox-operator-outboxrelay-viewer",
+	} {
+		k, c := find(t, kustomized, "ClusterRole", kust), find(t, objs, "ClusterRole", chart)
+		require.Equal(t, k.Object["rules"], c.Object["rules"], chart)
+		for l, v := range k.GetLabels() {
+			if strings.HasPrefix(l, "rbac.authorization.k8s.io/") {
+				require.Equal(t, v, c.GetLabels()[l], "%s: aggregation label %s", chart, l)
+			}
+		}
+	}
 	require.Equal(t, find(t, kustomized, "Role", "").Object["rules"], find(t, objs, "Role", "").Object["rules"], "leader election")
-	crb := find(t, objs, "ClusterRoleBinding", "")
+	svc := find(t, objs, "Service", "outbox-outbox-operator-metrics")
+	require.Equal(t, find(t, kustomized, "Service", "").Object["spec"].(map[string]any)["ports"], svc.Object["spec"].(map[string]any)["ports"], "the metrics Service")
+	crb := find(t, objs, "ClusterRoleBinding", "outbox-outbox-operator-manager")
 	require.Equal(t, "outbox-outbox-operator-manager", crb.Object["roleRef"].(map[string]any)["name"])
 	require.Equal(t, releaseNamespace, crb.Object["subjects"].([]any)[0].(map[string]any)["namespace"])
 	for _, kind := range []string{"PodMonitor", "PrometheusRule", "ConfigMap"} {
@@ -201,7 +221,7 @@ func TestChartNonDefaultValues(t *testing.T) {
 	image := "registry.example/outbox/operator@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
 	require.Equal(t, image, c["image"])
 	require.Equal(t, "Always", c["imagePullPolicy"])
-	require.Equal(t, []any{"--leader-elect", "--metrics-bind-address=:9443", "--health-probe-bind-address=:8081",
+	require.Equal(t, []any{"--leader-elect", "--metrics-bind-address=:9443", "--metrics-secure=false", "--health-probe-bind-address=:8081",
 		"--allowed-relay-images=registry.example/outbox/,ghcr.io/outbox-relay/", "--zap-log-level=debug"}, c["args"])
 	e := env(t, c)
 	require.Equal(t, "registry.example/outbox/relay:v2", e["RELAY_IMAGE"])
@@ -216,9 +236,16 @@ func TestChartNonDefaultValues(t *testing.T) {
 	labels, _, _ := unstructured.NestedStringMap(deploy.Object, "spec", "template", "metadata", "labels")
 	require.Equal(t, "payments", labels["team"])
 
-	// Namespaced: a Role and RoleBinding in each watched namespace, nothing cluster-wide.
+	// Namespaced: a Role and RoleBinding in each watched namespace; no
+	// cluster-wide grant to the manager (the aggregated outboxrelay roles
+	// grant users, not the manager).
 	for _, o := range objs {
-		require.NotContains(t, []string{"ClusterRole", "ClusterRoleBinding"}, o.GetKind())
+		if o.GetKind() == "ClusterRoleBinding" {
+			t.Fatalf("a cluster-wide binding in namespaced mode: %s", o.GetName())
+		}
+		if o.GetKind() == "ClusterRole" {
+			require.Contains(t, o.GetName(), "-outboxrelay-", "only the aggregated roles are cluster-wide: %s", o.GetName())
+		}
 	}
 	var roleNamespaces []string
 	for _, o := range objs {
@@ -273,10 +300,18 @@ func TestChartAppliesToAPIServer(t *testing.T) {
 	for _, ns := range []string{releaseNamespace, "shop", "billing"} {
 		ensureNamespace(t, ns)
 	}
-	for name, vals := range map[string]map[string]any{"default": nil, "non-default": values(t, nonDefault)} {
-		_, manifest := mustRender(t, vals)
-		out := kubectl(t, []byte(manifest), "apply", "--server-side", "--dry-run=server", "--force-conflicts", "-f", "-")
-		require.Contains(t, string(out), "deployment.apps/outbox-outbox-operator serverside-applied (server dry run)", name)
+	cases := map[string]string{"non-default": nonDefault}
+	for _, tc := range chartCases {
+		if tc.err == "" {
+			cases[tc.name] = tc.values
+		}
+	}
+	for name, vals := range cases {
+		_, manifest := mustRender(t, values(t, vals))
+		// Server-side apply validates every field against the API server's
+		// own OpenAPI schema (unknown or mistyped fields are refused).
+		out := kubectl(t, []byte(manifest), "apply", "--server-side", "--dry-run=server", "--force-conflicts", "--validate=strict", "-f", "-")
+		require.Contains(t, string(out), "serverside-applied (server dry run)", name)
 	}
 }
 
@@ -326,7 +361,13 @@ func TestChartRefusesBadValues(t *testing.T) {
 		{`{metrics: {port: 70000}}`, "/metrics/port"},
 		{`{monitoring: {podMonitor: {enabled: "yes"}}}`, "/monitoring/podMonitor/enabled"},
 		{`{monitoring: {podMonitor: {interval: 30}}}`, "/monitoring/podMonitor/interval"},
-		{`{monitoring: {serviceMonitor: {enabled: true}}}`, "additional properties 'serviceMonitor' not allowed"},
+		{`{monitoring: {serviceMonitor: {enabled: true, port: 1}}}`, "additional properties 'port' not allowed"},
+		{`{serviceAccount: {name: Bad_Name}}`, "/serviceAccount/name"},
+		{`{crds: {keep: "yes"}}`, "/crds/keep"},
+		{`{rbac: {create: 0}}`, "/rbac/create"},
+		{`{extraEnv: [{name: WATCH_NAMESPACE, value: x}]}`, "/extraEnv/0/name"},
+		{`{metrics: {readers: [{name: prometheus}]}}`, "/metrics/readers/0"},
+		{`{podDisruptionBudget: {minAvailable: half}}`, "/podDisruptionBudget/minAvailable"},
 		{`{podLabels: {app.kubernetes.io/name: other}}`, "invalid propertyName 'app.kubernetes.io/name'"},
 	} {
 		_, _, err := render(t, values(t, tc.values))

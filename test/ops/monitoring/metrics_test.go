@@ -139,7 +139,7 @@ func managerMetrics(t *testing.T, into exposed) {
 	port, err := testenv.FreePort()
 	require.NoError(t, err)
 	metricsAddr := "127.0.0.1:" + strconv.Itoa(port)
-	p, err := devproc.StartManager(bins[0], kubeconfig, filepath.Join(dir, "manager.log"), "--metrics-bind-address="+metricsAddr)
+	p, err := devproc.StartManager(bins[0], kubeconfig, filepath.Join(dir, "manager.log"), "--metrics-bind-address="+metricsAddr, "--metrics-secure=false")
 	require.NoError(t, err)
 	opstest.Ready(t, p)
 	c := opstest.Admin(t)

@@ -1,0 +1,38 @@
+package relay
+
+import (
+	"errors"
+	"io"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// A reload of the held table read after a row was held but before the
+// batch recording the hold committed does not hold its record yet: it must
+// not release the row (which would be claimed and held again, one attempt
+// more). Once the batch commits, a reload read before the commit still
+// leaves it; one read after the commit decides.
+func TestReloadDoesNotReleaseAHoldItCannotSeeYet(t *testing.T) {
+	t.Parallel()
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	h := newHeldRows()
+	h.recorded = true
+	h.hold(log, row{id: 7, eventType: "E"}, HeldTooLarge, time.Now().Add(time.Hour), errors.New("too large"))
+	holds := h.take()
+
+	empty := func(at time.Time) heldSnapshot { return heldSnapshot{at: at, rows: map[int64]heldRow{}} }
+	h.merge(empty(time.Now())) // read while the batch commits
+	require.True(t, h.isHeld(7), "a reload cannot release a hold whose record is not committed")
+
+	readBefore := time.Now()
+	time.Sleep(time.Millisecond) // the commit comes after that read
+	h.committed(holds, time.Now())
+	h.merge(empty(readBefore))
+	require.True(t, h.isHeld(7), "a reload read before the commit does not show the record")
+
+	h.merge(empty(time.Now().Add(time.Second))) // read after the commit, without the record: redriven or swept
+	require.False(t, h.isHeld(7))
+}

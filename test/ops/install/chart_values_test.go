@@ -1,0 +1,159 @@
+package install
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+)
+
+// chartCase is one combination of values: what it must render, checked
+// on the rendered objects, or the error Helm must give.
+type chartCase struct {
+	name, values string
+	check        func(t *testing.T, objs []*unstructured.Unstructured)
+	err          string
+}
+
+// chartCases cover each convention of the chart's values, alone and
+// together; TestChartValuesTable checks what they render and
+// TestChartAppliesToAPIServer has the API server validate each.
+var chartCases = []chartCase{
+	{name: "default", values: `{}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
+		sa := find(t, objs, "ServiceAccount", "outbox-outbox-operator")
+		require.Equal(t, true, sa.Object["automountServiceAccountToken"])
+		crd := find(t, objs, "CustomResourceDefinition", "outboxrelays.outbox.dev")
+		require.Equal(t, "keep", crd.GetAnnotations()["helm.sh/resource-policy"], "the CRD outlives the release")
+		require.Equal(t, "Helm", crd.GetLabels()["app.kubernetes.io/managed-by"], "a template, so helm upgrade updates it")
+		c := container(t, find(t, objs, "Deployment", ""))
+		require.Contains(t, c["args"], "--metrics-bind-address=:8443")
+		require.NotContains(t, c["args"], "--metrics-secure=false", "HTTPS with authentication by default")
+		find(t, objs, "Service", "outbox-outbox-operator-metrics")
+		binding := find(t, objs, "ClusterRoleBinding", "outbox-outbox-operator-metrics-auth")
+		require.Equal(t, "outbox-outbox-operator", subject(t, binding, 0)["name"])
+		find(t, objs, "ClusterRole", "outbox-outbox-operator-metrics-reader")
+		editor := find(t, objs, "ClusterRole", "outbox-outbox-operator-outboxrelay-editor")
+		require.Equal(t, "true", editor.GetLabels()["rbac.authorization.k8s.io/aggregate-to-edit"])
+		viewer := find(t, objs, "ClusterRole", "outbox-outbox-operator-outboxrelay-viewer")
+		require.Equal(t, "true", viewer.GetLabels()["rbac.authorization.k8s.io/aggregate-to-view"])
+		none(t, objs, "PodDisruptionBudget", "ServiceMonitor", "PodMonitor")
+	}},
+	{name: "fullnameOverride", values: `{fullnameOverride: relays}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
+		for _, o := range objs {
+			if o.GetKind() != "CustomResourceDefinition" {
+				require.True(t, strings.HasPrefix(o.GetName(), "relays"), "%s/%s", o.GetKind(), o.GetName())
+			}
+		}
+		require.Equal(t, "relays", podSpec(t, objs)["serviceAccountName"])
+	}},
+	{name: "nameOverride", values: `{nameOverride: relays}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
+		find(t, objs, "Deployment", "outbox-relays")
+	}},
+	{name: "existing service account", values: `{serviceAccount: {create: false, name: ops-sa, automount: false}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
+		none(t, objs, "ServiceAccount")
+		pod := podSpec(t, objs)
+		require.Equal(t, "ops-sa", pod["serviceAccountName"])
+		require.Equal(t, false, pod["automountServiceAccountToken"])
+		require.Equal(t, "ops-sa", subject(t, find(t, objs, "ClusterRoleBinding", "outbox-outbox-operator-manager"), 0)["name"])
+	}},
+	{name: "existing service account without a name", values: `{serviceAccount: {create: false}}`,
+		err: "serviceAccount.name is required when serviceAccount.create is false"},
+	{name: "no RBAC", values: `{rbac: {create: false}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
+		none(t, objs, "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")
+	}},
+	{name: "no aggregated roles", values: `{rbac: {aggregateToDefaultRoles: false}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
+		for _, o := range objs {
+			require.NotContains(t, o.GetName(), "outboxrelay-", "%s/%s", o.GetKind(), o.GetName())
+		}
+	}},
+	{name: "CRD not installed", values: `{crds: {install: false}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
+		none(t, objs, "CustomResourceDefinition")
+	}},
+	{name: "CRD not kept", values: `{crds: {keep: false}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
+		require.NotContains(t, find(t, objs, "CustomResourceDefinition", "").GetAnnotations(), "helm.sh/resource-policy")
+	}},
+	{name: "replicas", values: `{replicaCount: 3, podDisruptionBudget: {minAvailable: 2}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
+		pdb := find(t, objs, "PodDisruptionBudget", "outbox-outbox-operator")
+		require.EqualValues(t, 2, pdb.Object["spec"].(map[string]any)["minAvailable"])
+	}},
+	{name: "plain metrics", values: `{metrics: {secure: false}, monitoring: {podMonitor: {enabled: true}}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
+		require.Contains(t, container(t, find(t, objs, "Deployment", ""))["args"], "--metrics-secure=false")
+		none(t, objs, "ClusterRoleBinding/outbox-outbox-operator-metrics-auth")
+		find(t, objs, "PodMonitor", "")
+	}},
+	{name: "PodMonitor on HTTPS", values: `{monitoring: {podMonitor: {enabled: true}}}`,
+		err: "monitoring.podMonitor scrapes plain HTTP: with metrics.secure (the default) use monitoring.serviceMonitor"},
+	{name: "ServiceMonitor and readers", values: `{monitoring: {serviceMonitor: {enabled: true, labels: {release: prometheus}}},
+	  metrics: {readers: [{name: prometheus-k8s, namespace: monitoring}]}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
+		sm := find(t, objs, "ServiceMonitor", "outbox-outbox-operator")
+		ep := sm.Object["spec"].(map[string]any)["endpoints"].([]any)[0].(map[string]any)
+		require.Equal(t, "https", ep["scheme"])
+		require.Equal(t, "/var/run/secrets/kubernetes.io/serviceaccount/token", ep["bearerTokenFile"])
+		require.Equal(t, true, ep["honorLabels"])
+		readers := find(t, objs, "ClusterRoleBinding", "outbox-outbox-operator-metrics-reader")
+		require.Equal(t, "prometheus-k8s", subject(t, readers, 0)["name"])
+		require.Equal(t, "monitoring", subject(t, readers, 0)["namespace"])
+	}},
+	{name: "OpenShift restricted-v2", values: `{podSecurityContext: {runAsUser: null, runAsGroup: null}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
+		sc := podSpec(t, objs)["securityContext"].(map[string]any)
+		require.NotContains(t, sc, "runAsUser", "the platform assigns the user")
+		require.Equal(t, true, sc["runAsNonRoot"])
+	}},
+	{name: "spread, env and volumes", values: `{
+	  topologySpreadConstraints: [{maxSkew: 1, topologyKey: topology.kubernetes.io/zone, whenUnsatisfiable: ScheduleAnyway,
+	    labelSelector: {matchLabels: {app.kubernetes.io/name: outbox-operator}}}],
+	  extraEnv: [{name: HTTPS_PROXY, value: "http://proxy:3128"}],
+	  extraVolumes: [{name: ca, configMap: {name: corp-ca}}],
+	  extraVolumeMounts: [{name: ca, mountPath: /etc/ssl/corp, readOnly: true}]}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
+		pod := podSpec(t, objs)
+		require.Len(t, pod["topologySpreadConstraints"], 1)
+		require.Len(t, pod["volumes"], 1)
+		c := container(t, find(t, objs, "Deployment", ""))
+		require.Equal(t, "http://proxy:3128", env(t, c)["HTTPS_PROXY"])
+		require.Len(t, c["volumeMounts"], 1)
+	}},
+}
+
+// TestChartValuesTable renders each combination and checks it.
+func TestChartValuesTable(t *testing.T) {
+	t.Parallel()
+	for _, tc := range chartCases {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			objs, _, err := render(t, values(t, tc.values))
+			if tc.err != "" {
+				require.ErrorContains(t, err, tc.err)
+				return
+			}
+			require.NoError(t, err)
+			tc.check(t, objs)
+		})
+	}
+}
+
+func podSpec(t *testing.T, objs []*unstructured.Unstructured) map[string]any {
+	t.Helper()
+	pod, _, err := unstructured.NestedMap(find(t, objs, "Deployment", "").Object, "spec", "template", "spec")
+	require.NoError(t, err)
+	return pod
+}
+
+func subject(t *testing.T, binding *unstructured.Unstructured, i int) map[string]any {
+	t.Helper()
+	subjects, _, err := unstructured.NestedSlice(binding.Object, "subjects")
+	require.NoError(t, err)
+	require.Greater(t, len(subjects), i)
+	return subjects[i].(map[string]any)
+}
+
+// none checks that objs hold no object of the kinds (or kind/name).
+func none(t *testing.T, objs []*unstructured.Unstructured, kinds ...string) {
+	t.Helper()
+	for _, o := range objs {
+		for _, k := range kinds {
+			require.NotEqual(t, k, o.GetKind(), "%s/%s", o.GetKind(), o.GetName())
+			require.NotEqual(t, k, o.GetKind()+"/"+o.GetName())
+		}
+	}
+}
