@@ -18,7 +18,7 @@ import (
 
 // The status the operator writes reads right to kstatus, the logic Flux's
 // health checks and kubectl-style waits use (Argo CD runs its own Lua
-// health checks instead: config/argocd/health.lua): InProgress while rolling
+// health checks instead: config/argocd/resource_customizations/outbox.dev/OutboxRelay/health.lua): InProgress while rolling
 // out (including a roll with no generation change, as a Secret rotation
 // makes), Failed when stalled, Current when ready.
 func TestStatusReadsRightToKstatus(t *testing.T) {

@@ -11,11 +11,14 @@ import (
 	policyv1 "k8s.io/api/policy/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/event"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
@@ -84,6 +87,10 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 		return ctrl.Result{}, nil // owner references hand the children to the garbage collector
 	}
 	original := relay.DeepCopy()
+	if relay.ReconciliationPaused() {
+		return ctrl.Result{}, r.paused(ctx, relay, original)
+	}
+	meta.RemoveStatusCondition(&relay.Status.Conditions, outboxv1alpha1.ConditionReconciliationPaused)
 
 	current, err := r.currentDeployment(ctx, relay)
 	if err != nil {
@@ -124,6 +131,35 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 	// Without backlog readings to wake it, look again when the Secrets are
 	// due to be read again, so their changes still reach the pods.
 	return ctrl.Result{RequeueAfter: r.secrets.refresh}, nil
+}
+
+// paused reports a relay whose reconciliation is disabled: only the
+// ReconciliationPaused condition changes; the children, the other
+// conditions and observedGeneration stay as the last reconcile left them.
+func (r *OutboxRelayReconciler) paused(ctx context.Context, relay, original *outboxv1alpha1.OutboxRelay) error {
+	meta.SetStatusCondition(&relay.Status.Conditions, metav1.Condition{
+		Type: outboxv1alpha1.ConditionReconciliationPaused, Status: metav1.ConditionTrue,
+		Reason: outboxv1alpha1.ReasonReconcileDisabled, ObservedGeneration: relay.Generation,
+		Message: outboxv1alpha1.ReconcileAnnotation + ": " + outboxv1alpha1.ReconcileDisabled +
+			": the operator changes nothing of this relay (its pods keep running as they are) until the annotation is removed",
+	})
+	if equality.Semantic.DeepEqual(original.Status, relay.Status) {
+		return nil
+	}
+	if err := r.Status().Patch(ctx, relay, client.MergeFrom(original)); err != nil {
+		return fmt.Errorf("write status of %s/%s: %w", relay.Namespace, relay.Name, err)
+	}
+	return nil
+}
+
+// reconcileToggled passes updates that add or remove ReconcileAnnotation:
+// the For watch otherwise passes only spec (generation) changes.
+var reconcileToggled = predicate.Funcs{
+	UpdateFunc: func(e event.UpdateEvent) bool {
+		return e.ObjectOld.GetAnnotations()[outboxv1alpha1.ReconcileAnnotation] != e.ObjectNew.GetAnnotations()[outboxv1alpha1.ReconcileAnnotation]
+	},
+	CreateFunc: func(event.CreateEvent) bool { return false }, DeleteFunc: func(event.DeleteEvent) bool { return false },
+	GenericFunc: func(event.GenericEvent) bool { return false },
 }
 
 // forget stops observing a relay that is gone and drops its metrics.
@@ -193,7 +229,7 @@ func (r *OutboxRelayReconciler) SetupWithManager(ctx context.Context, mgr ctrl.M
 	}
 	r.secrets = newSecretCache(r.SecretRefreshInterval, r.Metrics.secretRead)
 	b := ctrl.NewControllerManagedBy(mgr).
-		For(&outboxv1alpha1.OutboxRelay{}, builder.WithPredicates(predicate.GenerationChangedPredicate{})).
+		For(&outboxv1alpha1.OutboxRelay{}, builder.WithPredicates(predicate.Or(predicate.GenerationChangedPredicate{}, reconcileToggled))).
 		Owns(&appsv1.Deployment{}).
 		Owns(&corev1.Service{}).
 		Owns(&policyv1.PodDisruptionBudget{}).

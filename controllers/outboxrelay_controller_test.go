@@ -41,6 +41,7 @@ func TestController(t *testing.T) {
 	t.Run("SecretKeyMissing", func(t *testing.T) { t.Parallel(); testSecretKeyMissing(t, c) })
 	t.Run("StatusFollowsDeployment", func(t *testing.T) { t.Parallel(); testStatusFollowsDeployment(t, c) })
 	t.Run("SuspendAndResume", func(t *testing.T) { t.Parallel(); testSuspend(t, c) })
+	t.Run("ReconcilePaused", func(t *testing.T) { t.Parallel(); testReconcilePaused(t, c) })
 	t.Run("InvalidSpecSetsConditionAndEvent", func(t *testing.T) { t.Parallel(); testInvalidSpec(t, c) })
 	t.Run("KafkaTLSAndSASL", func(t *testing.T) { t.Parallel(); testKafkaTLSAndSASL(t, c) })
 	t.Run("ForeignChildIsLeftAlone", func(t *testing.T) { t.Parallel(); testForeignChild(t, c) })
@@ -683,4 +684,50 @@ func (s *statusCounter) Update(ctx context.Context, obj client.Object, opts ...c
 func (s *statusCounter) Patch(ctx context.Context, obj client.Object, patch client.Patch, opts ...client.SubResourcePatchOption) error {
 	s.w.record("patch status", obj)
 	return s.SubResourceWriter.Patch(ctx, obj, patch, opts...)
+}
+
+// outbox.dev/reconcile: disabled pauses the operator: spec changes and
+// scaling wait, the running Deployment is left as it is (not scaled to
+// zero), the status says so and Argo CD shows Suspended; removing the
+// annotation applies the spec as it is then.
+func testReconcilePaused(t *testing.T, c client.Client) {
+	ns := newNamespace(t, c)
+	relay, secret := minimalRelay(ns, "paused")
+	relay.Spec.Replicas = ptr.To[int32](2)
+	create(t, c, secret, relay)
+	before := waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return *d.Spec.Replicas == 2 })
+
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) {
+		o.Annotations = map[string]string{outboxv1alpha1.ReconcileAnnotation: outboxv1alpha1.ReconcileDisabled}
+	})
+	got := waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return meta.IsStatusConditionTrue(o.Status.Conditions, outboxv1alpha1.ConditionReconciliationPaused)
+	})
+	cond := meta.FindStatusCondition(got.Status.Conditions, outboxv1alpha1.ConditionReconciliationPaused)
+	require.Equal(t, outboxv1alpha1.ReasonReconcileDisabled, cond.Reason)
+	require.Contains(t, cond.Message, "outbox.dev/reconcile: disabled")
+	requireHealth(t, got, "Suspended")
+	generation := got.Status.ObservedGeneration
+
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) {
+		o.Spec.Replicas = ptr.To[int32](3)
+		o.Spec.BatchSize = ptr.To[int32](77)
+	})
+	require.Never(t, func() bool {
+		d := &appsv1.Deployment{}
+		return c.Get(context.Background(), childKey(relay), d) != nil || *d.Spec.Replicas != 2 ||
+			!slices.Equal(d.Spec.Template.Spec.Containers[0].Args, before.Spec.Template.Spec.Containers[0].Args)
+	}, 3*time.Second, tick, "a paused relay's Deployment is left as it is")
+	o := &outboxv1alpha1.OutboxRelay{}
+	require.NoError(t, c.Get(context.Background(), key(relay), o))
+	require.Equal(t, generation, o.Status.ObservedGeneration, "the paused generation is not observed")
+
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) { delete(o.Annotations, outboxv1alpha1.ReconcileAnnotation) })
+	waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool {
+		return *d.Spec.Replicas == 3 && slices.Contains(d.Spec.Template.Spec.Containers[0].Args, "--batch-size=77")
+	})
+	waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return meta.FindStatusCondition(o.Status.Conditions, outboxv1alpha1.ConditionReconciliationPaused) == nil &&
+			o.Status.ObservedGeneration == o.Generation
+	})
 }

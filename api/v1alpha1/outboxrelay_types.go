@@ -27,7 +27,26 @@ const (
 	// waited longer than spec.lagThreshold; Unknown before the operator first
 	// read the backlog or while it cannot.
 	ConditionLagging = "Lagging"
+	// ConditionReconciliationPaused is True while the OutboxRelay carries
+	// ReconcileAnnotation: ReconcileDisabled. The operator then changes
+	// nothing of it or its children; the relay keeps running as it is.
+	ConditionReconciliationPaused = "ReconciliationPaused"
 )
+
+// ReconcileAnnotation set to ReconcileDisabled pauses the operator's work on
+// an OutboxRelay (Strimzi's pause): its Deployment, Service and
+// PodDisruptionBudget stay as they are (not scaled to zero, not rolled),
+// spec changes wait, and status.conditions says so. Removing the annotation
+// resumes reconciliation with the spec as it is then.
+const (
+	ReconcileAnnotation = "outbox.dev/reconcile"
+	ReconcileDisabled   = "disabled"
+)
+
+// ReconciliationPaused reports whether r carries ReconcileAnnotation: ReconcileDisabled.
+func (r *OutboxRelay) ReconciliationPaused() bool {
+	return r.Annotations[ReconcileAnnotation] == ReconcileDisabled
+}
 
 // Condition reasons of an OutboxRelay.
 const (
@@ -35,6 +54,8 @@ const (
 	ReasonAvailable = "Available"
 	// ReasonSuspended: spec.suspend is true; the relay runs zero replicas.
 	ReasonSuspended = "Suspended"
+	// ReasonReconcileDisabled: the OutboxRelay carries ReconcileAnnotation: ReconcileDisabled.
+	ReasonReconcileDisabled = "ReconcileDisabled"
 	// ReasonScaledToZero: spec.replicas is 0.
 	ReasonScaledToZero = "ScaledToZero"
 	// ReasonInvalidSpec: the spec breaks a rule the schema cannot express (the

@@ -1,7 +1,8 @@
 -- Argo CD health check for outbox.dev/OutboxRelay, read from the conditions
 -- the operator writes. Install it as resource.customizations.health.outbox.dev_OutboxRelay
 -- in argocd-cm (docs/operator.md shows the snippet).
---   Suspended   spec.suspend is true
+--   Suspended   spec.suspend is true, or reconciliation is paused
+--               (outbox.dev/reconcile: disabled, condition ReconciliationPaused)
 --   Degraded    Stalled (invalid spec, missing Secret, rollout past its
 --               deadline, ready replicas that publish nothing), Lagging (rows
 --               wait past spec.lagThreshold), or, once rolled out, a backlog
@@ -34,6 +35,15 @@ end
 if obj.spec ~= nil and obj.spec.suspend == true then
   hs.status = "Suspended"
   hs.message = "spec.suspend is true: the relay runs no pods"
+  return hs
+end
+
+-- outbox.dev/reconcile: disabled: the operator changes nothing, so the
+-- conditions may be old; say so rather than judge by them.
+local paused = condition("ReconciliationPaused")
+if paused ~= nil and paused.status == "True" then
+  hs.status = "Suspended"
+  hs.message = describe(paused)
   return hs
 end
 
