@@ -113,6 +113,11 @@ release: deps-kube ## Write release VERSION=x.y.z into dist/: the image for linu
 	@test -n "$(VERSION)" || { echo "make release VERSION=x.y.z (no leading v)"; exit 2; }
 	go run ./hack/images -release $(VERSION) -out $(DIST) -kubectl $(KUBECTL)
 
+.PHONY: bundle
+bundle: deps-kube ## Write the OLM bundle of release VERSION=x.y.z into bundle/ (CSV, CRD, metadata/annotations.yaml); test/ops/bundle validates it with OperatorHub's checks.
+	@test -n "$(VERSION)" || { echo "make bundle VERSION=x.y.z (no leading v)"; exit 2; }
+	go run ./hack/bundle -version $(VERSION) -out bundle -kubectl $(KUBECTL)
+
 .PHONY: chart-sync
 chart-sync: ## Copy the CRD, the RBAC rules, the alerts and the dashboard from config/ into the Helm chart.
 	cp config/crd/bases/*.yaml $(CHART)/files/crds/
