@@ -88,6 +88,10 @@ test: deps vet ## Run every test against real PostgreSQL, Kafka and kube-apiserv
 test-ops: deps $(PROMTOOL) ## Run the Helm chart, install bundle and monitoring tests (module test/ops: Helm and Prometheus stay out of go.mod).
 	cd test/ops && go vet ./... && go test $(GO_TEST_FLAGS) ./...
 
+.PHONY: test-upgrade
+test-upgrade: deps $(PROMTOOL) ## Upgrade from the latest release tag to this tree on a real node, by install.yaml and by helm upgrade, with traffic through two OutboxRelays (~6 min; CI runs it after make test).
+	cd test/ops && go test $(GO_TEST_FLAGS) -tags upgrade -run TestUpgradeFromPreviousRelease ./upgrade/
+
 .PHONY: test-e2e
 test-e2e: deps ## Run only the end-to-end test (a one-node cluster with the operator, PostgreSQL and Kafka).
 	go test $(GO_TEST_FLAGS) ./test/e2e/...

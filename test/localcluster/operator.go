@@ -83,6 +83,12 @@ patches:
 	return s.waitManager(ctx, 3*time.Minute)
 }
 
+// WaitManager waits until the manager's Deployment in outbox-system has an
+// available, up-to-date replica.
+func (s *Stack) WaitManager(ctx context.Context, timeout time.Duration) error {
+	return s.waitManager(ctx, timeout)
+}
+
 // waitManager waits until the manager's Deployment has an available,
 // up-to-date replica.
 func (s *Stack) waitManager(ctx context.Context, timeout time.Duration) error {

@@ -39,6 +39,12 @@ type Options struct {
 	Log *slog.Logger
 	// Progress, when set, is called with a short line as each piece starts.
 	Progress func(string)
+	// ExtraImages are more docker-archive tarballs the node's container
+	// runtime loads (another release's operator image, for an upgrade).
+	ExtraImages []string
+	// NoOperator leaves the operator out: the caller installs one (the
+	// upgrade test installs the previous release).
+	NoOperator bool
 }
 
 // Stack is a running local system.
@@ -159,13 +165,16 @@ func Start(ctx context.Context, opts Options) (s *Stack, err error) {
 	if s.Client, err = client.New(s.Kube.Config, client.Options{Scheme: Scheme()}); err != nil {
 		return s, err
 	}
-	s.node, err = startNode(ctx, filepath.Join(dir, "node"), s.Kube, images.tarballs, images.pauseTag)
+	s.node, err = startNode(ctx, filepath.Join(dir, "node"), s.Kube, append(images.tarballs, opts.ExtraImages...), images.pauseTag)
 	if err != nil {
 		return s, fmt.Errorf("start the node: %w", err)
 	}
 	s.closers = append(s.closers, s.node.close)
 	progress("node          " + NodeName + " Ready (kubelet, containerd, runc; kube-controller-manager, kube-scheduler, kube-proxy)")
 
+	if opts.NoOperator {
+		return s, nil
+	}
 	if err := s.installOperator(ctx); err != nil {
 		return s, err
 	}
