@@ -1,5 +1,7 @@
 package relay
 
+import "github.com/jackc/pgx/v5"
+
 // Statements about the catalog, the session and advisory locks: the same
 // for every table (a table comes in as its quoted name, a lock as its
 // class and key). TestSessionStatementsPrepare prepares every one.
@@ -62,6 +64,9 @@ const (
 			  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
 			  AND classid::bigint = $1 AND objid::bigint = b)`
 )
+
+// sqlListen subscribes the session to channel's notifications.
+func sqlListen(channel string) string { return "LISTEN " + pgx.Identifier{channel}.Sanitize() }
 
 // sessionStatements are the statements above by name, for the test that
 // prepares each.

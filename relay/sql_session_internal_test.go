@@ -20,7 +20,11 @@ func TestSessionStatementsPrepare(t *testing.T) {
 	conn, err := pgx.Connect(ctx, testenv.PG().NewDatabase(t))
 	require.NoError(t, err)
 	defer conn.Close(ctx)
+	stmts := map[string]string{"sqlListen": sqlListen(outbox.Table{Name: "outbox"}.NotifyChannel())}
 	for name, stmt := range sessionStatements {
+		stmts[name] = stmt
+	}
+	for name, stmt := range stmts {
 		_, err := conn.Prepare(ctx, name, stmt)
 		require.NoError(t, err, "%s does not prepare:\n%s", name, stmt)
 	}

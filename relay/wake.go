@@ -21,7 +21,7 @@ func (r *Relay) listen(ctx context.Context) {
 				return err
 			}
 			defer conn.Close(context.WithoutCancel(ctx))
-			if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
+			if _, err := conn.Exec(ctx, sqlListen(channel)); err != nil {
 				return err
 			}
 			backoff = 100 * time.Millisecond
