@@ -8,6 +8,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
@@ -104,11 +105,62 @@ func secretEnv(name, secret, key string) corev1.EnvVar {
 }
 
 // defaultResources are the relay container's resources when the spec sets none.
-func defaultResources() corev1.ResourceRequirements {
-	return corev1.ResourceRequirements{Requests: corev1.ResourceList{
-		corev1.ResourceCPU:    resource.MustParse("50m"),
-		corev1.ResourceMemory: resource.MustParse("64Mi"),
-	}}
+func defaultResources(s relayconfig.Settings) corev1.ResourceRequirements {
+	return corev1.ResourceRequirements{
+		Requests: corev1.ResourceList{
+			corev1.ResourceCPU:    resource.MustParse("50m"),
+			corev1.ResourceMemory: resource.MustParse("64Mi"),
+		},
+		Limits: corev1.ResourceList{corev1.ResourceMemory: memoryLimit(s)},
+	}
+}
+
+// memoryLimit is the relay container's default memory limit: a base for the
+// process (the benchmark's steady-state relay stays within 64 MiB, its
+// target; twice that leaves room for the Go runtime's heap growth) plus,
+// for each batch that may be in flight (maxInFlight), two copies of the
+// largest batch maxBatchBytes allows: the claimed rows and the records
+// built from them.
+func memoryLimit(s relayconfig.Settings) resource.Quantity {
+	s = s.WithDefaults()
+	const base = 128 << 20
+	bytes := int64(base) + 2*int64(s.MaxInFlight)*int64(s.MaxBatchBytes)
+	const mi = 1 << 20
+	return *resource.NewQuantity((bytes+mi-1)/mi*mi, resource.BinarySI)
+}
+
+// overlay is base with every field over sets replacing base's; base when
+// over is nil. A pointer field left nil in over keeps base's value.
+func overlay[T any](base, over *T) *T {
+	if over == nil {
+		return base
+	}
+	b, err1 := json.Marshal(base)
+	o, err2 := json.Marshal(over)
+	m, fields := map[string]json.RawMessage{}, map[string]json.RawMessage{}
+	err3, err4 := json.Unmarshal(b, &m), json.Unmarshal(o, &fields)
+	maps.Copy(m, fields)
+	merged, err5 := json.Marshal(m)
+	out := new(T)
+	if err := errors.Join(err1, err2, err3, err4, err5, json.Unmarshal(merged, out)); err != nil {
+		panic(fmt.Sprintf("overlay %T: %v", base, err)) // the API types always marshal
+	}
+	return out
+}
+
+// podTemplate and containerTemplate are t's parts, empty when unset.
+func podTemplate(t *outboxv1alpha1.RelayPodTemplate) *outboxv1alpha1.RelayPodSpec {
+	if t.Pod == nil {
+		return &outboxv1alpha1.RelayPodSpec{}
+	}
+	return t.Pod
+}
+
+func containerTemplate(t *outboxv1alpha1.RelayPodTemplate) *outboxv1alpha1.RelayContainerSpec {
+	if t.Container == nil {
+		return &outboxv1alpha1.RelayContainerSpec{}
+	}
+	return t.Container
 }
 
 // templateOrdering is the --ordering the relay container of d runs with.
@@ -154,15 +206,23 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, settings rel
 	args := settings.Args()
 	env := relayEnv(relay)
 
+	tmpl := spec.Template
+	if tmpl == nil {
+		tmpl = &outboxv1alpha1.RelayPodTemplate{}
+	}
 	podLabels := maps.Clone(spec.PodLabels)
 	if podLabels == nil {
 		podLabels = map[string]string{}
 	}
-	maps.Copy(podLabels, commonLabels(relay))
 	podAnnotations := maps.Clone(spec.PodAnnotations)
 	if podAnnotations == nil {
 		podAnnotations = map[string]string{}
 	}
+	if m := tmpl.Metadata; m != nil {
+		maps.Copy(podLabels, m.Labels)
+		maps.Copy(podAnnotations, m.Annotations)
+	}
+	maps.Copy(podLabels, commonLabels(relay))
 	podAnnotations[configHashAnnotation] = hashOf(struct {
 		Image          string
 		Args           []string
@@ -170,7 +230,7 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, settings rel
 		SecretVersions string
 	}{image, args, env, in.Versions})
 
-	resources := defaultResources()
+	resources := defaultResources(settings.Settings)
 	if spec.Resources != nil {
 		resources = *spec.Resources.DeepCopy()
 	}
@@ -187,17 +247,19 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, settings rel
 		LivenessProbe:  httpProbe("/healthz", 10, 3),
 		ReadinessProbe: httpProbe("/readyz", readinessPeriodSeconds, 1),
 		Resources:      resources,
-		SecurityContext: &corev1.SecurityContext{
+		SecurityContext: overlay(&corev1.SecurityContext{
 			RunAsNonRoot:             ptr.To(true),
 			ReadOnlyRootFilesystem:   ptr.To(true),
 			AllowPrivilegeEscalation: ptr.To(false),
 			Capabilities:             &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}},
 			SeccompProfile:           &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault},
-		},
+		}, containerTemplate(tmpl).SecurityContext),
 	}
 	podSpec := corev1.PodSpec{
 		Containers:                    []corev1.Container{container},
-		AutomountServiceAccountToken:  ptr.To(false),
+		ServiceAccountName:            podTemplate(tmpl).ServiceAccountName,
+		AutomountServiceAccountToken:  cmp.Or(podTemplate(tmpl).AutomountServiceAccountToken, ptr.To(false)),
+		TopologySpreadConstraints:     slices.Clone(podTemplate(tmpl).TopologySpreadConstraints),
 		EnableServiceLinks:            ptr.To(false),
 		TerminationGracePeriodSeconds: ptr.To[int64](terminationGracePeriodSeconds),
 		ImagePullSecrets:              slices.Clone(spec.ImagePullSecrets),
@@ -205,13 +267,13 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, settings rel
 		Tolerations:                   slices.Clone(spec.Tolerations),
 		Affinity:                      spec.Affinity.DeepCopy(),
 		PriorityClassName:             spec.PriorityClassName,
-		SecurityContext: &corev1.PodSecurityContext{
+		SecurityContext: overlay(&corev1.PodSecurityContext{
 			RunAsNonRoot:   ptr.To(true),
 			RunAsUser:      ptr.To[int64](nonRootID),
 			RunAsGroup:     ptr.To[int64](nonRootID),
 			FSGroup:        ptr.To[int64](nonRootID),
 			SeccompProfile: &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault},
-		},
+		}, podTemplate(tmpl).SecurityContext),
 	}
 	if tls := spec.Kafka.TLS; tls != nil && tls.SecretRef != nil {
 		podSpec.Volumes = []corev1.Volume{{
@@ -224,6 +286,16 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, settings rel
 			Name: "kafka-tls", MountPath: tlsMountPath, ReadOnly: true,
 		}}
 	}
+
+	// The template's additions come after the relay's own, which they
+	// cannot replace (the API refuses their names).
+	for _, v := range podTemplate(tmpl).Volumes {
+		podSpec.Volumes = append(podSpec.Volumes, v.Volume())
+	}
+	c := &podSpec.Containers[0]
+	c.Env = append(c.Env, containerTemplate(tmpl).Env...)
+	c.EnvFrom = slices.Clone(containerTemplate(tmpl).EnvFrom)
+	c.VolumeMounts = append(c.VolumeMounts, containerTemplate(tmpl).VolumeMounts...)
 
 	d := &appsv1.Deployment{
 		TypeMeta:   metav1.TypeMeta{APIVersion: "apps/v1", Kind: "Deployment"},

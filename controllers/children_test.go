@@ -48,7 +48,9 @@ func TestRelayDeploymentDefaultsAndArgs(t *testing.T) {
 	}, specArgs(ct.Args))
 	require.Equal(t, relayconfig.EnvDSN, ct.Env[0].Name)
 	require.Equal(t, "dsn", ct.Env[0].ValueFrom.SecretKeyRef.Key, "the key defaults to dsn")
-	require.Equal(t, defaultResources(), ct.Resources)
+	require.Equal(t, defaultResources(relayconfig.Settings{}), ct.Resources)
+	require.Equal(t, "144Mi", ct.Resources.Limits.Memory().String(), "128Mi and two copies of two 4 MiB batches in flight")
+	require.False(t, *d.Spec.Template.Spec.AutomountServiceAccountToken, "no API token by default")
 	require.Equal(t, int32(relayconfig.MetricsPort), ct.Ports[0].ContainerPort)
 	require.Empty(t, d.Spec.Template.Spec.Volumes)
 	require.Empty(t, d.OwnerReferences, "ensure sets the controller reference when it creates the child")
@@ -415,4 +417,70 @@ func buildDeployment(relay *outboxv1alpha1.OutboxRelay, img images, in secretInp
 func validateSpec(relay *outboxv1alpha1.OutboxRelay, img images) error {
 	_, err := checkSpec(relay, img)
 	return err
+}
+
+// spec.template: its service account, environment, volumes, spread, labels
+// and annotations reach the pods after the relay's own, and its security
+// contexts are merged over the operator's.
+func TestRelayDeploymentTemplate(t *testing.T) {
+	t.Parallel()
+	relay := unitRelay()
+	relay.Spec.Kafka.TLS = &outboxv1alpha1.KafkaTLS{SecretRef: &outboxv1alpha1.SecretReference{Name: "kafka-ca"}}
+	relay.Spec.PodLabels = map[string]string{"team": "old", "tier": "backend"}
+	relay.Spec.Template = &outboxv1alpha1.RelayPodTemplate{
+		Metadata: &outboxv1alpha1.PodTemplateMetadata{Labels: map[string]string{"team": "payments"}, Annotations: map[string]string{"example.com/a": "b"}},
+		Pod: &outboxv1alpha1.RelayPodSpec{
+			ServiceAccountName: "relay-irsa", AutomountServiceAccountToken: ptr.To(true),
+			SecurityContext: &corev1.PodSecurityContext{RunAsUser: ptr.To[int64](1000700000), FSGroup: ptr.To[int64](1000700000)},
+			Volumes: []outboxv1alpha1.RelayVolume{{Name: "pg-ca", ConfigMap: &corev1.ConfigMapVolumeSource{
+				LocalObjectReference: corev1.LocalObjectReference{Name: "pg-ca"}}}},
+			TopologySpreadConstraints: []corev1.TopologySpreadConstraint{{MaxSkew: 1, TopologyKey: "topology.kubernetes.io/zone", WhenUnsatisfiable: corev1.ScheduleAnyway}},
+		},
+		Container: &outboxv1alpha1.RelayContainerSpec{
+			Env:          []corev1.EnvVar{{Name: "AWS_REGION", Value: "eu-west-1"}},
+			EnvFrom:      []corev1.EnvFromSource{{ConfigMapRef: &corev1.ConfigMapEnvSource{LocalObjectReference: corev1.LocalObjectReference{Name: "proxy"}}}},
+			VolumeMounts: []corev1.VolumeMount{{Name: "pg-ca", MountPath: "/etc/pg-ca", ReadOnly: true}},
+			SecurityContext: &corev1.SecurityContext{ReadOnlyRootFilesystem: ptr.To(false)},
+		},
+	}
+	d := build(t, relay, secretInputs{TLSCA: true})
+	pod := d.Spec.Template
+	require.Equal(t, "payments", pod.Labels["team"], "the template wins over spec.podLabels")
+	require.Equal(t, "backend", pod.Labels["tier"], "spec.podLabels is still read")
+	require.Equal(t, "b", pod.Annotations["example.com/a"])
+	require.Contains(t, pod.Annotations, configHashAnnotation)
+	require.Equal(t, "relay-irsa", pod.Spec.ServiceAccountName)
+	require.True(t, *pod.Spec.AutomountServiceAccountToken)
+	require.Len(t, pod.Spec.TopologySpreadConstraints, 1)
+	sc := pod.Spec.SecurityContext
+	require.Equal(t, int64(1000700000), *sc.RunAsUser, "set in the template")
+	require.Equal(t, int64(1000700000), *sc.FSGroup)
+	require.Equal(t, int64(nonRootID), *sc.RunAsGroup, "unset in the template: the operator's")
+	require.True(t, *sc.RunAsNonRoot)
+	require.Equal(t, corev1.SeccompProfileTypeRuntimeDefault, sc.SeccompProfile.Type)
+	require.Equal(t, []string{"kafka-tls", "pg-ca"}, []string{pod.Spec.Volumes[0].Name, pod.Spec.Volumes[1].Name}, "the relay's volume first")
+	require.NotNil(t, pod.Spec.Volumes[1].ConfigMap)
+	c := pod.Spec.Containers[0]
+	require.Equal(t, relayconfig.EnvDSN, c.Env[0].Name, "the relay's variables first")
+	require.Equal(t, corev1.EnvVar{Name: "AWS_REGION", Value: "eu-west-1"}, c.Env[len(c.Env)-1])
+	require.Equal(t, "proxy", c.EnvFrom[0].ConfigMapRef.Name)
+	require.Equal(t, []string{tlsMountPath, "/etc/pg-ca"}, []string{c.VolumeMounts[0].MountPath, c.VolumeMounts[1].MountPath})
+	require.False(t, *c.SecurityContext.ReadOnlyRootFilesystem, "set in the template")
+	require.False(t, *c.SecurityContext.AllowPrivilegeEscalation, "unset in the template: the operator's")
+	require.Equal(t, []corev1.Capability{"ALL"}, c.SecurityContext.Capabilities.Drop)
+
+	relay.Spec.Template.Metadata.Labels["app.kubernetes.io/instance"] = "x"
+	require.ErrorContains(t, validateSpec(relay, testImages), "spec.template.metadata.labels must not set app.kubernetes.io/instance")
+}
+
+// The default memory limit grows with what a relay may hold in memory.
+func TestDefaultMemoryLimit(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		batchBytes, inFlight int
+		want                 string
+	}{{0, 0, "144Mi"}, {64 << 20, 1, "256Mi"}, {16 << 20, 2, "192Mi"}} {
+		got := memoryLimit(relayconfig.Settings{MaxBatchBytes: c.batchBytes, MaxInFlight: c.inFlight})
+		require.Equal(t, c.want, got.String(), "%+v", c)
+	}
 }

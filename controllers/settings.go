@@ -250,13 +250,21 @@ func imageRepository(ref string) string {
 func checkSpec(relay *outboxv1alpha1.OutboxRelay, img images) (relayconfig.Command, error) {
 	spec := &relay.Spec
 	var errs []string
-	for k := range spec.PodLabels {
-		if _, reserved := commonLabels(relay)[k]; reserved {
-			errs = append(errs, fmt.Sprintf("spec.podLabels must not set %s: the operator selects the pods by it", k))
+	labels, annotations := map[string]map[string]string{"spec.podLabels": spec.PodLabels}, map[string]map[string]string{"spec.podAnnotations": spec.PodAnnotations}
+	if t := spec.Template; t != nil && t.Metadata != nil {
+		labels["spec.template.metadata.labels"], annotations["spec.template.metadata.annotations"] = t.Metadata.Labels, t.Metadata.Annotations
+	}
+	for field, l := range labels {
+		for k := range l {
+			if _, reserved := commonLabels(relay)[k]; reserved {
+				errs = append(errs, fmt.Sprintf("%s must not set %s: the operator selects the pods by it", field, k))
+			}
 		}
 	}
-	if _, reserved := spec.PodAnnotations[configHashAnnotation]; reserved {
-		errs = append(errs, fmt.Sprintf("spec.podAnnotations must not set %s: the operator owns it", configHashAnnotation))
+	for field, a := range annotations {
+		if _, reserved := a[configHashAnnotation]; reserved {
+			errs = append(errs, fmt.Sprintf("%s must not set %s: the operator owns it", field, configHashAnnotation))
+		}
 	}
 	switch {
 	case spec.Image == "" && img.fallback == "":

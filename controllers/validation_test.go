@@ -52,6 +52,22 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		fields []string // each must appear in the error
 	}{
 		{"batchSize zero", func(s map[string]any) { s["batchSize"] = int64(0) }, []string{"spec.batchSize"}},
+		{"template env sets the relay's own", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"env": []any{map[string]any{"name": "RELAY_BATCH_SIZE", "value": "1"}}}}
+		}, []string{"spec.template.container.env", "RELAY_* variables are the relay's own"}},
+		{"template volume takes the relay's name", func(s map[string]any) {
+			s["template"] = map[string]any{"pod": map[string]any{"volumes": []any{map[string]any{"name": "kafka-tls", "emptyDir": map[string]any{}}}}}
+		}, []string{"spec.template.pod.volumes", "kafka-tls is the relay's own"}},
+		{"template mount under the relay's directory", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"volumeMounts": []any{map[string]any{"name": "ca", "mountPath": "/etc/relay/tls"}}}}
+		}, []string{"spec.template.container.volumeMounts", "/etc/relay are the relay's own"}},
+		{"template volume of two kinds", func(s map[string]any) {
+			s["template"] = map[string]any{"pod": map[string]any{"volumes": []any{map[string]any{"name": "x", "emptyDir": map[string]any{},
+				"secret": map[string]any{"secretName": "s"}}}}}
+		}, []string{"spec.template.pod.volumes[0]", "exactly one of secret, configMap, projected, emptyDir and csi"}},
+		{"template volume of no kind", func(s map[string]any) {
+			s["template"] = map[string]any{"pod": map[string]any{"volumes": []any{map[string]any{"name": "x"}}}}
+		}, []string{"spec.template.pod.volumes[0]", "exactly one of"}},
 		{"autoscaling maxReplicas below minReplicas", func(s map[string]any) {
 			s["autoscaling"] = map[string]any{"minReplicas": int64(3), "maxReplicas": int64(2), "pendingPerReplica": int64(100)}
 		}, []string{"spec.autoscaling.maxReplicas", "must be at least minReplicas"}},

@@ -546,7 +546,9 @@ type OutboxRelaySpec struct {
 	// +optional
 	ImagePullSecrets []corev1.LocalObjectReference `json:"imagePullSecrets,omitempty"`
 
-	// Resources of the relay container. Default: requests of 50m CPU and 64Mi memory.
+	// Resources of the relay container. Default: requests of 50m CPU and
+	// 64Mi memory, and a memory limit sized from maxBatchBytes and
+	// maxInFlight (docs/operator.md gives the rule).
 	// +optional
 	Resources *corev1.ResourceRequirements `json:"resources,omitempty"`
 
@@ -580,6 +582,12 @@ type OutboxRelaySpec struct {
 	// Monitoring asks for monitoring objects for the relay pods.
 	// +optional
 	Monitoring *MonitoringSpec `json:"monitoring,omitempty"`
+
+	// Template customizes the relay pods and their container: a service
+	// account (cloud identity), environment, volumes, security contexts
+	// merged over the operator's, topology spread, labels and annotations.
+	// +optional
+	Template *RelayPodTemplate `json:"template,omitempty"`
 }
 
 // BacklogStatus is what the operator read from the outbox table. It reads the

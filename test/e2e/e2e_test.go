@@ -741,6 +741,58 @@ func dumpPodLogs(t *testing.T) {
 	}
 }
 
+// TestRelayPodTemplate: on the real node, a relay whose spec.template names
+// a service account (with its token mounted), adds environment from a
+// ConfigMap and a mounted ConfigMap volume, and overrides part of the
+// security context runs and publishes, with every addition in its pod and
+// the restricted Pod Security Standard still met (the namespace enforces it).
+func TestRelayPodTemplate(t *testing.T) {
+	ctx := context.Background()
+	dir := manifests(t, func(name string, b []byte) []byte {
+		if name != "outbox_v1alpha1_outboxrelay.yaml" {
+			return b
+		}
+		b = []byte(strings.Replace(string(b), "name: orders\n", "name: templated\n", 1))
+		return append(b, []byte(`  template:
+    metadata:
+      labels: {team: payments}
+    pod:
+      serviceAccountName: relay-identity
+      automountServiceAccountToken: true
+      securityContext: {runAsUser: 65000}
+      volumes:
+        - {name: settings, configMap: {name: relay-settings}}
+    container:
+      env:
+        - {name: AWS_REGION, value: eu-west-1}
+      envFrom:
+        - configMapRef: {name: relay-settings}
+      volumeMounts:
+        - {name: settings, mountPath: /etc/settings, readOnly: true}
+`)...)
+	})
+	kubectl(t, "create", "serviceaccount", "relay-identity", "-n", ns)
+	kubectl(t, "create", "configmap", "relay-settings", "--from-literal=HTTPS_PROXY=", "-n", ns)
+	kubectl(t, "apply", "-f", dir)
+	t.Cleanup(func() {
+		_, _ = stack.Kubectl(context.Background(), "delete", "obr", "templated", "-n", ns)
+		_, _ = stack.Kubectl(context.Background(), "delete", "serviceaccount", "relay-identity", "-n", ns)
+		_, _ = stack.Kubectl(context.Background(), "delete", "configmap", "relay-settings", "-n", ns)
+	})
+	var pods []localcluster.Pod
+	require.Eventually(t, func() bool {
+		var err error
+		pods, err = stack.Pods(ctx, ns, "templated-relay")
+		return err == nil && len(pods) == 1 && pods[0].Ready
+	}, 2*time.Minute, 500*time.Millisecond, "the templated relay's pod is ready (it reached PostgreSQL and Kafka)")
+	out := kubectl(t, "get", "pod", pods[0].Name, "-n", ns, "-o", "json")
+	for _, want := range []string{`"serviceAccountName": "relay-identity"`, `"automountServiceAccountToken": true`, `"team": "payments"`,
+		`"name": "AWS_REGION"`, `"mountPath": "/etc/settings"`, `"mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"`,
+		`"runAsUser": 65000`, `"readOnlyRootFilesystem": true`} {
+		require.Contains(t, out, want)
+	}
+}
+
 // TestNamespaceEditorsManageOutboxRelays: on the real node, whose
 // controller manager aggregates ClusterRoles, the installed
 // outboxrelay-editor and -viewer roles reach the built-in edit and view

@@ -1,0 +1,137 @@
+package v1alpha1
+
+import corev1 "k8s.io/api/core/v1"
+
+// Names the relay pods keep for the operator: refused in spec.template.
+const (
+	// ReservedEnvPrefix starts the relay's own environment variables
+	// (its settings and Secrets); spec.template.container.env may not set them.
+	ReservedEnvPrefix = "RELAY_"
+	// ReservedVolume is the Kafka TLS Secret's volume.
+	ReservedVolume = "kafka-tls"
+	// ReservedMountDir holds the relay's own mounts.
+	ReservedMountDir = "/etc/relay"
+)
+
+// RelayPodTemplate customizes the relay pods and their container beyond
+// what the operator sets, as Strimzi's template and the Debezium operator's
+// runtime do. What the relay owns (its RELAY_* environment, its volumes,
+// probes and arguments) cannot be set here: the API refuses it.
+type RelayPodTemplate struct {
+	// Metadata adds labels and annotations to the relay pods, beside
+	// spec.podLabels and spec.podAnnotations (still read; these win).
+	// +optional
+	Metadata *PodTemplateMetadata `json:"metadata,omitempty"`
+	// Pod customizes the relay pods.
+	// +optional
+	Pod *RelayPodSpec `json:"pod,omitempty"`
+	// Container customizes the relay container.
+	// +optional
+	Container *RelayContainerSpec `json:"container,omitempty"`
+}
+
+// PodTemplateMetadata are labels and annotations of the relay pods.
+type PodTemplateMetadata struct {
+	// Labels of the relay pods; the app.kubernetes.io labels the operator
+	// selects the pods by are refused.
+	// +optional
+	Labels map[string]string `json:"labels,omitempty"`
+	// Annotations of the relay pods.
+	// +optional
+	Annotations map[string]string `json:"annotations,omitempty"`
+}
+
+// RelayPodSpec customizes the relay pods.
+type RelayPodSpec struct {
+	// ServiceAccountName runs the relay pods as this service account (for a
+	// cloud identity: IRSA, GKE or Azure workload identity). Default: the
+	// namespace's default account.
+	// +kubebuilder:validation:MaxLength=253
+	// +optional
+	ServiceAccountName string `json:"serviceAccountName,omitempty"`
+	// AutomountServiceAccountToken mounts the service account's token into
+	// the relay pods. Default false: the relay does not talk to the API server.
+	// +optional
+	AutomountServiceAccountToken *bool `json:"automountServiceAccountToken,omitempty"`
+	// SecurityContext is merged over the operator's (Pod Security
+	// "restricted": non-root user and group 65532, fsGroup 65532, the
+	// RuntimeDefault seccomp profile): each field set here wins, the others
+	// keep the operator's value. On OpenShift's restricted-v2, set
+	// runAsUser, runAsGroup and fsGroup from the namespace's ranges.
+	// +optional
+	SecurityContext *corev1.PodSecurityContext `json:"securityContext,omitempty"`
+	// Volumes added to the relay pods; "kafka-tls" is the relay's.
+	// +kubebuilder:validation:MaxItems=32
+	// +kubebuilder:validation:XValidation:rule="self.all(v, v.name != 'kafka-tls')",message="the volume name kafka-tls is the relay's own"
+	// +listType=map
+	// +listMapKey=name
+	// +optional
+	Volumes []RelayVolume `json:"volumes,omitempty"`
+	// TopologySpreadConstraints of the relay pods, for example over zones.
+	// +kubebuilder:validation:MaxItems=8
+	// +listType=atomic
+	// +optional
+	TopologySpreadConstraints []corev1.TopologySpreadConstraint `json:"topologySpreadConstraints,omitempty"`
+}
+
+// RelayContainerSpec customizes the relay container.
+type RelayContainerSpec struct {
+	// Env adds environment variables; RELAY_* are the relay's own settings
+	// and Secrets (set them through this OutboxRelay's fields).
+	// +kubebuilder:validation:MaxItems=64
+	// +kubebuilder:validation:XValidation:rule="self.all(e, !e.name.startsWith('RELAY_'))",message="RELAY_* variables are the relay's own settings and Secrets: set them through the OutboxRelay's fields"
+	// +listType=map
+	// +listMapKey=name
+	// +optional
+	Env []corev1.EnvVar `json:"env,omitempty"`
+	// EnvFrom adds the variables of ConfigMaps and Secrets. The relay's own
+	// variables (env) win over them, and its settings are arguments, which
+	// win over RELAY_* variables.
+	// +kubebuilder:validation:MaxItems=16
+	// +listType=atomic
+	// +optional
+	EnvFrom []corev1.EnvFromSource `json:"envFrom,omitempty"`
+	// VolumeMounts of the volumes in spec.template.pod.volumes; /etc/relay
+	// holds the relay's own mounts.
+	// +kubebuilder:validation:MaxItems=32
+	// +kubebuilder:validation:XValidation:rule="self.all(m, m.name != 'kafka-tls' && m.mountPath != '/etc/relay' && !m.mountPath.startsWith('/etc/relay/'))",message="the volume kafka-tls and the directory /etc/relay are the relay's own"
+	// +listType=map
+	// +listMapKey=mountPath
+	// +optional
+	VolumeMounts []corev1.VolumeMount `json:"volumeMounts,omitempty"`
+	// SecurityContext is merged over the operator's (no privilege
+	// escalation, a read-only root filesystem, every capability dropped):
+	// each field set here wins, the others keep the operator's value.
+	// +optional
+	SecurityContext *corev1.SecurityContext `json:"securityContext,omitempty"`
+}
+
+// RelayVolume is a volume of the relay pods: the kinds a relay needs (a CA
+// bundle or client certificate from a Secret or ConfigMap, a projected
+// service account token for a cloud identity, scratch space, a CSI secret
+// store), not every kind a pod may have, so the CRD stays small enough for
+// a client-side kubectl apply.
+// +kubebuilder:validation:XValidation:rule="[has(self.secret), has(self.configMap), has(self.projected), has(self.emptyDir), has(self.csi)].filter(x, x).size() == 1",message="exactly one of secret, configMap, projected, emptyDir and csi"
+type RelayVolume struct {
+	// Name of the volume, as volumeMounts name it.
+	// +kubebuilder:validation:MaxLength=63
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`
+	Name string `json:"name"`
+	// +optional
+	Secret *corev1.SecretVolumeSource `json:"secret,omitempty"`
+	// +optional
+	ConfigMap *corev1.ConfigMapVolumeSource `json:"configMap,omitempty"`
+	// +optional
+	Projected *corev1.ProjectedVolumeSource `json:"projected,omitempty"`
+	// +optional
+	EmptyDir *corev1.EmptyDirVolumeSource `json:"emptyDir,omitempty"`
+	// +optional
+	CSI *corev1.CSIVolumeSource `json:"csi,omitempty"`
+}
+
+// Volume is v as a pod's volume.
+func (v RelayVolume) Volume() corev1.Volume {
+	return corev1.Volume{Name: v.Name, VolumeSource: corev1.VolumeSource{
+		Secret: v.Secret, ConfigMap: v.ConfigMap, Projected: v.Projected, EmptyDir: v.EmptyDir, CSI: v.CSI,
+	}}
+}
