@@ -35,6 +35,12 @@ var formats = map[outboxv1alpha1.RecordFormat]relayconfig.Format{
 	outboxv1alpha1.FormatCloudEvents: relayconfig.FormatCloudEvents,
 }
 
+// recordTimestamps maps the API's record timestamps to the relay's.
+var recordTimestamps = map[outboxv1alpha1.RecordTimestamp]relayconfig.RecordTimestamp{
+	outboxv1alpha1.RecordTimestampCreatedAt: relayconfig.RecordTimestampCreatedAt,
+	outboxv1alpha1.RecordTimestampPublish:   relayconfig.RecordTimestampPublish,
+}
+
 // tracingEnv is the OTEL_* environment of a relay pod whose spec asks for
 // tracing; empty without spec.tracing (the relay then records no spans).
 func tracingEnv(relay *outboxv1alpha1.OutboxRelay) []corev1.EnvVar {
@@ -127,6 +133,11 @@ func specSettings(relay *outboxv1alpha1.OutboxRelay) (relayconfig.Command, error
 		return s, fmt.Errorf("spec.format: %q is not %s or %s", spec.Format, outboxv1alpha1.FormatRaw, outboxv1alpha1.FormatCloudEvents)
 	}
 	s.Format = format
+	ts, ok := recordTimestamps[cmp.Or(spec.RecordTimestamp, outboxv1alpha1.RecordTimestampCreatedAt)]
+	if !ok {
+		return s, fmt.Errorf("spec.recordTimestamp: %q is not %s or %s", spec.RecordTimestamp, outboxv1alpha1.RecordTimestampCreatedAt, outboxv1alpha1.RecordTimestampPublish)
+	}
+	s.RecordTimestamp = ts
 	s.CloudEventsSource = spec.CloudEventsSource
 	s.Compression = relayconfig.Compression(cmp.Or(string(spec.Kafka.Compression), string(s.Compression)))
 	s.KafkaTLS = spec.Kafka.TLS != nil
@@ -162,6 +173,7 @@ var specFields = map[string]string{
 	relayconfig.FlagOrdering:          "spec.ordering",
 	relayconfig.FlagKafkaSASLMech:     "spec.kafka.sasl.mechanism",
 	relayconfig.FlagFormat:            "spec.format",
+	relayconfig.FlagRecordTimestamp:   "spec.recordTimestamp",
 	relayconfig.FlagCloudEventsSource: "spec.cloudEventsSource",
 	relayconfig.FlagCompression:       "spec.kafka.compression",
 	relayconfig.FlagMaxInFlight:       "spec.maxInFlight",

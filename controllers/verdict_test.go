@@ -187,4 +187,3 @@ func relayVerdict(t *testing.T, relay *outboxv1alpha1.OutboxRelay) error {
 	_, err = relayconfig.Parse(s.Args(), podEnv(t, relayEnv(relay), testSecretData), io.Discard)
 	return err
 }
-

@@ -49,6 +49,15 @@ const (
 	FormatCloudEvents = relayconfig.FormatCloudEvents
 )
 
+// RecordTimestamp is what each record's timestamp is.
+type RecordTimestamp = relayconfig.RecordTimestamp
+
+// The RecordTimestamp values.
+const (
+	RecordTimestampCreatedAt = relayconfig.RecordTimestampCreatedAt
+	RecordTimestampPublish   = relayconfig.RecordTimestampPublish
+)
+
 // Compression is the codec of the relay's produce requests.
 type Compression = relayconfig.Compression
 

@@ -79,7 +79,11 @@ func (r *Relay) message(x row, topic string) kafka.Message {
 		)
 	}
 	h = append(h, x.custom...)
-	return kafka.Message{Topic: topic, Key: []byte(x.partitionKey), Value: x.payload, Headers: h}
+	m := kafka.Message{Topic: topic, Key: []byte(x.partitionKey), Value: x.payload, Headers: h}
+	if r.cfg.RecordTimestamp == RecordTimestampCreatedAt {
+		m.Time = x.createdAt // zero (the writer's clock) takes the publish time
+	}
+	return m
 }
 
 // compression is kafka-go's codec for c.

@@ -207,3 +207,30 @@ func TestHeadersCountTowardTheByteBudget(t *testing.T) {
 	}, 10*time.Second, 20*time.Millisecond, "%v rows counted", rows)
 	require.LessOrEqual(t, rows/batches, 6.0, "%v rows in %v batches", rows, batches)
 }
+
+// The record's timestamp is the row's created_at by default (Kafka keeps
+// it: the topic's timestamps are CreateTime), or the publish time.
+func TestRecordTimestamp(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []relay.RecordTimestamp{"", relay.RecordTimestampPublish} {
+		t.Run(string(mode), func(t *testing.T) {
+			t.Parallel()
+			f := outboxtest.NewFixture(t, 1, "E")
+			created := time.Date(2026, 3, 4, 5, 6, 7, 123_000_000, time.UTC)
+			f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
+				VALUES ($1, 'Order', 'a', 'E', '{}', 'a', $2)`, outbox.NewEventID(), created)
+			cfg := f.Config()
+			cfg.RecordTimestamp = mode
+			before := time.Now()
+			outboxtest.Start(t, cfg)
+			f.WaitDrained(0, 30*time.Second)
+			msgs := testenv.Broker().Consume(t, f.Topics["E"], 1, 30*time.Second)
+			require.Len(t, msgs, 1)
+			if mode == relay.RecordTimestampPublish {
+				require.WithinDuration(t, time.Now(), msgs[0].Time, time.Since(before)+time.Second, "the publish time")
+				return
+			}
+			require.True(t, created.Equal(msgs[0].Time), "created_at %s, record %s", created, msgs[0].Time)
+		})
+	}
+}

@@ -56,6 +56,7 @@ const (
 	FlagKafkaTLSKeyFile   = "kafka-tls-key-file"
 	FlagKafkaSASLMech     = "kafka-sasl-mechanism"
 	FlagFormat            = "format"
+	FlagRecordTimestamp   = "record-timestamp"
 	FlagCloudEventsSource = "cloudevents-source"
 	FlagCompression       = "compression"
 	flagKafkaSASLUsername = "kafka-sasl-username" // environment only
@@ -149,6 +150,20 @@ const (
 // Formats are the valid Format values.
 var Formats = []Format{FormatRaw, FormatCloudEvents}
 
+// RecordTimestamp is what a record's timestamp is, as --record-timestamp takes it.
+type RecordTimestamp string
+
+const (
+	// RecordTimestampCreatedAt: the row's created_at, when the event
+	// happened (as Debezium's outbox router does).
+	RecordTimestampCreatedAt RecordTimestamp = "created-at"
+	// RecordTimestampPublish: when the relay publishes it.
+	RecordTimestampPublish RecordTimestamp = "publish"
+)
+
+// RecordTimestamps are the valid RecordTimestamp values.
+var RecordTimestamps = []RecordTimestamp{RecordTimestampCreatedAt, RecordTimestampPublish}
+
 // Compression is the codec of the relay's produce requests, as --compression takes it.
 type Compression string
 
@@ -212,6 +227,7 @@ const (
 	DefaultOrdering         = OrderingNone
 	DefaultLogFormat        = "json"
 	DefaultFormat           = FormatRaw
+	DefaultRecordTimestamp  = RecordTimestampCreatedAt
 	DefaultCompression      = CompressionNone
 	// DefaultPartitionPeriod is the span of created_at of one partition
 	// that `relay schema --partitioned` lays out.
@@ -303,6 +319,9 @@ type Settings struct {
 	StallTimeout time.Duration
 	// Format is the record layout: raw or cloudevents.
 	Format Format
+	// RecordTimestamp is what each record's timestamp is: the row's
+	// created_at or the publish time.
+	RecordTimestamp RecordTimestamp
 	// CloudEventsSource is ce_source in the cloudevents format; empty means
 	// "/outbox/<table>".
 	CloudEventsSource string
@@ -325,6 +344,7 @@ func (s Settings) WithDefaults() Settings {
 	s.PruneBatchSize = cmp.Or(s.PruneBatchSize, DefaultPruneBatchSize)
 	s.PrunePause = cmp.Or(s.PrunePause, DefaultPrunePause)
 	s.Format = cmp.Or(s.Format, DefaultFormat)
+	s.RecordTimestamp = cmp.Or(s.RecordTimestamp, DefaultRecordTimestamp)
 	s.Compression = cmp.Or(s.Compression, DefaultCompression)
 	return s
 }
@@ -369,6 +389,7 @@ func (s Command) Args() []string {
 		arg(FlagPruneBatchSize, strconv.Itoa(s.PruneBatchSize)),
 		arg(FlagPrunePause, s.PrunePause.String()),
 		arg(FlagFormat, string(s.Format)),
+		arg(FlagRecordTimestamp, string(s.RecordTimestamp)),
 		arg(FlagCompression, string(s.Compression)),
 	}
 	for _, et := range slices.Sorted(maps.Keys(s.Topics)) {
@@ -582,6 +603,7 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.IntVar(&s.PruneBatchSize, FlagPruneBatchSize, DefaultPruneBatchSize, fmt.Sprintf("most rows one prune transaction deletes (%d..%d)", MinPruneBatchSize, MaxPruneBatchSize))
 	fs.DurationVar(&s.PrunePause, FlagPrunePause, DefaultPrunePause, fmt.Sprintf("pause between prune transactions (%s..%s)", MinPrunePause, MaxPrunePause))
 	fs.Func(FlagFormat, "record layout: raw or cloudevents (CloudEvents binary content mode) (default raw)", func(v string) error { s.Format = Format(v); return nil })
+	fs.Func(FlagRecordTimestamp, "each record's timestamp: created-at (the row's created_at) or publish (default created-at)", func(v string) error { s.RecordTimestamp = RecordTimestamp(v); return nil })
 	fs.StringVar(&s.CloudEventsSource, FlagCloudEventsSource, "", "ce_source of the cloudevents format, a URI-reference (default /outbox/<table>)")
 	fs.Func(FlagCompression, "produce request codec: none, gzip, snappy, lz4 or zstd (default none)", func(v string) error { s.Compression = Compression(v); return nil })
 	fs.BoolVar(&s.Notify, FlagNotify, false, "also claim as soon as a writer that notifies (outbox.WithNotify) commits; polling still runs")
@@ -681,6 +703,7 @@ func (s Settings) Validate() error {
 		fieldErr(FlagPrunePause, CheckPrunePause(s.PrunePause)),
 		fieldErr(FlagOrdering, CheckOrdering(s.Ordering)),
 		fieldErr(FlagFormat, CheckFormat(s.Format)),
+		fieldErr(FlagRecordTimestamp, CheckRecordTimestamp(s.RecordTimestamp)),
 		fieldErr(FlagCloudEventsSource, CheckCloudEventsSource(s.CloudEventsSource)),
 		fieldErr(FlagCompression, CheckCompression(s.Compression)),
 	)
@@ -820,6 +843,14 @@ func CheckOrdering(o Ordering) error {
 func CheckFormat(f Format) error {
 	if !slices.Contains(Formats, f) {
 		return fmt.Errorf("%q is not one of raw, cloudevents", f)
+	}
+	return nil
+}
+
+// CheckRecordTimestamp applies --record-timestamp's values.
+func CheckRecordTimestamp(t RecordTimestamp) error {
+	if !slices.Contains(RecordTimestamps, t) {
+		return fmt.Errorf("%q is not one of created-at, publish", t)
 	}
 	return nil
 }

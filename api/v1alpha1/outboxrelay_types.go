@@ -185,6 +185,17 @@ const (
 	FormatCloudEvents RecordFormat = "CloudEvents"
 )
 
+// RecordTimestamp is what the timestamp of each record is.
+// +kubebuilder:validation:Enum=CreatedAt;Publish
+type RecordTimestamp string
+
+const (
+	// RecordTimestampCreatedAt: the row's created_at, when the event happened.
+	RecordTimestampCreatedAt RecordTimestamp = "CreatedAt"
+	// RecordTimestampPublish: when the relay publishes the record.
+	RecordTimestampPublish RecordTimestamp = "Publish"
+)
+
 // Compression is the codec of the relay's produce requests, as Kafka names it.
 // +kubebuilder:validation:Enum=none;gzip;snappy;lz4;zstd
 type Compression string
@@ -485,6 +496,14 @@ type OutboxRelaySpec struct {
 	// +kubebuilder:default=Raw
 	// +optional
 	Format RecordFormat `json:"format,omitempty"`
+
+	// RecordTimestamp is each record's timestamp: CreatedAt (the default:
+	// the row's created_at, when the event happened, as Debezium's outbox
+	// router does) or Publish (when the relay publishes it). Kafka's
+	// time-based retention and consumers' time lookups go by it.
+	// +kubebuilder:default=CreatedAt
+	// +optional
+	RecordTimestamp RecordTimestamp `json:"recordTimestamp,omitempty"`
 
 	// CloudEventsSource is ce_source in the CloudEvents format, a URI-reference.
 	// Default: /outbox/<table>.
