@@ -13,7 +13,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	_ "embed"
 	"encoding/base64"
@@ -28,6 +27,8 @@ import (
 	"strings"
 
 	"sigs.k8s.io/yaml"
+
+	"github.com/outbox-relay/outbox-operator/hack/releasekit"
 )
 
 //go:embed icon.svg
@@ -36,13 +37,9 @@ var icon []byte
 const (
 	packageName = "outbox-operator"
 	channel     = "alpha"
-	imageRepo   = "ghcr.io/outbox-relay/outbox-operator"
-	// placeholder is the image config/ runs; the bundle pins the release's tag.
-	placeholder = imageRepo + ":latest"
+	imageRepo   = releasekit.OperatorRepo
 	repository  = "https://github.com/outbox-relay/outbox-operator"
 )
-
-var semverRE = regexp.MustCompile(`^(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)(-[0-9A-Za-z.-]+)?$`)
 
 func main() {
 	version := flag.String("version", "", "the release, MAJOR.MINOR.PATCH (required)")
@@ -57,8 +54,8 @@ func main() {
 }
 
 func run(ctx context.Context, version, out, kubectl, image string) error {
-	if !semverRE.MatchString(version) {
-		return fmt.Errorf("-version %q is not MAJOR.MINOR.PATCH[-PRERELEASE] (without a leading v)", version)
+	if err := releasekit.CheckVersion(version); err != nil {
+		return err
 	}
 	if image == "" {
 		image = imageRepo + ":v" + version
@@ -67,15 +64,10 @@ func run(ctx context.Context, version, out, kubectl, image string) error {
 	if err != nil {
 		return err
 	}
-	cmd := exec.CommandContext(ctx, kubectl, "kustomize", "config/default")
-	cmd.Dir = root
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	rendered, err := cmd.Output()
+	rendered, err := releasekit.RenderDefault(ctx, root, kubectl, image)
 	if err != nil {
-		return fmt.Errorf("kubectl kustomize config/default: %w: %s", err, stderr.String())
+		return err
 	}
-	rendered = bytes.ReplaceAll(rendered, []byte(placeholder), []byte(image))
 	objs, err := split(rendered)
 	if err != nil {
 		return err

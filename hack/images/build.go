@@ -23,6 +23,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 
+	"github.com/outbox-relay/outbox-operator/hack/releasekit"
 	versionpkg "github.com/outbox-relay/outbox-operator/version"
 )
 
@@ -31,7 +32,7 @@ const (
 	// operatorRepo is the operator image's repository; config/manager runs
 	// operatorRepo:latest (and the manager's default relay image is
 	// operatorRepo:<its version>).
-	operatorRepo = "ghcr.io/outbox-relay/outbox-operator"
+	operatorRepo = releasekit.OperatorRepo
 	// defaultVersion is the operator image's tag and the manager's
 	// version (package version) when none is given, as in the Dockerfile (ARG VERSION).
 	defaultVersion = "latest"

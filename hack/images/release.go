@@ -13,10 +13,8 @@ import (
 	"io"
 	"io/fs"
 	"os"
-	"os/exec"
 	"path"
 	"path/filepath"
-	"regexp"
 	"slices"
 	"strings"
 	"time"
@@ -29,14 +27,12 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 	"github.com/google/go-containerregistry/pkg/v1/types"
 	"sigs.k8s.io/yaml"
+
+	"github.com/outbox-relay/outbox-operator/hack/releasekit"
 )
 
 // releaseArchs are the platforms of a release's image index (linux/<arch>).
 var releaseArchs = []string{"amd64", "arm64"}
-
-// semverRE is a release version: MAJOR.MINOR.PATCH with an optional
-// pre-release, no leading "v" (the image tag and appVersion add it).
-var semverRE = regexp.MustCompile(`^(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)(-[0-9A-Za-z.-]+)?$`)
 
 // The files of a release, in dist/.
 func releaseImageFile(v string) string { return "outbox-operator-image-v" + v + ".oci.tar" }
@@ -46,8 +42,6 @@ const (
 	releaseSBOMFile      = "sbom.cdx.json"
 	releaseInstallFile   = "install.yaml"
 	releaseChecksumsFile = "checksums.txt"
-	// imagePlaceholder is the image config/ runs, which install.yaml pins.
-	imagePlaceholder = operatorRepo + ":" + defaultVersion
 )
 
 // releaseResult is what a release wrote.
@@ -65,8 +59,8 @@ type releaseResult struct {
 // digest, and checksums.txt. kubectl renders config/default. The same
 // sources, toolchain, CA bundle and epoch give the same bytes.
 func release(ctx context.Context, o options, version, kubectl string) (releaseResult, error) {
-	if !semverRE.MatchString(version) {
-		return releaseResult{}, fmt.Errorf("-version %q is not MAJOR.MINOR.PATCH[-PRERELEASE] (without a leading v)", version)
+	if err := releasekit.CheckVersion(version); err != nil {
+		return releaseResult{}, err
 	}
 	o.Version = "v" + version
 	ca, err := readCABundle(o.CABundle)
@@ -249,19 +243,12 @@ func packageChart(dir, version, appVersion string, mtime time.Time) ([]byte, err
 // the image config/ runs (the manager's and the default relay image)
 // replaced by image.
 func installManifest(ctx context.Context, repoRoot, kubectl, image string) ([]byte, error) {
-	cmd := exec.CommandContext(ctx, kubectl, "kustomize", "config/default")
-	cmd.Dir = repoRoot
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
+	out, err := releasekit.RenderDefault(ctx, repoRoot, kubectl, image)
 	if err != nil {
-		return nil, fmt.Errorf("%s kustomize config/default: %w: %s", kubectl, err, stderr.String())
-	}
-	if !bytes.Contains(out, []byte(imagePlaceholder)) {
-		return nil, fmt.Errorf("config/default does not run %s; install.yaml would not pin the release", imagePlaceholder)
+		return nil, err
 	}
 	header := "# outbox-operator " + strings.TrimPrefix(image, operatorRepo) + ": kubectl apply --server-side -f install.yaml\n"
-	return append([]byte(header), bytes.ReplaceAll(out, []byte(imagePlaceholder), []byte(image))...), nil
+	return append([]byte(header), out...), nil
 }
 
 // sbomOf is the CycloneDX SBOM of the binaries: every Go module linked into
