@@ -1,6 +1,7 @@
 package controllers
 
 import (
+	"crypto/x509"
 	"context"
 	"errors"
 	"fmt"
@@ -259,7 +260,17 @@ func deref(s *string) string {
 func backlogError(err error, dsnSecret string) string {
 	var pgErr *pgconn.PgError
 	var connErr *pgconn.ConnectError
+	var unknownCA x509.UnknownAuthorityError
+	var hostErr x509.HostnameError
 	switch {
+	case errors.As(err, &unknownCA):
+		return "PostgreSQL's certificate is not signed by spec.database.tls.ca"
+	case errors.As(err, &hostErr):
+		return "PostgreSQL's certificate is not for the host in the DSN (spec.database.tls verifies the host name)"
+	case errors.Is(err, errDatabaseCAInvalid), errors.Is(err, errDatabaseClientCertInvalid):
+		return err.Error()
+	case err != nil && strings.Contains(err.Error(), "server refused TLS connection"):
+		return "PostgreSQL does not accept TLS connections, which spec.database.tls asks for"
 	case errors.As(err, &connErr):
 		return fmt.Sprintf("cannot reach PostgreSQL with the DSN in Secret %s (the operator's log has the error)", dsnSecret)
 	case errors.As(err, &pgErr) && pgErr.Code == "57014":

@@ -129,6 +129,35 @@ func memoryLimit(s relayconfig.Settings) resource.Quantity {
 	return *resource.NewQuantity((bytes+mi-1)/mi*mi, resource.BinarySI)
 }
 
+// databaseTLSVolume projects spec.database.tls's CA (as ca.crt) and client
+// certificate (tls.crt, tls.key) into one read-only volume.
+func databaseTLSVolume(relay *outboxv1alpha1.OutboxRelay) (corev1.Volume, bool) {
+	db := relay.Spec.Database
+	if db == nil || db.TLS == nil {
+		return corev1.Volume{}, false
+	}
+	var sources []corev1.VolumeProjection
+	caItem := func(key string) []corev1.KeyToPath {
+		return []corev1.KeyToPath{{Key: cmp.Or(key, outboxv1alpha1.DefaultCAKey), Path: outboxv1alpha1.DefaultCAKey}}
+	}
+	if ref := db.TLS.CA.SecretRef; ref != nil {
+		sources = append(sources, corev1.VolumeProjection{Secret: &corev1.SecretProjection{
+			LocalObjectReference: corev1.LocalObjectReference{Name: ref.Name}, Items: caItem(ref.Key)}})
+	}
+	if ref := db.TLS.CA.ConfigMapRef; ref != nil {
+		sources = append(sources, corev1.VolumeProjection{ConfigMap: &corev1.ConfigMapProjection{
+			LocalObjectReference: corev1.LocalObjectReference{Name: ref.Name}, Items: caItem(ref.Key)}})
+	}
+	if ref := db.TLS.ClientCertSecretRef; ref != nil {
+		sources = append(sources, corev1.VolumeProjection{Secret: &corev1.SecretProjection{
+			LocalObjectReference: corev1.LocalObjectReference{Name: ref.Name},
+			Items: []corev1.KeyToPath{{Key: corev1.TLSCertKey, Path: corev1.TLSCertKey}, {Key: corev1.TLSPrivateKeyKey, Path: corev1.TLSPrivateKeyKey}}}})
+	}
+	return corev1.Volume{Name: outboxv1alpha1.ReservedDatabaseVolume, VolumeSource: corev1.VolumeSource{
+		Projected: &corev1.ProjectedVolumeSource{Sources: sources, DefaultMode: ptr.To[int32](0o440)},
+	}}, true
+}
+
 // overlay is base with every field over sets replacing base's; base when
 // over is nil. A pointer field left nil in over keeps base's value.
 func overlay[T any](base, over *T) *T {
@@ -287,6 +316,12 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, settings rel
 		}}
 	}
 
+	if v, ok := databaseTLSVolume(relay); ok {
+		podSpec.Volumes = append(podSpec.Volumes, v)
+		podSpec.Containers[0].VolumeMounts = append(podSpec.Containers[0].VolumeMounts, corev1.VolumeMount{
+			Name: outboxv1alpha1.ReservedDatabaseVolume, MountPath: dbTLSMountPath, ReadOnly: true,
+		})
+	}
 	// The template's additions come after the relay's own, which they
 	// cannot replace (the API refuses their names).
 	for _, v := range podTemplate(tmpl).Volumes {

@@ -484,3 +484,27 @@ func TestDefaultMemoryLimit(t *testing.T) {
 		require.Equal(t, c.want, got.String(), "%+v", c)
 	}
 }
+
+// spec.database.tls: one projected volume with the CA (from a Secret or a
+// ConfigMap, as ca.crt) and the client certificate, and the relay's flags
+// pointing at it.
+func TestRelayDeploymentDatabaseTLS(t *testing.T) {
+	t.Parallel()
+	relay := unitRelay()
+	relay.Spec.Database = &outboxv1alpha1.DatabaseSpec{TLS: &outboxv1alpha1.DatabaseTLS{
+		CA:                  outboxv1alpha1.CABundleSource{ConfigMapRef: &outboxv1alpha1.KeyReference{Name: "pg-ca", Key: "bundle.pem"}},
+		ClientCertSecretRef: &outboxv1alpha1.SecretReference{Name: "pg-client"},
+	}}
+	d := build(t, relay, secretInputs{})
+	pod := d.Spec.Template.Spec
+	require.Len(t, pod.Volumes, 1)
+	v := pod.Volumes[0]
+	require.Equal(t, outboxv1alpha1.ReservedDatabaseVolume, v.Name)
+	require.Equal(t, "pg-ca", v.Projected.Sources[0].ConfigMap.Name)
+	require.Equal(t, []corev1.KeyToPath{{Key: "bundle.pem", Path: "ca.crt"}}, v.Projected.Sources[0].ConfigMap.Items)
+	require.Equal(t, "pg-client", v.Projected.Sources[1].Secret.Name)
+	c := pod.Containers[0]
+	require.Equal(t, dbTLSMountPath, c.VolumeMounts[0].MountPath)
+	require.Subset(t, c.Args, []string{"--database-tls-ca-file=/etc/relay/database-tls/ca.crt",
+		"--database-tls-cert-file=/etc/relay/database-tls/tls.crt", "--database-tls-key-file=/etc/relay/database-tls/tls.key"})
+}

@@ -2,6 +2,7 @@ package controllers
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"slices"
 	"strings"
@@ -42,6 +43,7 @@ func TestFlow(t *testing.T) {
 	t.Run("HeldRows", func(t *testing.T) { t.Parallel(); testHeldRows(t, c) })
 	t.Run("ObserverFollowsDSNAndDeletion", func(t *testing.T) { t.Parallel(); testObserverLifecycle(t, c, r) })
 	t.Run("MissingTableIsReported", func(t *testing.T) { t.Parallel(); testMissingTable(t, c) })
+	t.Run("DatabaseTLS", func(t *testing.T) { t.Parallel(); testDatabaseTLS(t, c) })
 	t.Run("BeforeTheFirstReading", func(t *testing.T) { t.Parallel(); testBeforeFirstReading(t, c) })
 }
 
@@ -440,4 +442,58 @@ func waitRelayWithin(t *testing.T, c client.Client, k client.ObjectKey, within t
 		return c.Get(context.Background(), k, relay) == nil && ok(relay)
 	}, within, tick, "OutboxRelay %s never reached the expected state within %s", k, within)
 	return relay
+}
+
+// spec.database.tls: the operator's backlog reads talk TLS to PostgreSQL
+// whatever the DSN says (sslmode=disable here) and verify the server
+// against the CA: with the right CA (from a ConfigMap) the backlog is read;
+// with another (from a Secret) the status says the certificate is not
+// signed by it.
+func testDatabaseTLS(t *testing.T, c client.Client) {
+	ctx := context.Background()
+	ca, err := testenv.NewCA("outbox-operator-test-ca")
+	require.NoError(t, err)
+	serverCert, serverKey, err := ca.Issue("postgres", "127.0.0.1")
+	require.NoError(t, err)
+	pg, err := testenv.StartPostgres(t.TempDir())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pg.Close() })
+	require.NoError(t, pg.EnableTLS(serverCert, serverKey))
+	_, err = pg.CreateDatabase(ctx, "orders")
+	require.NoError(t, err)
+	require.NoError(t, pg.Exec(ctx, "orders", outbox.SchemaDDL(outbox.Table{Name: "outbox"})))
+	dsn := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/orders?sslmode=disable", pg.Port)
+	db, err := pgxpool.New(ctx, dsn)
+	require.NoError(t, err)
+	t.Cleanup(db.Close)
+	insertRows(t, db, 3, "OrderConfirmed", 0)
+
+	ns := newNamespace(t, c)
+	other, err := testenv.NewCA("someone-else")
+	require.NoError(t, err)
+	wrong, secret := flowRelay(ns, "wrong-ca", dsn)
+	wrong.Spec.Database = &outboxv1alpha1.DatabaseSpec{TLS: &outboxv1alpha1.DatabaseTLS{
+		CA: outboxv1alpha1.CABundleSource{SecretRef: &outboxv1alpha1.KeyReference{Name: "pg-ca-other"}}}}
+	create(t, c, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "pg-ca-other"}, Data: map[string][]byte{"ca.crt": other.PEM}}, secret, wrong)
+	o := waitRelay(t, c, key(wrong), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return condOf(o, "Lagging").Reason == outboxv1alpha1.ReasonBacklogUnavailable
+	})
+	require.Equal(t, "PostgreSQL's certificate is not signed by spec.database.tls.ca", condOf(o, "Lagging").Message)
+
+	right, secret2 := flowRelay(ns, "right-ca", dsn)
+	secret2.Name = "right-dsn"
+	right.Spec.DSNSecretRef.Name = "right-dsn"
+	right.Spec.Database = &outboxv1alpha1.DatabaseSpec{TLS: &outboxv1alpha1.DatabaseTLS{
+		CA: outboxv1alpha1.CABundleSource{ConfigMapRef: &outboxv1alpha1.KeyReference{Name: "pg-ca"}}}}
+	create(t, c, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "pg-ca"}, Data: map[string]string{"ca.crt": string(ca.PEM)}}, secret2, right)
+	o = waitRelay(t, c, key(right), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return o.Status.Backlog != nil && o.Status.Backlog.Pending == 3
+	})
+	require.Equal(t, metav1.ConditionFalse, condOf(o, "Lagging").Status)
+	var sessions int
+	var allTLS bool
+	require.NoError(t, db.QueryRow(ctx, `SELECT count(*), COALESCE(bool_and(s.ssl), false) FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid)
+		WHERE a.application_name = 'outbox-operator'`).Scan(&sessions, &allTLS))
+	require.Positive(t, sessions, "the operator's backlog session")
+	require.True(t, allTLS, "over TLS, although the DSN says sslmode=disable")
 }

@@ -73,15 +73,15 @@ func dsnKey(dsn string) string {
 
 // acquire returns dsn's shared state, making it on first use (no
 // connection yet). An unparsable DSN is errDSNUnparsable.
-func (o *FlowObserver) acquire(dsn string) (*sharedDB, error) {
-	k := dsnKey(dsn)
+func (o *FlowObserver) acquire(dsn string, t *dbTLS) (*sharedDB, error) {
+	k := dsnKey(dsn + "\x00" + t.digest())
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if db := o.dbs[k]; db != nil {
 		db.refs++
 		return db, nil
 	}
-	cfg, err := backlogConnConfig(dsn)
+	cfg, err := backlogConnConfig(dsn, t)
 	if err != nil {
 		return nil, err
 	}

@@ -71,6 +71,7 @@ type OutboxRelayReconciler struct {
 // +kubebuilder:rbac:groups="",resources=services,verbs=get;list;watch;create;patch
 // +kubebuilder:rbac:groups=policy,resources=poddisruptionbudgets,verbs=get;list;watch;create;patch;delete
 // +kubebuilder:rbac:groups="",resources=secrets,verbs=get
+// +kubebuilder:rbac:groups="",resources=configmaps,verbs=get
 // +kubebuilder:rbac:groups=events.k8s.io,resources=events,verbs=create;patch
 
 // Reconcile brings one OutboxRelay's children to the desired state and reports its status.
@@ -188,7 +189,7 @@ func (r *OutboxRelayReconciler) observe(key types.NamespacedName, relay *outboxv
 			interval = d
 		}
 	}
-	view := r.Flow.Observe(key, flowTarget{dsn: in.DSN, dsnSecret: relay.Spec.DSNSecretRef.Name, table: table, interval: interval,
+	view := r.Flow.Observe(key, flowTarget{dsn: in.DSN, tls: in.DatabaseTLS, dsnSecret: relay.Spec.DSNSecretRef.Name, table: table, interval: interval,
 		topics: relay.Spec.Topics, byKey: relay.Spec.Ordering == outboxv1alpha1.OrderingPartitionKey})
 	if view.authFailed { // the Secret may hold a new password: read it again
 		r.secrets.stale(types.NamespacedName{Namespace: relay.Namespace, Name: relay.Spec.DSNSecretRef.Name}, secretRetryInterval)

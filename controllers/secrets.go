@@ -141,6 +141,9 @@ type secretInputs struct {
 	// DSN is the DSN itself, which the backlog observer connects with. It
 	// stays in memory: it is never hashed, logged or written anywhere.
 	DSN string
+	// DatabaseTLS is spec.database.tls's CA and client certificate, for
+	// the backlog observer; nil without it.
+	DatabaseTLS *dbTLS
 }
 
 // readSecrets reads every referenced Secret through the cache and checks
@@ -195,6 +198,55 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 		}
 		in.TLSClientCert = hasCert
 	}
+	if db := relay.Spec.Database; db != nil && db.TLS != nil {
+		t := &dbTLS{}
+		if ref := db.TLS.CA.SecretRef; ref != nil {
+			key := cmp.Or(ref.Key, outboxv1alpha1.DefaultCAKey)
+			e, prob, err := get("spec.database.tls.ca.secretRef", ref.Name, key)
+			if prob != nil || err != nil {
+				return in, prob, err
+			}
+			if prob := needKeys("spec.database.tls.ca.secretRef.key", ref.Name, e, key); prob != nil {
+				return in, prob, nil
+			}
+			t.ca = []byte(e.values[key])
+		}
+		if ref := db.TLS.CA.ConfigMapRef; ref != nil {
+			key := cmp.Or(ref.Key, outboxv1alpha1.DefaultCAKey)
+			cm := &corev1.ConfigMap{}
+			if err := r.APIReader.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: ref.Name}, cm); err != nil {
+				if apierrors.IsNotFound(err) {
+					return in, &problem{reason: outboxv1alpha1.ReasonSecretNotFound, requeue: true,
+						message: fmt.Sprintf("ConfigMap %s (spec.database.tls.ca.configMapRef) not found", ref.Name)}, nil
+				}
+				return in, nil, fmt.Errorf("get ConfigMap %s: %w", ref.Name, err)
+			}
+			ca, ok := cm.Data[key]
+			if !ok {
+				return in, &problem{reason: outboxv1alpha1.ReasonSecretKeyMissing, requeue: true,
+					message: fmt.Sprintf("ConfigMap %s has no key %q (spec.database.tls.ca.configMapRef.key)", ref.Name, key)}, nil
+			}
+			versions["configmap/"+ref.Name] = fmt.Sprintf("configmap/%s/%s/%s", ref.Name, cm.UID, cm.ResourceVersion)
+			t.ca = []byte(ca)
+		}
+		if ref := db.TLS.ClientCertSecretRef; ref != nil {
+			for _, key := range []string{corev1.TLSCertKey, corev1.TLSPrivateKeyKey} {
+				e, prob, err := get("spec.database.tls.clientCertSecretRef", ref.Name, key)
+				if prob != nil || err != nil {
+					return in, prob, err
+				}
+				if prob := needKeys("spec.database.tls.clientCertSecretRef", ref.Name, e, key); prob != nil {
+					return in, prob, nil
+				}
+				if key == corev1.TLSCertKey {
+					t.cert = []byte(e.values[key])
+				} else {
+					t.key = []byte(e.values[key])
+				}
+			}
+		}
+		in.DatabaseTLS = t
+	}
 	if sasl := relay.Spec.Kafka.SASL; sasl != nil {
 		ref := sasl.CredentialsSecretRef
 		e, prob, err := get("spec.kafka.sasl.credentialsSecretRef", ref.Name, "")
@@ -224,6 +276,17 @@ func referencedSecrets(relay *outboxv1alpha1.OutboxRelay) []string {
 	}
 	if sasl := relay.Spec.Kafka.SASL; sasl != nil {
 		names = append(names, sasl.CredentialsSecretRef.Name)
+	}
+	if db := relay.Spec.Database; db != nil && db.TLS != nil {
+		if ref := db.TLS.CA.SecretRef; ref != nil {
+			names = append(names, ref.Name)
+		}
+		if ref := db.TLS.CA.ConfigMapRef; ref != nil {
+			names = append(names, "configmap/"+ref.Name) // its version is recorded under this name
+		}
+		if ref := db.TLS.ClientCertSecretRef; ref != nil {
+			names = append(names, ref.Name)
+		}
 	}
 	slices.Sort(names)
 	return slices.Compact(names)

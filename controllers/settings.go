@@ -17,6 +17,10 @@ import (
 // tlsMountPath is where the Kafka TLS Secret is mounted in a relay pod.
 const tlsMountPath = "/etc/relay/tls"
 
+// dbTLSMountPath is where spec.database.tls's CA (ca.crt) and client
+// certificate (tls.crt, tls.key) are mounted in a relay pod.
+const dbTLSMountPath = "/etc/relay/database-tls"
+
 // orderings maps the API's ordering modes to the relay's.
 var orderings = map[outboxv1alpha1.OrderingMode]relayconfig.Ordering{
 	outboxv1alpha1.OrderingNone:         relayconfig.OrderingNone,
@@ -141,6 +145,12 @@ func specSettings(relay *outboxv1alpha1.OutboxRelay) (relayconfig.Command, error
 	s.CloudEventsSource = spec.CloudEventsSource
 	s.Compression = relayconfig.Compression(cmp.Or(string(spec.Kafka.Compression), string(s.Compression)))
 	s.KafkaTLS = spec.Kafka.TLS != nil
+	if db := spec.Database; db != nil && db.TLS != nil {
+		s.DatabaseCAFile = dbTLSMountPath + "/" + outboxv1alpha1.DefaultCAKey
+		if db.TLS.ClientCertSecretRef != nil {
+			s.DatabaseCertFile, s.DatabaseKeyFile = dbTLSMountPath+"/"+corev1.TLSCertKey, dbTLSMountPath+"/"+corev1.TLSPrivateKeyKey
+		}
+	}
 	if sasl := spec.Kafka.SASL; sasl != nil {
 		s.KafkaSASLMechanism = string(sasl.Mechanism)
 	}

@@ -57,7 +57,7 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		}, []string{"spec.template.container.env", "RELAY_* variables are the relay's own"}},
 		{"template volume takes the relay's name", func(s map[string]any) {
 			s["template"] = map[string]any{"pod": map[string]any{"volumes": []any{map[string]any{"name": "kafka-tls", "emptyDir": map[string]any{}}}}}
-		}, []string{"spec.template.pod.volumes", "kafka-tls is the relay's own"}},
+		}, []string{"spec.template.pod.volumes", "kafka-tls and database-tls are the relay's own"}},
 		{"template mount under the relay's directory", func(s map[string]any) {
 			s["template"] = map[string]any{"container": map[string]any{"volumeMounts": []any{map[string]any{"name": "ca", "mountPath": "/etc/relay/tls"}}}}
 		}, []string{"spec.template.container.volumeMounts", "/etc/relay are the relay's own"}},

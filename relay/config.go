@@ -88,6 +88,11 @@ type Config struct {
 	TracerProvider trace.TracerProvider
 	// TLS, when set, connects to Kafka over TLS.
 	TLS *tls.Config
+	// DatabaseTLS, when set, connects to PostgreSQL over TLS with it,
+	// whatever the DSN's sslmode, and never falls back to plain text. Its
+	// ServerName defaults to the DSN's host, so with RootCAs set the
+	// server's certificate and host name are verified (verify-full).
+	DatabaseTLS *tls.Config
 	// SASL, when set, authenticates to Kafka.
 	SASL sasl.Mechanism
 	// Logger receives the relay's logs. Default slog.Default().

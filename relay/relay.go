@@ -104,6 +104,13 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 	if err != nil {
 		return nil, fmt.Errorf("dsn: %w", err)
 	}
+	if cfg.DatabaseTLS != nil {
+		t := cfg.DatabaseTLS.Clone()
+		if t.ServerName == "" {
+			t.ServerName = pcfg.ConnConfig.Host
+		}
+		pcfg.ConnConfig.TLSConfig, pcfg.ConnConfig.Fallbacks = t, nil
+	}
 	rp := pcfg.ConnConfig.RuntimeParams
 	rp["application_name"] = "outbox-relay"
 	// A claim transaction never idles longer than one publish; if the relay

@@ -54,6 +54,9 @@ const (
 	FlagKafkaTLSCAFile    = "kafka-tls-ca-file"
 	FlagKafkaTLSCertFile  = "kafka-tls-cert-file"
 	FlagKafkaTLSKeyFile   = "kafka-tls-key-file"
+	FlagDatabaseCAFile    = "database-tls-ca-file"
+	FlagDatabaseCertFile  = "database-tls-cert-file"
+	FlagDatabaseKeyFile   = "database-tls-key-file"
 	FlagKafkaSASLMech     = "kafka-sasl-mechanism"
 	FlagFormat            = "format"
 	FlagRecordTimestamp   = "record-timestamp"
@@ -358,6 +361,11 @@ type Command struct {
 	KafkaTLS    bool
 	// Kafka TLS files: CA bundle, client certificate and key (PEM).
 	KafkaTLSCAFile, KafkaTLSCertFile, KafkaTLSKeyFile string
+	// PostgreSQL TLS files: with a CA bundle the relay connects over TLS
+	// and verifies the server's certificate and host name (verify-full),
+	// whatever the DSN's sslmode; a client certificate and key (PEM) are
+	// presented when given.
+	DatabaseCAFile, DatabaseCertFile, DatabaseKeyFile string
 	// KafkaSASLMechanism is empty (no SASL) or one of SASLMechanisms.
 	KafkaSASLMechanism string
 	// SASL credentials; they travel in the environment, never as arguments.
@@ -411,6 +419,7 @@ func (s Command) Args() []string {
 	for _, f := range []struct{ name, v string }{
 		{FlagKafkaTLSCAFile, s.KafkaTLSCAFile}, {FlagKafkaTLSCertFile, s.KafkaTLSCertFile},
 		{FlagKafkaTLSKeyFile, s.KafkaTLSKeyFile}, {FlagKafkaSASLMech, s.KafkaSASLMechanism},
+		{FlagDatabaseCAFile, s.DatabaseCAFile}, {FlagDatabaseCertFile, s.DatabaseCertFile}, {FlagDatabaseKeyFile, s.DatabaseKeyFile},
 	} {
 		if f.v != "" {
 			args = append(args, arg(f.name, f.v))
@@ -617,6 +626,9 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.StringVar(&s.KafkaTLSCAFile, FlagKafkaTLSCAFile, "", "PEM CA bundle to verify the brokers (default: system roots)")
 	fs.StringVar(&s.KafkaTLSCertFile, FlagKafkaTLSCertFile, "", "PEM client certificate for mutual TLS")
 	fs.StringVar(&s.KafkaTLSKeyFile, FlagKafkaTLSKeyFile, "", "PEM client key for mutual TLS")
+	fs.StringVar(&s.DatabaseCAFile, FlagDatabaseCAFile, "", "PEM CA bundle: connect to PostgreSQL over TLS and verify its certificate and host name (verify-full), whatever the DSN's sslmode")
+	fs.StringVar(&s.DatabaseCertFile, FlagDatabaseCertFile, "", "PEM client certificate presented to PostgreSQL (with --"+FlagDatabaseCAFile+")")
+	fs.StringVar(&s.DatabaseKeyFile, FlagDatabaseKeyFile, "", "PEM client key presented to PostgreSQL")
 	fs.StringVar(&s.KafkaSASLMechanism, FlagKafkaSASLMech, "", "SASL mechanism: "+strings.Join(SASLMechanisms, ", ")+" (credentials from "+EnvSASLUsername+" and "+EnvSASLPassword+")")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -666,6 +678,12 @@ func (s Command) validateProcess() error {
 	}
 	if (s.KafkaTLSCertFile == "") != (s.KafkaTLSKeyFile == "") {
 		errs = append(errs, fieldErr(FlagKafkaTLSCertFile, fmt.Errorf("goes together with --%s", FlagKafkaTLSKeyFile)))
+	}
+	if (s.DatabaseCertFile == "") != (s.DatabaseKeyFile == "") {
+		errs = append(errs, fieldErr(FlagDatabaseCertFile, fmt.Errorf("goes together with --%s", FlagDatabaseKeyFile)))
+	}
+	if s.DatabaseCertFile != "" && s.DatabaseCAFile == "" {
+		errs = append(errs, fieldErr(FlagDatabaseCertFile, fmt.Errorf("needs --%s: a client certificate is presented only over a verified connection", FlagDatabaseCAFile)))
 	}
 	if m := s.KafkaSASLMechanism; m != "" {
 		switch {

@@ -395,6 +395,11 @@ type OutboxRelaySpec struct {
 	// reaches the relay only as the RELAY_DSN environment variable from this Secret.
 	DSNSecretRef SecretKeyReference `json:"dsnSecretRef"`
 
+	// Database says how to reach PostgreSQL beyond the DSN: TLS that
+	// verifies the server.
+	// +optional
+	Database *DatabaseSpec `json:"database,omitempty"`
+
 	// Table is the outbox table, optionally schema-qualified (schema.table);
 	// each part a plain lower-case PostgreSQL identifier ([a-z_][a-z0-9_]*)
 	// of at most 63 characters, so it never needs quoting. Default: outbox.

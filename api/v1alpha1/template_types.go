@@ -9,6 +9,8 @@ const (
 	ReservedEnvPrefix = "RELAY_"
 	// ReservedVolume is the Kafka TLS Secret's volume.
 	ReservedVolume = "kafka-tls"
+	// ReservedDatabaseVolume holds the database CA and client certificate.
+	ReservedDatabaseVolume = "database-tls"
 	// ReservedMountDir holds the relay's own mounts.
 	ReservedMountDir = "/etc/relay"
 )
@@ -60,9 +62,9 @@ type RelayPodSpec struct {
 	// runAsUser, runAsGroup and fsGroup from the namespace's ranges.
 	// +optional
 	SecurityContext *corev1.PodSecurityContext `json:"securityContext,omitempty"`
-	// Volumes added to the relay pods; "kafka-tls" is the relay's.
+	// Volumes added to the relay pods; "kafka-tls" and "database-tls" are the relay's.
 	// +kubebuilder:validation:MaxItems=32
-	// +kubebuilder:validation:XValidation:rule="self.all(v, v.name != 'kafka-tls')",message="the volume name kafka-tls is the relay's own"
+	// +kubebuilder:validation:XValidation:rule="self.all(v, v.name != 'kafka-tls' && v.name != 'database-tls')",message="the volume names kafka-tls and database-tls are the relay's own"
 	// +listType=map
 	// +listMapKey=name
 	// +optional
@@ -94,7 +96,7 @@ type RelayContainerSpec struct {
 	// VolumeMounts of the volumes in spec.template.pod.volumes; /etc/relay
 	// holds the relay's own mounts.
 	// +kubebuilder:validation:MaxItems=32
-	// +kubebuilder:validation:XValidation:rule="self.all(m, m.name != 'kafka-tls' && m.mountPath != '/etc/relay' && !m.mountPath.startsWith('/etc/relay/'))",message="the volume kafka-tls and the directory /etc/relay are the relay's own"
+	// +kubebuilder:validation:XValidation:rule="self.all(m, m.name != 'kafka-tls' && m.name != 'database-tls' && m.mountPath != '/etc/relay' && !m.mountPath.startsWith('/etc/relay/'))",message="the volumes kafka-tls and database-tls and the directory /etc/relay are the relay's own"
 	// +listType=map
 	// +listMapKey=mountPath
 	// +optional

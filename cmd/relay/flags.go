@@ -43,7 +43,12 @@ func parseFlags(args []string, lookupEnv func(string) (string, bool), stderr io.
 	logger := newLogger(s.LogFormat, os.Stderr)
 	cfg := relay.Config{Settings: s.Settings, Logger: logger, Registerer: reg}
 	if s.TLSEnabled() {
-		if cfg.TLS, err = tlsConfig(s.KafkaTLSCAFile, s.KafkaTLSCertFile, s.KafkaTLSKeyFile); err != nil {
+		if cfg.TLS, err = tlsConfig(s.KafkaTLSCAFile, s.KafkaTLSCertFile, s.KafkaTLSKeyFile, relayconfig.FlagKafkaTLSCAFile, relayconfig.FlagKafkaTLSCertFile, relayconfig.FlagKafkaTLSKeyFile); err != nil {
+			return nil, err
+		}
+	}
+	if s.DatabaseCAFile != "" {
+		if cfg.DatabaseTLS, err = tlsConfig(s.DatabaseCAFile, s.DatabaseCertFile, s.DatabaseKeyFile, relayconfig.FlagDatabaseCAFile, relayconfig.FlagDatabaseCertFile, relayconfig.FlagDatabaseKeyFile); err != nil {
 			return nil, err
 		}
 	}
@@ -66,23 +71,24 @@ func parseFlags(args []string, lookupEnv func(string) (string, bool), stderr io.
 	return &options{relay: r, settings: s.Settings, registry: reg, metricsAddr: s.MetricsAddr, logger: logger, tracing: tp}, nil
 }
 
-func tlsConfig(caFile, certFile, keyFile string) (*tls.Config, error) {
+// tlsConfig reads the PEM files of a TLS client; the flag names name them in errors.
+func tlsConfig(caFile, certFile, keyFile, caFlag, certFlag, keyFlag string) (*tls.Config, error) {
 	t := &tls.Config{MinVersion: tls.VersionTLS12}
 	if caFile != "" {
 		pem, err := os.ReadFile(caFile)
 		if err != nil {
-			return nil, fmt.Errorf("--%s: %w", relayconfig.FlagKafkaTLSCAFile, err)
+			return nil, fmt.Errorf("--%s: %w", caFlag, err)
 		}
 		pool := x509.NewCertPool()
 		if !pool.AppendCertsFromPEM(pem) {
-			return nil, fmt.Errorf("--%s: %s holds no PEM certificate", relayconfig.FlagKafkaTLSCAFile, caFile)
+			return nil, fmt.Errorf("--%s: %s holds no PEM certificate", caFlag, caFile)
 		}
 		t.RootCAs = pool
 	}
 	if certFile != "" {
 		cert, err := tls.LoadX509KeyPair(certFile, keyFile)
 		if err != nil {
-			return nil, fmt.Errorf("--%s/--%s: %w", relayconfig.FlagKafkaTLSCertFile, relayconfig.FlagKafkaTLSKeyFile, err)
+			return nil, fmt.Errorf("--%s/--%s: %w", certFlag, keyFlag, err)
 		}
 		t.Certificates = []tls.Certificate{cert}
 	}
