@@ -35,8 +35,9 @@ var onPublishes = map[outboxv1alpha1.OnPublishMode]relayconfig.OnPublish{
 
 // formats maps the API's record formats to the relay's.
 var formats = map[outboxv1alpha1.RecordFormat]relayconfig.Format{
-	outboxv1alpha1.FormatRaw:         relayconfig.FormatRaw,
-	outboxv1alpha1.FormatCloudEvents: relayconfig.FormatCloudEvents,
+	outboxv1alpha1.FormatRaw:                   relayconfig.FormatRaw,
+	outboxv1alpha1.FormatCloudEvents:           relayconfig.FormatCloudEvents,
+	outboxv1alpha1.FormatCloudEventsStructured: relayconfig.FormatCloudEventsStructured,
 }
 
 // recordTimestamps maps the API's record timestamps to the relay's.
@@ -134,7 +135,7 @@ func specSettings(relay *outboxv1alpha1.OutboxRelay) (relayconfig.Command, error
 	s.Ordering = ordering
 	format, ok := formats[cmp.Or(spec.Format, outboxv1alpha1.FormatRaw)]
 	if !ok {
-		return s, fmt.Errorf("spec.format: %q is not %s or %s", spec.Format, outboxv1alpha1.FormatRaw, outboxv1alpha1.FormatCloudEvents)
+		return s, fmt.Errorf("spec.format: %q is not %s, %s or %s", spec.Format, outboxv1alpha1.FormatRaw, outboxv1alpha1.FormatCloudEvents, outboxv1alpha1.FormatCloudEventsStructured)
 	}
 	s.Format = format
 	ts, ok := recordTimestamps[cmp.Or(spec.RecordTimestamp, outboxv1alpha1.RecordTimestampCreatedAt)]

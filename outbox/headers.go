@@ -19,12 +19,16 @@ const (
 	MaxHeaderBytes = 16 << 10
 )
 
-// reservedHeaders are header names the relay sets itself, in either format.
-var reservedHeaders = []string{"event_id", "event_type", "aggregate_type", "aggregate_id", "content-type"}
+// reservedHeaders are header names the relay sets itself, in every format:
+// its own, and the CloudEvents attributes it derives from the row. Other
+// ce_* names (ce_subject, ce_dataschema, ce_datacontenttype, extensions)
+// are the row's to set: in a CloudEvents format they become attributes.
+var reservedHeaders = []string{"event_id", "event_type", "aggregate_type", "aggregate_id", "content-type",
+	"ce_specversion", "ce_id", "ce_source", "ce_type", "ce_time"}
 
 // reservedPrefixes start header names the relay sets itself: outbox_* on
-// dead-lettered records, ce_* in the CloudEvents format.
-var reservedPrefixes = []string{"outbox_", "ce_"}
+// dead-lettered records.
+var reservedPrefixes = []string{"outbox_"}
 
 // IsReservedHeader reports whether name is one of the headers the relay sets
 // itself (compared without regard to case, so that no consumer that folds
@@ -101,7 +105,7 @@ func checkEntryHeaders(h map[string]string) error {
 	}
 	if len(reserved) > 0 {
 		slices.Sort(reserved)
-		return fmt.Errorf("header names reserved for the relay: %s (event_id, event_type, aggregate_type, aggregate_id, content-type, outbox_*, ce_*)",
+		return fmt.Errorf("header names reserved for the relay: %s (event_id, event_type, aggregate_type, aggregate_id, content-type, outbox_*, ce_specversion, ce_id, ce_source, ce_type, ce_time)",
 			strings.Join(reserved, ", "))
 	}
 	return nil

@@ -47,6 +47,9 @@ const (
 	// FormatCloudEvents: a CloudEvent in the Kafka protocol binding's binary
 	// content mode, plus FormatRaw's headers.
 	FormatCloudEvents = relayconfig.FormatCloudEvents
+	// FormatCloudEventsStructured: a CloudEvent in the structured content
+	// mode (application/cloudevents+json), plus FormatRaw's headers.
+	FormatCloudEventsStructured = relayconfig.FormatCloudEventsStructured
 )
 
 // RecordTimestamp is what each record's timestamp is.

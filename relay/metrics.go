@@ -113,6 +113,6 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		pruneDuration: f.histogram("outbox_relay_prune_duration_seconds",
 			"Duration of one prune step: a transaction of at most --prune-batch-size rows, or on a partitioned table the detach and drop of one partition.", 0.0005, 16),
 		headersSkipped: f.counter("outbox_relay_headers_skipped_total",
-			"Entries of rows' headers column not forwarded because the relay sets a header of that name itself (event_id, event_type, aggregate_type, aggregate_id, content-type, outbox_*, ce_*); counted each time a record is built."),
+			"Entries of rows' headers column not forwarded because the relay sets a header of that name itself (event_id, event_type, aggregate_type, aggregate_id, content-type, outbox_*, ce_specversion, ce_id, ce_source, ce_type, ce_time); counted each time a record is built."),
 	}
 }

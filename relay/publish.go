@@ -200,6 +200,9 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 		return kafka.Message{}, false
 	}
 	custom, skippedHeaders, err := rowHeaders(x.headers)
+	if err == nil && r.cfg.Format != FormatRaw {
+		x.ceAttrs, custom, err = ceAttributes(custom)
+	}
 	if err != nil {
 		// Never sent without its headers: a consumer would miss what the
 		// writer meant to tell it.

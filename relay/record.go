@@ -1,6 +1,14 @@
 package relay
 
 import (
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"maps"
+	"mime"
+	"net/url"
+	"regexp"
 	"slices"
 	"strings"
 	"time"
@@ -25,7 +33,58 @@ const (
 	CloudEventsSpecVersion = "1.0"
 	// CloudEventsContentType is the media type of the data: the payload is JSON.
 	CloudEventsContentType = "application/json"
+	// CloudEventsStructuredContentType is the record's content-type in the
+	// structured content mode: the value is the whole event as JSON.
+	CloudEventsStructuredContentType = "application/cloudevents+json"
 )
+
+// ceExtensionRE is a CloudEvents attribute name: lower-case letters and
+// digits, at most 20 (the specification's advice for portability).
+var ceExtensionRE = regexp.MustCompile(`^[a-z0-9]{1,20}$`)
+
+// ceAttributes takes the row's ce_* headers out of headers as CloudEvents
+// attributes (subject, dataschema, datacontenttype and extensions) and
+// checks them; the attributes the relay derives from the row are reserved
+// (outbox.IsReservedHeader) and never reach here. An error names the
+// attribute and makes the row invalid: sent without it, the event would
+// not be what its writer meant.
+func ceAttributes(headers []kafka.Header) (map[string]string, []kafka.Header, error) {
+	var attrs map[string]string
+	rest := headers[:0:0]
+	for _, h := range headers {
+		if len(h.Key) < 3 || !strings.EqualFold(h.Key[:3], "ce_") {
+			rest = append(rest, h)
+			continue
+		}
+		name := h.Key[3:] // attribute names are lower-case: ce_TenantID is refused, not folded
+		v := string(h.Value)
+		var err error
+		switch {
+		case !ceExtensionRE.MatchString(name):
+			err = errors.New("names are 1 to 20 lower-case letters and digits")
+		case name == "data" || name == "data_base64":
+			err = errors.New("the data is the payload")
+		case name == "subject" && v == "":
+			err = errors.New("must not be empty")
+		case name == "dataschema":
+			if u, perr := url.Parse(v); perr != nil || !u.IsAbs() {
+				err = fmt.Errorf("%q is not an absolute URI", v)
+			}
+		case name == "datacontenttype":
+			if _, _, perr := mime.ParseMediaType(v); perr != nil {
+				err = fmt.Errorf("%q is not a media type", v)
+			}
+		}
+		if err != nil {
+			return nil, nil, fmt.Errorf("CloudEvents attribute %s: %w", h.Key, err)
+		}
+		if attrs == nil {
+			attrs = map[string]string{}
+		}
+		attrs[name] = v
+	}
+	return attrs, rest, nil
+}
 
 // rowHeaders reads a row's headers column: the entries the relay forwards,
 // sorted by name, and how many it skipped because the relay sets a header of
@@ -52,8 +111,8 @@ func rowHeaders(raw []byte) ([]kafka.Header, int, error) {
 // message builds a row's record for topic: key, value, the relay's headers,
 // the format's headers, then the row's own (x.headers, after admit).
 func (r *Relay) message(x row, topic string) kafka.Message {
-	n := 4 + len(x.custom)
-	if r.cfg.Format == FormatCloudEvents {
+	n := 4 + len(x.custom) + len(x.ceAttrs)
+	if r.cfg.Format != FormatRaw {
 		n += 7
 	}
 	h := make([]kafka.Header, 0, n)
@@ -63,27 +122,68 @@ func (r *Relay) message(x row, topic string) kafka.Message {
 		kafka.Header{Key: HeaderAggregateType, Value: []byte(x.aggregateType)},
 		kafka.Header{Key: HeaderAggregateID, Value: []byte(x.aggregateID)},
 	)
-	if r.cfg.Format == FormatCloudEvents {
-		h = append(h,
-			kafka.Header{Key: HeaderCESpecVersion, Value: []byte(CloudEventsSpecVersion)},
-			kafka.Header{Key: HeaderCEID, Value: []byte(x.eventID)},
-			kafka.Header{Key: HeaderCESource, Value: []byte(r.cfg.CloudEventsSource)},
-			kafka.Header{Key: HeaderCEType, Value: []byte(x.eventType)},
-		)
-		if x.aggregateID != "" { // subject is optional but must not be empty
-			h = append(h, kafka.Header{Key: HeaderCESubject, Value: []byte(x.aggregateID)})
+	value := x.payload
+	switch r.cfg.Format {
+	case FormatCloudEvents:
+		attrs := r.ceEvent(x)
+		for _, name := range []string{"specversion", "id", "source", "type", "subject", "time"} {
+			if v, ok := attrs[name]; ok {
+				h = append(h, kafka.Header{Key: "ce_" + name, Value: []byte(v)})
+			}
 		}
-		h = append(h,
-			kafka.Header{Key: HeaderCETime, Value: []byte(x.createdAt.UTC().Format(time.RFC3339Nano))},
-			kafka.Header{Key: HeaderContentType, Value: []byte(CloudEventsContentType)},
-		)
+		for _, name := range slices.Sorted(maps.Keys(attrs)) {
+			if !slices.Contains([]string{"specversion", "id", "source", "type", "subject", "time", "datacontenttype"}, name) {
+				h = append(h, kafka.Header{Key: "ce_" + name, Value: []byte(attrs[name])})
+			}
+		}
+		h = append(h, kafka.Header{Key: HeaderContentType, Value: []byte(attrs["datacontenttype"])})
+	case FormatCloudEventsStructured:
+		value = structuredEvent(r.ceEvent(x), x.payload)
+		h = append(h, kafka.Header{Key: HeaderContentType, Value: []byte(CloudEventsStructuredContentType)})
 	}
 	h = append(h, x.custom...)
-	m := kafka.Message{Topic: topic, Key: []byte(x.partitionKey), Value: x.payload, Headers: h}
+	m := kafka.Message{Topic: topic, Key: []byte(x.partitionKey), Value: value, Headers: h}
 	if r.cfg.RecordTimestamp == RecordTimestampCreatedAt {
 		m.Time = x.createdAt // zero (the writer's clock) takes the publish time
 	}
 	return m
+}
+
+// ceEvent is x's CloudEvents attributes: those the relay derives from the
+// row, and those the row's ce_* headers set (which may replace subject and
+// datacontenttype, and add dataschema and extensions).
+func (r *Relay) ceEvent(x row) map[string]string {
+	attrs := map[string]string{
+		"specversion": CloudEventsSpecVersion, "id": x.eventID, "source": r.cfg.CloudEventsSource, "type": x.eventType,
+		"time": x.createdAt.UTC().Format(time.RFC3339Nano), "datacontenttype": CloudEventsContentType,
+	}
+	if x.aggregateID != "" { // subject is optional but must not be empty
+		attrs["subject"] = x.aggregateID
+	}
+	maps.Copy(attrs, x.ceAttrs)
+	return attrs
+}
+
+// structuredEvent is the event in the structured content mode's JSON:
+// its attributes as members, and the payload as data when it is JSON of a
+// JSON media type, else as data_base64.
+func structuredEvent(attrs map[string]string, payload []byte) []byte {
+	ev := make(map[string]any, len(attrs)+1)
+	for k, v := range attrs {
+		ev[k] = v
+	}
+	ct := attrs["datacontenttype"]
+	mediaType, _, _ := mime.ParseMediaType(ct)
+	if (mediaType == "application/json" || strings.HasSuffix(mediaType, "+json")) && json.Valid(payload) {
+		ev["data"] = json.RawMessage(payload)
+	} else {
+		ev["data_base64"] = base64.StdEncoding.EncodeToString(payload)
+	}
+	b, err := json.Marshal(ev)
+	if err != nil { // strings and valid JSON always marshal
+		panic(fmt.Sprintf("structured CloudEvent: %v", err))
+	}
+	return b
 }
 
 // compression is kafka-go's codec for c.

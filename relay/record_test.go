@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	cloudevent "github.com/cloudevents/sdk-go/v2/event"
+	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outbox-relay/outbox-operator/examples/consumer/events"
@@ -231,6 +233,72 @@ func TestRecordTimestamp(t *testing.T) {
 				return
 			}
 			require.True(t, created.Equal(msgs[0].Time), "created_at %s, record %s", created, msgs[0].Time)
+		})
+	}
+}
+
+// In a CloudEvents format a row's ce_* headers set attributes: subject
+// and datacontenttype replace the relay's, dataschema and extensions are
+// added; a bad one holds the row with the reason while the rest flows. The
+// CloudEvents SDK decodes and validates every record, in both content modes.
+func TestCloudEventsAttributesFromHeaders(t *testing.T) {
+	t.Parallel()
+	for _, format := range []relay.Format{relay.FormatCloudEvents, relay.FormatCloudEventsStructured} {
+		t.Run(string(format), func(t *testing.T) {
+			t.Parallel()
+			f := outboxtest.NewFixture(t, 1, "E")
+			rich := insertWithHeaders(f, "a", `'{"ce_subject":"orders/42","ce_dataschema":"https://schemas.example/order.json","ce_tenantid":"t1","tenant":"plain"}'`)
+			plain := insertWithHeaders(f, "b", `NULL`)
+			bad := map[string]string{
+				"a relative dataschema":    insertWithHeaders(f, "c", `'{"ce_dataschema":"order.json"}'`),
+				"an upper-case extension":  insertWithHeaders(f, "d", `'{"ce_TenantID":"t1"}'`),
+				"an extension named data":  insertWithHeaders(f, "e", `'{"ce_data":"x"}'`),
+				"a media type that is not": insertWithHeaders(f, "g", `'{"ce_datacontenttype":"json please"}'`),
+			}
+			cfg := f.Config()
+			cfg.Format = format
+			x := outboxtest.Start(t, cfg)
+			f.WaitDrained(len(bad), 30*time.Second)
+			msgs := testenv.Broker().Consume(t, f.Topics["E"], 2, 30*time.Second)
+			require.Len(t, msgs, 2)
+			for _, m := range msgs {
+				var ev *cloudevent.Event
+				if format == relay.FormatCloudEvents {
+					var err error
+					ev, err = events.CloudEvent(m)
+					require.NoError(t, err)
+				} else {
+					e := cloudevent.New()
+					require.NoError(t, json.Unmarshal(m.Value, &e), "%s", m.Value)
+					require.NoError(t, e.Validate())
+					ev = &e
+					require.Contains(t, m.Headers, kafka.Header{Key: "content-type", Value: []byte(relay.CloudEventsStructuredContentType)})
+				}
+				require.JSONEq(t, `{"n":1}`, string(ev.Data()))
+				r, err := events.Read(m)
+				require.NoError(t, err, "the raw format's headers are kept")
+				switch ev.ID() {
+				case rich:
+					require.Equal(t, "orders/42", ev.Subject(), "the row's subject")
+					require.Equal(t, "https://schemas.example/order.json", ev.DataSchema())
+					require.Equal(t, "t1", ev.Extensions()["tenantid"])
+					require.Equal(t, "plain", r.Headers["tenant"], "other headers stay headers")
+					n := 0
+					for _, h := range m.Headers {
+						if h.Key == "ce_subject" {
+							n++
+						}
+					}
+					require.Equal(t, map[relay.Format]int{relay.FormatCloudEvents: 1, relay.FormatCloudEventsStructured: 0}[format], n,
+						"the row's ce_subject is the attribute, once (binary) or in the value only (structured)")
+				case plain:
+					require.Equal(t, "b", ev.Subject(), "aggregate_id by default")
+					require.Empty(t, ev.Extensions())
+				default:
+					t.Fatalf("unexpected event %s", ev.ID())
+				}
+			}
+			require.Equal(t, float64(len(bad)), outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldInvalidRow))
 		})
 	}
 }

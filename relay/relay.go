@@ -455,6 +455,9 @@ type row struct {
 	oversize bool
 	// custom are the row's own headers the record carries (admit sets them).
 	custom []kafka.Header
+	// ceAttrs are the CloudEvents attributes the row's ce_* headers set, in
+	// a CloudEvents format (admit sets them; they are not in custom then).
+	ceAttrs map[string]string
 }
 
 // bigBatchBytes is the payload size above which a batch's memory is

@@ -148,10 +148,14 @@ const (
 	// FormatCloudEvents: a CloudEvent in the Kafka protocol binding's binary
 	// content mode (ce_* headers, content-type), plus the raw format's headers.
 	FormatCloudEvents Format = "cloudevents"
+	// FormatCloudEventsStructured: a CloudEvent in the structured content
+	// mode (the event as application/cloudevents+json, the payload its
+	// data), plus the raw format's headers.
+	FormatCloudEventsStructured Format = "cloudevents-structured"
 )
 
 // Formats are the valid Format values.
-var Formats = []Format{FormatRaw, FormatCloudEvents}
+var Formats = []Format{FormatRaw, FormatCloudEvents, FormatCloudEventsStructured}
 
 // RecordTimestamp is what a record's timestamp is, as --record-timestamp takes it.
 type RecordTimestamp string
@@ -611,7 +615,7 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.DurationVar(&s.KeepPublishedFor, FlagKeepPublishedFor, DefaultKeepPublishedFor, fmt.Sprintf("prune published rows older than this; 0 keeps them (0 or %s..%s)", MinKeepPublishedFor, MaxKeepPublishedFor))
 	fs.IntVar(&s.PruneBatchSize, FlagPruneBatchSize, DefaultPruneBatchSize, fmt.Sprintf("most rows one prune transaction deletes (%d..%d)", MinPruneBatchSize, MaxPruneBatchSize))
 	fs.DurationVar(&s.PrunePause, FlagPrunePause, DefaultPrunePause, fmt.Sprintf("pause between prune transactions (%s..%s)", MinPrunePause, MaxPrunePause))
-	fs.Func(FlagFormat, "record layout: raw or cloudevents (CloudEvents binary content mode) (default raw)", func(v string) error { s.Format = Format(v); return nil })
+	fs.Func(FlagFormat, "record layout: raw, cloudevents (CloudEvents binary content mode) or cloudevents-structured (default raw)", func(v string) error { s.Format = Format(v); return nil })
 	fs.Func(FlagRecordTimestamp, "each record's timestamp: created-at (the row's created_at) or publish (default created-at)", func(v string) error { s.RecordTimestamp = RecordTimestamp(v); return nil })
 	fs.StringVar(&s.CloudEventsSource, FlagCloudEventsSource, "", "ce_source of the cloudevents format, a URI-reference (default /outbox/<table>)")
 	fs.Func(FlagCompression, "produce request codec: none, gzip, snappy, lz4 or zstd (default none)", func(v string) error { s.Compression = Compression(v); return nil })
@@ -860,7 +864,7 @@ func CheckOrdering(o Ordering) error {
 // CheckFormat accepts the Formats.
 func CheckFormat(f Format) error {
 	if !slices.Contains(Formats, f) {
-		return fmt.Errorf("%q is not one of raw, cloudevents", f)
+		return fmt.Errorf("%q is not one of raw, cloudevents, cloudevents-structured", f)
 	}
 	return nil
 }

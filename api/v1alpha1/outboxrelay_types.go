@@ -174,7 +174,7 @@ type RetentionSpec struct {
 }
 
 // RecordFormat is the layout of the records the relay publishes.
-// +kubebuilder:validation:Enum=Raw;CloudEvents
+// +kubebuilder:validation:Enum=Raw;CloudEvents;CloudEventsStructured
 type RecordFormat string
 
 const (
@@ -183,6 +183,9 @@ const (
 	// FormatCloudEvents: a CloudEvent in the Kafka binding's binary content
 	// mode (ce_* headers, content-type), plus the Raw format's headers.
 	FormatCloudEvents RecordFormat = "CloudEvents"
+	// FormatCloudEventsStructured: a CloudEvent in the structured content
+	// mode (application/cloudevents+json), plus the Raw format's headers.
+	FormatCloudEventsStructured RecordFormat = "CloudEventsStructured"
 )
 
 // RecordTimestamp is what the timestamp of each record is.
