@@ -1,8 +1,8 @@
 package controllers
 
 import (
-	"crypto/x509"
 	"context"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"math"

@@ -151,7 +151,7 @@ func databaseTLSVolume(relay *outboxv1alpha1.OutboxRelay) (corev1.Volume, bool) 
 	if ref := db.TLS.ClientCertSecretRef; ref != nil {
 		sources = append(sources, corev1.VolumeProjection{Secret: &corev1.SecretProjection{
 			LocalObjectReference: corev1.LocalObjectReference{Name: ref.Name},
-			Items: []corev1.KeyToPath{{Key: corev1.TLSCertKey, Path: corev1.TLSCertKey}, {Key: corev1.TLSPrivateKeyKey, Path: corev1.TLSPrivateKeyKey}}}})
+			Items:                []corev1.KeyToPath{{Key: corev1.TLSCertKey, Path: corev1.TLSCertKey}, {Key: corev1.TLSPrivateKeyKey, Path: corev1.TLSPrivateKeyKey}}}})
 	}
 	return corev1.Volume{Name: outboxv1alpha1.ReservedDatabaseVolume, VolumeSource: corev1.VolumeSource{
 		Projected: &corev1.ProjectedVolumeSource{Sources: sources, DefaultMode: ptr.To[int32](0o440)},

@@ -451,14 +451,9 @@ func waitRelayWithin(t *testing.T, c client.Client, k client.ObjectKey, within t
 // signed by it.
 func testDatabaseTLS(t *testing.T, c client.Client) {
 	ctx := context.Background()
-	ca, err := testenv.NewCA("outbox-operator-test-ca")
-	require.NoError(t, err)
-	serverCert, serverKey, err := ca.Issue("postgres", "127.0.0.1")
-	require.NoError(t, err)
-	pg, err := testenv.StartPostgres(t.TempDir())
+	pg, ca, err := testenv.StartPostgresTLS(t.TempDir())
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = pg.Close() })
-	require.NoError(t, pg.EnableTLS(serverCert, serverKey))
 	_, err = pg.CreateDatabase(ctx, "orders")
 	require.NoError(t, err)
 	require.NoError(t, pg.Exec(ctx, "orders", outbox.SchemaDDL(outbox.Table{Name: "outbox"})))

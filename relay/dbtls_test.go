@@ -25,14 +25,9 @@ import (
 func TestDatabaseTLSVerifiesTheServer(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	ca, err := testenv.NewCA("outbox-test-postgres-ca")
-	require.NoError(t, err)
-	cert, key, err := ca.Issue("postgres", "127.0.0.1", "localhost")
-	require.NoError(t, err)
-	pg, err := testenv.StartPostgres(t.TempDir())
+	pg, ca, err := testenv.StartPostgresTLS(t.TempDir())
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = pg.Close() })
-	require.NoError(t, pg.EnableTLS(cert, key))
 	_, err = pg.CreateDatabase(ctx, "tls")
 	require.NoError(t, err)
 	require.NoError(t, pg.Exec(ctx, "tls", outbox.SchemaDDL(outbox.Table{Name: "outbox"})))
@@ -47,7 +42,11 @@ func TestDatabaseTLSVerifiesTheServer(t *testing.T) {
 	}
 	topic := testenv.Broker().TopicName(t, "dbtls")
 	testenv.Broker().CreateTopic(t, topic, 1)
-	roots := func(pem []byte) *x509.CertPool { p := x509.NewCertPool(); require.True(t, p.AppendCertsFromPEM(pem)); return p }
+	roots := func(pem []byte) *x509.CertPool {
+		p := x509.NewCertPool()
+		require.True(t, p.AppendCertsFromPEM(pem))
+		return p
+	}
 	cfg := relay.Config{
 		Settings:    relay.Settings{DSN: dsn, Brokers: []string{testenv.Broker().Addr()}, Topics: map[string]string{"E": topic}, PollInterval: 20 * time.Millisecond},
 		DatabaseTLS: &tls.Config{RootCAs: roots(ca.PEM), MinVersion: tls.VersionTLS12},

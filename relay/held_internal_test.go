@@ -28,8 +28,7 @@ func TestReloadDoesNotReleaseAHoldItCannotSeeYet(t *testing.T) {
 	require.True(t, h.isHeld(7), "a reload cannot release a hold whose record is not committed")
 
 	readBefore := time.Now()
-	time.Sleep(time.Millisecond) // the commit comes after that read
-	h.committed(holds, time.Now())
+	h.committed(holds, readBefore.Add(time.Millisecond)) // the commit comes after that read
 	h.merge(empty(readBefore))
 	require.True(t, h.isHeld(7), "a reload read before the commit does not show the record")
 

@@ -14,7 +14,9 @@ import "runtime"
 var Version = "latest"
 
 // LDFlag is the -ldflags -X setting that stamps v in.
-func LDFlag(v string) string { return "-X github.com/outbox-relay/outbox-operator/version.Version=" + v }
+func LDFlag(v string) string {
+	return "-X github.com/outbox-relay/outbox-operator/version.Version=" + v
+}
 
 // String is what --version prints: the program, the release, and the Go
 // toolchain and platform it was built with.

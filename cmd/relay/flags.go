@@ -1,9 +1,9 @@
 package main
 
 import (
-	"errors"
 	"crypto/tls"
 	"crypto/x509"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"

@@ -801,7 +801,9 @@ func TestRelayPodTemplate(t *testing.T) {
 func TestNamespaceEditorsManageOutboxRelays(t *testing.T) {
 	kubectl(t, "create", "rolebinding", "alice-edit", "--clusterrole=edit", "--user=alice", "-n", "default")
 	kubectl(t, "create", "rolebinding", "bob-view", "--clusterrole=view", "--user=bob", "-n", "default")
-	t.Cleanup(func() { _, _ = stack.Kubectl(context.Background(), "delete", "rolebinding", "alice-edit", "bob-view", "-n", "default") })
+	t.Cleanup(func() {
+		_, _ = stack.Kubectl(context.Background(), "delete", "rolebinding", "alice-edit", "bob-view", "-n", "default")
+	})
 	canI := func(user, verb string) string {
 		out, _ := stack.Kubectl(context.Background(), "auth", "can-i", verb, "outboxrelays.outbox.dev", "--as="+user, "-n", "default")
 		return strings.TrimSpace(string(out))

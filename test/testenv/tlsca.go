@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"errors"
 	"fmt"
 	"math/big"
 	"net"
@@ -105,6 +106,28 @@ func (c *PostgresCluster) EnableTLS(certPEM, keyPEM []byte) error {
 		return fmt.Errorf("pg_ctl reload: %w\n%s", err, out)
 	}
 	return nil // the postmaster rereads its files on SIGHUP, asynchronously: callers retry their first TLS connection
+}
+
+// StartPostgresTLS starts a cluster under dir (StartPostgres) with TLS on,
+// its certificate for 127.0.0.1 and localhost signed by a new CA, which it
+// returns. The reload that turns TLS on completes shortly after it returns.
+func StartPostgresTLS(dir string) (*PostgresCluster, *CA, error) {
+	ca, err := NewCA("outbox-test-postgres-ca")
+	if err != nil {
+		return nil, nil, err
+	}
+	cert, key, err := ca.Issue("postgres", "127.0.0.1", "localhost")
+	if err != nil {
+		return nil, nil, err
+	}
+	pg, err := StartPostgres(dir)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := pg.EnableTLS(cert, key); err != nil {
+		return nil, nil, errors.Join(err, pg.Close())
+	}
+	return pg, ca, nil
 }
 
 func chownTo(p string, u *user.User) error {

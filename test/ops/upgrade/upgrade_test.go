@@ -175,7 +175,7 @@ spec:
 	require.NoError(t, err)
 	defer db.Close()
 	w := startWriters(db)
-	time.Sleep(3 * time.Second) // traffic before the upgrade
+	w.waitFor(t, 50) // traffic before the upgrade
 	revisions := map[string]int{}
 	for _, name := range []string{"orders", "payments"} {
 		revisions[name] = e.revision(t, ns, name+"-relay")
@@ -185,7 +185,7 @@ spec:
 	for _, name := range []string{"orders", "payments"} {
 		e.waitDeployment(t, ns, name+"-relay", e.stack.OperatorImage)
 	}
-	time.Sleep(3 * time.Second) // traffic after the upgrade
+	w.waitFor(t, w.count()+50) // traffic after the upgrade
 	ids := w.stop()
 	for table, n := range map[string]int{"outbox": len(ids["outbox"]), "payments_outbox": len(ids["payments_outbox"])} {
 		require.Greater(t, n, 20, "rows written to %s", table)
@@ -337,6 +337,19 @@ func startWriters(db *pgxpool.Pool) *writers {
 		}()
 	}
 	return w
+}
+
+// count is how many rows the writers wrote to the smaller table.
+func (w *writers) count() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return min(len(w.ids["outbox"]), len(w.ids["payments_outbox"]))
+}
+
+// waitFor waits until each table got at least n rows.
+func (w *writers) waitFor(t *testing.T, n int) {
+	t.Helper()
+	require.Eventually(t, func() bool { return w.count() >= n }, time.Minute, 50*time.Millisecond, "writers wrote %d rows to each table", n)
 }
 
 func (w *writers) stop() map[string][]string {
