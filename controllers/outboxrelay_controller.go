@@ -56,7 +56,8 @@ type OutboxRelayReconciler struct {
 	// Metrics are the per-relay gauges; nil reports none.
 	Metrics *Metrics
 
-	secrets *secretCache // made by SetupWithManager
+	secrets    *secretCache // made by SetupWithManager
+	configMaps *secretCache // the referenced ConfigMaps, kept as the Secrets are
 }
 
 // Least privilege: status is only patched; finalizers/update lets the owner
@@ -229,6 +230,7 @@ func (r *OutboxRelayReconciler) SetupWithManager(ctx context.Context, mgr ctrl.M
 		r.APIReader = mgr.GetAPIReader()
 	}
 	r.secrets = newSecretCache(r.SecretRefreshInterval, r.Metrics.secretRead)
+	r.configMaps = newConfigMapCache(r.SecretRefreshInterval)
 	b := ctrl.NewControllerManagedBy(mgr).
 		For(&outboxv1alpha1.OutboxRelay{}, builder.WithPredicates(predicate.Or(predicate.GenerationChangedPredicate{}, reconcileToggled))).
 		Owns(&appsv1.Deployment{}).

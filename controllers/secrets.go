@@ -25,8 +25,9 @@ import (
 // access to Secrets it is not told about, and none across the cluster to
 // list). It reads each referenced Secret straight from the API server and
 // keeps of it, for a refresh interval, its UID, resourceVersion and key
-// names, and the value of a key only when a relay uses it as its DSN, for
-// the connection that reads the relay's backlog. So a backlog read, which
+// names, and the value of a key only when the connection that reads a
+// relay's backlog needs it (the DSN; spec.database.tls's CA and client
+// certificate). Referenced ConfigMaps (a CA bundle) are kept the same way. So a backlog read, which
 // wakes the reconciler, costs no Secret read; a Secret is read again when
 // its refresh interval is over (rotation rolls the pods within it), when a
 // relay asks for a key or value not kept, and when the DSN stops
@@ -42,8 +43,10 @@ type secretCache struct {
 	// each entry's is stretched by up to a fifth, at random, so entries read
 	// together (a manager start) are not all read again together.
 	refresh time.Duration
-	// reads counts the Secret GETs, for the operator's metric.
+	// reads counts the GETs, for the operator's metric (nil: not counted).
 	reads func()
+	// fetch reads one object: its UID, resourceVersion and data.
+	fetch func(ctx context.Context, reader client.Reader, key types.NamespacedName) (types.UID, string, map[string]string, error)
 
 	mu      sync.Mutex
 	entries map[types.NamespacedName]*secretEntry
@@ -54,14 +57,40 @@ type secretEntry struct {
 	uid     types.UID
 	version string
 	keys    map[string]bool   // the names of its keys
-	values  map[string]string // the values of the keys a relay connects with (DSNs)
+	values  map[string]string // the values of the keys the backlog reads connect with (DSN, TLS material)
 	read    time.Time
 	expires time.Time
 }
 
 func newSecretCache(refresh time.Duration, reads func()) *secretCache {
 	return &secretCache{refresh: cmp.Or(refresh, DefaultSecretRefreshInterval), reads: reads,
-		entries: map[types.NamespacedName]*secretEntry{}}
+		entries: map[types.NamespacedName]*secretEntry{},
+		fetch: func(ctx context.Context, reader client.Reader, key types.NamespacedName) (types.UID, string, map[string]string, error) {
+			s := &corev1.Secret{}
+			if err := reader.Get(ctx, key, s); err != nil {
+				return "", "", nil, err
+			}
+			data := make(map[string]string, len(s.Data))
+			for k, v := range s.Data {
+				data[k] = string(v)
+			}
+			return s.UID, s.ResourceVersion, data, nil
+		}}
+}
+
+// newConfigMapCache keeps what the reconciler needs of referenced
+// ConfigMaps (a CA bundle) the same way, so a backlog reading costs no
+// ConfigMap read either.
+func newConfigMapCache(refresh time.Duration) *secretCache {
+	return &secretCache{refresh: cmp.Or(refresh, DefaultSecretRefreshInterval),
+		entries: map[types.NamespacedName]*secretEntry{},
+		fetch: func(ctx context.Context, reader client.Reader, key types.NamespacedName) (types.UID, string, map[string]string, error) {
+			cm := &corev1.ConfigMap{}
+			if err := reader.Get(ctx, key, cm); err != nil {
+				return "", "", nil, err
+			}
+			return cm.UID, cm.ResourceVersion, cm.Data, nil
+		}}
 }
 
 // get returns key's entry, reading the Secret when it has none, the entry
@@ -78,19 +107,19 @@ func (c *secretCache) get(ctx context.Context, reader client.Reader, key types.N
 		}
 	}
 	c.mu.Unlock()
-	s := &corev1.Secret{}
 	if c.reads != nil {
 		c.reads()
 	}
-	if err := reader.Get(ctx, key, s); err != nil {
+	uid, version, data, err := c.fetch(ctx, reader, key)
+	if err != nil {
 		if apierrors.IsNotFound(err) {
 			c.forget(key)
 		}
 		return nil, err
 	}
-	n := &secretEntry{uid: s.UID, version: s.ResourceVersion, keys: map[string]bool{}, values: map[string]string{}, read: now,
+	n := &secretEntry{uid: uid, version: version, keys: map[string]bool{}, values: map[string]string{}, read: now,
 		expires: now.Add(c.refresh + time.Duration(rand.Int64N(int64(c.refresh)/5+1)))}
-	for k := range s.Data {
+	for k := range data {
 		n.keys[k] = true
 	}
 	keep := []string{value}
@@ -98,8 +127,8 @@ func (c *secretCache) get(ctx context.Context, reader client.Reader, key types.N
 		keep = append(keep, slices.Collect(maps.Keys(e.values))...)
 	}
 	for _, k := range keep {
-		if v, ok := s.Data[k]; ok && k != "" {
-			n.values[k] = string(v)
+		if v, ok := data[k]; ok && k != "" {
+			n.values[k] = v
 		}
 	}
 	c.mu.Lock()
@@ -213,21 +242,20 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 		}
 		if ref := db.TLS.CA.ConfigMapRef; ref != nil {
 			key := cmp.Or(ref.Key, outboxv1alpha1.DefaultCAKey)
-			cm := &corev1.ConfigMap{}
-			if err := r.APIReader.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: ref.Name}, cm); err != nil {
-				if apierrors.IsNotFound(err) {
-					return in, &problem{reason: outboxv1alpha1.ReasonSecretNotFound, requeue: true,
-						message: fmt.Sprintf("ConfigMap %s (spec.database.tls.ca.configMapRef) not found", ref.Name)}, nil
-				}
+			cm, err := r.configMaps.get(ctx, r.APIReader, types.NamespacedName{Namespace: relay.Namespace, Name: ref.Name}, key)
+			if apierrors.IsNotFound(err) {
+				return in, &problem{reason: outboxv1alpha1.ReasonSecretNotFound, requeue: true,
+					message: fmt.Sprintf("ConfigMap %s (spec.database.tls.ca.configMapRef) not found", ref.Name)}, nil
+			}
+			if err != nil {
 				return in, nil, fmt.Errorf("get ConfigMap %s: %w", ref.Name, err)
 			}
-			ca, ok := cm.Data[key]
-			if !ok {
+			if !cm.keys[key] {
 				return in, &problem{reason: outboxv1alpha1.ReasonSecretKeyMissing, requeue: true,
 					message: fmt.Sprintf("ConfigMap %s has no key %q (spec.database.tls.ca.configMapRef.key)", ref.Name, key)}, nil
 			}
-			versions["configmap/"+ref.Name] = fmt.Sprintf("configmap/%s/%s/%s", ref.Name, cm.UID, cm.ResourceVersion)
-			t.ca = []byte(ca)
+			versions["configmap/"+ref.Name] = fmt.Sprintf("configmap/%s/%s/%s", ref.Name, cm.uid, cm.version)
+			t.ca = []byte(cm.values[key])
 		}
 		if ref := db.TLS.ClientCertSecretRef; ref != nil {
 			for _, key := range []string{corev1.TLSCertKey, corev1.TLSPrivateKeyKey} {

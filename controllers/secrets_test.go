@@ -121,3 +121,31 @@ func TestSettledStatusWaitsForSmallMoves(t *testing.T) {
 	}
 	require.False(t, settled(old, moved(func(*outboxv1alpha1.OutboxRelayStatus) {}), now.Add(statusRefresh)), "written once statusRefresh is over")
 }
+
+type configMapReader struct {
+	client.Reader
+	cm    *corev1.ConfigMap
+	reads int
+}
+
+func (c *configMapReader) Get(_ context.Context, _ client.ObjectKey, obj client.Object, _ ...client.GetOption) error {
+	c.reads++
+	c.cm.DeepCopyInto(obj.(*corev1.ConfigMap))
+	return nil
+}
+
+// A referenced ConfigMap (spec.database.tls's CA) is kept like a Secret:
+// read once however many reconciles ask, its value and version kept.
+func TestConfigMapCacheReadsOnce(t *testing.T) {
+	t.Parallel()
+	r := &configMapReader{cm: &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "pg-ca", UID: "u", ResourceVersion: "7"},
+		Data: map[string]string{"ca.crt": "PEM"}}}
+	c := newConfigMapCache(time.Hour)
+	for range 50 {
+		e, err := c.get(context.Background(), r, types.NamespacedName{Namespace: "ns", Name: "pg-ca"}, "ca.crt")
+		require.NoError(t, err)
+		require.Equal(t, "PEM", e.values["ca.crt"])
+		require.Equal(t, "7", e.version)
+	}
+	require.Equal(t, 1, r.reads)
+}

@@ -827,11 +827,19 @@ func CheckMaxInFlight(n int) error {
 }
 
 // CheckOnPublish accepts the OnPublishes.
-func CheckOnPublish(o OnPublish) error {
-	if !slices.Contains(OnPublishes, o) {
-		return fmt.Errorf("%q is not one of mark, delete", o)
+func CheckOnPublish(o OnPublish) error { return oneOf(o, OnPublishes) }
+
+// oneOf accepts v when it is one of values, and names them when it is not:
+// the list is the one home of a setting's values and of its message.
+func oneOf[T ~string](v T, values []T) error {
+	if slices.Contains(values, v) {
+		return nil
 	}
-	return nil
+	names := make([]string, len(values))
+	for i, x := range values {
+		names[i] = string(x)
+	}
+	return fmt.Errorf("%q is not one of %s", v, strings.Join(names, ", "))
 }
 
 // CheckKeepPublishedFor accepts 0 (keep forever) or a duration in range.
@@ -854,28 +862,13 @@ func CheckPruneBatchSize(n int) error {
 func CheckPrunePause(d time.Duration) error { return checkDuration(d, MinPrunePause, MaxPrunePause) }
 
 // CheckOrdering accepts the Orderings.
-func CheckOrdering(o Ordering) error {
-	if !slices.Contains(Orderings, o) {
-		return fmt.Errorf("%q is not one of none, partition-key", o)
-	}
-	return nil
-}
+func CheckOrdering(o Ordering) error { return oneOf(o, Orderings) }
 
 // CheckFormat accepts the Formats.
-func CheckFormat(f Format) error {
-	if !slices.Contains(Formats, f) {
-		return fmt.Errorf("%q is not one of raw, cloudevents, cloudevents-structured", f)
-	}
-	return nil
-}
+func CheckFormat(f Format) error { return oneOf(f, Formats) }
 
 // CheckRecordTimestamp applies --record-timestamp's values.
-func CheckRecordTimestamp(t RecordTimestamp) error {
-	if !slices.Contains(RecordTimestamps, t) {
-		return fmt.Errorf("%q is not one of created-at, publish", t)
-	}
-	return nil
-}
+func CheckRecordTimestamp(t RecordTimestamp) error { return oneOf(t, RecordTimestamps) }
 
 // CheckCloudEventsSource accepts "" (the default, derived from the table)
 // or a URI-reference, which CloudEvents requires of source.
@@ -896,12 +889,7 @@ func CheckCloudEventsSource(src string) error {
 }
 
 // CheckCompression accepts the Compressions.
-func CheckCompression(c Compression) error {
-	if !slices.Contains(Compressions, c) {
-		return fmt.Errorf("%q is not one of none, gzip, snappy, lz4, zstd", c)
-	}
-	return nil
-}
+func CheckCompression(c Compression) error { return oneOf(c, Compressions) }
 
 // CheckTopic applies Kafka's topic-name rule.
 func CheckTopic(t string) error {
