@@ -47,3 +47,24 @@ func RenderDefault(ctx context.Context, root, kubectl, image string) ([]byte, er
 	}
 	return bytes.ReplaceAll(out, []byte(Placeholder), []byte(image)), nil
 }
+
+// Release is a published release: its version and the commit it was cut
+// from (the commit its v-tag points to).
+type Release struct {
+	Version string // without the leading "v"
+	Commit  string // full hash
+}
+
+// Tag is the release's git tag.
+func (r Release) Tag() string { return "v" + r.Version }
+
+// Releases lists every release, oldest first. Cutting a release appends one
+// (docs/release.md): a clone without tags (CI checks out main alone) still
+// knows which commit the upgrade test must start from, and a test checks
+// each entry against its tag wherever the tags are present.
+var Releases = []Release{
+	{Version: "0.1.0", Commit: "47e31cbef7ce1aa79b5217e0ef6a40ff641e0f0b"},
+}
+
+// Latest is the newest release.
+func Latest() Release { return Releases[len(Releases)-1] }

@@ -1,12 +1,12 @@
 //go:build upgrade
 
-// Package upgrade installs the previous release (the highest v* tag, built
-// from that tag in a git worktree) on a real one-node cluster, runs traffic
+// Package upgrade installs the previous release (releasekit.Latest, built
+// from its commit in a git worktree) on a real one-node cluster, runs traffic
 // through two OutboxRelays, and upgrades to the working tree's build, once
 // by applying the new install manifests and once by `helm upgrade`: nothing
 // is lost, no relay rolls more than once, the new CRD is in place and the
 // objects the old operator wrote read as the new API. `make test-upgrade`
-// runs it (it needs the tag; CI runs it as a step of its own).
+// runs it (CI runs it as a step of its own).
 package upgrade
 
 import (
@@ -37,6 +37,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/hack/releasekit"
 	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/test/localcluster"
 	"github.com/outbox-relay/outbox-operator/test/testenv"
@@ -59,19 +60,14 @@ type env struct {
 func TestUpgradeFromPreviousRelease(t *testing.T) {
 	ctx := context.Background()
 	root := testenv.RepoRoot()
-	tags := strings.Fields(run(t, root, "git", "tag", "--list", "v*", "--sort=-version:refname"))
-	if len(tags) == 0 { // a shallow or tagless clone: the tags are on its origin
-		_ = exec.Command("git", "-C", root, "fetch", "--quiet", "--tags", "origin").Run()
-		tags = strings.Fields(run(t, root, "git", "tag", "--list", "v*", "--sort=-version:refname"))
-	}
-	require.NotEmpty(t, tags, "no release tag (v*) in this clone: the upgrade starts from the latest release")
-	e := &env{prev: tags[0], work: t.TempDir()}
+	prev := releasekit.Latest()
+	e := &env{prev: prev.Tag(), work: t.TempDir()}
 	e.prevTree = filepath.Join(e.work, "prev")
-	run(t, root, "git", "worktree", "add", "--detach", e.prevTree, e.prev)
+	run(t, root, "git", "worktree", "add", "--detach", e.prevTree, previousCommit(t, root, prev))
 	t.Cleanup(func() { _ = exec.Command("git", "-C", root, "worktree", "remove", "--force", e.prevTree).Run() })
 	prevImages := filepath.Join(e.work, "prev-images")
 	run(t, e.prevTree, "go", "run", "./hack/images", "-out", prevImages, "-version", e.prev)
-	t.Logf("previous release %s built from its tag", e.prev)
+	t.Logf("previous release %s built from its commit", e.prev)
 
 	logf, err := os.Create(filepath.Join(e.work, "stack.log"))
 	require.NoError(t, err)
@@ -367,4 +363,20 @@ func run(t *testing.T, dir string, name string, args ...string) string {
 	out, err := cmd.Output()
 	require.NoError(t, err, "%s %v: %s", name, args, stderr.String())
 	return string(out)
+}
+
+// previousCommit is the commit release r was cut from, made present in the
+// clone: CI checks out main alone (no tags, perhaps shallow), so the commit
+// comes from the release list, fetched from origin when the history stops
+// short of it. Where the tag is present it must name the same commit.
+func previousCommit(t *testing.T, root string, r releasekit.Release) string {
+	t.Helper()
+	if out, err := exec.Command("git", "-C", root, "rev-parse", "--verify", "--quiet", r.Tag()+"^{commit}").Output(); err == nil {
+		require.Equal(t, r.Commit, strings.TrimSpace(string(out)), "tag %s names another commit than releasekit.Releases records", r.Tag())
+	}
+	if exec.Command("git", "-C", root, "cat-file", "-e", r.Commit+"^{commit}").Run() != nil {
+		out, err := exec.Command("git", "-C", root, "fetch", "--quiet", "origin", r.Commit).CombinedOutput()
+		require.NoError(t, err, "release %s: commit %s is not in this clone and origin did not give it: %s", r.Tag(), r.Commit, out)
+	}
+	return r.Commit
 }
