@@ -15,6 +15,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/dbauth"
 	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
@@ -267,6 +268,10 @@ func backlogError(err error, dsnSecret string) string {
 		return "PostgreSQL's certificate is not signed by spec.database.tls.ca"
 	case errors.As(err, &hostErr):
 		return "PostgreSQL's certificate is not for the host in the DSN (spec.database.tls verifies the host name)"
+	case errors.Is(err, dbauth.ErrPlainText):
+		return "spec.database.auth sends a token as the password, so the connection must use TLS without a plain-text fallback: set spec.database.tls, or sslmode=require or stricter in the DSN"
+	case errors.Is(err, dbauth.ErrNoToken):
+		return "the operator's own cloud identity gave no token for spec.database.auth (the operator's log has the error)"
 	case errors.Is(err, errDatabaseCAInvalid), errors.Is(err, errDatabaseClientCertInvalid):
 		return err.Error()
 	case err != nil && strings.Contains(err.Error(), "server refused TLS connection"):

@@ -6,6 +6,8 @@ import (
 	"crypto/x509"
 	"encoding/hex"
 	"errors"
+
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 // dbTLS is what spec.database.tls gives the operator's own backlog reads:
@@ -50,4 +52,16 @@ func (t *dbTLS) digest() string {
 		h.Write([]byte{0})
 	}
 	return hex.EncodeToString(h.Sum(nil)[:16])
+}
+
+// dbAuth is spec.database.auth as the backlog reads use it: the relay's
+// method and the AWS region.
+type dbAuth struct {
+	method relayconfig.DatabaseAuth
+	region string
+}
+
+// token says whether the method logs in with a token.
+func (a dbAuth) token() bool {
+	return a.method != "" && a.method != relayconfig.DatabaseAuthPassword
 }

@@ -20,7 +20,9 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/source"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/dbauth"
 	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 // This file keeps one backlog observer per OutboxRelay: a goroutine that
@@ -46,12 +48,16 @@ type FlowObserver struct {
 	// ConnsPerDatabase caps the backlog reads in flight, and so the
 	// connections in use, per database (DefaultConnsPerDatabase when zero).
 	ConnsPerDatabase int
+	// TokenProvider makes the token provider of a spec.database.auth
+	// method (dbauth.New when nil): the operator's own cloud identity.
+	TokenProvider func(ctx context.Context, method relayconfig.DatabaseAuth, region string) (dbauth.Provider, error)
 
 	mu        sync.Mutex
 	ctx       context.Context // set by Start
 	relays    map[types.NamespacedName]*relayFlow
 	events    chan event.GenericEvent
 	dbs       map[string]*sharedDB // by dsnKey
+	tokens    map[dbAuth]*dbauth.Source
 	databases map[string]*database // by host:port/name
 	flight    singleflight.Group
 	// queries counts the backlog statements run (shared reads run one).
@@ -65,6 +71,7 @@ func NewFlowObserver() *FlowObserver {
 		events:    make(chan event.GenericEvent, 1024),
 		dbs:       map[string]*sharedDB{},
 		databases: map[string]*database{},
+		tokens:    map[dbAuth]*dbauth.Source{},
 	}
 }
 
@@ -72,6 +79,7 @@ func NewFlowObserver() *FlowObserver {
 type flowTarget struct {
 	dsn       string // held in memory only, to connect; never logged or written
 	tls       *dbTLS // spec.database.tls's material, nil without it
+	auth      dbAuth // spec.database.auth
 	dsnSecret string // the Secret's name, for messages
 	table     outbox.Table
 	interval  time.Duration
@@ -152,7 +160,7 @@ func (o *FlowObserver) Observe(key types.NamespacedName, target flowTarget) flow
 		f = &relayFlow{target: target}
 		o.relays[key] = f
 		o.startLocked(key, f)
-	case f.target.dsn != target.dsn || f.target.tls.digest() != target.tls.digest() || f.target.table != target.table:
+	case f.target.dsn != target.dsn || f.target.tls.digest() != target.tls.digest() || f.target.auth != target.auth || f.target.table != target.table:
 		o.stopLocked(f)
 		f.target, f.latest, f.lastErr, f.counters = target, nil, "", nil
 		o.startLocked(key, f)
@@ -204,7 +212,7 @@ func (o *FlowObserver) stopLocked(f *relayFlow) {
 func (o *FlowObserver) run(ctx context.Context, key types.NamespacedName, target flowTarget, done chan struct{}) {
 	defer close(done)
 	log := ctrl.LoggerFrom(ctx).WithValues("outboxrelay", key)
-	db, err := o.acquire(target.dsn, target.tls)
+	db, err := o.acquire(target.dsn, target.tls, target.auth)
 	if db != nil {
 		defer o.release(db)
 	}
@@ -404,7 +412,9 @@ func perMinute(rs []counterReading) *int64 {
 //
 // With t (spec.database.tls) the connection is TLS, verifying the server's
 // certificate and host name against t's CA, whatever the DSN's sslmode.
-func backlogConnConfig(dsn string, t *dbTLS) (*pgx.ConnConfig, error) {
+// With a token method (spec.database.auth) it must be TLS without a
+// plain-text fallback.
+func backlogConnConfig(dsn string, t *dbTLS, auth dbAuth) (*pgx.ConnConfig, error) {
 	cfg, err := pgx.ParseConfig(dsn)
 	if err != nil {
 		return nil, errDSNUnparsable
@@ -415,6 +425,11 @@ func backlogConnConfig(dsn string, t *dbTLS) (*pgx.ConnConfig, error) {
 			return nil, err
 		}
 		cfg.TLSConfig, cfg.Fallbacks = tc, nil
+	}
+	if auth.token() {
+		if err := dbauth.RequireTLS(&cfg.Config); err != nil {
+			return nil, err
+		}
 	}
 	cfg.ConnectTimeout = backlogQueryTimeout
 	rp := cfg.RuntimeParams
@@ -431,7 +446,7 @@ func backlogConnConfig(dsn string, t *dbTLS) (*pgx.ConnConfig, error) {
 // newBacklogPool opens a lazy one-connection pool with an observer's
 // session settings (for a probe and for tests).
 func newBacklogPool(ctx context.Context, target flowTarget) (*pgxpool.Pool, error) {
-	cc, err := backlogConnConfig(target.dsn, target.tls)
+	cc, err := backlogConnConfig(target.dsn, target.tls, target.auth)
 	if err != nil {
 		return nil, err
 	}

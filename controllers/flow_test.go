@@ -6,6 +6,8 @@ import (
 	"net"
 	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -24,7 +26,9 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/dbauth"
 	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
@@ -44,6 +48,7 @@ func TestFlow(t *testing.T) {
 	t.Run("ObserverFollowsDSNAndDeletion", func(t *testing.T) { t.Parallel(); testObserverLifecycle(t, c, r) })
 	t.Run("MissingTableIsReported", func(t *testing.T) { t.Parallel(); testMissingTable(t, c) })
 	t.Run("DatabaseTLS", func(t *testing.T) { t.Parallel(); testDatabaseTLS(t, c) })
+	t.Run("DatabaseTokenAuth", func(t *testing.T) { t.Parallel(); testDatabaseTokenAuth(t, c) })
 	t.Run("BeforeTheFirstReading", func(t *testing.T) { t.Parallel(); testBeforeFirstReading(t, c) })
 }
 
@@ -491,4 +496,79 @@ func testDatabaseTLS(t *testing.T, c client.Client) {
 		WHERE a.application_name = 'outbox-operator'`).Scan(&sessions, &allTLS))
 	require.Positive(t, sessions, "the operator's backlog session")
 	require.True(t, allTLS, "over TLS, although the DSN says sslmode=disable")
+}
+
+// testTokenProviders are the token providers of the suite's operator, by
+// AWS region: a test registers its own under a region of its own (the
+// operator's cloud identity, faked).
+var testTokenProviders sync.Map
+
+// newTestFlowObserver is the suite's observer, its token providers faked.
+func newTestFlowObserver() *FlowObserver {
+	o := NewFlowObserver()
+	o.TokenProvider = func(_ context.Context, method relayconfig.DatabaseAuth, region string) (dbauth.Provider, error) {
+		if p, ok := testTokenProviders.Load(region); ok && method == relayconfig.DatabaseAuthAWSRDSIAM {
+			return p.(dbauth.Provider), nil
+		}
+		return nil, fmt.Errorf("no identity for %s in %q", method, region)
+	}
+	return o
+}
+
+// With spec.database.auth the operator's backlog reads log in with a token
+// of the operator's own identity (here a fake provider that sets the
+// token as the role's password, over TLS only): the backlog is read as
+// the token's user; without TLS the method is refused in status, naming
+// why, and the token never leaves the operator.
+func testDatabaseTokenAuth(t *testing.T, c client.Client) {
+	ctx := context.Background()
+	pg, ca, err := testenv.StartPostgresTLS(t.TempDir())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pg.Close() })
+	_, err = pg.CreateDatabase(ctx, "orders")
+	require.NoError(t, err)
+	require.NoError(t, pg.Exec(ctx, "orders", outbox.SchemaDDL(outbox.Table{Name: "outbox"})+`
+		CREATE ROLE observer_iam LOGIN; GRANT SELECT ON ALL TABLES IN SCHEMA public TO observer_iam;`))
+	require.NoError(t, pg.RequirePassword("observer_iam"))
+	admin, err := pgxpool.New(ctx, fmt.Sprintf("postgres://postgres@127.0.0.1:%d/orders?sslmode=disable", pg.Port))
+	require.NoError(t, err)
+	t.Cleanup(admin.Close)
+	insertRows(t, admin, 4, "OrderConfirmed", 0)
+	var issued atomic.Int32
+	testTokenProviders.Store("xx-test-1", dbauth.ProviderFunc(func(ctx context.Context, tg dbauth.Target) (dbauth.Token, error) {
+		tok := fmt.Sprintf("op-token-%d", issued.Add(1))
+		_, err := admin.Exec(ctx, fmt.Sprintf(`ALTER ROLE %s PASSWORD '%s'`, tg.User, tok))
+		return dbauth.Token{Value: tok, Expiry: time.Now().Add(15 * time.Minute)}, err
+	}))
+	auth := &outboxv1alpha1.DatabaseAuth{Method: outboxv1alpha1.DatabaseAuthAWSRDSIAM, AWS: &outboxv1alpha1.AWSDatabaseAuth{Region: "xx-test-1"}}
+	dsn := fmt.Sprintf("postgres://observer_iam@127.0.0.1:%d/orders?sslmode=disable", pg.Port)
+
+	ns := newNamespace(t, c)
+	plain, secret := flowRelay(ns, "token-plain", dsn)
+	plain.Spec.Database = &outboxv1alpha1.DatabaseSpec{Auth: auth}
+	create(t, c, secret, plain)
+	o := waitRelay(t, c, key(plain), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return condOf(o, "Lagging").Reason == outboxv1alpha1.ReasonBacklogUnavailable
+	})
+	require.Contains(t, condOf(o, "Lagging").Message, "must use TLS without a plain-text fallback")
+	require.Zero(t, issued.Load(), "no token was fetched for a connection without TLS")
+
+	tlsRelay, secret2 := flowRelay(ns, "token-tls", dsn)
+	secret2.Name = "token-dsn"
+	tlsRelay.Spec.DSNSecretRef.Name = "token-dsn"
+	tlsRelay.Spec.Database = &outboxv1alpha1.DatabaseSpec{Auth: auth, TLS: &outboxv1alpha1.DatabaseTLS{
+		CA: outboxv1alpha1.CABundleSource{ConfigMapRef: &outboxv1alpha1.KeyReference{Name: "pg-ca"}}}}
+	create(t, c, &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "pg-ca"}, Data: map[string]string{"ca.crt": string(ca.PEM)}}, secret2, tlsRelay)
+	o = waitRelay(t, c, key(tlsRelay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return o.Status.Backlog != nil && o.Status.Backlog.Pending == 4
+	})
+	require.Equal(t, metav1.ConditionFalse, condOf(o, "Lagging").Status)
+	require.Positive(t, issued.Load())
+	var sessions int
+	require.NoError(t, admin.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-operator' AND usename = 'observer_iam'`).Scan(&sessions))
+	require.Positive(t, sessions, "the backlog session logged in as the token's user")
+
+	var d appsv1.Deployment
+	require.NoError(t, c.Get(ctx, client.ObjectKey{Namespace: ns, Name: "token-tls-relay"}, &d))
+	require.Subset(t, d.Spec.Template.Spec.Containers[0].Args, []string{"--database-auth=aws-rds-iam", "--database-auth-aws-region=xx-test-1"})
 }

@@ -13,6 +13,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"golang.org/x/sync/semaphore"
+
+	"github.com/outbox-relay/outbox-operator/dbauth"
 )
 
 // This file is how the backlog observers reach the databases: the
@@ -48,10 +50,12 @@ type idleConn struct {
 
 // sharedDB is one DSN's way to its database, and what its readers share.
 type sharedDB struct {
-	key  string // a digest of the DSN: the DSN itself is never a map key that could be logged
-	cfg  *pgx.ConnConfig
-	db   *database
-	refs int
+	key string // a digest of the DSN: the DSN itself is never a map key that could be logged
+	cfg *pgx.ConnConfig
+	// tokens log in with spec.database.auth's tokens; nil: the DSN's password.
+	tokens *dbauth.Source
+	db     *database
+	refs   int
 	// recent are the latest readings by question (readKey), for readers of
 	// the same table to share; guarded by FlowObserver.mu.
 	recent map[string]recentRead
@@ -73,15 +77,19 @@ func dsnKey(dsn string) string {
 
 // acquire returns dsn's shared state, making it on first use (no
 // connection yet). An unparsable DSN is errDSNUnparsable.
-func (o *FlowObserver) acquire(dsn string, t *dbTLS) (*sharedDB, error) {
-	k := dsnKey(dsn + "\x00" + t.digest())
+func (o *FlowObserver) acquire(dsn string, t *dbTLS, auth dbAuth) (*sharedDB, error) {
+	k := dsnKey(dsn + "\x00" + t.digest() + "\x00" + string(auth.method) + "\x00" + auth.region)
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if db := o.dbs[k]; db != nil {
 		db.refs++
 		return db, nil
 	}
-	cfg, err := backlogConnConfig(dsn, t)
+	cfg, err := backlogConnConfig(dsn, t, auth)
+	if err != nil {
+		return nil, err
+	}
+	tokens, err := o.tokenSourceLocked(auth)
 	if err != nil {
 		return nil, err
 	}
@@ -95,9 +103,34 @@ func (o *FlowObserver) acquire(dsn string, t *dbTLS) (*sharedDB, error) {
 		group = &database{cap: n, sem: semaphore.NewWeighted(int64(n)), idle: map[string][]idleConn{}}
 		o.databases[name] = group
 	}
-	db := &sharedDB{key: k, cfg: cfg, db: group, refs: 1, recent: map[string]recentRead{}}
+	db := &sharedDB{key: k, cfg: cfg, tokens: tokens, db: group, refs: 1, recent: map[string]recentRead{}}
 	o.dbs[k] = db
 	return db, nil
+}
+
+// tokenSourceLocked is the token source of auth, one per method and
+// region for the whole operator (its tokens are cached by host, port and
+// user); nil for the DSN's password. o.mu is held.
+func (o *FlowObserver) tokenSourceLocked(auth dbAuth) (*dbauth.Source, error) {
+	if !auth.token() {
+		return nil, nil
+	}
+	if s := o.tokens[auth]; s != nil {
+		return s, nil
+	}
+	newProvider := o.TokenProvider
+	if newProvider == nil {
+		newProvider = dbauth.New
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), backlogQueryTimeout)
+	defer cancel()
+	p, err := newProvider(ctx, auth.method, auth.region)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", dbauth.ErrNoToken, err)
+	}
+	s := dbauth.NewSource(p)
+	o.tokens[auth] = s
+	return s, nil
 }
 
 // release drops one reference to db; after the last, its idle connections close.
@@ -117,7 +150,7 @@ func (o *FlowObserver) release(db *sharedDB) {
 // conn returns an idle connection of key's DSN, or opens one, first closing
 // another DSN's idle connection when the database has cap open. The caller
 // holds a turn.
-func (d *database) conn(ctx context.Context, key string, cfg *pgx.ConnConfig) (*pgx.Conn, error) {
+func (d *database) conn(ctx context.Context, key string, cfg *pgx.ConnConfig, tokens *dbauth.Source) (*pgx.Conn, error) {
 	d.mu.Lock()
 	if l := d.idle[key]; len(l) > 0 {
 		c := l[len(l)-1].conn
@@ -146,7 +179,7 @@ func (d *database) conn(ctx context.Context, key string, cfg *pgx.ConnConfig) (*
 	if victim != nil {
 		closeAndWait(victim) // its place passes to the new one
 	}
-	c, err := pgx.ConnectConfig(ctx, cfg)
+	c, err := tokens.Connect(ctx, cfg)
 	if err != nil {
 		d.mu.Lock()
 		d.open--
@@ -239,7 +272,7 @@ func (o *FlowObserver) read(ctx context.Context, db *sharedDB, q backlogQuery, b
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), backlogQueryTimeout+time.Second)
 		defer cancel()
 		o.queries.Add(1)
-		conn, err := db.db.conn(rctx, db.key, db.cfg)
+		conn, err := db.db.conn(rctx, db.key, db.cfg, db.tokens)
 		if err != nil {
 			return backlogSample{}, fmt.Errorf("read the backlog of %s: %w", q.table, err)
 		}

@@ -46,6 +46,31 @@ var recordTimestamps = map[outboxv1alpha1.RecordTimestamp]relayconfig.RecordTime
 	outboxv1alpha1.RecordTimestampPublish:   relayconfig.RecordTimestampPublish,
 }
 
+// databaseAuths maps the API's database login methods to the relay's.
+var databaseAuths = map[outboxv1alpha1.DatabaseAuthMethod]relayconfig.DatabaseAuth{
+	outboxv1alpha1.DatabaseAuthPassword:       relayconfig.DatabaseAuthPassword,
+	outboxv1alpha1.DatabaseAuthAWSRDSIAM:      relayconfig.DatabaseAuthAWSRDSIAM,
+	outboxv1alpha1.DatabaseAuthGCPCloudSQLIAM: relayconfig.DatabaseAuthGCPCloudSQLIAM,
+	outboxv1alpha1.DatabaseAuthAzureAD:        relayconfig.DatabaseAuthAzureAD,
+}
+
+// databaseAuthOf is spec.database.auth as the relay's settings: the
+// method and the AWS region.
+func databaseAuthOf(db *outboxv1alpha1.DatabaseSpec) (dbAuth, error) {
+	if db == nil || db.Auth == nil {
+		return dbAuth{method: relayconfig.DatabaseAuthPassword}, nil
+	}
+	m, ok := databaseAuths[cmp.Or(db.Auth.Method, outboxv1alpha1.DatabaseAuthPassword)]
+	if !ok {
+		return dbAuth{}, fmt.Errorf("spec.database.auth.method: %q is not one of %s", db.Auth.Method, enumValues(databaseAuths))
+	}
+	a := dbAuth{method: m}
+	if db.Auth.AWS != nil {
+		a.region = db.Auth.AWS.Region
+	}
+	return a, nil
+}
+
 // tracingEnv is the OTEL_* environment of a relay pod whose spec asks for
 // tracing; empty without spec.tracing (the relay then records no spans).
 func tracingEnv(relay *outboxv1alpha1.OutboxRelay) []corev1.EnvVar {
@@ -155,6 +180,11 @@ func specSettings(relay *outboxv1alpha1.OutboxRelay) (relayconfig.Command, error
 	if sasl := spec.Kafka.SASL; sasl != nil {
 		s.KafkaSASLMechanism = string(sasl.Mechanism)
 	}
+	auth, err := databaseAuthOf(spec.Database)
+	if err != nil {
+		return s, err
+	}
+	s.DatabaseAuth, s.DatabaseAuthAWSRegion = auth.method, auth.region
 	return s, nil
 }
 
@@ -173,25 +203,27 @@ func kafkaFiles(s *relayconfig.Command, in secretInputs) {
 
 // specFields names the spec field behind each relay flag the operator sets.
 var specFields = map[string]string{
-	relayconfig.FlagTable:             "spec.table",
-	relayconfig.FlagBrokers:           "spec.kafka.brokers",
-	relayconfig.FlagTopic:             "spec.topics",
-	relayconfig.FlagDeadLetterTopic:   "spec.deadLetterTopic",
-	relayconfig.FlagBatchSize:         "spec.batchSize",
-	relayconfig.FlagMaxBatchBytes:     "spec.maxBatchBytes",
-	relayconfig.FlagPollInterval:      "spec.pollInterval",
-	relayconfig.FlagStallTimeout:      "spec.stallTimeout",
-	relayconfig.FlagOrdering:          "spec.ordering",
-	relayconfig.FlagKafkaSASLMech:     "spec.kafka.sasl.mechanism",
-	relayconfig.FlagFormat:            "spec.format",
-	relayconfig.FlagRecordTimestamp:   "spec.recordTimestamp",
-	relayconfig.FlagCloudEventsSource: "spec.cloudEventsSource",
-	relayconfig.FlagCompression:       "spec.kafka.compression",
-	relayconfig.FlagMaxInFlight:       "spec.maxInFlight",
-	relayconfig.FlagNotify:            "spec.notify",
-	relayconfig.FlagOnPublish:         "spec.retention.onPublish",
-	relayconfig.FlagKeepPublishedFor:  "spec.retention.keepPublishedFor",
-	relayconfig.FlagPruneBatchSize:    "spec.retention.pruneBatchSize",
+	relayconfig.FlagTable:                 "spec.table",
+	relayconfig.FlagBrokers:               "spec.kafka.brokers",
+	relayconfig.FlagTopic:                 "spec.topics",
+	relayconfig.FlagDeadLetterTopic:       "spec.deadLetterTopic",
+	relayconfig.FlagBatchSize:             "spec.batchSize",
+	relayconfig.FlagMaxBatchBytes:         "spec.maxBatchBytes",
+	relayconfig.FlagPollInterval:          "spec.pollInterval",
+	relayconfig.FlagStallTimeout:          "spec.stallTimeout",
+	relayconfig.FlagOrdering:              "spec.ordering",
+	relayconfig.FlagKafkaSASLMech:         "spec.kafka.sasl.mechanism",
+	relayconfig.FlagDatabaseAuth:          "spec.database.auth.method",
+	relayconfig.FlagDatabaseAuthAWSRegion: "spec.database.auth.aws.region",
+	relayconfig.FlagFormat:                "spec.format",
+	relayconfig.FlagRecordTimestamp:       "spec.recordTimestamp",
+	relayconfig.FlagCloudEventsSource:     "spec.cloudEventsSource",
+	relayconfig.FlagCompression:           "spec.kafka.compression",
+	relayconfig.FlagMaxInFlight:           "spec.maxInFlight",
+	relayconfig.FlagNotify:                "spec.notify",
+	relayconfig.FlagOnPublish:             "spec.retention.onPublish",
+	relayconfig.FlagKeepPublishedFor:      "spec.retention.keepPublishedFor",
+	relayconfig.FlagPruneBatchSize:        "spec.retention.pruneBatchSize",
 }
 
 // checkSettings is the relay's own verdict on s (Command.Validate), so a
@@ -310,4 +342,14 @@ func checkSpec(relay *outboxv1alpha1.OutboxRelay, img images) (relayconfig.Comma
 		return s, nil
 	}
 	return s, errors.New(strings.Join(errs, "; "))
+}
+
+// enumValues lists an API enum's values (the keys of its mapping), sorted.
+func enumValues[K ~string, V any](m map[K]V) string {
+	names := make([]string, 0, len(m))
+	for k := range m {
+		names = append(names, string(k))
+	}
+	slices.Sort(names)
+	return strings.Join(names, ", ")
 }

@@ -105,7 +105,7 @@ func startManager(t *testing.T) (*OutboxRelayReconciler, ctrl.Manager) {
 		Recorder:      mgr.GetEventRecorder("outbox-operator"),
 		RelayImage:    testImage,
 		AllowedImages: []string{allowedPrefix},
-		Flow:          NewFlowObserver(),
+		Flow:          newTestFlowObserver(),
 		Metrics:       metrics,
 		// Secrets are read again this often: how soon a rotation rolls the pods.
 		SecretRefreshInterval: testSecretRefresh,

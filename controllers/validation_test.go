@@ -55,6 +55,15 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		{"template env sets the relay's own", func(s map[string]any) {
 			s["template"] = map[string]any{"container": map[string]any{"env": []any{map[string]any{"name": "RELAY_BATCH_SIZE", "value": "1"}}}}
 		}, []string{"spec.template.container.env", "RELAY_* variables are the relay's own"}},
+		{"database auth method unknown", func(s map[string]any) {
+			s["database"] = map[string]any{"auth": map[string]any{"method": "Kerberos"}}
+		}, []string{"spec.database.auth.method", "Kerberos"}},
+		{"database auth aws settings without its method", func(s map[string]any) {
+			s["database"] = map[string]any{"auth": map[string]any{"method": "AzureAD", "aws": map[string]any{"region": "eu-west-1"}}}
+		}, []string{"spec.database.auth.aws", "applies only to method AWSRDSIAM"}},
+		{"database auth aws region malformed", func(s map[string]any) {
+			s["database"] = map[string]any{"auth": map[string]any{"method": "AWSRDSIAM", "aws": map[string]any{"region": "EU West"}}}
+		}, []string{"spec.database.auth.aws.region"}},
 		{"template volume takes the relay's name", func(s map[string]any) {
 			s["template"] = map[string]any{"pod": map[string]any{"volumes": []any{map[string]any{"name": "kafka-tls", "emptyDir": map[string]any{}}}}}
 		}, []string{"spec.template.pod.volumes", "kafka-tls and database-tls are the relay's own"}},

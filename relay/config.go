@@ -8,6 +8,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/segmentio/kafka-go/sasl"
+
+	"github.com/outbox-relay/outbox-operator/dbauth"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
@@ -96,6 +98,12 @@ type Config struct {
 	// ServerName defaults to the DSN's host, so with RootCAs set the
 	// server's certificate and host name are verified (verify-full).
 	DatabaseTLS *tls.Config
+	// DatabaseTokens, when set, gives every new PostgreSQL connection a
+	// token as its password (dbauth: AWS RDS IAM, Cloud SQL IAM, Azure
+	// AD), fetched then and refreshed before it expires. The connection
+	// must then use TLS without a plain-text fallback (DatabaseTLS, or
+	// sslmode=require or stricter in the DSN), or New refuses it.
+	DatabaseTokens *dbauth.Source
 	// SASL, when set, authenticates to Kafka.
 	SASL sasl.Mechanism
 	// Logger receives the relay's logs. Default slog.Default().

@@ -6,12 +6,14 @@ import (
 	"crypto/x509"
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/outbox-relay/outbox-operator/dbauth"
 	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relay"
 	"github.com/outbox-relay/outbox-operator/test/outboxtest"
@@ -87,4 +89,62 @@ func containsAny(s string, subs ...string) bool {
 		}
 	}
 	return false
+}
+
+// With Config.DatabaseTokens every session the relay opens (its pool, the
+// membership and wake-up sessions) logs in with the provider's token, here
+// against a PostgreSQL that lets the role in only with the token last
+// handed out and only over TLS; without TLS the relay refuses to start
+// rather than send a token in plain text.
+func TestDatabaseTokenAuth(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg, ca, err := testenv.StartPostgresTLS(t.TempDir())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pg.Close() })
+	_, err = pg.CreateDatabase(ctx, "tok")
+	require.NoError(t, err)
+	require.NoError(t, pg.Exec(ctx, "tok", outbox.SchemaDDL(outbox.Table{Name: "outbox"})+`
+		CREATE ROLE relay_iam LOGIN;
+		GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO relay_iam;`))
+	require.NoError(t, pg.RequirePassword("relay_iam"))
+	admin, err := pgxpool.New(ctx, fmt.Sprintf("postgres://postgres@127.0.0.1:%d/tok?sslmode=disable", pg.Port))
+	require.NoError(t, err)
+	t.Cleanup(admin.Close)
+	for i := range 10 {
+		_, err := admin.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+			VALUES ($1, 'Order', $2, 'E', '{}', $2)`, outbox.NewEventID(), fmt.Sprint(i))
+		require.NoError(t, err)
+	}
+	var issued atomic.Int32
+	tokens := dbauth.NewSource(dbauth.ProviderFunc(func(ctx context.Context, tg dbauth.Target) (dbauth.Token, error) {
+		tok := fmt.Sprintf("iam-token-%d", issued.Add(1))
+		_, err := admin.Exec(ctx, fmt.Sprintf(`ALTER ROLE %s PASSWORD '%s'`, tg.User, tok))
+		return dbauth.Token{Value: tok, Expiry: time.Now().Add(15 * time.Minute)}, err
+	}))
+	topic := testenv.Broker().TopicName(t, "dbtoken")
+	testenv.Broker().CreateTopic(t, topic, 1)
+	roots := x509.NewCertPool()
+	require.True(t, roots.AppendCertsFromPEM(ca.PEM))
+	dsn := fmt.Sprintf("postgres://relay_iam@127.0.0.1:%d/tok?sslmode=disable", pg.Port)
+	cfg := relay.Config{
+		Settings:       relay.Settings{DSN: dsn, Brokers: []string{testenv.Broker().Addr()}, Topics: map[string]string{"E": topic}, PollInterval: 20 * time.Millisecond, Notify: true},
+		DatabaseTokens: tokens,
+	}
+	_, err = relay.New(cfg)
+	require.ErrorContains(t, err, "connect with TLS", "a token is never sent in plain text")
+
+	cfg.DatabaseTLS = &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12}
+	outboxtest.Start(t, cfg)
+	require.Eventually(t, func() bool {
+		var n int
+		return admin.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE published_at IS NULL`).Scan(&n) == nil && n == 0
+	}, 30*time.Second, 50*time.Millisecond)
+	require.Len(t, testenv.Broker().Consume(t, topic, 10, 30*time.Second), 10)
+	var sessions, asRole int
+	require.NoError(t, admin.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE usename = 'relay_iam')
+		FROM pg_stat_activity WHERE application_name = 'outbox-relay'`).Scan(&sessions, &asRole))
+	require.GreaterOrEqual(t, sessions, 2, "the pool and the wake-up session")
+	require.Equal(t, sessions, asRole)
+	require.EqualValues(t, 1, issued.Load(), "one token served every session while it was fresh")
 }

@@ -38,7 +38,7 @@ func (r *Relay) join(ctx context.Context) error {
 		return nil
 	}
 	m.conn = nil
-	conn, err := pgx.ConnectConfig(ctx, r.pool.Config().ConnConfig.Copy())
+	conn, err := r.connect(ctx)
 	if err != nil {
 		return fmt.Errorf("connect membership session: %w", err)
 	}

@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
 )
@@ -26,20 +25,20 @@ const pruneEvery = 10 * time.Second
 // needs only the table, the settings, the statements, a way to connect,
 // the metrics and the log; Run starts it beside the loop.
 type pruner struct {
-	table outbox.Table
-	cfg   Config
-	sql   SQL
-	shape tableShape
-	pool  *pgxpool.Pool // whose connection settings it connects with
-	m     *metrics
-	log   *slog.Logger
+	table   outbox.Table
+	cfg     Config
+	sql     SQL
+	shape   tableShape
+	connect func(context.Context) (*pgx.Conn, error) // a session of its own
+	m       *metrics
+	log     *slog.Logger
 
 	warnedDefault bool // the DEFAULT partition that stops partition drops was logged
 }
 
 // newPruner is r's pruner, once Check has read the table.
 func (r *Relay) newPruner() *pruner {
-	return &pruner{table: r.table, cfg: r.cfg, sql: r.sql, shape: r.shape, pool: r.pool, m: r.m, log: r.log}
+	return &pruner{table: r.table, cfg: r.cfg, sql: r.sql, shape: r.shape, connect: r.connect, m: r.m, log: r.log}
 }
 
 // loop deletes published rows older than KeepPublishedFor (on a
@@ -60,7 +59,7 @@ func (pr *pruner) loop(ctx context.Context) {
 
 // prune holds the prune lock for as long as pruning keeps finding rows.
 func (pr *pruner) prune(ctx context.Context) error {
-	conn, err := pgx.ConnectConfig(ctx, pr.pool.Config().ConnConfig.Copy())
+	conn, err := pr.connect(ctx)
 	if err != nil {
 		return fmt.Errorf("connect pruning session: %w", err)
 	}

@@ -24,6 +24,7 @@ import (
 	"github.com/segmentio/kafka-go"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/outbox-relay/outbox-operator/dbauth"
 	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
@@ -83,6 +84,12 @@ type claimFilter struct {
 	largest int
 }
 
+// connect opens a session of its own (not the pool's) with the pool's
+// connection settings and, with Config.DatabaseTokens, a token.
+func (r *Relay) connect(ctx context.Context) (*pgx.Conn, error) {
+	return r.cfg.DatabaseTokens.Connect(ctx, r.pool.Config().ConnConfig)
+}
+
 // New validates cfg and prepares a relay. It connects lazily: Check and Run
 // open the connections.
 func New(cfg Config) (*Relay, error) {
@@ -110,6 +117,12 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 			t.ServerName = pcfg.ConnConfig.Host
 		}
 		pcfg.ConnConfig.TLSConfig, pcfg.ConnConfig.Fallbacks = t, nil
+	}
+	if cfg.DatabaseTokens != nil {
+		if err := dbauth.RequireTLS(&pcfg.ConnConfig.Config); err != nil {
+			return nil, err
+		}
+		pcfg.BeforeConnect = cfg.DatabaseTokens.BeforeConnect
 	}
 	rp := pcfg.ConnConfig.RuntimeParams
 	rp["application_name"] = "outbox-relay"

@@ -3,8 +3,6 @@ package relay
 import (
 	"context"
 	"time"
-
-	"github.com/jackc/pgx/v5"
 )
 
 // listen keeps a session LISTENing on the table's notify channel (with
@@ -16,7 +14,7 @@ func (r *Relay) listen(ctx context.Context) {
 	backoff := 100 * time.Millisecond
 	for ctx.Err() == nil {
 		err := func() error {
-			conn, err := pgx.ConnectConfig(ctx, r.pool.Config().ConnConfig.Copy())
+			conn, err := r.connect(ctx)
 			if err != nil {
 				return err
 			}

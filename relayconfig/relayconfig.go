@@ -30,40 +30,42 @@ import (
 
 // Flag names of the relay command.
 const (
-	FlagDSN               = "dsn"
-	FlagTable             = "table"
-	FlagBrokers           = "brokers"
-	FlagTopic             = "topic"
-	FlagTopicsFile        = "topics-file"
-	FlagDeadLetterTopic   = "dead-letter-topic"
-	FlagBatchSize         = "batch-size"
-	FlagMaxBatchBytes     = "max-batch-bytes"
-	FlagPollInterval      = "poll-interval"
-	FlagPublishTimeout    = "publish-timeout"
-	FlagOrdering          = "ordering"
-	FlagStallTimeout      = "stall-timeout"
-	FlagMaxInFlight       = "max-in-flight"
-	FlagNotify            = "notify"
-	FlagOnPublish         = "on-publish"
-	FlagKeepPublishedFor  = "keep-published-for"
-	FlagPruneBatchSize    = "prune-batch-size"
-	FlagPrunePause        = "prune-pause"
-	FlagMetricsAddr       = "metrics-addr"
-	FlagLogFormat         = "log-format"
-	FlagKafkaTLS          = "kafka-tls"
-	FlagKafkaTLSCAFile    = "kafka-tls-ca-file"
-	FlagKafkaTLSCertFile  = "kafka-tls-cert-file"
-	FlagKafkaTLSKeyFile   = "kafka-tls-key-file"
-	FlagDatabaseCAFile    = "database-tls-ca-file"
-	FlagDatabaseCertFile  = "database-tls-cert-file"
-	FlagDatabaseKeyFile   = "database-tls-key-file"
-	FlagKafkaSASLMech     = "kafka-sasl-mechanism"
-	FlagFormat            = "format"
-	FlagRecordTimestamp   = "record-timestamp"
-	FlagCloudEventsSource = "cloudevents-source"
-	FlagCompression       = "compression"
-	flagKafkaSASLUsername = "kafka-sasl-username" // environment only
-	flagKafkaSASLPassword = "kafka-sasl-password" // environment only
+	FlagDSN                   = "dsn"
+	FlagTable                 = "table"
+	FlagBrokers               = "brokers"
+	FlagTopic                 = "topic"
+	FlagTopicsFile            = "topics-file"
+	FlagDeadLetterTopic       = "dead-letter-topic"
+	FlagBatchSize             = "batch-size"
+	FlagMaxBatchBytes         = "max-batch-bytes"
+	FlagPollInterval          = "poll-interval"
+	FlagPublishTimeout        = "publish-timeout"
+	FlagOrdering              = "ordering"
+	FlagStallTimeout          = "stall-timeout"
+	FlagMaxInFlight           = "max-in-flight"
+	FlagNotify                = "notify"
+	FlagOnPublish             = "on-publish"
+	FlagKeepPublishedFor      = "keep-published-for"
+	FlagPruneBatchSize        = "prune-batch-size"
+	FlagPrunePause            = "prune-pause"
+	FlagMetricsAddr           = "metrics-addr"
+	FlagLogFormat             = "log-format"
+	FlagKafkaTLS              = "kafka-tls"
+	FlagKafkaTLSCAFile        = "kafka-tls-ca-file"
+	FlagKafkaTLSCertFile      = "kafka-tls-cert-file"
+	FlagKafkaTLSKeyFile       = "kafka-tls-key-file"
+	FlagDatabaseCAFile        = "database-tls-ca-file"
+	FlagDatabaseCertFile      = "database-tls-cert-file"
+	FlagDatabaseKeyFile       = "database-tls-key-file"
+	FlagDatabaseAuth          = "database-auth"
+	FlagDatabaseAuthAWSRegion = "database-auth-aws-region"
+	FlagKafkaSASLMech         = "kafka-sasl-mechanism"
+	FlagFormat                = "format"
+	FlagRecordTimestamp       = "record-timestamp"
+	FlagCloudEventsSource     = "cloudevents-source"
+	FlagCompression           = "compression"
+	flagKafkaSASLUsername     = "kafka-sasl-username" // environment only
+	flagKafkaSASLPassword     = "kafka-sasl-password" // environment only
 )
 
 // Flag names of `relay schema`, which prints the outbox DDL.
@@ -195,6 +197,23 @@ const (
 
 // SASLMechanisms are the valid --kafka-sasl-mechanism values.
 var SASLMechanisms = []string{SASLPlain, SASLScramSHA256, SASLScramSHA512}
+
+// DatabaseAuth is how the relay logs in to PostgreSQL.
+type DatabaseAuth string
+
+const (
+	// DatabaseAuthPassword: the DSN's own password (the default).
+	DatabaseAuthPassword DatabaseAuth = "password"
+	// DatabaseAuthAWSRDSIAM: an RDS IAM token signed with the pod's AWS identity.
+	DatabaseAuthAWSRDSIAM DatabaseAuth = "aws-rds-iam"
+	// DatabaseAuthGCPCloudSQLIAM: a Google access token of the pod's identity (Cloud SQL IAM).
+	DatabaseAuthGCPCloudSQLIAM DatabaseAuth = "gcp-cloudsql-iam"
+	// DatabaseAuthAzureAD: a Microsoft Entra ID token of the pod's identity.
+	DatabaseAuthAzureAD DatabaseAuth = "azure-ad"
+)
+
+// DatabaseAuths are the valid DatabaseAuth values.
+var DatabaseAuths = []DatabaseAuth{DatabaseAuthPassword, DatabaseAuthAWSRDSIAM, DatabaseAuthGCPCloudSQLIAM, DatabaseAuthAzureAD}
 
 // Log formats.
 var LogFormats = []string{"json", "text"}
@@ -370,6 +389,12 @@ type Command struct {
 	// whatever the DSN's sslmode; a client certificate and key (PEM) are
 	// presented when given.
 	DatabaseCAFile, DatabaseCertFile, DatabaseKeyFile string
+	// DatabaseAuth is how the relay logs in to PostgreSQL: the DSN's
+	// password or a token of the pod's cloud identity. Default password.
+	DatabaseAuth DatabaseAuth
+	// DatabaseAuthAWSRegion is the region of aws-rds-iam tokens (default:
+	// AWS_REGION, which EKS sets with a pod identity).
+	DatabaseAuthAWSRegion string
 	// KafkaSASLMechanism is empty (no SASL) or one of SASLMechanisms.
 	KafkaSASLMechanism string
 	// SASL credentials; they travel in the environment, never as arguments.
@@ -378,7 +403,7 @@ type Command struct {
 
 // Defaults are the settings of a relay command given no flags.
 func Defaults() Command {
-	return Command{Settings: Settings{}.WithDefaults(), MetricsAddr: DefaultMetricsAddr, LogFormat: DefaultLogFormat}
+	return Command{Settings: Settings{}.WithDefaults(), MetricsAddr: DefaultMetricsAddr, LogFormat: DefaultLogFormat, DatabaseAuth: DatabaseAuthPassword}
 }
 
 // Args is the command line that gives a relay s, in a fixed order so a pod
@@ -424,10 +449,14 @@ func (s Command) Args() []string {
 		{FlagKafkaTLSCAFile, s.KafkaTLSCAFile}, {FlagKafkaTLSCertFile, s.KafkaTLSCertFile},
 		{FlagKafkaTLSKeyFile, s.KafkaTLSKeyFile}, {FlagKafkaSASLMech, s.KafkaSASLMechanism},
 		{FlagDatabaseCAFile, s.DatabaseCAFile}, {FlagDatabaseCertFile, s.DatabaseCertFile}, {FlagDatabaseKeyFile, s.DatabaseKeyFile},
+		{FlagDatabaseAuthAWSRegion, s.DatabaseAuthAWSRegion},
 	} {
 		if f.v != "" {
 			args = append(args, arg(f.name, f.v))
 		}
+	}
+	if s.DatabaseAuth != "" && s.DatabaseAuth != DatabaseAuthPassword {
+		args = append(args, arg(FlagDatabaseAuth, string(s.DatabaseAuth)))
 	}
 	return args
 }
@@ -633,6 +662,9 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.StringVar(&s.DatabaseCAFile, FlagDatabaseCAFile, "", "PEM CA bundle: connect to PostgreSQL over TLS and verify its certificate and host name (verify-full), whatever the DSN's sslmode")
 	fs.StringVar(&s.DatabaseCertFile, FlagDatabaseCertFile, "", "PEM client certificate presented to PostgreSQL (with --"+FlagDatabaseCAFile+")")
 	fs.StringVar(&s.DatabaseKeyFile, FlagDatabaseKeyFile, "", "PEM client key presented to PostgreSQL")
+	s.DatabaseAuth = DatabaseAuthPassword
+	fs.Func(FlagDatabaseAuth, "how to log in to PostgreSQL: "+joinValues(DatabaseAuths)+" (a token of the pod's cloud identity as the password; needs TLS) (default password)", func(v string) error { s.DatabaseAuth = DatabaseAuth(v); return nil })
+	fs.StringVar(&s.DatabaseAuthAWSRegion, FlagDatabaseAuthAWSRegion, "", "AWS region of aws-rds-iam tokens (default AWS_REGION)")
 	fs.StringVar(&s.KafkaSASLMechanism, FlagKafkaSASLMech, "", "SASL mechanism: "+strings.Join(SASLMechanisms, ", ")+" (credentials from "+EnvSASLUsername+" and "+EnvSASLPassword+")")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -688,6 +720,10 @@ func (s Command) validateProcess() error {
 	}
 	if s.DatabaseCertFile != "" && s.DatabaseCAFile == "" {
 		errs = append(errs, fieldErr(FlagDatabaseCertFile, fmt.Errorf("needs --%s: a client certificate is presented only over a verified connection", FlagDatabaseCAFile)))
+	}
+	errs = append(errs, fieldErr(FlagDatabaseAuth, oneOf(cmp.Or(s.DatabaseAuth, DatabaseAuthPassword), DatabaseAuths)))
+	if s.DatabaseAuthAWSRegion != "" && s.DatabaseAuth != DatabaseAuthAWSRDSIAM {
+		errs = append(errs, fieldErr(FlagDatabaseAuthAWSRegion, fmt.Errorf("applies only to --%s=%s", FlagDatabaseAuth, DatabaseAuthAWSRDSIAM)))
 	}
 	if m := s.KafkaSASLMechanism; m != "" {
 		switch {
@@ -835,11 +871,16 @@ func oneOf[T ~string](v T, values []T) error {
 	if slices.Contains(values, v) {
 		return nil
 	}
+	return fmt.Errorf("%q is not one of %s", v, joinValues(values))
+}
+
+// joinValues lists values for a message.
+func joinValues[T ~string](values []T) string {
 	names := make([]string, len(values))
 	for i, x := range values {
 		names[i] = string(x)
 	}
-	return fmt.Errorf("%q is not one of %s", v, strings.Join(names, ", "))
+	return strings.Join(names, ", ")
 }
 
 // CheckKeepPublishedFor accepts 0 (keep forever) or a duration in range.

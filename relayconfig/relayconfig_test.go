@@ -50,6 +50,7 @@ func TestArgsRoundTrip(t *testing.T) {
 			s.KafkaTLSCAFile, s.KafkaTLSCertFile, s.KafkaTLSKeyFile = "/tls/ca.crt", "/tls/tls.crt", "/tls/tls.key"
 			s.KafkaSASLMechanism = relayconfig.SASLPlain
 			s.KafkaSASLUsername, s.KafkaSASLPassword = "u", "s3cret"
+			s.DatabaseAuth, s.DatabaseAuthAWSRegion = relayconfig.DatabaseAuthAWSRDSIAM, "eu-west-1"
 		},
 	}
 	for name, mutate := range cases {
@@ -92,16 +93,18 @@ func TestParseNamesFlagAndValue(t *testing.T) {
 	good := []string{"--brokers=k:9092", "--topic=E=t"}
 	dsn := env(map[string]string{relayconfig.EnvDSN: "postgres://x"})
 	cases := map[string][]string{
-		`--max-batch-bytes: 1024 is outside 65536..67108864`:                                   {"--max-batch-bytes=1024"},
-		`--stall-timeout: 1s is outside 5s..24h0m0s`:                                           {"--stall-timeout=1s"},
-		`--publish-timeout: 0s is outside 1s..5m0s`:                                            {"--publish-timeout=0s"},
-		`--kafka-sasl-mechanism: PLAIN sends the password in clear text; it needs --kafka-tls`: {"--kafka-sasl-mechanism=PLAIN"},
-		`--topic: event type " E" must be`:                                                     {"--topic= E=t2"},
-		`--brokers: "k:0" has an invalid port`:                                                 {"--brokers=k:0"},
-		`--format: "avro" is not one of raw, cloudevents`:                                      {"--format=avro"},
-		`--compression: "brotli" is not one of none, gzip, snappy, lz4, zstd`:                  {"--compression=brotli"},
-		`--cloudevents-source: "/a b" is not a URI-reference`:                                  {"--cloudevents-source=/a b"},
-		`--cloudevents-source: "%zz" is not a URI-reference`:                                   {"--cloudevents-source=%zz"},
+		`--max-batch-bytes: 1024 is outside 65536..67108864`:                                          {"--max-batch-bytes=1024"},
+		`--stall-timeout: 1s is outside 5s..24h0m0s`:                                                  {"--stall-timeout=1s"},
+		`--publish-timeout: 0s is outside 1s..5m0s`:                                                   {"--publish-timeout=0s"},
+		`--kafka-sasl-mechanism: PLAIN sends the password in clear text; it needs --kafka-tls`:        {"--kafka-sasl-mechanism=PLAIN"},
+		`--topic: event type " E" must be`:                                                            {"--topic= E=t2"},
+		`--brokers: "k:0" has an invalid port`:                                                        {"--brokers=k:0"},
+		`--format: "avro" is not one of raw, cloudevents`:                                             {"--format=avro"},
+		`--compression: "brotli" is not one of none, gzip, snappy, lz4, zstd`:                         {"--compression=brotli"},
+		`--cloudevents-source: "/a b" is not a URI-reference`:                                         {"--cloudevents-source=/a b"},
+		`--cloudevents-source: "%zz" is not a URI-reference`:                                          {"--cloudevents-source=%zz"},
+		`--database-auth: "kerberos" is not one of password, aws-rds-iam, gcp-cloudsql-iam, azure-ad`: {"--database-auth=kerberos"},
+		`--database-auth-aws-region: applies only to --database-auth=aws-rds-iam`:                     {"--database-auth=azure-ad", "--database-auth-aws-region=eu-west-1"},
 	}
 	for want, extra := range cases {
 		_, err := relayconfig.Parse(append(good, extra...), dsn, nil)

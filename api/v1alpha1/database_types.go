@@ -9,6 +9,57 @@ type DatabaseSpec struct {
 	// plain text.
 	// +optional
 	TLS *DatabaseTLS `json:"tls,omitempty"`
+
+	// Auth is how the relay and the operator's backlog reads log in: the
+	// DSN's password (the default) or a token of the pod's cloud identity.
+	// +optional
+	Auth *DatabaseAuth `json:"auth,omitempty"`
+}
+
+// DatabaseAuthMethod is how the relay logs in to PostgreSQL.
+// +kubebuilder:validation:Enum=Password;AWSRDSIAM;GCPCloudSQLIAM;AzureAD
+type DatabaseAuthMethod string
+
+const (
+	// DatabaseAuthPassword logs in with the DSN's password.
+	DatabaseAuthPassword DatabaseAuthMethod = "Password"
+	// DatabaseAuthAWSRDSIAM logs in with an RDS IAM token signed with the
+	// pod's AWS identity (IRSA or EKS Pod Identity).
+	DatabaseAuthAWSRDSIAM DatabaseAuthMethod = "AWSRDSIAM"
+	// DatabaseAuthGCPCloudSQLIAM logs in with an access token of the pod's
+	// Google identity (Workload Identity), for Cloud SQL IAM users.
+	DatabaseAuthGCPCloudSQLIAM DatabaseAuthMethod = "GCPCloudSQLIAM"
+	// DatabaseAuthAzureAD logs in with a Microsoft Entra ID token of the
+	// pod's Azure identity (Workload Identity).
+	DatabaseAuthAzureAD DatabaseAuthMethod = "AzureAD"
+)
+
+// DatabaseAuth says how to log in to PostgreSQL. With a token method the
+// DSN names the database user and no password; the token is fetched for
+// each new connection and refreshed before it expires, and the connection
+// must use TLS (spec.database.tls, or sslmode=require or stricter in the
+// DSN). The relay pods get the identity of spec.template.serviceAccountName;
+// the operator's backlog reads use the operator's own.
+// +kubebuilder:validation:XValidation:rule="!has(self.aws) || self.method == 'AWSRDSIAM'",message="spec.database.auth.aws applies only to method AWSRDSIAM",fieldPath=".aws"
+type DatabaseAuth struct {
+	// Method is Password (the default), AWSRDSIAM, GCPCloudSQLIAM or AzureAD.
+	// +kubebuilder:default=Password
+	// +optional
+	Method DatabaseAuthMethod `json:"method,omitempty"`
+
+	// AWS holds the settings of AWSRDSIAM.
+	// +optional
+	AWS *AWSDatabaseAuth `json:"aws,omitempty"`
+}
+
+// AWSDatabaseAuth is the AWSRDSIAM settings.
+type AWSDatabaseAuth struct {
+	// Region of the RDS instance, e.g. eu-west-1. Default: the pod's
+	// AWS_REGION, which EKS sets with a pod identity.
+	// +kubebuilder:validation:MaxLength=32
+	// +kubebuilder:validation:Pattern=`^[a-z]{2}(-[a-z]+)+-[0-9]+$`
+	// +optional
+	Region string `json:"region,omitempty"`
 }
 
 // DatabaseTLS is the CA that signed PostgreSQL's certificate, and

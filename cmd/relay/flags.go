@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
@@ -16,6 +17,7 @@ import (
 	"github.com/segmentio/kafka-go/sasl/scram"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
+	"github.com/outbox-relay/outbox-operator/dbauth"
 	"github.com/outbox-relay/outbox-operator/relay"
 	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
@@ -51,6 +53,13 @@ func parseFlags(args []string, lookupEnv func(string) (string, bool), stderr io.
 		if cfg.DatabaseTLS, err = tlsConfig(s.DatabaseCAFile, s.DatabaseCertFile, s.DatabaseKeyFile, relayconfig.FlagDatabaseCAFile, relayconfig.FlagDatabaseCertFile, relayconfig.FlagDatabaseKeyFile); err != nil {
 			return nil, err
 		}
+	}
+	provider, err := dbauth.New(context.Background(), s.DatabaseAuth, s.DatabaseAuthAWSRegion)
+	if err != nil {
+		return nil, fmt.Errorf("--%s: %w", relayconfig.FlagDatabaseAuth, err)
+	}
+	if provider != nil {
+		cfg.DatabaseTokens = dbauth.NewSource(provider)
 	}
 	if s.KafkaSASLMechanism != "" {
 		if cfg.SASL, err = saslMechanism(s.KafkaSASLMechanism, s.KafkaSASLUsername, s.KafkaSASLPassword); err != nil {

@@ -135,3 +135,22 @@ func chownTo(p string, u *user.User) error {
 	gid, _ := strconv.Atoi(u.Gid)
 	return os.Chown(p, uid, gid)
 }
+
+// RequirePassword makes role log in over TCP with a password (SCRAM) and
+// only over TLS: its plain-text connections are rejected. The reload
+// completes shortly after it returns.
+func (c *PostgresCluster) RequirePassword(role string) error {
+	p := filepath.Join(c.dataDir, "pg_hba.conf")
+	hba, err := os.ReadFile(p)
+	if err != nil {
+		return err
+	}
+	rules := fmt.Sprintf("hostssl all %[1]s all scram-sha-256\nhost all %[1]s all reject\n", role)
+	if err := os.WriteFile(p, append([]byte(rules), hba...), 0o600); err != nil {
+		return err
+	}
+	if out, err := c.command("pg_ctl", "reload", "-D", c.dataDir).CombinedOutput(); err != nil {
+		return fmt.Errorf("pg_ctl reload: %w\n%s", err, out)
+	}
+	return nil
+}

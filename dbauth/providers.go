@@ -1,0 +1,119 @@
+package dbauth
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+	"time"
+
+	"github.com/Azure/azure-sdk-for-go/sdk/azcore"
+	"github.com/Azure/azure-sdk-for-go/sdk/azcore/policy"
+	"github.com/Azure/azure-sdk-for-go/sdk/azidentity"
+	"github.com/aws/aws-sdk-go-v2/aws"
+	awsconfig "github.com/aws/aws-sdk-go-v2/config"
+	rdsauth "github.com/aws/aws-sdk-go-v2/feature/rds/auth"
+	"golang.org/x/oauth2"
+	"golang.org/x/oauth2/google"
+)
+
+// AWSTokenLifetime is how long RDS accepts an IAM authentication token.
+const AWSTokenLifetime = 15 * time.Minute
+
+// AWSRDSIAM signs RDS IAM authentication tokens locally (SigV4, no call to
+// AWS) with the credentials of the SDK's default chain: on EKS the pod's
+// web identity (IRSA) or EKS Pod Identity.
+type AWSRDSIAM struct {
+	Region      string
+	Credentials aws.CredentialsProvider
+	now         func() time.Time
+}
+
+// NewAWSRDSIAM loads the SDK's default configuration; region, when not
+// empty, overrides its region.
+func NewAWSRDSIAM(ctx context.Context, region string) (*AWSRDSIAM, error) {
+	var opts []func(*awsconfig.LoadOptions) error
+	if region != "" {
+		opts = append(opts, awsconfig.WithRegion(region))
+	}
+	cfg, err := awsconfig.LoadDefaultConfig(ctx, opts...)
+	if err != nil {
+		return nil, fmt.Errorf("aws-rds-iam: %w", err)
+	}
+	if cfg.Region == "" {
+		return nil, errors.New("aws-rds-iam: no AWS region: set the region or AWS_REGION")
+	}
+	return &AWSRDSIAM{Region: cfg.Region, Credentials: cfg.Credentials, now: time.Now}, nil
+}
+
+// Token signs a token to log in to t as t.User.
+func (a *AWSRDSIAM) Token(ctx context.Context, t Target) (Token, error) {
+	now := time.Now
+	if a.now != nil {
+		now = a.now
+	}
+	issued := now()
+	tok, err := rdsauth.BuildAuthToken(ctx, net.JoinHostPort(t.Host, strconv.Itoa(int(t.Port))), a.Region, t.User, a.Credentials)
+	if err != nil {
+		return Token{}, fmt.Errorf("aws-rds-iam: %w", err)
+	}
+	return Token{Value: tok, Expiry: issued.Add(AWSTokenLifetime)}, nil
+}
+
+// GCPCloudSQLScope is the OAuth2 scope of Cloud SQL IAM database logins.
+const GCPCloudSQLScope = "https://www.googleapis.com/auth/sqlservice.login"
+
+// GCPCloudSQLIAM hands out OAuth2 access tokens of Google's application
+// default credentials (on GKE, Workload Identity) for Cloud SQL IAM
+// database authentication. The database user is the service account's
+// email without ".gserviceaccount.com".
+type GCPCloudSQLIAM struct {
+	Tokens oauth2.TokenSource
+}
+
+// NewGCPCloudSQLIAM finds the application default credentials.
+func NewGCPCloudSQLIAM(ctx context.Context) (*GCPCloudSQLIAM, error) {
+	creds, err := google.FindDefaultCredentials(ctx, GCPCloudSQLScope)
+	if err != nil {
+		return nil, fmt.Errorf("gcp-cloudsql-iam: %w", err)
+	}
+	return &GCPCloudSQLIAM{Tokens: creds.TokenSource}, nil
+}
+
+// Token is a fresh access token (the same for every target).
+func (g *GCPCloudSQLIAM) Token(ctx context.Context, _ Target) (Token, error) {
+	tok, err := g.Tokens.Token()
+	if err != nil {
+		return Token{}, fmt.Errorf("gcp-cloudsql-iam: %w", err)
+	}
+	return Token{Value: tok.AccessToken, Expiry: tok.Expiry}, nil
+}
+
+// AzureADScope is the scope of Azure Database for PostgreSQL's Microsoft
+// Entra ID (Azure AD) logins.
+const AzureADScope = "https://ossrdbms-aad.database.windows.net/.default"
+
+// AzureAD hands out Microsoft Entra ID access tokens of the SDK's default
+// credential chain (on AKS, Workload Identity).
+type AzureAD struct {
+	Credential azcore.TokenCredential
+}
+
+// NewAzureAD builds the default credential chain.
+func NewAzureAD() (*AzureAD, error) {
+	cred, err := azidentity.NewDefaultAzureCredential(nil)
+	if err != nil {
+		return nil, fmt.Errorf("azure-ad: %w", err)
+	}
+	return &AzureAD{Credential: cred}, nil
+}
+
+// Token is a fresh access token for the database scope.
+func (z *AzureAD) Token(ctx context.Context, _ Target) (Token, error) {
+	tok, err := z.Credential.GetToken(ctx, policy.TokenRequestOptions{Scopes: []string{AzureADScope}})
+	if err != nil {
+		return Token{}, fmt.Errorf("azure-ad: %w", err)
+	}
+	return Token{Value: tok.Token, Expiry: tok.ExpiresOn}, nil
+}

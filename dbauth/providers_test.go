@@ -1,0 +1,132 @@
+package dbauth_test
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/rsa"
+	"crypto/x509"
+	"encoding/json"
+	"encoding/pem"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/Azure/azure-sdk-for-go/sdk/azcore"
+	"github.com/Azure/azure-sdk-for-go/sdk/azcore/policy"
+	"github.com/aws/aws-sdk-go-v2/credentials"
+	"github.com/golang-jwt/jwt/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/outbox-relay/outbox-operator/dbauth"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
+)
+
+// The RDS token is a SigV4 presigned "connect" request for the user at
+// host:port, signed locally for the rds-db service in the region, valid
+// 15 minutes, without a scheme (RDS's documented shape).
+func TestAWSRDSIAMTokenShape(t *testing.T) {
+	t.Setenv("AWS_CONFIG_FILE", filepath.Join(t.TempDir(), "none"))
+	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", filepath.Join(t.TempDir(), "none"))
+	t.Setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+	t.Setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY")
+	t.Setenv("AWS_REGION", "us-east-1")
+	p, err := dbauth.NewAWSRDSIAM(context.Background(), "eu-west-1")
+	require.NoError(t, err)
+	require.Equal(t, "eu-west-1", p.Region, "the configured region wins over AWS_REGION")
+	before := time.Now()
+	tok, err := p.Token(context.Background(), dbauth.Target{Host: "orders.abc.eu-west-1.rds.amazonaws.com", Port: 5432, User: "relay"})
+	require.NoError(t, err)
+	require.WithinDuration(t, before.Add(dbauth.AWSTokenLifetime), tok.Expiry, 5*time.Second)
+	require.False(t, strings.HasPrefix(tok.Value, "http"), tok.Value)
+	hostPort, query, ok := strings.Cut(tok.Value, "?")
+	require.True(t, ok, tok.Value)
+	require.Equal(t, "orders.abc.eu-west-1.rds.amazonaws.com:5432", hostPort)
+	q, err := url.ParseQuery(query)
+	require.NoError(t, err)
+	require.Equal(t, "connect", q.Get("Action"))
+	require.Equal(t, "relay", q.Get("DBUser"))
+	require.Equal(t, "AWS4-HMAC-SHA256", q.Get("X-Amz-Algorithm"))
+	require.Equal(t, "900", q.Get("X-Amz-Expires"))
+	require.Regexp(t, `^AKIDEXAMPLE/\d{8}/eu-west-1/rds-db/aws4_request$`, q.Get("X-Amz-Credential"))
+	require.Regexp(t, `^[0-9a-f]{64}$`, q.Get("X-Amz-Signature"))
+
+	// The same provider signs with whatever credentials it is given.
+	p.Credentials = credentials.NewStaticCredentialsProvider("AKIDOTHER", "secret", "session")
+	tok, err = p.Token(context.Background(), dbauth.Target{Host: "db", Port: 6432, User: "relay"})
+	require.NoError(t, err)
+	require.Contains(t, tok.Value, "X-Amz-Security-Token=session")
+	require.True(t, strings.HasPrefix(tok.Value, "db:6432?"), tok.Value)
+
+	t.Setenv("AWS_REGION", "")
+	_, err = dbauth.New(context.Background(), relayconfig.DatabaseAuthAWSRDSIAM, "")
+	require.ErrorContains(t, err, "no AWS region")
+}
+
+// Cloud SQL IAM: the application default credentials (here a service
+// account key whose token endpoint is local) are asked for the
+// sqlservice.login scope, and the access token and its expiry are handed out.
+func TestGCPCloudSQLIAMToken(t *testing.T) {
+	key, err := rsa.GenerateKey(rand.Reader, 2048)
+	require.NoError(t, err)
+	var scopes []string
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		require.NoError(t, r.ParseForm())
+		claims := jwt.MapClaims{}
+		_, err := jwt.ParseWithClaims(r.Form.Get("assertion"), claims, func(*jwt.Token) (any, error) { return &key.PublicKey, nil })
+		require.NoError(t, err, "the assertion is signed with the service account's key")
+		scopes = append(scopes, claims["scope"].(string))
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(map[string]any{"access_token": "ya29.test", "token_type": "Bearer", "expires_in": 3600})
+	}))
+	t.Cleanup(srv.Close)
+	sa, err := json.Marshal(map[string]string{
+		"type": "service_account", "project_id": "p", "private_key_id": "k1",
+		"private_key":  string(pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: must(x509.MarshalPKCS8PrivateKey(key))})),
+		"client_email": "relay@p.iam.gserviceaccount.com", "client_id": "1", "token_uri": srv.URL,
+	})
+	require.NoError(t, err)
+	file := filepath.Join(t.TempDir(), "sa.json")
+	require.NoError(t, os.WriteFile(file, sa, 0o600))
+	t.Setenv("GOOGLE_APPLICATION_CREDENTIALS", file)
+
+	p, err := dbauth.New(context.Background(), relayconfig.DatabaseAuthGCPCloudSQLIAM, "")
+	require.NoError(t, err)
+	before := time.Now()
+	tok, err := p.Token(context.Background(), dbauth.Target{Host: "10.0.0.3", Port: 5432, User: "relay@p.iam"})
+	require.NoError(t, err)
+	require.Equal(t, "ya29.test", tok.Value)
+	require.WithinDuration(t, before.Add(time.Hour), tok.Expiry, time.Minute)
+	require.Equal(t, []string{dbauth.GCPCloudSQLScope}, scopes)
+}
+
+// azureCredential records the scopes it is asked for.
+type azureCredential struct{ scopes [][]string }
+
+func (c *azureCredential) GetToken(_ context.Context, o policy.TokenRequestOptions) (azcore.AccessToken, error) {
+	c.scopes = append(c.scopes, o.Scopes)
+	return azcore.AccessToken{Token: "eyJ.entra", ExpiresOn: time.Unix(1_900_000_000, 0)}, nil
+}
+
+// Azure AD: the credential is asked for Azure Database for PostgreSQL's
+// scope, and its token and expiry are handed out.
+func TestAzureADToken(t *testing.T) {
+	cred := &azureCredential{}
+	tok, err := (&dbauth.AzureAD{Credential: cred}).Token(context.Background(), dbauth.Target{Host: "x.postgres.database.azure.com", Port: 5432, User: "relay"})
+	require.NoError(t, err)
+	require.Equal(t, dbauth.Token{Value: "eyJ.entra", Expiry: time.Unix(1_900_000_000, 0)}, tok)
+	require.Equal(t, [][]string{{dbauth.AzureADScope}}, cred.scopes)
+	_, err = dbauth.New(context.Background(), relayconfig.DatabaseAuthAzureAD, "")
+	require.NoError(t, err, "the default chain builds without an identity; a token request says what is missing")
+}
+
+func must[T any](v T, err error) T {
+	if err != nil {
+		panic(err)
+	}
+	return v
+}
