@@ -24,6 +24,7 @@ COPY relay/ relay/
 COPY outbox/ outbox/
 COPY relayconfig/ relayconfig/
 COPY dbauth/ dbauth/
+COPY kafkaauth/ kafkaauth/
 COPY version/ version/
 ENV CGO_ENABLED=0
 RUN GOOS=$TARGETOS GOARCH=$TARGETARCH go build -trimpath -buildvcs=false -ldflags "-s -w -X github.com/outbox-relay/outbox-operator/version.Version=${VERSION}" -o /out/manager ./cmd/manager && \

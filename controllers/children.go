@@ -89,7 +89,7 @@ func relayEnv(relay *outboxv1alpha1.OutboxRelay) []corev1.EnvVar {
 	spec := &relay.Spec
 	env := []corev1.EnvVar{secretEnv(relayconfig.EnvDSN, spec.DSNSecretRef.Name,
 		cmp.Or(spec.DSNSecretRef.Key, outboxv1alpha1.DefaultDSNKey))}
-	if sasl := spec.Kafka.SASL; sasl != nil {
+	if sasl := spec.Kafka.SASL; sasl != nil && sasl.CredentialsSecretRef != nil {
 		ref := sasl.CredentialsSecretRef
 		env = append(env,
 			secretEnv(relayconfig.EnvSASLUsername, ref.Name, cmp.Or(ref.UsernameKey, outboxv1alpha1.DefaultSASLUsernameKey)),

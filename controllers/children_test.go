@@ -111,7 +111,7 @@ func TestRelayDeploymentTLSAndSASL(t *testing.T) {
 	relay.Spec.Kafka.TLS.SecretRef = &outboxv1alpha1.SecretReference{Name: "ca-only"}
 	relay.Spec.Kafka.SASL = &outboxv1alpha1.KafkaSASL{
 		Mechanism:            outboxv1alpha1.SASLPlain,
-		CredentialsSecretRef: outboxv1alpha1.SASLCredentialsReference{Name: "creds"},
+		CredentialsSecretRef: &outboxv1alpha1.SASLCredentialsReference{Name: "creds"},
 	}
 	d = build(t, relay, secretInputs{TLSCA: true})
 	ct := d.Spec.Template.Spec.Containers[0]
@@ -266,7 +266,7 @@ func TestValidateSpecCatchesWhatTheSchemaCannot(t *testing.T) {
 		"ordering unknown": {func(r *outboxv1alpha1.OutboxRelay) { r.Spec.Ordering = "Strict" }, []string{"spec.ordering"}},
 		"SASL PLAIN without TLS": {func(r *outboxv1alpha1.OutboxRelay) {
 			r.Spec.Kafka.SASL = &outboxv1alpha1.KafkaSASL{Mechanism: outboxv1alpha1.SASLPlain,
-				CredentialsSecretRef: outboxv1alpha1.SASLCredentialsReference{Name: "creds"}}
+				CredentialsSecretRef: &outboxv1alpha1.SASLCredentialsReference{Name: "creds"}}
 		}, []string{"spec.kafka.sasl.mechanism", "--kafka-tls"}},
 		"several at once": {func(r *outboxv1alpha1.OutboxRelay) {
 			r.Spec.Table = "a.b.c"

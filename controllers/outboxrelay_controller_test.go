@@ -505,7 +505,7 @@ func testKafkaTLSAndSASL(t *testing.T, c client.Client) {
 	relay.Spec.Kafka.TLS = &outboxv1alpha1.KafkaTLS{SecretRef: &outboxv1alpha1.SecretReference{Name: tlsSecret.Name}}
 	relay.Spec.Kafka.SASL = &outboxv1alpha1.KafkaSASL{
 		Mechanism:            outboxv1alpha1.SASLScramSHA512,
-		CredentialsSecretRef: outboxv1alpha1.SASLCredentialsReference{Name: sasl.Name, UsernameKey: "user"},
+		CredentialsSecretRef: &outboxv1alpha1.SASLCredentialsReference{Name: sasl.Name, UsernameKey: "user"},
 	}
 	create(t, c, secret, tlsSecret, sasl, relay)
 

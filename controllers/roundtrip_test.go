@@ -141,7 +141,7 @@ func TestSpecRoundTrip(t *testing.T) {
 			edit: func(r *outboxv1alpha1.OutboxRelay) {
 				r.Spec.Kafka.TLS = &outboxv1alpha1.KafkaTLS{}
 				r.Spec.Kafka.SASL = &outboxv1alpha1.KafkaSASL{Mechanism: outboxv1alpha1.SASLScramSHA512,
-					CredentialsSecretRef: outboxv1alpha1.SASLCredentialsReference{Name: "creds", UsernameKey: "u", PasswordKey: "p"}}
+					CredentialsSecretRef: &outboxv1alpha1.SASLCredentialsReference{Name: "creds", UsernameKey: "u", PasswordKey: "p"}}
 				r.Spec.DSNSecretRef.Key = "url"
 			},
 			want: func(s *relayconfig.Command) {
@@ -150,11 +150,46 @@ func TestSpecRoundTrip(t *testing.T) {
 				s.KafkaSASLUsername, s.KafkaSASLPassword = testUser, testPassword
 			},
 		},
+		"OAUTHBEARER from a token endpoint": {
+			edit: func(r *outboxv1alpha1.OutboxRelay) {
+				r.Spec.Kafka.TLS = &outboxv1alpha1.KafkaTLS{}
+				r.Spec.Kafka.SASL = &outboxv1alpha1.KafkaSASL{Mechanism: outboxv1alpha1.SASLOAuthBearer,
+					CredentialsSecretRef: &outboxv1alpha1.SASLCredentialsReference{Name: "creds"},
+					OAuth:                &outboxv1alpha1.KafkaOAuth{TokenEndpoint: "https://idp.example/oauth2/token", Scope: "kafka"}}
+			},
+			want: func(s *relayconfig.Command) {
+				s.KafkaTLS = true
+				s.KafkaSASLMechanism = relayconfig.SASLOAuthBearer
+				s.KafkaSASLOAuthTokenEndpoint, s.KafkaSASLOAuthScope = "https://idp.example/oauth2/token", "kafka"
+				s.KafkaSASLUsername, s.KafkaSASLPassword = testUser, testPassword
+			},
+		},
+		"OAUTHBEARER from a token file": {
+			edit: func(r *outboxv1alpha1.OutboxRelay) {
+				r.Spec.Kafka.TLS = &outboxv1alpha1.KafkaTLS{}
+				r.Spec.Kafka.SASL = &outboxv1alpha1.KafkaSASL{Mechanism: outboxv1alpha1.SASLOAuthBearer,
+					OAuth: &outboxv1alpha1.KafkaOAuth{TokenFile: "/var/run/secrets/kafka/token"}}
+			},
+			want: func(s *relayconfig.Command) {
+				s.KafkaTLS = true
+				s.KafkaSASLMechanism, s.KafkaSASLOAuthTokenFile = relayconfig.SASLOAuthBearer, "/var/run/secrets/kafka/token"
+			},
+		},
+		"AWS_MSK_IAM": {
+			edit: func(r *outboxv1alpha1.OutboxRelay) {
+				r.Spec.Kafka.TLS = &outboxv1alpha1.KafkaTLS{}
+				r.Spec.Kafka.SASL = &outboxv1alpha1.KafkaSASL{Mechanism: outboxv1alpha1.SASLAWSMSKIAM, AWS: &outboxv1alpha1.KafkaAWS{Region: "eu-west-1"}}
+			},
+			want: func(s *relayconfig.Command) {
+				s.KafkaTLS = true
+				s.KafkaSASLMechanism, s.KafkaSASLAWSRegion = relayconfig.SASLAWSMSKIAM, "eu-west-1"
+			},
+		},
 		"mutual TLS from a Secret, SASL PLAIN": {
 			edit: func(r *outboxv1alpha1.OutboxRelay) {
 				r.Spec.Kafka.TLS = &outboxv1alpha1.KafkaTLS{SecretRef: &outboxv1alpha1.SecretReference{Name: "tls"}}
 				r.Spec.Kafka.SASL = &outboxv1alpha1.KafkaSASL{Mechanism: outboxv1alpha1.SASLPlain,
-					CredentialsSecretRef: outboxv1alpha1.SASLCredentialsReference{Name: "creds"}}
+					CredentialsSecretRef: &outboxv1alpha1.SASLCredentialsReference{Name: "creds"}}
 			},
 			in: secretInputs{TLSCA: true, TLSClientCert: true},
 			want: func(s *relayconfig.Command) {
@@ -216,7 +251,7 @@ func FuzzSpecRoundTrip(f *testing.F) {
 		}
 		if m := int(sasl) % 4; m > 0 {
 			s.Kafka.SASL = &outboxv1alpha1.KafkaSASL{Mechanism: outboxv1alpha1.SASLMechanism(relayconfig.SASLMechanisms[m-1]),
-				CredentialsSecretRef: outboxv1alpha1.SASLCredentialsReference{Name: "creds"}}
+				CredentialsSecretRef: &outboxv1alpha1.SASLCredentialsReference{Name: "creds"}}
 		}
 
 		verdict := validateSpec(relay, testImages)

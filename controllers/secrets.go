@@ -275,7 +275,7 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 		}
 		in.DatabaseTLS = t
 	}
-	if sasl := relay.Spec.Kafka.SASL; sasl != nil {
+	if sasl := relay.Spec.Kafka.SASL; sasl != nil && sasl.CredentialsSecretRef != nil {
 		ref := sasl.CredentialsSecretRef
 		e, prob, err := get("spec.kafka.sasl.credentialsSecretRef", ref.Name, "")
 		if prob != nil || err != nil {
@@ -302,7 +302,7 @@ func referencedSecrets(relay *outboxv1alpha1.OutboxRelay) []string {
 	if tls := relay.Spec.Kafka.TLS; tls != nil && tls.SecretRef != nil {
 		names = append(names, tls.SecretRef.Name)
 	}
-	if sasl := relay.Spec.Kafka.SASL; sasl != nil {
+	if sasl := relay.Spec.Kafka.SASL; sasl != nil && sasl.CredentialsSecretRef != nil {
 		names = append(names, sasl.CredentialsSecretRef.Name)
 	}
 	if db := relay.Spec.Database; db != nil && db.TLS != nil {

@@ -179,6 +179,12 @@ func specSettings(relay *outboxv1alpha1.OutboxRelay) (relayconfig.Command, error
 	}
 	if sasl := spec.Kafka.SASL; sasl != nil {
 		s.KafkaSASLMechanism = string(sasl.Mechanism)
+		if o := sasl.OAuth; o != nil {
+			s.KafkaSASLOAuthTokenFile, s.KafkaSASLOAuthTokenEndpoint, s.KafkaSASLOAuthScope = o.TokenFile, o.TokenEndpoint, o.Scope
+		}
+		if a := sasl.AWS; a != nil {
+			s.KafkaSASLAWSRegion = a.Region
+		}
 	}
 	auth, err := databaseAuthOf(spec.Database)
 	if err != nil {
@@ -203,27 +209,31 @@ func kafkaFiles(s *relayconfig.Command, in secretInputs) {
 
 // specFields names the spec field behind each relay flag the operator sets.
 var specFields = map[string]string{
-	relayconfig.FlagTable:                 "spec.table",
-	relayconfig.FlagBrokers:               "spec.kafka.brokers",
-	relayconfig.FlagTopic:                 "spec.topics",
-	relayconfig.FlagDeadLetterTopic:       "spec.deadLetterTopic",
-	relayconfig.FlagBatchSize:             "spec.batchSize",
-	relayconfig.FlagMaxBatchBytes:         "spec.maxBatchBytes",
-	relayconfig.FlagPollInterval:          "spec.pollInterval",
-	relayconfig.FlagStallTimeout:          "spec.stallTimeout",
-	relayconfig.FlagOrdering:              "spec.ordering",
-	relayconfig.FlagKafkaSASLMech:         "spec.kafka.sasl.mechanism",
-	relayconfig.FlagDatabaseAuth:          "spec.database.auth.method",
-	relayconfig.FlagDatabaseAuthAWSRegion: "spec.database.auth.aws.region",
-	relayconfig.FlagFormat:                "spec.format",
-	relayconfig.FlagRecordTimestamp:       "spec.recordTimestamp",
-	relayconfig.FlagCloudEventsSource:     "spec.cloudEventsSource",
-	relayconfig.FlagCompression:           "spec.kafka.compression",
-	relayconfig.FlagMaxInFlight:           "spec.maxInFlight",
-	relayconfig.FlagNotify:                "spec.notify",
-	relayconfig.FlagOnPublish:             "spec.retention.onPublish",
-	relayconfig.FlagKeepPublishedFor:      "spec.retention.keepPublishedFor",
-	relayconfig.FlagPruneBatchSize:        "spec.retention.pruneBatchSize",
+	relayconfig.FlagTable:                       "spec.table",
+	relayconfig.FlagBrokers:                     "spec.kafka.brokers",
+	relayconfig.FlagTopic:                       "spec.topics",
+	relayconfig.FlagDeadLetterTopic:             "spec.deadLetterTopic",
+	relayconfig.FlagBatchSize:                   "spec.batchSize",
+	relayconfig.FlagMaxBatchBytes:               "spec.maxBatchBytes",
+	relayconfig.FlagPollInterval:                "spec.pollInterval",
+	relayconfig.FlagStallTimeout:                "spec.stallTimeout",
+	relayconfig.FlagOrdering:                    "spec.ordering",
+	relayconfig.FlagKafkaSASLMech:               "spec.kafka.sasl.mechanism",
+	relayconfig.FlagKafkaSASLOAuthTokenFile:     "spec.kafka.sasl.oauth.tokenFile",
+	relayconfig.FlagKafkaSASLOAuthTokenEndpoint: "spec.kafka.sasl.oauth.tokenEndpoint",
+	relayconfig.FlagKafkaSASLOAuthScope:         "spec.kafka.sasl.oauth.scope",
+	relayconfig.FlagKafkaSASLAWSRegion:          "spec.kafka.sasl.aws.region",
+	relayconfig.FlagDatabaseAuth:                "spec.database.auth.method",
+	relayconfig.FlagDatabaseAuthAWSRegion:       "spec.database.auth.aws.region",
+	relayconfig.FlagFormat:                      "spec.format",
+	relayconfig.FlagRecordTimestamp:             "spec.recordTimestamp",
+	relayconfig.FlagCloudEventsSource:           "spec.cloudEventsSource",
+	relayconfig.FlagCompression:                 "spec.kafka.compression",
+	relayconfig.FlagMaxInFlight:                 "spec.maxInFlight",
+	relayconfig.FlagNotify:                      "spec.notify",
+	relayconfig.FlagOnPublish:                   "spec.retention.onPublish",
+	relayconfig.FlagKeepPublishedFor:            "spec.retention.keepPublishedFor",
+	relayconfig.FlagPruneBatchSize:              "spec.retention.pruneBatchSize",
 }
 
 // checkSettings is the relay's own verdict on s (Command.Validate), so a

@@ -55,6 +55,36 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		{"template env sets the relay's own", func(s map[string]any) {
 			s["template"] = map[string]any{"container": map[string]any{"env": []any{map[string]any{"name": "RELAY_BATCH_SIZE", "value": "1"}}}}
 		}, []string{"spec.template.container.env", "RELAY_* variables are the relay's own"}},
+		{"OAUTHBEARER without TLS", func(s map[string]any) {
+			kafka(s)["sasl"] = map[string]any{"mechanism": "OAUTHBEARER", "oauth": map[string]any{"tokenFile": "/t"}}
+		}, []string{"spec.kafka.sasl.mechanism", "OAUTHBEARER sends a bearer token in clear text"}},
+		{"OAUTHBEARER without oauth", func(s map[string]any) {
+			kafka(s)["tls"] = map[string]any{}
+			kafka(s)["sasl"] = map[string]any{"mechanism": "OAUTHBEARER"}
+		}, []string{"spec.kafka.sasl.oauth", "goes with mechanism OAUTHBEARER"}},
+		{"OAUTHBEARER with both a file and an endpoint", func(s map[string]any) {
+			kafka(s)["tls"] = map[string]any{}
+			kafka(s)["sasl"] = map[string]any{"mechanism": "OAUTHBEARER", "credentialsSecretRef": map[string]any{"name": "c"},
+				"oauth": map[string]any{"tokenFile": "/t", "tokenEndpoint": "https://idp/token"}}
+		}, []string{"spec.kafka.sasl.oauth", "exactly one of tokenFile and tokenEndpoint"}},
+		{"OAUTHBEARER endpoint in clear text", func(s map[string]any) {
+			kafka(s)["tls"] = map[string]any{}
+			kafka(s)["sasl"] = map[string]any{"mechanism": "OAUTHBEARER", "credentialsSecretRef": map[string]any{"name": "c"},
+				"oauth": map[string]any{"tokenEndpoint": "http://idp.example/token"}}
+		}, []string{"spec.kafka.sasl.oauth.tokenEndpoint", "the client secret never crosses the network in clear text"}},
+		{"OAUTHBEARER endpoint without client credentials", func(s map[string]any) {
+			kafka(s)["tls"] = map[string]any{}
+			kafka(s)["sasl"] = map[string]any{"mechanism": "OAUTHBEARER", "oauth": map[string]any{"tokenEndpoint": "https://idp/token"}}
+		}, []string{"spec.kafka.sasl.credentialsSecretRef", "oauth.tokenEndpoint needs credentialsSecretRef"}},
+		{"SCRAM without credentials", func(s map[string]any) {
+			kafka(s)["sasl"] = map[string]any{"mechanism": "SCRAM-SHA-512"}
+		}, []string{"spec.kafka.sasl.credentialsSecretRef", "PLAIN and SCRAM need credentialsSecretRef"}},
+		{"aws settings with SCRAM", func(s map[string]any) {
+			kafka(s)["sasl"] = map[string]any{"mechanism": "SCRAM-SHA-512", "credentialsSecretRef": map[string]any{"name": "c"}, "aws": map[string]any{"region": "eu-west-1"}}
+		}, []string{"spec.kafka.sasl.aws", "applies only to mechanism AWS_MSK_IAM"}},
+		{"AWS_MSK_IAM without TLS", func(s map[string]any) {
+			kafka(s)["sasl"] = map[string]any{"mechanism": "AWS_MSK_IAM"}
+		}, []string{"spec.kafka.sasl.mechanism", "MSK serves AWS_MSK_IAM only over TLS"}},
 		{"database auth method unknown", func(s map[string]any) {
 			s["database"] = map[string]any{"auth": map[string]any{"method": "Kerberos"}}
 		}, []string{"spec.database.auth.method", "Kerberos"}},
@@ -222,6 +252,19 @@ func TestAPIServerAcceptsEdgeCases(t *testing.T) {
 		{"TLS without a Secret, SASL SCRAM", func(s map[string]any) {
 			kafka(s)["tls"] = map[string]any{}
 			kafka(s)["sasl"] = map[string]any{"mechanism": "SCRAM-SHA-256", "credentialsSecretRef": map[string]any{"name": "kafka-user"}}
+		}},
+		{"OAUTHBEARER from a token endpoint on the pod's loopback", func(s map[string]any) {
+			kafka(s)["tls"] = map[string]any{}
+			kafka(s)["sasl"] = map[string]any{"mechanism": "OAUTHBEARER", "credentialsSecretRef": map[string]any{"name": "idp-client"},
+				"oauth": map[string]any{"tokenEndpoint": "http://127.0.0.1:8080/token", "scope": "kafka"}}
+		}},
+		{"OAUTHBEARER from a token file, AWS_MSK_IAM", func(s map[string]any) {
+			kafka(s)["tls"] = map[string]any{}
+			kafka(s)["sasl"] = map[string]any{"mechanism": "OAUTHBEARER", "oauth": map[string]any{"tokenFile": "/var/run/secrets/kafka/token"}}
+		}},
+		{"AWS_MSK_IAM with a region", func(s map[string]any) {
+			kafka(s)["tls"] = map[string]any{}
+			kafka(s)["sasl"] = map[string]any{"mechanism": "AWS_MSK_IAM", "aws": map[string]any{"region": "eu-west-1"}}
 		}},
 		{"dsnSecretRef with a dotted name and custom key", func(s map[string]any) {
 			s["dsnSecretRef"] = map[string]any{"name": "orders.db-credentials", "key": "DATABASE_URL"}

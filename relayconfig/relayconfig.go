@@ -30,42 +30,46 @@ import (
 
 // Flag names of the relay command.
 const (
-	FlagDSN                   = "dsn"
-	FlagTable                 = "table"
-	FlagBrokers               = "brokers"
-	FlagTopic                 = "topic"
-	FlagTopicsFile            = "topics-file"
-	FlagDeadLetterTopic       = "dead-letter-topic"
-	FlagBatchSize             = "batch-size"
-	FlagMaxBatchBytes         = "max-batch-bytes"
-	FlagPollInterval          = "poll-interval"
-	FlagPublishTimeout        = "publish-timeout"
-	FlagOrdering              = "ordering"
-	FlagStallTimeout          = "stall-timeout"
-	FlagMaxInFlight           = "max-in-flight"
-	FlagNotify                = "notify"
-	FlagOnPublish             = "on-publish"
-	FlagKeepPublishedFor      = "keep-published-for"
-	FlagPruneBatchSize        = "prune-batch-size"
-	FlagPrunePause            = "prune-pause"
-	FlagMetricsAddr           = "metrics-addr"
-	FlagLogFormat             = "log-format"
-	FlagKafkaTLS              = "kafka-tls"
-	FlagKafkaTLSCAFile        = "kafka-tls-ca-file"
-	FlagKafkaTLSCertFile      = "kafka-tls-cert-file"
-	FlagKafkaTLSKeyFile       = "kafka-tls-key-file"
-	FlagDatabaseCAFile        = "database-tls-ca-file"
-	FlagDatabaseCertFile      = "database-tls-cert-file"
-	FlagDatabaseKeyFile       = "database-tls-key-file"
-	FlagDatabaseAuth          = "database-auth"
-	FlagDatabaseAuthAWSRegion = "database-auth-aws-region"
-	FlagKafkaSASLMech         = "kafka-sasl-mechanism"
-	FlagFormat                = "format"
-	FlagRecordTimestamp       = "record-timestamp"
-	FlagCloudEventsSource     = "cloudevents-source"
-	FlagCompression           = "compression"
-	flagKafkaSASLUsername     = "kafka-sasl-username" // environment only
-	flagKafkaSASLPassword     = "kafka-sasl-password" // environment only
+	FlagDSN                         = "dsn"
+	FlagTable                       = "table"
+	FlagBrokers                     = "brokers"
+	FlagTopic                       = "topic"
+	FlagTopicsFile                  = "topics-file"
+	FlagDeadLetterTopic             = "dead-letter-topic"
+	FlagBatchSize                   = "batch-size"
+	FlagMaxBatchBytes               = "max-batch-bytes"
+	FlagPollInterval                = "poll-interval"
+	FlagPublishTimeout              = "publish-timeout"
+	FlagOrdering                    = "ordering"
+	FlagStallTimeout                = "stall-timeout"
+	FlagMaxInFlight                 = "max-in-flight"
+	FlagNotify                      = "notify"
+	FlagOnPublish                   = "on-publish"
+	FlagKeepPublishedFor            = "keep-published-for"
+	FlagPruneBatchSize              = "prune-batch-size"
+	FlagPrunePause                  = "prune-pause"
+	FlagMetricsAddr                 = "metrics-addr"
+	FlagLogFormat                   = "log-format"
+	FlagKafkaTLS                    = "kafka-tls"
+	FlagKafkaTLSCAFile              = "kafka-tls-ca-file"
+	FlagKafkaTLSCertFile            = "kafka-tls-cert-file"
+	FlagKafkaTLSKeyFile             = "kafka-tls-key-file"
+	FlagDatabaseCAFile              = "database-tls-ca-file"
+	FlagDatabaseCertFile            = "database-tls-cert-file"
+	FlagDatabaseKeyFile             = "database-tls-key-file"
+	FlagDatabaseAuth                = "database-auth"
+	FlagDatabaseAuthAWSRegion       = "database-auth-aws-region"
+	FlagKafkaSASLMech               = "kafka-sasl-mechanism"
+	FlagKafkaSASLOAuthTokenFile     = "kafka-sasl-oauth-token-file"
+	FlagKafkaSASLOAuthTokenEndpoint = "kafka-sasl-oauth-token-endpoint"
+	FlagKafkaSASLOAuthScope         = "kafka-sasl-oauth-scope"
+	FlagKafkaSASLAWSRegion          = "kafka-sasl-aws-region"
+	FlagFormat                      = "format"
+	FlagRecordTimestamp             = "record-timestamp"
+	FlagCloudEventsSource           = "cloudevents-source"
+	FlagCompression                 = "compression"
+	flagKafkaSASLUsername           = "kafka-sasl-username" // environment only
+	flagKafkaSASLPassword           = "kafka-sasl-password" // environment only
 )
 
 // Flag names of `relay schema`, which prints the outbox DDL.
@@ -193,10 +197,14 @@ const (
 	SASLPlain       = "PLAIN"
 	SASLScramSHA256 = "SCRAM-SHA-256"
 	SASLScramSHA512 = "SCRAM-SHA-512"
+	// SASLOAuthBearer is OAUTHBEARER with a token from a file or a token endpoint.
+	SASLOAuthBearer = "OAUTHBEARER"
+	// SASLAWSMSKIAM is Amazon MSK's IAM authentication.
+	SASLAWSMSKIAM = "AWS_MSK_IAM"
 )
 
 // SASLMechanisms are the valid --kafka-sasl-mechanism values.
-var SASLMechanisms = []string{SASLPlain, SASLScramSHA256, SASLScramSHA512}
+var SASLMechanisms = []string{SASLPlain, SASLScramSHA256, SASLScramSHA512, SASLOAuthBearer, SASLAWSMSKIAM}
 
 // DatabaseAuth is how the relay logs in to PostgreSQL.
 type DatabaseAuth string
@@ -397,8 +405,14 @@ type Command struct {
 	DatabaseAuthAWSRegion string
 	// KafkaSASLMechanism is empty (no SASL) or one of SASLMechanisms.
 	KafkaSASLMechanism string
-	// SASL credentials; they travel in the environment, never as arguments.
+	// SASL credentials (with OAUTHBEARER's token endpoint: the client id
+	// and secret); they travel in the environment, never as arguments.
 	KafkaSASLUsername, KafkaSASLPassword string
+	// OAUTHBEARER's token: a file read for each new connection, or an
+	// OAuth 2.0 token endpoint (client credentials grant) and its scope.
+	KafkaSASLOAuthTokenFile, KafkaSASLOAuthTokenEndpoint, KafkaSASLOAuthScope string
+	// KafkaSASLAWSRegion is AWS_MSK_IAM's region (default AWS_REGION).
+	KafkaSASLAWSRegion string
 }
 
 // Defaults are the settings of a relay command given no flags.
@@ -450,6 +464,8 @@ func (s Command) Args() []string {
 		{FlagKafkaTLSKeyFile, s.KafkaTLSKeyFile}, {FlagKafkaSASLMech, s.KafkaSASLMechanism},
 		{FlagDatabaseCAFile, s.DatabaseCAFile}, {FlagDatabaseCertFile, s.DatabaseCertFile}, {FlagDatabaseKeyFile, s.DatabaseKeyFile},
 		{FlagDatabaseAuthAWSRegion, s.DatabaseAuthAWSRegion},
+		{FlagKafkaSASLOAuthTokenFile, s.KafkaSASLOAuthTokenFile}, {FlagKafkaSASLOAuthTokenEndpoint, s.KafkaSASLOAuthTokenEndpoint},
+		{FlagKafkaSASLOAuthScope, s.KafkaSASLOAuthScope}, {FlagKafkaSASLAWSRegion, s.KafkaSASLAWSRegion},
 	} {
 		if f.v != "" {
 			args = append(args, arg(f.name, f.v))
@@ -665,7 +681,11 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	s.DatabaseAuth = DatabaseAuthPassword
 	fs.Func(FlagDatabaseAuth, "how to log in to PostgreSQL: "+joinValues(DatabaseAuths)+" (a token of the pod's cloud identity as the password; needs TLS) (default password)", func(v string) error { s.DatabaseAuth = DatabaseAuth(v); return nil })
 	fs.StringVar(&s.DatabaseAuthAWSRegion, FlagDatabaseAuthAWSRegion, "", "AWS region of aws-rds-iam tokens (default AWS_REGION)")
-	fs.StringVar(&s.KafkaSASLMechanism, FlagKafkaSASLMech, "", "SASL mechanism: "+strings.Join(SASLMechanisms, ", ")+" (credentials from "+EnvSASLUsername+" and "+EnvSASLPassword+")")
+	fs.StringVar(&s.KafkaSASLMechanism, FlagKafkaSASLMech, "", "SASL mechanism: "+strings.Join(SASLMechanisms, ", ")+" (PLAIN and SCRAM: credentials from "+EnvSASLUsername+" and "+EnvSASLPassword+")")
+	fs.StringVar(&s.KafkaSASLOAuthTokenFile, FlagKafkaSASLOAuthTokenFile, "", "OAUTHBEARER: file holding the token, read for each new connection")
+	fs.StringVar(&s.KafkaSASLOAuthTokenEndpoint, FlagKafkaSASLOAuthTokenEndpoint, "", "OAUTHBEARER: OAuth 2.0 token endpoint (client credentials grant; client id and secret from "+EnvSASLUsername+" and "+EnvSASLPassword+")")
+	fs.StringVar(&s.KafkaSASLOAuthScope, FlagKafkaSASLOAuthScope, "", "OAUTHBEARER: scope asked of the token endpoint")
+	fs.StringVar(&s.KafkaSASLAWSRegion, FlagKafkaSASLAWSRegion, "", "AWS_MSK_IAM: the cluster's region (default AWS_REGION)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			fmt.Fprintf(usage, "usage: relay [flags]\n       relay schema [--table NAME] [--partitioned]\n       relay held [--reason R] [--type T] [--id N]\n       relay redrive (--id N | --reason R | --type T | --all)\n\nEvery flag can be set as %s<FLAG> in the environment.\n\n", EnvPrefix)
@@ -731,8 +751,29 @@ func (s Command) validateProcess() error {
 			errs = append(errs, fieldErr(FlagKafkaSASLMech, fmt.Errorf("%q is not one of %s", m, strings.Join(SASLMechanisms, ", "))))
 		case m == SASLPlain && !s.TLSEnabled():
 			errs = append(errs, fieldErr(FlagKafkaSASLMech, fmt.Errorf("%s sends the password in clear text; it needs --%s", m, FlagKafkaTLS)))
-		case s.KafkaSASLUsername == "" || s.KafkaSASLPassword == "":
+		case m == SASLOAuthBearer && !s.TLSEnabled():
+			errs = append(errs, fieldErr(FlagKafkaSASLMech, fmt.Errorf("%s sends a bearer token in clear text; it needs --%s", m, FlagKafkaTLS)))
+		case m == SASLAWSMSKIAM && !s.TLSEnabled():
+			errs = append(errs, fieldErr(FlagKafkaSASLMech, fmt.Errorf("MSK serves %s only over TLS; it needs --%s", m, FlagKafkaTLS)))
+		case m == SASLOAuthBearer && (s.KafkaSASLOAuthTokenFile == "") == (s.KafkaSASLOAuthTokenEndpoint == ""):
+			errs = append(errs, fieldErr(FlagKafkaSASLMech, fmt.Errorf("%s needs exactly one of --%s and --%s", m, FlagKafkaSASLOAuthTokenFile, FlagKafkaSASLOAuthTokenEndpoint)))
+		case m == SASLOAuthBearer && s.KafkaSASLOAuthTokenEndpoint != "" && (s.KafkaSASLUsername == "" || s.KafkaSASLPassword == ""):
+			errs = append(errs, fieldErr(FlagKafkaSASLOAuthTokenEndpoint, fmt.Errorf("needs the client id and secret in %s and %s", EnvSASLUsername, EnvSASLPassword)))
+		case (m == SASLPlain || m == SASLScramSHA256 || m == SASLScramSHA512) && (s.KafkaSASLUsername == "" || s.KafkaSASLPassword == ""):
 			errs = append(errs, fieldErr(FlagKafkaSASLMech, fmt.Errorf("%s needs %s and %s", m, EnvSASLUsername, EnvSASLPassword)))
+		}
+	}
+	if e := s.KafkaSASLOAuthTokenEndpoint; e != "" {
+		errs = append(errs, fieldErr(FlagKafkaSASLOAuthTokenEndpoint, CheckTokenEndpoint(e)))
+	}
+	for _, f := range []struct{ flag, v, mech string }{
+		{FlagKafkaSASLOAuthTokenFile, s.KafkaSASLOAuthTokenFile, SASLOAuthBearer},
+		{FlagKafkaSASLOAuthTokenEndpoint, s.KafkaSASLOAuthTokenEndpoint, SASLOAuthBearer},
+		{FlagKafkaSASLOAuthScope, s.KafkaSASLOAuthScope, SASLOAuthBearer},
+		{FlagKafkaSASLAWSRegion, s.KafkaSASLAWSRegion, SASLAWSMSKIAM},
+	} {
+		if f.v != "" && s.KafkaSASLMechanism != f.mech {
+			errs = append(errs, fieldErr(f.flag, fmt.Errorf("applies only to --%s=%s", FlagKafkaSASLMech, f.mech)))
 		}
 	}
 	return errors.Join(errs...)
@@ -1077,4 +1118,23 @@ func readTopicsFile(path string, into topicsValue) error {
 		}
 	}
 	return nil
+}
+
+// CheckTokenEndpoint accepts an https URL, or http to a loopback host (a
+// sidecar in the pod): a client secret never crosses the network in clear text.
+func CheckTokenEndpoint(endpoint string) error {
+	u, err := url.Parse(endpoint)
+	if err != nil || u.Host == "" {
+		return fmt.Errorf("%q is not an absolute URL", endpoint)
+	}
+	switch u.Scheme {
+	case "https":
+		return nil
+	case "http":
+		if ip := net.ParseIP(u.Hostname()); u.Hostname() == "localhost" || (ip != nil && ip.IsLoopback()) {
+			return nil
+		}
+		return fmt.Errorf("%q: http only to a loopback host; use https", endpoint)
+	}
+	return fmt.Errorf("%q is not an https URL", endpoint)
 }

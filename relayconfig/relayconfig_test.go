@@ -52,6 +52,20 @@ func TestArgsRoundTrip(t *testing.T) {
 			s.KafkaSASLUsername, s.KafkaSASLPassword = "u", "s3cret"
 			s.DatabaseAuth, s.DatabaseAuthAWSRegion = relayconfig.DatabaseAuthAWSRDSIAM, "eu-west-1"
 		},
+		"OAUTHBEARER from a token endpoint": func(s *relayconfig.Command) {
+			s.KafkaTLS = true
+			s.KafkaSASLMechanism = relayconfig.SASLOAuthBearer
+			s.KafkaSASLOAuthTokenEndpoint, s.KafkaSASLOAuthScope = "https://idp.example/oauth2/token", "kafka openid"
+			s.KafkaSASLUsername, s.KafkaSASLPassword = "client", "s3cret"
+		},
+		"OAUTHBEARER from a file": func(s *relayconfig.Command) {
+			s.KafkaTLS = true
+			s.KafkaSASLMechanism, s.KafkaSASLOAuthTokenFile = relayconfig.SASLOAuthBearer, "/var/run/secrets/kafka/token"
+		},
+		"AWS_MSK_IAM": func(s *relayconfig.Command) {
+			s.KafkaTLS = true
+			s.KafkaSASLMechanism, s.KafkaSASLAWSRegion = relayconfig.SASLAWSMSKIAM, "us-east-2"
+		},
 	}
 	for name, mutate := range cases {
 		s := valid()
@@ -93,18 +107,25 @@ func TestParseNamesFlagAndValue(t *testing.T) {
 	good := []string{"--brokers=k:9092", "--topic=E=t"}
 	dsn := env(map[string]string{relayconfig.EnvDSN: "postgres://x"})
 	cases := map[string][]string{
-		`--max-batch-bytes: 1024 is outside 65536..67108864`:                                          {"--max-batch-bytes=1024"},
-		`--stall-timeout: 1s is outside 5s..24h0m0s`:                                                  {"--stall-timeout=1s"},
-		`--publish-timeout: 0s is outside 1s..5m0s`:                                                   {"--publish-timeout=0s"},
-		`--kafka-sasl-mechanism: PLAIN sends the password in clear text; it needs --kafka-tls`:        {"--kafka-sasl-mechanism=PLAIN"},
-		`--topic: event type " E" must be`:                                                            {"--topic= E=t2"},
-		`--brokers: "k:0" has an invalid port`:                                                        {"--brokers=k:0"},
-		`--format: "avro" is not one of raw, cloudevents`:                                             {"--format=avro"},
-		`--compression: "brotli" is not one of none, gzip, snappy, lz4, zstd`:                         {"--compression=brotli"},
-		`--cloudevents-source: "/a b" is not a URI-reference`:                                         {"--cloudevents-source=/a b"},
-		`--cloudevents-source: "%zz" is not a URI-reference`:                                          {"--cloudevents-source=%zz"},
-		`--database-auth: "kerberos" is not one of password, aws-rds-iam, gcp-cloudsql-iam, azure-ad`: {"--database-auth=kerberos"},
-		`--database-auth-aws-region: applies only to --database-auth=aws-rds-iam`:                     {"--database-auth=azure-ad", "--database-auth-aws-region=eu-west-1"},
+		`--max-batch-bytes: 1024 is outside 65536..67108864`:                                                                           {"--max-batch-bytes=1024"},
+		`--stall-timeout: 1s is outside 5s..24h0m0s`:                                                                                   {"--stall-timeout=1s"},
+		`--publish-timeout: 0s is outside 1s..5m0s`:                                                                                    {"--publish-timeout=0s"},
+		`--kafka-sasl-mechanism: PLAIN sends the password in clear text; it needs --kafka-tls`:                                         {"--kafka-sasl-mechanism=PLAIN"},
+		`--topic: event type " E" must be`:                                                                                             {"--topic= E=t2"},
+		`--brokers: "k:0" has an invalid port`:                                                                                         {"--brokers=k:0"},
+		`--format: "avro" is not one of raw, cloudevents`:                                                                              {"--format=avro"},
+		`--compression: "brotli" is not one of none, gzip, snappy, lz4, zstd`:                                                          {"--compression=brotli"},
+		`--cloudevents-source: "/a b" is not a URI-reference`:                                                                          {"--cloudevents-source=/a b"},
+		`--cloudevents-source: "%zz" is not a URI-reference`:                                                                           {"--cloudevents-source=%zz"},
+		`--database-auth: "kerberos" is not one of password, aws-rds-iam, gcp-cloudsql-iam, azure-ad`:                                  {"--database-auth=kerberos"},
+		`--database-auth-aws-region: applies only to --database-auth=aws-rds-iam`:                                                      {"--database-auth=azure-ad", "--database-auth-aws-region=eu-west-1"},
+		`--kafka-sasl-mechanism: OAUTHBEARER sends a bearer token in clear text; it needs --kafka-tls`:                                 {"--kafka-sasl-mechanism=OAUTHBEARER", "--kafka-sasl-oauth-token-file=/t"},
+		`--kafka-sasl-mechanism: MSK serves AWS_MSK_IAM only over TLS; it needs --kafka-tls`:                                           {"--kafka-sasl-mechanism=AWS_MSK_IAM"},
+		`--kafka-sasl-mechanism: OAUTHBEARER needs exactly one of --kafka-sasl-oauth-token-file and --kafka-sasl-oauth-token-endpoint`: {"--kafka-tls", "--kafka-sasl-mechanism=OAUTHBEARER"},
+		`--kafka-sasl-oauth-token-endpoint: needs the client id and secret`:                                                            {"--kafka-tls", "--kafka-sasl-mechanism=OAUTHBEARER", "--kafka-sasl-oauth-token-endpoint=https://idp/token"},
+		`--kafka-sasl-oauth-token-endpoint: "http://idp/token": http only to a loopback host`:                                          {"--kafka-tls", "--kafka-sasl-mechanism=OAUTHBEARER", "--kafka-sasl-oauth-token-endpoint=http://idp/token"},
+		`--kafka-sasl-aws-region: applies only to --kafka-sasl-mechanism=AWS_MSK_IAM`:                                                  {"--kafka-sasl-aws-region=eu-west-1"},
+		`--kafka-sasl-oauth-scope: applies only to --kafka-sasl-mechanism=OAUTHBEARER`:                                                 {"--kafka-sasl-oauth-scope=kafka"},
 	}
 	for want, extra := range cases {
 		_, err := relayconfig.Parse(append(good, extra...), dsn, nil)
@@ -199,5 +220,23 @@ func TestDocsDescribeSchemaFlags(t *testing.T) {
 		relayconfig.FlagPartitionsAhead: strconv.Itoa(relayconfig.DefaultPartitionsAhead),
 	} {
 		require.Contains(t, string(doc), "`--"+flag+"` (default `"+def+"`)", "docs/relay.md gives the default of relay schema --%s", flag)
+	}
+}
+func TestCheckTokenEndpoint(t *testing.T) {
+	for endpoint, ok := range map[string]bool{
+		"https://idp.example/oauth2/token": true,
+		"http://127.0.0.1:8080/token":      true,
+		"http://localhost/token":           true,
+		"http://[::1]:9/token":             true,
+		"http://idp.example/token":         false,
+		"ftp://idp.example/token":          false,
+		"/token":                           false,
+		"idp.example/token":                false,
+	} {
+		if err := relayconfig.CheckTokenEndpoint(endpoint); ok {
+			require.NoError(t, err, endpoint)
+		} else {
+			require.Error(t, err, endpoint)
+		}
 	}
 }

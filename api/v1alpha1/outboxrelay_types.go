@@ -213,7 +213,7 @@ type TracingSpec struct {
 }
 
 // SASLMechanism is a Kafka SASL mechanism.
-// +kubebuilder:validation:Enum=PLAIN;SCRAM-SHA-256;SCRAM-SHA-512
+// +kubebuilder:validation:Enum=PLAIN;SCRAM-SHA-256;SCRAM-SHA-512;OAUTHBEARER;AWS_MSK_IAM
 type SASLMechanism string
 
 const (
@@ -223,6 +223,12 @@ const (
 	SASLScramSHA256 SASLMechanism = "SCRAM-SHA-256"
 	// SASLScramSHA512 is SASL/SCRAM-SHA-512.
 	SASLScramSHA512 SASLMechanism = "SCRAM-SHA-512"
+	// SASLOAuthBearer is SASL/OAUTHBEARER with a token from a file or a
+	// token endpoint (oauth); use it with TLS only.
+	SASLOAuthBearer SASLMechanism = "OAUTHBEARER"
+	// SASLAWSMSKIAM is Amazon MSK's IAM authentication, signed with the
+	// relay pod's AWS identity; MSK serves it over TLS only.
+	SASLAWSMSKIAM SASLMechanism = "AWS_MSK_IAM"
 )
 
 // TopicName is a Kafka topic name: 1 to 249 characters from [a-zA-Z0-9._-], not "." or "..".
@@ -291,6 +297,7 @@ type SASLCredentialsReference struct {
 
 // KafkaSpec says how the relay reaches Kafka.
 // +kubebuilder:validation:XValidation:rule="!has(self.sasl) || self.sasl.mechanism != 'PLAIN' || has(self.tls)",message="SASL PLAIN sends the password in clear text: set spec.kafka.tls (tls: {} uses the system roots) or use SCRAM",fieldPath=".sasl.mechanism"
+// +kubebuilder:validation:XValidation:rule="!has(self.sasl) || !(self.sasl.mechanism in ['OAUTHBEARER', 'AWS_MSK_IAM']) || has(self.tls)",message="OAUTHBEARER sends a bearer token in clear text, and MSK serves AWS_MSK_IAM only over TLS: set spec.kafka.tls (tls: {} uses the system roots)",fieldPath=".sasl.mechanism"
 type KafkaSpec struct {
 	// Brokers are the bootstrap brokers, each host:port.
 	// +kubebuilder:validation:MinItems=1
@@ -325,13 +332,66 @@ type KafkaTLS struct {
 }
 
 // KafkaSASL makes the relay authenticate to the brokers.
+// +kubebuilder:validation:XValidation:rule="!(self.mechanism in ['PLAIN', 'SCRAM-SHA-256', 'SCRAM-SHA-512']) || has(self.credentialsSecretRef)",message="PLAIN and SCRAM need credentialsSecretRef (the user name and password)",fieldPath=".credentialsSecretRef"
+// +kubebuilder:validation:XValidation:rule="(self.mechanism == 'OAUTHBEARER') == has(self.oauth)",message="oauth goes with mechanism OAUTHBEARER, which needs it",fieldPath=".oauth"
+// +kubebuilder:validation:XValidation:rule="!has(self.aws) || self.mechanism == 'AWS_MSK_IAM'",message="aws applies only to mechanism AWS_MSK_IAM",fieldPath=".aws"
+// +kubebuilder:validation:XValidation:rule="!has(self.oauth) || !has(self.oauth.tokenEndpoint) || has(self.credentialsSecretRef)",message="oauth.tokenEndpoint needs credentialsSecretRef: the client id (usernameKey) and secret (passwordKey)",fieldPath=".credentialsSecretRef"
 type KafkaSASL struct {
-	// Mechanism is PLAIN (only together with tls), SCRAM-SHA-256 or SCRAM-SHA-512.
+	// Mechanism is PLAIN (only together with tls), SCRAM-SHA-256,
+	// SCRAM-SHA-512, OAUTHBEARER (with tls and oauth) or AWS_MSK_IAM (with tls).
 	Mechanism SASLMechanism `json:"mechanism"`
 
-	// CredentialsSecretRef names the Secret holding the user name and password;
-	// they reach the relay as environment variables from the Secret, never as arguments.
-	CredentialsSecretRef SASLCredentialsReference `json:"credentialsSecretRef"`
+	// CredentialsSecretRef names the Secret holding the user name and
+	// password (PLAIN, SCRAM), or the client id and secret of
+	// oauth.tokenEndpoint; they reach the relay as environment variables
+	// from the Secret, never as arguments.
+	// +optional
+	CredentialsSecretRef *SASLCredentialsReference `json:"credentialsSecretRef,omitempty"`
+
+	// OAuth is where OAUTHBEARER's token comes from.
+	// +optional
+	OAuth *KafkaOAuth `json:"oauth,omitempty"`
+
+	// AWS holds AWS_MSK_IAM's settings.
+	// +optional
+	AWS *KafkaAWS `json:"aws,omitempty"`
+}
+
+// KafkaOAuth is where the OAUTHBEARER token comes from: a file the platform
+// keeps fresh, or an OAuth 2.0 token endpoint.
+// +kubebuilder:validation:XValidation:rule="has(self.tokenFile) != has(self.tokenEndpoint)",message="exactly one of tokenFile and tokenEndpoint"
+type KafkaOAuth struct {
+	// TokenFile is a file in the relay container holding the token, read
+	// for each new connection: a projected service account token or a file
+	// a sidecar refreshes, mounted through spec.template.
+	// +kubebuilder:validation:MaxLength=4096
+	// +kubebuilder:validation:Pattern=`^/`
+	// +optional
+	TokenFile string `json:"tokenFile,omitempty"`
+
+	// TokenEndpoint is an OAuth 2.0 token endpoint (client credentials
+	// grant), https or http to the pod's loopback address; the client id
+	// and secret come from credentialsSecretRef. A token is reused until
+	// shortly before it expires.
+	// +kubebuilder:validation:MaxLength=2048
+	// +kubebuilder:validation:XValidation:rule="self.startsWith('https://') || self.matches('^http://(localhost|127[.]0[.]0[.]1)([:/]|$)') || self.startsWith('http://[::1]:') || self.startsWith('http://[::1]/')",message="an https URL, or http to the pod's loopback address: the client secret never crosses the network in clear text"
+	// +optional
+	TokenEndpoint string `json:"tokenEndpoint,omitempty"`
+
+	// Scope is asked of the token endpoint (space-separated).
+	// +kubebuilder:validation:MaxLength=1024
+	// +optional
+	Scope string `json:"scope,omitempty"`
+}
+
+// KafkaAWS is AWS_MSK_IAM's settings.
+type KafkaAWS struct {
+	// Region of the MSK cluster, e.g. eu-west-1. Default: the pod's
+	// AWS_REGION, which EKS sets with a pod identity.
+	// +kubebuilder:validation:MaxLength=32
+	// +kubebuilder:validation:Pattern=`^[a-z]{2}(-[a-z]+)+-[0-9]+$`
+	// +optional
+	Region string `json:"region,omitempty"`
 }
 
 // AutoscalingSpec sizes the relay from its backlog: the desired replicas

@@ -18,6 +18,7 @@ import (
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
 	"github.com/outbox-relay/outbox-operator/dbauth"
+	"github.com/outbox-relay/outbox-operator/kafkaauth"
 	"github.com/outbox-relay/outbox-operator/relay"
 	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
@@ -62,7 +63,7 @@ func parseFlags(args []string, lookupEnv func(string) (string, bool), stderr io.
 		cfg.DatabaseTokens = dbauth.NewSource(provider)
 	}
 	if s.KafkaSASLMechanism != "" {
-		if cfg.SASL, err = saslMechanism(s.KafkaSASLMechanism, s.KafkaSASLUsername, s.KafkaSASLPassword); err != nil {
+		if cfg.SASL, err = saslMechanism(s); err != nil {
 			return nil, err
 		}
 	}
@@ -104,14 +105,28 @@ func tlsConfig(caFile, certFile, keyFile, caFlag, certFlag, keyFlag string) (*tl
 	return t, nil
 }
 
-func saslMechanism(name, user, pass string) (sasl.Mechanism, error) {
-	switch name {
+// saslMechanism is the Kafka SASL mechanism s names, with its credentials.
+func saslMechanism(s relayconfig.Command) (sasl.Mechanism, error) {
+	user, pass := s.KafkaSASLUsername, s.KafkaSASLPassword
+	switch name := s.KafkaSASLMechanism; name {
 	case relayconfig.SASLPlain:
 		return plain.Mechanism{Username: user, Password: pass}, nil
 	case relayconfig.SASLScramSHA256:
 		return scram.Mechanism(scram.SHA256, user, pass)
 	case relayconfig.SASLScramSHA512:
 		return scram.Mechanism(scram.SHA512, user, pass)
+	case relayconfig.SASLOAuthBearer:
+		if s.KafkaSASLOAuthTokenFile != "" {
+			return kafkaauth.OAuthBearer{Token: kafkaauth.FileToken(s.KafkaSASLOAuthTokenFile)}, nil
+		}
+		return kafkaauth.OAuthBearer{Token: kafkaauth.ClientCredentials(s.KafkaSASLOAuthTokenEndpoint, user, pass, s.KafkaSASLOAuthScope)}, nil
+	case relayconfig.SASLAWSMSKIAM:
+		m, err := kafkaauth.MSKIAM(context.Background(), s.KafkaSASLAWSRegion)
+		if err != nil {
+			return nil, fmt.Errorf("--%s: %w", relayconfig.FlagKafkaSASLMech, err)
+		}
+		return m, nil
+	default:
+		return nil, fmt.Errorf("--%s: %q is not supported", relayconfig.FlagKafkaSASLMech, name)
 	}
-	return nil, fmt.Errorf("--%s: %q is not supported", relayconfig.FlagKafkaSASLMech, name)
 }

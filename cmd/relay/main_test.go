@@ -319,3 +319,22 @@ func TestHeldAndRedriveSubcommands(t *testing.T) {
 	out, _ = cmd("redrive")
 	require.Contains(t, out, "select the rows to release with --id, --reason or --type, or --all")
 }
+
+// The binary authenticates with OAUTHBEARER from its flags: TLS to the
+// broker's SASL_SSL listener with the CA from a file (as a Secret mounts
+// it) and the token from a file.
+func TestOAuthBearerFromFlags(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	dir := t.TempDir()
+	ca, token := dir+"/ca.crt", dir+"/token"
+	require.NoError(t, os.WriteFile(ca, testenv.Broker().CA.PEM, 0o644))
+	require.NoError(t, os.WriteFile(token, []byte(testenv.UnsecuredJWT("relay", time.Hour)), 0o600))
+	f.Insert(10, 2, "E")
+	outboxtest.StartRelayProcess(t, nil, append(f.Env(),
+		"RELAY_BROKERS="+testenv.Broker().OAuthAddr(), "RELAY_TOPIC=E="+f.Topics["E"], "RELAY_POLL_INTERVAL=20ms",
+		"RELAY_KAFKA_TLS=true", "RELAY_KAFKA_TLS_CA_FILE="+ca,
+		"RELAY_KAFKA_SASL_MECHANISM=OAUTHBEARER", "RELAY_KAFKA_SASL_OAUTH_TOKEN_FILE="+token)...)
+	f.WaitDrained(0, 30*time.Second)
+	require.Len(t, testenv.Broker().Consume(t, f.Topics["E"], 10, 30*time.Second), 10)
+}

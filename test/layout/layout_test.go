@@ -20,7 +20,7 @@ import (
 const module = "github.com/outbox-relay/outbox-operator"
 
 // product are the shipped packages, with everything below them.
-var product = []string{"./api/...", "./controllers/...", "./relay/...", "./outbox/...", "./relayconfig/...", "./dbauth/...", "./cmd/manager", "./cmd/relay"}
+var product = []string{"./api/...", "./controllers/...", "./relay/...", "./outbox/...", "./relayconfig/...", "./dbauth/...", "./kafkaauth/...", "./cmd/manager", "./cmd/relay"}
 
 // tooling are the roots of what is not shipped.
 var tooling = []string{module + "/test/", module + "/hack/", module + "/examples/", module + "/cmd/demo"}

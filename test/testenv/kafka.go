@@ -29,6 +29,13 @@ import (
 type KafkaBroker struct {
 	// Port is the client listener's port (at Addr's host).
 	Port int
+	// OAuthPort is a second client listener's port: SASL_SSL with
+	// OAUTHBEARER, accepting the unsigned JWTs of UnsecuredJWT (Kafka's
+	// built-in unsecured validator), its certificate for 127.0.0.1 and
+	// localhost signed by CA.
+	OAuthPort int
+	// CA signed the OAUTHBEARER listener's certificate.
+	CA *CA
 
 	host     string
 	dir      string
@@ -90,18 +97,35 @@ func StartKafka(dir string, listen ...Listen) (*KafkaBroker, error) {
 	if err != nil {
 		return nil, err
 	}
+	oport, err := FreePort()
+	if err != nil {
+		return nil, err
+	}
+	ca, err := NewCA("outbox-test-kafka-ca")
+	if err != nil {
+		return nil, err
+	}
+	certPEM, keyPEM, err := ca.IssuePKCS8("kafka", "127.0.0.1", "localhost", listenOf(listen).Host)
+	if err != nil {
+		return nil, err
+	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
 	}
-	b := &KafkaBroker{Port: port, host: listenOf(listen).Host, dir: dir, libs: libs, props: filepath.Join(dir, "server.properties"), logFile: filepath.Join(dir, "kafka.log")}
+	b := &KafkaBroker{Port: port, OAuthPort: oport, CA: ca, host: listenOf(listen).Host, dir: dir, libs: libs, props: filepath.Join(dir, "server.properties"), logFile: filepath.Join(dir, "kafka.log")}
 	props := fmt.Sprintf(`process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@127.0.0.1:%[2]d
-listeners=PLAINTEXT://%[4]s:%[1]d,CONTROLLER://127.0.0.1:%[2]d
-advertised.listeners=PLAINTEXT://%[4]s:%[1]d
+listeners=PLAINTEXT://%[4]s:%[1]d,CONTROLLER://127.0.0.1:%[2]d,OAUTH://%[4]s:%[5]d
+advertised.listeners=PLAINTEXT://%[4]s:%[1]d,OAUTH://%[4]s:%[5]d
 controller.listener.names=CONTROLLER
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,OAUTH:SASL_SSL
 inter.broker.listener.name=PLAINTEXT
+listener.name.oauth.sasl.enabled.mechanisms=OAUTHBEARER
+listener.name.oauth.oauthbearer.sasl.jaas.config=org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginModule required;
+listener.name.oauth.ssl.keystore.type=PEM
+listener.name.oauth.ssl.keystore.certificate.chain=%[6]s
+listener.name.oauth.ssl.keystore.key=%[7]s
 log.dirs=%[3]s
 num.partitions=1
 auto.create.topics.enable=false
@@ -113,7 +137,7 @@ share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
 min.insync.replicas=1
-`, port, cport, filepath.Join(dir, "data"), b.host)
+`, port, cport, filepath.Join(dir, "data"), b.host, oport, propertiesValue(certPEM), propertiesValue(keyPEM))
 	if err := os.WriteFile(b.props, []byte(props), 0o644); err != nil {
 		return nil, err
 	}
@@ -151,6 +175,23 @@ logger.kafka.level = INFO
 		return nil, err
 	}
 	return b, nil
+}
+
+// propertiesValue is s as a one-line Java properties value.
+func propertiesValue(s []byte) string {
+	return strings.ReplaceAll(strings.TrimSpace(string(s)), "\n", `\n`)
+}
+
+// OAuthAddr is the OAUTHBEARER listener's host:port.
+func (b *KafkaBroker) OAuthAddr() string { return net.JoinHostPort(b.host, strconv.Itoa(b.OAuthPort)) }
+
+// UnsecuredJWT is a token the OAUTHBEARER listener accepts: an unsigned
+// JWT ("alg": "none") for subject, valid for ttl (expired when negative).
+func UnsecuredJWT(subject string, ttl time.Duration) string {
+	enc := base64.RawURLEncoding.EncodeToString
+	now := time.Now()
+	return enc([]byte(`{"alg":"none"}`)) + "." +
+		enc(fmt.Appendf(nil, `{"sub":%q,"iat":%d,"exp":%d}`, subject, now.Unix(), now.Add(ttl).Unix())) + "."
 }
 
 func javaBin() string {

@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"math/big"
@@ -80,6 +81,25 @@ func (ca *CA) Issue(commonName string, hosts ...string) (certPEM, keyPEM []byte,
 		return nil, nil, err
 	}
 	return pemBlock("CERTIFICATE", der), pemBlock("EC PRIVATE KEY", keyDER), nil
+}
+
+// IssuePKCS8 is Issue with the key in PKCS #8 ("PRIVATE KEY"), the form
+// Java's PEM key stores read.
+func (ca *CA) IssuePKCS8(commonName string, hosts ...string) (certPEM, keyPEM []byte, err error) {
+	certPEM, ecPEM, err := ca.Issue(commonName, hosts...)
+	if err != nil {
+		return nil, nil, err
+	}
+	block, _ := pem.Decode(ecPEM)
+	key, err := x509.ParseECPrivateKey(block.Bytes)
+	if err != nil {
+		return nil, nil, err
+	}
+	der, err := x509.MarshalPKCS8PrivateKey(key)
+	if err != nil {
+		return nil, nil, err
+	}
+	return certPEM, pemBlock("PRIVATE KEY", der), nil
 }
 
 // EnableTLS turns TLS on for the cluster with the server certificate and
