@@ -164,6 +164,10 @@ func TestSpecRoundTrip(t *testing.T) {
 				s.KafkaSASLUsername, s.KafkaSASLPassword = testUser, testPassword
 			},
 		},
+		"partition column": {
+			edit: func(r *outboxv1alpha1.OutboxRelay) { r.Spec.PartitionColumn = "kafka_partition" },
+			want: func(s *relayconfig.Command) { s.PartitionColumn = "kafka_partition" },
+		},
 		"OAUTHBEARER from a token file": {
 			edit: func(r *outboxv1alpha1.OutboxRelay) {
 				r.Spec.Kafka.TLS = &outboxv1alpha1.KafkaTLS{}

@@ -169,6 +169,7 @@ func specSettings(relay *outboxv1alpha1.OutboxRelay) (relayconfig.Command, error
 	}
 	s.RecordTimestamp = ts
 	s.CloudEventsSource = spec.CloudEventsSource
+	s.PartitionColumn = spec.PartitionColumn
 	s.Compression = relayconfig.Compression(cmp.Or(string(spec.Kafka.Compression), string(s.Compression)))
 	s.KafkaTLS = spec.Kafka.TLS != nil
 	if db := spec.Database; db != nil && db.TLS != nil {
@@ -228,6 +229,7 @@ var specFields = map[string]string{
 	relayconfig.FlagFormat:                      "spec.format",
 	relayconfig.FlagRecordTimestamp:             "spec.recordTimestamp",
 	relayconfig.FlagCloudEventsSource:           "spec.cloudEventsSource",
+	relayconfig.FlagPartitionColumn:             "spec.partitionColumn",
 	relayconfig.FlagCompression:                 "spec.kafka.compression",
 	relayconfig.FlagMaxInFlight:                 "spec.maxInFlight",
 	relayconfig.FlagNotify:                      "spec.notify",

@@ -85,6 +85,7 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		{"AWS_MSK_IAM without TLS", func(s map[string]any) {
 			kafka(s)["sasl"] = map[string]any{"mechanism": "AWS_MSK_IAM"}
 		}, []string{"spec.kafka.sasl.mechanism", "MSK serves AWS_MSK_IAM only over TLS"}},
+		{"partition column not an identifier", func(s map[string]any) { s["partitionColumn"] = "Kafka Partition" }, []string{"spec.partitionColumn"}},
 		{"database auth method unknown", func(s map[string]any) {
 			s["database"] = map[string]any{"auth": map[string]any{"method": "Kerberos"}}
 		}, []string{"spec.database.auth.method", "Kerberos"}},

@@ -221,6 +221,20 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 		r.stopLane(x, i, now.Add(r.cfg.MaxBackoff))
 		return kafka.Message{}, false
 	}
+	if x.partition != nil {
+		n, known := r.topics.partitionCount(topic)
+		if !known {
+			r.stopLane(x, i, now.Add(r.cfg.MaxBackoff)) // its topic's metadata comes with the next refresh
+			return kafka.Message{}, false
+		}
+		if p := *x.partition; p < 0 || p >= int64(n) {
+			// Never sent elsewhere: the writer chose this partition.
+			until := now.Add(r.cfg.HeldRetryInterval)
+			r.held.hold(r.log, x, HeldInvalidRow, until, fmt.Errorf("partition column %s: %d is not a partition of topic %s (0 to %d)", r.cfg.PartitionColumn, p, topic, n-1))
+			r.stopLane(x, i, until)
+			return kafka.Message{}, false
+		}
+	}
 	if skippedHeaders > 0 {
 		r.m.headersSkipped.Add(float64(skippedHeaders))
 	}
@@ -471,6 +485,7 @@ func (r *Relay) deadLetter(ctx context.Context, x row, cause error) bool {
 		kafka.Header{Key: HeaderError, Value: []byte(cause.Error())},
 		kafka.Header{Key: HeaderOriginalTopic, Value: []byte(m.Topic)})
 	m.Topic = r.cfg.DeadLetterTopic
+	m.WriterData = nil // the row's partition is one of its own topic's; the key's hash chooses here
 	if size, budget := recordSize(m), r.topics.budget(m.Topic); size > budget {
 		r.log.Error("row fits neither its topic nor the dead-letter topic; it is held", "id", x.id, "event_id", x.eventID,
 			"bytes", size, "dead_letter_limit", budget)

@@ -146,6 +146,9 @@ func (r *Relay) message(x row, topic string) kafka.Message {
 	if r.cfg.RecordTimestamp == RecordTimestampCreatedAt {
 		m.Time = x.createdAt // zero (the writer's clock) takes the publish time
 	}
+	if x.partition != nil {
+		m.WriterData = explicitPartition(*x.partition) // explicitBalancer sends it there
+	}
 	return m
 }
 

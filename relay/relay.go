@@ -177,7 +177,7 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 	r.newWriter = func(batchBytes int) *kafka.Writer {
 		return &kafka.Writer{
 			Addr:         kafka.TCP(cfg.Brokers...),
-			Balancer:     &kafka.Murmur2Balancer{}, // what Java clients pick for a key
+			Balancer:     explicitBalancer{hash: &kafka.Murmur2Balancer{}}, // Murmur2: what Java clients pick for a key
 			RequiredAcks: kafka.RequireAll,
 			// The writer batches per partition and a partial batch waits
 			// BatchTimeout; the relay hands over whole batches, so send at once.
@@ -275,6 +275,12 @@ func (r *Relay) Check(ctx context.Context) error {
 		r.log.Info("the table has no headers column; records carry only the relay's headers",
 			"fix", "ALTER TABLE "+r.table.Quoted()+" ADD COLUMN headers jsonb")
 	}
+	if c := r.cfg.PartitionColumn; c != "" {
+		if err := checkPartitionColumn(ctx, r.pool, r.table, c); err != nil {
+			return err
+		}
+		opts = append(opts, WithPartitionColumn(c))
+	}
 	shape, err := readShape(ctx, r.pool, r.table)
 	if err != nil {
 		return err
@@ -294,6 +300,7 @@ func (r *Relay) Check(ctx context.Context) error {
 		return &UnreachableError{fmt.Errorf("read Kafka metadata from %v: %w", r.cfg.Brokers, err)}
 	}
 	r.setKafkaErr(nil)
+	r.topics.setPartitions(md)
 	exists := map[string]bool{}
 	for _, t := range md.Topics {
 		if t.Error == nil {
@@ -461,6 +468,7 @@ type row struct {
 	createdAt     time.Time
 	invalid       string // what is wrong with the row's columns (NULLs, created_at out of range); empty when nothing
 	headers       []byte // the headers column as stored; nil when NULL or absent
+	partition     *int64 // the partition column (Settings.PartitionColumn); nil when NULL or none
 	// size is the payload's and headers' size in the claim's byte budget.
 	size int64
 	// oversize: size is more than any topic takes; the claim returned no
@@ -508,7 +516,7 @@ func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, f claimFilter)
 	for rs.Next() {
 		var x row
 		if err := rs.Scan(&x.id, &x.eventID, &x.eventType, &x.aggregateType, &x.aggregateID, &x.partitionKey,
-			&x.payload, &x.createdAt, &x.invalid, &x.headers, &x.size, &locked); err != nil {
+			&x.payload, &x.createdAt, &x.invalid, &x.headers, &x.size, &x.partition, &locked); err != nil {
 			rs.Close()
 			return nil, false, fmt.Errorf("claim batch from %s: %w", r.table, err)
 		}

@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -9,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 // querier is what CheckSchema needs of a pool or connection.
@@ -25,6 +27,26 @@ func hasColumn(ctx context.Context, conn querier, t outbox.Table, name string) (
 		return false, fmt.Errorf("read columns of %s: %w", t, err)
 	}
 	return ok, nil
+}
+
+// partitionColumnTypes are the types a partition column may have.
+var partitionColumnTypes = []string{"smallint", "integer", "bigint"}
+
+// checkPartitionColumn verifies that t has column c of an integer type.
+func checkPartitionColumn(ctx context.Context, conn querier, t outbox.Table, c string) error {
+	var typ string
+	err := conn.QueryRow(ctx, sqlColumnType, t.Quoted(), c).Scan(&typ)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return fmt.Errorf("--%s: table %s has no column %s; add it with: ALTER TABLE %s ADD COLUMN %s integer",
+			relayconfig.FlagPartitionColumn, t, c, t.Quoted(), pgx.Identifier{c}.Sanitize())
+	case err != nil:
+		return fmt.Errorf("read columns of %s: %w", t, err)
+	case !slices.Contains(partitionColumnTypes, typ):
+		return fmt.Errorf("--%s: column %s of %s has type %s; want one of %s",
+			relayconfig.FlagPartitionColumn, c, t, typ, strings.Join(partitionColumnTypes, ", "))
+	}
+	return nil
 }
 
 // tableShape is what the relay needs to know of a table beyond its columns:

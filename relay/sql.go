@@ -3,6 +3,8 @@ package relay
 import (
 	"strings"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
@@ -93,12 +95,22 @@ func waitingPair(keys, types string) string {
 // SQLOption changes the statements NewSQL builds.
 type SQLOption func(*sqlOptions)
 
-type sqlOptions struct{ headers, partitioned bool }
+type sqlOptions struct {
+	headers, partitioned bool
+	partitionColumn      string
+}
 
 // WithHeadersColumn makes the claims read the table's optional headers
 // column. Without it they return NULL in its place and never name the
 // column, so a table made before the column existed keeps working.
 func WithHeadersColumn() SQLOption { return func(o *sqlOptions) { o.headers = true } }
+
+// WithPartitionColumn makes the claims read column (an integer column,
+// relayconfig.CheckPartitionColumn's name) as each row's Kafka partition.
+// Without it they return NULL in its place.
+func WithPartitionColumn(column string) SQLOption {
+	return func(o *sqlOptions) { o.partitionColumn = column }
+}
 
 // WithPartitions builds Mark and Delete for a partitioned table: they take
 // the batch's created_at bounds besides the ids.
@@ -158,6 +170,15 @@ func claimHeaders(o sqlOptions) string {
 	return `, NULL::jsonb AS headers, ` + storedSize("payload") + ` AS size`
 }
 
+// claimPartition is the record's explicit Kafka partition in a claim's
+// result: the partition column, or NULL.
+func claimPartition(o sqlOptions) string {
+	if o.partitionColumn != "" {
+		return `, ` + pgx.Identifier{o.partitionColumn}.Sanitize() + `::bigint AS kafka_partition`
+	}
+	return `, NULL::bigint AS kafka_partition`
+}
+
 // budgeted wraps a locking claim so it returns rows in id order while their
 // payloads fit the byte budget (always at least one row), and how many rows
 // the claim locked (a batch cut by the budget is a full batch, not a short one).
@@ -170,7 +191,7 @@ func budgeted(claim, budgetArg, largestArg string) string {
 	return `WITH c AS (` + claim + `)
 SELECT id, event_id, event_type, aggregate_type, aggregate_id, partition_key,
        CASE WHEN oversize THEN NULL ELSE payload END, created_at, invalid,
-       CASE WHEN oversize THEN NULL ELSE headers END, size, (SELECT count(*) FROM c) AS locked
+       CASE WHEN oversize THEN NULL ELSE headers END, size, kafka_partition, (SELECT count(*) FROM c) AS locked
 FROM (SELECT c.*, size > ` + largestArg + ` AS oversize,
              sum(CASE WHEN size > ` + largestArg + ` THEN 0 ELSE size END) OVER (ORDER BY id)
                - CASE WHEN size > ` + largestArg + ` THEN 0 ELSE size END AS before
@@ -188,7 +209,7 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
 	}
 	q := t.Quoted()
 	h := t.HeldTable().Quoted()
-	cols := claimColumns + claimHeaders(o)
+	cols := claimColumns + claimHeaders(o) + claimPartition(o)
 	bounds := ""
 	if o.partitioned {
 		bounds = ` AND created_at BETWEEN $2 AND $3`

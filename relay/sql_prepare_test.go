@@ -28,6 +28,8 @@ func TestEveryStatementPreparesOnTheShippedDDL(t *testing.T) {
 	}{
 		{"plain", outbox.SchemaDDL(table), []relay.SQLOption{relay.WithHeadersColumn()}},
 		{"plain without headers", outbox.SchemaDDL(table) + `ALTER TABLE app.outbox DROP COLUMN headers;`, nil},
+		{"plain with a partition column", outbox.SchemaDDL(table) + `ALTER TABLE app.outbox ADD COLUMN kafka_partition smallint;`,
+			[]relay.SQLOption{relay.WithHeadersColumn(), relay.WithPartitionColumn("kafka_partition")}},
 		{"partitioned", outbox.PartitionedSchemaDDL(table, outbox.PartitionDay, 1), []relay.SQLOption{relay.WithHeadersColumn(), relay.WithPartitions()}},
 	} {
 		t.Run(c.name, func(t *testing.T) {

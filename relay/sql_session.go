@@ -12,6 +12,9 @@ const (
 	// sqlHasColumn: table $1 has a live column named $2.
 	sqlHasColumn = `SELECT EXISTS (SELECT 1 FROM pg_attribute
 		WHERE attrelid = to_regclass($1) AND attname = $2 AND attnum > 0 AND NOT attisdropped)`
+	// sqlColumnType: the type of table $1's live column $2 (no row when none).
+	sqlColumnType = `SELECT format_type(atttypid, NULL) FROM pg_attribute
+		WHERE attrelid = to_regclass($1) AND attname = $2 AND attnum > 0 AND NOT attisdropped`
 	// sqlTableShape: whether table $1 is partitioned, by RANGE (created_at)
 	// alone, with a DEFAULT partition, and whether table $2 (its event-id
 	// table) exists.
@@ -71,7 +74,7 @@ func sqlListen(channel string) string { return "LISTEN " + pgx.Identifier{channe
 // sessionStatements are the statements above by name, for the test that
 // prepares each.
 var sessionStatements = map[string]string{
-	"sqlTableOID": sqlTableOID, "sqlHasColumn": sqlHasColumn, "sqlTableShape": sqlTableShape,
+	"sqlTableOID": sqlTableOID, "sqlHasColumn": sqlHasColumn, "sqlColumnType": sqlColumnType, "sqlTableShape": sqlTableShape,
 	"sqlColumns": sqlColumns, "sqlHasUnpublishedIndex": sqlHasUnpublishedIndex, "sqlIsPartitioned": sqlIsPartitioned,
 	"sqlServerVersion": sqlServerVersion, "sqlSetSession": sqlSetSession, "sqlBitmapScansOn": sqlBitmapScansOn,
 	"sqlLockShared": sqlLockShared, "sqlTryLock": sqlTryLock, "sqlUnlock": sqlUnlock,

@@ -42,12 +42,14 @@ func (r *Relay) refreshStats(ctx context.Context) {
 
 // refreshKafka probes the brokers and re-reads the topics' record limits.
 func (r *Relay) refreshKafka(ctx context.Context) {
-	if _, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: r.allTopics()}); err != nil {
+	md, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: r.allTopics()})
+	if err != nil {
 		if ctx.Err() == nil {
 			r.setKafkaErr(err)
 		}
 		return
 	}
+	r.topics.setPartitions(md)
 	r.setKafkaErr(nil)
 	if err := r.topics.refreshLimits(ctx, r.client, r.allTopics(), r.cfg.HeldRetryInterval); err != nil {
 		r.log.Debug("could not refresh the topics' record size limits", "err", err)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -22,7 +23,8 @@ type topicState struct {
 	mu         sync.Mutex
 	down       map[string]*topicOutage
 	maxBytes   map[string]int
-	compressed bool // the writer compresses record batches
+	partitions map[string]int // partition counts, from the latest metadata
+	compressed bool           // the writer compresses record batches
 }
 
 // topicOutage is a topic the relay may not write to for now (unknown, deleted,
@@ -35,7 +37,7 @@ type topicOutage struct {
 }
 
 func newTopicState(compressed bool) *topicState {
-	return &topicState{down: map[string]*topicOutage{}, maxBytes: map[string]int{}, compressed: compressed}
+	return &topicState{down: map[string]*topicOutage{}, maxBytes: map[string]int{}, partitions: map[string]int{}, compressed: compressed}
 }
 
 // available reports whether rows of topic may be sent now.
@@ -180,4 +182,40 @@ func isPermanent(err error) bool {
 		}
 	}
 	return false
+}
+
+// setPartitions records each topic's partition count from md.
+func (s *topicState) setPartitions(md *kafka.MetadataResponse) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, t := range md.Topics {
+		if t.Error == nil && len(t.Partitions) > 0 {
+			s.partitions[t.Name] = len(t.Partitions)
+		}
+	}
+}
+
+// partitionCount is topic's partition count as the broker last said; false
+// when it has not said yet.
+func (s *topicState) partitionCount(topic string) (int, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n, ok := s.partitions[topic]
+	return n, ok
+}
+
+// explicitPartition is a record's partition chosen by the row's partition
+// column; the writer's balancer reads it from kafka.Message.WriterData.
+type explicitPartition int
+
+// explicitBalancer sends a record whose row chose its partition there
+// (admit checked that the topic has it), and any other by hash's choice.
+type explicitBalancer struct{ hash kafka.Balancer }
+
+// Balance implements kafka.Balancer.
+func (b explicitBalancer) Balance(msg kafka.Message, partitions ...int) int {
+	if p, ok := msg.WriterData.(explicitPartition); ok && slices.Contains(partitions, int(p)) {
+		return int(p)
+	}
+	return b.hash.Balance(msg, partitions...)
 }

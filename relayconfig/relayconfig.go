@@ -68,6 +68,7 @@ const (
 	FlagRecordTimestamp             = "record-timestamp"
 	FlagCloudEventsSource           = "cloudevents-source"
 	FlagCompression                 = "compression"
+	FlagPartitionColumn             = "partition-column"
 	flagKafkaSASLUsername           = "kafka-sasl-username" // environment only
 	flagKafkaSASLPassword           = "kafka-sasl-password" // environment only
 )
@@ -361,6 +362,10 @@ type Settings struct {
 	CloudEventsSource string
 	// Compression is the produce requests' codec.
 	Compression Compression
+	// PartitionColumn, when set, is an integer column of the table whose
+	// value, when not NULL, is the Kafka partition of the row's record
+	// (else the partition key's hash chooses, as without it).
+	PartitionColumn string
 }
 
 // WithDefaults is s with every zero field set to its default.
@@ -451,6 +456,9 @@ func (s Command) Args() []string {
 	}
 	if s.CloudEventsSource != "" {
 		args = append(args, arg(FlagCloudEventsSource, s.CloudEventsSource))
+	}
+	if s.PartitionColumn != "" {
+		args = append(args, arg(FlagPartitionColumn, s.PartitionColumn))
 	}
 	args = append(args, arg(FlagOrdering, string(s.Ordering)), arg(FlagMetricsAddr, s.MetricsAddr), arg(FlagLogFormat, s.LogFormat))
 	if s.Notify {
@@ -663,6 +671,7 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.Func(FlagFormat, "record layout: raw, cloudevents (CloudEvents binary content mode) or cloudevents-structured (default raw)", func(v string) error { s.Format = Format(v); return nil })
 	fs.Func(FlagRecordTimestamp, "each record's timestamp: created-at (the row's created_at) or publish (default created-at)", func(v string) error { s.RecordTimestamp = RecordTimestamp(v); return nil })
 	fs.StringVar(&s.CloudEventsSource, FlagCloudEventsSource, "", "ce_source of the cloudevents format, a URI-reference (default /outbox/<table>)")
+	fs.StringVar(&s.PartitionColumn, FlagPartitionColumn, "", "integer column whose value, when not NULL, is the record's Kafka partition (default: the partition key's hash chooses)")
 	fs.Func(FlagCompression, "produce request codec: none, gzip, snappy, lz4 or zstd (default none)", func(v string) error { s.Compression = Compression(v); return nil })
 	fs.BoolVar(&s.Notify, FlagNotify, false, "also claim as soon as a writer that notifies (outbox.WithNotify) commits; polling still runs")
 	fs.Var(topics, FlagTopic, "EVENT_TYPE=TOPIC mapping (repeatable, or comma-separated)")
@@ -805,6 +814,7 @@ func (s Settings) Validate() error {
 		fieldErr(FlagRecordTimestamp, CheckRecordTimestamp(s.RecordTimestamp)),
 		fieldErr(FlagCloudEventsSource, CheckCloudEventsSource(s.CloudEventsSource)),
 		fieldErr(FlagCompression, CheckCompression(s.Compression)),
+		fieldErr(FlagPartitionColumn, CheckPartitionColumn(s.PartitionColumn)),
 	)
 	if s.DeadLetterTopic != "" {
 		errs = append(errs, fieldErr(FlagDeadLetterTopic, CheckDeadLetterTopic(s.DeadLetterTopic, s.Topics)))
@@ -1137,4 +1147,27 @@ func CheckTokenEndpoint(endpoint string) error {
 		return fmt.Errorf("%q: http only to a loopback host; use https", endpoint)
 	}
 	return fmt.Errorf("%q is not an https URL", endpoint)
+}
+
+// PartitionColumnPattern is the rule for a partition column's name: a plain
+// lower-case PostgreSQL identifier, which never needs quoting.
+const PartitionColumnPattern = `^[a-z_][a-z0-9_]{0,62}$`
+
+var partitionColumnRE = regexp.MustCompile(PartitionColumnPattern)
+
+// CheckPartitionColumn accepts "" (none) or a plain identifier that is not
+// one of the columns the relay reads for another purpose.
+func CheckPartitionColumn(c string) error {
+	if c == "" {
+		return nil
+	}
+	if !partitionColumnRE.MatchString(c) {
+		return fmt.Errorf("%q is not a plain lower-case identifier (%s)", c, PartitionColumnPattern)
+	}
+	for _, col := range append(slices.Clone(outbox.Columns), outbox.OptionalColumns...) {
+		if col.Name == c {
+			return fmt.Errorf("%q is a column the relay reads for its own purpose", c)
+		}
+	}
+	return nil
 }

@@ -51,6 +51,7 @@ func TestArgsRoundTrip(t *testing.T) {
 			s.KafkaSASLMechanism = relayconfig.SASLPlain
 			s.KafkaSASLUsername, s.KafkaSASLPassword = "u", "s3cret"
 			s.DatabaseAuth, s.DatabaseAuthAWSRegion = relayconfig.DatabaseAuthAWSRDSIAM, "eu-west-1"
+			s.PartitionColumn = "kafka_partition"
 		},
 		"OAUTHBEARER from a token endpoint": func(s *relayconfig.Command) {
 			s.KafkaTLS = true
@@ -126,6 +127,8 @@ func TestParseNamesFlagAndValue(t *testing.T) {
 		`--kafka-sasl-oauth-token-endpoint: "http://idp/token": http only to a loopback host`:                                          {"--kafka-tls", "--kafka-sasl-mechanism=OAUTHBEARER", "--kafka-sasl-oauth-token-endpoint=http://idp/token"},
 		`--kafka-sasl-aws-region: applies only to --kafka-sasl-mechanism=AWS_MSK_IAM`:                                                  {"--kafka-sasl-aws-region=eu-west-1"},
 		`--kafka-sasl-oauth-scope: applies only to --kafka-sasl-mechanism=OAUTHBEARER`:                                                 {"--kafka-sasl-oauth-scope=kafka"},
+		`--partition-column: "Kafka" is not a plain lower-case identifier`:                                                             {"--partition-column=Kafka"},
+		`--partition-column: "event_type" is a column the relay reads for its own purpose`:                                             {"--partition-column=event_type"},
 	}
 	for want, extra := range cases {
 		_, err := relayconfig.Parse(append(good, extra...), dsn, nil)

@@ -106,6 +106,7 @@ func TestCRDMatchesRelayContract(t *testing.T) {
 
 	table := spec.at(t, "table")
 	require.Equal(t, relayconfig.TablePattern, table.Pattern, "spec.table pattern")
+	require.Equal(t, relayconfig.PartitionColumnPattern, spec.at(t, "partitionColumn").Pattern, "spec.partitionColumn pattern")
 	defaultOf(t, table, relayconfig.DefaultTable)
 	require.NotNil(t, table.MaxLength)
 	require.Equal(t, 63+1+63, *table.MaxLength, "spec.table maxLength: the longest SCHEMA.NAME the pattern admits")

@@ -573,6 +573,15 @@ type OutboxRelaySpec struct {
 	// +optional
 	RecordTimestamp RecordTimestamp `json:"recordTimestamp,omitempty"`
 
+	// PartitionColumn names an integer column (smallint, integer or bigint)
+	// of the outbox table whose value, when not NULL, is the Kafka
+	// partition of the row's record; a row that leaves it NULL goes where
+	// its partition key's hash says. A value that is not a partition of
+	// the topic holds the row (invalid_row) with the reason. Default: none.
+	// +kubebuilder:validation:Pattern=`^[a-z_][a-z0-9_]{0,62}$`
+	// +optional
+	PartitionColumn string `json:"partitionColumn,omitempty"`
+
 	// CloudEventsSource is ce_source in the CloudEvents format, a URI-reference.
 	// Default: /outbox/<table>.
 	// +kubebuilder:validation:MaxLength=1024
