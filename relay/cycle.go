@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -58,11 +59,24 @@ func (r *Relay) Run(ctx context.Context) error {
 		defer func() { <-listenDone }()
 	}
 	defer r.leave() // hand this replica's buckets to the others at once
+	if r.cfg.Capture == CaptureLogicalReplication {
+		if r.capture == nil {
+			return errors.New("logical-replication capture: Check has not run")
+		}
+		r.runCapture(ctx)
+		return nil
+	}
+	r.poll(ctx, func() bool { return false })
+	return nil
+}
 
+// poll is the polling loop: claim, publish and mark until ctx ends or
+// stop says so (checked before each claim).
+func (r *Relay) poll(ctx context.Context, stop func() bool) {
 	var backoff time.Duration
 	var pending *inFlight
 	empty := 0 // claims in a row that found nothing
-	for ctx.Err() == nil {
+	for ctx.Err() == nil && !stop() {
 		now := time.Now()
 		r.health.iteration(now)
 		b, err := r.claimAndPublish(ctx)
@@ -102,9 +116,8 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 	}
 	if pending != nil {
-		r.finish(pending) //nolint:errcheck // logged in finish; Run is ending
+		r.finish(pending) //nolint:errcheck // logged in finish; the loop is ending
 	}
-	return nil
 }
 
 func firstErr(a, b error) error {

@@ -54,6 +54,12 @@ var (
 //     their lanes flowed, so later rows of their keys overtook them.
 var faultSeeds = []uint64{1, 2, 3, 4, 5, 6, 10, 29, 821291}
 
+// captureSeeds are the scenarios make test runs again with logical
+// replication capture: the seeds of ordering none above (capture does not
+// combine with partition-key ordering); 10 restarts PostgreSQL under the
+// stream, 6 kills the streaming relay.
+var captureSeeds = []uint64{2, 4, 6, 10}
+
 // The topics' record batch limit (max.message.bytes) in the scenarios: small,
 // so a hot key's share of a batch exceeds it and a large row is over it.
 const (
@@ -94,6 +100,7 @@ type fault struct {
 
 type scenario struct {
 	seed       uint64
+	capture    relay.Capture
 	ordering   relay.Ordering
 	deadLetter bool
 	inFlight   int
@@ -131,8 +138,8 @@ func (s scenario) String() string {
 	if s.killAt > 0 {
 		fs = append(fs, fmt.Sprintf("%s@%s", relayKill, s.killAt))
 	}
-	return fmt.Sprintf("seed=%d ordering=%s deadLetter=%t inFlight=%d batch=%d deleteOnPublish=%t retention=%t rows=%d faults=[%s]",
-		s.seed, s.ordering, s.deadLetter, s.inFlight, s.batchSize, s.deleteOnPublish, s.retention, n, strings.Join(fs, " "))
+	return fmt.Sprintf("seed=%d capture=%s ordering=%s deadLetter=%t inFlight=%d batch=%d deleteOnPublish=%t retention=%t rows=%d faults=[%s]",
+		s.seed, s.capture, s.ordering, s.deadLetter, s.inFlight, s.batchSize, s.deleteOnPublish, s.retention, n, strings.Join(fs, " "))
 }
 
 // faultKinds are the faults a scenario draws from.
@@ -147,7 +154,7 @@ var faultKinds = []string{
 
 func drawScenario(seed uint64) scenario {
 	rnd := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
-	s := scenario{seed: seed, batchSize: []int{10, 50, 200}[rnd.IntN(3)], inFlight: 1}
+	s := scenario{seed: seed, capture: relay.CapturePoll, batchSize: []int{10, 50, 200}[rnd.IntN(3)], inFlight: 1}
 	s.ordering = []relay.Ordering{relay.OrderingNone, relay.OrderingPartitionKey}[seed%2]
 	s.deadLetter = (seed/2)%2 == 0
 	if s.ordering == relay.OrderingNone && rnd.IntN(2) == 0 {
@@ -232,16 +239,35 @@ func TestFaults(t *testing.T) {
 	for _, seed := range faultSeeds {
 		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
 			t.Parallel()
-			sc := drawScenario(seed)
-			t.Log(sc)
-			res := runScenario(t, sc)
-			for _, v := range res.violations {
-				t.Errorf("seed %d: %s", seed, v)
-			}
-			if t.Failed() {
-				t.Logf("replay: go test ./relay -run 'TestFaults/seed=%d$' (%s)", seed, sc)
-			}
+			runSeed(t, "TestFaults", drawScenario(seed))
 		})
+	}
+}
+
+// TestFaultsLogicalReplication runs captureSeeds with --capture
+// logical-replication: the same rows, faults and invariants.
+func TestFaultsLogicalReplication(t *testing.T) {
+	t.Parallel()
+	for _, seed := range captureSeeds {
+		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
+			t.Parallel()
+			sc := drawScenario(seed)
+			require.Equal(t, relay.OrderingNone, sc.ordering, "a capture seed draws ordering none")
+			sc.capture = relay.CaptureLogicalReplication
+			runSeed(t, "TestFaultsLogicalReplication", sc)
+		})
+	}
+}
+
+// runSeed runs a scenario and reports its violations with how to replay it.
+func runSeed(t *testing.T, test string, sc scenario) {
+	t.Log(sc)
+	res := runScenario(t, sc)
+	for _, v := range res.violations {
+		t.Errorf("seed %d: %s", sc.seed, v)
+	}
+	if t.Failed() {
+		t.Logf("replay: go test ./relay -run '%s/seed=%d$' (%s)", test, sc.seed, sc)
 	}
 }
 
@@ -389,11 +415,21 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `ALTER TABLE outbox DROP CONSTRAINT outbox_created_at_check`)
 	require.NoError(t, err)
+	if sc.capture == relay.CaptureLogicalReplication {
+		t.Cleanup(func() { // after the relays stop: the database goes only without its slot
+			require.Eventually(t, func() bool {
+				_, err := pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
+					WHERE database = current_database() AND NOT active`)
+				var n int
+				return err == nil && pool.QueryRow(ctx, `SELECT count(*) FROM pg_replication_slots WHERE database = current_database()`).Scan(&n) == nil && n == 0
+			}, 30*time.Second, 100*time.Millisecond, "the scenario's replication slot is dropped")
+		})
+	}
 
 	cfg := relay.Config{
 		Settings: relay.Settings{
 			DSN: dsn, Table: "outbox", Brokers: c.ListenAddrs(), Topics: topicOf,
-			Ordering: sc.ordering, BatchSize: sc.batchSize, MaxInFlight: sc.inFlight,
+			Ordering: sc.ordering, Capture: sc.capture, BatchSize: sc.batchSize, MaxInFlight: sc.inFlight,
 			PollInterval: 20 * time.Millisecond, PublishTimeout: 2 * time.Second, StallTimeout: 5 * time.Second,
 		},
 		MaxBackoff: time.Second, HeldRetryInterval: 2 * time.Second,

@@ -26,6 +26,13 @@ type metrics struct {
 	// headersSkipped counts row headers not forwarded because the relay
 	// sets a header of that name itself.
 	headersSkipped prometheus.Counter
+	// captureStreaming is 1 while this replica streams from the slot.
+	captureStreaming prometheus.Gauge
+	// captureFallback is 1 while a logical-replication relay polls
+	// because it cannot stream.
+	captureFallback prometheus.Gauge
+	// slotRetainedWAL is the WAL the replication slot holds back.
+	slotRetainedWAL prometheus.Gauge
 }
 
 // metricSet builds the relay's collectors and registers each on reg (when
@@ -112,6 +119,12 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			"Partitions of a partitioned outbox this replica detached and dropped: their range ended more than --keep-published-for ago and all their rows were published."),
 		pruneDuration: f.histogram("outbox_relay_prune_duration_seconds",
 			"Duration of one prune step: a transaction of at most --prune-batch-size rows, or on a partitioned table the detach and drop of one partition.", 0.0005, 16),
+		captureStreaming: f.gauge("outbox_relay_capture_streaming",
+			"1 while this replica streams the table's inserts from the replication slot (--capture logical-replication); the other replicas wait as standbys."),
+		captureFallback: f.gauge("outbox_relay_capture_fallback",
+			"1 while this logical-replication replica polls because it cannot stream (the slot was lost or given up, or streaming failed)."),
+		slotRetainedWAL: f.gauge("outbox_relay_slot_retained_wal_bytes",
+			"WAL the replication slot holds back (pg_current_wal_lsn() - restart_lsn), read by the streaming replica every 5 s; beyond --max-retained-wal the relay drops the slot and polls."),
 		headersSkipped: f.counter("outbox_relay_headers_skipped_total",
 			"Entries of rows' headers column not forwarded because the relay sets a header of that name itself (event_id, event_type, aggregate_type, aggregate_id, content-type, outbox_*, ce_specversion, ce_id, ce_source, ce_type, ce_time); counted each time a record is built."),
 	}

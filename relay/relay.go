@@ -38,7 +38,8 @@ type Relay struct {
 	cfg       Config
 	table     outbox.Table
 	sql       SQL
-	shape     tableShape // read by Check
+	shape     tableShape    // read by Check
+	capture   *captureState // the slot and publication (logical-replication capture); set by Check
 	pool      *pgxpool.Pool
 	writer    MessageWriter // an injected writer; nil when the relay makes its own (writerFor)
 	newWriter func(batchBytes int) *kafka.Writer
@@ -293,6 +294,11 @@ func (r *Relay) Check(ctx context.Context) error {
 	}
 	r.shape = shape
 	r.useSQL(NewSQL(r.table, opts...))
+	if r.cfg.Capture == CaptureLogicalReplication {
+		if err := r.checkCapture(ctx); err != nil {
+			return err
+		}
+	}
 	r.held.recorded = r.ensureHeldTable(ctx)
 	md, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: r.allTopics()})
 	if err != nil {
@@ -511,6 +517,15 @@ func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, f claimFilter)
 	if err != nil {
 		return nil, false, fmt.Errorf("claim batch from %s: %w", r.table, err)
 	}
+	out, locked, err := r.scanClaim(rs, f)
+	if err != nil {
+		return nil, false, err
+	}
+	return out, locked == r.cfg.BatchSize || len(out) < locked, nil
+}
+
+// scanClaim reads a claim's rows (SQL.Claim's result) and how many rows it locked.
+func (r *Relay) scanClaim(rs pgx.Rows, f claimFilter) ([]row, int, error) {
 	out := make([]row, 0, r.cfg.BatchSize)
 	var locked int
 	for rs.Next() {
@@ -518,15 +533,15 @@ func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, f claimFilter)
 		if err := rs.Scan(&x.id, &x.eventID, &x.eventType, &x.aggregateType, &x.aggregateID, &x.partitionKey,
 			&x.payload, &x.createdAt, &x.invalid, &x.headers, &x.size, &x.partition, &locked); err != nil {
 			rs.Close()
-			return nil, false, fmt.Errorf("claim batch from %s: %w", r.table, err)
+			return nil, 0, fmt.Errorf("claim batch from %s: %w", r.table, err)
 		}
 		x.oversize = x.size > int64(f.largest)
 		out = append(out, x)
 	}
 	if err := rs.Err(); err != nil {
-		return nil, false, fmt.Errorf("claim batch from %s: %w", r.table, err)
+		return nil, 0, fmt.Errorf("claim batch from %s: %w", r.table, err)
 	}
-	return out, locked == r.cfg.BatchSize || len(out) < locked, nil
+	return out, locked, nil
 }
 
 func (r *Relay) commit(ctx context.Context, tx pgx.Tx) error {

@@ -18,6 +18,11 @@ type SQL struct {
 	// larger comes back without its payload (see budgeted). See
 	// claimColumns for the result.
 	Claim string
+	// ClaimIDs locks the rows of a logical replication stream's ids ($1,
+	// in commit order) that are unpublished, of the event types $2 and not
+	// among $3, in that order, within the byte budget $4 ($5 the largest
+	// record). Result as Claim's.
+	ClaimIDs string
 	// ClaimBuckets is Claim for partition-key ordering: every row of the
 	// replica's key-hash buckets, whatever its type (an unpublishable row
 	// must stop the later rows of its key and topic). Arguments: $1 the id
@@ -188,16 +193,22 @@ func claimPartition(o sqlOptions) string {
 // relay holds it as too large from its size alone, without reading (or
 // holding in memory) a payload it could never publish.
 func budgeted(claim, budgetArg, largestArg string) string {
+	return budgetedBy(claim, budgetArg, largestArg, "id")
+}
+
+// budgetedBy is budgeted with the rows in the order of column order (id,
+// or the stream's commit order).
+func budgetedBy(claim, budgetArg, largestArg, order string) string {
 	return `WITH c AS (` + claim + `)
 SELECT id, event_id, event_type, aggregate_type, aggregate_id, partition_key,
        CASE WHEN oversize THEN NULL ELSE payload END, created_at, invalid,
        CASE WHEN oversize THEN NULL ELSE headers END, size, kafka_partition, (SELECT count(*) FROM c) AS locked
 FROM (SELECT c.*, size > ` + largestArg + ` AS oversize,
-             sum(CASE WHEN size > ` + largestArg + ` THEN 0 ELSE size END) OVER (ORDER BY id)
+             sum(CASE WHEN size > ` + largestArg + ` THEN 0 ELSE size END) OVER (ORDER BY ` + order + `)
                - CASE WHEN size > ` + largestArg + ` THEN 0 ELSE size END AS before
       FROM c) s
 WHERE before < ` + budgetArg + `
-ORDER BY id`
+ORDER BY ` + order
 }
 
 // NewSQL builds the statements for table t. The relay builds them once, after
@@ -229,6 +240,14 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
     ORDER BY id
     LIMIT $6
     FOR UPDATE SKIP LOCKED`, "$7", "$8"),
+		// ClaimIDs claims the rows of the ids a logical replication stream
+		// delivered ($1, in commit order), those still unpublished, mapped
+		// and not held, in that order; rows another transaction holds are
+		// skipped, as in Claim.
+		ClaimIDs: budgetedBy(`SELECT `+cols+`, u.ord
+    FROM `+q+` AS o JOIN unnest($1::bigint[]) WITH ORDINALITY AS u(uid, ord) ON o.id = u.uid
+    WHERE published_at IS NULL AND event_type = ANY($2) AND id <> ALL($3)
+    FOR UPDATE OF o SKIP LOCKED`, "$4", "$5", "ord"),
 		Mark:   `UPDATE ` + q + ` SET published_at = now() WHERE id = ANY($1)` + bounds,
 		Delete: `DELETE FROM ` + q + ` WHERE id = ANY($1)` + bounds,
 		Prune: `WITH doomed AS (

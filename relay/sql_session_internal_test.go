@@ -12,7 +12,7 @@ import (
 	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
-// Every catalog, session and lock statement prepares (parsed, every
+// Every catalog, session, lock and capture statement prepares (parsed, every
 // relation, column and parameter type resolved) on the server the tests run.
 func TestSessionStatementsPrepare(t *testing.T) {
 	t.Parallel()
@@ -22,6 +22,9 @@ func TestSessionStatementsPrepare(t *testing.T) {
 	defer conn.Close(ctx)
 	stmts := map[string]string{"sqlListen": sqlListen(outbox.Table{Name: "outbox"}.NotifyChannel())}
 	for name, stmt := range sessionStatements {
+		stmts[name] = stmt
+	}
+	for name, stmt := range captureStatements {
 		stmts[name] = stmt
 	}
 	for name, stmt := range stmts {

@@ -69,6 +69,8 @@ const (
 	FlagCloudEventsSource           = "cloudevents-source"
 	FlagCompression                 = "compression"
 	FlagPartitionColumn             = "partition-column"
+	FlagCapture                     = "capture"
+	FlagMaxRetainedWAL              = "max-retained-wal"
 	flagKafkaSASLUsername           = "kafka-sasl-username" // environment only
 	flagKafkaSASLPassword           = "kafka-sasl-password" // environment only
 )
@@ -206,6 +208,28 @@ const (
 
 // SASLMechanisms are the valid --kafka-sasl-mechanism values.
 var SASLMechanisms = []string{SASLPlain, SASLScramSHA256, SASLScramSHA512, SASLOAuthBearer, SASLAWSMSKIAM}
+
+// Capture is how the relay learns of new rows.
+type Capture string
+
+const (
+	// CapturePoll claims unpublished rows in id order (the default).
+	CapturePoll Capture = "poll"
+	// CaptureLogicalReplication streams the table's inserts from a logical
+	// replication slot (pgoutput) and publishes them in commit order.
+	CaptureLogicalReplication Capture = "logical-replication"
+)
+
+// Captures are the valid Capture values.
+var Captures = []Capture{CapturePoll, CaptureLogicalReplication}
+
+// DefaultMaxRetainedWAL is how much WAL a relay's slot may hold back
+// before the relay gives the slot up and polls.
+const DefaultMaxRetainedWAL = 4 << 30
+
+// MinMaxRetainedWAL is the least --max-retained-wal: a slot that may hold
+// back less would be given up on an ordinary burst.
+const MinMaxRetainedWAL = 64 << 20
 
 // DatabaseAuth is how the relay logs in to PostgreSQL.
 type DatabaseAuth string
@@ -362,6 +386,13 @@ type Settings struct {
 	CloudEventsSource string
 	// Compression is the produce requests' codec.
 	Compression Compression
+	// Capture is how the relay learns of new rows: polling, or a logical
+	// replication slot.
+	Capture Capture
+	// MaxRetainedWAL is the most WAL bytes the relay's slot may hold back
+	// (logical-replication): beyond, the relay drops the slot and polls
+	// until it recreates it.
+	MaxRetainedWAL int64
 	// PartitionColumn, when set, is an integer column of the table whose
 	// value, when not NULL, is the Kafka partition of the row's record
 	// (else the partition key's hash chooses, as without it).
@@ -385,6 +416,8 @@ func (s Settings) WithDefaults() Settings {
 	s.Format = cmp.Or(s.Format, DefaultFormat)
 	s.RecordTimestamp = cmp.Or(s.RecordTimestamp, DefaultRecordTimestamp)
 	s.Compression = cmp.Or(s.Compression, DefaultCompression)
+	s.Capture = cmp.Or(s.Capture, CapturePoll)
+	s.MaxRetainedWAL = cmp.Or(s.MaxRetainedWAL, DefaultMaxRetainedWAL)
 	return s
 }
 
@@ -459,6 +492,9 @@ func (s Command) Args() []string {
 	}
 	if s.PartitionColumn != "" {
 		args = append(args, arg(FlagPartitionColumn, s.PartitionColumn))
+	}
+	if s.Capture != CapturePoll {
+		args = append(args, arg(FlagCapture, string(s.Capture)), arg(FlagMaxRetainedWAL, strconv.FormatInt(s.MaxRetainedWAL, 10)))
 	}
 	args = append(args, arg(FlagOrdering, string(s.Ordering)), arg(FlagMetricsAddr, s.MetricsAddr), arg(FlagLogFormat, s.LogFormat))
 	if s.Notify {
@@ -671,6 +707,8 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.Func(FlagFormat, "record layout: raw, cloudevents (CloudEvents binary content mode) or cloudevents-structured (default raw)", func(v string) error { s.Format = Format(v); return nil })
 	fs.Func(FlagRecordTimestamp, "each record's timestamp: created-at (the row's created_at) or publish (default created-at)", func(v string) error { s.RecordTimestamp = RecordTimestamp(v); return nil })
 	fs.StringVar(&s.CloudEventsSource, FlagCloudEventsSource, "", "ce_source of the cloudevents format, a URI-reference (default /outbox/<table>)")
+	fs.Func(FlagCapture, "how new rows are found: "+joinValues(Captures)+" (default poll)", func(v string) error { s.Capture = Capture(v); return nil })
+	fs.Int64Var(&s.MaxRetainedWAL, FlagMaxRetainedWAL, DefaultMaxRetainedWAL, "logical-replication: the most WAL bytes the slot may hold back before the relay drops it and polls")
 	fs.StringVar(&s.PartitionColumn, FlagPartitionColumn, "", "integer column whose value, when not NULL, is the record's Kafka partition (default: the partition key's hash chooses)")
 	fs.Func(FlagCompression, "produce request codec: none, gzip, snappy, lz4 or zstd (default none)", func(v string) error { s.Compression = Compression(v); return nil })
 	fs.BoolVar(&s.Notify, FlagNotify, false, "also claim as soon as a writer that notifies (outbox.WithNotify) commits; polling still runs")
@@ -815,6 +853,9 @@ func (s Settings) Validate() error {
 		fieldErr(FlagCloudEventsSource, CheckCloudEventsSource(s.CloudEventsSource)),
 		fieldErr(FlagCompression, CheckCompression(s.Compression)),
 		fieldErr(FlagPartitionColumn, CheckPartitionColumn(s.PartitionColumn)),
+		fieldErr(FlagCapture, oneOf(s.Capture, Captures)),
+		fieldErr(FlagCapture, checkCaptureOrdering(s.Capture, s.Ordering)),
+		fieldErr(FlagMaxRetainedWAL, CheckMaxRetainedWAL(s.MaxRetainedWAL)),
 	)
 	if s.DeadLetterTopic != "" {
 		errs = append(errs, fieldErr(FlagDeadLetterTopic, CheckDeadLetterTopic(s.DeadLetterTopic, s.Topics)))
@@ -1168,6 +1209,24 @@ func CheckPartitionColumn(c string) error {
 		if col.Name == c {
 			return fmt.Errorf("%q is a column the relay reads for its own purpose", c)
 		}
+	}
+	return nil
+}
+
+// CheckMaxRetainedWAL accepts at least MinMaxRetainedWAL bytes.
+func CheckMaxRetainedWAL(n int64) error {
+	if n < MinMaxRetainedWAL {
+		return fmt.Errorf("%d is less than %d (64 MiB)", n, MinMaxRetainedWAL)
+	}
+	return nil
+}
+
+// checkCaptureOrdering refuses logical replication with partition-key
+// ordering: one replica streams in commit order, which keeps each key's
+// order by itself; the key lanes and buckets are polling's.
+func checkCaptureOrdering(c Capture, o Ordering) error {
+	if c == CaptureLogicalReplication && o == OrderingPartitionKey {
+		return fmt.Errorf("%s publishes in commit order from one streaming replica and does not combine with --%s %s", c, FlagOrdering, o)
 	}
 	return nil
 }

@@ -88,6 +88,9 @@ fsync = %s
 synchronous_commit = %s
 full_page_writes = %s
 log_min_messages = warning
+wal_level = logical
+max_replication_slots = 32
+max_wal_senders = 32
 log_line_prefix = '%%m [%%p] %%d '
 `, l.addresses(), port, c.dataDir, onOff(os.Getenv("OUTBOX_PG_FSYNC") == "on"), onOff(os.Getenv("OUTBOX_PG_FSYNC") == "on"), onOff(os.Getenv("OUTBOX_PG_FSYNC") == "on"))
 	if err := appendFile(filepath.Join(c.dataDir, "postgresql.conf"), conf); err != nil {

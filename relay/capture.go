@@ -1,0 +1,535 @@
+package relay
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+
+	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
+)
+
+// Capture is how the relay learns of new rows.
+type Capture = relayconfig.Capture
+
+// The capture modes.
+const (
+	// CapturePoll claims unpublished rows in id order.
+	CapturePoll = relayconfig.CapturePoll
+	// CaptureLogicalReplication streams the table's inserts from a logical
+	// replication slot and publishes them in commit order.
+	CaptureLogicalReplication = relayconfig.CaptureLogicalReplication
+)
+
+// This file is the logical replication capture. One replica streams the
+// table's inserts from a slot (pgoutput) at a time: PostgreSQL lets one
+// connection use a slot, so the others find it busy and wait as hot
+// standbys, trying again every standbyRetry. The stream says which rows
+// committed, in commit order; the relay claims those rows from the table
+// by id (FOR UPDATE SKIP LOCKED, only the unpublished ones), publishes and
+// marks them as polling does, in one transaction, and only then confirms
+// the slot's position past their commit. So the table stays the source of
+// truth: a row the stream delivers twice (after a crash, before the
+// confirmation) is found published and skipped, and what the stream cannot
+// deliver (rows from before the slot, held rows released, a lost slot) is
+// published by a sweep, a polling pass every FullRescanInterval, and by
+// polling while the relay cannot stream.
+const (
+	// standbyRetry is how often a standby tries to take the slot over.
+	standbyRetry = time.Second
+	// statusInterval is how often the streaming replica reports its
+	// position to the server when nothing else makes it (the server
+	// drops a silent client after wal_sender_timeout, 60 s by default).
+	statusInterval = 10 * time.Second
+	// streamLinger is how long the stream waits for more committed rows
+	// before it publishes a short batch.
+	streamLinger = time.Millisecond
+	// slotCheckInterval is how often the streaming replica reads its
+	// slot's retained WAL.
+	slotCheckInterval = 5 * time.Second
+	// fallbackPeriod is how long the relay polls after it gave up or lost
+	// its slot, before it makes a new one.
+	fallbackPeriod = time.Minute
+)
+
+// errSlotBusy: another replica streams from the slot.
+var errSlotBusy = errors.New("another replica streams from the replication slot")
+
+// errSlotGone: the slot was lost (invalidated) or given up (too much
+// retained WAL); the relay polls for fallbackPeriod and makes a new one.
+var errSlotGone = errors.New("the replication slot is gone")
+
+// captureNames are the slot and the publication of database's table t:
+// slot names are unique in the whole cluster, so the database is part of
+// them; a name longer than PostgreSQL's 63 bytes ends in a hash.
+func captureNames(database string, t outbox.Table) (slot, publication string) {
+	base := "outbox_" + identifierPart(database+"_"+strings.ReplaceAll(t.String(), ".", "_"))
+	if len(base) > 63 {
+		sum := sha256.Sum256([]byte(base))
+		base = base[:50] + "_" + hex.EncodeToString(sum[:])[:12]
+	}
+	return base, base
+}
+
+// identifierPart is s with every byte outside [a-z0-9_] replaced by '_'.
+func identifierPart(s string) string {
+	b := []byte(strings.ToLower(s))
+	for i, c := range b {
+		if (c < 'a' || c > 'z') && (c < '0' || c > '9') {
+			b[i] = '_'
+		}
+	}
+	return string(b)
+}
+
+// captureState is what the streaming needs beyond the relay.
+type captureState struct {
+	slot, publication string
+	schema            string // the table's schema, as the stream names it
+}
+
+// checkCapture verifies what logical replication needs and names the fix
+// of what is missing: wal_level, the role's replication privilege, and
+// the publication of the table, which it creates when it may.
+func (r *Relay) checkCapture(ctx context.Context) error {
+	var level, database, role, schema string
+	if err := r.pool.QueryRow(ctx, sqlCaptureSettings, r.table.Quoted()).Scan(&level, &database, &role, &schema); err != nil {
+		return fmt.Errorf("read wal_level: %w", err)
+	}
+	if level != "logical" {
+		return fmt.Errorf("--%s %s needs wal_level = logical (it is %s): set it and restart PostgreSQL (Amazon RDS: the parameter rds.logical_replication = 1; Cloud SQL: the flag cloudsql.logical_decoding = on; Azure: azure.replication_support = logical)",
+			relayconfig.FlagCapture, CaptureLogicalReplication, level)
+	}
+	var canReplicate bool
+	if err := r.pool.QueryRow(ctx, sqlCanReplicate).Scan(&canReplicate); err != nil {
+		return fmt.Errorf("read the role's privileges: %w", err)
+	}
+	quotedRole := pgx.Identifier{role}.Sanitize()
+	if !canReplicate {
+		return fmt.Errorf("--%s %s: the role %s may not stream from a replication slot; grant it with: ALTER ROLE %s REPLICATION (Amazon RDS: GRANT rds_replication TO %s)",
+			relayconfig.FlagCapture, CaptureLogicalReplication, role, quotedRole, quotedRole)
+	}
+	slot, pub := captureNames(database, r.table)
+	var published bool
+	if err := r.pool.QueryRow(ctx, sqlPublishes, pub, r.table.Quoted()).Scan(&published); err != nil {
+		return fmt.Errorf("read publication %s: %w", pub, err)
+	}
+	if !published {
+		create := sqlCreatePublication(pub, r.table)
+		if _, err := r.pool.Exec(ctx, create); err != nil {
+			return fmt.Errorf("--%s %s: the publication %s of %s is missing and the relay's role may not create it (%v); as the table's owner, run: %s (or, if the publication exists: ALTER PUBLICATION %s ADD TABLE %s)",
+				relayconfig.FlagCapture, CaptureLogicalReplication, pub, r.table, err, create, pgx.Identifier{pub}.Sanitize(), r.table.Quoted())
+		}
+		r.log.Info("created the publication of the table", "publication", pub)
+	}
+	r.capture = &captureState{slot: slot, publication: pub, schema: schema}
+	return nil
+}
+
+// runCapture streams while it can; a standby waits for the slot, and a
+// relay that cannot stream polls, so rows flow whatever becomes of the slot.
+func (r *Relay) runCapture(ctx context.Context) {
+	var backoff time.Duration
+	for ctx.Err() == nil {
+		r.health.iteration(time.Now())
+		err := r.stream(ctx)
+		switch {
+		case ctx.Err() != nil:
+			return
+		case errors.Is(err, errSlotBusy):
+			backoff = 0
+			r.health.batchDone(time.Now(), 0, 0) // a standby has nothing to do: that is progress
+			r.health.idleUntil(time.Now().Add(standbyRetry))
+			sleep(ctx, standbyRetry)
+		case errors.Is(err, errSlotGone):
+			backoff = 0
+			r.log.Warn("polling until a new replication slot is made", "err", err, "for", fallbackPeriod)
+			r.pollFor(ctx, fallbackPeriod)
+		default:
+			backoff = min(max(2*backoff, 100*time.Millisecond), r.cfg.MaxBackoff)
+			r.log.Warn("streaming failed; polling, then streaming again", "err", err, "in", backoff)
+			r.pollFor(ctx, jitter(backoff))
+		}
+	}
+}
+
+// pollFor polls for d: the relay's rows flow while it cannot stream.
+func (r *Relay) pollFor(ctx context.Context, d time.Duration) {
+	r.m.captureFallback.Set(1)
+	defer r.m.captureFallback.Set(0)
+	until := time.Now().Add(d)
+	r.poll(ctx, func() bool { return !time.Now().Before(until) })
+}
+
+// replicationConn opens a replication connection with the pool's
+// connection settings (TLS, token) and none of its session settings.
+func (r *Relay) replicationConn(ctx context.Context) (*pgconn.PgConn, error) {
+	cfg := r.pool.Config().ConnConfig.Config.Copy()
+	cfg.RuntimeParams = map[string]string{"application_name": "outbox-relay", "replication": "database"}
+	for _, p := range []string{"tcp_keepalives_idle", "tcp_keepalives_interval", "tcp_keepalives_count"} {
+		if v, ok := r.pool.Config().ConnConfig.RuntimeParams[p]; ok {
+			cfg.RuntimeParams[p] = v
+		}
+	}
+	if r.cfg.DatabaseTokens != nil {
+		if err := r.cfg.DatabaseTokens.Apply(ctx, cfg); err != nil {
+			return nil, err
+		}
+	}
+	return pgconn.ConnectConfig(ctx, cfg)
+}
+
+// stream takes the slot (making it when missing), sweeps once, and
+// publishes what the stream delivers until an error, the slot is given
+// up, or ctx ends.
+func (r *Relay) stream(ctx context.Context) error {
+	c := r.capture
+	conn, err := r.replicationConn(ctx)
+	if err != nil {
+		return fmt.Errorf("connect for replication: %w", err)
+	}
+	defer func() { conn.Close(context.WithoutCancel(ctx)) }()
+	opts := pglogrepl.StartReplicationOptions{PluginArgs: []string{"proto_version '1'", "publication_names '" + c.publication + "'"}}
+	err = pglogrepl.StartReplication(ctx, conn, c.slot, 0, opts)
+	if pgCode(err) == "42704" { // no such slot: make it, on a connection of its own (the failed start leaves this one unusable)
+		conn.Close(context.WithoutCancel(ctx))
+		if conn, err = r.replicationConn(ctx); err != nil {
+			return fmt.Errorf("connect for replication: %w", err)
+		}
+		if _, err := pglogrepl.CreateReplicationSlot(ctx, conn, c.slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{}); err != nil && pgCode(err) != "42710" {
+			return fmt.Errorf("create replication slot %s: %w", c.slot, err)
+		}
+		r.log.Info("created the replication slot", "slot", c.slot)
+		err = pglogrepl.StartReplication(ctx, conn, c.slot, 0, opts)
+	}
+	switch {
+	case pgCode(err) == "55006": // object_in_use: another connection streams
+		return errSlotBusy
+	case pgCode(err) == "55000" || (err != nil && strings.Contains(err.Error(), "invalidated")):
+		conn.Close(context.WithoutCancel(ctx))
+		r.dropSlot(ctx, c.slot)
+		return fmt.Errorf("%w: %v", errSlotGone, err)
+	case err != nil:
+		return fmt.Errorf("start replication from slot %s: %w", c.slot, err)
+	}
+	r.m.captureStreaming.Set(1)
+	defer r.m.captureStreaming.Set(0)
+	r.log.Info("streaming the table's inserts", "slot", c.slot, "publication", c.publication)
+
+	s := &streamState{r: r, conn: conn}
+	r.sweep(ctx) // rows committed before the slot, and rows released from holding
+	now := time.Now()
+	s.nextSweep, s.nextStatus, s.nextCheck = now.Add(r.cfg.FullRescanInterval), now.Add(statusInterval), now
+	for ctx.Err() == nil {
+		now := time.Now()
+		r.health.iteration(now)
+		if !now.Before(s.nextCheck) {
+			s.nextCheck = now.Add(slotCheckInterval)
+			if err := r.checkSlot(ctx, c.slot); err != nil {
+				conn.Close(context.WithoutCancel(ctx))
+				r.dropSlot(ctx, c.slot)
+				return err
+			}
+		}
+		if !now.Before(s.nextSweep) && len(s.pending) == 0 && !s.inTx {
+			r.sweep(ctx)
+			s.nextSweep = time.Now().Add(r.cfg.FullRescanInterval)
+		}
+		if !now.Before(s.nextStatus) {
+			if err := s.sendStatus(ctx); err != nil {
+				return err
+			}
+		}
+		deadline := minTime(s.nextSweep, s.nextStatus, s.nextCheck)
+		if len(s.pending) > 0 {
+			deadline = now.Add(streamLinger)
+		}
+		rctx, cancel := context.WithDeadline(ctx, deadline)
+		msg, err := conn.ReceiveMessage(rctx)
+		cancel()
+		if err != nil {
+			if pgconn.Timeout(err) && ctx.Err() == nil {
+				if len(s.pending) == 0 {
+					r.health.batchDone(time.Now(), 0, 0) // nothing committed: idle, as an empty claim is
+				}
+				if err := s.flush(ctx); err != nil {
+					return err
+				}
+				continue
+			}
+			return fmt.Errorf("receive from replication slot %s: %w", c.slot, err)
+		}
+		if err := s.handle(ctx, msg); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// streamState is one streaming session's position and what it holds.
+type streamState struct {
+	r    *Relay
+	conn *pgconn.PgConn
+
+	rel     uint32 // the table's relation id in this session; 0 until its Relation message
+	idCol   int    // the index of the id column in its tuples
+	inTx    bool
+	txIDs   []int64       // ids inserted by the open transaction
+	pending []int64       // ids of committed transactions not yet published, in commit order
+	pendLSN pglogrepl.LSN // the end of the last committed transaction in pending
+	// confirmed is how far the server may discard: every row before it is
+	// published or in the table for the sweep.
+	confirmed pglogrepl.LSN
+
+	nextSweep, nextStatus, nextCheck time.Time
+}
+
+// handle processes one message of the replication protocol.
+func (s *streamState) handle(ctx context.Context, msg pgproto3.BackendMessage) error {
+	switch msg := msg.(type) {
+	case *pgproto3.ErrorResponse:
+		return fmt.Errorf("replication: %w", pgconn.ErrorResponseToPgError(msg))
+	case *pgproto3.CopyData:
+		if len(msg.Data) == 0 {
+			return nil
+		}
+		switch msg.Data[0] {
+		case pglogrepl.PrimaryKeepaliveMessageByteID:
+			k, err := pglogrepl.ParsePrimaryKeepaliveMessage(msg.Data[1:])
+			if err != nil {
+				return fmt.Errorf("replication keepalive: %w", err)
+			}
+			if len(s.pending) == 0 && !s.inTx && k.ServerWALEnd > s.confirmed {
+				s.confirmed = k.ServerWALEnd // nothing of ours before it is unpublished
+			}
+			if k.ReplyRequested {
+				return s.sendStatus(ctx)
+			}
+		case pglogrepl.XLogDataByteID:
+			x, err := pglogrepl.ParseXLogData(msg.Data[1:])
+			if err != nil {
+				return fmt.Errorf("replication data: %w", err)
+			}
+			return s.decode(ctx, x.WALData)
+		}
+	}
+	return nil
+}
+
+// decode reads one pgoutput message: the table's relation, transaction
+// boundaries and its inserts.
+func (s *streamState) decode(ctx context.Context, data []byte) error {
+	m, err := pglogrepl.Parse(data)
+	if err != nil {
+		return fmt.Errorf("decode pgoutput: %w", err)
+	}
+	switch m := m.(type) {
+	case *pglogrepl.RelationMessage:
+		if s.r.isTable(m.Namespace, m.RelationName) {
+			s.rel, s.idCol = m.RelationID, -1
+			for i, c := range m.Columns {
+				if c.Name == "id" {
+					s.idCol = i
+				}
+			}
+			if s.idCol < 0 {
+				return fmt.Errorf("the stream's %s.%s has no id column", m.Namespace, m.RelationName)
+			}
+		}
+	case *pglogrepl.BeginMessage:
+		s.inTx, s.txIDs = true, s.txIDs[:0]
+	case *pglogrepl.InsertMessage:
+		if m.RelationID != s.rel || s.rel == 0 || m.Tuple == nil || s.idCol >= len(m.Tuple.Columns) {
+			return nil
+		}
+		id, err := strconv.ParseInt(string(m.Tuple.Columns[s.idCol].Data), 10, 64)
+		if err != nil {
+			return fmt.Errorf("the stream's id %q: %w", m.Tuple.Columns[s.idCol].Data, err)
+		}
+		s.txIDs = append(s.txIDs, id)
+	case *pglogrepl.CommitMessage:
+		s.inTx = false
+		s.pending = append(s.pending, s.txIDs...)
+		s.txIDs = s.txIDs[:0]
+		s.pendLSN = m.TransactionEndLSN
+		if len(s.pending) == 0 {
+			s.confirmed = max(s.confirmed, m.TransactionEndLSN)
+		} else if len(s.pending) >= s.r.cfg.BatchSize {
+			return s.flush(ctx)
+		}
+	}
+	return nil
+}
+
+// flush publishes the pending rows and confirms the slot's position past
+// their transactions. On an error nothing is confirmed: the stream starts
+// again from the last confirmed position, and rows already published are
+// skipped then.
+func (s *streamState) flush(ctx context.Context) error {
+	if len(s.pending) == 0 {
+		return nil
+	}
+	if err := s.r.publishStreamed(ctx, s.pending); err != nil {
+		return err
+	}
+	s.pending = s.pending[:0]
+	s.confirmed = max(s.confirmed, s.pendLSN)
+	return s.sendStatus(ctx)
+}
+
+// sendStatus tells the server how far it may discard the slot's WAL.
+func (s *streamState) sendStatus(ctx context.Context) error {
+	s.nextStatus = time.Now().Add(statusInterval)
+	err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn, pglogrepl.StandbyStatusUpdate{
+		WALWritePosition: s.confirmed, WALFlushPosition: s.confirmed, WALApplyPosition: s.confirmed,
+	})
+	if err != nil {
+		return fmt.Errorf("confirm replication position: %w", err)
+	}
+	return nil
+}
+
+// isTable reports whether a relation of the stream is the outbox table.
+func (r *Relay) isTable(namespace, name string) bool {
+	return name == r.table.Name && namespace == r.capture.schema
+}
+
+// publishStreamed claims, publishes and marks the rows of ids (in commit
+// order), a batch at a time, as a poll batch does; rows already published,
+// held or unmapped are not claimed.
+func (r *Relay) publishStreamed(ctx context.Context, ids []int64) error {
+	for len(ids) > 0 {
+		chunk := ids[:min(len(ids), r.cfg.BatchSize)]
+		cut, err := r.streamBatch(ctx, chunk)
+		if err != nil {
+			return err
+		}
+		if !cut {
+			ids = ids[len(chunk):]
+		}
+	}
+	return nil
+}
+
+// streamBatch claims the unpublished rows of ids, publishes and marks
+// them; cut says the byte budget left some for another batch.
+func (r *Relay) streamBatch(ctx context.Context, ids []int64) (cut bool, err error) {
+	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
+	start := time.Now()
+	tx, err := r.pool.Begin(bctx)
+	if err != nil {
+		cancel()
+		return false, r.dbFailed(fmt.Errorf("begin claim transaction on %s: %w", r.table, err))
+	}
+	f := claimFilter{types: r.availableTypes(start), held: r.held.ids(), largest: r.largestRecord()}
+	rs, err := tx.Query(bctx, r.sql.ClaimIDs, ids, f.types, f.held, r.cfg.MaxBatchBytes, f.largest)
+	var rows []row
+	var locked int
+	if err == nil {
+		rows, locked, err = r.scanClaim(rs, f)
+	}
+	if err != nil {
+		tx.Rollback(bctx) //nolint:errcheck // the claim's error is the one to report
+		cancel()
+		return false, r.dbFailed(fmt.Errorf("claim streamed rows from %s: %w", r.table, err))
+	}
+	r.setDBErr(nil)
+	r.m.claimDuration.Observe(time.Since(start).Seconds())
+	if len(rows) == 0 {
+		defer cancel()
+		r.health.batchDone(start, 0, 0)
+		return false, r.commit(bctx, tx)
+	}
+	b := &inFlight{ctx: bctx, cancel: cancel, tx: tx, start: start, rows: rows, full: len(rows) < locked,
+		big: payloadBytes(rows) > bigBatchBytes, done: make(chan error, 1)}
+	b.published, b.perr = r.publish(bctx, rows)
+	b.holds, b.unhold = r.held.take(), r.held.forget(b.published)
+	b.done <- r.markAndCommit(b)
+	return b.full, r.finish(b)
+}
+
+// sweep polls until a claim finds nothing: what the stream cannot deliver.
+func (r *Relay) sweep(ctx context.Context) {
+	r.cur.rescanSoon()
+	for ctx.Err() == nil {
+		b, err := r.claimAndPublish(ctx)
+		if b == nil {
+			if err != nil {
+				r.log.Warn("sweep failed", "err", err)
+			}
+			return
+		}
+		b.done <- r.markAndCommit(b)
+		if err := firstErr(err, r.finish(b)); err != nil {
+			r.log.Warn("sweep failed", "err", err)
+			return
+		}
+		if !b.full {
+			return
+		}
+	}
+}
+
+// checkSlot reads the slot's retained WAL; a slot past MaxRetainedWAL is
+// given up, and a lost one is gone.
+func (r *Relay) checkSlot(ctx context.Context, slot string) error {
+	var retained int64
+	var status string
+	err := r.pool.QueryRow(ctx, sqlSlotState, slot).Scan(&retained, &status)
+	if err != nil {
+		r.log.Debug("could not read the replication slot's state", "slot", slot, "err", err)
+		return nil
+	}
+	r.m.slotRetainedWAL.Set(float64(retained))
+	switch {
+	case status == "lost":
+		return fmt.Errorf("%w: PostgreSQL invalidated slot %s (max_slot_wal_keep_size)", errSlotGone, slot)
+	case retained > r.cfg.MaxRetainedWAL:
+		r.log.Error("the replication slot holds back more WAL than allowed; dropping it and polling",
+			"slot", slot, "retained_bytes", retained, "max", r.cfg.MaxRetainedWAL)
+		return fmt.Errorf("%w: slot %s retained %d bytes of WAL, more than --%s %d", errSlotGone, slot, retained, relayconfig.FlagMaxRetainedWAL, r.cfg.MaxRetainedWAL)
+	}
+	return nil
+}
+
+// dropSlot drops the slot once no connection uses it (the walsender of a
+// closed connection ends shortly after).
+func (r *Relay) dropSlot(ctx context.Context, slot string) {
+	for i := 0; i < 20 && ctx.Err() == nil; i++ {
+		var dropped bool
+		err := r.pool.QueryRow(ctx, sqlDropSlot, slot).Scan(&dropped)
+		if err == nil && dropped {
+			r.log.Warn("dropped the replication slot", "slot", slot)
+			return
+		}
+		sleep(ctx, 100*time.Millisecond)
+	}
+}
+
+// pgCode is err's SQLSTATE, "" when it has none.
+func pgCode(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code
+	}
+	return ""
+}
+
+func minTime(a time.Time, more ...time.Time) time.Time {
+	for _, t := range more {
+		if t.Before(a) {
+			a = t
+		}
+	}
+	return a
+}

@@ -1,0 +1,164 @@
+package relay_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/outbox-relay/outbox-operator/relay"
+	"github.com/outbox-relay/outbox-operator/test/outboxtest"
+	"github.com/outbox-relay/outbox-operator/test/testenv"
+)
+
+// captureFixture is a fixture whose relays stream (--capture
+// logical-replication); the test's slot goes with its database.
+func captureFixture(t *testing.T, partitions int, eventTypes ...string) (*outboxtest.Fixture, relay.Config) {
+	f := outboxtest.NewFixture(t, partitions, eventTypes...)
+	t.Cleanup(func() { // after the relays stop (cleanups run last registered first)
+		require.Eventually(t, func() bool {
+			_, err := f.Pool.Exec(context.Background(), `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
+				WHERE database = current_database() AND NOT active`)
+			return err == nil && f.Count(`SELECT count(*) FROM pg_replication_slots WHERE database = current_database()`) == 0
+		}, 10*time.Second, 50*time.Millisecond, "the test's replication slot is dropped")
+	})
+	cfg := f.Config()
+	cfg.Capture = relay.CaptureLogicalReplication
+	return f, cfg
+}
+
+// eventIDs are the table's event ids in the order of the SQL ORDER BY order.
+func eventIDs(t *testing.T, f *outboxtest.Fixture, order string) []string {
+	t.Helper()
+	rows, err := f.Pool.Query(context.Background(), `SELECT event_id::text FROM outbox ORDER BY `+order)
+	require.NoError(t, err)
+	defer rows.Close()
+	var ids []string
+	for rows.Next() {
+		var id string
+		require.NoError(t, rows.Scan(&id))
+		ids = append(ids, id)
+	}
+	return ids
+}
+
+// With logical replication the relay publishes in commit order: a row
+// whose transaction commits after a later id's reaches Kafka after it,
+// which id-order polling cannot promise. Every row is published once, and
+// the slot's confirmed position moves past them.
+func TestLogicalReplicationPublishesInCommitOrder(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg := captureFixture(t, 1, "E")
+	x := outboxtest.Start(t, cfg)
+	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming") == 1 },
+		10*time.Second, 20*time.Millisecond, "the relay streams")
+
+	insert := `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', 'o1', 'E', $1, 'o1')`
+	late, err := f.Pool.Begin(ctx) // takes the lower id, commits last
+	require.NoError(t, err)
+	_, err = late.Exec(ctx, insert, `{"n":1}`)
+	require.NoError(t, err)
+	_, err = f.Pool.Exec(ctx, insert, `{"n":2}`)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return f.Unpublished() == 1 }, 10*time.Second, 10*time.Millisecond, "the committed row is out at once")
+	require.NoError(t, late.Commit(ctx))
+	for i := range 10 { // more transactions, several rows each
+		f.Insert(20, 7, "E")
+		_ = i
+	}
+	f.WaitDrained(0, 30*time.Second)
+	msgs := testenv.Broker().Consume(t, f.Topics["E"], 202, 30*time.Second)
+	require.Len(t, msgs, 202, "every row once")
+	byID := eventIDs(t, f, "id")
+	require.Equal(t, byID[1], header(msgs[0], relay.HeaderEventID), "the row committed first comes first")
+	require.Equal(t, byID[0], header(msgs[1], relay.HeaderEventID), "the lower id, committed later, after it")
+	for i, m := range msgs[2:] {
+		require.Equal(t, byID[i+2], header(m, relay.HeaderEventID), "then the transactions in commit order")
+	}
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM pg_replication_slots WHERE database = current_database()
+			AND confirmed_flush_lsn >= (SELECT max(lsn) FROM (SELECT pg_current_wal_insert_lsn() AS lsn) l) - 1000000`) == 1
+	}, 30*time.Second, 100*time.Millisecond, "the slot's position is confirmed")
+}
+
+// One replica streams, the other waits; when the streaming one stops, the
+// standby takes the slot within seconds, and nothing is lost.
+func TestLogicalReplicationStandbyTakesOver(t *testing.T) {
+	t.Parallel()
+	f, cfg := captureFixture(t, 2, "E")
+	a := outboxtest.Start(t, cfg)
+	streaming := func(x *outboxtest.Running) bool {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming") == 1
+	}
+	require.Eventually(t, func() bool { return streaming(a) }, 10*time.Second, 20*time.Millisecond)
+	b := outboxtest.Start(t, cfg)
+	f.Insert(100, 10, "E")
+	f.WaitDrained(0, 30*time.Second)
+	require.False(t, streaming(b), "one replica streams at a time")
+
+	a.Stop(t)
+	stopped := time.Now()
+	require.Eventually(t, func() bool { return streaming(b) }, 10*time.Second, 20*time.Millisecond, "the standby takes over")
+	t.Logf("the standby streamed %s after the streaming replica stopped", time.Since(stopped).Round(time.Millisecond))
+	f.Insert(100, 10, "E")
+	f.WaitDrained(0, 30*time.Second)
+	msgs := testenv.Broker().Consume(t, f.Topics["E"], 200, 30*time.Second)
+	seen := map[string]bool{}
+	for _, m := range msgs {
+		seen[header(m, relay.HeaderEventID)] = true
+	}
+	require.Len(t, seen, 200, "nothing lost")
+}
+
+// The slot is nothing the rows depend on: dropped (its walsender ended by
+// an administrator), the relay makes a new one, and the rows committed
+// while there was none are published by the sweep that follows.
+func TestLogicalReplicationSurvivesALostSlot(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg := captureFixture(t, 1, "E")
+	x := outboxtest.Start(t, cfg)
+	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming") == 1 },
+		10*time.Second, 20*time.Millisecond)
+	f.Insert(50, 5, "E")
+	f.WaitDrained(0, 30*time.Second)
+	// End the walsender and drop the slot before the relay reconnects.
+	require.Eventually(t, func() bool {
+		_, _ = f.Pool.Exec(ctx, `SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE database = current_database() AND active`)
+		_, err := f.Pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = current_database() AND NOT active`)
+		return err == nil && f.Count(`SELECT count(*) FROM pg_replication_slots WHERE database = current_database() AND active`) == 0
+	}, 10*time.Second, time.Millisecond)
+	f.Insert(50, 5, "E")
+	f.WaitDrained(0, 30*time.Second)
+	require.Len(t, testenv.Broker().Consume(t, f.Topics["E"], 100, 30*time.Second), 100)
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM pg_replication_slots WHERE database = current_database()`) == 1
+	}, 10*time.Second, 50*time.Millisecond, "a new slot")
+}
+
+// What logical replication needs is named with the statement that grants it.
+func TestLogicalReplicationNamesMissingPrivileges(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, _ := captureFixture(t, 1, "E")
+	role := fmt.Sprintf("plain_%d", time.Now().UnixNano()%1e9)
+	f.Exec(`CREATE ROLE ` + role + ` LOGIN; GRANT SELECT, UPDATE ON outbox TO ` + role + `; GRANT ALL ON outbox_held TO ` + role)
+	t.Cleanup(func() { _, _ = f.Pool.Exec(ctx, `DROP OWNED BY `+role+`; DROP ROLE `+role) })
+	cfg := f.Config()
+	cfg.Capture = relay.CaptureLogicalReplication
+	cfg.DSN = strings.Replace(f.DSN, "postgres@", role+"@", 1) // the test cluster trusts local connections
+	r, err := relay.New(cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.Close() })
+	require.ErrorContains(t, r.Check(ctx), `may not stream from a replication slot; grant it with: ALTER ROLE "`+role+`" REPLICATION`)
+
+	f.Exec(`ALTER ROLE ` + role + ` REPLICATION`)
+	err = r.Check(ctx)
+	require.ErrorContains(t, err, `the publication outbox_`)
+	require.ErrorContains(t, err, `as the table's owner, run: CREATE PUBLICATION`)
+}

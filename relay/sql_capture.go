@@ -1,0 +1,43 @@
+package relay
+
+import (
+	"github.com/jackc/pgx/v5"
+
+	"github.com/outbox-relay/outbox-operator/outbox"
+)
+
+// Statements of the logical replication capture (capture.go).
+// TestSessionStatementsPrepare prepares every one.
+const (
+	// sqlCaptureSettings: wal_level, the database, the role, and the
+	// schema of the table whose quoted name is $1.
+	sqlCaptureSettings = `SELECT current_setting('wal_level'), current_database(), current_user,
+		(SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1))`
+	// sqlCanReplicate: the role may stream from a replication slot
+	// (REPLICATION, superuser, or a managed service's replication role).
+	sqlCanReplicate = `SELECT r.rolreplication OR r.rolsuper OR EXISTS (
+		SELECT 1 FROM pg_auth_members m JOIN pg_roles g ON g.oid = m.roleid
+		WHERE m.member = r.oid AND g.rolname IN ('rds_replication', 'rds_superuser', 'cloudsqlsuperuser', 'azure_pg_admin'))
+		FROM pg_roles r WHERE r.rolname = current_user`
+	// sqlPublishes: the publication $1 includes the table whose quoted name is $2.
+	sqlPublishes = `SELECT EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+		WHERE p.pubname = $1 AND pr.prrelid = to_regclass($2))`
+	// sqlSlotState: the WAL the slot $1 holds back, in bytes, and its wal_status.
+	sqlSlotState = `SELECT COALESCE(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::bigint, COALESCE(wal_status, '')
+		FROM pg_replication_slots WHERE slot_name = $1`
+	// sqlDropSlot drops the slot $1 when no connection uses it; true when it did.
+	sqlDropSlot = `SELECT COALESCE((SELECT pg_drop_replication_slot(slot_name) IS NOT NULL OR true
+		FROM pg_replication_slots WHERE slot_name = $1 AND NOT active), false)`
+)
+
+// sqlCreatePublication publishes the inserts of table t as pub.
+func sqlCreatePublication(pub string, t outbox.Table) string {
+	return `CREATE PUBLICATION ` + pgx.Identifier{pub}.Sanitize() + ` FOR TABLE ` + t.Quoted() + ` WITH (publish = 'insert')`
+}
+
+// captureStatements are the statements above by name, for the test that
+// prepares each.
+var captureStatements = map[string]string{
+	"sqlCaptureSettings": sqlCaptureSettings, "sqlCanReplicate": sqlCanReplicate, "sqlPublishes": sqlPublishes,
+	"sqlSlotState": sqlSlotState, "sqlDropSlot": sqlDropSlot,
+}
