@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
@@ -113,7 +114,8 @@ type backlogQuery struct {
 	table    outbox.Table
 	withHeld bool
 	topics   map[string]string
-	byKey    bool // PartitionKey ordering
+	byKey    bool   // PartitionKey ordering
+	slot     string // the replication slot to read (LogicalReplication capture); "" for none
 }
 
 // key identifies the question q asks with bound: readers asking the same
@@ -124,7 +126,7 @@ func (q backlogQuery) key(bound int64) string {
 		pairs = append(pairs, et+"="+t)
 	}
 	slices.Sort(pairs)
-	return fmt.Sprintf("%s|%v|%v|%d|%s", q.table, q.withHeld, q.byKey, bound, strings.Join(pairs, ","))
+	return fmt.Sprintf("%s|%v|%v|%d|%s|%s", q.table, q.withHeld, q.byKey, bound, strings.Join(pairs, ","), q.slot)
 }
 
 // args are BacklogSQL's arguments after the bound.
@@ -167,6 +169,38 @@ type backlogSample struct {
 	// perMinute is the publish rate over the last minute, nil when unknown;
 	// the observer fills it in from earlier samples.
 	perMinute *int64
+	// slot is the replication slot's state, nil when none was asked for.
+	slot *outboxv1alpha1.SlotStatus
+}
+
+// SlotSQL reads the replication slot $1: whether it exists, is active, the
+// WAL it retains and the WAL not yet confirmed, in bytes.
+const SlotSQL = `SELECT count(*) > 0, COALESCE(bool_or(active), false),
+       COALESCE(max(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)), 0)::bigint,
+       COALESCE(max(pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)), 0)::bigint
+FROM pg_replication_slots WHERE slot_name = $1`
+
+// observeSlot reads the slot named name.
+func observeSlot(ctx context.Context, db queryRower, name string) (*outboxv1alpha1.SlotStatus, error) {
+	rows, err := db.Query(ctx, SlotSQL, name)
+	if err != nil {
+		return nil, fmt.Errorf("read replication slot %s: %w", name, err)
+	}
+	defer rows.Close()
+	st := &outboxv1alpha1.SlotStatus{Name: name}
+	var retained, lag int64
+	for rows.Next() {
+		if err := rows.Scan(&st.Exists, &st.Active, &retained, &lag); err != nil {
+			return nil, fmt.Errorf("read replication slot %s: %w", name, err)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read replication slot %s: %w", name, err)
+	}
+	if st.Exists {
+		st.RetainedWAL, st.ConfirmedLag = resource.NewQuantity(retained, resource.BinarySI), resource.NewQuantity(lag, resource.BinarySI)
+	}
+	return st, nil
 }
 
 // queryRower is what observeBacklog needs of a connection or pool.
@@ -207,6 +241,12 @@ func observeBacklog(ctx context.Context, db queryRower, q backlogQuery, bound in
 	if s.read >= bound && lastRead != nil && maxID != nil && *maxID > *lastRead {
 		s.beyond = *maxID - *lastRead
 	}
+	if q.slot != "" {
+		rows.Close()
+		if s.slot, err = observeSlot(ctx, db, q.slot); err != nil {
+			return s, err
+		}
+	}
 	return s, nil
 }
 
@@ -244,6 +284,7 @@ func backlogStatus(relay *outboxv1alpha1.OutboxRelay, s *backlogSample) *outboxv
 	}
 	st.OldestAge = metav1.Duration{Duration: time.Duration(oldest) * time.Second}
 	st.PublishedPerMinute = s.perMinute
+	st.Slot = s.slot
 	return st
 }
 

@@ -85,6 +85,7 @@ type flowTarget struct {
 	interval  time.Duration
 	topics    map[string]outboxv1alpha1.TopicName // the topic map, to tell held rows from pending ones
 	byKey     bool                                // PartitionKey ordering
+	slot      bool                                // LogicalReplication capture: read its slot
 }
 
 // relayFlow is one OutboxRelay's observer and what it saw.
@@ -165,7 +166,7 @@ func (o *FlowObserver) Observe(key types.NamespacedName, target flowTarget) flow
 		f.target, f.latest, f.lastErr, f.counters = target, nil, "", nil
 		o.startLocked(key, f)
 	default:
-		f.target.interval, f.target.dsnSecret = target.interval, target.dsnSecret
+		f.target.interval, f.target.dsnSecret, f.target.slot = target.interval, target.dsnSecret, target.slot
 		f.target.topics, f.target.byKey = target.topics, target.byKey
 	}
 	return flowView{sample: f.latest, lastErr: f.lastErr, authFailed: f.authFailed}
@@ -287,6 +288,9 @@ func (o *FlowObserver) query(key types.NamespacedName, done chan struct{}, withH
 	q := backlogQuery{withHeld: withHeld}
 	if f := o.relays[key]; f != nil && f.done == done {
 		q.table, q.byKey = f.target.table, f.target.byKey
+		if f.target.slot {
+			q.slot = o.slotName(f.target)
+		}
 		q.topics = make(map[string]string, len(f.target.topics))
 		for et, t := range f.target.topics {
 			q.topics[et] = string(t)
@@ -458,4 +462,14 @@ func newBacklogPool(ctx context.Context, target flowTarget) (*pgxpool.Pool, erro
 	cfg.MaxConns, cfg.MinConns = 1, 0
 	cfg.MaxConnIdleTime = connIdleTime
 	return pgxpool.NewWithConfig(ctx, cfg)
+}
+
+// slotName is the replication slot of target's table: the relays name it
+// after the DSN's database and the table (relayconfig.SlotName).
+func (o *FlowObserver) slotName(target flowTarget) string {
+	cfg, err := pgx.ParseConfig(target.dsn)
+	if err != nil {
+		return ""
+	}
+	return relayconfig.SlotName(cfg.Database, target.table)
 }

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
@@ -49,6 +50,7 @@ func TestFlow(t *testing.T) {
 	t.Run("MissingTableIsReported", func(t *testing.T) { t.Parallel(); testMissingTable(t, c) })
 	t.Run("DatabaseTLS", func(t *testing.T) { t.Parallel(); testDatabaseTLS(t, c) })
 	t.Run("DatabaseTokenAuth", func(t *testing.T) { t.Parallel(); testDatabaseTokenAuth(t, c) })
+	t.Run("ReplicationSlot", func(t *testing.T) { t.Parallel(); testReplicationSlot(t, c) })
 	t.Run("BeforeTheFirstReading", func(t *testing.T) { t.Parallel(); testBeforeFirstReading(t, c) })
 }
 
@@ -571,4 +573,38 @@ func testDatabaseTokenAuth(t *testing.T, c client.Client) {
 	var d appsv1.Deployment
 	require.NoError(t, c.Get(ctx, client.ObjectKey{Namespace: ns, Name: "token-tls-relay"}, &d))
 	require.Subset(t, d.Spec.Template.Spec.Containers[0].Args, []string{"--database-auth=aws-rds-iam", "--database-auth-aws-region=xx-test-1"})
+}
+
+// With spec.capture LogicalReplication the operator reads the relays'
+// slot (named after the DSN's database and the table) into
+// status.backlog.slot: absent before a relay makes it, then the WAL it
+// retains; Poll relays show none.
+func testReplicationSlot(t *testing.T, c client.Client) {
+	ctx := context.Background()
+	dsn, db := outboxDB(t)
+	cfg, err := pgx.ParseConfig(dsn)
+	require.NoError(t, err)
+	slot := relayconfig.SlotName(cfg.Database, outbox.Table{Name: "outbox"})
+	t.Cleanup(func() {
+		_, _ = db.Exec(context.Background(), `SELECT pg_drop_replication_slot($1) FROM pg_replication_slots WHERE slot_name = $1`, slot)
+	})
+	insertRows(t, db, 2, "OrderConfirmed", 0)
+	ns := newNamespace(t, c)
+	relay, secret := flowRelay(ns, "streams", dsn)
+	relay.Spec.Capture = &outboxv1alpha1.CaptureSpec{Mode: outboxv1alpha1.CaptureLogicalReplication}
+	create(t, c, secret, relay)
+	o := waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return o.Status.Backlog != nil && o.Status.Backlog.Slot != nil
+	})
+	require.Equal(t, outboxv1alpha1.SlotStatus{Name: slot}, *o.Status.Backlog.Slot, "no slot yet")
+
+	_, err = db.Exec(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, slot)
+	require.NoError(t, err)
+	insertRows(t, db, 500, "OrderConfirmed", 0) // WAL the slot holds back
+	o = waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		s := o.Status.Backlog.Slot
+		return s != nil && s.Exists && s.RetainedWAL != nil && s.RetainedWAL.Value() > 0
+	})
+	require.False(t, o.Status.Backlog.Slot.Active, "no relay streams in envtest")
+	require.GreaterOrEqual(t, o.Status.Backlog.Slot.RetainedWAL.Value(), o.Status.Backlog.Slot.ConfirmedLag.Value())
 }

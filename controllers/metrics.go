@@ -14,6 +14,7 @@ import (
 // name, as its status reports them. They are deleted with the OutboxRelay.
 type Metrics struct {
 	backlog, oldestAge, desired, ready, lagging *prometheus.GaugeVec
+	slotRetained                                *prometheus.GaugeVec
 	held                                        *prometheus.GaugeVec
 	secretReads                                 prometheus.Counter
 }
@@ -38,8 +39,10 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			"Ready relay replicas."),
 		lagging: gauge("outbox_operator_lagging",
 			"1 while the Lagging condition is True, 0 while False, -1 while Unknown."),
+		slotRetained: gauge("outbox_operator_slot_retained_wal_bytes",
+			"WAL the replication slot of a LogicalReplication OutboxRelay holds back, as status.backlog.slot.retainedWAL; absent in Poll mode."),
 	}
-	for _, v := range []**prometheus.GaugeVec{&m.backlog, &m.oldestAge, &m.held, &m.desired, &m.ready, &m.lagging} {
+	for _, v := range []**prometheus.GaugeVec{&m.backlog, &m.oldestAge, &m.held, &m.desired, &m.ready, &m.lagging, &m.slotRetained} {
 		err := reg.Register(*v)
 		var dup prometheus.AlreadyRegisteredError
 		switch {
@@ -98,6 +101,11 @@ func (m *Metrics) set(key types.NamespacedName, st *outboxv1alpha1.OutboxRelaySt
 		m.held.WithLabelValues(ns, name, "too_large").Set(float64(b.Held.TooLarge))
 		m.held.WithLabelValues(ns, name, "refused").Set(float64(b.Held.Refused))
 		m.held.WithLabelValues(ns, name, "blocked").Set(float64(b.Held.Blocked))
+		if s := b.Slot; s != nil && s.RetainedWAL != nil {
+			m.slotRetained.WithLabelValues(ns, name).Set(float64(s.RetainedWAL.Value()))
+		} else {
+			m.slotRetained.DeleteLabelValues(ns, name)
+		}
 	}
 }
 
@@ -107,7 +115,7 @@ func (m *Metrics) delete(key types.NamespacedName) {
 		return
 	}
 	match := prometheus.Labels{"namespace": key.Namespace, "name": key.Name}
-	for _, v := range []*prometheus.GaugeVec{m.backlog, m.oldestAge, m.held, m.desired, m.ready, m.lagging} {
+	for _, v := range []*prometheus.GaugeVec{m.backlog, m.oldestAge, m.held, m.desired, m.ready, m.lagging, m.slotRetained} {
 		v.DeletePartialMatch(match)
 	}
 }

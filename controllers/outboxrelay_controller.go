@@ -192,7 +192,8 @@ func (r *OutboxRelayReconciler) observe(key types.NamespacedName, relay *outboxv
 	}
 	auth, _ := databaseAuthOf(relay.Spec.Database) // checked with the spec: prob is nil
 	view := r.Flow.Observe(key, flowTarget{dsn: in.DSN, tls: in.DatabaseTLS, auth: auth, dsnSecret: relay.Spec.DSNSecretRef.Name, table: table, interval: interval,
-		topics: relay.Spec.Topics, byKey: relay.Spec.Ordering == outboxv1alpha1.OrderingPartitionKey})
+		topics: relay.Spec.Topics, byKey: relay.Spec.Ordering == outboxv1alpha1.OrderingPartitionKey,
+		slot: relay.Spec.Capture != nil && relay.Spec.Capture.Mode == outboxv1alpha1.CaptureLogicalReplication})
 	if view.authFailed { // the Secret may hold a new password: read it again
 		r.secrets.stale(types.NamespacedName{Namespace: relay.Namespace, Name: relay.Spec.DSNSecretRef.Name}, secretRetryInterval)
 	}

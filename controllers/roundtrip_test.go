@@ -8,6 +8,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/utils/ptr"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
@@ -162,6 +163,15 @@ func TestSpecRoundTrip(t *testing.T) {
 				s.KafkaSASLMechanism = relayconfig.SASLOAuthBearer
 				s.KafkaSASLOAuthTokenEndpoint, s.KafkaSASLOAuthScope = "https://idp.example/oauth2/token", "kafka"
 				s.KafkaSASLUsername, s.KafkaSASLPassword = testUser, testPassword
+			},
+		},
+		"logical replication capture": {
+			edit: func(r *outboxv1alpha1.OutboxRelay) {
+				q := resource.MustParse("1Gi")
+				r.Spec.Capture = &outboxv1alpha1.CaptureSpec{Mode: outboxv1alpha1.CaptureLogicalReplication, MaxRetainedWAL: &q}
+			},
+			want: func(s *relayconfig.Command) {
+				s.Capture, s.MaxRetainedWAL = relayconfig.CaptureLogicalReplication, 1<<30
 			},
 		},
 		"partition column": {

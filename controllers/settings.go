@@ -46,6 +46,12 @@ var recordTimestamps = map[outboxv1alpha1.RecordTimestamp]relayconfig.RecordTime
 	outboxv1alpha1.RecordTimestampPublish:   relayconfig.RecordTimestampPublish,
 }
 
+// captures maps the API's capture modes to the relay's.
+var captures = map[outboxv1alpha1.CaptureMode]relayconfig.Capture{
+	outboxv1alpha1.CapturePoll:               relayconfig.CapturePoll,
+	outboxv1alpha1.CaptureLogicalReplication: relayconfig.CaptureLogicalReplication,
+}
+
 // databaseAuths maps the API's database login methods to the relay's.
 var databaseAuths = map[outboxv1alpha1.DatabaseAuthMethod]relayconfig.DatabaseAuth{
 	outboxv1alpha1.DatabaseAuthPassword:       relayconfig.DatabaseAuthPassword,
@@ -170,6 +176,16 @@ func specSettings(relay *outboxv1alpha1.OutboxRelay) (relayconfig.Command, error
 	s.RecordTimestamp = ts
 	s.CloudEventsSource = spec.CloudEventsSource
 	s.PartitionColumn = spec.PartitionColumn
+	if c := spec.Capture; c != nil {
+		mode, ok := captures[cmp.Or(c.Mode, outboxv1alpha1.CapturePoll)]
+		if !ok {
+			return s, fmt.Errorf("spec.capture.mode: %q is not one of %s", c.Mode, enumValues(captures))
+		}
+		s.Capture = mode
+		if c.MaxRetainedWAL != nil {
+			s.MaxRetainedWAL = c.MaxRetainedWAL.Value()
+		}
+	}
 	s.Compression = relayconfig.Compression(cmp.Or(string(spec.Kafka.Compression), string(s.Compression)))
 	s.KafkaTLS = spec.Kafka.TLS != nil
 	if db := spec.Database; db != nil && db.TLS != nil {
@@ -230,6 +246,8 @@ var specFields = map[string]string{
 	relayconfig.FlagRecordTimestamp:             "spec.recordTimestamp",
 	relayconfig.FlagCloudEventsSource:           "spec.cloudEventsSource",
 	relayconfig.FlagPartitionColumn:             "spec.partitionColumn",
+	relayconfig.FlagCapture:                     "spec.capture.mode",
+	relayconfig.FlagMaxRetainedWAL:              "spec.capture.maxRetainedWAL",
 	relayconfig.FlagCompression:                 "spec.kafka.compression",
 	relayconfig.FlagMaxInFlight:                 "spec.maxInFlight",
 	relayconfig.FlagNotify:                      "spec.notify",

@@ -85,6 +85,13 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		{"AWS_MSK_IAM without TLS", func(s map[string]any) {
 			kafka(s)["sasl"] = map[string]any{"mechanism": "AWS_MSK_IAM"}
 		}, []string{"spec.kafka.sasl.mechanism", "MSK serves AWS_MSK_IAM only over TLS"}},
+		{"logical replication with partition-key ordering", func(s map[string]any) {
+			s["capture"] = map[string]any{"mode": "LogicalReplication"}
+			s["ordering"] = "PartitionKey"
+		}, []string{"spec.capture.mode", "does not combine with spec.ordering PartitionKey"}},
+		{"retained WAL below 64Mi", func(s map[string]any) {
+			s["capture"] = map[string]any{"mode": "LogicalReplication", "maxRetainedWAL": "10Mi"}
+		}, []string{"spec.capture.maxRetainedWAL", "at least 64Mi"}},
 		{"partition column not an identifier", func(s map[string]any) { s["partitionColumn"] = "Kafka Partition" }, []string{"spec.partitionColumn"}},
 		{"database auth method unknown", func(s map[string]any) {
 			s["database"] = map[string]any{"auth": map[string]any{"method": "Kerberos"}}
@@ -262,6 +269,9 @@ func TestAPIServerAcceptsEdgeCases(t *testing.T) {
 		{"OAUTHBEARER from a token file, AWS_MSK_IAM", func(s map[string]any) {
 			kafka(s)["tls"] = map[string]any{}
 			kafka(s)["sasl"] = map[string]any{"mechanism": "OAUTHBEARER", "oauth": map[string]any{"tokenFile": "/var/run/secrets/kafka/token"}}
+		}},
+		{"logical replication capture keeping 8Gi of WAL", func(s map[string]any) {
+			s["capture"] = map[string]any{"mode": "LogicalReplication", "maxRetainedWAL": "8Gi"}
 		}},
 		{"AWS_MSK_IAM with a region", func(s map[string]any) {
 			kafka(s)["tls"] = map[string]any{}

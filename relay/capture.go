@@ -2,8 +2,6 @@ package relay
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"strconv"
@@ -15,7 +13,6 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 
-	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
@@ -69,29 +66,6 @@ var errSlotBusy = errors.New("another replica streams from the replication slot"
 // retained WAL); the relay polls for fallbackPeriod and makes a new one.
 var errSlotGone = errors.New("the replication slot is gone")
 
-// captureNames are the slot and the publication of database's table t:
-// slot names are unique in the whole cluster, so the database is part of
-// them; a name longer than PostgreSQL's 63 bytes ends in a hash.
-func captureNames(database string, t outbox.Table) (slot, publication string) {
-	base := "outbox_" + identifierPart(database+"_"+strings.ReplaceAll(t.String(), ".", "_"))
-	if len(base) > 63 {
-		sum := sha256.Sum256([]byte(base))
-		base = base[:50] + "_" + hex.EncodeToString(sum[:])[:12]
-	}
-	return base, base
-}
-
-// identifierPart is s with every byte outside [a-z0-9_] replaced by '_'.
-func identifierPart(s string) string {
-	b := []byte(strings.ToLower(s))
-	for i, c := range b {
-		if (c < 'a' || c > 'z') && (c < '0' || c > '9') {
-			b[i] = '_'
-		}
-	}
-	return string(b)
-}
-
 // captureState is what the streaming needs beyond the relay.
 type captureState struct {
 	slot, publication string
@@ -119,7 +93,8 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 		return fmt.Errorf("--%s %s: the role %s may not stream from a replication slot; grant it with: ALTER ROLE %s REPLICATION (Amazon RDS: GRANT rds_replication TO %s)",
 			relayconfig.FlagCapture, CaptureLogicalReplication, role, quotedRole, quotedRole)
 	}
-	slot, pub := captureNames(database, r.table)
+	slot := relayconfig.SlotName(database, r.table)
+	pub := slot
 	var published bool
 	if err := r.pool.QueryRow(ctx, sqlPublishes, pub, r.table.Quoted()).Scan(&published); err != nil {
 		return fmt.Errorf("read publication %s: %w", pub, err)
@@ -133,6 +108,7 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 		r.log.Info("created the publication of the table", "publication", pub)
 	}
 	r.capture = &captureState{slot: slot, publication: pub, schema: schema}
+	r.m.slotMaxRetainedWAL.Set(float64(r.cfg.MaxRetainedWAL))
 	return nil
 }
 

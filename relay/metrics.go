@@ -33,6 +33,8 @@ type metrics struct {
 	captureFallback prometheus.Gauge
 	// slotRetainedWAL is the WAL the replication slot holds back.
 	slotRetainedWAL prometheus.Gauge
+	// slotMaxRetainedWAL is --max-retained-wal, for the alert's ratio.
+	slotMaxRetainedWAL prometheus.Gauge
 }
 
 // metricSet builds the relay's collectors and registers each on reg (when
@@ -125,6 +127,8 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			"1 while this logical-replication replica polls because it cannot stream (the slot was lost or given up, or streaming failed)."),
 		slotRetainedWAL: f.gauge("outbox_relay_slot_retained_wal_bytes",
 			"WAL the replication slot holds back (pg_current_wal_lsn() - restart_lsn), read by the streaming replica every 5 s; beyond --max-retained-wal the relay drops the slot and polls."),
+		slotMaxRetainedWAL: f.gauge("outbox_relay_slot_max_retained_wal_bytes",
+			"--max-retained-wal of a logical-replication relay: the retained WAL at which it drops the slot and polls."),
 		headersSkipped: f.counter("outbox_relay_headers_skipped_total",
 			"Entries of rows' headers column not forwarded because the relay sets a header of that name itself (event_id, event_type, aggregate_type, aggregate_id, content-type, outbox_*, ce_specversion, ce_id, ce_source, ce_type, ce_time); counted each time a record is built."),
 	}

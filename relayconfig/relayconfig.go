@@ -9,6 +9,8 @@ package relayconfig
 
 import (
 	"cmp"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"flag"
 	"fmt"
@@ -1229,4 +1231,23 @@ func checkCaptureOrdering(c Capture, o Ordering) error {
 		return fmt.Errorf("%s publishes in commit order from one streaming replica and does not combine with --%s %s", c, FlagOrdering, o)
 	}
 	return nil
+}
+
+// SlotName is the replication slot (and publication) of database's table t
+// in logical-replication capture: slot names are unique in the whole
+// cluster, so the database is part of it; a name longer than PostgreSQL's
+// 63 bytes ends in a hash of the whole.
+func SlotName(database string, t outbox.Table) string {
+	b := []byte(strings.ToLower("outbox_" + database + "_" + strings.ReplaceAll(t.String(), ".", "_")))
+	for i, c := range b {
+		if (c < 'a' || c > 'z') && (c < '0' || c > '9') {
+			b[i] = '_'
+		}
+	}
+	name := string(b)
+	if len(name) > 63 {
+		sum := sha256.Sum256([]byte(name))
+		name = name[:50] + "_" + hex.EncodeToString(sum[:])[:12]
+	}
+	return name
 }

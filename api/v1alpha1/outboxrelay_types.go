@@ -453,6 +453,7 @@ type BacklogSpec struct {
 
 // OutboxRelaySpec is the desired state of an OutboxRelay.
 // +kubebuilder:validation:XValidation:rule="!has(self.deadLetterTopic) || !self.topics.exists(k, self.topics[k] == self.deadLetterTopic)",message="spec.deadLetterTopic must not be one of the topics in spec.topics",fieldPath=".deadLetterTopic"
+// +kubebuilder:validation:XValidation:rule="!has(self.capture) || !has(self.capture.mode) || self.capture.mode != 'LogicalReplication' || !has(self.ordering) || self.ordering != 'PartitionKey'",message="spec.capture.mode LogicalReplication publishes in commit order from one streaming pod and does not combine with spec.ordering PartitionKey",fieldPath=".capture.mode"
 type OutboxRelaySpec struct {
 	// DSNSecretRef names the Secret key holding the PostgreSQL DSN. The DSN
 	// reaches the relay only as the RELAY_DSN environment variable from this Secret.
@@ -503,6 +504,11 @@ type OutboxRelaySpec struct {
 	// serializes the notifying writers' commits.
 	// +optional
 	Notify bool `json:"notify,omitempty"`
+
+	// Capture is how the relays learn of new rows: polling (the default)
+	// or a logical replication slot.
+	// +optional
+	Capture *CaptureSpec `json:"capture,omitempty"`
 
 	// Retention says what becomes of published rows. Default: they are
 	// marked (published_at) and kept.
@@ -725,6 +731,11 @@ type BacklogStatus struct {
 	// until two reads exist, or when the server does not count (track_counts off).
 	// +optional
 	PublishedPerMinute *int64 `json:"publishedPerMinute,omitempty"`
+
+	// Slot is the replication slot of spec.capture LogicalReplication, as
+	// PostgreSQL reports it; absent in Poll mode.
+	// +optional
+	Slot *SlotStatus `json:"slot,omitempty"`
 
 	// ObservedAt is when the operator read these numbers. While they stay
 	// the same it is renewed every 5 minutes only, so that an idle relay's
