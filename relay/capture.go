@@ -69,15 +69,15 @@ var errSlotGone = errors.New("the replication slot is gone")
 // captureState is what the streaming needs beyond the relay.
 type captureState struct {
 	slot, publication string
-	schema            string // the table's schema, as the stream names it
+	oid               uint32 // the table's: the stream's relation id of its inserts
 }
 
 // checkCapture verifies what logical replication needs and names the fix
 // of what is missing: wal_level, the role's replication privilege, and
 // the publication of the table, which it creates when it may.
 func (r *Relay) checkCapture(ctx context.Context) error {
-	var level, database, role, schema string
-	if err := r.pool.QueryRow(ctx, sqlCaptureSettings, r.table.Quoted()).Scan(&level, &database, &role, &schema); err != nil {
+	var level, database, role string
+	if err := r.pool.QueryRow(ctx, sqlCaptureSettings).Scan(&level, &database, &role); err != nil {
 		return fmt.Errorf("read wal_level: %w", err)
 	}
 	if level != "logical" {
@@ -95,19 +95,23 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 	}
 	slot := relayconfig.SlotName(database, r.table)
 	pub := slot
-	var published bool
-	if err := r.pool.QueryRow(ctx, sqlPublishes, pub, r.table.Quoted()).Scan(&published); err != nil {
+	var exists, published bool
+	var oid uint32
+	if err := r.pool.QueryRow(ctx, sqlPublishes, pub, r.table.Quoted()).Scan(&exists, &published, &oid); err != nil {
 		return fmt.Errorf("read publication %s: %w", pub, err)
 	}
 	if !published {
 		create := sqlCreatePublication(pub, r.table)
+		if exists { // made for a table of this name that was dropped since
+			create = sqlAddToPublication(pub, r.table)
+		}
 		if _, err := r.pool.Exec(ctx, create); err != nil {
-			return fmt.Errorf("--%s %s: the publication %s of %s is missing and the relay's role may not create it (%v); as the table's owner, run: %s (or, if the publication exists: ALTER PUBLICATION %s ADD TABLE %s)",
-				relayconfig.FlagCapture, CaptureLogicalReplication, pub, r.table, err, create, pgx.Identifier{pub}.Sanitize(), r.table.Quoted())
+			return fmt.Errorf("--%s %s: the publication %s of %s is missing and the relay's role may not create it (%v); as the table's owner, run: %s",
+				relayconfig.FlagCapture, CaptureLogicalReplication, pub, r.table, err, create)
 		}
 		r.log.Info("created the publication of the table", "publication", pub)
 	}
-	r.capture = &captureState{slot: slot, publication: pub, schema: schema}
+	r.capture = &captureState{slot: slot, publication: pub, oid: oid}
 	r.m.slotMaxRetainedWAL.Set(float64(r.cfg.MaxRetainedWAL))
 	return nil
 }
@@ -311,7 +315,7 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 	}
 	switch m := m.(type) {
 	case *pglogrepl.RelationMessage:
-		if s.r.isTable(m.Namespace, m.RelationName) {
+		if m.RelationID == s.r.capture.oid { // by oid: a dropped table of the same name in older WAL is another relation
 			s.rel, s.idCol = m.RelationID, -1
 			for i, c := range m.Columns {
 				if c.Name == "id" {
@@ -373,11 +377,6 @@ func (s *streamState) sendStatus(ctx context.Context) error {
 		return fmt.Errorf("confirm replication position: %w", err)
 	}
 	return nil
-}
-
-// isTable reports whether a relation of the stream is the outbox table.
-func (r *Relay) isTable(namespace, name string) bool {
-	return name == r.table.Name && namespace == r.capture.schema
 }
 
 // publishStreamed claims, publishes and marks the rows of ids (in commit

@@ -9,19 +9,19 @@ import (
 // Statements of the logical replication capture (capture.go).
 // TestSessionStatementsPrepare prepares every one.
 const (
-	// sqlCaptureSettings: wal_level, the database, the role, and the
-	// schema of the table whose quoted name is $1.
-	sqlCaptureSettings = `SELECT current_setting('wal_level'), current_database(), current_user,
-		(SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1))`
+	// sqlCaptureSettings: wal_level, the database and the role.
+	sqlCaptureSettings = `SELECT current_setting('wal_level'), current_database(), current_user`
 	// sqlCanReplicate: the role may stream from a replication slot
 	// (REPLICATION, superuser, or a managed service's replication role).
 	sqlCanReplicate = `SELECT r.rolreplication OR r.rolsuper OR EXISTS (
 		SELECT 1 FROM pg_auth_members m JOIN pg_roles g ON g.oid = m.roleid
 		WHERE m.member = r.oid AND g.rolname IN ('rds_replication', 'rds_superuser', 'cloudsqlsuperuser', 'azure_pg_admin'))
 		FROM pg_roles r WHERE r.rolname = current_user`
-	// sqlPublishes: the publication $1 includes the table whose quoted name is $2.
-	sqlPublishes = `SELECT EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
-		WHERE p.pubname = $1 AND pr.prrelid = to_regclass($2))`
+	// sqlPublishes: whether the publication $1 exists, and whether it
+	// includes the table whose quoted name is $2, whose oid it returns too.
+	sqlPublishes = `SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1),
+		EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+		WHERE p.pubname = $1 AND pr.prrelid = to_regclass($2)), to_regclass($2)::oid`
 	// sqlSlotState: the WAL the slot $1 holds back, in bytes, and its wal_status.
 	sqlSlotState = `SELECT COALESCE(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::bigint, COALESCE(wal_status, '')
 		FROM pg_replication_slots WHERE slot_name = $1`
@@ -33,6 +33,11 @@ const (
 // sqlCreatePublication publishes the inserts of table t as pub.
 func sqlCreatePublication(pub string, t outbox.Table) string {
 	return `CREATE PUBLICATION ` + pgx.Identifier{pub}.Sanitize() + ` FOR TABLE ` + t.Quoted() + ` WITH (publish = 'insert')`
+}
+
+// sqlAddToPublication adds table t to the publication pub.
+func sqlAddToPublication(pub string, t outbox.Table) string {
+	return `ALTER PUBLICATION ` + pgx.Identifier{pub}.Sanitize() + ` ADD TABLE ` + t.Quoted()
 }
 
 // captureStatements are the statements above by name, for the test that
