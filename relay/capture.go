@@ -221,16 +221,24 @@ func (r *Relay) stream(ctx context.Context) error {
 				return err
 			}
 		}
-		if !now.Before(s.nextSweep) && len(s.pending) == 0 && !s.inTx {
-			r.sweep(ctx)
-			s.nextSweep = time.Now().Add(r.cfg.FullRescanInterval)
+		if len(s.pending) == 0 && !s.inTx {
+			if !now.Before(s.nextSweep) {
+				r.sweep(ctx)
+				s.nextSweep = time.Now().Add(r.cfg.FullRescanInterval)
+			} else if ids := r.held.releaseIDs(now); len(ids) > 0 {
+				// Held rows due again are tried at once, by id, as polling
+				// tries them with its next claim.
+				if err := r.publishStreamed(ctx, ids); err != nil {
+					return err
+				}
+			}
 		}
 		if !now.Before(s.nextStatus) {
 			if err := s.sendStatus(ctx); err != nil {
 				return err
 			}
 		}
-		deadline := minTime(s.nextSweep, s.nextStatus, s.nextCheck)
+		deadline := minTime(s.nextSweep, s.nextStatus, s.nextCheck, now.Add(time.Second)) // held rows come due
 		if len(s.pending) > 0 {
 			deadline = now.Add(streamLinger)
 		}
@@ -381,30 +389,59 @@ func (s *streamState) sendStatus(ctx context.Context) error {
 
 // publishStreamed claims, publishes and marks the rows of ids (in commit
 // order), a batch at a time, as a poll batch does; rows already published,
-// held or unmapped are not claimed.
+// held or unmapped are not claimed. With MaxInFlight 2 a batch's mark and
+// commit run beside the next batch's claim and publish (its publish starts
+// after the previous one ended, so the stream's order holds); it returns
+// once every batch committed.
 func (r *Relay) publishStreamed(ctx context.Context, ids []int64) error {
+	var pending *inFlight
+	settle := func(err error) error {
+		if pending != nil {
+			err = firstErr(err, r.finish(pending))
+			pending = nil
+		}
+		return err
+	}
 	for len(ids) > 0 {
 		chunk := ids[:min(len(ids), r.cfg.BatchSize)]
-		cut, err := r.streamBatch(ctx, chunk)
-		if err != nil {
+		b, err := r.claimStreamed(ctx, chunk)
+		if err = settle(err); err != nil {
+			if b != nil {
+				b.done <- r.markAndCommit(b)
+				_ = r.finish(b)
+			}
 			return err
+		}
+		if b == nil { // nothing of the chunk to publish
+			ids = ids[len(chunk):]
+			continue
+		}
+		cut := b.full
+		if b.perr == nil && !b.big && r.cfg.MaxInFlight > 1 {
+			pending = r.commitAsync(b)
+		} else {
+			b.done <- r.markAndCommit(b)
+			if err := r.finish(b); err != nil {
+				return err
+			}
 		}
 		if !cut {
 			ids = ids[len(chunk):]
 		}
 	}
-	return nil
+	return settle(nil)
 }
 
-// streamBatch claims the unpublished rows of ids, publishes and marks
-// them; cut says the byte budget left some for another batch.
-func (r *Relay) streamBatch(ctx context.Context, ids []int64) (cut bool, err error) {
+// claimStreamed claims the unpublished rows of ids and publishes them; its
+// full says the byte budget left some of them for another batch. Nil when
+// it claimed nothing.
+func (r *Relay) claimStreamed(ctx context.Context, ids []int64) (*inFlight, error) {
 	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
 	start := time.Now()
 	tx, err := r.pool.Begin(bctx)
 	if err != nil {
 		cancel()
-		return false, r.dbFailed(fmt.Errorf("begin claim transaction on %s: %w", r.table, err))
+		return nil, r.dbFailed(fmt.Errorf("begin claim transaction on %s: %w", r.table, err))
 	}
 	f := claimFilter{types: r.availableTypes(start), held: r.held.ids(), largest: r.largestRecord()}
 	rs, err := tx.Query(bctx, r.sql.ClaimIDs, ids, f.types, f.held, r.cfg.MaxBatchBytes, f.largest)
@@ -416,21 +453,20 @@ func (r *Relay) streamBatch(ctx context.Context, ids []int64) (cut bool, err err
 	if err != nil {
 		tx.Rollback(bctx) //nolint:errcheck // the claim's error is the one to report
 		cancel()
-		return false, r.dbFailed(fmt.Errorf("claim streamed rows from %s: %w", r.table, err))
+		return nil, r.dbFailed(fmt.Errorf("claim streamed rows from %s: %w", r.table, err))
 	}
 	r.setDBErr(nil)
 	r.m.claimDuration.Observe(time.Since(start).Seconds())
 	if len(rows) == 0 {
 		defer cancel()
 		r.health.batchDone(start, 0, 0)
-		return false, r.commit(bctx, tx)
+		return nil, r.commit(bctx, tx)
 	}
 	b := &inFlight{ctx: bctx, cancel: cancel, tx: tx, start: start, rows: rows, full: len(rows) < locked,
 		big: payloadBytes(rows) > bigBatchBytes, done: make(chan error, 1)}
 	b.published, b.perr = r.publish(bctx, rows)
 	b.holds, b.unhold = r.held.take(), r.held.forget(b.published)
-	b.done <- r.markAndCommit(b)
-	return b.full, r.finish(b)
+	return b, nil
 }
 
 // sweep polls until a claim finds nothing: what the stream cannot deliver.

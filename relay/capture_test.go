@@ -65,21 +65,26 @@ func TestLogicalReplicationPublishesInCommitOrder(t *testing.T) {
 	require.NoError(t, err)
 	_, err = f.Pool.Exec(ctx, insert, `{"n":2}`)
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return f.Unpublished() == 1 }, 10*time.Second, 10*time.Millisecond, "the committed row is out at once")
+	require.Eventually(t, func() bool { return f.Count(`SELECT count(*) FROM outbox WHERE id = 2 AND published_at IS NOT NULL`) == 1 },
+		10*time.Second, 10*time.Millisecond, "the committed row is out at once")
 	require.NoError(t, late.Commit(ctx))
 	for i := range 10 { // more transactions, several rows each
 		f.Insert(20, 7, "E")
 		_ = i
 	}
 	f.WaitDrained(0, 30*time.Second)
-	msgs := testenv.Broker().Consume(t, f.Topics["E"], 202, 30*time.Second)
-	require.Len(t, msgs, 202, "every row once")
-	byID := eventIDs(t, f, "id")
-	require.Equal(t, byID[1], header(msgs[0], relay.HeaderEventID), "the row committed first comes first")
-	require.Equal(t, byID[0], header(msgs[1], relay.HeaderEventID), "the lower id, committed later, after it")
-	for i, m := range msgs[2:] {
-		require.Equal(t, byID[i+2], header(m, relay.HeaderEventID), "then the transactions in commit order")
+	var order []string // event ids in the order they first reached Kafka (a retry may repeat one)
+	seen := map[string]bool{}
+	for _, m := range testenv.Broker().Consume(t, f.Topics["E"], 202, 30*time.Second) {
+		if id := header(m, relay.HeaderEventID); !seen[id] {
+			seen[id], order = true, append(order, id)
+		}
 	}
+	require.Len(t, order, 202, "every row")
+	byID := eventIDs(t, f, "id")
+	require.Equal(t, byID[1], order[0], "the row committed first comes first")
+	require.Equal(t, byID[0], order[1], "the lower id, committed later, after it")
+	require.Equal(t, byID[2:], order[2:], "then the transactions in commit order")
 	require.Eventually(t, func() bool {
 		return f.Count(`SELECT count(*) FROM pg_replication_slots WHERE database = current_database()
 			AND confirmed_flush_lsn >= (SELECT max(lsn) FROM (SELECT pg_current_wal_insert_lsn() AS lsn) l) - 1000000`) == 1

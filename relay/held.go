@@ -2,6 +2,7 @@ package relay
 
 import (
 	"log/slog"
+	"slices"
 	"time"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
@@ -146,16 +147,21 @@ func (h *heldRows) ids() []int64 {
 }
 
 // release frees the rows whose retry time has come and reports whether any was.
-func (h *heldRows) release(now time.Time) bool {
-	released := false
+func (h *heldRows) release(now time.Time) bool { return len(h.releaseIDs(now)) > 0 }
+
+// releaseIDs frees the rows whose retry time has come and returns their
+// ids in id order.
+func (h *heldRows) releaseIDs(now time.Time) []int64 {
+	var ids []int64
 	for id, r := range h.rows {
 		if !r.released && !now.Before(r.until) {
 			r.released = true
 			h.rows[id] = r
-			released = true
+			ids = append(ids, id)
 		}
 	}
-	return released
+	slices.Sort(ids)
+	return ids
 }
 
 // forget drops the published rows among ids and returns those whose record

@@ -39,7 +39,7 @@ func TestBenchQuick(t *testing.T) {
 		seen[r.Scenario] = true
 		require.NotEmpty(t, r.Median, "%s %s has no values", r.Scenario, r.Case)
 	}
-	for _, s := range []string{scCeiling, scDrain, scNaive, scScaling, scLatency, scBreakdown, scHeaders, scPruning, scLongLived, scBacklog} {
+	for _, s := range []string{scCeiling, scDrain, scNaive, scScaling, scLatency, scCapture, scBreakdown, scHeaders, scPruning, scLongLived, scBacklog} {
 		require.True(t, seen[s], "scenario %s missing from %s", s, js)
 	}
 	v, ok := rep.get(scDrain, "ordering=none batch=500", "events_per_s")
@@ -52,6 +52,12 @@ func TestBenchQuick(t *testing.T) {
 	v, ok = rep.get(scPruning, "writers pruning=true", "pruned")
 	require.True(t, ok)
 	require.Positive(t, v, "nothing pruned while the writers ran")
+	// Logical replication delivered every row the producers wrote.
+	inserted, ok := rep.get(scCapture, "latency rate=500 logical-replication", "inserted")
+	require.True(t, ok)
+	consumed, _ := rep.get(scCapture, "latency rate=500 logical-replication", "consumed")
+	require.Positive(t, inserted)
+	require.Equal(t, inserted, consumed, "every streamed row reached Kafka")
 	v, ok = rep.get(scBacklog, "pending=5000", "rows_read")
 	require.True(t, ok)
 	require.Equal(t, 5000.0, v)

@@ -113,7 +113,7 @@ func runIdle(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 	return nil
 }
 
-func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll time.Duration, notify bool) (map[string]float64, error) {
+func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll time.Duration, notify bool, extra ...string) (map[string]float64, error) {
 	if err := e.freshTable(ctx, 0); err != nil {
 		return nil, err
 	}
@@ -140,7 +140,7 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 	}
 	defer consumer.Close()
 
-	p, err := e.readyRelay(ctx, topic, notify, flagArg(relayconfig.FlagPollInterval, poll))
+	p, err := e.readyRelay(ctx, topic, notify, append([]string{flagArg(relayconfig.FlagPollInterval, poll)}, extra...)...)
 	if err != nil {
 		return nil, err
 	}
@@ -173,13 +173,18 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 			})
 		}()
 	}
-	// Sample the relay's RSS in the second half (steady state).
+	// Sample the relay's RSS in the second half (steady state), and the
+	// database's transactions and WAL over the measured window.
 	var rssMax, cpu0 float64
+	var db0 dbCounters
+	var inserted0 int64
 	sampleDone := make(chan struct{})
 	go func() {
 		defer close(sampleDone)
 		time.Sleep(time.Until(start))
 		cpu0, _ = cpuSeconds(p.Pid())
+		db0, _ = e.dbCounters(ctx)
+		inserted0 = inserted.Load()
 		t := time.NewTicker(time.Second)
 		defer t.Stop()
 		for time.Now().Before(end) {
@@ -200,7 +205,9 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 		}
 	}
 	cpu1, _ := cpuSeconds(p.Pid())
+	db1, _ := e.dbCounters(ctx)
 	n := int(inserted.Load())
+	windowRows := float64(int64(n) - inserted0)
 	// Let the relay and the consumer catch up (bounded).
 	deadline := time.Now().Add(60 * time.Second)
 	for {
@@ -313,6 +320,10 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 		"backlog_flat":    b2f(flat && consumed == n),
 		"relay_cpu_cores": (cpu1 - cpu0) / o.latencyFor.Seconds(),
 		"relay_rss_mib":   rssMax / 1024,
+		// The relay's transactions: the database's, less one per inserted row.
+		"db_relay_xacts_per_1k": 1000 * max(float64(db1.xacts-db0.xacts)-windowRows, 0) / max(windowRows, 1),
+		"wal_bytes_per_event":   float64(db1.walBytes-db0.walBytes) / max(windowRows, 1),
+		"relay_cpu_ms_per_1k":   1000 * 1000 * (cpu1 - cpu0) / max(windowRows, 1),
 	}, nil
 }
 

@@ -72,7 +72,7 @@ type options struct {
 }
 
 var allScenarios = []string{scCeiling, scDrain, scNaive, scScaling, scRetention, scCompression, scHeaders, scPruning, scLongLived,
-	scLatency, scWriters, scIdle, scBacklog, scBreakdown, scProfile, scFootprint, scAutoscale}
+	scLatency, scWriters, scCapture, scIdle, scBacklog, scBreakdown, scProfile, scFootprint, scAutoscale}
 
 // The scenarios, each named for what it measures.
 const (
@@ -87,6 +87,7 @@ const (
 	scLongLived   = "long-transaction"    // a long drain while writers insert and an old transaction holds back vacuum
 	scLatency     = "latency"             // end-to-end latency at steady insert rates
 	scWriters     = "notify-cost"         // what a notification per transaction costs the writers
+	scCapture     = "capture-modes"       // polling, polling with the wake-up, and logical replication side by side
 	scIdle        = "idle-cost"           // what an idle relay costs the database per poll interval
 	scBacklog     = "backlog-read"        // the operator's backlog read at growing backlogs
 	scBreakdown   = "batch-time"          // where a batch's time goes
@@ -329,6 +330,7 @@ func runScenarios(ctx context.Context, o *options, env *benchEnv, rep *report) e
 		{scLongLived, runLongLived},
 		{scLatency, runLatency},
 		{scWriters, runWriters},
+		{scCapture, runCaptureModes},
 		{scIdle, runIdle},
 		{scBacklog, runBacklogCost},
 		{scBreakdown, runBreakdown},

@@ -433,6 +433,16 @@ func (r *report) tables() string {
 		func(x *result) string {
 			return fmt.Sprintf("| %v | %.0f | %s |", x.Params["notify"], x.Median["rows_per_s"], reps(x, "rows_per_s", "%.0f"))
 		})
+	section(scCapture, "Capture modes side by side: polling, polling with the wake-up (--notify), logical replication (--capture logical-replication); one relay at batch 50, producers inserting one row per transaction",
+		"| run | mode | target events/s | p50 ms | p99 ms | relay CPU (cores) | relay CPU ms / 1k events | relay transactions / 1k events | WAL bytes / event | writers' rows/s (median) | repetitions |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+		func(x *result) string {
+			m := x.Median
+			if x.Params["kind"] == "writers" {
+				return fmt.Sprintf("| writers | %v | – | – | – | – | – | – | – | %.0f | %s |", x.Params["mode"], m["rows_per_s"], reps(x, "rows_per_s", "%.0f"))
+			}
+			return fmt.Sprintf("| latency | %v | %v | %.1f | %.1f | %.3f | %.0f | %.0f | %.0f | – | %s |", x.Params["mode"], x.Params["rate"], m["p50_ms"], m["p99_ms"],
+				m["relay_cpu_cores"], m["relay_cpu_ms_per_1k"], m["db_relay_xacts_per_1k"], m["wal_bytes_per_event"], reps(x, "p99_ms", "%.1f"))
+		})
 	section(scFootprint, fmt.Sprintf("6. Footprint: a fleet of OutboxRelays in %d namespaces (one database user each), each on an outbox table of its own with %d waiting rows in one real PostgreSQL database, reconciled in envtest; the steady window follows all Ready (defaults: %s backlog interval, %d connections per database, Secrets read every %s)",
 		fleetNamespaces, fleetRows, controllers.DefaultBacklogInterval, controllers.DefaultConnsPerDatabase, controllers.DefaultSecretRefreshInterval),
 		"| OutboxRelays | created in s | all Ready, backlogs read, in s | manager CPU s until then | manager RSS MiB | peak RSS MiB | steady millicores | database connections, peak / steady | database ms/s (steady) | Secret GETs/s (steady) | API writes/s (steady) | API reads/s (steady) |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

@@ -1,0 +1,138 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/outbox-relay/outbox-operator/relayconfig"
+)
+
+// captureMode is one way the relay learns of new rows, compared side by
+// side in the capture-modes scenario.
+type captureMode struct {
+	name   string
+	notify bool
+	args   []string
+}
+
+var captureModes = []captureMode{
+	{name: "poll"},
+	{name: "poll + notify", notify: true},
+	{name: "logical-replication", args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication)}},
+}
+
+// runCaptureModes compares polling, polling with the wake-up and logical
+// replication in one run: the steady state at each rate (latency, the
+// relay's CPU, the database transactions the relay runs and the WAL
+// written per event), and what each costs the writers against writers
+// with no relay at all (alternating rounds; the ratio is taken per round).
+func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) error {
+	for _, rate := range o.rates {
+		for _, m := range captureModes {
+			res, err := latencyRun(ctx, o, e, rate, relayconfig.DefaultPollInterval, m.notify, m.args...)
+			if err != nil {
+				return fmt.Errorf("%s at %d/s: %w", m.name, rate, err)
+			}
+			if err := e.dropSlots(ctx); err != nil {
+				return err
+			}
+			logf("capture %s at %d/s: p50 %.1f ms, p99 %.1f ms, relay CPU %.3f cores, relay xacts/1k events %.0f, WAL %.0f B/event",
+				m.name, rate, res["p50_ms"], res["p99_ms"], res["relay_cpu_cores"], res["db_relay_xacts_per_1k"], res["wal_bytes_per_event"])
+			rep.add(scCapture, fmt.Sprintf("latency rate=%d %s", rate, m.name),
+				map[string]any{"kind": "latency", "mode": m.name, "rate": rate, "duration_s": o.latencyFor.Seconds(), "producers": o.producers},
+				[]map[string]float64{res})
+		}
+	}
+	ratios := map[string][]float64{}
+	results := map[string][]map[string]float64{}
+	for round := range o.reps {
+		base, err := writersAlone(ctx, o, e)
+		if err != nil {
+			return err
+		}
+		results["no relay"] = append(results["no relay"], base)
+		for _, m := range captureModes {
+			res, err := writersRunWith(ctx, o, e, tableFill{}, m.notify, m.args...)
+			if err != nil {
+				return fmt.Errorf("writers with %s: %w", m.name, err)
+			}
+			if err := e.dropSlots(ctx); err != nil {
+				return err
+			}
+			logf("capture writers round %d %s: %.0f rows/s (no relay %.0f)", round+1, m.name, res["rows_per_s"], base["rows_per_s"])
+			results[m.name] = append(results[m.name], res)
+			ratios[m.name] = append(ratios[m.name], res["rows_per_s"]/base["rows_per_s"])
+		}
+	}
+	for _, name := range append([]string{"no relay"}, modeNames()...) {
+		rep.add(scCapture, "writers "+name, map[string]any{"kind": "writers", "mode": name, "writers": o.producers, "duration_s": o.writersFor.Seconds()}, results[name])
+	}
+	for name, rs := range ratios {
+		rep.Ratios["writers with "+name+" / no relay"] = ratioResult{Median: median(rs), Rounds: rs}
+	}
+	return nil
+}
+
+func modeNames() []string {
+	names := make([]string, len(captureModes))
+	for i, m := range captureModes {
+		names[i] = m.name
+	}
+	return names
+}
+
+// writersAlone is the writers' throughput with no relay running.
+func writersAlone(ctx context.Context, o *options, e *benchEnv) (map[string]float64, error) {
+	if err := e.fillTable(ctx, tableFill{}); err != nil {
+		return nil, err
+	}
+	insert := insertSQL(false)
+	var n atomic.Int64
+	end := time.Now().Add(o.writersFor)
+	errs := make([]error, o.producers)
+	var wg sync.WaitGroup
+	start := time.Now()
+	for c := range o.producers {
+		wg.Go(func() { errs[c] = produce(ctx, e, c, insert, &n, func() bool { return time.Now().Before(end) }) })
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	return map[string]float64{"rows_per_s": float64(n.Load()) / time.Since(start).Seconds()}, nil
+}
+
+// dbCounters are the benchmark database's transactions and the WAL
+// written so far.
+type dbCounters struct{ xacts, walBytes int64 }
+
+func (e *benchEnv) dbCounters(ctx context.Context) (dbCounters, error) {
+	var c dbCounters
+	err := e.pool.QueryRow(ctx, `SELECT (SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()),
+		pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint`).Scan(&c.xacts, &c.walBytes)
+	return c, err
+}
+
+// dropSlots drops the replication slots a logical-replication relay left
+// (once its walsender has ended), so the next run starts without one.
+func (e *benchEnv) dropSlots(ctx context.Context) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var left int
+		_, err := e.pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE NOT active`)
+		if err == nil {
+			err = e.pool.QueryRow(ctx, `SELECT count(*) FROM pg_replication_slots`).Scan(&left)
+		}
+		if err == nil && left == 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("replication slots left after the run: %d (%v)", left, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
