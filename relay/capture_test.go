@@ -65,7 +65,9 @@ func TestLogicalReplicationPublishesInCommitOrder(t *testing.T) {
 	require.NoError(t, err)
 	_, err = f.Pool.Exec(ctx, insert, `{"n":2}`)
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return f.Count(`SELECT count(*) FROM outbox WHERE id = 2 AND published_at IS NOT NULL`) == 1 },
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox WHERE id = 2 AND published_at IS NOT NULL`) == 1
+	},
 		10*time.Second, 10*time.Millisecond, "the committed row is out at once")
 	require.NoError(t, late.Commit(ctx))
 	for i := range 10 { // more transactions, several rows each
