@@ -244,10 +244,13 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
 		// delivered ($1, in commit order), those still unpublished, mapped
 		// and not held, in that order; rows another transaction holds are
 		// skipped, as in Claim.
-		ClaimIDs: budgetedBy(`SELECT `+cols+`, u.ord
-    FROM `+q+` AS o JOIN unnest($1::bigint[]) WITH ORDINALITY AS u(uid, ord) ON o.id = u.uid
-    WHERE published_at IS NULL AND event_type = ANY($2) AND id <> ALL($3)
-    FOR UPDATE OF o SKIP LOCKED`, "$4", "$5", "ord"),
+		// id = ANY walks the partial index of unpublished rows, one probe
+		// per id, however large the table (a join with unnest could be
+		// planned as a scan of the table).
+		ClaimIDs: budgetedBy(`SELECT `+cols+`, array_position($1::bigint[], id) AS ord
+    FROM `+q+`
+    WHERE id = ANY($1::bigint[]) AND published_at IS NULL AND event_type = ANY($2) AND id <> ALL($3)
+    FOR UPDATE SKIP LOCKED`, "$4", "$5", "ord"),
 		Mark:   `UPDATE ` + q + ` SET published_at = now() WHERE id = ANY($1)` + bounds,
 		Delete: `DELETE FROM ` + q + ` WHERE id = ANY($1)` + bounds,
 		Prune: `WITH doomed AS (
