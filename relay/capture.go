@@ -207,7 +207,8 @@ func (r *Relay) stream(ctx context.Context) error {
 	r.log.Info("streaming the table's inserts", "slot", c.slot, "publication", c.publication)
 
 	s := &streamState{r: r, conn: conn}
-	r.sweep(ctx) // rows committed before the slot, and rows released from holding
+	defer func() { _ = s.settle(context.WithoutCancel(ctx)) }() // a batch whose commit runs is finished, never abandoned
+	r.sweep(ctx)                                                // rows committed before the slot, and rows released from holding
 	now := time.Now()
 	s.nextSweep, s.nextStatus, s.nextCheck = now.Add(r.cfg.FullRescanInterval), now.Add(statusInterval), now
 	for ctx.Err() == nil {
@@ -275,6 +276,11 @@ type streamState struct {
 	txIDs   []int64       // ids inserted by the open transaction
 	pending []int64       // ids of committed transactions not yet published, in commit order
 	pendLSN pglogrepl.LSN // the end of the last committed transaction in pending
+	// carry is the last published batch, its mark and commit still
+	// running (beside the next batch's claim and publish); carryLSN is the
+	// end of its transactions, confirmed once it committed.
+	carry    *inFlight
+	carryLSN pglogrepl.LSN
 	// confirmed is how far the server may discard: every row before it is
 	// published or in the table for the sweep.
 	confirmed pglogrepl.LSN
@@ -297,7 +303,7 @@ func (s *streamState) handle(ctx context.Context, msg pgproto3.BackendMessage) e
 			if err != nil {
 				return fmt.Errorf("replication keepalive: %w", err)
 			}
-			if len(s.pending) == 0 && !s.inTx && k.ServerWALEnd > s.confirmed {
+			if len(s.pending) == 0 && !s.inTx && s.carry == nil && k.ServerWALEnd > s.confirmed {
 				s.confirmed = k.ServerWALEnd // nothing of ours before it is unpublished
 			}
 			if k.ReplyRequested {
@@ -350,7 +356,7 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 		s.pending = append(s.pending, s.txIDs...)
 		s.txIDs = s.txIDs[:0]
 		s.pendLSN = m.TransactionEndLSN
-		if len(s.pending) == 0 {
+		if len(s.pending) == 0 && s.carry == nil {
 			s.confirmed = max(s.confirmed, m.TransactionEndLSN)
 		} else if len(s.pending) >= s.r.cfg.BatchSize {
 			return s.flush(ctx)
@@ -359,19 +365,47 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 	return nil
 }
 
-// flush publishes the pending rows and confirms the slot's position past
-// their transactions. On an error nothing is confirmed: the stream starts
-// again from the last confirmed position, and rows already published are
-// skipped then.
+// flush publishes the pending rows; their last batch's mark and commit go
+// on beside what comes next, and the slot's position is confirmed past a
+// batch's transactions once it committed. On an error nothing more is
+// confirmed: the stream starts again from the last confirmed position, and
+// rows already published are skipped then.
 func (s *streamState) flush(ctx context.Context) error {
 	if len(s.pending) == 0 {
-		return nil
+		return s.settle(ctx)
 	}
-	if err := s.r.publishStreamed(ctx, s.pending); err != nil {
+	carried := s.carry != nil
+	last, err := s.r.publishStreamedFrom(ctx, s.pending, s.carry)
+	s.carry = nil // settled by publishStreamedFrom, whatever its error
+	if err != nil {
+		if last != nil {
+			_ = s.r.finish(last)
+		}
 		return err
 	}
+	if carried {
+		s.confirmed = max(s.confirmed, s.carryLSN)
+	}
+	if last != nil {
+		s.carry, s.carryLSN = last, s.pendLSN
+	} else {
+		s.confirmed = max(s.confirmed, s.pendLSN)
+	}
 	s.pending = s.pending[:0]
-	s.confirmed = max(s.confirmed, s.pendLSN)
+	return s.sendStatus(ctx)
+}
+
+// settle waits for the carried batch's commit and confirms past it.
+func (s *streamState) settle(ctx context.Context) error {
+	if s.carry == nil {
+		return nil
+	}
+	err := s.r.finish(s.carry)
+	s.carry = nil
+	if err != nil {
+		return err
+	}
+	s.confirmed = max(s.confirmed, s.carryLSN)
 	return s.sendStatus(ctx)
 }
 
@@ -394,7 +428,19 @@ func (s *streamState) sendStatus(ctx context.Context) error {
 // after the previous one ended, so the stream's order holds); it returns
 // once every batch committed.
 func (r *Relay) publishStreamed(ctx context.Context, ids []int64) error {
-	var pending *inFlight
+	last, err := r.publishStreamedFrom(ctx, ids, nil)
+	if last != nil {
+		err = firstErr(err, r.finish(last))
+	}
+	return err
+}
+
+// publishStreamedFrom is publishStreamed after the batch carry, whose
+// commit may still run: it waits for it before its first claim's publish
+// is settled, and returns its own last batch with its commit running
+// (nil when none), for the caller to finish.
+func (r *Relay) publishStreamedFrom(ctx context.Context, ids []int64, carry *inFlight) (*inFlight, error) {
+	pending := carry
 	settle := func(err error) error {
 		if pending != nil {
 			err = firstErr(err, r.finish(pending))
@@ -410,7 +456,7 @@ func (r *Relay) publishStreamed(ctx context.Context, ids []int64) error {
 				b.done <- r.markAndCommit(b)
 				_ = r.finish(b)
 			}
-			return err
+			return nil, err
 		}
 		if b == nil { // nothing of the chunk to publish
 			ids = ids[len(chunk):]
@@ -422,14 +468,14 @@ func (r *Relay) publishStreamed(ctx context.Context, ids []int64) error {
 		} else {
 			b.done <- r.markAndCommit(b)
 			if err := r.finish(b); err != nil {
-				return err
+				return nil, err
 			}
 		}
 		if !cut {
 			ids = ids[len(chunk):]
 		}
 	}
-	return settle(nil)
+	return pending, nil
 }
 
 // claimStreamed claims the unpublished rows of ids and publishes them; its

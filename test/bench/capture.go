@@ -23,6 +23,7 @@ var captureModes = []captureMode{
 	{name: "poll"},
 	{name: "poll + notify", notify: true},
 	{name: "logical-replication", args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication)}},
+	{name: "logical-replication, batch 500", args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication), flagArg(relayconfig.FlagBatchSize, 500)}},
 }
 
 // runCaptureModes compares polling, polling with the wake-up and logical
