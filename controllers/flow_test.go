@@ -458,16 +458,8 @@ func waitRelayWithin(t *testing.T, c client.Client, k client.ObjectKey, within t
 // signed by it.
 func testDatabaseTLS(t *testing.T, c client.Client) {
 	ctx := context.Background()
-	pg, ca, err := testenv.StartPostgresTLS(t.TempDir())
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = pg.Close() })
-	_, err = pg.CreateDatabase(ctx, "orders")
-	require.NoError(t, err)
-	require.NoError(t, pg.Exec(ctx, "orders", outbox.SchemaDDL(outbox.Table{Name: "outbox"})))
+	pg, ca, db := tlsOutboxDB(t, "")
 	dsn := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/orders?sslmode=disable", pg.Port)
-	db, err := pgxpool.New(ctx, dsn)
-	require.NoError(t, err)
-	t.Cleanup(db.Close)
 	insertRows(t, db, 3, "OrderConfirmed", 0)
 
 	ns := newNamespace(t, c)
@@ -524,17 +516,8 @@ func newTestFlowObserver() *FlowObserver {
 // why, and the token never leaves the operator.
 func testDatabaseTokenAuth(t *testing.T, c client.Client) {
 	ctx := context.Background()
-	pg, ca, err := testenv.StartPostgresTLS(t.TempDir())
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = pg.Close() })
-	_, err = pg.CreateDatabase(ctx, "orders")
-	require.NoError(t, err)
-	require.NoError(t, pg.Exec(ctx, "orders", outbox.SchemaDDL(outbox.Table{Name: "outbox"})+`
-		CREATE ROLE observer_iam LOGIN; GRANT SELECT ON ALL TABLES IN SCHEMA public TO observer_iam;`))
+	pg, ca, admin := tlsOutboxDB(t, `CREATE ROLE observer_iam LOGIN; GRANT SELECT ON ALL TABLES IN SCHEMA public TO observer_iam;`)
 	require.NoError(t, pg.RequirePassword("observer_iam"))
-	admin, err := pgxpool.New(ctx, fmt.Sprintf("postgres://postgres@127.0.0.1:%d/orders?sslmode=disable", pg.Port))
-	require.NoError(t, err)
-	t.Cleanup(admin.Close)
 	insertRows(t, admin, 4, "OrderConfirmed", 0)
 	var issued atomic.Int32
 	testTokenProviders.Store("xx-test-1", dbauth.ProviderFunc(func(ctx context.Context, tg dbauth.Target) (dbauth.Token, error) {
@@ -607,4 +590,21 @@ func testReplicationSlot(t *testing.T, c client.Client) {
 	})
 	require.False(t, o.Status.Backlog.Slot.Active, "no relay streams in envtest")
 	require.GreaterOrEqual(t, o.Status.Backlog.Slot.RetainedWAL.Value(), o.Status.Backlog.Slot.ConfirmedLag.Value())
+}
+
+// tlsOutboxDB starts a PostgreSQL with TLS on (its CA returned), creates
+// the database orders with an outbox table and then runs more, and returns
+// a pool on it as the superuser, over plain text.
+func tlsOutboxDB(t *testing.T, more string) (*testenv.PostgresCluster, *testenv.CA, *pgxpool.Pool) {
+	ctx := context.Background()
+	pg, ca, err := testenv.StartPostgresTLS(t.TempDir())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pg.Close() })
+	_, err = pg.CreateDatabase(ctx, "orders")
+	require.NoError(t, err)
+	require.NoError(t, pg.Exec(ctx, "orders", outbox.SchemaDDL(outbox.Table{Name: "outbox"})+more))
+	db, err := pgxpool.New(ctx, fmt.Sprintf("postgres://postgres@127.0.0.1:%d/orders?sslmode=disable", pg.Port))
+	require.NoError(t, err)
+	t.Cleanup(db.Close)
+	return pg, ca, db
 }

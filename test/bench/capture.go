@@ -2,10 +2,7 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/outbox-relay/outbox-operator/relayconfig"
@@ -91,20 +88,11 @@ func writersAlone(ctx context.Context, o *options, e *benchEnv) (map[string]floa
 	if err := e.fillTable(ctx, tableFill{}); err != nil {
 		return nil, err
 	}
-	insert := insertSQL(false)
-	var n atomic.Int64
-	end := time.Now().Add(o.writersFor)
-	errs := make([]error, o.producers)
-	var wg sync.WaitGroup
-	start := time.Now()
-	for c := range o.producers {
-		wg.Go(func() { errs[c] = produce(ctx, e, c, insert, &n, func() bool { return time.Now().Before(end) }) })
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	perSec, err := writeFor(ctx, o, e, insertSQL(false))
+	if err != nil {
 		return nil, err
 	}
-	return map[string]float64{"rows_per_s": float64(n.Load()) / time.Since(start).Seconds()}, nil
+	return map[string]float64{"rows_per_s": perSec}, nil
 }
 
 // dbCounters are the benchmark database's transactions and the WAL

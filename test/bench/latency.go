@@ -396,24 +396,11 @@ func writersRunWith(ctx context.Context, o *options, e *benchEnv, fill tableFill
 	if err != nil {
 		return nil, err
 	}
-	insert := insertSQL(notify)
-	var n atomic.Int64
-	end := time.Now().Add(o.writersFor)
-	errs := make([]error, o.producers)
-	var wg sync.WaitGroup
-	start := time.Now()
-	for c := range o.producers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[c] = produce(ctx, e, c, insert, &n, func() bool { return time.Now().Before(end) })
-		}()
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	perSec, err := writeFor(ctx, o, e, insertSQL(notify))
+	if err != nil {
 		return nil, err
 	}
-	m := map[string]float64{"rows_per_s": float64(n.Load()) / time.Since(start).Seconds()}
+	m := map[string]float64{"rows_per_s": perSec}
 	if fill.published > 0 {
 		pruned1, err := scrape(p, metricPruned)
 		if err != nil {
@@ -483,4 +470,22 @@ func b2f(b bool) float64 {
 		return 1
 	}
 	return 0
+}
+
+// writeFor runs o.producers writers, one row per transaction (insert), for
+// o.writersFor and returns the rows they wrote per second.
+func writeFor(ctx context.Context, o *options, e *benchEnv, insert string) (float64, error) {
+	var n atomic.Int64
+	end := time.Now().Add(o.writersFor)
+	errs := make([]error, o.producers)
+	var wg sync.WaitGroup
+	start := time.Now()
+	for c := range o.producers {
+		wg.Go(func() { errs[c] = produce(ctx, e, c, insert, &n, func() bool { return time.Now().Before(end) }) })
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return 0, err
+	}
+	return float64(n.Load()) / time.Since(start).Seconds(), nil
 }
