@@ -33,6 +33,7 @@ import (
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 	"github.com/outbox-relay/outbox-operator/test/localcluster"
 )
 
@@ -815,4 +816,40 @@ func TestNamespaceEditorsManageOutboxRelays(t *testing.T) {
 		"view aggregates outboxrelay-viewer")
 	require.Equal(t, "no", canI("bob", "create"))
 	require.Equal(t, "no", canI("carol", "get"), "no binding, no access")
+}
+
+// TestLogicalReplicationOnTheNode: an OutboxRelay with spec.capture
+// LogicalReplication on the real node, its role granted REPLICATION and
+// the publication made by the table's owner (as docs/relay.md says): its
+// pod streams from the slot through the pod network, and the operator
+// shows the slot active in status.backlog.slot.
+func TestLogicalReplicationOnTheNode(t *testing.T) {
+	ctx := context.Background()
+	slot := relayconfig.SlotName(localcluster.OrdersDatabase, outbox.Table{Name: "outbox"})
+	require.NoError(t, stack.Postgres.Exec(ctx, localcluster.OrdersDatabase, `DO $$ DECLARE r text; BEGIN
+		FOR r IN SELECT rolname FROM pg_roles WHERE rolname LIKE 'relay%' LOOP EXECUTE format('ALTER ROLE %I REPLICATION', r); END LOOP; END $$;
+		CREATE PUBLICATION `+slot+` FOR TABLE outbox WITH (publish = 'insert')`))
+	dir := manifests(t, func(name string, b []byte) []byte {
+		if name != "outbox_v1alpha1_outboxrelay.yaml" {
+			return b
+		}
+		b = []byte(strings.Replace(string(b), "name: orders\n", "name: streaming\n", 1))
+		return append(b, []byte("  capture: {mode: LogicalReplication, maxRetainedWAL: 1Gi}\n")...)
+	})
+	kubectl(t, "apply", "-f", dir)
+	t.Cleanup(func() {
+		_, _ = stack.Kubectl(context.Background(), "delete", "obr", "streaming", "-n", ns, "--wait")
+		_ = stack.Postgres.Exec(context.Background(), localcluster.OrdersDatabase,
+			`SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, slot)
+	})
+	var o outboxv1alpha1.OutboxRelay
+	require.Eventually(t, func() bool {
+		err := stack.Client.Get(ctx, types.NamespacedName{Namespace: ns, Name: "streaming"}, &o)
+		s := o.Status.Backlog
+		return err == nil && s != nil && s.Slot != nil && s.Slot.Exists && s.Slot.Active
+	}, 3*time.Minute, time.Second, "the streaming pod holds the slot %s", slot)
+	require.Equal(t, slot, o.Status.Backlog.Slot.Name)
+	out := kubectl(t, "get", "deploy", "streaming-relay", "-n", ns, "-o", "jsonpath={.spec.template.spec.containers[0].args}")
+	require.Contains(t, out, "--capture=logical-replication")
+	require.Contains(t, out, "--max-retained-wal=1073741824")
 }
