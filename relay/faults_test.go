@@ -55,9 +55,9 @@ var (
 var faultSeeds = []uint64{1, 2, 3, 4, 5, 6, 10, 29, 821291}
 
 // captureSeeds are the scenarios make test runs again with logical
-// replication capture: the seeds of ordering none above (capture does not
-// combine with partition-key ordering); 10 restarts PostgreSQL under the
-// stream, 6 kills the streaming relay.
+// replication capture: those above that draw ordering none (capture does
+// not combine with partition-key ordering); 10 restarts PostgreSQL under
+// the stream, 6 kills the streaming relay.
 var captureSeeds = []uint64{2, 4, 6, 10}
 
 // The topics' record batch limit (max.message.bytes) in the scenarios: small,
