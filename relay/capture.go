@@ -562,15 +562,17 @@ func (r *Relay) checkSlot(ctx context.Context, slot string) error {
 // dropSlot drops the slot once no connection uses it (the walsender of a
 // closed connection ends shortly after).
 func (r *Relay) dropSlot(ctx context.Context, slot string) {
+	var err error
 	for i := 0; i < 20 && ctx.Err() == nil; i++ {
 		var dropped bool
-		err := r.pool.QueryRow(ctx, sqlDropSlot, slot).Scan(&dropped)
-		if err == nil && dropped {
+		if err = r.pool.QueryRow(ctx, sqlDropSlot, slot).Scan(&dropped); err == nil && dropped {
 			r.log.Warn("dropped the replication slot", "slot", slot)
 			return
 		}
 		sleep(ctx, 100*time.Millisecond)
 	}
+	r.log.Error("could not drop the replication slot; it holds back WAL until dropped", "slot", slot, "err", err,
+		"fix", "SELECT pg_drop_replication_slot('"+slot+"')")
 }
 
 // pgCode is err's SQLSTATE, "" when it has none.

@@ -26,8 +26,9 @@ const (
 	sqlSlotState = `SELECT COALESCE(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::bigint, COALESCE(wal_status, '')
 		FROM pg_replication_slots WHERE slot_name = $1`
 	// sqlDropSlot drops the slot $1 when no connection uses it; true when it did.
-	sqlDropSlot = `SELECT COALESCE((SELECT pg_drop_replication_slot(slot_name) IS NOT NULL OR true
-		FROM pg_replication_slots WHERE slot_name = $1 AND NOT active), false)`
+	sqlDropSlot = `WITH s AS (SELECT slot_name FROM pg_replication_slots WHERE slot_name = $1 AND NOT active),
+		d AS (SELECT pg_drop_replication_slot(slot_name) FROM s)
+		SELECT count(*) > 0 FROM d`
 )
 
 // sqlCreatePublication publishes the inserts of table t as pub.

@@ -1,0 +1,51 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/stretchr/testify/require"
+
+	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/test/testenv"
+)
+
+// A slot holding back more WAL than MaxRetainedWAL is given up: checkSlot
+// says so (errSlotGone, naming the bytes and the limit) and sets the gauge,
+// and dropSlot removes it, so the relay polls and later makes a new one.
+func TestSlotPastMaxRetainedWALIsGivenUp(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dsn := testenv.PG().NewDatabase(t)
+	pool, err := pgxpool.New(ctx, dsn)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	_, err = pool.Exec(ctx, outbox.SchemaDDL(outbox.Table{Name: "outbox"}))
+	require.NoError(t, err)
+	slot := fmt.Sprintf("test_given_up_%d", testenv.PG().Port)
+	_, err = pool.Exec(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, slot)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1`, slot) })
+	_, err = pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		SELECT gen_random_uuid(), 'O', 'a', 'E', '{}', 'a' FROM generate_series(1, 2000)`)
+	require.NoError(t, err)
+
+	r, err := New(Config{Settings: Settings{DSN: dsn, Brokers: []string{testenv.Broker().Addr()}, Topics: map[string]string{"E": "t"}}})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.Close() })
+	require.NoError(t, r.checkSlot(ctx, slot), "within the default limit")
+	r.cfg.MaxRetainedWAL = 1024
+	err = r.checkSlot(ctx, slot)
+	require.True(t, errors.Is(err, errSlotGone), "%v", err)
+	require.ErrorContains(t, err, "more than --max-retained-wal 1024")
+	require.Greater(t, testutil.ToFloat64(r.m.slotRetainedWAL), 1024.0)
+
+	r.dropSlot(ctx, slot)
+	var left int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&left))
+	require.Zero(t, left, "the slot is dropped")
+}
