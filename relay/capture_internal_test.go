@@ -29,7 +29,9 @@ func TestSlotPastMaxRetainedWALIsGivenUp(t *testing.T) {
 	slot := fmt.Sprintf("test_given_up_%d", testenv.PG().Port)
 	_, err = pool.Exec(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, slot)
 	require.NoError(t, err)
-	t.Cleanup(func() { _, _ = pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1`, slot) })
+	t.Cleanup(func() {
+		_, _ = pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1`, slot)
+	})
 	_, err = pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 		SELECT gen_random_uuid(), 'O', 'a', 'E', '{}', 'a' FROM generate_series(1, 2000)`)
 	require.NoError(t, err)
