@@ -42,7 +42,7 @@ func TestRelayDeploymentDefaultsAndArgs(t *testing.T) {
 	require.Equal(t, "img:default", ct.Image)
 	require.Equal(t, []string{
 		"--table=outbox", "--brokers=127.0.0.1:9092", "--batch-size=50", "--max-batch-bytes=4194304",
-		"--poll-interval=200ms", "--publish-timeout=10s", "--stall-timeout=2m0s",
+		"--poll-interval=200ms", "--linger=5ms", "--publish-timeout=10s", "--stall-timeout=2m0s",
 		"--max-in-flight=2", "--on-publish=mark", "--keep-published-for=0s", "--prune-batch-size=1000",
 		"--topic=OrderConfirmed=orders.confirmed", "--ordering=none", "--metrics-addr=:9090", "--log-format=json",
 	}, specArgs(ct.Args))
@@ -61,6 +61,7 @@ func TestRelayDeploymentSpecFields(t *testing.T) {
 	relay := unitRelay()
 	s := &relay.Spec
 	s.Table, s.BatchSize, s.MaxBatchBytes, s.PollInterval = "events.outbox", ptr.To[int32](500), ptr.To[int32](1<<20), "1s"
+	s.Linger = "20ms"
 	s.Topics = map[string]outboxv1alpha1.TopicName{"b": "topic-b", "a": "topic-a", "c": "topic-c"}
 	s.DeadLetterTopic = "dlq"
 	s.Ordering = outboxv1alpha1.OrderingPartitionKey
@@ -80,7 +81,7 @@ func TestRelayDeploymentSpecFields(t *testing.T) {
 	ct := pod.Containers[0]
 	require.Equal(t, []string{
 		"--table=events.outbox", "--brokers=k1:9092,k2:9093", "--batch-size=500", "--max-batch-bytes=1048576",
-		"--poll-interval=1s", "--publish-timeout=10s", "--stall-timeout=2m0s",
+		"--poll-interval=1s", "--linger=20ms", "--publish-timeout=10s", "--stall-timeout=2m0s",
 		"--max-in-flight=2", "--on-publish=mark", "--keep-published-for=0s", "--prune-batch-size=1000",
 		"--topic=a=topic-a", "--topic=b=topic-b", "--topic=c=topic-c", "--dead-letter-topic=dlq",
 		"--ordering=partition-key", "--metrics-addr=:9090", "--log-format=json",

@@ -106,6 +106,7 @@ func testSampleCreatesChildren(t *testing.T, c client.Client) {
 		"--batch-size=50",
 		"--max-batch-bytes=4194304",
 		"--poll-interval=200ms",
+		"--linger=5ms",
 		"--publish-timeout=10s",
 		"--stall-timeout=2m0s",
 		"--max-in-flight=2",

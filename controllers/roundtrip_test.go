@@ -291,7 +291,7 @@ func FuzzSpecRoundTrip(f *testing.F) {
 // decides itself; the relay's other flags keep their defaults.
 var operatorFlags = map[string]bool{
 	relayconfig.FlagTable: true, relayconfig.FlagBrokers: true, relayconfig.FlagBatchSize: true,
-	relayconfig.FlagMaxBatchBytes: true, relayconfig.FlagPollInterval: true, relayconfig.FlagPublishTimeout: true,
+	relayconfig.FlagMaxBatchBytes: true, relayconfig.FlagPollInterval: true, relayconfig.FlagLinger: true, relayconfig.FlagPublishTimeout: true,
 	relayconfig.FlagStallTimeout: true, relayconfig.FlagTopic: true, relayconfig.FlagDeadLetterTopic: true,
 	relayconfig.FlagOrdering: true, relayconfig.FlagMetricsAddr: true, relayconfig.FlagLogFormat: true,
 	relayconfig.FlagKafkaTLS: true, relayconfig.FlagKafkaTLSCAFile: true, relayconfig.FlagKafkaTLSCertFile: true,

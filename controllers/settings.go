@@ -152,6 +152,13 @@ func specSettings(relay *outboxv1alpha1.OutboxRelay) (relayconfig.Command, error
 		}
 		s.PollInterval = d
 	}
+	if spec.Linger != "" {
+		d, err := time.ParseDuration(spec.Linger)
+		if err != nil {
+			return s, fmt.Errorf("spec.linger: %q is not a duration", spec.Linger)
+		}
+		s.Linger = d
+	}
 	if spec.StallTimeout != "" {
 		d, err := time.ParseDuration(spec.StallTimeout)
 		if err != nil {
@@ -233,6 +240,7 @@ var specFields = map[string]string{
 	relayconfig.FlagBatchSize:                   "spec.batchSize",
 	relayconfig.FlagMaxBatchBytes:               "spec.maxBatchBytes",
 	relayconfig.FlagPollInterval:                "spec.pollInterval",
+	relayconfig.FlagLinger:                      "spec.linger",
 	relayconfig.FlagStallTimeout:                "spec.stallTimeout",
 	relayconfig.FlagOrdering:                    "spec.ordering",
 	relayconfig.FlagKafkaSASLMech:               "spec.kafka.sasl.mechanism",

@@ -12,6 +12,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 // manifest is a valid OutboxRelay as a user would write it; edit changes it.
@@ -141,6 +142,8 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		{"pollInterval above 1h", func(s map[string]any) { s["pollInterval"] = "61m" }, []string{"spec.pollInterval"}},
 		{"pollInterval not a duration", func(s map[string]any) { s["pollInterval"] = "soon" }, []string{"spec.pollInterval"}},
 		{"pollInterval without unit", func(s map[string]any) { s["pollInterval"] = "200" }, []string{"spec.pollInterval"}},
+		{"linger below 1ms", func(s map[string]any) { s["linger"] = "500us" }, []string{"spec.linger"}},
+		{"linger above 1s", func(s map[string]any) { s["linger"] = "2s" }, []string{"spec.linger"}},
 		{"topics empty", func(s map[string]any) { s["topics"] = map[string]any{} }, []string{"spec.topics"}},
 		{"topics missing", func(s map[string]any) { delete(s, "topics") }, []string{"spec.topics"}},
 		{"event type empty", func(s map[string]any) { s["topics"] = map[string]any{"": "orders"} }, []string{"spec.topics"}},
@@ -230,6 +233,8 @@ func TestAPIServerAcceptsEdgeCases(t *testing.T) {
 		{"pollInterval 1h", func(s map[string]any) { s["pollInterval"] = "1h" }},
 		{"pollInterval 0.5s", func(s map[string]any) { s["pollInterval"] = "0.5s" }},
 		{"pollInterval 1m30s", func(s map[string]any) { s["pollInterval"] = "1m30s" }},
+		{"linger 1ms", func(s map[string]any) { s["linger"] = "1ms" }},
+		{"linger 1s", func(s map[string]any) { s["linger"] = "1s" }},
 		{"topic of 249 characters", func(s map[string]any) { s["topics"] = map[string]any{"A": strings.Repeat("t", 249)} }},
 		{"topic ... and _-", func(s map[string]any) { s["topics"] = map[string]any{"A": "...", "B": "a_b-c.D9"} }},
 		{"event type with dots and colons", func(s map[string]any) { s["topics"] = map[string]any{"com.example:Order.Confirmed": "orders"} }},
@@ -309,6 +314,7 @@ func TestAPIServerDefaults(t *testing.T) {
 	require.Equal(t, ptr.To[int32](50), got.Spec.BatchSize)
 	require.Equal(t, ptr.To[int32](4<<20), got.Spec.MaxBatchBytes)
 	require.Equal(t, "200ms", got.Spec.PollInterval)
+	require.Equal(t, relayconfig.DefaultLinger.String(), got.Spec.Linger)
 	require.Equal(t, "dsn", got.Spec.DSNSecretRef.Key)
 	require.Equal(t, int32(1), *got.Spec.Replicas)
 	require.Equal(t, outboxv1alpha1.OrderingNone, got.Spec.Ordering)

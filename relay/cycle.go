@@ -9,13 +9,6 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// busyPollInterval is how soon the relay claims again after a claim that
-// found rows but did not fill the batch: rows are arriving, so the next ones
-// are likely there already. Each empty claim in a row doubles the wait, up
-// to PollInterval, so an idle table costs a few claims a second and a busy
-// one gets its rows out within milliseconds.
-const busyPollInterval = 5 * time.Millisecond
-
 // inFlight is a batch that was claimed and published and waits for its mark
 // and commit.
 type inFlight struct {
@@ -108,11 +101,15 @@ func (r *Relay) poll(ctx context.Context, stop func() bool) {
 		case b != nil && b.full:
 			empty = 0 // drain on at once
 		case b != nil:
+			// Rows are arriving: the next ones are likely there after
+			// Linger. Each empty claim in a row doubles the wait, up to
+			// PollInterval, so an idle table costs a few claims a second
+			// and a busy one gets its rows out within milliseconds.
 			empty = 0
-			r.pause(ctx, min(busyPollInterval, r.cfg.PollInterval))
+			r.pause(ctx, min(r.cfg.Linger, r.cfg.PollInterval))
 		default:
 			empty = min(empty+1, 16)
-			r.pause(ctx, jitter(min(busyPollInterval<<empty, r.cfg.PollInterval)))
+			r.pause(ctx, jitter(min(r.cfg.Linger<<empty, r.cfg.PollInterval)))
 		}
 	}
 	if pending != nil {

@@ -41,6 +41,7 @@ const (
 	FlagBatchSize                   = "batch-size"
 	FlagMaxBatchBytes               = "max-batch-bytes"
 	FlagPollInterval                = "poll-interval"
+	FlagLinger                      = "linger"
 	FlagPublishTimeout              = "publish-timeout"
 	FlagOrdering                    = "ordering"
 	FlagStallTimeout                = "stall-timeout"
@@ -255,16 +256,21 @@ var LogFormats = []string{"json", "text"}
 
 // Defaults and ranges.
 const (
-	DefaultTable          = outbox.DefaultTable
-	DefaultBatchSize      = 50
-	MinBatchSize          = 1
-	MaxBatchSize          = 10000
-	DefaultMaxBatchBytes  = 4 << 20
-	MinMaxBatchBytes      = 64 << 10
-	MaxMaxBatchBytes      = 64 << 20 // one produce request: brokers refuse one above socket.request.max.bytes (100 MiB by default)
-	DefaultPollInterval   = 200 * time.Millisecond
-	MinPollInterval       = 10 * time.Millisecond
-	MaxPollInterval       = time.Hour
+	DefaultTable         = outbox.DefaultTable
+	DefaultBatchSize     = 50
+	MinBatchSize         = 1
+	MaxBatchSize         = 10000
+	DefaultMaxBatchBytes = 4 << 20
+	MinMaxBatchBytes     = 64 << 10
+	MaxMaxBatchBytes     = 64 << 20 // one produce request: brokers refuse one above socket.request.max.bytes (100 MiB by default)
+	DefaultPollInterval  = 200 * time.Millisecond
+	MinPollInterval      = 10 * time.Millisecond
+	MaxPollInterval      = time.Hour
+	// DefaultLinger: with rows arriving, a claim every few milliseconds
+	// keeps the latency near the batch's own time (docs/benchmarks.md).
+	DefaultLinger         = 5 * time.Millisecond
+	MinLinger             = time.Millisecond
+	MaxLinger             = time.Second
 	DefaultPublishTimeout = 10 * time.Second
 	MinPublishTimeout     = time.Second
 	MaxPublishTimeout     = 5 * time.Minute
@@ -354,8 +360,17 @@ type Settings struct {
 	// MaxBatchBytes is the most payload and headers bytes claimed per
 	// transaction; a larger row is claimed alone.
 	MaxBatchBytes int
-	// PollInterval is the sleep after a short batch, jittered ±20%.
+	// PollInterval is the longest sleep between claims: each claim in a
+	// row that finds nothing doubles the sleep, from Linger up to this,
+	// jittered ±20%.
 	PollInterval time.Duration
+	// Linger is how long the relay waits after a claim that found rows
+	// but did not fill its batch, so the rows still arriving go out
+	// together: longer lingers mean fewer, fuller batches (less CPU and
+	// fewer database transactions per event) and up to that much more
+	// latency. At most PollInterval takes effect. Polling only: a
+	// streaming relay publishes as soon as the stream pauses.
+	Linger time.Duration
 	// PublishTimeout bounds one batch's publish to Kafka.
 	PublishTimeout time.Duration
 	// Ordering is the per-key ordering mode.
@@ -407,6 +422,7 @@ func (s Settings) WithDefaults() Settings {
 	s.BatchSize = cmp.Or(s.BatchSize, DefaultBatchSize)
 	s.MaxBatchBytes = cmp.Or(s.MaxBatchBytes, DefaultMaxBatchBytes)
 	s.PollInterval = cmp.Or(s.PollInterval, DefaultPollInterval)
+	s.Linger = cmp.Or(s.Linger, DefaultLinger)
 	s.PublishTimeout = cmp.Or(s.PublishTimeout, DefaultPublishTimeout)
 	s.StallTimeout = cmp.Or(s.StallTimeout, DefaultStallTimeout)
 	s.Ordering = cmp.Or(s.Ordering, DefaultOrdering)
@@ -472,6 +488,7 @@ func (s Command) Args() []string {
 		arg(FlagBatchSize, strconv.Itoa(s.BatchSize)),
 		arg(FlagMaxBatchBytes, strconv.Itoa(s.MaxBatchBytes)),
 		arg(FlagPollInterval, s.PollInterval.String()),
+		arg(FlagLinger, s.Linger.String()),
 		arg(FlagPublishTimeout, s.PublishTimeout.String()),
 		arg(FlagStallTimeout, s.StallTimeout.String()),
 		arg(FlagMaxInFlight, strconv.Itoa(s.MaxInFlight)),
@@ -698,7 +715,8 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.StringVar(&brokers, FlagBrokers, "", "Kafka bootstrap brokers, comma-separated host:port")
 	fs.IntVar(&s.BatchSize, FlagBatchSize, DefaultBatchSize, fmt.Sprintf("most rows claimed per transaction (%d..%d)", MinBatchSize, MaxBatchSize))
 	fs.IntVar(&s.MaxBatchBytes, FlagMaxBatchBytes, DefaultMaxBatchBytes, fmt.Sprintf("most payload and headers bytes claimed per transaction; a larger row is claimed alone (%d..%d)", MinMaxBatchBytes, MaxMaxBatchBytes))
-	fs.DurationVar(&s.PollInterval, FlagPollInterval, DefaultPollInterval, fmt.Sprintf("sleep after a short batch (%s..%s)", MinPollInterval, MaxPollInterval))
+	fs.DurationVar(&s.PollInterval, FlagPollInterval, DefaultPollInterval, fmt.Sprintf("longest sleep between claims, reached by claims that find nothing (%s..%s)", MinPollInterval, MaxPollInterval))
+	fs.DurationVar(&s.Linger, FlagLinger, DefaultLinger, fmt.Sprintf("wait after a claim that found rows but did not fill its batch: longer means fuller batches, less CPU and fewer transactions per event, more latency; at most --%s (%s..%s)", FlagPollInterval, MinLinger, MaxLinger))
 	fs.DurationVar(&s.PublishTimeout, FlagPublishTimeout, DefaultPublishTimeout, fmt.Sprintf("deadline of one batch's publish (%s..%s)", MinPublishTimeout, MaxPublishTimeout))
 	fs.DurationVar(&s.StallTimeout, FlagStallTimeout, DefaultStallTimeout, fmt.Sprintf("/readyz fails when no batch completes, or rows wait and none is published, for this long (%s..%s)", MinStallTimeout, MaxStallTimeout))
 	fs.IntVar(&s.MaxInFlight, FlagMaxInFlight, DefaultMaxInFlight, fmt.Sprintf("batches in flight at once: 2 claims and publishes the next batch while one commits, with ordering none (%d..%d)", MinMaxInFlight, MaxMaxInFlight))
@@ -842,6 +860,7 @@ func (s Settings) Validate() error {
 		fieldErr(FlagBatchSize, CheckBatchSize(s.BatchSize)),
 		fieldErr(FlagMaxBatchBytes, CheckMaxBatchBytes(s.MaxBatchBytes)),
 		fieldErr(FlagPollInterval, CheckPollInterval(s.PollInterval)),
+		fieldErr(FlagLinger, CheckLinger(s.Linger)),
 		fieldErr(FlagPublishTimeout, CheckPublishTimeout(s.PublishTimeout)),
 		fieldErr(FlagStallTimeout, CheckStallTimeout(s.StallTimeout)),
 		fieldErr(FlagMaxInFlight, CheckMaxInFlight(s.MaxInFlight)),
@@ -936,6 +955,11 @@ func checkDuration(d, lo, hi time.Duration) error {
 // CheckPollInterval applies --poll-interval's range.
 func CheckPollInterval(d time.Duration) error {
 	return checkDuration(d, MinPollInterval, MaxPollInterval)
+}
+
+// CheckLinger applies --linger's range.
+func CheckLinger(d time.Duration) error {
+	return checkDuration(d, MinLinger, MaxLinger)
 }
 
 // CheckPublishTimeout applies --publish-timeout's range.

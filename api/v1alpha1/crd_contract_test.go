@@ -135,6 +135,12 @@ func TestCRDMatchesRelayContract(t *testing.T) {
 		"!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('%s') && duration(self) <= duration('%s'))",
 		relayconfig.MinPollInterval, relayconfig.MaxPollInterval), "spec.pollInterval CEL range")
 
+	linger := spec.at(t, "linger")
+	defaultOf(t, linger, relayconfig.DefaultLinger.String())
+	require.Contains(t, linger.rules(), fmt.Sprintf(
+		"!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('%s') && duration(self) <= duration('%s'))",
+		relayconfig.MinLinger, relayconfig.MaxLinger), "spec.linger CEL range")
+
 	stall := spec.at(t, "stallTimeout")
 	defaultOf(t, stall, relayconfig.DefaultStallTimeout.String())
 	require.Contains(t, stall.rules(), fmt.Sprintf(

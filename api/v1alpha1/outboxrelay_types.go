@@ -535,6 +535,19 @@ type OutboxRelaySpec struct {
 	// +optional
 	PollInterval string `json:"pollInterval,omitempty"`
 
+	// Linger is how long a polling relay waits after a claim that found
+	// rows but did not fill its batch, so the rows still arriving go out
+	// together: longer means fewer, fuller batches (less CPU and fewer
+	// database transactions per event) and up to that much more latency.
+	// A Go duration between 1ms and 1s; at most pollInterval takes effect.
+	// Default: 5ms.
+	// +kubebuilder:default="5ms"
+	// +kubebuilder:validation:MaxLength=64
+	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
+	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('1ms') && duration(self) <= duration('1s'))",message="spec.linger must be a duration between 1ms and 1s"
+	// +optional
+	Linger string `json:"linger,omitempty"`
+
 	// Topics maps each event type to the Kafka topic its rows go to; at most
 	// 512 entries. Event types are 1 to 255 characters without '=' or ','
 	// (the relay's --topic syntax) and without surrounding whitespace.

@@ -14,10 +14,19 @@ type captureMode struct {
 	name   string
 	notify bool
 	args   []string
+	// latencyOnly: not in the writers' rounds (its cost to the writers is
+	// polling's).
+	latencyOnly bool
 }
+
+// pollFixed polls every 200 ms whatever it finds (a linger as long as the
+// poll interval): the yardstick of what adaptive polling costs.
+const pollFixed = "poll every 200 ms (--linger 200ms)"
 
 var captureModes = []captureMode{
 	{name: "poll"},
+	{name: "poll, --linger 20ms", args: []string{flagArg(relayconfig.FlagLinger, 20*time.Millisecond)}, latencyOnly: true},
+	{name: pollFixed, args: []string{flagArg(relayconfig.FlagLinger, relayconfig.DefaultPollInterval)}, latencyOnly: true},
 	{name: "poll + notify", notify: true},
 	{name: "logical-replication", args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication)}},
 	{name: "logical-replication, batch 500", args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication), flagArg(relayconfig.FlagBatchSize, 500)}},
@@ -30,11 +39,13 @@ var captureModes = []captureMode{
 // with no relay at all (alternating rounds; the ratio is taken per round).
 func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 	for _, rate := range o.rates {
+		byMode := map[string]map[string]float64{}
 		for _, m := range captureModes {
 			res, err := latencyRun(ctx, o, e, rate, relayconfig.DefaultPollInterval, m.notify, m.args...)
 			if err != nil {
 				return fmt.Errorf("%s at %d/s: %w", m.name, rate, err)
 			}
+			byMode[m.name] = res
 			if err := e.dropSlots(ctx); err != nil {
 				return err
 			}
@@ -43,6 +54,13 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 			rep.add(scCapture, fmt.Sprintf("latency rate=%d %s", rate, m.name),
 				map[string]any{"kind": "latency", "mode": m.name, "rate": rate, "duration_s": o.latencyFor.Seconds(), "producers": o.producers},
 				[]map[string]float64{res})
+		}
+		// What adaptive polling costs against the fixed poller, in this run.
+		for _, name := range []string{"poll", "poll, --linger 20ms"} {
+			for _, k := range []struct{ key, what string }{{"relay_cpu_ms_per_1k", "relay CPU per event"}, {"db_relay_xacts_per_1k", "relay transactions per event"}} {
+				r := byMode[name][k.key] / byMode[pollFixed][k.key]
+				rep.Ratios[fmt.Sprintf("%s at %d/s, %s / %s", k.what, rate, name, pollFixed)] = ratioResult{Median: r, Rounds: []float64{r}}
+			}
 		}
 	}
 	ratios := map[string][]float64{}
@@ -54,6 +72,9 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 		}
 		results["no relay"] = append(results["no relay"], base)
 		for _, m := range captureModes {
+			if m.latencyOnly {
+				continue
+			}
 			res, err := writersRunWith(ctx, o, e, tableFill{}, m.notify, m.args...)
 			if err != nil {
 				return fmt.Errorf("writers with %s: %w", m.name, err)
@@ -75,10 +96,13 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 	return nil
 }
 
+// modeNames are the modes of the writers' rounds.
 func modeNames() []string {
-	names := make([]string, len(captureModes))
-	for i, m := range captureModes {
-		names[i] = m.name
+	var names []string
+	for _, m := range captureModes {
+		if !m.latencyOnly {
+			names = append(names, m.name)
+		}
 	}
 	return names
 }

@@ -213,7 +213,7 @@ func longLivedRun(ctx context.Context, o *options, e *benchEnv, onPublish relayc
 				}
 				next = next.Add(interval)
 				return !stop.Load()
-			})
+			}, nil)
 		}()
 	}
 	stopWriters := func() error {
