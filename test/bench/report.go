@@ -246,7 +246,7 @@ func (r *report) write(o *options) error {
 	if err := os.WriteFile(o.outJSON, append(b, '\n'), 0o644); err != nil {
 		return err
 	}
-	return writeMarkdown(o.outMD, r.markdown())
+	return writeMarkdown(o.outMD, r.markdown(o.outJSON))
 }
 
 const (
@@ -275,12 +275,14 @@ func writeMarkdown(path, generated string) error {
 	return os.WriteFile(path, []byte(out), 0o644)
 }
 
-func (r *report) markdown() string {
+// markdown is the report's generated block; jsonPath is where every
+// repetition was written.
+func (r *report) markdown(jsonPath string) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "Run of %s at commit `%s`: %d × %s, Go %s, PostgreSQL %s (fsync %s), Kafka %s (one KRaft broker on the JVM, same machine), topics of %d partitions. ",
 		r.Date, r.Commit, r.CPUs, r.CPUModel, strings.TrimPrefix(r.GoVersion, "go"), r.PostgreSQL, onOff(r.Fsync), r.Kafka, r.Partitions)
-	fmt.Fprintf(&b, "Each scenario ran %d time(s); medians are shown, every repetition is in `bench/results.json`. Drains use %d pre-inserted rows of ~300-byte JSON. The whole run took %s.\n\n",
-		r.Reps, r.Rows, r.Duration)
+	fmt.Fprintf(&b, "Each scenario ran %d time(s); medians are shown, every repetition is in `%s`. Drains use %d pre-inserted rows of ~300-byte JSON. The whole run took %s.\n\n",
+		r.Reps, filepath.ToSlash(jsonPath), r.Rows, r.Duration)
 	b.WriteString(r.tables())
 	return b.String()
 }
