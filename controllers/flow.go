@@ -471,5 +471,5 @@ func (o *FlowObserver) slotName(target flowTarget) string {
 	if err != nil {
 		return ""
 	}
-	return relayconfig.SlotName(cfg.Database, target.table)
+	return outbox.SlotName(cfg.Database, target.table)
 }

@@ -567,7 +567,7 @@ func testReplicationSlot(t *testing.T, c client.Client) {
 	dsn, db := outboxDB(t)
 	cfg, err := pgx.ParseConfig(dsn)
 	require.NoError(t, err)
-	slot := relayconfig.SlotName(cfg.Database, outbox.Table{Name: "outbox"})
+	slot := outbox.SlotName(cfg.Database, outbox.Table{Name: "outbox"})
 	t.Cleanup(func() {
 		_, _ = db.Exec(context.Background(), `SELECT pg_drop_replication_slot($1) FROM pg_replication_slots WHERE slot_name = $1`, slot)
 	})

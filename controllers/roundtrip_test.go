@@ -174,6 +174,14 @@ func TestSpecRoundTrip(t *testing.T) {
 				s.Capture, s.MaxRetainedWAL = relayconfig.CaptureLogicalReplication, 1<<30
 			},
 		},
+		"logical replication with writer deletes": {
+			edit: func(r *outboxv1alpha1.OutboxRelay) {
+				r.Spec.Capture = &outboxv1alpha1.CaptureSpec{Mode: outboxv1alpha1.CaptureLogicalReplication, WriterDeletes: true}
+			},
+			want: func(s *relayconfig.Command) {
+				s.Capture, s.WriterDeletes = relayconfig.CaptureLogicalReplication, true
+			},
+		},
 		"partition column": {
 			edit: func(r *outboxv1alpha1.OutboxRelay) { r.Spec.PartitionColumn = "kafka_partition" },
 			want: func(s *relayconfig.Command) { s.PartitionColumn = "kafka_partition" },

@@ -192,6 +192,7 @@ func specSettings(relay *outboxv1alpha1.OutboxRelay) (relayconfig.Command, error
 		if c.MaxRetainedWAL != nil {
 			s.MaxRetainedWAL = c.MaxRetainedWAL.Value()
 		}
+		s.WriterDeletes = c.WriterDeletes
 	}
 	s.Compression = relayconfig.Compression(cmp.Or(string(spec.Kafka.Compression), string(s.Compression)))
 	s.KafkaTLS = spec.Kafka.TLS != nil
@@ -256,6 +257,7 @@ var specFields = map[string]string{
 	relayconfig.FlagPartitionColumn:             "spec.partitionColumn",
 	relayconfig.FlagCapture:                     "spec.capture.mode",
 	relayconfig.FlagMaxRetainedWAL:              "spec.capture.maxRetainedWAL",
+	relayconfig.FlagWriterDeletes:               "spec.capture.writerDeletes",
 	relayconfig.FlagCompression:                 "spec.kafka.compression",
 	relayconfig.FlagMaxInFlight:                 "spec.maxInFlight",
 	relayconfig.FlagNotify:                      "spec.notify",

@@ -90,6 +90,9 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 			s["capture"] = map[string]any{"mode": "LogicalReplication"}
 			s["ordering"] = "PartitionKey"
 		}, []string{"spec.capture.mode", "does not combine with spec.ordering PartitionKey"}},
+		{"writer deletes while polling", func(s map[string]any) {
+			s["capture"] = map[string]any{"writerDeletes": true}
+		}, []string{"spec.capture", "writerDeletes needs spec.capture.mode LogicalReplication"}},
 		{"retained WAL below 64Mi", func(s map[string]any) {
 			s["capture"] = map[string]any{"mode": "LogicalReplication", "maxRetainedWAL": "10Mi"}
 		}, []string{"spec.capture.maxRetainedWAL", "at least 64Mi"}},
@@ -277,6 +280,9 @@ func TestAPIServerAcceptsEdgeCases(t *testing.T) {
 		}},
 		{"logical replication capture keeping 8Gi of WAL", func(s map[string]any) {
 			s["capture"] = map[string]any{"mode": "LogicalReplication", "maxRetainedWAL": "8Gi"}
+		}},
+		{"logical replication with writer deletes", func(s map[string]any) {
+			s["capture"] = map[string]any{"mode": "LogicalReplication", "writerDeletes": true}
 		}},
 		{"AWS_MSK_IAM with a region", func(s map[string]any) {
 			kafka(s)["tls"] = map[string]any{}

@@ -66,6 +66,8 @@ type Writer struct {
 	shapeSQL                                   string
 	table, eventIDs, addPartitions             string // quoted
 	notify                                     string // channel to notify on commit; "" for none
+	deleteStored                               string // the statement deleting the stored entry (WithDeleteOnStore); "" to keep it
+	parsed                                     Table
 	shapes                                     shapeCache
 }
 
@@ -94,6 +96,7 @@ type shapeCache struct {
 }
 
 type tableShape struct {
+	database    string // current_database()
 	headers     bool
 	partitioned bool
 	eventIDs    bool // Table.EventIDsTable exists
@@ -112,6 +115,20 @@ type WriterOption func(*Writer)
 // runs, so nothing is lost when a notification is.
 func WithNotify() WriterOption {
 	return func(w *Writer) { w.notify = "on" }
+}
+
+// WithDeleteOnStore makes the writer delete each entry in the transaction
+// that inserts it, as Debezium's outbox pattern does: the insert is in the
+// write-ahead log, where a relay run with --capture logical-replication
+// --writer-deletes reads it, and the table stays empty, so nothing is
+// marked, vacuumed or pruned. Only such a relay sees these events (a
+// polling relay never does), and until it publishes them the replication
+// slot is their only copy. The row is kept while the relay's slot
+// (SlotName) does not exist yet, so events written before the relay first
+// ran are published from the table. A handler retried after its commit
+// stores its event again, as a new row: consumers de-duplicate by event id.
+func WithDeleteOnStore() WriterOption {
+	return func(w *Writer) { w.deleteStored = "on" }
 }
 
 // NewWriter returns a Writer for table ("outbox" or "schema.outbox"); the
@@ -168,11 +185,12 @@ INSERT INTO ` + q + `
 SELECT event_id, $2, $3, $4, $5, $6, $7::jsonb FROM id`, insertArgs: 8,
 			same: `SELECT COALESCE((SELECT digest = ` + digestSQL(true) + ` FROM ` + ids + ` WHERE event_id = $1), false)`, sameArgs: 8,
 		},
-		shapeSQL: `SELECT COALESCE((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false),
+		shapeSQL: `SELECT current_database(), COALESCE((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false),
     EXISTS (SELECT 1 FROM pg_attribute
         WHERE attrelid = to_regclass($1) AND attname = 'headers' AND attnum > 0 AND NOT attisdropped),
     to_regclass($2) IS NOT NULL`,
 		table:         q,
+		parsed:        t,
 		eventIDs:      ids,
 		addPartitions: t.AddPartitionsFunction().Quoted(),
 	}
@@ -181,6 +199,14 @@ SELECT event_id, $2, $3, $4, $5, $6, $7::jsonb FROM id`, insertArgs: 8,
 	}
 	if w.notify != "" {
 		w.notify = t.NotifyChannel()
+	}
+	if w.deleteStored != "" {
+		// Only while the relay's slot exists and decodes (its confirmed
+		// position is set once it reached a consistent point): an insert
+		// committed before that is in no WAL the relay reads, so the row
+		// stays for the relay's sweep to publish.
+		w.deleteStored = `DELETE FROM ` + q + ` WHERE event_id = $1
+    AND EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $2 AND confirmed_flush_lsn IS NOT NULL)`
 	}
 	return w, nil
 }
@@ -269,6 +295,11 @@ func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 		return fmt.Errorf("outbox store %s: %w", e.EventID, err)
 	}
 	if tag.RowsAffected() == 1 {
+		if w.deleteStored != "" {
+			if _, err := tx.Exec(ctx, w.deleteStored, e.EventID, SlotName(shape.database, w.parsed)); err != nil {
+				return fmt.Errorf("outbox store %s: delete after insert: %w", e.EventID, err)
+			}
+		}
 		if w.notify != "" {
 			// Repeated notifications of one transaction are delivered once.
 			if _, err := tx.Exec(ctx, `SELECT pg_notify($1, '')`, w.notify); err != nil {
@@ -315,7 +346,7 @@ func (w *Writer) shape(ctx context.Context, tx pgx.Tx) (tableShape, error) {
 	if !st.checked.IsZero() && time.Since(st.checked) < time.Minute {
 		return st, nil
 	}
-	if err := tx.QueryRow(ctx, w.shapeSQL, w.table, w.eventIDs).Scan(&st.partitioned, &st.headers, &st.eventIDs); err != nil {
+	if err := tx.QueryRow(ctx, w.shapeSQL, w.table, w.eventIDs).Scan(&st.database, &st.partitioned, &st.headers, &st.eventIDs); err != nil {
 		return tableShape{}, fmt.Errorf("read the shape of %s: %w", w.table, err)
 	}
 	st.checked = time.Now()

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"os/exec"
+	"strings"
 	"testing"
 	"time"
 
@@ -137,4 +138,45 @@ func TestWriterIsALeaf(t *testing.T) {
 	for _, heavy := range []string{"github.com/segmentio/kafka-go", "github.com/prometheus/", "github.com/outbox-relay/outbox-operator/relay"} {
 		require.NotContains(t, string(out), heavy)
 	}
+}
+
+// WithDeleteOnStore deletes each row in the storing transaction, but only
+// once the relay's replication slot exists and decodes: a row written
+// before stays in the table for the relay's sweep, never in no WAL the
+// relay reads (TestWriterDeletesPublishesFromTheStream reads the deleted
+// rows from the stream).
+func TestDeleteOnStoreOnlyWhileTheSlotDecodes(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	ctx := context.Background()
+	w, err := outbox.NewWriter("outbox", outbox.WithDeleteOnStore())
+	require.NoError(t, err)
+	store := func() string {
+		e := entry()
+		require.NoError(t, pgx.BeginFunc(ctx, f.Pool, func(tx pgx.Tx) error { return w.Store(ctx, tx, e) }))
+		return e.EventID
+	}
+	kept := store()
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1`, kept), "no slot yet: the row stays")
+
+	var database string
+	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT current_database()`).Scan(&database))
+	slot := outbox.SlotName(database, outbox.Table{Name: "outbox"})
+	f.Exec(`SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, slot)
+	t.Cleanup(func() { _, _ = f.Pool.Exec(context.Background(), `SELECT pg_drop_replication_slot($1)`, slot) })
+	gone := store()
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1`, gone), "with the slot: deleted in the storing transaction")
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox`))
+}
+
+// SlotName is unique per database and table, a valid identifier of at most
+// 63 bytes, and stable.
+func TestSlotName(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, "outbox_orders_outbox", outbox.SlotName("orders", outbox.Table{Name: "outbox"}))
+	require.Equal(t, "outbox_orders_app_outbox", outbox.SlotName("Orders", outbox.Table{Schema: "app", Name: "outbox"}))
+	long := outbox.SlotName(strings.Repeat("d", 60), outbox.Table{Name: "outbox"})
+	require.Len(t, long, 63)
+	require.NotEqual(t, long, outbox.SlotName(strings.Repeat("d", 60), outbox.Table{Name: "outbox2"}), "a hash tells long names apart")
+	require.Regexp(t, `^[a-z0-9_]+$`, outbox.SlotName("my-db.1", outbox.Table{Name: "outbox"}))
 }

@@ -1,6 +1,8 @@
 package outbox
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"regexp"
 	"strings"
@@ -258,3 +260,22 @@ const columnDDL = `    id             bigint      GENERATED ALWAYS AS IDENTITY,
     created_at     timestamptz NOT NULL DEFAULT now() CHECK (` + CreatedAtCheck + `),
     published_at   timestamptz,
     headers        jsonb`
+
+// SlotName is the replication slot (and publication) of database's table t
+// in logical-replication capture: slot names are unique in the whole
+// cluster, so the database is part of it; a name longer than PostgreSQL's
+// 63 bytes ends in a hash of the whole.
+func SlotName(database string, t Table) string {
+	b := []byte(strings.ToLower("outbox_" + database + "_" + strings.ReplaceAll(t.String(), ".", "_")))
+	for i, c := range b {
+		if (c < 'a' || c > 'z') && (c < '0' || c > '9') {
+			b[i] = '_'
+		}
+	}
+	name := string(b)
+	if len(name) > 63 {
+		sum := sha256.Sum256([]byte(name))
+		name = name[:50] + "_" + hex.EncodeToString(sum[:])[:12]
+	}
+	return name
+}

@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 
+	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
@@ -93,7 +94,7 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 		return fmt.Errorf("--%s %s: the role %s may not stream from a replication slot; grant it with: ALTER ROLE %s REPLICATION (Amazon RDS: GRANT rds_replication TO %s)",
 			relayconfig.FlagCapture, CaptureLogicalReplication, role, quotedRole, quotedRole)
 	}
-	slot := relayconfig.SlotName(database, r.table)
+	slot := outbox.SlotName(database, r.table)
 	pub := slot
 	var exists, published bool
 	var oid uint32
@@ -155,7 +156,9 @@ func (r *Relay) pollFor(ctx context.Context, d time.Duration) {
 // connection settings (TLS, token) and none of its session settings.
 func (r *Relay) replicationConn(ctx context.Context) (*pgconn.PgConn, error) {
 	cfg := r.pool.Config().ConnConfig.Config.Copy()
-	cfg.RuntimeParams = map[string]string{"application_name": "outbox-relay", "replication": "database"}
+	// DateStyle and TimeZone fix the text form of the decoded rows'
+	// timestamps (parseTimestamptz).
+	cfg.RuntimeParams = map[string]string{"application_name": "outbox-relay", "replication": "database", "DateStyle": "ISO", "TimeZone": "UTC"}
 	for _, p := range []string{"tcp_keepalives_idle", "tcp_keepalives_interval", "tcp_keepalives_count"} {
 		if v, ok := r.pool.Config().ConnConfig.RuntimeParams[p]; ok {
 			cfg.RuntimeParams[p] = v
@@ -270,8 +273,17 @@ type streamState struct {
 	r    *Relay
 	conn *pgconn.PgConn
 
-	rel     uint32 // the table's relation id in this session; 0 until its Relation message
-	idCol   int    // the index of the id column in its tuples
+	rel   uint32 // the table's relation id in this session; 0 until its Relation message
+	idCol int    // the index of the id column in its tuples
+	// With writer deletes: where the columns are, the open transaction's
+	// rows, and the committed rows not yet published (pending's ids).
+	cols             *streamColumns
+	txRows, pendRows []streamedRow
+	pendBytes        int64
+	// putBack are the ids of rows put back into the table: their inserts
+	// come back on the stream, to be left to the sweep (by when they were
+	// put back, forgotten after putBackMemory).
+	putBack map[int64]time.Time
 	inTx    bool
 	txIDs   []int64       // ids inserted by the open transaction
 	pending []int64       // ids of committed transactions not yet published, in commit order
@@ -339,11 +351,30 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 			if s.idCol < 0 {
 				return fmt.Errorf("the stream's %s.%s has no id column", m.Namespace, m.RelationName)
 			}
+			if s.r.cfg.WriterDeletes {
+				cols, err := newStreamColumns(m, s.r.cfg.PartitionColumn)
+				if err != nil {
+					return err
+				}
+				s.cols = cols
+			}
 		}
 	case *pglogrepl.BeginMessage:
-		s.inTx, s.txIDs = true, s.txIDs[:0]
+		s.inTx, s.txIDs, s.txRows = true, s.txIDs[:0], s.txRows[:0]
 	case *pglogrepl.InsertMessage:
 		if m.RelationID != s.rel || s.rel == 0 || m.Tuple == nil || s.idCol >= len(m.Tuple.Columns) {
+			return nil
+		}
+		if s.cols != nil {
+			x, err := s.cols.decodeRow(m.Tuple)
+			if err != nil {
+				return err
+			}
+			if _, ok := s.putBack[x.id]; ok {
+				delete(s.putBack, x.id) // the relay's own insert: the row is in the table
+				return nil
+			}
+			s.txIDs, s.txRows = append(s.txIDs, x.id), append(s.txRows, x)
 			return nil
 		}
 		id, err := strconv.ParseInt(string(m.Tuple.Columns[s.idCol].Data), 10, 64)
@@ -354,11 +385,14 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 	case *pglogrepl.CommitMessage:
 		s.inTx = false
 		s.pending = append(s.pending, s.txIDs...)
-		s.txIDs = s.txIDs[:0]
+		for _, x := range s.txRows {
+			s.pendRows, s.pendBytes = append(s.pendRows, x), s.pendBytes+x.size
+		}
+		s.txIDs, s.txRows = s.txIDs[:0], s.txRows[:0]
 		s.pendLSN = m.TransactionEndLSN
 		if len(s.pending) == 0 && s.carry == nil {
 			s.confirmed = max(s.confirmed, m.TransactionEndLSN)
-		} else if len(s.pending) >= s.r.cfg.BatchSize {
+		} else if len(s.pending) >= s.r.cfg.BatchSize || s.pendBytes >= int64(s.r.cfg.MaxBatchBytes) {
 			return s.flush(ctx)
 		}
 	}
@@ -373,6 +407,16 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 func (s *streamState) flush(ctx context.Context) error {
 	if len(s.pending) == 0 {
 		return s.settle(ctx)
+	}
+	if s.cols != nil {
+		confirmed, err := s.publishDecoded(ctx, s.pendRows)
+		if !confirmed {
+			return err
+		}
+		s.confirmed = max(s.confirmed, s.pendLSN)
+		clear(s.pendRows) // their payloads
+		s.pending, s.pendRows, s.pendBytes = s.pending[:0], s.pendRows[:0], 0
+		return firstErr(err, s.sendStatus(ctx))
 	}
 	carried := s.carry != nil
 	last, err := s.r.publishStreamedFrom(ctx, s.pending, s.carry)
@@ -549,8 +593,16 @@ func (r *Relay) checkSlot(ctx context.Context, slot string) error {
 	}
 	r.m.slotRetainedWAL.Set(float64(retained))
 	switch {
+	case status == "lost" && r.cfg.WriterDeletes:
+		r.log.Error("PostgreSQL invalidated the replication slot: with writer deletes the events of the WAL it lost are gone, they were in no table; making a new slot",
+			"slot", slot, "fix", "raise max_slot_wal_keep_size, and keep the relay streaming")
+		return fmt.Errorf("%w: PostgreSQL invalidated slot %s (max_slot_wal_keep_size)", errSlotGone, slot)
 	case status == "lost":
 		return fmt.Errorf("%w: PostgreSQL invalidated slot %s (max_slot_wal_keep_size)", errSlotGone, slot)
+	case retained > r.cfg.MaxRetainedWAL && r.cfg.WriterDeletes:
+		// The slot is the only copy of the events it holds back: keep it.
+		r.log.Error("the replication slot holds back more WAL than --max-retained-wal; with writer deletes it is kept, since its WAL is the only copy of the events not yet published",
+			"slot", slot, "retained_bytes", retained, "max", r.cfg.MaxRetainedWAL)
 	case retained > r.cfg.MaxRetainedWAL:
 		r.log.Error("the replication slot holds back more WAL than allowed; dropping it and polling",
 			"slot", slot, "retained_bytes", retained, "max", r.cfg.MaxRetainedWAL)

@@ -99,15 +99,18 @@ type fault struct {
 }
 
 type scenario struct {
-	seed       uint64
-	capture    relay.Capture
-	ordering   relay.Ordering
-	deadLetter bool
-	inFlight   int
-	batchSize  int
-	waves      [][]scenarioRow // inserted at the start and at each wave's time
-	waveAt     []time.Duration
-	faults     []fault
+	seed    uint64
+	capture relay.Capture
+	// writerDeletes: the scenario's writers delete each row in the
+	// transaction that inserts it (capture only).
+	writerDeletes bool
+	ordering      relay.Ordering
+	deadLetter    bool
+	inFlight      int
+	batchSize     int
+	waves         [][]scenarioRow // inserted at the start and at each wave's time
+	waveAt        []time.Duration
+	faults        []fault
 	// pgRestartAt, when not zero, is when PostgreSQL stops and starts
 	// again (the scenario then runs on a server of its own).
 	pgRestartAt time.Duration
@@ -138,8 +141,12 @@ func (s scenario) String() string {
 	if s.killAt > 0 {
 		fs = append(fs, fmt.Sprintf("%s@%s", relayKill, s.killAt))
 	}
+	capture := string(s.capture)
+	if s.writerDeletes {
+		capture += "+writer-deletes"
+	}
 	return fmt.Sprintf("seed=%d capture=%s ordering=%s deadLetter=%t inFlight=%d batch=%d deleteOnPublish=%t retention=%t rows=%d faults=[%s]",
-		s.seed, s.capture, s.ordering, s.deadLetter, s.inFlight, s.batchSize, s.deleteOnPublish, s.retention, n, strings.Join(fs, " "))
+		s.seed, capture, s.ordering, s.deadLetter, s.inFlight, s.batchSize, s.deleteOnPublish, s.retention, n, strings.Join(fs, " "))
 }
 
 // faultKinds are the faults a scenario draws from.
@@ -255,6 +262,32 @@ func TestFaultsLogicalReplication(t *testing.T) {
 			require.Equal(t, relay.OrderingNone, sc.ordering, "a capture seed draws ordering none")
 			sc.capture = relay.CaptureLogicalReplication
 			runSeed(t, "TestFaultsLogicalReplication", sc)
+		})
+	}
+}
+
+// writerDeletesSeeds are scenarios of ordering none that insert rows
+// after the relay started (its slot must exist for the writers to delete)
+// and keep PostgreSQL running: a restarted server's slot can start again
+// from its last checkpoint, and with writer deletes nothing then tells the
+// relay what it published before, so duplicates are bounded by the
+// checkpoint, not by a batch.
+var writerDeletesSeeds = []uint64{6, 12, 16, 26}
+
+// TestFaultsWriterDeletes runs writerDeletesSeeds with the writers
+// deleting their rows (--writer-deletes): the relay publishes from the
+// stream and puts back what it cannot; the same invariants hold.
+func TestFaultsWriterDeletes(t *testing.T) {
+	t.Parallel()
+	for _, seed := range writerDeletesSeeds {
+		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
+			t.Parallel()
+			sc := drawScenario(seed)
+			require.Zero(t, sc.pgRestartAt, "a writer-deletes seed keeps PostgreSQL running")
+			require.Equal(t, relay.OrderingNone, sc.ordering, "a capture seed draws ordering none")
+			require.Greater(t, len(sc.waves), 1, "a writer-deletes seed inserts after the relay started")
+			sc.capture, sc.writerDeletes = relay.CaptureLogicalReplication, true
+			runSeed(t, "TestFaultsWriterDeletes", sc)
 		})
 	}
 }
@@ -411,6 +444,8 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 	pool, err := pgxpool.New(ctx, dsn)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
+	var database string
+	require.NoError(t, pool.QueryRow(ctx, `SELECT current_database()`).Scan(&database))
 	_, err = pool.Exec(ctx, outbox.SchemaDDL(outbox.Table{Name: "outbox"}))
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `ALTER TABLE outbox DROP CONSTRAINT outbox_created_at_check`)
@@ -429,7 +464,7 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 	cfg := relay.Config{
 		Settings: relay.Settings{
 			DSN: dsn, Table: "outbox", Brokers: c.ListenAddrs(), Topics: topicOf,
-			Ordering: sc.ordering, Capture: sc.capture, BatchSize: sc.batchSize, MaxInFlight: sc.inFlight,
+			Ordering: sc.ordering, Capture: sc.capture, WriterDeletes: sc.writerDeletes, BatchSize: sc.batchSize, MaxInFlight: sc.inFlight,
 			PollInterval: 20 * time.Millisecond, PublishTimeout: 2 * time.Second, StallTimeout: 5 * time.Second,
 		},
 		MaxBackoff: time.Second, HeldRetryInterval: 2 * time.Second,
@@ -481,6 +516,12 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 			got = append(got, x)
 		}
 		require.NoError(t, br.Close())
+		if sc.writerDeletes {
+			// As outbox.WithDeleteOnStore does: only once the relay's slot decodes.
+			_, err := tx.Exec(ctx, `DELETE FROM outbox WHERE id = ANY($1) AND EXISTS (SELECT 1 FROM pg_replication_slots
+				WHERE slot_name = $2 AND confirmed_flush_lsn IS NOT NULL)`, idsOf(got), outbox.SlotName(database, outbox.Table{Name: "outbox"}))
+			require.NoError(t, err)
+		}
 		require.NoError(t, tx.Commit(ctx))
 		mu.Lock()
 		rows = append(rows, got...)
@@ -613,6 +654,11 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 
 	// Every row that can go out is published within a bound after the faults end.
 	deadline := time.Now().Add(60 * time.Second)
+	if sc.writerDeletes {
+		// A row is in no table until the relay puts it back: wait for
+		// Kafka to have them all first (readAll below counts what came).
+		readAll(t, c.ListenAddrs(), len(expectPublished))
+	}
 	var unpublished []string
 	for {
 		unpublished = unpublished[:0]
@@ -744,8 +790,25 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 		res.violations = append(res.violations, "outbox_relay_stalled still names a stall after the faults ended")
 	}
 	res.rows = len(rows)
+	if sc.writerDeletes {
+		// The rows the writers deleted went out from the stream alone.
+		var kept int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE id = ANY($1)`, idsOf(rows)).Scan(&kept))
+		t.Logf("%d of %d rows went out from the stream alone (the writers deleted them)", len(rows)-kept, len(rows))
+		if kept == len(rows) {
+			res.violations = append(res.violations, "the writers deleted no row: the stream was not exercised")
+		}
+	}
 	t.Logf("%d rows, %d produce requests, %d duplicates", len(rows), produceRequests.Load(), res.duplicates)
 	return res
+}
+
+func idsOf(rows []insertedRow) []int64 {
+	ids := make([]int64, len(rows))
+	for i, x := range rows {
+		ids[i] = x.id
+	}
+	return ids
 }
 
 // injectFault starts one fault; those with a duration end on their own.

@@ -9,8 +9,6 @@ package relayconfig
 
 import (
 	"cmp"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"flag"
 	"fmt"
@@ -74,6 +72,7 @@ const (
 	FlagPartitionColumn             = "partition-column"
 	FlagCapture                     = "capture"
 	FlagMaxRetainedWAL              = "max-retained-wal"
+	FlagWriterDeletes               = "writer-deletes"
 	flagKafkaSASLUsername           = "kafka-sasl-username" // environment only
 	flagKafkaSASLPassword           = "kafka-sasl-password" // environment only
 )
@@ -410,6 +409,12 @@ type Settings struct {
 	// (logical-replication): beyond, the relay drops the slot and polls
 	// until it recreates it.
 	MaxRetainedWAL int64
+	// WriterDeletes (logical-replication only): the writers delete each
+	// row in the transaction that inserts it (outbox.WithDeleteOnStore),
+	// so the relay publishes from the stream's decoded rows, puts back in
+	// the table only what it could not publish, and never gives up its
+	// slot (the WAL is then the only copy of an event until it is out).
+	WriterDeletes bool
 	// PartitionColumn, when set, is an integer column of the table whose
 	// value, when not NULL, is the Kafka partition of the row's record
 	// (else the partition key's hash chooses, as without it).
@@ -514,6 +519,9 @@ func (s Command) Args() []string {
 	}
 	if s.Capture != CapturePoll {
 		args = append(args, arg(FlagCapture, string(s.Capture)), arg(FlagMaxRetainedWAL, strconv.FormatInt(s.MaxRetainedWAL, 10)))
+	}
+	if s.WriterDeletes {
+		args = append(args, "--"+FlagWriterDeletes)
 	}
 	args = append(args, arg(FlagOrdering, string(s.Ordering)), arg(FlagMetricsAddr, s.MetricsAddr), arg(FlagLogFormat, s.LogFormat))
 	if s.Notify {
@@ -729,6 +737,7 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.StringVar(&s.CloudEventsSource, FlagCloudEventsSource, "", "ce_source of the cloudevents format, a URI-reference (default /outbox/<table>)")
 	fs.Func(FlagCapture, "how new rows are found: "+joinValues(Captures)+" (default poll)", func(v string) error { s.Capture = Capture(v); return nil })
 	fs.Int64Var(&s.MaxRetainedWAL, FlagMaxRetainedWAL, DefaultMaxRetainedWAL, "logical-replication: the most WAL bytes the slot may hold back before the relay drops it and polls")
+	fs.BoolVar(&s.WriterDeletes, FlagWriterDeletes, false, "logical-replication: the writers delete each row in the transaction that inserts it (outbox.WithDeleteOnStore); publish from the stream's rows, put back only what cannot be published, never give up the slot")
 	fs.StringVar(&s.PartitionColumn, FlagPartitionColumn, "", "integer column whose value, when not NULL, is the record's Kafka partition (default: the partition key's hash chooses)")
 	fs.Func(FlagCompression, "produce request codec: none, gzip, snappy, lz4 or zstd (default none)", func(v string) error { s.Compression = Compression(v); return nil })
 	fs.BoolVar(&s.Notify, FlagNotify, false, "also claim as soon as a writer that notifies (outbox.WithNotify) commits; polling still runs")
@@ -876,6 +885,7 @@ func (s Settings) Validate() error {
 		fieldErr(FlagPartitionColumn, CheckPartitionColumn(s.PartitionColumn)),
 		fieldErr(FlagCapture, oneOf(s.Capture, Captures)),
 		fieldErr(FlagCapture, checkCaptureOrdering(s.Capture, s.Ordering)),
+		fieldErr(FlagWriterDeletes, checkWriterDeletes(s.WriterDeletes, s.Capture)),
 		fieldErr(FlagMaxRetainedWAL, CheckMaxRetainedWAL(s.MaxRetainedWAL)),
 	)
 	if s.DeadLetterTopic != "" {
@@ -1257,21 +1267,12 @@ func checkCaptureOrdering(c Capture, o Ordering) error {
 	return nil
 }
 
-// SlotName is the replication slot (and publication) of database's table t
-// in logical-replication capture: slot names are unique in the whole
-// cluster, so the database is part of it; a name longer than PostgreSQL's
-// 63 bytes ends in a hash of the whole.
-func SlotName(database string, t outbox.Table) string {
-	b := []byte(strings.ToLower("outbox_" + database + "_" + strings.ReplaceAll(t.String(), ".", "_")))
-	for i, c := range b {
-		if (c < 'a' || c > 'z') && (c < '0' || c > '9') {
-			b[i] = '_'
-		}
+// checkWriterDeletes: only a streaming relay sees rows its writers
+// delete in the inserting transaction.
+func checkWriterDeletes(on bool, c Capture) error {
+	if on && c != CaptureLogicalReplication {
+		return fmt.Errorf("needs --%s %s: a polling relay never sees rows deleted in the transaction that inserts them", FlagCapture, CaptureLogicalReplication)
 	}
-	name := string(b)
-	if len(name) > 63 {
-		sum := sha256.Sum256([]byte(name))
-		name = name[:50] + "_" + hex.EncodeToString(sum[:])[:12]
-	}
-	return name
+	return nil
 }
+

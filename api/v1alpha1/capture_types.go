@@ -24,6 +24,7 @@ const DefaultMaxRetainedWAL = "4Gi"
 // wait as standbys and take over within seconds. The table stays the
 // source of truth: what the stream cannot deliver is published by
 // polling. It needs wal_level = logical and a role with REPLICATION.
+// +kubebuilder:validation:XValidation:rule="!has(self.writerDeletes) || !self.writerDeletes || self.mode == 'LogicalReplication'",message="spec.capture.writerDeletes needs spec.capture.mode LogicalReplication: a polling relay never sees rows deleted in the transaction that inserts them"
 type CaptureSpec struct {
 	// Mode is Poll (the default) or LogicalReplication.
 	// +kubebuilder:default=Poll
@@ -36,6 +37,16 @@ type CaptureSpec struct {
 	// +kubebuilder:validation:XValidation:rule="quantity(string(self)).compareTo(quantity('64Mi')) >= 0",message="spec.capture.maxRetainedWAL must be at least 64Mi"
 	// +optional
 	MaxRetainedWAL *resource.Quantity `json:"maxRetainedWAL,omitempty"`
+
+	// WriterDeletes says the writers delete each row in the transaction
+	// that inserts it (outbox.WithDeleteOnStore), as Debezium's outbox
+	// pattern does: the relay publishes the rows it decodes from the
+	// stream, with no claim or mark, and puts back into the table only what
+	// it cannot publish now. The slot is then the only copy of an event
+	// until it is out, so the relay never gives it up (maxRetainedWAL only
+	// warns). LogicalReplication only. Default: false.
+	// +optional
+	WriterDeletes bool `json:"writerDeletes,omitempty"`
 }
 
 // SlotStatus is a replication slot as the operator last read it from

@@ -30,6 +30,7 @@ var captureModes = []captureMode{
 	{name: "poll + notify", notify: true},
 	{name: "logical-replication", args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication)}},
 	{name: "logical-replication, batch 500", args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication), flagArg(relayconfig.FlagBatchSize, 500)}},
+	{name: "logical-replication, writer deletes", args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication), "--" + relayconfig.FlagWriterDeletes}},
 }
 
 // runCaptureModes compares polling, polling with the wake-up and logical
@@ -112,7 +113,7 @@ func writersAlone(ctx context.Context, o *options, e *benchEnv) (map[string]floa
 	if err := e.fillTable(ctx, tableFill{}); err != nil {
 		return nil, err
 	}
-	perSec, err := writeFor(ctx, o, e, insertSQL(false))
+	perSec, err := writeFor(ctx, o, e, insertSQL(false, false))
 	if err != nil {
 		return nil, err
 	}

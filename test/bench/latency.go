@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/segmentio/kafka-go"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
@@ -147,7 +148,7 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 		return nil, err
 	}
 	defer stopRelay(p)
-	insert := insertSQL(notify)
+	insert := insertSQL(notify, writerDeletes(extra))
 	// Producers: open loop, each client on its own schedule of rate/producers.
 	var inserted atomic.Int64
 	// A warm-up at the same rate (connections, JIT, first metadata) is not measured.
@@ -252,6 +253,16 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 	if err := rows.Err(); err != nil {
 		return nil, err
 	}
+	if writerDeletes(extra) {
+		// The writers deleted their rows: the commits alone, in commit
+		// order, the moment of the commit standing for created_at.
+		mu.Lock()
+		for id, c := range committed {
+			evs = append(evs, ev{c, c, recv[id]})
+		}
+		mu.Unlock()
+		slices.SortFunc(evs, func(a, b ev) int { return a.committed.Compare(b.committed) })
+	}
 	// A row whose transaction took its id before a claim but committed after
 	// it sits behind the relay's cursor until a floor scan: it is overtaken
 	// (arrives >50 ms after some row with a higher id). Split the latency by that.
@@ -343,14 +354,34 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 
 // insertSQL stores one row in its own transaction, as a service does; with
 // notify it also notifies the table's channel, as outbox.WithNotify does.
-func insertSQL(notify bool) string {
+func insertSQL(notify, deletes bool) writeSQL {
 	ins := `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 VALUES ($1, 'Order', $2, $3, jsonb_build_object('seq', $4::int, 'order_id', $2::text, 'pad', repeat('x', 240)), $2)`
-	if !notify {
-		return ins
+	var w writeSQL
+	switch {
+	case notify:
+		channel := outbox.Table{Name: "outbox"}.NotifyChannel()
+		w.insert = `WITH ins AS (` + ins + ` RETURNING 1) SELECT pg_notify('` + channel + `', '') FROM ins`
+	default:
+		w.insert = ins
 	}
-	channel := outbox.Table{Name: "outbox"}.NotifyChannel()
-	return `WITH ins AS (` + ins + ` RETURNING 1) SELECT pg_notify('` + channel + `', '') FROM ins`
+	if deletes {
+		// readyRelay waits for the relay's slot to decode before the
+		// writers start, so the writer's own check (outbox.WithDeleteOnStore)
+		// is left out.
+		w.deleteAfter = `DELETE FROM outbox WHERE event_id = $1`
+	}
+	return w
+}
+
+// writeSQL is what a producer runs per row, in one transaction: the insert
+// and, with writer deletes, the delete of the row by its event id.
+type writeSQL struct{ insert, deleteAfter string }
+
+// writerDeletes says the relay's flags make it publish rows its writers
+// delete (--writer-deletes): the writers must then delete them.
+func writerDeletes(relayFlags []string) bool {
+	return slices.Contains(relayFlags, "--"+relayconfig.FlagWriterDeletes)
 }
 
 // runWriters measures what the opt-in wake-up costs the writers: producers
@@ -410,7 +441,7 @@ func writersRunWith(ctx context.Context, o *options, e *benchEnv, fill tableFill
 	if err != nil {
 		return nil, err
 	}
-	perSec, err := writeFor(ctx, o, e, insertSQL(notify))
+	perSec, err := writeFor(ctx, o, e, insertSQL(notify, writerDeletes(extra)))
 	if err != nil {
 		return nil, err
 	}
@@ -439,6 +470,20 @@ func (e *benchEnv) readyRelay(ctx context.Context, topic string, notify bool, ex
 		stopRelay(p)
 		return nil, err
 	}
+	if writerDeletes(extra) {
+		// Writers that delete need the slot decoding first (the check
+		// outbox.WithDeleteOnStore makes, left out of the benchmark's).
+		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+			var n int
+			if err := e.pool.QueryRow(ctx, `SELECT count(*) FROM pg_replication_slots WHERE active AND confirmed_flush_lsn IS NOT NULL`).Scan(&n); err == nil && n > 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				stopRelay(p)
+				return nil, errors.New("the relay's replication slot is not streaming after 30 s")
+			}
+		}
+	}
 	return p, nil
 }
 
@@ -447,7 +492,7 @@ func (e *benchEnv) readyRelay(ctx context.Context, topic string, notify bool, ex
 //
 // committed, when not nil, is told each event's id and the moment its
 // transaction's commit returned (the start of commit-to-consumed latency).
-func produce(ctx context.Context, e *benchEnv, c int, insert string, inserted *atomic.Int64, more func() bool, committed func(id string, at time.Time)) error {
+func produce(ctx context.Context, e *benchEnv, c int, w writeSQL, inserted *atomic.Int64, more func() bool, committed func(id string, at time.Time)) error {
 	conn, err := pgConnect(ctx, e.dsn)
 	if err != nil {
 		return err
@@ -456,8 +501,17 @@ func produce(ctx context.Context, e *benchEnv, c int, insert string, inserted *a
 	for seq := 0; more() && ctx.Err() == nil; seq++ {
 		key := fmt.Sprintf("order-%d", (c*1_000_003+seq)%1000)
 		id := uuid.New()
-		if _, err := conn.Exec(ctx, insert, id, key, eventType, seq); err != nil {
-			return fmt.Errorf("producer insert: %w", err)
+		if w.deleteAfter == "" {
+			if _, err := conn.Exec(ctx, w.insert, id, key, eventType, seq); err != nil {
+				return fmt.Errorf("producer insert: %w", err)
+			}
+		} else { // one round trip, one implicit transaction
+			b := &pgx.Batch{}
+			b.Queue(w.insert, id, key, eventType, seq)
+			b.Queue(w.deleteAfter, id)
+			if err := conn.SendBatch(ctx, b).Close(); err != nil {
+				return fmt.Errorf("producer insert and delete: %w", err)
+			}
 		}
 		if committed != nil {
 			committed(id.String(), time.Now())
@@ -495,7 +549,7 @@ func b2f(b bool) float64 {
 
 // writeFor runs o.producers writers, one row per transaction (insert), for
 // o.writersFor and returns the rows they wrote per second.
-func writeFor(ctx context.Context, o *options, e *benchEnv, insert string) (float64, error) {
+func writeFor(ctx context.Context, o *options, e *benchEnv, insert writeSQL) (float64, error) {
 	var n atomic.Int64
 	end := time.Now().Add(o.writersFor)
 	errs := make([]error, o.producers)

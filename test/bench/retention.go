@@ -197,7 +197,7 @@ func longLivedRun(ctx context.Context, o *options, e *benchEnv, onPublish relayc
 	// Writers on their own schedule, as in the steady state, for as long as the drain lasts.
 	var stop atomic.Bool
 	var inserted atomic.Int64
-	insert := insertSQL(false)
+	insert := insertSQL(false, false)
 	interval := time.Duration(float64(time.Second) * float64(o.producers) / float64(o.longWriteRate))
 	wStart := time.Now()
 	errs := make([]error, o.producers)

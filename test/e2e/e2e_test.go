@@ -33,7 +33,6 @@ import (
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 	"github.com/outbox-relay/outbox-operator/outbox"
-	"github.com/outbox-relay/outbox-operator/relayconfig"
 	"github.com/outbox-relay/outbox-operator/test/localcluster"
 )
 
@@ -825,7 +824,7 @@ func TestNamespaceEditorsManageOutboxRelays(t *testing.T) {
 // shows the slot active in status.backlog.slot.
 func TestLogicalReplicationOnTheNode(t *testing.T) {
 	ctx := context.Background()
-	slot := relayconfig.SlotName(localcluster.OrdersDatabase, outbox.Table{Name: "outbox"})
+	slot := outbox.SlotName(localcluster.OrdersDatabase, outbox.Table{Name: "outbox"})
 	require.NoError(t, stack.Postgres.Exec(ctx, localcluster.OrdersDatabase, `DO $$ DECLARE r text; BEGIN
 		FOR r IN SELECT rolname FROM pg_roles WHERE rolname LIKE 'relay%' LOOP EXECUTE format('ALTER ROLE %I REPLICATION', r); END LOOP; END $$;
 		CREATE PUBLICATION `+slot+` FOR TABLE outbox WITH (publish = 'insert')`))

@@ -1,0 +1,281 @@
+package relay
+
+import (
+	"context"
+	"encoding/hex"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+)
+
+// This file is the logical replication capture with writer deletes
+// (Settings.WriterDeletes): the writers delete each row in the transaction
+// that inserts it, so the table holds nothing to claim or mark, and the
+// relay publishes the rows the stream decodes. What it cannot publish now
+// (a row it cannot read from the stream, an unmapped type, a topic that is
+// down, a row Kafka refused, one too large or malformed) it puts back into
+// the table, unpublished, before the slot moves past it: from there the
+// sweep and polling publish or hold it as they do any row. So an event is
+// either on Kafka or in the table by the time the slot lets its WAL go.
+
+// streamColumns are where the table's columns are in the stream's tuples.
+type streamColumns struct {
+	names                                    []string
+	id, eventID, aggregateType, aggregateID  int
+	eventType, payload, partitionKey, create int
+	headers, partition                       int // -1 when absent
+	payloadBytea                             bool
+}
+
+// byteaOID is bytea's type oid: its text form is hex (\x...).
+const byteaOID = 17
+
+func newStreamColumns(m *pglogrepl.RelationMessage, partitionColumn string) (*streamColumns, error) {
+	c := &streamColumns{headers: -1, partition: -1}
+	at := map[string]*int{
+		"id": &c.id, "event_id": &c.eventID, "aggregate_type": &c.aggregateType, "aggregate_id": &c.aggregateID,
+		"event_type": &c.eventType, "payload": &c.payload, "partition_key": &c.partitionKey, "created_at": &c.create,
+	}
+	for _, p := range at {
+		*p = -1
+	}
+	for i, col := range m.Columns {
+		c.names = append(c.names, col.Name)
+		if p, ok := at[col.Name]; ok {
+			*p = i
+		}
+		switch {
+		case col.Name == "headers":
+			c.headers = i
+		case partitionColumn != "" && col.Name == partitionColumn:
+			c.partition = i
+		}
+		if col.Name == "payload" {
+			c.payloadBytea = col.DataType == byteaOID
+		}
+	}
+	for name, p := range at {
+		if *p < 0 {
+			return nil, fmt.Errorf("the stream's %s.%s has no %s column", m.Namespace, m.RelationName, name)
+		}
+	}
+	return c, nil
+}
+
+// streamedRow is a row as the stream delivered it: the row the publish
+// reads, and its columns' text to put it back with.
+type streamedRow struct {
+	row
+	text []*string // each column's text form, nil for NULL, in the relation's (the table's) order
+	// readable: the columns the relay publishes are all there and parse;
+	// a row that is not is put back untried, for the claim to name what
+	// is wrong with it and hold it.
+	readable bool
+}
+
+// decodeRow reads an insert's tuple.
+func (c *streamColumns) decodeRow(t *pglogrepl.TupleData) (streamedRow, error) {
+	x := streamedRow{text: make([]*string, len(c.names)), readable: true}
+	for i, col := range t.Columns {
+		if i < len(x.text) && (col.DataType == pglogrepl.TupleDataTypeText || col.DataType == pglogrepl.TupleDataTypeBinary) {
+			s := string(col.Data)
+			x.text[i] = &s
+		}
+	}
+	if len(t.Columns) != len(c.names) || x.text[c.id] == nil {
+		return x, fmt.Errorf("the stream's insert has %d columns, its relation %d, or no id", len(t.Columns), len(c.names))
+	}
+	id, err := strconv.ParseInt(*x.text[c.id], 10, 64)
+	if err != nil {
+		return x, fmt.Errorf("the stream's id %q: %w", *x.text[c.id], err)
+	}
+	x.id = id
+	text := func(i int) string {
+		if x.text[i] == nil {
+			x.readable = false
+			return ""
+		}
+		return *x.text[i]
+	}
+	x.eventID, x.aggregateType, x.aggregateID = text(c.eventID), text(c.aggregateType), text(c.aggregateID)
+	x.eventType, x.partitionKey = text(c.eventType), text(c.partitionKey)
+	x.payload = []byte(text(c.payload))
+	if c.payloadBytea && x.readable {
+		b, err := hex.DecodeString(strings.TrimPrefix(string(x.payload), `\x`))
+		x.payload, x.readable = b, x.readable && err == nil
+	}
+	created, ok := parseTimestamptz(text(c.create))
+	x.createdAt, x.readable = created, x.readable && ok
+	if c.headers >= 0 && x.text[c.headers] != nil {
+		x.headers = []byte(*x.text[c.headers])
+	}
+	if c.partition >= 0 && x.text[c.partition] != nil {
+		p, err := strconv.ParseInt(*x.text[c.partition], 10, 64)
+		x.partition, x.readable = &p, x.readable && err == nil
+	}
+	x.size = int64(len(x.payload) + len(x.headers))
+	return x, nil
+}
+
+// parseTimestamptz reads timestamptz's text form (DateStyle ISO, as the
+// replication session sets it); false for what the relay does not
+// publish: infinity, years before 1 (BC) or after 9999.
+func parseTimestamptz(s string) (time.Time, bool) {
+	for _, layout := range []string{"2006-01-02 15:04:05.999999999-07", "2006-01-02 15:04:05.999999999-07:00", "2006-01-02 15:04:05.999999999-07:00:00"} {
+		if t, err := time.Parse(layout, s); err == nil {
+			return t, true
+		}
+	}
+	return time.Time{}, false
+}
+
+// publishDecoded publishes streamed rows a batch at a time. confirmed
+// says the slot may move past them: each is on Kafka, or back in the table.
+// err is a failure to put rows back (nothing is confirmed then: the stream
+// delivers them again) or, with confirmed, Kafka's, for the caller to back
+// off while polling publishes what was put back.
+func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) (confirmed bool, err error) {
+	var kafkaErr error
+	for len(rows) > 0 {
+		n, bytes := 0, int64(0)
+		for n < len(rows) && n < s.r.cfg.BatchSize && (n == 0 || bytes+rows[n].size <= int64(s.r.cfg.MaxBatchBytes)) {
+			bytes += rows[n].size
+			n++
+		}
+		perr, err := s.publishDecodedBatch(ctx, rows[:n])
+		if err != nil {
+			return false, err
+		}
+		kafkaErr = firstErr(kafkaErr, perr)
+		rows = rows[n:]
+	}
+	return true, kafkaErr
+}
+
+// publishDecodedBatch publishes one batch of streamed rows and puts back
+// what did not go out, with its holds, in one transaction.
+func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRow) (perr, err error) {
+	r := s.r
+	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
+	defer cancel()
+	start := time.Now()
+	types, largest := r.availableTypes(start), r.largestRecord()
+	send := make([]row, 0, len(rows))
+	for _, x := range rows {
+		if x.readable && slices.Contains(types, x.eventType) {
+			x.oversize = x.size > int64(largest)
+			send = append(send, x.row)
+		}
+	}
+	var published []int64
+	if len(send) > 0 {
+		published, perr = r.publish(bctx, send)
+	}
+	b := &inFlight{ctx: bctx, cancel: cancel, start: start, rows: send, published: published}
+	b.holds, b.unhold = r.held.take(), r.held.forget(published)
+	out := make(map[int64]bool, len(published))
+	for _, id := range published {
+		out[id] = true
+	}
+	back, backIDs := []string{}, []int64{}
+	for _, x := range rows {
+		if !out[x.id] {
+			back, backIDs = append(back, x.record()), append(backIDs, x.id)
+		}
+	}
+	if len(back) > 0 || len(b.holds) > 0 || len(b.unhold) > 0 {
+		err = r.putBack(b, back)
+	}
+	r.held.committed(b.holds, time.Now())
+	if err != nil {
+		return nil, r.dbFailed(err)
+	}
+	if len(back) > 0 {
+		s.remember(backIDs)
+		r.log.Info("put rows the relay could not publish back into the table; the sweep publishes or holds them", "ids", backIDs)
+		s.nextSweep = time.Now()
+	}
+	r.setDBErr(nil)
+	for _, reason := range []string{HeldInvalidRow, HeldTooLarge, HeldRefused} {
+		r.m.held.WithLabelValues(reason).Set(float64(r.held.count(reason)))
+	}
+	r.m.batches.Inc()
+	r.m.batchSize.Observe(float64(len(rows)))
+	r.m.batchDuration.Observe(time.Since(start).Seconds())
+	if perr == nil {
+		r.health.batchDone(start, len(rows), len(published))
+	}
+	return perr, nil
+}
+
+// recordQuoter escapes a field of a row type's text form inside its quotes.
+var recordQuoter = strings.NewReplacer(`\`, `\\`, `"`, `\"`)
+
+// putBackMemory is how long the stream remembers a row it put back, to
+// leave its insert, when it comes back on the stream, to the sweep: the
+// insert comes within the stream's lag, and one that never comes (the row
+// was in the table already) must not stay in memory.
+const putBackMemory = 10 * time.Minute
+
+// remember notes rows put back (see streamState.putBack).
+func (s *streamState) remember(ids []int64) {
+	now := time.Now()
+	if s.putBack == nil {
+		s.putBack = map[int64]time.Time{}
+	}
+	for id, at := range s.putBack {
+		if now.Sub(at) > putBackMemory {
+			delete(s.putBack, id)
+		}
+	}
+	for _, id := range ids {
+		s.putBack[id] = now
+	}
+}
+
+// record is the row in the text form of the table's row type, "(v1,,v3)"
+// (an empty field is NULL): cast to the type, each field goes through its
+// column type's input, as the writer's insert did.
+func (x streamedRow) record() string {
+	var b strings.Builder
+	b.WriteByte('(')
+	for i, v := range x.text {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		if v != nil {
+			b.WriteByte('"')
+			b.WriteString(recordQuoter.Replace(*v))
+			b.WriteByte('"')
+		}
+	}
+	b.WriteByte(')')
+	return b.String()
+}
+
+// putBack inserts rows into the table as they were written (their ids
+// too), unpublished, and records the batch's holds, in one transaction.
+func (r *Relay) putBack(b *inFlight, rows []string) error {
+	tx, err := r.pool.Begin(b.ctx)
+	if err != nil {
+		return fmt.Errorf("begin putting rows back into %s: %w", r.table, err)
+	}
+	defer tx.Rollback(b.ctx) //nolint:errcheck // no-op after commit
+	b.tx = tx
+	if len(rows) > 0 {
+		if _, err := tx.Exec(b.ctx, r.sql.PutBack, rows); err != nil {
+			return fmt.Errorf("put %d rows back into %s: %w", len(rows), r.table, err)
+		}
+	}
+	if err := r.recordHolds(b); err != nil {
+		return err
+	}
+	if err := tx.Commit(b.ctx); err != nil {
+		return fmt.Errorf("commit rows put back into %s: %w", r.table, err)
+	}
+	return nil
+}

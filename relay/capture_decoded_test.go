@@ -1,0 +1,177 @@
+package relay_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relay"
+	"github.com/outbox-relay/outbox-operator/test/outboxtest"
+	"github.com/outbox-relay/outbox-operator/test/testenv"
+)
+
+// writerDeletesFixture is captureFixture with --writer-deletes, and a
+// writer that deletes each row in the transaction that stores it.
+func writerDeletesFixture(t *testing.T, eventTypes ...string) (*outboxtest.Fixture, relay.Config, func(entries ...outbox.Entry)) {
+	f, cfg := captureFixture(t, 1, eventTypes...)
+	cfg.WriterDeletes = true
+	w, err := outbox.NewWriter("outbox", outbox.WithDeleteOnStore())
+	require.NoError(t, err)
+	store := func(entries ...outbox.Entry) {
+		require.NoError(t, pgx.BeginFunc(context.Background(), f.Pool, func(tx pgx.Tx) error {
+			for _, e := range entries {
+				if err := w.Store(context.Background(), tx, e); err != nil {
+					return err
+				}
+			}
+			return nil
+		}))
+	}
+	return f, cfg, store
+}
+
+func entry(eventType string, n int) outbox.Entry {
+	return outbox.Entry{EventID: outbox.NewEventID(), AggregateType: "Order", AggregateID: fmt.Sprintf("o%d", n%3),
+		EventType: eventType, Payload: fmt.Appendf(nil, `{"n": %d, "note": "a \"quoted\" \\ value"}`, n), PartitionKey: fmt.Sprintf("o%d", n%3)}
+}
+
+// With writer deletes the table stays empty and the relay publishes the
+// rows it decodes from the stream: every event once, in commit order, with
+// its payload and headers as written, and the slot confirmed past them.
+func TestWriterDeletesPublishesFromTheStream(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg, store := writerDeletesFixture(t, "E")
+	x := outboxtest.Start(t, cfg)
+	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming") == 1 },
+		10*time.Second, 20*time.Millisecond, "the relay streams")
+	var want []outbox.Entry
+	for i := range 20 { // 20 transactions of 5 events
+		var tx []outbox.Entry
+		for j := range 5 {
+			e := entry("E", i*5+j)
+			if j == 0 {
+				e.Headers = map[string]string{"tenant": fmt.Sprintf("t%d", i)}
+			}
+			tx = append(tx, e)
+		}
+		store(tx...)
+		want = append(want, tx...)
+	}
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox`), "the writer deleted every row")
+	msgs := testenv.Broker().Consume(t, f.Topics["E"], len(want), 30*time.Second)
+	require.Len(t, msgs, len(want))
+	for i, m := range msgs { // one partition: the topic's order is the relay's
+		e := want[i]
+		require.Equal(t, e.EventID, header(m, relay.HeaderEventID), "event %d in commit order", i)
+		require.JSONEq(t, string(e.Payload), string(m.Value))
+		require.Equal(t, e.PartitionKey, string(m.Key))
+		for k, v := range e.Headers {
+			require.Equal(t, v, header(m, k))
+		}
+	}
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox`), "nothing was put back")
+	var after string
+	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&after))
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM pg_replication_slots WHERE database = current_database()
+			AND confirmed_flush_lsn >= $1::pg_lsn`, after) == 1
+	}, 45*time.Second, 100*time.Millisecond, "the slot's position is confirmed past %s", after)
+}
+
+// What the relay cannot publish from the stream goes back into the table,
+// where polling's rules apply: an unmapped type waits for the map, a row
+// with malformed headers is held and recorded, an infinite created_at is
+// held; the rows around them flow, and nothing is lost.
+func TestWriterDeletesPutsBackWhatItCannotPublish(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg, store := writerDeletesFixture(t, "E")
+	f.Exec(`ALTER TABLE outbox DROP CONSTRAINT outbox_created_at_check`) // a table made without the shipped DDL's check
+	x := outboxtest.Start(t, cfg)
+	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming") == 1 },
+		10*time.Second, 20*time.Millisecond, "the relay streams")
+	before, unmapped := entry("E", 1), entry("Unmapped", 2)
+	store(before, unmapped)
+	// Written as a writer that skips the checks would: in one transaction,
+	// inserted and deleted.
+	var badHeaders, badTime string
+	require.NoError(t, pgx.BeginFunc(ctx, f.Pool, func(tx pgx.Tx) error {
+		for _, q := range []struct {
+			into    *string
+			headers string
+			created string
+		}{{&badHeaders, `'[1, 2]'`, "now()"}, {&badTime, "NULL", "'infinity'"}} {
+			if err := tx.QueryRow(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, headers, created_at)
+				VALUES (gen_random_uuid(), 'Order', 'o9', 'E', '{"bad": true}', 'o9', `+q.headers+`, `+q.created+`) RETURNING event_id::text`).Scan(q.into); err != nil {
+				return err
+			}
+		}
+		_, err := tx.Exec(ctx, `DELETE FROM outbox`)
+		return err
+	}))
+	after := entry("E", 3)
+	store(after)
+
+	msgs := testenv.Broker().Consume(t, f.Topics["E"], 2, 30*time.Second)
+	require.Len(t, msgs, 2, "the rows put back are not published (their inserts come back on the stream and are left to the sweep)")
+	require.Equal(t, []string{before.EventID, after.EventID}, []string{header(msgs[0], relay.HeaderEventID), header(msgs[1], relay.HeaderEventID)})
+	// The three others are back in the table, unpublished, as written.
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND event_id::text = ANY($1)`,
+			[]string{unmapped.EventID, badHeaders, badTime}) == 3
+	}, 10*time.Second, 20*time.Millisecond, "put back")
+	var payload, headers string
+	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT payload::text, headers::text FROM outbox WHERE event_id::text = $1`, badHeaders).Scan(&payload, &headers))
+	require.JSONEq(t, `{"bad": true}`, payload)
+	require.JSONEq(t, `[1, 2]`, headers)
+	var unmappedPayload json.RawMessage
+	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT payload FROM outbox WHERE event_id::text = $1`, unmapped.EventID).Scan(&unmappedPayload))
+	require.JSONEq(t, string(unmapped.Payload), string(unmappedPayload))
+	// Held and recorded with their reasons, by the stream or by the sweep.
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox_held h JOIN outbox o USING (id)
+			WHERE h.reason = 'invalid_row' AND o.event_id::text = ANY($1)`, []string{badHeaders, badTime}) == 2
+	}, 20*time.Second, 50*time.Millisecond, "the malformed rows are held and recorded")
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox_held h JOIN outbox o USING (id) WHERE o.event_id::text = $1`, unmapped.EventID),
+		"an unmapped type is not held for itself: it waits for the map")
+}
+
+// A relay that stops mid-stream and one that starts later lose nothing:
+// the slot keeps what was not confirmed, and the rows written while none
+// ran are in the WAL it holds.
+func TestWriterDeletesLosesNothingAcrossRestarts(t *testing.T) {
+	t.Parallel()
+	f, cfg, store := writerDeletesFixture(t, "E")
+	x := outboxtest.Start(t, cfg)
+	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming") == 1 },
+		10*time.Second, 20*time.Millisecond, "the relay streams")
+	var want []string
+	write := func(n int) {
+		for i := range n {
+			e := entry("E", i)
+			store(e)
+			want = append(want, e.EventID)
+		}
+	}
+	write(50)
+	x.Stop(t)
+	write(50)
+	y := outboxtest.Start(t, cfg)
+	write(50)
+	seen := map[string]bool{}
+	for _, m := range testenv.Broker().Consume(t, f.Topics["E"], len(want), 30*time.Second) {
+		seen[header(m, relay.HeaderEventID)] = true
+	}
+	for _, id := range want {
+		require.True(t, seen[id], "event %s published", id)
+	}
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox`))
+	_ = y
+}
