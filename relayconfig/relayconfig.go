@@ -1275,4 +1275,3 @@ func checkWriterDeletes(on bool, c Capture) error {
 	}
 	return nil
 }
-
