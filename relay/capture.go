@@ -112,6 +112,18 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 		}
 		r.log.Info("created the publication of the table", "publication", pub)
 	}
+	if r.cfg.WriterDeletes {
+		var generated []string
+		if err := r.pool.QueryRow(ctx, sqlGeneratedColumns, oid).Scan(&generated); err != nil {
+			return fmt.Errorf("read the generated columns of %s: %w", r.table, err)
+		}
+		if len(generated) > 0 {
+			// The stream leaves them out, so a row could not be put back as
+			// it was written.
+			return fmt.Errorf("--%s: %s has generated columns (%s), which the stream leaves out, so a row the relay cannot publish could not be put back; drop them or run without --%s",
+				relayconfig.FlagWriterDeletes, r.table, strings.Join(generated, ", "), relayconfig.FlagWriterDeletes)
+		}
+	}
 	r.capture = &captureState{slot: slot, publication: pub, oid: oid}
 	r.m.slotMaxRetainedWAL.Set(float64(r.cfg.MaxRetainedWAL))
 	return nil
