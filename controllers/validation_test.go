@@ -90,6 +90,10 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 			s["capture"] = map[string]any{"mode": "LogicalReplication"}
 			s["ordering"] = "PartitionKey"
 		}, []string{"spec.capture.mode", "does not combine with spec.ordering PartitionKey"}},
+		{"writer deletes with autoscaling", func(s map[string]any) {
+			s["capture"] = map[string]any{"mode": "LogicalReplication", "writerDeletes": true}
+			s["autoscaling"] = map[string]any{"maxReplicas": int64(2)}
+		}, []string{"spec.autoscaling", "does not combine with spec.capture.writerDeletes"}},
 		{"writer deletes while polling", func(s map[string]any) {
 			s["capture"] = map[string]any{"writerDeletes": true}
 		}, []string{"spec.capture", "writerDeletes needs spec.capture.mode LogicalReplication"}},

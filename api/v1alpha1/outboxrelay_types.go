@@ -454,6 +454,7 @@ type BacklogSpec struct {
 // OutboxRelaySpec is the desired state of an OutboxRelay.
 // +kubebuilder:validation:XValidation:rule="!has(self.deadLetterTopic) || !self.topics.exists(k, self.topics[k] == self.deadLetterTopic)",message="spec.deadLetterTopic must not be one of the topics in spec.topics",fieldPath=".deadLetterTopic"
 // +kubebuilder:validation:XValidation:rule="!has(self.capture) || !has(self.capture.mode) || self.capture.mode != 'LogicalReplication' || !has(self.ordering) || self.ordering != 'PartitionKey'",message="spec.capture.mode LogicalReplication publishes in commit order from one streaming pod and does not combine with spec.ordering PartitionKey",fieldPath=".capture.mode"
+// +kubebuilder:validation:XValidation:rule="!has(self.capture) || !has(self.capture.writerDeletes) || !self.capture.writerDeletes || !has(self.autoscaling)",message="spec.autoscaling does not combine with spec.capture.writerDeletes: the writers leave no backlog in the table to scale by, and with no pod streaming the events would wait in the WAL",fieldPath=".autoscaling"
 type OutboxRelaySpec struct {
 	// DSNSecretRef names the Secret key holding the PostgreSQL DSN. The DSN
 	// reaches the relay only as the RELAY_DSN environment variable from this Secret.

@@ -18,7 +18,7 @@ import (
 func TestBenchQuick(t *testing.T) {
 	dir := t.TempDir()
 	md, js := filepath.Join(dir, "quick.md"), filepath.Join(dir, "quick.json")
-	flags := "-rows 3000 -reps 1 -latency-duration 4s -seeds-duration 2s -rates 500 -replicas 1,2 -writers-duration 1s" +
+	flags := "-rows 3000 -reps 1 -latency-duration 4s -seeds-duration 2s -rates 500 -replicas 1,2 -writers-duration 1s -idle-duration 2s" +
 		" -longlived-rows 30000 -backlog-rows 1000,5000 -backlog-reads 2" +
 		" -out-md " + md + " -out-json " + js + " -profile-dir " + filepath.Join(dir, "profiles")
 	cmd := exec.Command("make", "-C", filepath.Join("..", ".."), "bench-quick", "BENCH_QUICK_FLAGS="+flags)
@@ -58,6 +58,13 @@ func TestBenchQuick(t *testing.T) {
 	consumed, _ := rep.get(scCapture, "latency rate=500 logical-replication", "consumed")
 	require.Positive(t, inserted)
 	require.Equal(t, inserted, consumed, "every streamed row reached Kafka")
+	inserted, ok = rep.get(scCapture, "latency rate=500 logical-replication, writer deletes", "inserted")
+	require.True(t, ok)
+	consumed, _ = rep.get(scCapture, "latency rate=500 logical-replication, writer deletes", "consumed")
+	require.Positive(t, inserted)
+	require.Equal(t, inserted, consumed, "every row the writers deleted reached Kafka")
+	_, ok = rep.get(scCaptureIdle, "idle logical-replication, writer deletes", "relay_cpu_millicores")
+	require.True(t, ok, "the capture modes' idle cost is measured")
 	v, ok = rep.get(scBacklog, "pending=5000", "rows_read")
 	require.True(t, ok)
 	require.Equal(t, 5000.0, v)

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/outbox-relay/outbox-operator/relayconfig"
@@ -63,6 +64,25 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 				rep.Ratios[fmt.Sprintf("%s at %d/s, %s / %s", k.what, rate, name, pollFixed)] = ratioResult{Median: r, Rounds: []float64{r}}
 			}
 		}
+	}
+	// What each costs with nothing to publish.
+	for _, m := range captureModes {
+		if m.latencyOnly {
+			continue
+		}
+		args := m.args
+		if m.notify {
+			args = append(slices.Clone(args), flagArg(relayconfig.FlagNotify, true))
+		}
+		res, err := idleRun(ctx, o, e, args...)
+		if err != nil {
+			return fmt.Errorf("idle %s: %w", m.name, err)
+		}
+		if err := e.dropSlots(ctx); err != nil {
+			return err
+		}
+		logf("capture idle %s: %.1f database transactions/s, relay %.1f millicores", m.name, res["db_xacts_per_s"], res["relay_cpu_millicores"])
+		rep.add(scCaptureIdle, "idle "+m.name, map[string]any{"mode": m.name, "duration_s": o.idleFor.Seconds()}, []map[string]float64{res})
 	}
 	ratios := map[string][]float64{}
 	results := map[string][]map[string]float64{}

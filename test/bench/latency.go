@@ -72,40 +72,7 @@ func runLatency(ctx context.Context, o *options, e *benchEnv, rep *report) error
 // costs the database (transactions/s) and itself (CPU), per poll interval.
 func runIdle(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 	for _, poll := range o.idlePolls {
-		if err := e.freshTable(ctx, 0); err != nil {
-			return err
-		}
-		topic, err := e.newTopic(o, scIdle)
-		if err != nil {
-			return err
-		}
-		p, err := e.startRelay(e.relayArgs(topic, relayconfig.DefaultBatchSize, "", flagArg(relayconfig.FlagPollInterval, poll)))
-		if err != nil {
-			return err
-		}
-		m, err := func() (map[string]float64, error) {
-			defer stopRelay(p)
-			if err := p.WaitReady(ctx, 30*time.Second); err != nil {
-				return nil, err
-			}
-			time.Sleep(2 * time.Second)
-			x0, err := e.xactCommits(ctx)
-			if err != nil {
-				return nil, err
-			}
-			c0, _ := cpuSeconds(p.Pid())
-			t0 := time.Now()
-			time.Sleep(o.idleFor)
-			x1, err := e.xactCommits(ctx)
-			if err != nil {
-				return nil, err
-			}
-			c1, _ := cpuSeconds(p.Pid())
-			d := time.Since(t0).Seconds()
-			// The two xactCommits reads are themselves one transaction each.
-			return map[string]float64{"db_xacts_per_s": (x1 - x0 - 1) / d, "relay_cpu_millicores": 1000 * (c1 - c0) / d}, nil
-		}()
-		e.deleteTopic(topic)
+		m, err := idleRun(ctx, o, e, flagArg(relayconfig.FlagPollInterval, poll))
 		if err != nil {
 			return err
 		}
@@ -113,6 +80,43 @@ func runIdle(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 		rep.add(scIdle, "poll="+poll.String(), map[string]any{"poll_interval": poll.String(), "duration_s": o.idleFor.Seconds()}, []map[string]float64{m})
 	}
 	return nil
+}
+
+// idleRun watches one relay with the flags extra on an empty table for
+// o.idleFor: the database transactions per second and the relay's CPU.
+func idleRun(ctx context.Context, o *options, e *benchEnv, extra ...string) (map[string]float64, error) {
+	if err := e.freshTable(ctx, 0); err != nil {
+		return nil, err
+	}
+	topic, err := e.newTopic(o, scIdle)
+	if err != nil {
+		return nil, err
+	}
+	defer e.deleteTopic(topic)
+	p, err := e.startRelay(e.relayArgs(topic, relayconfig.DefaultBatchSize, "", extra...))
+	if err != nil {
+		return nil, err
+	}
+	defer stopRelay(p)
+	if err := p.WaitReady(ctx, 30*time.Second); err != nil {
+		return nil, err
+	}
+	time.Sleep(2 * time.Second)
+	x0, err := e.xactCommits(ctx)
+	if err != nil {
+		return nil, err
+	}
+	c0, _ := cpuSeconds(p.Pid())
+	t0 := time.Now()
+	time.Sleep(o.idleFor)
+	x1, err := e.xactCommits(ctx)
+	if err != nil {
+		return nil, err
+	}
+	c1, _ := cpuSeconds(p.Pid())
+	d := time.Since(t0).Seconds()
+	// The two xactCommits reads are themselves one transaction each.
+	return map[string]float64{"db_xacts_per_s": (x1 - x0 - 1) / d, "relay_cpu_millicores": 1000 * (c1 - c0) / d}, nil
 }
 
 func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll time.Duration, notify bool, extra ...string) (map[string]float64, error) {

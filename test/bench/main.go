@@ -88,6 +88,7 @@ const (
 	scLatency     = "latency"             // end-to-end latency at steady insert rates
 	scWriters     = "notify-cost"         // what a notification per transaction costs the writers
 	scCapture     = "capture-modes"       // polling, polling with the wake-up, and logical replication side by side
+	scCaptureIdle = "capture-modes-idle"  // the same modes with nothing to publish (run by capture-modes)
 	scIdle        = "idle-cost"           // what an idle relay costs the database per poll interval
 	scBacklog     = "backlog-read"        // the operator's backlog read at growing backlogs
 	scBreakdown   = "batch-time"          // where a batch's time goes

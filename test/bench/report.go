@@ -445,6 +445,11 @@ func (r *report) tables() string {
 			return fmt.Sprintf("| latency | %v | %v | %.1f | %.1f | %.3f | %.0f | %.0f | %.0f | – | %s |", x.Params["mode"], x.Params["rate"], m["p50_ms"], m["p99_ms"],
 				m["relay_cpu_cores"], m["relay_cpu_ms_per_1k"], m["db_relay_xacts_per_1k"], m["wal_bytes_per_event"], reps(x, "p99_ms", "%.1f"))
 		})
+	section(scCaptureIdle, "The capture modes idle (one relay, empty table; with logical replication the database's transactions may include those the walsender runs to decode)",
+		"| mode | database transactions/s | relay CPU (millicores) |\n| --- | ---: | ---: |",
+		func(x *result) string {
+			return fmt.Sprintf("| %v | %.1f | %.1f |", x.Params["mode"], x.Median["db_xacts_per_s"], x.Median["relay_cpu_millicores"])
+		})
 	section(scFootprint, fmt.Sprintf("6. Footprint: a fleet of OutboxRelays in %d namespaces (one database user each), each on an outbox table of its own with %d waiting rows in one real PostgreSQL database, reconciled in envtest; the steady window follows all Ready (defaults: %s backlog interval, %d connections per database, Secrets read every %s)",
 		fleetNamespaces, fleetRows, controllers.DefaultBacklogInterval, controllers.DefaultConnsPerDatabase, controllers.DefaultSecretRefreshInterval),
 		"| OutboxRelays | created in s | all Ready, backlogs read, in s | manager CPU s until then | manager RSS MiB | peak RSS MiB | steady millicores | database connections, peak / steady | database ms/s (steady) | Secret GETs/s (steady) | API writes/s (steady) | API reads/s (steady) |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
