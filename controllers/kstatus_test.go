@@ -7,6 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 	appsv1 "k8s.io/api/apps/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -76,22 +77,34 @@ func TestLaggingReadsRightToKstatus(t *testing.T) {
 		return &outboxv1alpha1.BacklogStatus{Pending: 10, OldestAge: metav1.Duration{Duration: age},
 			PublishedPerMinute: ptr.To(perMinute), ObservedAt: metav1.Now()}
 	}
+	slot := func(active bool) observation {
+		b := backlog(0, 0)
+		b.Pending, b.Slot = 0, &outboxv1alpha1.SlotStatus{Name: "outbox_orders_outbox", Exists: true, Active: active, ConfirmedLag: ptr.To(resource.MustParse("12Mi"))}
+		return observation{backlog: b}
+	}
 	for name, tc := range map[string]struct {
-		suspend bool
-		deploy  *appsv1.Deployment
-		obs     observation
-		want    status.Status
-		lagging string
+		suspend       bool
+		deploy        *appsv1.Deployment
+		obs           observation
+		want          status.Status
+		lagging       string
+		writerDeletes bool
 	}{
-		"flowing":            {false, ready, observation{backlog: backlog(time.Second, 600)}, status.CurrentStatus, "False/Flowing"},
-		"falling behind":     {false, ready, observation{backlog: backlog(5*time.Minute, 600)}, status.InProgressStatus, "True/FallingBehind"},
-		"not publishing":     {false, ready, observation{backlog: backlog(5*time.Minute, 0)}, status.FailedStatus, "True/NotPublishing"},
-		"suspended, waiting": {true, stopped, observation{backlog: backlog(5*time.Minute, 0)}, status.CurrentStatus, "True/NoReadyReplicas"},
-		"backlog unreadable": {false, ready, observation{err: "cannot reach PostgreSQL"}, status.CurrentStatus, "Unknown/BacklogUnavailable"},
-		"not read yet":       {false, ready, observation{}, status.CurrentStatus, "Unknown/Observing"},
+		// With writer deletes the table shows no backlog: the slot does.
+		"writer deletes, streaming":     {false, ready, slot(true), status.CurrentStatus, "False/Flowing", true},
+		"writer deletes, not streaming": {false, stopped, slot(false), status.InProgressStatus, "True/NotStreaming", true},
+		"flowing":                       {false, ready, observation{backlog: backlog(time.Second, 600)}, status.CurrentStatus, "False/Flowing", false},
+		"falling behind":                {false, ready, observation{backlog: backlog(5*time.Minute, 600)}, status.InProgressStatus, "True/FallingBehind", false},
+		"not publishing":                {false, ready, observation{backlog: backlog(5*time.Minute, 0)}, status.FailedStatus, "True/NotPublishing", false},
+		"suspended, waiting":            {true, stopped, observation{backlog: backlog(5*time.Minute, 0)}, status.CurrentStatus, "True/NoReadyReplicas", false},
+		"backlog unreadable":            {false, ready, observation{err: "cannot reach PostgreSQL"}, status.CurrentStatus, "Unknown/BacklogUnavailable", false},
+		"not read yet":                  {false, ready, observation{}, status.CurrentStatus, "Unknown/Observing", false},
 	} {
 		relay := unitRelay()
 		relay.Spec.Replicas, relay.Spec.Suspend = ptr.To[int32](1), tc.suspend
+		if tc.writerDeletes {
+			relay.Spec.Capture = &outboxv1alpha1.CaptureSpec{Mode: outboxv1alpha1.CaptureLogicalReplication, WriterDeletes: true}
+		}
 		relay.Status = computeStatus(relay, tc.deploy, nil, tc.obs)
 		c := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging)
 		require.Equal(t, tc.lagging, string(c.Status)+"/"+c.Reason, name)

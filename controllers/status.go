@@ -63,6 +63,18 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 	}
 	msg := fmt.Sprintf("oldest waiting row %s old (threshold %s); %s%s rows waiting, %s, %d ready replicas",
 		b.OldestAge.Duration, threshold, approx, groupDigits(b.Pending), published, ready)
+	if c := relay.Spec.Capture; c != nil && c.WriterDeletes && b.Slot != nil && b.Slot.Exists && !b.Slot.Active {
+		// The writers deleted their rows: the table shows no backlog, and
+		// whatever they wrote since the slot's confirmed position waits in
+		// its WAL with nobody reading it.
+		lag := "an unknown amount of WAL"
+		if b.Slot.ConfirmedLag != nil {
+			lag = b.Slot.ConfirmedLag.String() + " of WAL"
+		}
+		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonNotStreaming, fmt.Sprintf(
+			"with writer deletes the events wait in replication slot %s, and no relay pod streams from it (%s not confirmed); %d ready replicas",
+			b.Slot.Name, lag, ready)}
+	}
 	switch {
 	case b.OldestAge.Duration <= threshold:
 		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonFlowing, msg}

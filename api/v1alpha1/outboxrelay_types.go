@@ -94,6 +94,10 @@ const (
 	// ReasonNoReadyReplicas: rows wait past spec.lagThreshold and no relay
 	// replica is ready.
 	ReasonNoReadyReplicas = "NoReadyReplicas"
+	// ReasonNotStreaming: with spec.capture.writerDeletes the events wait
+	// in the replication slot's WAL, not in the table, and no relay pod
+	// streams from the slot.
+	ReasonNotStreaming = "NotStreaming"
 	// ReasonObserving: the operator has not read the backlog yet.
 	ReasonObserving = "Observing"
 	// ReasonBacklogUnavailable: the operator cannot read the backlog (no
