@@ -55,6 +55,9 @@ const (
 	// slotCheckInterval is how often the streaming replica reads its
 	// slot's retained WAL.
 	slotCheckInterval = 5 * time.Second
+	// filterRefresh is how often the streaming loop tells the stall check
+	// which rows it holds (polling does so with every claim).
+	filterRefresh = time.Second
 	// fallbackPeriod is how long the relay polls after it gave up or lost
 	// its slot, before it makes a new one.
 	fallbackPeriod = time.Minute
@@ -229,6 +232,12 @@ func (r *Relay) stream(ctx context.Context) error {
 	for ctx.Err() == nil {
 		now := time.Now()
 		r.health.iteration(now)
+		if !now.Before(s.nextFilter) {
+			// The stall check leaves out what this loop holds; the stream's
+			// claims are not the polling loop's, which records its filter.
+			s.nextFilter = now.Add(filterRefresh)
+			r.storeFilter(now)
+		}
 		if !now.Before(s.nextCheck) {
 			s.nextCheck = now.Add(slotCheckInterval)
 			if err := r.checkSlot(ctx, c.slot); err != nil {
@@ -309,7 +318,7 @@ type streamState struct {
 	// published or in the table for the sweep.
 	confirmed pglogrepl.LSN
 
-	nextSweep, nextStatus, nextCheck time.Time
+	nextSweep, nextStatus, nextCheck, nextFilter time.Time
 }
 
 // handle processes one message of the replication protocol.
@@ -637,6 +646,12 @@ func (r *Relay) dropSlot(ctx context.Context, slot string) {
 	}
 	r.log.Error("could not drop the replication slot; it holds back WAL until dropped", "slot", slot, "err", err,
 		"fix", "SELECT pg_drop_replication_slot('"+slot+"')")
+}
+
+// storeFilter records what a claim now would leave out, for the stall
+// check (stats.go) to count only the rows this replica could claim.
+func (r *Relay) storeFilter(now time.Time) {
+	r.filter.Store(&claimFilter{types: r.availableTypes(now), held: r.held.ids(), keys: []string{}, keyTypes: []string{}, largest: r.largestRecord()})
 }
 
 // pgCode is err's SQLSTATE, "" when it has none.

@@ -208,3 +208,25 @@ func TestClaimIDsPlanProbesTheIndex(t *testing.T) {
 	require.Contains(t, plan.String(), "Index Scan", plan.String())
 	require.NotContains(t, plan.String(), "Seq Scan", plan.String())
 }
+
+// A streaming relay that holds a row stays ready: the stall check counts
+// only rows the relay could claim, and the row it holds is not one of them
+// (the stream's claims tell it so, as polling's claims do).
+func TestLogicalReplicationHoldingARowIsNotAStall(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg := captureFixture(t, 1, "E")
+	f.Exec(`ALTER TABLE outbox ADD COLUMN IF NOT EXISTS headers jsonb`)
+	cfg.StallTimeout = 5 * time.Second
+	x := outboxtest.Start(t, cfg)
+	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming") == 1 },
+		10*time.Second, 20*time.Millisecond, "the relay streams")
+	_, err := f.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, headers)
+		VALUES (gen_random_uuid(), 'Order', 'o1', 'E', '{}', 'o1', '[1]')`)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldInvalidRow) == 1 },
+		10*time.Second, 20*time.Millisecond, "the malformed row is held")
+	// Past the stall timeout and two readings of the backlog gauges.
+	require.Never(t, func() bool { return x.R.Ready() != nil }, cfg.StallTimeout+11*time.Second, 200*time.Millisecond,
+		"the relay stays ready while it holds a row it cannot publish")
+}
