@@ -224,7 +224,9 @@ func TestLogicalReplicationHoldingARowIsNotAStall(t *testing.T) {
 	_, err := f.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, headers)
 		VALUES (gen_random_uuid(), 'Order', 'o1', 'E', '{}', 'o1', '[1]')`)
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldInvalidRow) == 1 },
+	require.Eventually(t, func() bool {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldInvalidRow) == 1
+	},
 		10*time.Second, 20*time.Millisecond, "the malformed row is held")
 	// Past the stall timeout and two readings of the backlog gauges.
 	require.Never(t, func() bool { return x.R.Ready() != nil }, cfg.StallTimeout+11*time.Second, 200*time.Millisecond,
