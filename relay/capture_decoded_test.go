@@ -46,7 +46,6 @@ func entry(eventType string, n int) outbox.Entry {
 // its payload and headers as written, and the slot confirmed past them.
 func TestWriterDeletesPublishesFromTheStream(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	f, cfg, store := writerDeletesFixture(t, "E")
 	x := outboxtest.Start(t, cfg)
 	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming") == 1 },
@@ -77,12 +76,7 @@ func TestWriterDeletesPublishesFromTheStream(t *testing.T) {
 		}
 	}
 	require.Zero(t, f.Count(`SELECT count(*) FROM outbox`), "nothing was put back")
-	var after string
-	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&after))
-	require.Eventually(t, func() bool {
-		return f.Count(`SELECT count(*) FROM pg_replication_slots WHERE database = current_database()
-			AND confirmed_flush_lsn >= $1::pg_lsn`, after) == 1
-	}, 45*time.Second, 100*time.Millisecond, "the slot's position is confirmed past %s", after)
+	requireSlotConfirmedPastNow(t, f)
 }
 
 // What the relay cannot publish from the stream goes back into the table,

@@ -88,17 +88,23 @@ func TestLogicalReplicationPublishesInCommitOrder(t *testing.T) {
 	require.Equal(t, byID[1], order[0], "the row committed first comes first")
 	require.Equal(t, byID[0], order[1], "the lower id, committed later, after it")
 	require.Equal(t, byID[2:], order[2:], "then the transactions in commit order")
-	// The server's WAL position now is past every commit above. The
-	// cluster's other databases keep writing WAL (other tests run beside
-	// this one), so the slot is compared with this fixed position, not a
-	// moving one: the relay confirms its last commit at once and, idle, the
-	// server's position from its keepalives, sent every statusInterval.
-	var after string
-	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&after))
+	requireSlotConfirmedPastNow(t, f)
+}
+
+// requireSlotConfirmedPastNow waits for the test's slot to be confirmed
+// past the server's WAL position now, which is past every commit so far.
+// The cluster's other databases keep writing WAL (other tests run beside
+// this one), so the slot is compared with this fixed position, not a
+// moving one: the relay confirms its last commit at once and, idle, the
+// server's position from its keepalives, sent every statusInterval.
+func requireSlotConfirmedPastNow(t *testing.T, f *outboxtest.Fixture) {
+	t.Helper()
+	var now string
+	require.NoError(t, f.Pool.QueryRow(context.Background(), `SELECT pg_current_wal_lsn()::text`).Scan(&now))
 	require.Eventually(t, func() bool {
 		return f.Count(`SELECT count(*) FROM pg_replication_slots WHERE database = current_database()
-			AND confirmed_flush_lsn >= $1::pg_lsn`, after) == 1
-	}, 45*time.Second, 100*time.Millisecond, "the slot's position is confirmed past %s", after)
+			AND confirmed_flush_lsn >= $1::pg_lsn`, now) == 1
+	}, 45*time.Second, 100*time.Millisecond, "the slot's position is confirmed past %s", now)
 }
 
 // One replica streams, the other waits; when the streaming one stops, the
