@@ -47,9 +47,7 @@ func entry(eventType string, n int) outbox.Entry {
 func TestWriterDeletesPublishesFromTheStream(t *testing.T) {
 	t.Parallel()
 	f, cfg, store := writerDeletesFixture(t, "E")
-	x := outboxtest.Start(t, cfg)
-	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming") == 1 },
-		10*time.Second, 20*time.Millisecond, "the relay streams")
+	startStreaming(t, cfg)
 	var want []outbox.Entry
 	for i := range 20 { // 20 transactions of 5 events
 		var tx []outbox.Entry
@@ -88,9 +86,7 @@ func TestWriterDeletesPutsBackWhatItCannotPublish(t *testing.T) {
 	ctx := context.Background()
 	f, cfg, store := writerDeletesFixture(t, "E")
 	f.Exec(`ALTER TABLE outbox DROP CONSTRAINT outbox_created_at_check`) // a table made without the shipped DDL's check
-	x := outboxtest.Start(t, cfg)
-	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming") == 1 },
-		10*time.Second, 20*time.Millisecond, "the relay streams")
+	startStreaming(t, cfg)
 	before, unmapped := entry("E", 1), entry("Unmapped", 2)
 	store(before, unmapped)
 	// Written as a writer that skips the checks would: in one transaction,
@@ -143,9 +139,7 @@ func TestWriterDeletesPutsBackWhatItCannotPublish(t *testing.T) {
 func TestWriterDeletesLosesNothingAcrossRestarts(t *testing.T) {
 	t.Parallel()
 	f, cfg, store := writerDeletesFixture(t, "E")
-	x := outboxtest.Start(t, cfg)
-	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming") == 1 },
-		10*time.Second, 20*time.Millisecond, "the relay streams")
+	x := startStreaming(t, cfg)
 	var want []string
 	write := func(n int) {
 		for i := range n {

@@ -31,6 +31,15 @@ func captureFixture(t *testing.T, partitions int, eventTypes ...string) (*outbox
 	return f, cfg
 }
 
+// startStreaming starts a relay with cfg and waits until it streams.
+func startStreaming(t *testing.T, cfg relay.Config) *outboxtest.Running {
+	t.Helper()
+	x := outboxtest.Start(t, cfg)
+	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming") == 1 },
+		10*time.Second, 20*time.Millisecond, "the relay streams")
+	return x
+}
+
 // eventIDs are the table's event ids in the order of the SQL ORDER BY order.
 func eventIDs(t *testing.T, f *outboxtest.Fixture, order string) []string {
 	t.Helper()
@@ -54,9 +63,7 @@ func TestLogicalReplicationPublishesInCommitOrder(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f, cfg := captureFixture(t, 1, "E")
-	x := outboxtest.Start(t, cfg)
-	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming") == 1 },
-		10*time.Second, 20*time.Millisecond, "the relay streams")
+	startStreaming(t, cfg)
 
 	insert := `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 		VALUES (gen_random_uuid(), 'Order', 'o1', 'E', $1, 'o1')`
@@ -143,9 +150,7 @@ func TestLogicalReplicationSurvivesALostSlot(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f, cfg := captureFixture(t, 1, "E")
-	x := outboxtest.Start(t, cfg)
-	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming") == 1 },
-		10*time.Second, 20*time.Millisecond)
+	startStreaming(t, cfg)
 	f.Insert(50, 5, "E")
 	f.WaitDrained(0, 30*time.Second)
 	// End the walsender and drop the slot before the relay reconnects.
@@ -224,9 +229,7 @@ func TestLogicalReplicationHoldingARowIsNotAStall(t *testing.T) {
 	f, cfg := captureFixture(t, 1, "E")
 	f.Exec(`ALTER TABLE outbox ADD COLUMN IF NOT EXISTS headers jsonb`)
 	cfg.StallTimeout = 5 * time.Second
-	x := outboxtest.Start(t, cfg)
-	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming") == 1 },
-		10*time.Second, 20*time.Millisecond, "the relay streams")
+	x := startStreaming(t, cfg)
 	_, err := f.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, headers)
 		VALUES (gen_random_uuid(), 'Order', 'o1', 'E', '{}', 'o1', '[1]')`)
 	require.NoError(t, err)

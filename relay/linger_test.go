@@ -29,10 +29,14 @@ func TestLingerMakesFullerBatches(t *testing.T) {
 				ctx := context.Background()
 				end := time.Now().Add(3 * time.Second)
 				n := 0
-				for time.Now().Before(end) { // a row every 2 ms or so
+				tick := time.NewTicker(2 * time.Millisecond) // a row every 2 ms or so
+				defer tick.Stop()
+				for now := range tick.C {
+					if now.After(end) {
+						break
+					}
 					require.NoError(t, outboxtest.InsertRows(ctx, f.Pool, 1, 10, "E"))
 					n++
-					time.Sleep(2 * time.Millisecond)
 				}
 				f.WaitDrained(0, 30*time.Second)
 				require.Eventually(t, func() bool { return x.Published() == float64(n) }, 5*time.Second, 10*time.Millisecond, "every row is published")
