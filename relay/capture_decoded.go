@@ -146,7 +146,9 @@ func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) (c
 			bytes += rows[n].size
 			n++
 		}
-		perr, err := s.publishDecodedBatch(ctx, rows[:n])
+		// After Kafka failed, the rest goes back untried: the polling that
+		// follows publishes it once Kafka answers.
+		perr, err := s.publishDecodedBatch(ctx, rows[:n], kafkaErr == nil)
 		if err != nil {
 			return false, err
 		}
@@ -156,9 +158,9 @@ func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) (c
 	return true, kafkaErr
 }
 
-// publishDecodedBatch publishes one batch of streamed rows and puts back
-// what did not go out, with its holds, in one transaction.
-func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRow) (perr, err error) {
+// publishDecodedBatch publishes one batch of streamed rows (when try) and
+// puts back what did not go out, with its holds, in one transaction.
+func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRow, try bool) (perr, err error) {
 	r := s.r
 	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
 	defer cancel()
@@ -172,7 +174,7 @@ func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRo
 		}
 	}
 	var published []int64
-	if len(send) > 0 {
+	if len(send) > 0 && try {
 		published, perr = r.publish(bctx, send)
 	}
 	b := &inFlight{ctx: bctx, cancel: cancel, start: start, rows: send, published: published}
@@ -200,12 +202,7 @@ func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRo
 		s.nextSweep = time.Now()
 	}
 	r.setDBErr(nil)
-	for _, reason := range []string{HeldInvalidRow, HeldTooLarge, HeldRefused} {
-		r.m.held.WithLabelValues(reason).Set(float64(r.held.count(reason)))
-	}
-	r.m.batches.Inc()
-	r.m.batchSize.Observe(float64(len(rows)))
-	r.m.batchDuration.Observe(time.Since(start).Seconds())
+	r.batchMetrics(start, len(rows))
 	if perr == nil {
 		r.health.batchDone(start, len(rows), len(published))
 	}

@@ -282,6 +282,17 @@ func createdBounds(rows []row) (oldest, newest time.Time) {
 	return oldest, newest
 }
 
+// batchMetrics records a settled batch of rows begun at start: the held
+// rows by reason, and the batch's count, size and duration.
+func (r *Relay) batchMetrics(start time.Time, rows int) {
+	for _, reason := range []string{HeldInvalidRow, HeldTooLarge, HeldRefused} {
+		r.m.held.WithLabelValues(reason).Set(float64(r.held.count(reason)))
+	}
+	r.m.batches.Inc()
+	r.m.batchSize.Observe(float64(rows))
+	r.m.batchDuration.Observe(time.Since(start).Seconds())
+}
+
 func (r *Relay) commitAsync(b *inFlight) *inFlight {
 	go func() { b.done <- r.markAndCommit(b) }()
 	return b
@@ -303,15 +314,10 @@ func (r *Relay) finish(b *inFlight) error {
 		done[id] = true
 	}
 	r.cur.settled(b.rows, func(id int64) bool { return done[id] || r.held.isHeld(id) })
-	for _, reason := range []string{HeldInvalidRow, HeldTooLarge, HeldRefused} {
-		r.m.held.WithLabelValues(reason).Set(float64(r.held.count(reason)))
-	}
 	if b.big {
 		releaseMemory() // the batch's payloads and the publish's buffers
 	}
-	r.m.batches.Inc()
-	r.m.batchSize.Observe(float64(len(b.rows)))
-	r.m.batchDuration.Observe(time.Since(b.start).Seconds())
+	r.batchMetrics(b.start, len(b.rows))
 	if b.perr != nil {
 		// Rows that were not acknowledged stay unpublished and are claimed
 		// again after the backoff.
