@@ -117,8 +117,13 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 	}
 	if r.cfg.WriterDeletes {
 		var generated []string
-		if err := r.pool.QueryRow(ctx, sqlGeneratedColumns, oid).Scan(&generated); err != nil {
+		var canInsert bool
+		if err := r.pool.QueryRow(ctx, sqlWriterDeletesTable, oid).Scan(&generated, &canInsert); err != nil {
 			return fmt.Errorf("read the generated columns of %s: %w", r.table, err)
+		}
+		if !canInsert {
+			return fmt.Errorf("--%s: the relay's role %s may not insert into %s, which it does to put back a row it cannot publish; grant it with: GRANT INSERT ON %s TO %s",
+				relayconfig.FlagWriterDeletes, quotedRole, r.table, r.table.Quoted(), quotedRole)
 		}
 		if len(generated) > 0 {
 			// The stream leaves them out, so a row could not be put back as

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -174,4 +175,24 @@ func TestWriterDeletesRefusesGeneratedColumns(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = r.Close() })
 	require.ErrorContains(t, r.Check(context.Background()), "has generated columns (payload_size)")
+}
+
+// With writer deletes the relay puts rows back, so its role must insert
+// into the table: the start-up check names the GRANT.
+func TestWriterDeletesNamesTheMissingInsert(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg, _ := writerDeletesFixture(t, "E")
+	owner, err := relay.New(cfg) // the table's owner makes the publication
+	require.NoError(t, err)
+	require.NoError(t, owner.Check(ctx))
+	require.NoError(t, owner.Close())
+	role := fmt.Sprintf("noinsert_%d", time.Now().UnixNano()%1e9)
+	f.Exec(`CREATE ROLE ` + role + ` LOGIN REPLICATION; GRANT SELECT, UPDATE ON outbox TO ` + role + `; GRANT ALL ON outbox_held TO ` + role)
+	t.Cleanup(func() { _, _ = f.Pool.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE `+role) })
+	cfg.DSN = strings.Replace(f.DSN, "postgres@", role+"@", 1) // the test cluster trusts local connections
+	r, err := relay.New(cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.Close() })
+	require.ErrorContains(t, r.Check(ctx), `grant it with: GRANT INSERT ON "outbox" TO "`+role+`"`)
 }

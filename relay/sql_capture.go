@@ -22,9 +22,10 @@ const (
 	sqlPublishes = `SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1),
 		EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
 		WHERE p.pubname = $1 AND pr.prrelid = to_regclass($2)), to_regclass($2)::oid`
-	// sqlGeneratedColumns: the generated columns of the table whose oid is $1.
-	sqlGeneratedColumns = `SELECT COALESCE(array_agg(attname::text ORDER BY attnum), '{}') FROM pg_attribute
-		WHERE attrelid = $1 AND attgenerated <> '' AND attnum > 0 AND NOT attisdropped`
+	// sqlWriterDeletesTable: the generated columns of the table whose oid
+	// is $1, and whether the role may insert into it.
+	sqlWriterDeletesTable = `SELECT COALESCE(array_agg(attname::text ORDER BY attnum), '{}'), has_table_privilege($1::oid, 'INSERT')
+		FROM pg_attribute WHERE attrelid = $1 AND attgenerated <> '' AND attnum > 0 AND NOT attisdropped`
 	// sqlSlotState: the WAL the slot $1 holds back, in bytes, and its wal_status.
 	sqlSlotState = `SELECT COALESCE(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::bigint, COALESCE(wal_status, '')
 		FROM pg_replication_slots WHERE slot_name = $1`
@@ -48,5 +49,5 @@ func sqlAddToPublication(pub string, t outbox.Table) string {
 // prepares each.
 var captureStatements = map[string]string{
 	"sqlCaptureSettings": sqlCaptureSettings, "sqlCanReplicate": sqlCanReplicate, "sqlPublishes": sqlPublishes,
-	"sqlSlotState": sqlSlotState, "sqlDropSlot": sqlDropSlot, "sqlGeneratedColumns": sqlGeneratedColumns,
+	"sqlSlotState": sqlSlotState, "sqlDropSlot": sqlDropSlot, "sqlWriterDeletesTable": sqlWriterDeletesTable,
 }

@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	appsv1 "k8s.io/api/apps/v1"
@@ -826,7 +827,10 @@ func TestLogicalReplicationOnTheNode(t *testing.T) {
 	ctx := context.Background()
 	slot := outbox.SlotName(localcluster.OrdersDatabase, outbox.Table{Name: "outbox"})
 	require.NoError(t, stack.Postgres.Exec(ctx, localcluster.OrdersDatabase, `DO $$ DECLARE r text; BEGIN
-		FOR r IN SELECT rolname FROM pg_roles WHERE rolname LIKE 'relay%' LOOP EXECUTE format('ALTER ROLE %I REPLICATION', r); END LOOP; END $$;
+		FOR r IN SELECT rolname FROM pg_roles WHERE rolname LIKE 'relay%' LOOP
+			EXECUTE format('ALTER ROLE %I REPLICATION', r);
+			EXECUTE format('GRANT INSERT ON outbox TO %I', r); -- writer deletes put rows back
+		END LOOP; END $$;
 		CREATE PUBLICATION `+slot+` FOR TABLE outbox WITH (publish = 'insert')`))
 	dir := manifests(t, func(name string, b []byte) []byte {
 		if name != "outbox_v1alpha1_outboxrelay.yaml" {
@@ -851,4 +855,40 @@ func TestLogicalReplicationOnTheNode(t *testing.T) {
 	out := kubectl(t, "get", "deploy", "streaming-relay", "-n", ns, "-o", "jsonpath={.spec.template.spec.containers[0].args}")
 	require.Contains(t, out, "--capture=logical-replication")
 	require.Contains(t, out, "--max-retained-wal=1073741824")
+
+	// Writer deletes: the rows are gone at commit and reach Kafka from the
+	// stream alone.
+	kubectl(t, "patch", "obr", "streaming", "-n", ns, "--type", "merge", "-p", `{"spec":{"capture":{"writerDeletes":true}}}`)
+	require.Eventually(t, func() bool {
+		out, err := stack.Kubectl(ctx, "get", "deploy", "streaming-relay", "-n", ns, "-o", "jsonpath={.spec.template.spec.containers[0].args}")
+		return err == nil && strings.Contains(string(out), "--writer-deletes")
+	}, time.Minute, time.Second, "the relay pods run with --writer-deletes")
+	kubectl(t, "rollout", "status", "deploy/streaming-relay", "-n", ns, "--timeout=3m")
+	require.Eventually(t, func() bool {
+		err := stack.Client.Get(ctx, types.NamespacedName{Namespace: ns, Name: "streaming"}, &o)
+		s := o.Status.Backlog
+		return err == nil && s != nil && s.Slot != nil && s.Slot.Active
+	}, 3*time.Minute, time.Second, "a pod of the new template streams")
+	db, err := pgxpool.New(ctx, stack.OrdersDSN("postgres"))
+	require.NoError(t, err)
+	t.Cleanup(db.Close)
+	col := newCollector(stack.Kafka)
+	t.Cleanup(col.close)
+	col.watch(t, confirmed)
+	w, err := outbox.NewWriter("outbox", outbox.WithDeleteOnStore())
+	require.NoError(t, err)
+	var ids []string
+	for i := range 20 {
+		e := outbox.Entry{EventID: outbox.NewEventID(), AggregateType: "Order", AggregateID: fmt.Sprintf("wd-%d", i),
+			EventType: "OrderConfirmed", Payload: []byte(`{"writer_deletes": true}`), PartitionKey: fmt.Sprintf("wd-%d", i)}
+		require.NoError(t, pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error { return w.Store(ctx, tx, e) }))
+		ids = append(ids, e.EventID)
+	}
+	var left int
+	require.NoError(t, db.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE event_id::text = ANY($1)`, ids).Scan(&left))
+	require.Zero(t, left, "the writer deleted its rows in the storing transaction")
+	require.Eventually(t, func() bool {
+		missing, _ := col.deliveries(confirmed, ids)
+		return len(missing) == 0
+	}, time.Minute, 100*time.Millisecond, "every event reached Kafka from the stream")
 }
