@@ -304,6 +304,25 @@ func runSeed(t *testing.T, test string, sc scenario) {
 	}
 }
 
+// chaosCapture gives a third of the random scenarios of ordering none
+// logical replication and a third writer deletes as well (where the
+// scenario suits it: rows inserted after the relay started, PostgreSQL not
+// restarted), by the seed, so a seed replays in its mode.
+func chaosCapture(sc scenario) scenario {
+	if sc.ordering != relay.OrderingNone {
+		return sc
+	}
+	switch sc.seed % 3 {
+	case 1:
+		sc.capture = relay.CaptureLogicalReplication
+	case 2:
+		if sc.pgRestartAt == 0 && len(sc.waves) > 1 {
+			sc.capture, sc.writerDeletes = relay.CaptureLogicalReplication, true
+		}
+	}
+	return sc
+}
+
 // runChaos runs random seeds for -chaos.duration and writes a report.
 func runChaos(t *testing.T) {
 	deadline := time.Now().Add(*chaosDuration)
@@ -313,7 +332,7 @@ func runChaos(t *testing.T) {
 	held := map[string]int{}
 	for time.Now().Before(deadline) {
 		seed := rand.Uint64() % 1_000_000
-		sc := drawScenario(seed)
+		sc := chaosCapture(drawScenario(seed))
 		var res scenarioResult
 		ok := t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
 			res = runScenario(t, sc)
@@ -339,7 +358,11 @@ func runChaos(t *testing.T) {
 			failed++
 			verdict = "VIOLATED: " + strings.Join(res.violations, "; ")
 		}
-		lines = append(lines, fmt.Sprintf("| %d | %s | %t | %d | %d | %d | %s |", seed, sc.ordering, sc.deadLetter,
+		capture := string(sc.capture)
+		if sc.writerDeletes {
+			capture += " + writer deletes"
+		}
+		lines = append(lines, fmt.Sprintf("| %d | %s | %s | %t | %d | %d | %d | %s |", seed, capture, sc.ordering, sc.deadLetter,
 			res.rows, res.duplicates, len(sc.faults), verdict))
 	}
 	if *chaosReport != "" {
@@ -347,7 +370,7 @@ func runChaos(t *testing.T) {
 		fmt.Fprintf(&b, "# Chaos run\n\nWritten by `make chaos` (the fault suite, `relay/faults_test.go`, on random seeds) on %s, for %s.\n\n",
 			time.Now().UTC().Format("2006-01-02 15:04 UTC"), *chaosDuration)
 		fmt.Fprintf(&b, "%d scenarios, %d with a violated invariant.\n\n", ran, failed)
-		b.WriteString("Invariants checked after every scenario: nothing lost; nothing on the dead-letter topic that the broker did not refuse alone; per-key order on each topic in partition-key mode (first deliveries); duplicates within one batch per fault; every healthy row published within 60 s of the faults' end; `/healthz` never failing; every row held for itself recorded in the held table with its reason, and no row that went out still recorded there; with retention, every row published long ago pruned; `/readyz` naming a stall reason or an unreachable dependency whenever it fails, and passing, with every stall gauge at 0, once the faults end.\n\n")
+		b.WriteString("Invariants checked after every scenario: nothing lost; nothing on the dead-letter topic that the broker did not refuse alone; per-key order on each topic in partition-key mode (first deliveries); duplicates within one batch per fault (with writer deletes, one transaction: the slot moves only past whole transactions); every healthy row published within 60 s of the faults' end; `/healthz` never failing; every row held for itself recorded in the held table with its reason, and no row that went out still recorded there; with retention, every row published long ago pruned; `/readyz` naming a stall reason or an unreachable dependency whenever it fails, and passing, with every stall gauge at 0, once the faults end.\n\n")
 		b.WriteString("Faults injected:\n\n| fault | times |\n| --- | --- |\n")
 		for _, k := range append(slices.Clone(faultKinds), pgRestart, relayKill) {
 			fmt.Fprintf(&b, "| %s | %d |\n", k, faults[k])
@@ -356,7 +379,7 @@ func runChaos(t *testing.T) {
 		for _, k := range kindNames {
 			fmt.Fprintf(&b, "| %s | %d |\n", k, held[k])
 		}
-		b.WriteString("\nScenarios (replay one with `go test ./relay -run 'TestFaults' -args` after adding its seed to `faultSeeds`):\n\n| seed | ordering | dead-letter | rows | duplicates | faults | invariants |\n| --- | --- | --- | --- | --- | --- | --- |\n")
+		b.WriteString("\nScenarios (replay one after adding its seed to `faultSeeds`, `captureSeeds` or `writerDeletesSeeds` by its capture mode):\n\n| seed | capture | ordering | dead-letter | rows | duplicates | faults | invariants |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n")
 		b.WriteString(strings.Join(lines, "\n") + "\n")
 		require.NoError(t, os.WriteFile(*chaosReport, []byte(b.String()), 0o644))
 	}
