@@ -123,12 +123,33 @@ func WithNotify() WriterOption {
 // --writer-deletes reads it, and the table stays empty, so nothing is
 // marked, vacuumed or pruned. Only such a relay sees these events (a
 // polling relay never does), and until it publishes them the replication
-// slot is their only copy. The row is kept while the relay's slot
-// (SlotName) does not exist yet, so events written before the relay first
-// ran are published from the table. A handler retried after its commit
-// stores its event again, as a new row: consumers de-duplicate by event id.
+// slot is their only copy. The row is kept unless such a relay streams from
+// the table's slot (SlotName) at that moment (DeleteOnStoreCondition), so
+// events written before the relay first ran, while it is down or while an
+// OutboxRelay is switched to writer deletes are published from the table.
+// A handler retried after its commit stores its event again, as a new row:
+// consumers de-duplicate by event id.
 func WithDeleteOnStore() WriterOption {
 	return func(w *Writer) { w.deleteStored = "on" }
+}
+
+// WriterDeletesRelay is the application_name of the replication session
+// of a relay run with --writer-deletes: the writers look for it
+// (DeleteOnStoreCondition).
+const WriterDeletesRelay = "outbox-relay-writer-deletes"
+
+// DeleteOnStoreCondition is the condition under which a writer with
+// WithDeleteOnStore deletes its row: a relay run with --writer-deletes
+// streams from the table's slot (named by the parameter slotParam) now.
+// Otherwise the row stays in the table, unpublished, for a relay to claim:
+// before the slot exists, an insert is in no WAL a relay reads; while no
+// relay streams, or one that does not expect deleted rows (it claims the
+// streamed rows from the table, finds none, and moves on), the row would
+// be lost. The relay's session is visible to any role in
+// pg_stat_activity's application_name.
+func DeleteOnStoreCondition(slotParam string) string {
+	return `EXISTS (SELECT 1 FROM pg_replication_slots s JOIN pg_stat_activity a ON a.pid = s.active_pid
+        WHERE s.slot_name = ` + slotParam + ` AND s.confirmed_flush_lsn IS NOT NULL AND a.application_name = '` + WriterDeletesRelay + `')`
 }
 
 // NewWriter returns a Writer for table ("outbox" or "schema.outbox"); the
@@ -201,12 +222,7 @@ SELECT event_id, $2, $3, $4, $5, $6, $7::jsonb FROM id`, insertArgs: 8,
 		w.notify = t.NotifyChannel()
 	}
 	if w.deleteStored != "" {
-		// Only while the relay's slot exists and decodes (its confirmed
-		// position is set once it reached a consistent point): an insert
-		// committed before that is in no WAL the relay reads, so the row
-		// stays for the relay's sweep to publish.
-		w.deleteStored = `DELETE FROM ` + q + ` WHERE event_id = $1
-    AND EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $2 AND confirmed_flush_lsn IS NOT NULL)`
+		w.deleteStored = `DELETE FROM ` + q + ` WHERE event_id = $1 AND ` + DeleteOnStoreCondition("$2")
 	}
 	return w, nil
 }

@@ -178,7 +178,11 @@ func (r *Relay) replicationConn(ctx context.Context) (*pgconn.PgConn, error) {
 	cfg := r.pool.Config().ConnConfig.Config.Copy()
 	// DateStyle and TimeZone fix the text form of the decoded rows'
 	// timestamps (parseTimestamptz).
-	cfg.RuntimeParams = map[string]string{"application_name": "outbox-relay", "replication": "database", "DateStyle": "ISO", "TimeZone": "UTC"}
+	app := "outbox-relay"
+	if r.cfg.WriterDeletes {
+		app = outbox.WriterDeletesRelay // the writers delete their rows only while it streams
+	}
+	cfg.RuntimeParams = map[string]string{"application_name": app, "replication": "database", "DateStyle": "ISO", "TimeZone": "UTC"}
 	for _, p := range []string{"tcp_keepalives_idle", "tcp_keepalives_interval", "tcp_keepalives_count"} {
 		if v, ok := r.pool.Config().ConnConfig.RuntimeParams[p]; ok {
 			cfg.RuntimeParams[p] = v

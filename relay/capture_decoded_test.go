@@ -136,7 +136,7 @@ func TestWriterDeletesPutsBackWhatItCannotPublish(t *testing.T) {
 
 // A relay that stops mid-stream and one that starts later lose nothing:
 // the slot keeps what was not confirmed, and the rows written while none
-// ran are in the WAL it holds.
+// streamed stay in the table (the writer deletes only while one does).
 func TestWriterDeletesLosesNothingAcrossRestarts(t *testing.T) {
 	t.Parallel()
 	f, cfg, store := writerDeletesFixture(t, "E")
@@ -161,7 +161,10 @@ func TestWriterDeletesLosesNothingAcrossRestarts(t *testing.T) {
 	for _, id := range want {
 		require.True(t, seen[id], "event %s published", id)
 	}
-	require.Zero(t, f.Count(`SELECT count(*) FROM outbox`))
+	// What was written while no relay streamed stayed in the table, and
+	// went out from there.
+	require.Positive(t, f.Count(`SELECT count(*) FROM outbox`))
+	f.WaitDrained(0, 30*time.Second)
 	_ = y
 }
 
@@ -195,4 +198,44 @@ func TestWriterDeletesNamesTheMissingInsert(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = r.Close() })
 	require.ErrorContains(t, r.Check(ctx), `grant it with: GRANT INSERT ON "outbox" TO "`+role+`"`)
+}
+
+// A writer with outbox.WithDeleteOnStore deletes its row only while a relay
+// with writer deletes streams: with no relay, or with one that claims the
+// streamed rows from the table (it would find a deleted row gone and move
+// on), the row stays and is published from the table; with such a relay
+// streaming, the row goes at commit and reaches Kafka from the stream.
+func TestWriterDeletesOnlyWhileSuchARelayStreams(t *testing.T) {
+	t.Parallel()
+	f, cfg, store := writerDeletesFixture(t, "E")
+	inTable := func(e outbox.Entry) int {
+		return f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1`, e.EventID)
+	}
+	before := entry("E", 1)
+	store(before)
+	require.Equal(t, 1, inTable(before), "no relay: kept")
+
+	claiming := cfg
+	claiming.WriterDeletes = false
+	x := startStreaming(t, claiming)
+	during := entry("E", 2)
+	store(during)
+	require.Equal(t, 1, inTable(during), "a relay that claims from the table streams: kept")
+	f.WaitDrained(0, 30*time.Second) // both published from the table
+	x.Stop(t)
+
+	startStreaming(t, cfg)
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM pg_stat_activity WHERE application_name = $1`, outbox.WriterDeletesRelay) == 1
+	}, 10*time.Second, 20*time.Millisecond, "the relay's replication session names itself")
+	after := entry("E", 3)
+	store(after)
+	require.Zero(t, inTable(after), "a relay with writer deletes streams: deleted at commit")
+	seen := map[string]bool{}
+	for _, m := range testenv.Broker().Consume(t, f.Topics["E"], 3, 30*time.Second) {
+		seen[header(m, relay.HeaderEventID)] = true
+	}
+	for _, e := range []outbox.Entry{before, during, after} {
+		require.True(t, seen[e.EventID], "event %s published", e.EventID)
+	}
 }

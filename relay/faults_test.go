@@ -540,9 +540,9 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 		}
 		require.NoError(t, br.Close())
 		if sc.writerDeletes {
-			// As outbox.WithDeleteOnStore does: only once the relay's slot decodes.
-			_, err := tx.Exec(ctx, `DELETE FROM outbox WHERE id = ANY($1) AND EXISTS (SELECT 1 FROM pg_replication_slots
-				WHERE slot_name = $2 AND confirmed_flush_lsn IS NOT NULL)`, idsOf(got), outbox.SlotName(database, outbox.Table{Name: "outbox"}))
+			// As outbox.WithDeleteOnStore does: only while the relay streams.
+			_, err := tx.Exec(ctx, `DELETE FROM outbox WHERE id = ANY($1) AND `+outbox.DeleteOnStoreCondition("$2"),
+				idsOf(got), outbox.SlotName(database, outbox.Table{Name: "outbox"}))
 			require.NoError(t, err)
 		}
 		require.NoError(t, tx.Commit(ctx))

@@ -369,11 +369,8 @@ VALUES ($1, 'Order', $2, $3, jsonb_build_object('seq', $4::int, 'order_id', $2::
 	default:
 		w.insert = ins
 	}
-	if deletes {
-		// readyRelay waits for the relay's slot to decode before the
-		// writers start, so the writer's own check (outbox.WithDeleteOnStore)
-		// is left out.
-		w.deleteAfter = `DELETE FROM outbox WHERE event_id = $1`
+	if deletes { // as outbox.WithDeleteOnStore does; $2 is the slot
+		w.deleteAfter = `DELETE FROM outbox WHERE event_id = $1 AND ` + outbox.DeleteOnStoreCondition("$2")
 	}
 	return w
 }
@@ -475,11 +472,11 @@ func (e *benchEnv) readyRelay(ctx context.Context, topic string, notify bool, ex
 		return nil, err
 	}
 	if writerDeletes(extra) {
-		// Writers that delete need the slot decoding first (the check
-		// outbox.WithDeleteOnStore makes, left out of the benchmark's).
+		// Writers delete only while the relay streams (outbox.DeleteOnStoreCondition).
 		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
 			var n int
-			if err := e.pool.QueryRow(ctx, `SELECT count(*) FROM pg_replication_slots WHERE active AND confirmed_flush_lsn IS NOT NULL`).Scan(&n); err == nil && n > 0 {
+			if err := e.pool.QueryRow(ctx, `SELECT count(*) FROM pg_replication_slots s JOIN pg_stat_activity a ON a.pid = s.active_pid
+				WHERE a.application_name = $1 AND s.confirmed_flush_lsn IS NOT NULL`, outbox.WriterDeletesRelay).Scan(&n); err == nil && n > 0 {
 				break
 			}
 			if time.Now().After(deadline) {
@@ -502,6 +499,14 @@ func produce(ctx context.Context, e *benchEnv, c int, w writeSQL, inserted *atom
 		return err
 	}
 	defer conn.Close(context.Background())
+	var slot string
+	if w.deleteAfter != "" {
+		var db string
+		if err := conn.QueryRow(ctx, `SELECT current_database()`).Scan(&db); err != nil {
+			return err
+		}
+		slot = outbox.SlotName(db, outbox.Table{Name: "outbox"})
+	}
 	for seq := 0; more() && ctx.Err() == nil; seq++ {
 		key := fmt.Sprintf("order-%d", (c*1_000_003+seq)%1000)
 		id := uuid.New()
@@ -512,7 +517,7 @@ func produce(ctx context.Context, e *benchEnv, c int, w writeSQL, inserted *atom
 		} else { // one round trip, one implicit transaction
 			b := &pgx.Batch{}
 			b.Queue(w.insert, id, key, eventType, seq)
-			b.Queue(w.deleteAfter, id)
+			b.Queue(w.deleteAfter, id, slot)
 			if err := conn.SendBatch(ctx, b).Close(); err != nil {
 				return fmt.Errorf("producer insert and delete: %w", err)
 			}

@@ -864,14 +864,15 @@ func TestLogicalReplicationOnTheNode(t *testing.T) {
 		return err == nil && strings.Contains(string(out), "--writer-deletes")
 	}, time.Minute, time.Second, "the relay pods run with --writer-deletes")
 	kubectl(t, "rollout", "status", "deploy/streaming-relay", "-n", ns, "--timeout=3m")
-	require.Eventually(t, func() bool {
-		err := stack.Client.Get(ctx, types.NamespacedName{Namespace: ns, Name: "streaming"}, &o)
-		s := o.Status.Backlog
-		return err == nil && s != nil && s.Slot != nil && s.Slot.Active
-	}, 3*time.Minute, time.Second, "a pod of the new template streams")
 	db, err := pgxpool.New(ctx, stack.OrdersDSN("postgres"))
 	require.NoError(t, err)
 	t.Cleanup(db.Close)
+	// The writer deletes only while a relay with writer deletes streams
+	// (outbox.DeleteOnStoreCondition): wait for the new pod to.
+	require.Eventually(t, func() bool {
+		var n int
+		return db.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1`, outbox.WriterDeletesRelay).Scan(&n) == nil && n == 1
+	}, 3*time.Minute, time.Second, "a pod of the new template streams")
 	col := newCollector(stack.Kafka)
 	t.Cleanup(col.close)
 	col.watch(t, confirmed)
