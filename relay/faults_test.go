@@ -267,7 +267,7 @@ func TestFaultsLogicalReplication(t *testing.T) {
 }
 
 // writerDeletesSeeds are scenarios of ordering none that insert rows
-// after the relay started (its slot must exist for the writers to delete)
+// after the relay started (the writers delete only while it streams)
 // and keep PostgreSQL running: a restarted server's slot can start again
 // from its last checkpoint, and with writer deletes nothing then tells the
 // relay what it published before, so duplicates are bounded by the
