@@ -121,8 +121,10 @@ func WithNotify() WriterOption {
 // that inserts it, as Debezium's outbox pattern does: the insert is in the
 // write-ahead log, where a relay run with --capture logical-replication
 // --writer-deletes reads it, and the table stays empty, so nothing is
-// marked, vacuumed or pruned. Only such a relay sees these events (a
-// polling relay never does), and until it publishes them the replication
+// marked, vacuumed or pruned. A polling relay never sees these events (a
+// streaming relay without --writer-deletes puts them back into the table
+// and publishes them, as it does while an OutboxRelay is switched away
+// from writer deletes), and until a relay publishes them the replication
 // slot is their only copy. The row is kept unless such a relay streams from
 // the table's slot (SlotName) at that moment (DeleteOnStoreCondition), so
 // events written before the relay first ran, while it is down or while an
@@ -143,13 +145,17 @@ const WriterDeletesRelay = "outbox-relay-writer-deletes"
 // streams from the table's slot (named by the parameter slotParam) now.
 // Otherwise the row stays in the table, unpublished, for a relay to claim:
 // before the slot exists, an insert is in no WAL a relay reads; while no
-// relay streams, or one that does not expect deleted rows (it claims the
-// streamed rows from the table, finds none, and moves on), the row would
-// be lost. The relay's session is visible to any role in
-// pg_stat_activity's application_name.
+// relay with writer deletes streams, nothing says the slot will be read to
+// the row (a relay without them gives its slot up past
+// --max-retained-wal, one that polls leaves it unread). The relay's session is visible to any role in
+// pg_stat_activity's application_name. The condition reads the slot's
+// session alone (pg_stat_get_activity of its pid, not the
+// pg_stat_activity view of every session): it runs in each writer's
+// transaction.
 func DeleteOnStoreCondition(slotParam string) string {
-	return `EXISTS (SELECT 1 FROM pg_replication_slots s JOIN pg_stat_activity a ON a.pid = s.active_pid
-        WHERE s.slot_name = ` + slotParam + ` AND s.confirmed_flush_lsn IS NOT NULL AND a.application_name = '` + WriterDeletesRelay + `')`
+	return `EXISTS (SELECT 1 FROM pg_replication_slots s, pg_stat_get_activity(s.active_pid) a
+        WHERE s.slot_name = ` + slotParam + ` AND s.active_pid IS NOT NULL AND a.pid = s.active_pid
+          AND s.confirmed_flush_lsn IS NOT NULL AND a.application_name = '` + WriterDeletesRelay + `')`
 }
 
 // NewWriter returns a Writer for table ("outbox" or "schema.outbox"); the

@@ -99,9 +99,9 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 	}
 	slot := outbox.SlotName(database, r.table)
 	pub := slot
-	var exists, published bool
+	var exists, published, deletes bool
 	var oid uint32
-	if err := r.pool.QueryRow(ctx, sqlPublishes, pub, r.table.Quoted()).Scan(&exists, &published, &oid); err != nil {
+	if err := r.pool.QueryRow(ctx, sqlPublishes, pub, r.table.Quoted()).Scan(&exists, &published, &oid, &deletes); err != nil {
 		return fmt.Errorf("read publication %s: %w", pub, err)
 	}
 	if !published {
@@ -114,6 +114,22 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 				relayconfig.FlagCapture, CaptureLogicalReplication, pub, r.table, err, create)
 		}
 		r.log.Info("created the publication of the table", "publication", pub)
+	}
+	if exists && !deletes {
+		// Without deletes a relay that claims what it streams cannot tell
+		// a row its writer deleted (under writer deletes) from one
+		// published, and would lose it.
+		alter := sqlPublishDeletes(pub)
+		if _, err := r.pool.Exec(ctx, alter); err != nil {
+			if r.cfg.WriterDeletes {
+				return fmt.Errorf("--%s: the publication %s must publish deletes, so that a relay run without --%s later publishes the rows the writers deleted, and the relay's role may not alter it (%v); as its owner, run: %s",
+					relayconfig.FlagWriterDeletes, pub, relayconfig.FlagWriterDeletes, err, alter)
+			}
+			r.log.Warn("the publication publishes no deletes, so rows written with writer deletes that this relay streams would be lost; as its owner, run the fix",
+				"publication", pub, "err", err, "fix", alter)
+		} else {
+			r.log.Info("the publication publishes deletes now", "publication", pub)
+		}
 	}
 	if r.cfg.WriterDeletes {
 		var generated []string
@@ -274,7 +290,16 @@ func (r *Relay) stream(ctx context.Context) error {
 		}
 		deadline := minTime(s.nextSweep, s.nextStatus, s.nextCheck, now.Add(time.Second)) // held rows come due
 		if len(s.pending) > 0 {
-			deadline = now.Add(streamLinger)
+			// The linger runs from the first pending commit, not from the
+			// last message: rows arriving steadily (one a millisecond at
+			// 1,000 events/s) would otherwise wait for a full batch.
+			deadline = s.pendSince.Add(streamLinger)
+			if !now.Before(deadline) {
+				if err := s.flush(ctx); err != nil {
+					return err
+				}
+				continue
+			}
 		}
 		rctx, cancel := context.WithDeadline(ctx, deadline)
 		msg, err := conn.ReceiveMessage(rctx)
@@ -318,6 +343,12 @@ type streamState struct {
 	txIDs   []int64       // ids inserted by the open transaction
 	pending []int64       // ids of committed transactions not yet published, in commit order
 	pendLSN pglogrepl.LSN // the end of the last committed transaction in pending
+	// restore are the committed rows (as records) that a writer deleted in
+	// the transaction that inserted them, to put back before pending's
+	// claim (without writer deletes).
+	restore []string
+	// pendSince is when the first of pending arrived: the linger runs from it.
+	pendSince time.Time
 	// carry is the last published batch, its mark and commit still
 	// running (beside the next batch's claim and publish); carryLSN is the
 	// end of its transactions, confirmed once it committed.
@@ -412,11 +443,40 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 			return fmt.Errorf("the stream's id %q: %w", m.Tuple.Columns[s.idCol].Data, err)
 		}
 		s.txIDs = append(s.txIDs, id)
+		// Kept until the commit, in case the transaction deletes the row.
+		s.txRows = append(s.txRows, tupleText(id, m.Tuple))
+	case *pglogrepl.DeleteMessage:
+		// A row deleted by the transaction that inserted it was stored by
+		// a writer with writer deletes: it is in no table, and the claim
+		// would find it gone. It goes back into the table before the
+		// claim (restoreDeleted), so it is published with the rest in
+		// commit order. Deletes of earlier rows (published ones) are not
+		// the stream's concern.
+		if s.cols != nil || m.RelationID != s.rel || s.rel == 0 || m.OldTuple == nil || s.idCol >= len(m.OldTuple.Columns) {
+			return nil
+		}
+		id, err := strconv.ParseInt(string(m.OldTuple.Columns[s.idCol].Data), 10, 64)
+		if err != nil {
+			return nil // a key without the id: not a row this transaction inserted
+		}
+		for i := range s.txRows {
+			if s.txRows[i].id == id {
+				s.txRows[i].deleted = true
+			}
+		}
 	case *pglogrepl.CommitMessage:
 		s.inTx = false
+		if len(s.pending) == 0 && len(s.txIDs) > 0 {
+			s.pendSince = time.Now()
+		}
 		s.pending = append(s.pending, s.txIDs...)
 		for _, x := range s.txRows {
-			s.pendRows, s.pendBytes = append(s.pendRows, x), s.pendBytes+x.size
+			switch {
+			case s.cols != nil:
+				s.pendRows, s.pendBytes = append(s.pendRows, x), s.pendBytes+x.size
+			case x.deleted:
+				s.restore = append(s.restore, x.record())
+			}
 		}
 		s.txIDs, s.txRows = s.txIDs[:0], s.txRows[:0]
 		s.pendLSN = m.TransactionEndLSN
@@ -447,6 +507,12 @@ func (s *streamState) flush(ctx context.Context) error {
 		clear(s.pendRows) // their payloads
 		s.pending, s.pendRows, s.pendBytes = s.pending[:0], s.pendRows[:0], 0
 		return firstErr(err, s.sendStatus(ctx))
+	}
+	if len(s.restore) > 0 {
+		if err := s.r.restoreDeleted(ctx, s.restore); err != nil {
+			return err
+		}
+		s.restore = s.restore[:0]
 	}
 	carried := s.carry != nil
 	last, err := s.r.publishStreamedFrom(ctx, s.pending, s.carry)

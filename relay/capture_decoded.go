@@ -75,6 +75,21 @@ type streamedRow struct {
 	// a row that is not is put back untried, for the claim to name what
 	// is wrong with it and hold it.
 	readable bool
+	// deleted: the transaction that inserted the row deleted it.
+	deleted bool
+}
+
+// tupleText keeps an insert's columns' text (the stream's buffer is
+// reused by the next message), enough to put the row back (record).
+func tupleText(id int64, t *pglogrepl.TupleData) streamedRow {
+	x := streamedRow{row: row{id: id}, text: make([]*string, len(t.Columns))}
+	for i, col := range t.Columns {
+		if col.DataType == pglogrepl.TupleDataTypeText || col.DataType == pglogrepl.TupleDataTypeBinary {
+			s := string(col.Data)
+			x.text[i] = &s
+		}
+	}
+	return x
 }
 
 // decodeRow reads an insert's tuple.
@@ -274,5 +289,20 @@ func (r *Relay) putBack(b *inFlight, rows []string) error {
 	if err := tx.Commit(b.ctx); err != nil {
 		return fmt.Errorf("commit rows put back into %s: %w", r.table, err)
 	}
+	return nil
+}
+
+// restoreDeleted puts back into the table rows a writer deleted in the
+// transaction that inserted them (a writer with writer deletes, while the
+// table's relay did not run with them: during a switch away from writer
+// deletes, say), unpublished, for the claim that follows to publish them.
+func (r *Relay) restoreDeleted(ctx context.Context, rows []string) error {
+	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
+	defer cancel()
+	if _, err := r.pool.Exec(bctx, r.sql.PutBack, rows); err != nil {
+		return r.dbFailed(fmt.Errorf("put %d rows the writers deleted back into %s (the relay's role needs INSERT on it: GRANT INSERT ON %s TO the role): %w",
+			len(rows), r.table, r.table.Quoted(), err))
+	}
+	r.log.Info("put rows their writers deleted back into the table, to publish them", "rows", len(rows))
 	return nil
 }

@@ -239,3 +239,58 @@ func TestWriterDeletesOnlyWhileSuchARelayStreams(t *testing.T) {
 		require.True(t, seen[e.EventID], "event %s published", e.EventID)
 	}
 }
+
+// A relay that claims what it streams (no writer deletes) still publishes
+// rows their writers deleted in the transaction that inserted them, as
+// writers with outbox.WithDeleteOnStore do while an OutboxRelay is
+// switched away from writer deletes: it puts them back into the table and
+// claims them with the rest, in commit order. A row deleted later, by
+// another transaction, was published already and is not put back. A
+// publication made before the relay published deletes is altered to.
+func TestLogicalReplicationPublishesRowsTheirWritersDeleted(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg := captureFixture(t, 1, "E")
+	var db string
+	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db))
+	slot := outbox.SlotName(db, outbox.Table{Name: "outbox"})
+	f.Exec(`CREATE PUBLICATION ` + slot + ` FOR TABLE outbox WITH (publish = 'insert')`)
+	startStreaming(t, cfg)
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM pg_publication WHERE pubname = $1 AND pubdelete`, slot), "the relay made its publication publish deletes")
+
+	w, err := outbox.NewWriter("outbox")
+	require.NoError(t, err)
+	var want []outbox.Entry // in commit order
+	for i := range 10 {
+		kept, gone := entry("E", 2*i), entry("E", 2*i+1)
+		require.NoError(t, pgx.BeginFunc(ctx, f.Pool, func(tx pgx.Tx) error {
+			for _, e := range []outbox.Entry{gone, kept} {
+				if err := w.Store(ctx, tx, e); err != nil {
+					return err
+				}
+			}
+			_, err := tx.Exec(ctx, `DELETE FROM outbox WHERE event_id = $1`, gone.EventID) // as a writer with writer deletes does
+			return err
+		}))
+		want = append(want, gone, kept)
+	}
+	msgs := testenv.Broker().Consume(t, f.Topics["E"], len(want), 30*time.Second)
+	require.Len(t, msgs, len(want))
+	for i, m := range msgs { // one partition: the topic's order is the relay's
+		require.Equal(t, want[i].EventID, header(m, relay.HeaderEventID), "event %d in commit order", i)
+		require.JSONEq(t, string(want[i].Payload), string(m.Value))
+	}
+	f.WaitDrained(0, 30*time.Second)
+	require.Equal(t, len(want), f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NOT NULL`), "the deleted rows are back in the table, published")
+
+	// A row deleted by a later transaction stays deleted and goes out once.
+	f.Exec(`DELETE FROM outbox WHERE event_id = $1`, want[1].EventID)
+	late := entry("E", 100)
+	require.NoError(t, pgx.BeginFunc(ctx, f.Pool, func(tx pgx.Tx) error { return w.Store(ctx, tx, late) }))
+	msgs = testenv.Broker().Consume(t, f.Topics["E"], len(want)+1, 30*time.Second)
+	require.Len(t, msgs, len(want)+1)
+	require.Equal(t, late.EventID, header(msgs[len(want)], relay.HeaderEventID), "the next event, and no other")
+	f.WaitDrained(0, 30*time.Second)
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1`, want[1].EventID), "not put back")
+	requireSlotConfirmedPastNow(t, f)
+}

@@ -241,3 +241,42 @@ func TestLogicalReplicationHoldingARowIsNotAStall(t *testing.T) {
 	require.Never(t, func() bool { return x.R.Ready() != nil }, cfg.StallTimeout+11*time.Second, 200*time.Millisecond,
 		"the relay stays ready while it holds a row it cannot publish")
 }
+
+// The stream's linger runs from the first row waiting, not from the last
+// message: rows committed steadily, a message every fraction of a
+// millisecond, go out in small batches instead of waiting for a full one.
+func TestLogicalReplicationLingerRunsFromTheFirstRow(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg := captureFixture(t, 1, "E")
+	cfg.BatchSize = 1000
+	x := startStreaming(t, cfg)
+	before, beforeRows, err := outboxtest.ReadMetric(x.Reg, "outbox_relay_batch_size_rows")
+	require.NoError(t, err)
+	end := time.Now().Add(2 * time.Second)
+	errs := make(chan error, 2)
+	for range 2 {
+		go func() {
+			var err error
+			tick := time.NewTicker(time.Millisecond) // each writer a row a millisecond at most
+			defer tick.Stop()
+			for err == nil && time.Now().Before(end) {
+				_, err = f.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+					VALUES (gen_random_uuid(), 'Order', 'o1', 'E', '{}', 'o1')`)
+				<-tick.C
+			}
+			errs <- err
+		}()
+	}
+	for range 2 {
+		require.NoError(t, <-errs)
+	}
+	f.WaitDrained(0, 30*time.Second)
+	batches, rows, err := outboxtest.ReadMetric(x.Reg, "outbox_relay_batch_size_rows")
+	require.NoError(t, err)
+	batches, rows = batches-before, rows-beforeRows
+	inserted := f.Count(`SELECT count(*) FROM outbox`)
+	require.Greater(t, inserted, 500, "rows arrived steadily")
+	t.Logf("%d rows in %.0f batches", inserted, batches)
+	require.Less(t, rows/batches, 150.0, "%d rows in %.0f batches: batches of 1,000 waited to fill", inserted, batches)
+}

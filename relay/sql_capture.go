@@ -17,11 +17,13 @@ const (
 		SELECT 1 FROM pg_auth_members m JOIN pg_roles g ON g.oid = m.roleid
 		WHERE m.member = r.oid AND g.rolname IN ('rds_replication', 'rds_superuser', 'cloudsqlsuperuser', 'azure_pg_admin'))
 		FROM pg_roles r WHERE r.rolname = current_user`
-	// sqlPublishes: whether the publication $1 exists, and whether it
-	// includes the table whose quoted name is $2, whose oid it returns too.
+	// sqlPublishes: whether the publication $1 exists, whether it
+	// includes the table whose quoted name is $2, whose oid it returns too,
+	// and whether it publishes deletes.
 	sqlPublishes = `SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1),
 		EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
-		WHERE p.pubname = $1 AND pr.prrelid = to_regclass($2)), to_regclass($2)::oid`
+		WHERE p.pubname = $1 AND pr.prrelid = to_regclass($2)), to_regclass($2)::oid,
+		COALESCE((SELECT pubdelete FROM pg_publication WHERE pubname = $1), false)`
 	// sqlWriterDeletesTable: the generated columns of the table whose oid
 	// is $1, and whether the role may insert into it.
 	sqlWriterDeletesTable = `SELECT COALESCE(array_agg(attname::text ORDER BY attnum), '{}'), has_table_privilege($1::oid, 'INSERT')
@@ -35,9 +37,20 @@ const (
 		SELECT count(*) > 0 FROM d`
 )
 
-// sqlCreatePublication publishes the inserts of table t as pub.
+// publishes is what the table's publication publishes: inserts, and
+// deletes for the rows a writer deletes in the transaction that inserted
+// them (streamState.restore).
+const publishes = `publish = 'insert, delete'`
+
+// sqlCreatePublication publishes the inserts and deletes of table t as pub.
 func sqlCreatePublication(pub string, t outbox.Table) string {
-	return `CREATE PUBLICATION ` + pgx.Identifier{pub}.Sanitize() + ` FOR TABLE ` + t.Quoted() + ` WITH (publish = 'insert')`
+	return `CREATE PUBLICATION ` + pgx.Identifier{pub}.Sanitize() + ` FOR TABLE ` + t.Quoted() + ` WITH (` + publishes + `)`
+}
+
+// sqlPublishDeletes makes the publication pub publish deletes too (one
+// made by a relay before it did).
+func sqlPublishDeletes(pub string) string {
+	return `ALTER PUBLICATION ` + pgx.Identifier{pub}.Sanitize() + ` SET (` + publishes + `)`
 }
 
 // sqlAddToPublication adds table t to the publication pub.

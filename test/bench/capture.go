@@ -42,7 +42,7 @@ var captureModes = []captureMode{
 func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 	for _, rate := range o.rates {
 		byMode := map[string]map[string]float64{}
-		for _, m := range captureModes {
+		for _, m := range o.chosenCaptureModes() {
 			res, err := latencyRun(ctx, o, e, rate, relayconfig.DefaultPollInterval, m.notify, m.args...)
 			if err != nil {
 				return fmt.Errorf("%s at %d/s: %w", m.name, rate, err)
@@ -59,6 +59,9 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 		}
 		// What adaptive polling costs against the fixed poller, in this run.
 		for _, name := range []string{"poll", "poll, --linger 20ms"} {
+			if byMode[name] == nil || byMode[pollFixed] == nil {
+				continue
+			}
 			for _, k := range []struct{ key, what string }{{"relay_cpu_ms_per_1k", "relay CPU per event"}, {"db_relay_xacts_per_1k", "relay transactions per event"}} {
 				r := byMode[name][k.key] / byMode[pollFixed][k.key]
 				rep.Ratios[fmt.Sprintf("%s at %d/s, %s / %s", k.what, rate, name, pollFixed)] = ratioResult{Median: r, Rounds: []float64{r}}
@@ -66,7 +69,7 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 		}
 	}
 	// What each costs with nothing to publish.
-	for _, m := range captureModes {
+	for _, m := range o.chosenCaptureModes() {
 		if m.latencyOnly {
 			continue
 		}
@@ -92,7 +95,7 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 			return err
 		}
 		results["no relay"] = append(results["no relay"], base)
-		for _, m := range captureModes {
+		for _, m := range o.chosenCaptureModes() {
 			if m.latencyOnly {
 				continue
 			}
@@ -108,7 +111,7 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 			ratios[m.name] = append(ratios[m.name], res["rows_per_s"]/base["rows_per_s"])
 		}
 	}
-	for _, name := range append([]string{"no relay"}, modeNames()...) {
+	for _, name := range append([]string{"no relay"}, o.writerModeNames()...) {
 		rep.add(scCapture, "writers "+name, map[string]any{"kind": "writers", "mode": name, "writers": o.producers, "duration_s": o.writersFor.Seconds()}, results[name])
 	}
 	for name, rs := range ratios {
@@ -117,13 +120,30 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 	return nil
 }
 
-// modeNames are the modes of the writers' rounds.
-func modeNames() []string {
+// chosenCaptureModes are the modes -capture-modes names (all by default).
+func (o *options) chosenCaptureModes() []captureMode {
+	if len(o.captureModes) == 0 {
+		return captureModes
+	}
+	return slices.DeleteFunc(slices.Clone(captureModes), func(m captureMode) bool { return !slices.Contains(o.captureModes, m.name) })
+}
+
+// writerModeNames are the chosen modes of the writers' rounds.
+func (o *options) writerModeNames() []string {
 	var names []string
-	for _, m := range captureModes {
+	for _, m := range o.chosenCaptureModes() {
 		if !m.latencyOnly {
 			names = append(names, m.name)
 		}
+	}
+	return names
+}
+
+// captureModeNames are the names of the capture modes.
+func captureModeNames() []string {
+	var names []string
+	for _, m := range captureModes {
+		names = append(names, m.name)
 	}
 	return names
 }

@@ -187,6 +187,7 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 	// Sample the relay's RSS in the second half (steady state), and the
 	// database's transactions and WAL over the measured window.
 	var rssMax, cpu0 float64
+	var batches0 batchStats
 	var db0 dbCounters
 	var inserted0 int64
 	sampleDone := make(chan struct{})
@@ -194,6 +195,7 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 		defer close(sampleDone)
 		time.Sleep(time.Until(start))
 		cpu0, _ = cpuSeconds(p.Pid())
+		batches0 = relayBatches(p)
 		db0, _ = e.dbCounters(ctx)
 		inserted0 = inserted.Load()
 		t := time.NewTicker(time.Second)
@@ -216,6 +218,7 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 		}
 	}
 	cpu1, _ := cpuSeconds(p.Pid())
+	batches := relayBatches(p).minus(batches0)
 	db1, _ := e.dbCounters(ctx)
 	n := int(inserted.Load())
 	windowRows := float64(int64(n) - inserted0)
@@ -353,7 +356,29 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 		"db_relay_xacts_per_1k": 1000 * max(float64(db1.xacts-db0.xacts)-windowRows, 0) / max(windowRows, 1),
 		"wal_bytes_per_event":   float64(db1.walBytes-db0.walBytes) / max(windowRows, 1),
 		"relay_cpu_ms_per_1k":   1000 * 1000 * (cpu1 - cpu0) / max(windowRows, 1),
+		// The relay's batches over the window: how full, and how long each
+		// took (a claim-publish-mark transaction; streaming, a publish).
+		"relay_batch_rows_mean": batches.rows / max(batches.n, 1),
+		"relay_batch_ms_mean":   1000 * batches.seconds / max(batches.durations, 1),
 	}, nil
+}
+
+// batchStats are a relay's batch counters: batches, the rows in them, and
+// the timed batches with their total duration.
+type batchStats struct{ n, rows, durations, seconds float64 }
+
+func (b batchStats) minus(a batchStats) batchStats {
+	return batchStats{b.n - a.n, b.rows - a.rows, b.durations - a.durations, b.seconds - a.seconds}
+}
+
+// relayBatches scrapes a relay's batch counters (zero when it cannot).
+func relayBatches(p *devproc.Proc) batchStats {
+	var b batchStats
+	b.n, _ = scrape(p, "outbox_relay_batch_size_rows_count")
+	b.rows, _ = scrape(p, "outbox_relay_batch_size_rows_sum")
+	b.durations, _ = scrape(p, "outbox_relay_batch_duration_seconds_count")
+	b.seconds, _ = scrape(p, "outbox_relay_batch_duration_seconds_sum")
+	return b
 }
 
 // insertSQL stores one row in its own transaction, as a service does; with

@@ -69,6 +69,8 @@ type options struct {
 	autoscaleMax      int
 	autoscaleInterval time.Duration
 	autoscaleDown     time.Duration
+	// The capture modes compared (scenario capture-modes), by name.
+	captureModes []string
 }
 
 var allScenarios = []string{scCeiling, scDrain, scNaive, scScaling, scRetention, scCompression, scHeaders, scPruning, scLongLived,
@@ -131,6 +133,8 @@ func parseFlags(args []string) (*options, error) {
 	fs.IntVar(&o.autoscaleMax, "autoscale-max", 4, "spec.autoscaling.maxReplicas of the autoscaled relay (its minReplicas is 0)")
 	fs.DurationVar(&o.autoscaleInterval, "autoscale-interval", controllers.DefaultBacklogInterval, "spec.backlog.interval of both relays in the autoscale scenario")
 	fs.DurationVar(&o.autoscaleDown, "autoscale-scale-down", 30*time.Second, "spec.autoscaling.scaleDownStabilization of the autoscaled relay")
+	var modes string
+	fs.StringVar(&modes, "capture-modes", "", "the capture modes the capture-modes scenario compares, by name, separated by semicolons (default all: "+strings.Join(captureModeNames(), "; ")+")")
 	fs.StringVar(&o.outMD, "out-md", "", "Markdown report (default docs/benchmarks.md; quick: bench/quick.md)")
 	fs.StringVar(&o.outJSON, "out-json", "", "JSON results (default bench/results.json; quick: bench/quick-results.json)")
 	fs.StringVar(&o.profileDir, "profile-dir", "bench/profiles", "where the relay's pprof profiles go")
@@ -142,6 +146,15 @@ func parseFlags(args []string) (*options, error) {
 		return nil, err
 	}
 	o.scenarios = splitList(scenarios)
+	if modes != "" {
+		for _, m := range strings.Split(modes, ";") {
+			m = strings.TrimSpace(m)
+			if !slices.Contains(captureModeNames(), m) {
+				return nil, fmt.Errorf("-capture-modes: unknown mode %q (want some of %s)", m, strings.Join(captureModeNames(), "; "))
+			}
+			o.captureModes = append(o.captureModes, m)
+		}
+	}
 	for _, s := range o.scenarios {
 		if !slices.Contains(allScenarios, s) {
 			return nil, fmt.Errorf("-scenarios: unknown scenario %q (want some of %s)", s, strings.Join(allScenarios, ","))

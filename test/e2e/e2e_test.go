@@ -831,7 +831,7 @@ func TestLogicalReplicationOnTheNode(t *testing.T) {
 			EXECUTE format('ALTER ROLE %I REPLICATION', r);
 			EXECUTE format('GRANT INSERT ON outbox TO %I', r); -- writer deletes put rows back
 		END LOOP; END $$;
-		CREATE PUBLICATION `+slot+` FOR TABLE outbox WITH (publish = 'insert')`))
+		CREATE PUBLICATION `+slot+` FOR TABLE outbox WITH (publish = 'insert, delete')`))
 	dir := manifests(t, func(name string, b []byte) []byte {
 		if name != "outbox_v1alpha1_outboxrelay.yaml" {
 			return b
