@@ -288,7 +288,13 @@ func (r *Relay) stream(ctx context.Context) error {
 				return err
 			}
 		}
-		deadline := minTime(s.nextSweep, s.nextStatus, s.nextCheck, now.Add(time.Second)) // held rows come due
+		deadline := minTime(s.nextStatus, s.nextCheck, now.Add(time.Second)) // held rows come due
+		if len(s.pending) == 0 && !s.inTx {
+			// Only then does the sweep run (above): while a transaction is
+			// open, a sweep that is due must not end the wait at once, or
+			// the loop would spin without ever reading the transaction's end.
+			deadline = minTime(deadline, s.nextSweep)
+		}
 		if len(s.pending) > 0 {
 			// The linger runs from the first pending commit, not from the
 			// last message: rows arriving steadily (one a millisecond at
