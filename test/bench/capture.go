@@ -117,6 +117,54 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 	for name, rs := range ratios {
 		rep.Ratios["writers with "+name+" / no relay"] = ratioResult{Median: median(rs), Rounds: rs}
 	}
+	return captureDrains(ctx, o, e, rep)
+}
+
+// captureDrainBatch is the batch size the capture modes drain a backlog at.
+const captureDrainBatch = 500
+
+// captureDrains drains o.rows rows at batch 500 in each mode, in
+// alternating rounds: polling from the table; streaming, from a slot
+// whose WAL holds the rows after the relay was down (they are in the
+// table too, where the relay's sweep finds them); with writer deletes,
+// from the slot's WAL alone. The rate is the relay's counter's, the same
+// for all; "caught_up_s" is how long until the slot was confirmed past
+// the rows (new rows wait behind them until then).
+func captureDrains(ctx context.Context, o *options, e *benchEnv, rep *report) error {
+	var modes []captureMode
+	for _, m := range o.chosenCaptureModes() {
+		if !m.latencyOnly && !m.notify && !slices.Contains(m.args, flagArg(relayconfig.FlagBatchSize, captureDrainBatch)) {
+			modes = append(modes, m)
+		}
+	}
+	results := map[string][]map[string]float64{}
+	ratios := map[string][]float64{}
+	for range o.reps {
+		var poll float64
+		for _, m := range modes {
+			streams := slices.Contains(m.args, flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication))
+			res, err := relayDrainWith(ctx, o, e, drainSetup{fromSlot: streams, writerDeletes: writerDeletes(m.args)}, captureDrainBatch, 1, "", m.args...)
+			if err != nil {
+				return fmt.Errorf("drain with %s: %w", m.name, err)
+			}
+			if err := e.dropSlots(ctx); err != nil {
+				return err
+			}
+			logf("capture drain %s: %.0f events/s (caught up after %.1f s)", m.name, res["counter_events_per_s"], res["caught_up_s"])
+			results[m.name] = append(results[m.name], res)
+			if m.name == "poll" {
+				poll = res["counter_events_per_s"]
+			} else if poll > 0 {
+				ratios[m.name] = append(ratios[m.name], res["counter_events_per_s"]/poll)
+			}
+		}
+	}
+	for _, m := range modes {
+		rep.add(scCaptureDrain, "drain "+m.name, map[string]any{"mode": m.name, "batch": captureDrainBatch, "rows": o.rows}, results[m.name])
+	}
+	for name, rs := range ratios {
+		rep.Ratios[fmt.Sprintf("drain at batch %d, %s / poll", captureDrainBatch, name)] = ratioResult{Median: median(rs), Rounds: rs}
+	}
 	return nil
 }
 

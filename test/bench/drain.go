@@ -16,6 +16,7 @@ import (
 	"github.com/outbox-relay/outbox-operator/relay"
 	"github.com/outbox-relay/outbox-operator/relayconfig"
 	"github.com/outbox-relay/outbox-operator/test/devproc"
+	"github.com/outbox-relay/outbox-operator/test/outboxtest"
 )
 
 // ceilingSQL is the relay's own claim and mark (relay/sql.go): the ceiling
@@ -134,12 +135,21 @@ type drainSetup struct {
 	headers   bool
 	// env is added to each relay's environment.
 	env []string
+	// fromSlot: the rows wait in the WAL of the table's replication slot,
+	// made by a streaming relay that then stopped, as after an outage
+	// (the relays stream, extra says how); with writerDeletes they are in
+	// no table, each deleted in the transaction that inserted it.
+	fromSlot, writerDeletes bool
 }
 
 // relayDrainWith is relayDrain on the table and with the environment d
 // says; with published rows it also returns the rows pruned ("pruned").
 func relayDrainWith(ctx context.Context, o *options, e *benchEnv, d drainSetup, batch, replicas int, ordering string, extra ...string) (map[string]float64, error) {
-	if err := e.fillTable(ctx, tableFill{rows: o.rows, published: d.published, headers: d.headers}); err != nil {
+	fill := tableFill{rows: o.rows, published: d.published, headers: d.headers}
+	if d.fromSlot {
+		fill.rows = 0
+	}
+	if err := e.fillTable(ctx, fill); err != nil {
 		return nil, err
 	}
 	topic, err := e.newTopic(o, fmt.Sprintf("drain-b%d-r%d", batch, replicas))
@@ -147,6 +157,12 @@ func relayDrainWith(ctx context.Context, o *options, e *benchEnv, d drainSetup, 
 		return nil, err
 	}
 	defer e.deleteTopic(topic)
+	var walEnd string // the WAL position after the rows, with fromSlot
+	if d.fromSlot {
+		if walEnd, err = e.slotBacklog(ctx, o, topic, d.writerDeletes, extra...); err != nil {
+			return nil, err
+		}
+	}
 	var procs []*devproc.Proc
 	defer func() {
 		for _, p := range procs {
@@ -245,7 +261,26 @@ func relayDrainWith(ctx context.Context, o *options, e *benchEnv, d drainSetup, 
 	if d.published > 0 {
 		m["pruned"] = pruned
 	}
-	if slices.Contains(extra, flagArg(relayconfig.FlagOnPublish, relayconfig.OnPublishDelete)) {
+	if d.fromSlot {
+		// Every row is out; the stream may still be reading their inserts
+		// (a sweep published them first): until the slot is confirmed
+		// past them, new rows wait behind.
+		for {
+			var caughtUp bool
+			if err := e.pool.QueryRow(ctx, `SELECT COALESCE(bool_and(confirmed_flush_lsn >= $1::pg_lsn), false) FROM pg_replication_slots`, walEnd).Scan(&caughtUp); err != nil {
+				return nil, err
+			}
+			if caughtUp {
+				break
+			}
+			if time.Now().After(deadline) {
+				return nil, fmt.Errorf("the slot was not confirmed past the rows after %s", o.drainTimeout)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		m["caught_up_s"] = time.Since(firstSeen).Seconds()
+	}
+	if d.writerDeletes || slices.Contains(extra, flagArg(relayconfig.FlagOnPublish, relayconfig.OnPublishDelete)) {
 		if left, err := e.unpublished(ctx); err != nil || left != 0 {
 			return nil, fmt.Errorf("%d rows left after a delete drain: %v", left, err)
 		}
@@ -339,4 +374,36 @@ func warmUp(ctx context.Context, o *options, e *benchEnv) error {
 	wo.rows = n
 	_, err := relayDrain(ctx, &wo, e, 50, 1, "")
 	return err
+}
+
+// slotBacklog makes the table's replication slot with a relay that streams
+// (extra), stops it, and writes o.rows rows, a thousand a transaction,
+// into the WAL behind the slot (with writerDeletes each transaction
+// deletes its rows, as writers with writer deletes do). It returns the
+// WAL position after them.
+func (e *benchEnv) slotBacklog(ctx context.Context, o *options, topic string, writerDeletes bool, extra ...string) (string, error) {
+	p, err := e.readyRelay(ctx, topic, false, extra...)
+	if err != nil {
+		return "", err
+	}
+	stopRelay(p)
+	const perTx = 1000
+	for done := 0; done < o.rows; done += perTx {
+		err := pgx.BeginFunc(ctx, e.pool, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, outboxtest.InsertRowsSQL, min(perTx, o.rows-done), 1000, []string{eventType}); err != nil {
+				return err
+			}
+			if writerDeletes {
+				_, err := tx.Exec(ctx, `DELETE FROM outbox`)
+				return err
+			}
+			return nil
+		})
+		if err != nil {
+			return "", fmt.Errorf("write the slot's backlog: %w", err)
+		}
+	}
+	var end string
+	err = e.pool.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&end)
+	return end, err
 }

@@ -78,25 +78,26 @@ var allScenarios = []string{scCeiling, scDrain, scNaive, scScaling, scRetention,
 
 // The scenarios, each named for what it measures.
 const (
-	scCeiling     = "claim-ceiling"       // PostgreSQL claim and mark alone, no Kafka: the ceiling any relay meets
-	scDrain       = "drain"               // one relay process draining a pre-inserted backlog, per ordering and batch size
-	scNaive       = "naive-per-row"       // a hand-written relay: claim through the pool, one WriteMessages and one UPDATE per row
-	scScaling     = "replica-scaling"     // replicas draining one table together
-	scRetention   = "mark-or-delete"      // marking published rows against deleting them
-	scCompression = "compression"         // one relay draining with each produce codec
-	scHeaders     = "headers-and-tracing" // a headers column and tracing, off and on
-	scPruning     = "pruning-cost"        // what pruning published rows costs the relay and the writers
-	scLongLived   = "long-transaction"    // a long drain while writers insert and an old transaction holds back vacuum
-	scLatency     = "latency"             // end-to-end latency at steady insert rates
-	scWriters     = "notify-cost"         // what a notification per transaction costs the writers
-	scCapture     = "capture-modes"       // polling, polling with the wake-up, and logical replication side by side
-	scCaptureIdle = "capture-modes-idle"  // the same modes with nothing to publish (run by capture-modes)
-	scIdle        = "idle-cost"           // what an idle relay costs the database per poll interval
-	scBacklog     = "backlog-read"        // the operator's backlog read at growing backlogs
-	scBreakdown   = "batch-time"          // where a batch's time goes
-	scProfile     = "cpu-profile"         // a CPU profile of the relay at batch 500
-	scFootprint   = "operator-fleet"      // the operator reconciling a thousand OutboxRelays
-	scAutoscale   = "autoscale"           // a burst drained by a fixed relay and by an autoscaled one
+	scCeiling      = "claim-ceiling"       // PostgreSQL claim and mark alone, no Kafka: the ceiling any relay meets
+	scDrain        = "drain"               // one relay process draining a pre-inserted backlog, per ordering and batch size
+	scNaive        = "naive-per-row"       // a hand-written relay: claim through the pool, one WriteMessages and one UPDATE per row
+	scScaling      = "replica-scaling"     // replicas draining one table together
+	scRetention    = "mark-or-delete"      // marking published rows against deleting them
+	scCompression  = "compression"         // one relay draining with each produce codec
+	scHeaders      = "headers-and-tracing" // a headers column and tracing, off and on
+	scPruning      = "pruning-cost"        // what pruning published rows costs the relay and the writers
+	scLongLived    = "long-transaction"    // a long drain while writers insert and an old transaction holds back vacuum
+	scLatency      = "latency"             // end-to-end latency at steady insert rates
+	scWriters      = "notify-cost"         // what a notification per transaction costs the writers
+	scCapture      = "capture-modes"       // polling, polling with the wake-up, and logical replication side by side
+	scCaptureIdle  = "capture-modes-idle"  // the same modes with nothing to publish (run by capture-modes)
+	scCaptureDrain = "capture-modes-drain" // the same modes draining a backlog at batch 500 (run by capture-modes)
+	scIdle         = "idle-cost"           // what an idle relay costs the database per poll interval
+	scBacklog      = "backlog-read"        // the operator's backlog read at growing backlogs
+	scBreakdown    = "batch-time"          // where a batch's time goes
+	scProfile      = "cpu-profile"         // a CPU profile of the relay at batch 500
+	scFootprint    = "operator-fleet"      // the operator reconciling a thousand OutboxRelays
+	scAutoscale    = "autoscale"           // a burst drained by a fixed relay and by an autoscaled one
 )
 
 // quickScenarios are the scenarios of -quick: all but those that need

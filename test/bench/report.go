@@ -450,6 +450,15 @@ func (r *report) tables() string {
 		func(x *result) string {
 			return fmt.Sprintf("| %v | %.1f | %.1f |", x.Params["mode"], x.Median["db_xacts_per_s"], x.Median["relay_cpu_millicores"])
 		})
+	section(scCaptureDrain, fmt.Sprintf("The capture modes draining a backlog (%d rows, one relay at batch %d): polling from the table; logical replication from the slot's WAL after the relay was down (the rows are in the table too); writer deletes from the slot's WAL alone. Events/s by the relay's counter; caught up: until the slot was confirmed past the rows", r.Rows, captureDrainBatch),
+		"| mode | events/s (median) | caught up after (s) | CPU s / 10k events | repetitions (events/s) |\n| --- | ---: | ---: | ---: | --- |",
+		func(x *result) string {
+			caught := "–"
+			if v, ok := x.Median["caught_up_s"]; ok {
+				caught = fmt.Sprintf("%.1f", v)
+			}
+			return fmt.Sprintf("| %v | %.0f | %s | %.2f | %s |", x.Params["mode"], x.Median["counter_events_per_s"], caught, x.Median["cpu_s_per_10k"], reps(x, "counter_events_per_s", "%.0f"))
+		})
 	section(scFootprint, fmt.Sprintf("6. Footprint: a fleet of OutboxRelays in %d namespaces (one database user each), each on an outbox table of its own with %d waiting rows in one real PostgreSQL database, reconciled in envtest; the steady window follows all Ready (defaults: %s backlog interval, %d connections per database, Secrets read every %s)",
 		fleetNamespaces, fleetRows, controllers.DefaultBacklogInterval, controllers.DefaultConnsPerDatabase, controllers.DefaultSecretRefreshInterval),
 		"| OutboxRelays | created in s | all Ready, backlogs read, in s | manager CPU s until then | manager RSS MiB | peak RSS MiB | steady millicores | database connections, peak / steady | database ms/s (steady) | Secret GETs/s (steady) | API writes/s (steady) | API reads/s (steady) |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

@@ -83,14 +83,18 @@ func (f *Fixture) Insert(n, keys int, eventTypes ...string) {
 	require.NoError(f.T, InsertRows(context.Background(), f.Pool, n, keys, eventTypes...))
 }
 
-// InsertRows adds n rows to the outbox table, cycling through eventTypes
-// and keys distinct partition keys, with ~300-byte JSON payloads.
-func InsertRows(ctx context.Context, db *pgxpool.Pool, n, keys int, eventTypes ...string) error {
-	_, err := db.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+// InsertRowsSQL inserts InsertRows' rows: $1 rows over $2 keys, their
+// types taken in turn from $3.
+const InsertRowsSQL = `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 SELECT gen_random_uuid(), 'Order', 'order-' || (g % $2), ($3::text[])[1 + g % cardinality($3::text[])],
        jsonb_build_object('seq', g, 'order_id', 'order-' || (g % $2), 'pad', repeat('x', 240)),
        'order-' || (g % $2)
-FROM generate_series(1, $1) g`, n, keys, eventTypes)
+FROM generate_series(1, $1) g`
+
+// InsertRows adds n rows to the outbox table, cycling through eventTypes
+// and keys distinct partition keys, with ~300-byte JSON payloads.
+func InsertRows(ctx context.Context, db *pgxpool.Pool, n, keys int, eventTypes ...string) error {
+	_, err := db.Exec(ctx, InsertRowsSQL, n, keys, eventTypes)
 	if err != nil {
 		return fmt.Errorf("insert %d outbox rows: %w", n, err)
 	}
