@@ -280,3 +280,21 @@ func TestLogicalReplicationLingerRunsFromTheFirstRow(t *testing.T) {
 	t.Logf("%d rows in %.0f batches", inserted, batches)
 	require.Less(t, rows/batches, 150.0, "%d rows in %.0f batches: batches of 1,000 waited to fill", inserted, batches)
 }
+
+// A sweep that comes due while the stream is in the middle of a
+// transaction waits for the transaction's end: the loop must go on reading
+// it. (It once ended each wait at once instead, spinning without reading,
+// so the stream stopped for good while the relay looked busy.) Sweeps due
+// every millisecond and transactions of hundreds of rows make that moment
+// come many times.
+func TestLogicalReplicationSweepDueMidTransactionWaitsForIt(t *testing.T) {
+	t.Parallel()
+	f, cfg := captureFixture(t, 1, "E")
+	cfg.FullRescanInterval = time.Millisecond
+	startStreaming(t, cfg)
+	for range 10 {
+		f.Insert(300, 7, "E") // one transaction each
+	}
+	f.WaitDrained(0, 30*time.Second)
+	requireSlotConfirmedPastNow(t, f)
+}
