@@ -49,9 +49,11 @@ const (
 	// position to the server when nothing else makes it (the server
 	// drops a silent client after wal_sender_timeout, 60 s by default).
 	statusInterval = 10 * time.Second
-	// streamLinger is how long the stream waits for more committed rows
-	// before it publishes a short batch.
-	streamLinger = time.Millisecond
+	// streamGap is how long the stream waits for the next message before
+	// it publishes a short batch: rows that come in a burst go together.
+	// While messages keep coming the first waiting row waits at most
+	// Settings.Linger.
+	streamGap = time.Millisecond
 	// slotCheckInterval is how often the streaming replica reads its
 	// slot's retained WAL.
 	slotCheckInterval = 5 * time.Second
@@ -296,11 +298,13 @@ func (r *Relay) stream(ctx context.Context) error {
 			deadline = minTime(deadline, s.nextSweep)
 		}
 		if len(s.pending) > 0 {
-			// The linger runs from the first pending commit, not from the
-			// last message: rows arriving steadily (one a millisecond at
-			// 1,000 events/s) would otherwise wait for a full batch.
-			deadline = s.pendSince.Add(streamLinger)
-			if !now.Before(deadline) {
+			// A pause in the stream ends the wait, and so does the linger,
+			// from the first waiting row: rows arriving steadily (one a
+			// millisecond at 1,000 events/s) would otherwise wait for a
+			// full batch, and at high rates the batches grow to what
+			// arrives while the last one was published.
+			deadline = minTime(now.Add(streamGap), s.pendSince.Add(s.r.cfg.Linger))
+			if !now.Before(s.pendSince.Add(s.r.cfg.Linger)) {
 				if err := s.flush(ctx); err != nil {
 					return err
 				}

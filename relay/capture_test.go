@@ -11,6 +11,7 @@ import (
 
 	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relay"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 	"github.com/outbox-relay/outbox-operator/test/outboxtest"
 	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
@@ -245,11 +246,13 @@ func TestLogicalReplicationHoldingARowIsNotAStall(t *testing.T) {
 // The stream's linger runs from the first row waiting, not from the last
 // message: rows committed steadily, a message every fraction of a
 // millisecond, go out in small batches instead of waiting for a full one.
+// (The stream pauses too rarely for its pauses to end the wait.)
 func TestLogicalReplicationLingerRunsFromTheFirstRow(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f, cfg := captureFixture(t, 1, "E")
 	cfg.BatchSize = 1000
+	cfg.Linger = relayconfig.MinLinger
 	x := startStreaming(t, cfg)
 	before, beforeRows, err := outboxtest.ReadMetric(x.Reg, "outbox_relay_batch_size_rows")
 	require.NoError(t, err)

@@ -367,8 +367,9 @@ type Settings struct {
 	// but did not fill its batch, so the rows still arriving go out
 	// together: longer lingers mean fewer, fuller batches (less CPU and
 	// fewer database transactions per event) and up to that much more
-	// latency. At most PollInterval takes effect. Polling only: a
-	// streaming relay publishes as soon as the stream pauses.
+	// latency. At most PollInterval takes effect. A streaming relay
+	// publishes when the stream pauses, and at the latest once the first
+	// waiting row has waited Linger.
 	Linger time.Duration
 	// PublishTimeout bounds one batch's publish to Kafka.
 	PublishTimeout time.Duration
@@ -724,7 +725,7 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.IntVar(&s.BatchSize, FlagBatchSize, DefaultBatchSize, fmt.Sprintf("most rows claimed per transaction (%d..%d)", MinBatchSize, MaxBatchSize))
 	fs.IntVar(&s.MaxBatchBytes, FlagMaxBatchBytes, DefaultMaxBatchBytes, fmt.Sprintf("most payload and headers bytes claimed per transaction; a larger row is claimed alone (%d..%d)", MinMaxBatchBytes, MaxMaxBatchBytes))
 	fs.DurationVar(&s.PollInterval, FlagPollInterval, DefaultPollInterval, fmt.Sprintf("longest sleep between claims, reached by claims that find nothing (%s..%s)", MinPollInterval, MaxPollInterval))
-	fs.DurationVar(&s.Linger, FlagLinger, DefaultLinger, fmt.Sprintf("wait after a claim that found rows but did not fill its batch: longer means fuller batches, less CPU and fewer transactions per event, more latency; at most --%s (%s..%s)", FlagPollInterval, MinLinger, MaxLinger))
+	fs.DurationVar(&s.Linger, FlagLinger, DefaultLinger, fmt.Sprintf("wait after a claim that found rows but did not fill its batch (streaming: the longest the first waiting row waits for more): longer means fuller batches, less CPU and fewer transactions per event, more latency; at most --%s (%s..%s)", FlagPollInterval, MinLinger, MaxLinger))
 	fs.DurationVar(&s.PublishTimeout, FlagPublishTimeout, DefaultPublishTimeout, fmt.Sprintf("deadline of one batch's publish (%s..%s)", MinPublishTimeout, MaxPublishTimeout))
 	fs.DurationVar(&s.StallTimeout, FlagStallTimeout, DefaultStallTimeout, fmt.Sprintf("/readyz fails when no batch completes, or rows wait and none is published, for this long (%s..%s)", MinStallTimeout, MaxStallTimeout))
 	fs.IntVar(&s.MaxInFlight, FlagMaxInFlight, DefaultMaxInFlight, fmt.Sprintf("batches in flight at once: 2 claims and publishes the next batch while one commits, with ordering none (%d..%d)", MinMaxInFlight, MaxMaxInFlight))

@@ -544,6 +544,8 @@ type OutboxRelaySpec struct {
 	// rows but did not fill its batch, so the rows still arriving go out
 	// together: longer means fewer, fuller batches (less CPU and fewer
 	// database transactions per event) and up to that much more latency.
+	// With logical replication it is the longest the first streamed row
+	// waits for more while rows keep arriving.
 	// A Go duration between 1ms and 1s; at most pollInterval takes effect.
 	// Default: 5ms.
 	// +kubebuilder:default="5ms"
