@@ -158,6 +158,24 @@ func DeleteOnStoreCondition(slotParam string) string {
           AND s.confirmed_flush_lsn IS NOT NULL AND a.application_name = '` + WriterDeletesRelay + `')`
 }
 
+// DeletesOnStore reports whether a writer with WithDeleteOnStore, connected
+// as db is, would delete the rows it stores in table now
+// (DeleteOnStoreCondition on the table's slot in the connected database). A
+// relay's replication session connects before it takes the slot, so a test
+// or a readiness check that waits for writer deletes waits on this, not on
+// the session.
+func DeletesOnStore(ctx context.Context, db interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}, table Table) (bool, error) {
+	var database string
+	if err := db.QueryRow(ctx, `SELECT current_database()`).Scan(&database); err != nil {
+		return false, err
+	}
+	var on bool
+	err := db.QueryRow(ctx, `SELECT `+DeleteOnStoreCondition("$1"), SlotName(database, table)).Scan(&on)
+	return on, err
+}
+
 // NewWriter returns a Writer for table ("outbox" or "schema.outbox"); the
 // name is validated and quoted.
 func NewWriter(table string, opts ...WriterOption) (*Writer, error) {

@@ -200,6 +200,37 @@ func TestWriterDeletesNamesTheMissingInsert(t *testing.T) {
 	require.ErrorContains(t, r.Check(ctx), `grant it with: GRANT INSERT ON "outbox" TO "`+role+`"`)
 }
 
+// A relay run with writer deletes needs the table's publication to publish
+// deletes (a relay run later without them puts back what the writers
+// deleted); when it may not alter a publication of inserts alone, it
+// refuses to start and names the ALTER PUBLICATION its owner runs.
+func TestWriterDeletesNamesThePublicationAlter(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg, _ := writerDeletesFixture(t, "E")
+	var db string
+	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db))
+	pub := outbox.SlotName(db, outbox.Table{Name: "outbox"})
+	f.Exec(`CREATE PUBLICATION ` + pub + ` FOR TABLE outbox WITH (publish = 'insert')`)
+	role := fmt.Sprintf("notowner_%d", time.Now().UnixNano()%1e9)
+	f.Exec(`CREATE ROLE ` + role + ` LOGIN REPLICATION; GRANT SELECT, INSERT, UPDATE ON outbox TO ` + role + `; GRANT ALL ON outbox_held TO ` + role)
+	t.Cleanup(func() { _, _ = f.Pool.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE `+role) })
+	cfg.DSN = strings.Replace(f.DSN, "postgres@", role+"@", 1) // the test cluster trusts local connections
+	r, err := relay.New(cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.Close() })
+	require.ErrorContains(t, r.Check(ctx), `as its owner, run: ALTER PUBLICATION "`+pub+`" SET (publish = 'insert, delete')`)
+
+	// Without writer deletes the same role starts, and the publication is
+	// left as it was.
+	cfg.WriterDeletes = false
+	claiming, err := relay.New(cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = claiming.Close() })
+	require.NoError(t, claiming.Check(ctx))
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM pg_publication WHERE pubname = $1 AND NOT pubdelete`, pub))
+}
+
 // A writer with outbox.WithDeleteOnStore deletes its row only while a relay
 // with writer deletes streams: with no relay, or with one that claims the
 // streamed rows from the table (it would find a deleted row gone and move
@@ -214,6 +245,12 @@ func TestWriterDeletesOnlyWhileSuchARelayStreams(t *testing.T) {
 	before := entry("E", 1)
 	store(before)
 	require.Equal(t, 1, inTable(before), "no relay: kept")
+	deletesOnStore := func() bool {
+		on, err := outbox.DeletesOnStore(context.Background(), f.Pool, outbox.Table{Name: "outbox"})
+		require.NoError(t, err)
+		return on
+	}
+	require.False(t, deletesOnStore())
 
 	claiming := cfg
 	claiming.WriterDeletes = false
@@ -221,13 +258,14 @@ func TestWriterDeletesOnlyWhileSuchARelayStreams(t *testing.T) {
 	during := entry("E", 2)
 	store(during)
 	require.Equal(t, 1, inTable(during), "a relay that claims from the table streams: kept")
+	require.False(t, deletesOnStore())
 	f.WaitDrained(0, 30*time.Second) // both published from the table
 	x.Stop(t)
 
 	startStreaming(t, cfg)
 	require.Eventually(t, func() bool {
-		return f.Count(`SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND datname = current_database()`, outbox.WriterDeletesRelay) == 1
-	}, 10*time.Second, 20*time.Millisecond, "the relay's replication session names itself")
+		return deletesOnStore()
+	}, 10*time.Second, 20*time.Millisecond, "the relay streams from the slot with writer deletes")
 	after := entry("E", 3)
 	store(after)
 	require.Zero(t, inTable(after), "a relay with writer deletes streams: deleted at commit")

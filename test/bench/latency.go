@@ -499,9 +499,7 @@ func (e *benchEnv) readyRelay(ctx context.Context, topic string, notify bool, ex
 	if writerDeletes(extra) {
 		// Writers delete only while the relay streams (outbox.DeleteOnStoreCondition).
 		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-			var n int
-			if err := e.pool.QueryRow(ctx, `SELECT count(*) FROM pg_replication_slots s JOIN pg_stat_activity a ON a.pid = s.active_pid
-				WHERE a.application_name = $1 AND s.confirmed_flush_lsn IS NOT NULL`, outbox.WriterDeletesRelay).Scan(&n); err == nil && n > 0 {
+			if on, err := outbox.DeletesOnStore(ctx, e.pool, outbox.Table{Name: "outbox"}); err == nil && on {
 				break
 			}
 			if time.Now().After(deadline) {

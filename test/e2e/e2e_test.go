@@ -868,11 +868,13 @@ func TestLogicalReplicationOnTheNode(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(db.Close)
 	// The writer deletes only while a relay with writer deletes streams
-	// (outbox.DeleteOnStoreCondition): wait for the new pod to.
+	// (outbox.DeleteOnStoreCondition): wait for the new pod to. Its session
+	// may connect before the old pod's has let the slot go, so wait on the
+	// writers' own condition, not on the session.
 	require.Eventually(t, func() bool {
-		var n int
-		return db.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1`, outbox.WriterDeletesRelay).Scan(&n) == nil && n == 1
-	}, 3*time.Minute, time.Second, "a pod of the new template streams")
+		on, err := outbox.DeletesOnStore(ctx, db, outbox.Table{Name: "outbox"})
+		return err == nil && on
+	}, 3*time.Minute, time.Second, "a pod of the new template streams from the slot")
 	col := newCollector(stack.Kafka)
 	t.Cleanup(col.close)
 	col.watch(t, confirmed)
