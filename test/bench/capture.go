@@ -51,8 +51,8 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 			if err := e.dropSlots(ctx); err != nil {
 				return err
 			}
-			logf("capture %s at %d/s: p50 %.1f ms, p99 %.1f ms, relay CPU %.3f cores, relay xacts/1k events %.0f, WAL %.0f B/event",
-				m.name, rate, res["p50_ms"], res["p99_ms"], res["relay_cpu_cores"], res["db_relay_xacts_per_1k"], res["wal_bytes_per_event"])
+			logf("capture %s at %d/s: p50 %.1f ms, p99 %.1f ms, relay CPU %.3f cores, relay claims/1k events %.0f, WAL %.0f B/event",
+				m.name, rate, res["p50_ms"], res["p99_ms"], res["relay_cpu_cores"], res["relay_claims_per_1k"], res["wal_bytes_per_event"])
 			rep.add(scCapture, fmt.Sprintf("latency rate=%d %s", rate, m.name),
 				map[string]any{"kind": "latency", "mode": m.name, "rate": rate, "duration_s": o.latencyFor.Seconds(), "producers": o.producers},
 				[]map[string]float64{res})
@@ -62,7 +62,7 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 			if byMode[name] == nil || byMode[pollFixed] == nil {
 				continue
 			}
-			for _, k := range []struct{ key, what string }{{"relay_cpu_ms_per_1k", "relay CPU per event"}, {"db_relay_xacts_per_1k", "relay transactions per event"}} {
+			for _, k := range []struct{ key, what string }{{"relay_cpu_ms_per_1k", "relay CPU per event"}, {"relay_claims_per_1k", "relay claim transactions per event"}} {
 				r := byMode[name][k.key] / byMode[pollFixed][k.key]
 				rep.Ratios[fmt.Sprintf("%s at %d/s, %s / %s", k.what, rate, name, pollFixed)] = ratioResult{Median: r, Rounds: []float64{r}}
 			}
