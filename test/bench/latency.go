@@ -357,8 +357,8 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 		// transaction counter is flushed by each session about once a
 		// second, a thousand writer transactions behind at 1,000 events/s.
 		"relay_claims_per_1k": 1000 * batches.claims / max(windowRows, 1),
-		"wal_bytes_per_event":   float64(db1.walBytes-db0.walBytes) / max(windowRows, 1),
-		"relay_cpu_ms_per_1k":   1000 * 1000 * (cpu1 - cpu0) / max(windowRows, 1),
+		"wal_bytes_per_event": float64(db1.walBytes-db0.walBytes) / max(windowRows, 1),
+		"relay_cpu_ms_per_1k": 1000 * 1000 * (cpu1 - cpu0) / max(windowRows, 1),
 		// The relay's batches over the window: how full, and how long each
 		// took (a claim-publish-mark transaction; streaming, a publish).
 		"relay_batch_rows_mean": batches.rows / max(batches.n, 1),
