@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -336,4 +337,61 @@ func TestLogicalReplicationPublishesRowsTheirWritersDeleted(t *testing.T) {
 	f.WaitDrained(0, 30*time.Second)
 	require.Zero(t, f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1`, want[1].EventID), "not put back")
 	requireSlotConfirmedPastNow(t, f)
+}
+
+// The statements docs/migrating-from-debezium.md gives writers in other
+// languages: its delete is the Go writer's (outbox.DeleteOnStoreCondition),
+// and with a relay streaming with writer deletes the row is gone at commit
+// and its event reaches Kafka with the row's headers (the guide's `id`
+// header for consumers that de-duplicated by Debezium's).
+func TestDebeziumGuideWriterSQL(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	doc, err := os.ReadFile("../docs/migrating-from-debezium.md")
+	require.NoError(t, err)
+	_, block, ok := strings.Cut(string(doc), "<!-- writer-sql")
+	require.True(t, ok, "the guide marks its writer statements")
+	_, block, ok = strings.Cut(block, "```sql\n")
+	require.True(t, ok)
+	block, _, ok = strings.Cut(block, "```")
+	require.True(t, ok)
+	var stmts []string
+	for _, s := range strings.Split(block, ";") {
+		if s = strings.Join(strings.Fields(s), " "); s != "" {
+			stmts = append(stmts, s)
+		}
+	}
+	require.Len(t, stmts, 2, "an insert and a delete")
+	insert, del := stmts[0], stmts[1]
+	require.Equal(t, strings.Join(strings.Fields(`DELETE FROM outbox WHERE event_id = $1 AND `+outbox.DeleteOnStoreCondition("$2")), " "), del,
+		"the guide's delete is the Go writer's")
+
+	f, cfg, _ := writerDeletesFixture(t, "E")
+	startStreaming(t, cfg)
+	require.Eventually(t, func() bool {
+		on, err := outbox.DeletesOnStore(ctx, f.Pool, outbox.Table{Name: "outbox"})
+		return err == nil && on
+	}, 10*time.Second, 20*time.Millisecond, "the relay streams with writer deletes")
+	var db string
+	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db))
+	slot := outbox.SlotName(db, outbox.Table{Name: "outbox"})
+	id := outbox.NewEventID()
+	require.NoError(t, pgx.BeginFunc(ctx, f.Pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, insert, id, "Order", "o1", "E", `{"total": 42}`, "o1", `{"id": "`+id+`"}`); err != nil {
+			return err
+		}
+		tag, err := tx.Exec(ctx, del, id, slot)
+		if err == nil && tag.RowsAffected() != 1 {
+			err = fmt.Errorf("the delete removed %d rows", tag.RowsAffected())
+		}
+		return err
+	}))
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox`), "the row is gone at commit")
+	msgs := testenv.Broker().Consume(t, f.Topics["E"], 1, 30*time.Second)
+	require.Len(t, msgs, 1)
+	m := msgs[0]
+	require.Equal(t, id, header(m, relay.HeaderEventID))
+	require.Equal(t, id, header(m, "id"), "the row's own header")
+	require.Equal(t, "o1", string(m.Key))
+	require.JSONEq(t, `{"total": 42}`, string(m.Value))
 }
