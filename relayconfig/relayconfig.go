@@ -173,7 +173,7 @@ type RecordTimestamp string
 
 const (
 	// RecordTimestampCreatedAt: the row's created_at, when the event
-	// happened (as Debezium's outbox router does).
+	// happened.
 	RecordTimestampCreatedAt RecordTimestamp = "created-at"
 	// RecordTimestampPublish: when the relay publishes it.
 	RecordTimestampPublish RecordTimestamp = "publish"

@@ -592,8 +592,8 @@ type OutboxRelaySpec struct {
 	Format RecordFormat `json:"format,omitempty"`
 
 	// RecordTimestamp is each record's timestamp: CreatedAt (the default:
-	// the row's created_at, when the event happened, as Debezium's outbox
-	// router does) or Publish (when the relay publishes it). Kafka's
+	// the row's created_at, when the event happened) or Publish (when the
+	// relay publishes it). Kafka's
 	// time-based retention and consumers' time lookups go by it.
 	// +kubebuilder:default=CreatedAt
 	// +optional
