@@ -136,26 +136,44 @@ func WithDeleteOnStore() WriterOption {
 }
 
 // WriterDeletesRelay is the application_name of the replication session
-// of a relay run with --writer-deletes: the writers look for it
-// (DeleteOnStoreCondition).
+// of a relay run with --writer-deletes, so that it shows in
+// pg_stat_activity.
 const WriterDeletesRelay = "outbox-relay-writer-deletes"
+
+// writerDeletesLockSeed seeds the hash of a slot's name that keys its
+// writer-deletes lock (WriterDeletesLock), so that the key differs from a
+// plain hash of the name an application might lock on.
+const writerDeletesLockSeed = "6085064421"
+
+// WriterDeletesLock is the SQL of the key (a bigint) of the advisory lock
+// that a relay run with --writer-deletes holds, for the life of its
+// replication session, while it streams from the slot whose name is the
+// text expression slot; the writers test it (DeleteOnStoreCondition).
+func WriterDeletesLock(slot string) string {
+	return `hashtextextended(` + slot + `, ` + writerDeletesLockSeed + `)`
+}
 
 // DeleteOnStoreCondition is the condition under which a writer with
 // WithDeleteOnStore deletes its row: a relay run with --writer-deletes
-// streams from the table's slot (named by the parameter slotParam) now.
-// Otherwise the row stays in the table, unpublished, for a relay to claim:
-// before the slot exists, an insert is in no WAL a relay reads; while no
-// relay with writer deletes streams, nothing says the slot will be read to
-// the row (a relay without them gives its slot up past
-// --max-retained-wal, one that polls leaves it unread). The relay's session is visible to any role in
-// pg_stat_activity's application_name. The condition reads the slot's
-// session alone (pg_stat_get_activity of its pid, not the
-// pg_stat_activity view of every session): it runs in each writer's
-// transaction.
+// streams from the table's slot (whose name is the text parameter
+// slotParam) now. Otherwise the row stays in the table, unpublished, for a
+// relay to claim: before the slot exists, an insert is in no WAL a relay
+// reads; while no relay with writer deletes streams, nothing says the slot
+// will be read to the row (a relay without them gives its slot up past
+// --max-retained-wal, one that polls leaves it unread).
+//
+// Such a relay holds the slot's writer-deletes lock (WriterDeletesLock)
+// exclusively on its replication session from just before it starts
+// streaming. The writer tries the lock shared and, if it gets it, lets it go
+// in the same expression: it holds it for no longer than that, so a relay
+// that starts never waits for the writers' transactions. It runs in each
+// writer's transaction, so it reads no session's activity: a read of
+// pg_stat_activity, even of one session, copies every session's entry.
 func DeleteOnStoreCondition(slotParam string) string {
-	return `EXISTS (SELECT 1 FROM pg_replication_slots s, pg_stat_get_activity(s.active_pid) a
-        WHERE s.slot_name = ` + slotParam + ` AND s.active_pid IS NOT NULL AND a.pid = s.active_pid
-          AND s.confirmed_flush_lsn IS NOT NULL AND a.application_name = '` + WriterDeletesRelay + `')`
+	key := WriterDeletesLock(slotParam + `::text`)
+	return `EXISTS (SELECT 1 FROM pg_replication_slots s
+        WHERE s.slot_name::text = ` + slotParam + `::text AND s.active_pid IS NOT NULL AND s.confirmed_flush_lsn IS NOT NULL)
+      AND CASE WHEN pg_try_advisory_lock_shared(` + key + `) THEN NOT pg_advisory_unlock_shared(` + key + `) ELSE true END`
 }
 
 // DeletesOnStore reports whether a writer with WithDeleteOnStore, connected

@@ -65,6 +65,13 @@ const (
 	fallbackPeriod = time.Minute
 )
 
+// The wait for the writer-deletes lock (lockWriterDeletes), and between
+// its tries.
+const (
+	writerDeletesLockWait  = 2 * time.Second
+	writerDeletesLockRetry = 2 * time.Millisecond
+)
+
 // errSlotBusy: another replica streams from the slot.
 var errSlotBusy = errors.New("another replica streams from the replication slot")
 
@@ -214,6 +221,47 @@ func (r *Relay) replicationConn(ctx context.Context) (*pgconn.PgConn, error) {
 	return pgconn.ConnectConfig(ctx, cfg)
 }
 
+// startReplication starts streaming from the slot on conn; with writer
+// deletes it first takes the slot's writer-deletes lock on conn, which the
+// writers test before they delete (outbox.DeleteOnStoreCondition) and
+// which goes with the session.
+func (r *Relay) startReplication(ctx context.Context, conn *pgconn.PgConn, opts pglogrepl.StartReplicationOptions) error {
+	if r.cfg.WriterDeletes {
+		if err := lockWriterDeletes(ctx, conn, r.capture.slot); err != nil {
+			return err
+		}
+	}
+	return pglogrepl.StartReplication(ctx, conn, r.capture.slot, 0, opts)
+}
+
+// lockWriterDeletes takes the slot's writer-deletes lock on conn, unless
+// another session streams from the slot (errSlotBusy). A writer holds the
+// lock shared only while it tests it, so a failed try is tried again
+// until writerDeletesLockWait has passed.
+func lockWriterDeletes(ctx context.Context, conn *pgconn.PgConn, slot string) error {
+	name := `'` + strings.ReplaceAll(slot, `'`, `''`) + `'`
+	q := `SELECT CASE WHEN EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name::text = ` + name + ` AND active_pid IS NOT NULL)
+        THEN NULL ELSE pg_try_advisory_lock(` + outbox.WriterDeletesLock(name) + `) END`
+	for deadline := time.Now().Add(writerDeletesLockWait); ; {
+		res, err := conn.Exec(ctx, q).ReadAll()
+		if err != nil {
+			return fmt.Errorf("take the writer-deletes lock of slot %s: %w", slot, err)
+		}
+		if len(res) != 1 || len(res[0].Rows) != 1 || len(res[0].Rows[0]) != 1 {
+			return fmt.Errorf("take the writer-deletes lock of slot %s: unexpected result", slot)
+		}
+		switch v := res[0].Rows[0][0]; {
+		case v == nil:
+			return errSlotBusy
+		case string(v) == "t":
+			return nil
+		case time.Now().After(deadline):
+			return fmt.Errorf("the writer-deletes lock of slot %s is held by a session that does not stream from it", slot)
+		}
+		sleep(ctx, writerDeletesLockRetry)
+	}
+}
+
 // stream takes the slot (making it when missing), sweeps once, and
 // publishes what the stream delivers until an error, the slot is given
 // up, or ctx ends.
@@ -225,7 +273,7 @@ func (r *Relay) stream(ctx context.Context) error {
 	}
 	defer func() { conn.Close(context.WithoutCancel(ctx)) }()
 	opts := pglogrepl.StartReplicationOptions{PluginArgs: []string{"proto_version '1'", "publication_names '" + c.publication + "'"}}
-	err = pglogrepl.StartReplication(ctx, conn, c.slot, 0, opts)
+	err = r.startReplication(ctx, conn, opts)
 	if pgCode(err) == "42704" { // no such slot: make it, on a connection of its own (the failed start leaves this one unusable)
 		conn.Close(context.WithoutCancel(ctx))
 		if conn, err = r.replicationConn(ctx); err != nil {
@@ -235,7 +283,7 @@ func (r *Relay) stream(ctx context.Context) error {
 			return fmt.Errorf("create replication slot %s: %w", c.slot, err)
 		}
 		r.log.Info("created the replication slot", "slot", c.slot)
-		err = pglogrepl.StartReplication(ctx, conn, c.slot, 0, opts)
+		err = r.startReplication(ctx, conn, opts)
 	}
 	switch {
 	case pgCode(err) == "55006": // object_in_use: another connection streams

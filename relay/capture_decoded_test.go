@@ -395,3 +395,46 @@ func TestDebeziumGuideWriterSQL(t *testing.T) {
 	require.Equal(t, "o1", string(m.Key))
 	require.JSONEq(t, `{"total": 42}`, string(m.Value))
 }
+
+// A relay with writer deletes streams only once it holds the slot's
+// writer-deletes lock, which the writers test before they delete. While a
+// session of some other kind holds it, the writers keep their rows and
+// the relay polls them; once it is free, the relay streams and the writers
+// delete.
+func TestWriterDeletesStreamsOnceItHoldsItsLock(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg, store := writerDeletesFixture(t, "E")
+	var db string
+	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db))
+	slot := outbox.SlotName(db, outbox.Table{Name: "outbox"})
+	holder, err := f.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer holder.Release()
+	_, err = holder.Exec(ctx, `SELECT pg_advisory_lock_shared(`+outbox.WriterDeletesLock("$1::text")+`)`, slot)
+	require.NoError(t, err)
+	x := outboxtest.Start(t, cfg)
+	inTable := func(e outbox.Entry) int {
+		return f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1`, e.EventID)
+	}
+	kept := entry("E", 1)
+	store(kept)
+	require.Equal(t, 1, inTable(kept), "no relay holds the lock: kept")
+	require.Eventually(t, func() bool { return x.Published() >= 1 }, 20*time.Second, 20*time.Millisecond, "the relay polls what it cannot stream")
+	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming"), "not streaming without the lock")
+
+	_, err = holder.Exec(ctx, `SELECT pg_advisory_unlock_shared(`+outbox.WriterDeletesLock("$1::text")+`)`, slot)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		on, err := outbox.DeletesOnStore(ctx, f.Pool, outbox.Table{Name: "outbox"})
+		return err == nil && on
+	}, 20*time.Second, 20*time.Millisecond, "the relay streams with the lock")
+	deleted := entry("E", 2)
+	store(deleted)
+	require.Zero(t, inTable(deleted), "a relay with writer deletes streams: deleted at commit")
+	seen := map[string]bool{}
+	for _, m := range testenv.Broker().Consume(t, f.Topics["E"], 2, 30*time.Second) {
+		seen[header(m, relay.HeaderEventID)] = true
+	}
+	require.True(t, seen[kept.EventID] && seen[deleted.EventID], "both events published")
+}
