@@ -38,6 +38,34 @@ func writerDeletesFixture(t *testing.T, eventTypes ...string) (*outboxtest.Fixtu
 	return f, cfg, store
 }
 
+// tableSlot is the name of the slot (and publication) of f's outbox table.
+func tableSlot(t *testing.T, f *outboxtest.Fixture) string {
+	t.Helper()
+	var db string
+	require.NoError(t, f.Pool.QueryRow(context.Background(), `SELECT current_database()`).Scan(&db))
+	return outbox.SlotName(db, outbox.Table{Name: "outbox"})
+}
+
+// waitDeletesOnStore waits until a writer with WithDeleteOnStore would
+// delete its rows in f's outbox table: a relay with writer deletes streams.
+func waitDeletesOnStore(t *testing.T, f *outboxtest.Fixture, timeout time.Duration) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		on, err := outbox.DeletesOnStore(context.Background(), f.Pool, outbox.Table{Name: "outbox"})
+		return err == nil && on
+	}, timeout, 20*time.Millisecond, "a relay with writer deletes streams")
+}
+
+// consumedIDs are the event ids of the first n records of topic.
+func consumedIDs(t *testing.T, topic string, n int) map[string]bool {
+	t.Helper()
+	seen := map[string]bool{}
+	for _, m := range testenv.Broker().Consume(t, topic, n, 30*time.Second) {
+		seen[header(m, relay.HeaderEventID)] = true
+	}
+	return seen
+}
+
 func entry(eventType string, n int) outbox.Entry {
 	return outbox.Entry{EventID: outbox.NewEventID(), AggregateType: "Order", AggregateID: fmt.Sprintf("o%d", n%3),
 		EventType: eventType, Payload: fmt.Appendf(nil, `{"n": %d, "note": "a \"quoted\" \\ value"}`, n), PartitionKey: fmt.Sprintf("o%d", n%3)}
@@ -209,9 +237,7 @@ func TestWriterDeletesNamesThePublicationAlter(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f, cfg, _ := writerDeletesFixture(t, "E")
-	var db string
-	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db))
-	pub := outbox.SlotName(db, outbox.Table{Name: "outbox"})
+	pub := tableSlot(t, f)
 	f.Exec(`CREATE PUBLICATION ` + pub + ` FOR TABLE outbox WITH (publish = 'insert')`)
 	role := fmt.Sprintf("notowner_%d", time.Now().UnixNano()%1e9)
 	f.Exec(`CREATE ROLE ` + role + ` LOGIN REPLICATION; GRANT SELECT, INSERT, UPDATE ON outbox TO ` + role + `; GRANT ALL ON outbox_held TO ` + role)
@@ -264,16 +290,11 @@ func TestWriterDeletesOnlyWhileSuchARelayStreams(t *testing.T) {
 	x.Stop(t)
 
 	startStreaming(t, cfg)
-	require.Eventually(t, func() bool {
-		return deletesOnStore()
-	}, 10*time.Second, 20*time.Millisecond, "the relay streams from the slot with writer deletes")
+	waitDeletesOnStore(t, f, 10*time.Second)
 	after := entry("E", 3)
 	store(after)
 	require.Zero(t, inTable(after), "a relay with writer deletes streams: deleted at commit")
-	seen := map[string]bool{}
-	for _, m := range testenv.Broker().Consume(t, f.Topics["E"], 3, 30*time.Second) {
-		seen[header(m, relay.HeaderEventID)] = true
-	}
+	seen := consumedIDs(t, f.Topics["E"], 3)
 	for _, e := range []outbox.Entry{before, during, after} {
 		require.True(t, seen[e.EventID], "event %s published", e.EventID)
 	}
@@ -290,9 +311,7 @@ func TestLogicalReplicationPublishesRowsTheirWritersDeleted(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f, cfg := captureFixture(t, 1, "E")
-	var db string
-	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db))
-	slot := outbox.SlotName(db, outbox.Table{Name: "outbox"})
+	slot := tableSlot(t, f)
 	f.Exec(`CREATE PUBLICATION ` + slot + ` FOR TABLE outbox WITH (publish = 'insert')`)
 	// No sweep while the rows arrive: a sweep publishes the rows it finds in
 	// the table before the stream restores the deleted ones before them.
@@ -368,13 +387,8 @@ func TestDebeziumGuideWriterSQL(t *testing.T) {
 
 	f, cfg, _ := writerDeletesFixture(t, "E")
 	startStreaming(t, cfg)
-	require.Eventually(t, func() bool {
-		on, err := outbox.DeletesOnStore(ctx, f.Pool, outbox.Table{Name: "outbox"})
-		return err == nil && on
-	}, 10*time.Second, 20*time.Millisecond, "the relay streams with writer deletes")
-	var db string
-	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db))
-	slot := outbox.SlotName(db, outbox.Table{Name: "outbox"})
+	waitDeletesOnStore(t, f, 10*time.Second)
+	slot := tableSlot(t, f)
 	id := outbox.NewEventID()
 	require.NoError(t, pgx.BeginFunc(ctx, f.Pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, insert, id, "Order", "o1", "E", `{"total": 42}`, "o1", `{"id": "`+id+`"}`); err != nil {
@@ -405,9 +419,7 @@ func TestWriterDeletesStreamsOnceItHoldsItsLock(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f, cfg, store := writerDeletesFixture(t, "E")
-	var db string
-	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db))
-	slot := outbox.SlotName(db, outbox.Table{Name: "outbox"})
+	slot := tableSlot(t, f)
 	holder, err := f.Pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer holder.Release()
@@ -425,16 +437,10 @@ func TestWriterDeletesStreamsOnceItHoldsItsLock(t *testing.T) {
 
 	_, err = holder.Exec(ctx, `SELECT pg_advisory_unlock_shared(`+outbox.WriterDeletesLock("$1::text")+`)`, slot)
 	require.NoError(t, err)
-	require.Eventually(t, func() bool {
-		on, err := outbox.DeletesOnStore(ctx, f.Pool, outbox.Table{Name: "outbox"})
-		return err == nil && on
-	}, 20*time.Second, 20*time.Millisecond, "the relay streams with the lock")
+	waitDeletesOnStore(t, f, 20*time.Second)
 	deleted := entry("E", 2)
 	store(deleted)
 	require.Zero(t, inTable(deleted), "a relay with writer deletes streams: deleted at commit")
-	seen := map[string]bool{}
-	for _, m := range testenv.Broker().Consume(t, f.Topics["E"], 2, 30*time.Second) {
-		seen[header(m, relay.HeaderEventID)] = true
-	}
+	seen := consumedIDs(t, f.Topics["E"], 2)
 	require.True(t, seen[kept.EventID] && seen[deleted.EventID], "both events published")
 }
