@@ -185,7 +185,7 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 		}()
 	}
 	// Sample the relay's RSS in the second half (steady state), and the
-	// database's transactions and WAL over the measured window.
+	// WAL written over the measured window.
 	var rssMax, cpu0 float64
 	var batches0 batchStats
 	var db0 dbCounters
