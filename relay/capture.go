@@ -714,15 +714,27 @@ func (r *Relay) claimStreamed(ctx context.Context, ids []int64) (*inFlight, erro
 }
 
 // sweep polls until a claim finds nothing: what the stream cannot deliver.
+// Its batches are pipelined as polling's are (a full batch's mark and
+// commit run beside the next claim and publish), so a backlog left while
+// the relay was down drains at polling's pace.
 func (r *Relay) sweep(ctx context.Context) {
 	r.cur.rescanSoon()
+	var pending *inFlight
 	for ctx.Err() == nil {
 		b, err := r.claimAndPublish(ctx)
+		if pending != nil {
+			err = firstErr(err, r.finish(pending))
+			pending = nil
+		}
 		if b == nil {
 			if err != nil {
 				r.log.Warn("sweep failed", "err", err)
 			}
 			return
+		}
+		if err == nil && b.perr == nil && b.full && !b.big && r.pipelined() {
+			pending = r.commitAsync(b)
+			continue
 		}
 		b.done <- r.markAndCommit(b)
 		if err := firstErr(err, r.finish(b)); err != nil {
@@ -731,6 +743,11 @@ func (r *Relay) sweep(ctx context.Context) {
 		}
 		if !b.full {
 			return
+		}
+	}
+	if pending != nil {
+		if err := r.finish(pending); err != nil {
+			r.log.Warn("sweep failed", "err", err)
 		}
 	}
 }
