@@ -3,7 +3,9 @@ package main
 import (
 	"context"
 	"fmt"
+	"os"
 	"slices"
+	"strconv"
 	"time"
 
 	"github.com/outbox-relay/outbox-operator/relayconfig"
@@ -84,7 +86,7 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 		if err := e.dropSlots(ctx); err != nil {
 			return err
 		}
-		logf("capture idle %s: %.1f database transactions/s, relay %.1f millicores", m.name, res["db_xacts_per_s"], res["relay_cpu_millicores"])
+		logf("capture idle %s: %.1f database transactions/s, database %.1f millicores, relay %.1f millicores", m.name, res["db_xacts_per_s"], res["db_cpu_millicores"], res["relay_cpu_millicores"])
 		rep.add(scCaptureIdle, "idle "+m.name, map[string]any{"mode": m.name, "duration_s": o.idleFor.Seconds()}, []map[string]float64{res})
 	}
 	ratios := map[string][]float64{}
@@ -209,13 +211,59 @@ func writersAlone(ctx context.Context, o *options, e *benchEnv) (map[string]floa
 }
 
 // dbCounters are the WAL the benchmark's database server has written so
-// far.
-type dbCounters struct{ walBytes int64 }
+// far, and the CPU time it has used (serverCPUSeconds).
+type dbCounters struct {
+	walBytes   int64
+	cpuSeconds float64
+}
 
 func (e *benchEnv) dbCounters(ctx context.Context) (dbCounters, error) {
 	var c dbCounters
-	err := e.pool.QueryRow(ctx, `SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint`).Scan(&c.walBytes)
+	if err := e.pool.QueryRow(ctx, `SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint`).Scan(&c.walBytes); err != nil {
+		return c, err
+	}
+	var err error
+	c.cpuSeconds, err = e.serverCPUSeconds(ctx)
 	return c, err
+}
+
+// serverCPUSeconds is the CPU time the benchmark's PostgreSQL server has
+// used so far: its postmaster and every process it runs now (backends,
+// walsenders, background workers), and those that ended, whose time the
+// postmaster collected when it reaped them. It includes the writers'
+// backends, so between capture modes at one rate the difference is what
+// each costs the database.
+func (e *benchEnv) serverCPUSeconds(ctx context.Context) (float64, error) {
+	if e.postmaster == 0 {
+		var backend int
+		if err := e.pool.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&backend); err != nil {
+			return 0, err
+		}
+		st, err := readProcStat(backend)
+		if err != nil {
+			return 0, fmt.Errorf("the database server's processes: %w", err)
+		}
+		e.postmaster = st.ppid
+	}
+	pm, err := readProcStat(e.postmaster)
+	if err != nil {
+		return 0, fmt.Errorf("the database server's processes: %w", err)
+	}
+	total := pm.utime + pm.stime + pm.cutime + pm.cstime
+	procs, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0, err
+	}
+	for _, d := range procs {
+		pid, err := strconv.Atoi(d.Name())
+		if err != nil {
+			continue
+		}
+		if st, err := readProcStat(pid); err == nil && st.ppid == e.postmaster { // one that ended meanwhile is in pm's children's times next time
+			total += st.utime + st.stime
+		}
+	}
+	return total, nil
 }
 
 // dropSlots drops the replication slots a logical-replication relay left

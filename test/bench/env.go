@@ -37,6 +37,7 @@ type benchEnv struct {
 	dsn        string // the benchmark database
 	pool       *pgxpool.Pool
 	pgVer      string
+	postmaster int // the database server's pid, once serverCPUSeconds found it
 
 	orderingProbe map[string]string // mode -> "" when available, else why not
 }
@@ -293,23 +294,40 @@ func scrape(p *devproc.Proc, metric string) (float64, error) {
 
 // cpuSeconds is the process's user+system CPU time from /proc/<pid>/stat.
 func cpuSeconds(pid int) (float64, error) {
+	st, err := readProcStat(pid)
+	return st.utime + st.stime, err
+}
+
+// procStat is what the benchmark reads of /proc/<pid>/stat: the parent's
+// pid, and the process's CPU seconds in user and kernel mode, and those
+// of its children it has waited for.
+type procStat struct {
+	ppid                         int
+	utime, stime, cutime, cstime float64
+}
+
+func readProcStat(pid int) (procStat, error) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
-		return 0, err
+		return procStat{}, err
 	}
 	// The command name (field 2) may hold spaces; fields after ")" are fixed.
 	s := string(b)
 	i := strings.LastIndexByte(s, ')')
 	if i < 0 {
-		return 0, errors.New("malformed /proc stat")
+		return procStat{}, errors.New("malformed /proc stat")
 	}
 	f := strings.Fields(s[i+1:])
-	if len(f) < 13 {
-		return 0, errors.New("malformed /proc stat")
+	if len(f) < 15 {
+		return procStat{}, errors.New("malformed /proc stat")
 	}
-	utime, _ := strconv.ParseFloat(f[11], 64) // field 14
-	stime, _ := strconv.ParseFloat(f[12], 64) // field 15
-	return (utime + stime) / clockTicks, nil
+	var st procStat
+	st.ppid, _ = strconv.Atoi(f[1]) // field 4
+	for j, v := range []*float64{&st.utime, &st.stime, &st.cutime, &st.cstime} {
+		t, _ := strconv.ParseFloat(f[11+j], 64) // fields 14 to 17
+		*v = t / clockTicks
+	}
+	return st, nil
 }
 
 // clockTicks is USER_HZ, 100 on every Linux architecture Go supports here.

@@ -107,6 +107,10 @@ func idleRun(ctx context.Context, o *options, e *benchEnv, extra ...string) (map
 		return nil, err
 	}
 	c0, _ := cpuSeconds(p.Pid())
+	s0, err := e.serverCPUSeconds(ctx)
+	if err != nil {
+		return nil, err
+	}
 	t0 := time.Now()
 	time.Sleep(o.idleFor)
 	x1, err := e.xactCommits(ctx)
@@ -114,9 +118,14 @@ func idleRun(ctx context.Context, o *options, e *benchEnv, extra ...string) (map
 		return nil, err
 	}
 	c1, _ := cpuSeconds(p.Pid())
+	s1, err := e.serverCPUSeconds(ctx)
+	if err != nil {
+		return nil, err
+	}
 	d := time.Since(t0).Seconds()
 	// The two xactCommits reads are themselves one transaction each.
-	return map[string]float64{"db_xacts_per_s": (x1 - x0 - 1) / d, "relay_cpu_millicores": 1000 * (c1 - c0) / d}, nil
+	return map[string]float64{"db_xacts_per_s": (x1 - x0 - 1) / d, "relay_cpu_millicores": 1000 * (c1 - c0) / d,
+		"db_cpu_millicores": 1000 * (s1 - s0) / d}, nil
 }
 
 func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll time.Duration, notify bool, extra ...string) (map[string]float64, error) {
@@ -358,6 +367,8 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 		// second, a thousand writer transactions behind at 1,000 events/s.
 		"relay_claims_per_1k": 1000 * batches.claims / max(windowRows, 1),
 		"wal_bytes_per_event": float64(db1.walBytes-db0.walBytes) / max(windowRows, 1),
+		// The whole database server's, the writers' backends included.
+		"db_cpu_ms_per_1k":    1000 * 1000 * (db1.cpuSeconds - db0.cpuSeconds) / max(windowRows, 1),
 		"relay_cpu_ms_per_1k": 1000 * 1000 * (cpu1 - cpu0) / max(windowRows, 1),
 		// The relay's batches over the window: how full, and how long each
 		// took (a claim-publish-mark transaction; streaming, a publish).
