@@ -54,6 +54,9 @@ const (
 	// While messages keep coming the first waiting row waits at most
 	// Settings.Linger.
 	streamGap = time.Millisecond
+	// shortWait is the longest wait for a message that does not watch the
+	// relay's context (receive).
+	shortWait = 50 * time.Millisecond
 	// slotCheckInterval is how often the streaming replica reads its
 	// slot's retained WAL.
 	slotCheckInterval = 5 * time.Second
@@ -359,9 +362,7 @@ func (r *Relay) stream(ctx context.Context) error {
 				continue
 			}
 		}
-		rctx, cancel := context.WithDeadline(ctx, deadline)
-		msg, err := conn.ReceiveMessage(rctx)
-		cancel()
+		msg, err := receive(ctx, conn, deadline)
 		if err != nil {
 			if pgconn.Timeout(err) && ctx.Err() == nil {
 				if len(s.pending) == 0 {
@@ -379,6 +380,24 @@ func (r *Relay) stream(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// receive reads the stream's next message, waiting until deadline. A short
+// wait (rows are arriving) sets the deadline on the connection's socket, as
+// pgconn does on a context's end: a context per message costs a timer and
+// a goroutine, thousands of times a second at high rates. A longer one
+// waits on ctx too, so the relay stops at once when it ends.
+func receive(ctx context.Context, conn *pgconn.PgConn, deadline time.Time) (pgproto3.BackendMessage, error) {
+	if time.Until(deadline) > shortWait {
+		rctx, cancel := context.WithDeadline(ctx, deadline)
+		defer cancel()
+		return conn.ReceiveMessage(rctx)
+	}
+	if err := conn.Conn().SetReadDeadline(deadline); err != nil {
+		return nil, err
+	}
+	defer conn.Conn().SetReadDeadline(time.Time{}) //nolint:errcheck // a closed connection fails the next read
+	return conn.ReceiveMessage(context.Background())
 }
 
 // streamState is one streaming session's position and what it holds.
