@@ -22,13 +22,19 @@ type captureMode struct {
 	latencyOnly bool
 }
 
-// pollFixed polls every 200 ms whatever it finds (a linger as long as the
-// poll interval): the yardstick of what adaptive polling costs.
-const pollFixed = "poll every 200 ms (--linger 200ms)"
+// The polling modes whose cost is compared: adaptive polling at the
+// default linger and at 20 ms, and pollFixed, which polls every 200 ms
+// whatever it finds (a linger as long as the poll interval): the
+// yardstick of what adaptive polling costs.
+const (
+	pollAdaptive = "poll"
+	pollLinger20 = "poll, --linger 20ms"
+	pollFixed    = "poll every 200 ms (--linger 200ms)"
+)
 
 var captureModes = []captureMode{
-	{name: "poll"},
-	{name: "poll, --linger 20ms", args: []string{flagArg(relayconfig.FlagLinger, 20*time.Millisecond)}, latencyOnly: true},
+	{name: pollAdaptive},
+	{name: pollLinger20, args: []string{flagArg(relayconfig.FlagLinger, 20*time.Millisecond)}, latencyOnly: true},
 	{name: pollFixed, args: []string{flagArg(relayconfig.FlagLinger, relayconfig.DefaultPollInterval)}, latencyOnly: true},
 	{name: "poll + notify", notify: true},
 	{name: "logical-replication", args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication)}},
@@ -60,7 +66,7 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 				[]map[string]float64{res})
 		}
 		// What adaptive polling costs against the fixed poller, in this run.
-		for _, name := range []string{"poll", "poll, --linger 20ms"} {
+		for _, name := range []string{pollAdaptive, pollLinger20} {
 			if byMode[name] == nil || byMode[pollFixed] == nil {
 				continue
 			}
@@ -187,6 +193,15 @@ func (o *options) writerModeNames() []string {
 		}
 	}
 	return names
+}
+
+// captureModeNamed is the capture mode of that name.
+func captureModeNamed(name string) (captureMode, bool) {
+	i := slices.IndexFunc(captureModes, func(m captureMode) bool { return m.name == name })
+	if i < 0 {
+		return captureMode{}, false
+	}
+	return captureModes[i], true
 }
 
 // captureModeNames are the names of the capture modes.

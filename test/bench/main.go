@@ -74,7 +74,7 @@ type options struct {
 }
 
 var allScenarios = []string{scCeiling, scDrain, scNaive, scScaling, scRetention, scCompression, scHeaders, scPruning, scLongLived,
-	scLatency, scWriters, scCapture, scIdle, scBacklog, scBreakdown, scProfile, scFootprint, scAutoscale}
+	scLatency, scWriters, scCapture, scLinger, scIdle, scBacklog, scBreakdown, scProfile, scFootprint, scAutoscale}
 
 // The scenarios, each named for what it measures.
 const (
@@ -92,6 +92,7 @@ const (
 	scCapture      = "capture-modes"       // polling, polling with the wake-up, and logical replication side by side
 	scCaptureIdle  = "capture-modes-idle"  // the same modes with nothing to publish (run by capture-modes)
 	scCaptureDrain = "capture-modes-drain" // the same modes draining a backlog at batch 500 (run by capture-modes)
+	scLinger       = "linger-cost"         // adaptive polling's wait after a partial claim against a fixed poller, in rounds
 	scIdle         = "idle-cost"           // what an idle relay costs the database per poll interval
 	scBacklog      = "backlog-read"        // the operator's backlog read at growing backlogs
 	scBreakdown    = "batch-time"          // where a batch's time goes
@@ -346,6 +347,7 @@ func runScenarios(ctx context.Context, o *options, env *benchEnv, rep *report) e
 		{scLatency, runLatency},
 		{scWriters, runWriters},
 		{scCapture, runCaptureModes},
+		{scLinger, runLinger},
 		{scIdle, runIdle},
 		{scBacklog, runBacklogCost},
 		{scBreakdown, runBreakdown},

@@ -459,6 +459,13 @@ func (r *report) tables() string {
 			}
 			return fmt.Sprintf("| %v | %.0f | %s | %.2f | %s |", x.Params["mode"], x.Median["counter_events_per_s"], caught, x.Median["cpu_s_per_10k"], reps(x, "counter_events_per_s", "%.0f"))
 		})
+	section(scLinger, "Adaptive polling's wait after a partial claim (--linger) against a relay polling every 200 ms: one relay at batch 50, producers inserting one row per transaction, each setting in turn in every round",
+		"| mode | target events/s | p50 ms (median) | p99 ms (median) | relay CPU ms / 1k events | relay claim transactions / 1k events | p99 ms in each round |\n| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+		func(x *result) string {
+			m := x.Median
+			return fmt.Sprintf("| %v | %v | %.1f | %.1f | %.0f | %.0f | %s |", x.Params["mode"], x.Params["rate"], m["p50_ms"], m["p99_ms"],
+				m["relay_cpu_ms_per_1k"], m["relay_claims_per_1k"], reps(x, "p99_ms", "%.1f"))
+		})
 	section(scFootprint, fmt.Sprintf("6. Footprint: a fleet of OutboxRelays in %d namespaces (one database user each), each on an outbox table of its own with %d waiting rows in one real PostgreSQL database, reconciled in envtest; the steady window follows all Ready (defaults: %s backlog interval, %d connections per database, Secrets read every %s)",
 		fleetNamespaces, fleetRows, controllers.DefaultBacklogInterval, controllers.DefaultConnsPerDatabase, controllers.DefaultSecretRefreshInterval),
 		"| OutboxRelays | created in s | all Ready, backlogs read, in s | manager CPU s until then | manager RSS MiB | peak RSS MiB | steady millicores | database connections, peak / steady | database ms/s (steady) | Secret GETs/s (steady) | API writes/s (steady) | API reads/s (steady) |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

@@ -1,0 +1,58 @@
+package main
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/outbox-relay/outbox-operator/relayconfig"
+)
+
+// lingerModes are what the linger-cost scenario compares: adaptive polling
+// at the default linger and at 20 ms, and the fixed poller they are held
+// against.
+var lingerModes = []string{pollAdaptive, pollLinger20, pollFixed}
+
+// runLinger measures what adaptive polling's wait after a partial claim
+// (--linger) costs at the first rate, against a relay polling every 200 ms,
+// in rounds that run each setting in turn, so that each ratio (relay CPU
+// and claim transactions per event, and the p99 at 20 ms against the
+// default's) is taken within a round on this shared machine.
+func runLinger(ctx context.Context, o *options, e *benchEnv, rep *report) error {
+	rate := o.rates[0]
+	results := map[string][]map[string]float64{}
+	ratios := map[string][]float64{}
+	for round := range o.reps {
+		byMode := map[string]map[string]float64{}
+		for _, name := range lingerModes {
+			m, ok := captureModeNamed(name)
+			if !ok {
+				return fmt.Errorf("linger: no capture mode %q", name)
+			}
+			res, err := latencyRun(ctx, o, e, rate, relayconfig.DefaultPollInterval, false, m.args...)
+			if err != nil {
+				return fmt.Errorf("linger round %d, %s: %w", round+1, name, err)
+			}
+			logf("linger round %d %s at %d/s: p50 %.1f ms, p99 %.1f ms, relay CPU %.0f ms/1k events, claims/1k events %.0f",
+				round+1, name, rate, res["p50_ms"], res["p99_ms"], res["relay_cpu_ms_per_1k"], res["relay_claims_per_1k"])
+			byMode[name] = res
+			results[name] = append(results[name], res)
+		}
+		ratio := func(what, key, a, b string) {
+			name := fmt.Sprintf("%s, %s / %s", what, a, b)
+			ratios[name] = append(ratios[name], byMode[a][key]/byMode[b][key])
+		}
+		for _, name := range []string{pollAdaptive, pollLinger20} {
+			ratio("relay CPU per event", "relay_cpu_ms_per_1k", name, pollFixed)
+			ratio("relay claim transactions per event", "relay_claims_per_1k", name, pollFixed)
+		}
+		ratio("p50", "p50_ms", pollLinger20, pollAdaptive)
+		ratio("p99", "p99_ms", pollLinger20, pollAdaptive)
+	}
+	for _, name := range lingerModes {
+		rep.add(scLinger, fmt.Sprintf("rate=%d %s", rate, name), map[string]any{"mode": name, "rate": rate, "duration_s": o.latencyFor.Seconds()}, results[name])
+	}
+	for name, rs := range ratios {
+		rep.Ratios[fmt.Sprintf("%s at %d/s", name, rate)] = ratioResult{Median: median(rs), Rounds: rs}
+	}
+	return nil
+}
