@@ -751,7 +751,7 @@ func (r *Relay) sweep(ctx context.Context) {
 			}
 			return
 		}
-		if err == nil && b.perr == nil && b.full && !b.big && r.pipelined() {
+		if r.mayPipeline(b, err) {
 			pending = r.commitAsync(b)
 			continue
 		}

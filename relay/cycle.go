@@ -78,9 +78,7 @@ func (r *Relay) poll(ctx context.Context, stop func() bool) {
 			pending = nil
 		}
 		if b != nil {
-			// A large batch is not pipelined: two of them would hold
-			// twice the memory.
-			if err == nil && b.perr == nil && b.full && !b.big && r.pipelined() {
+			if r.mayPipeline(b, err) {
 				pending = r.commitAsync(b)
 			} else {
 				b.done <- r.markAndCommit(b)
@@ -122,6 +120,13 @@ func firstErr(a, b error) error {
 		return a
 	}
 	return b
+}
+
+// mayPipeline reports whether batch b, claimed and published with err, may
+// commit beside the next claim: a full batch, all of it acknowledged, not
+// a large one (two would hold twice the memory), in a mode that pipelines.
+func (r *Relay) mayPipeline(b *inFlight, err error) bool {
+	return err == nil && b.perr == nil && b.full && !b.big && r.pipelined()
 }
 
 // pipelined reports whether a second batch may be claimed while one commits.
