@@ -325,13 +325,26 @@ func (r *Relay) stream(ctx context.Context) error {
 			}
 		}
 		if len(s.pending) == 0 && !s.inTx {
-			if !now.Before(s.nextSweep) {
+			sweep := !now.Before(s.nextSweep)
+			var due []int64
+			if !sweep {
+				due = r.held.releaseIDs(now)
+			}
+			if sweep || len(due) > 0 {
+				// The streamed batch whose commit runs is settled first:
+				// the sweep pipelines its own batches, and more than
+				// MaxInFlight transactions would outgrow the pool.
+				if err := s.settle(ctx); err != nil {
+					return err
+				}
+			}
+			if sweep {
 				r.sweep(ctx)
 				s.nextSweep = time.Now().Add(r.cfg.FullRescanInterval)
-			} else if ids := r.held.releaseIDs(now); len(ids) > 0 {
+			} else if len(due) > 0 {
 				// Held rows due again are tried at once, by id, as polling
 				// tries them with its next claim.
-				if err := r.publishStreamed(ctx, ids); err != nil {
+				if err := r.publishStreamed(ctx, due); err != nil {
 					return err
 				}
 			}
@@ -384,9 +397,9 @@ func (r *Relay) stream(ctx context.Context) error {
 
 // receive reads the stream's next message, waiting until deadline. A short
 // wait (rows are arriving) sets the deadline on the connection's socket, as
-// pgconn does on a context's end: a context per message costs a timer and
-// a goroutine, thousands of times a second at high rates. A longer one
-// waits on ctx too, so the relay stops at once when it ends.
+// pgconn does when a context ends: a context per message costs a timer
+// and pgconn's watch of it, thousands of times a second at high rates. A
+// longer one waits on ctx too, so the relay stops at once when it ends.
 func receive(ctx context.Context, conn *pgconn.PgConn, deadline time.Time) (pgproto3.BackendMessage, error) {
 	if time.Until(deadline) > shortWait {
 		rctx, cancel := context.WithDeadline(ctx, deadline)
