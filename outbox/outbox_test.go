@@ -178,3 +178,13 @@ func TestSlotName(t *testing.T) {
 	require.NotEqual(t, long, outbox.SlotName(strings.Repeat("d", 60), outbox.Table{Name: "outbox2"}), "a hash tells long names apart")
 	require.Regexp(t, `^[a-z0-9_]+$`, outbox.SlotName("my-db.1", outbox.Table{Name: "outbox"}))
 }
+
+func TestQuoteLiteralRoundTrips(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	for _, s := range []string{"", "plain", "it's", "''", `back\slash`, "new\nline", "ünï"} {
+		var got string
+		require.NoError(t, f.Pool.QueryRow(context.Background(), `SELECT `+outbox.QuoteLiteral(s)).Scan(&got), s)
+		require.Equal(t, s, got)
+	}
+}

@@ -149,7 +149,7 @@ SELECT %[1]s(%[4]d);
 -- With --keep-published-for the relay detaches and drops each partition
 -- whose range ended longer ago than that and whose rows are all published,
 -- and deletes the event ids of the ranges it dropped.
-`, fn.Quoted(), quoteLiteral(q), unit, ahead, quoteLiteral(t.Name[:min(len(t.Name), 63-2-period.nameLength())]+"_p"),
+`, fn.Quoted(), QuoteLiteral(q), unit, ahead, QuoteLiteral(t.Name[:min(len(t.Name), 63-2-period.nameLength())]+"_p"),
 		fn.Name, period.nameFormat(), strings.ReplaceAll(queueTableSettings, "\n    ", " "))
 	return b.String()
 }
@@ -161,7 +161,8 @@ func cut63(s string) string {
 	return s
 }
 
-// quoteLiteral quotes s as an SQL string literal.
-func quoteLiteral(s string) string {
+// QuoteLiteral quotes s as an SQL string literal, for statements that take
+// no parameters (DDL, COMMENT, the replication protocol's commands).
+func QuoteLiteral(s string) string {
 	return "'" + strings.ReplaceAll(s, "'", "''") + "'"
 }

@@ -124,7 +124,7 @@ var HeldReasons = []string{HeldInvalidRow, HeldTooLarge, HeldRefused}
 func HeldDDL(t Table) string {
 	reasons := make([]string, len(HeldReasons))
 	for i, r := range HeldReasons {
-		reasons[i] = quoteLiteral(r)
+		reasons[i] = QuoteLiteral(r)
 	}
 	return fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (
     id            bigint      PRIMARY KEY,

@@ -242,7 +242,7 @@ func (r *Relay) startReplication(ctx context.Context, conn *pgconn.PgConn, opts 
 // lock shared only while it tests it, so a failed try is tried again
 // until writerDeletesLockWait has passed.
 func lockWriterDeletes(ctx context.Context, conn *pgconn.PgConn, slot string) error {
-	name := quoteLiteral(slot)
+	name := outbox.QuoteLiteral(slot)
 	q := `SELECT CASE WHEN EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name::text = ` + name + ` AND active_pid IS NOT NULL)
         THEN NULL ELSE pg_try_advisory_lock(` + outbox.WriterDeletesLock(name) + `) END`
 	for deadline := time.Now().Add(writerDeletesLockWait); ; {

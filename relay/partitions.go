@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
 // pruneLockTimeout bounds every lock wait of the pruner's session. The
@@ -157,7 +159,7 @@ func (pr *pruner) detach(ctx context.Context, conn *pgx.Conn, parent uint32, p p
 		return nil // detached by an earlier pass that did not get to drop it
 	}
 	mark := detachedMark + strconv.FormatUint(uint64(parent), 10) + ": " + p.bound
-	if _, err := conn.Exec(ctx, sqlComment(p.name, quoteLiteral(mark))); err != nil {
+	if _, err := conn.Exec(ctx, sqlComment(p.name, outbox.QuoteLiteral(mark))); err != nil {
 		return fmt.Errorf("mark %s before detaching it: %w", p.name, err)
 	}
 	how := "CONCURRENTLY"
@@ -277,16 +279,4 @@ func uncovered(parts []partition, cut time.Time) []span {
 		out = append(out, span{from, &cut})
 	}
 	return out
-}
-
-// quoteLiteral quotes s as an SQL string literal.
-func quoteLiteral(s string) string {
-	b := []byte{'\''}
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\'' {
-			b = append(b, '\'')
-		}
-		b = append(b, s[i])
-	}
-	return string(append(b, '\''))
 }

@@ -275,7 +275,7 @@ SELECT count(*), COALESCE(max(id), 0) FROM gone`,
 		OldestWaiting: `SELECT COALESCE((SELECT extract(epoch FROM now() - created_at)::float8 FROM ` + q +
 			` WHERE published_at IS NULL AND ` + validCreatedAt + ` AND event_type = ANY($1) AND id <> ALL($2) AND NOT ` + waitingPair("$3", "$4") + `
 			  ORDER BY id LIMIT 1), 0)`,
-		HeldExists: `SELECT to_regclass(` + quoteLiteral(h) + `) IS NOT NULL`,
+		HeldExists: `SELECT to_regclass(` + outbox.QuoteLiteral(h) + `) IS NOT NULL`,
 		CreateHeld: outbox.HeldDDL(t),
 		Hold: `INSERT INTO ` + h + ` AS h (id, event_id, event_type, reason, error, retry_at)
     SELECT id, event_id, event_type, reason, error, now() + $6::float8 * interval '1 second'

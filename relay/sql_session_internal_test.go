@@ -53,7 +53,7 @@ func TestPartitionStatementsPrepare(t *testing.T) {
 	stmts := map[string]string{
 		"sqlPartitions": sqlPartitions, "sqlPruneCut": sqlPruneCut, "sqlIsAttached": sqlIsAttached,
 		"sqlLongStatements": sqlLongStatements, "sqlPartitionWaits": sqlPartitionWaits(part),
-		"sqlComment": sqlComment(part, quoteLiteral(detachedMark+"1: "+bound)), "sqlUncomment": sqlComment(part, "NULL"),
+		"sqlComment": sqlComment(part, outbox.QuoteLiteral(detachedMark+"1: "+bound)), "sqlUncomment": sqlComment(part, "NULL"),
 		"sqlDetach": sqlDetach(q, part, "CONCURRENTLY"), "sqlDetachFinalize": sqlDetach(q, part, "FINALIZE"),
 		"sqlAttach": sqlAttach(q, part, bound), "sqlLockAlone": sqlLockAlone(part), "sqlCountRows": sqlCountRows(part),
 		"sqlDrop": sqlDrop(part), "sqlDeleteEventIDs": sqlDeleteEventIDs(table.EventIDsTable().Quoted()),

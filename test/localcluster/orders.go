@@ -67,14 +67,12 @@ func (s *Stack) CreateRelayRole(ctx context.Context, role string) error {
 	t := outbox.Table{Name: outbox.DefaultTable}
 	sql := fmt.Sprintf(`CREATE ROLE %s LOGIN PASSWORD %s; GRANT SELECT, UPDATE ON %s TO %s;
 		GRANT SELECT, INSERT, UPDATE, DELETE ON %s TO %s;`,
-		id, quoteLiteral(role), t.Quoted(), id, t.HeldTable().Quoted(), id)
+		id, outbox.QuoteLiteral(role), t.Quoted(), id, t.HeldTable().Quoted(), id)
 	if err := s.Postgres.Exec(ctx, OrdersDatabase, sql); err != nil {
 		return fmt.Errorf("create role %s: %w", role, err)
 	}
 	return nil
 }
-
-func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
 
 // RenderSamples copies config/samples into dst with the stack's broker and
 // PostgreSQL addresses as pods reach them (at HostIP) in place of the samples' 127.0.0.1:9092 and
