@@ -23,17 +23,19 @@ type captureMode struct {
 }
 
 // The polling modes whose cost is compared: adaptive polling at the
-// default linger and at 20 ms, and pollFixed, which polls every 200 ms
+// default linger, at 10 ms and at 20 ms, and pollFixed, which polls every 200 ms
 // whatever it finds (a linger as long as the poll interval): the
 // yardstick of what adaptive polling costs.
 const (
 	pollAdaptive = "poll"
+	pollLinger10 = "poll, --linger 10ms"
 	pollLinger20 = "poll, --linger 20ms"
 	pollFixed    = "poll every 200 ms (--linger 200ms)"
 )
 
 var captureModes = []captureMode{
 	{name: pollAdaptive},
+	{name: pollLinger10, args: []string{flagArg(relayconfig.FlagLinger, 10*time.Millisecond)}, latencyOnly: true},
 	{name: pollLinger20, args: []string{flagArg(relayconfig.FlagLinger, 20*time.Millisecond)}, latencyOnly: true},
 	{name: pollFixed, args: []string{flagArg(relayconfig.FlagLinger, relayconfig.DefaultPollInterval)}, latencyOnly: true},
 	{name: "poll + notify", notify: true},
@@ -66,7 +68,7 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 				[]map[string]float64{res})
 		}
 		// What adaptive polling costs against the fixed poller, in this run.
-		for _, name := range []string{pollAdaptive, pollLinger20} {
+		for _, name := range lingerModes {
 			if byMode[name] == nil || byMode[pollFixed] == nil {
 				continue
 			}

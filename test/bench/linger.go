@@ -7,23 +7,22 @@ import (
 	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
-// lingerModes are what the linger-cost scenario compares: adaptive polling
-// at the default linger and at 20 ms, and the fixed poller they are held
-// against.
-var lingerModes = []string{pollAdaptive, pollLinger20, pollFixed}
+// lingerModes are what the linger-cost scenario holds against pollFixed:
+// adaptive polling at the default linger first, then at 10 ms and 20 ms.
+var lingerModes = []string{pollAdaptive, pollLinger10, pollLinger20}
 
 // runLinger measures what adaptive polling's wait after a partial claim
 // (--linger) costs at the first rate, against a relay polling every 200 ms,
 // in rounds that run each setting in turn, so that each ratio (relay CPU
-// and claim transactions per event, and the p99 at 20 ms against the
-// default's) is taken within a round on this shared machine.
+// and claim transactions per event, and the p50 and p99 of the longer
+// lingers against the default's) is taken within a round on this shared machine.
 func runLinger(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 	rate := o.rates[0]
 	results := map[string][]map[string]float64{}
 	ratios := map[string][]float64{}
 	for round := range o.reps {
 		byMode := map[string]map[string]float64{}
-		for _, name := range lingerModes {
+		for _, name := range append(lingerModes, pollFixed) {
 			m, ok := captureModeNamed(name)
 			if !ok {
 				return fmt.Errorf("linger: no capture mode %q", name)
@@ -41,14 +40,16 @@ func runLinger(ctx context.Context, o *options, e *benchEnv, rep *report) error 
 			name := fmt.Sprintf("%s, %s / %s", what, a, b)
 			ratios[name] = append(ratios[name], byMode[a][key]/byMode[b][key])
 		}
-		for _, name := range []string{pollAdaptive, pollLinger20} {
+		for _, name := range lingerModes {
 			ratio("relay CPU per event", "relay_cpu_ms_per_1k", name, pollFixed)
 			ratio("relay claim transactions per event", "relay_claims_per_1k", name, pollFixed)
 		}
-		ratio("p50", "p50_ms", pollLinger20, pollAdaptive)
-		ratio("p99", "p99_ms", pollLinger20, pollAdaptive)
+		for _, name := range lingerModes[1:] {
+			ratio("p50", "p50_ms", name, pollAdaptive)
+			ratio("p99", "p99_ms", name, pollAdaptive)
+		}
 	}
-	for _, name := range lingerModes {
+	for _, name := range append(lingerModes, pollFixed) {
 		rep.add(scLinger, fmt.Sprintf("rate=%d %s", rate, name), map[string]any{"mode": name, "rate": rate, "duration_s": o.latencyFor.Seconds()}, results[name])
 	}
 	for name, rs := range ratios {
