@@ -692,8 +692,8 @@ func (r *Relay) publishStreamedFrom(ctx context.Context, ids []int64, carry *inF
 			ids = ids[len(chunk):]
 			continue
 		}
-		cut := b.full
-		if b.perr == nil && !b.big && r.cfg.MaxInFlight > 1 {
+		cut := b.cut
+		if r.commitsBeside(b) {
 			pending = r.commitAsync(b)
 		} else {
 			b.done <- r.markAndCommit(b)
@@ -709,7 +709,7 @@ func (r *Relay) publishStreamedFrom(ctx context.Context, ids []int64, carry *inF
 }
 
 // claimStreamed claims the unpublished rows of ids and publishes them; its
-// full says the byte budget left some of them for another batch. Nil when
+// cut says the byte budget left some of them for another batch. Nil when
 // it claimed nothing.
 func (r *Relay) claimStreamed(ctx context.Context, ids []int64) (*inFlight, error) {
 	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
@@ -738,7 +738,7 @@ func (r *Relay) claimStreamed(ctx context.Context, ids []int64) (*inFlight, erro
 		r.health.batchDone(start, 0, 0)
 		return nil, r.commit(bctx, tx)
 	}
-	b := &inFlight{ctx: bctx, cancel: cancel, tx: tx, start: start, rows: rows, full: len(rows) < locked,
+	b := &inFlight{ctx: bctx, cancel: cancel, tx: tx, start: start, rows: rows, cut: len(rows) < locked,
 		big: payloadBytes(rows) > bigBatchBytes, done: make(chan error, 1)}
 	b.published, b.perr = r.publish(bctx, rows)
 	b.holds, b.unhold = r.held.take(), r.held.forget(b.published)

@@ -18,6 +18,7 @@ type inFlight struct {
 	start     time.Time
 	rows      []row
 	full      bool
+	cut       bool // the byte budget cut it: it holds locks on rows it did not return
 	big       bool
 	published []int64
 	holds     []heldRecord // rows held in this batch, recorded in its transaction
@@ -122,11 +123,21 @@ func firstErr(a, b error) error {
 	return b
 }
 
-// mayPipeline reports whether batch b, claimed and published with err, may
-// commit beside the next claim: a full batch, all of it acknowledged, not
-// a large one (two would hold twice the memory), in a mode that pipelines.
+// mayPipeline reports whether polled batch b, claimed and published with
+// err, may commit beside the next claim: a full one (a short batch means
+// the next claim waits anyway) that commitsBeside allows.
 func (r *Relay) mayPipeline(b *inFlight, err error) bool {
-	return err == nil && b.perr == nil && b.full && !b.big && r.pipelined()
+	return err == nil && b.full && r.commitsBeside(b)
+}
+
+// commitsBeside reports whether batch b may commit beside the next claim
+// and publish: all of it acknowledged, not a large one (two would hold
+// twice the memory), in a mode that pipelines, and not one the byte budget
+// cut: the rows it locked but did not return stay locked until it commits,
+// and a claim beside that commit would skip them and publish the rows
+// after them first.
+func (r *Relay) commitsBeside(b *inFlight) bool {
+	return b.perr == nil && !b.cut && !b.big && r.pipelined()
 }
 
 // pipelined reports whether a second batch may be claimed while one commits.
@@ -196,7 +207,7 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 		f.held = r.held.ids()
 	}
 	r.filter.Store(&f)
-	rows, full, err := r.claim(bctx, tx, r.cur.from(start), f)
+	rows, locked, err := r.claim(bctx, tx, r.cur.from(start), f)
 	if err != nil {
 		tx.Rollback(bctx) //nolint:errcheck // the claim's error is the one to report
 		cancel()
@@ -204,6 +215,8 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	}
 	r.setDBErr(nil)
 	r.m.claimDuration.Observe(time.Since(start).Seconds())
+	cut := len(rows) < locked
+	full := locked == r.cfg.BatchSize || cut
 	r.cur.claimed(rows, full)
 	if len(rows) == 0 {
 		defer cancel()
@@ -213,7 +226,7 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 		}
 		return nil, nil
 	}
-	b := &inFlight{ctx: bctx, cancel: cancel, tx: tx, start: start, rows: rows, full: full,
+	b := &inFlight{ctx: bctx, cancel: cancel, tx: tx, start: start, rows: rows, full: full, cut: cut,
 		big: payloadBytes(rows) > bigBatchBytes, done: make(chan error, 1)}
 	if b.big {
 		releaseMemory() // the claim's read buffers, before the publish builds its request

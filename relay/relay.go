@@ -510,18 +510,14 @@ func payloadBytes(rows []row) int {
 	return n
 }
 
-// claim runs the mode's claim and reads the rows, and whether the claim was
-// full: it locked as many rows as the batch size, or the byte budget cut it.
-func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, f claimFilter) ([]row, bool, error) {
+// claim runs the mode's claim and reads the rows, and how many rows it
+// locked (more than it returned when the byte budget cut it).
+func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, f claimFilter) ([]row, int, error) {
 	rs, err := r.claimer.claim(ctx, tx, from, f)
 	if err != nil {
-		return nil, false, fmt.Errorf("claim batch from %s: %w", r.table, err)
+		return nil, 0, fmt.Errorf("claim batch from %s: %w", r.table, err)
 	}
-	out, locked, err := r.scanClaim(rs, f)
-	if err != nil {
-		return nil, false, err
-	}
-	return out, locked == r.cfg.BatchSize || len(out) < locked, nil
+	return r.scanClaim(rs, f)
 }
 
 // scanClaim reads a claim's rows (SQL.Claim's result) and how many rows it locked.
