@@ -538,11 +538,13 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 	case *pglogrepl.DeleteMessage:
 		// A row deleted by the transaction that inserted it was stored by
 		// a writer with writer deletes: it is in no table, and the claim
-		// would find it gone. It goes back into the table before the
-		// claim (restoreDeleted), so it is published with the rest in
-		// commit order. Deletes of earlier rows (published ones) are not
-		// the stream's concern.
-		if s.cols != nil || m.RelationID != s.rel || s.rel == 0 || m.OldTuple == nil || s.idCol >= len(m.OldTuple.Columns) {
+		// would find it gone. Without writer deletes it goes back into
+		// the table before the claim (restoreDeleted), so it is published
+		// with the rest in commit order; with them it is published from
+		// the stream, and a row its writer kept is claimed from the table
+		// (publishDecoded). Deletes of earlier rows (published ones) are
+		// not the stream's concern.
+		if m.RelationID != s.rel || s.rel == 0 || m.OldTuple == nil || s.idCol >= len(m.OldTuple.Columns) {
 			return nil
 		}
 		id, err := strconv.ParseInt(string(m.OldTuple.Columns[s.idCol].Data), 10, 64)

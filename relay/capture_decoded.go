@@ -148,16 +148,37 @@ func parseTimestamptz(s string) (time.Time, bool) {
 	return time.Time{}, false
 }
 
-// publishDecoded publishes streamed rows a batch at a time. confirmed
-// says the slot may move past them: each is on Kafka, or back in the table.
-// err is a failure to put rows back (nothing is confirmed then: the stream
-// delivers them again) or, with confirmed, Kafka's, for the caller to back
-// off while polling publishes what was put back.
+// publishDecoded publishes streamed rows in commit order, a batch at a
+// time. A row its writer deleted is published from the stream; one its
+// writer kept (a writer without outbox.WithDeleteOnStore, or one that
+// stored while no relay with writer deletes streamed) is in the table too,
+// so it is claimed, published and marked from there, as a relay without
+// writer deletes does: published from the stream, it would go out again
+// when a sweep or polling claimed it. confirmed says the slot may move past
+// them: each is on Kafka, or in the table. err is a failure to put rows
+// back (nothing is confirmed then: the stream delivers them again) or,
+// with confirmed, Kafka's or the claim's, for the caller to back off while
+// polling publishes what is in the table.
 func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) (confirmed bool, err error) {
 	var kafkaErr error
 	for len(rows) > 0 {
+		if !rows[0].deleted {
+			n := 1
+			for n < len(rows) && !rows[n].deleted {
+				n++
+			}
+			if kafkaErr == nil { // after a failure polling publishes them: they are in the table
+				ids := make([]int64, n)
+				for i := range n {
+					ids[i] = rows[i].id
+				}
+				kafkaErr = s.r.publishStreamed(ctx, ids)
+			}
+			rows = rows[n:]
+			continue
+		}
 		n, bytes := 0, int64(0)
-		for n < len(rows) && n < s.r.cfg.BatchSize && (n == 0 || bytes+rows[n].size <= int64(s.r.cfg.MaxBatchBytes)) {
+		for n < len(rows) && rows[n].deleted && n < s.r.cfg.BatchSize && (n == 0 || bytes+rows[n].size <= int64(s.r.cfg.MaxBatchBytes)) {
 			bytes += rows[n].size
 			n++
 		}

@@ -444,3 +444,43 @@ func TestWriterDeletesStreamsOnceItHoldsItsLock(t *testing.T) {
 	seen := consumedIDs(t, f.Topics["E"], 2)
 	require.True(t, seen[kept.EventID] && seen[deleted.EventID], "both events published")
 }
+
+// A row its writer kept (a writer without outbox.WithDeleteOnStore, or one
+// that stored while no relay with writer deletes streamed) is in the table
+// as well as on the stream: the relay claims it from the table, as a relay
+// without writer deletes does, so it is published once and marked, and a
+// sweep does not publish it again. Rows their writers deleted go out from
+// the stream, and the topic keeps the commit order of both.
+func TestWriterDeletesPublishesKeptRowsOnce(t *testing.T) {
+	t.Parallel()
+	f, cfg, store := writerDeletesFixture(t, "E")
+	cfg.FullRescanInterval = time.Second // sweeps that would find what the stream left unmarked
+	x := startStreaming(t, cfg)
+	waitDeletesOnStore(t, f, 10*time.Second)
+	plain, err := outbox.NewWriter("outbox")
+	require.NoError(t, err)
+	keep := func(e outbox.Entry) {
+		require.NoError(t, pgx.BeginFunc(context.Background(), f.Pool, func(tx pgx.Tx) error { return plain.Store(context.Background(), tx, e) }))
+	}
+	var want []string
+	for i := range 40 {
+		e := entry("E", i)
+		if i%4 < 2 {
+			keep(e)
+		} else {
+			store(e)
+		}
+		want = append(want, e.EventID)
+	}
+	require.Equal(t, 20, f.Count(`SELECT count(*) FROM outbox`), "the plain writer's rows are in the table")
+	f.WaitDrained(0, 30*time.Second)
+	time.Sleep(2 * cfg.FullRescanInterval) // a sweep or two: they must find nothing unmarked
+	requireSlotConfirmedPastNow(t, f)
+	var got []string
+	for _, m := range testenv.Broker().Consume(t, f.Topics["E"], len(want), 30*time.Second) {
+		got = append(got, header(m, relay.HeaderEventID))
+	}
+	require.Equal(t, want, got, "each event once, in commit order")
+	require.Equal(t, 20, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NOT NULL`), "kept rows marked")
+	_ = x
+}
