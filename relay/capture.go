@@ -111,9 +111,9 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 	}
 	slot := outbox.SlotName(database, r.table)
 	pub := slot
-	var exists, published, deletes bool
+	var exists, published, deletes, viaRoot bool
 	var oid uint32
-	if err := r.pool.QueryRow(ctx, sqlPublishes, pub, r.table.Quoted()).Scan(&exists, &published, &oid, &deletes); err != nil {
+	if err := r.pool.QueryRow(ctx, sqlPublishes, pub, r.table.Quoted()).Scan(&exists, &published, &oid, &deletes, &viaRoot); err != nil {
 		return fmt.Errorf("read publication %s: %w", pub, err)
 	}
 	if !published {
@@ -127,11 +127,22 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 		}
 		r.log.Info("created the publication of the table", "publication", pub)
 	}
+	if exists && r.shape.partitioned && !viaRoot {
+		// Its partitions' inserts would carry their own relations: the
+		// stream would skip every one, and with writer deletes lose it.
+		alter := sqlAlterPublication(pub)
+		if _, err := r.pool.Exec(ctx, alter); err != nil {
+			return fmt.Errorf("--%s %s: the table %s is partitioned, so its publication %s must publish its partitions' changes as the table's own, and the relay's role may not alter it (%v); as its owner, run: %s",
+				relayconfig.FlagCapture, CaptureLogicalReplication, r.table, pub, err, alter)
+		}
+		r.log.Info("the publication publishes the partitions' changes as the table's now", "publication", pub)
+		deletes = true // the same statement
+	}
 	if exists && !deletes {
 		// Without deletes a relay that claims what it streams cannot tell
 		// a row its writer deleted (under writer deletes) from one
 		// published, and would lose it.
-		alter := sqlPublishDeletes(pub)
+		alter := sqlAlterPublication(pub)
 		if _, err := r.pool.Exec(ctx, alter); err != nil {
 			if r.cfg.WriterDeletes {
 				return fmt.Errorf("--%s: the publication %s must publish deletes, so that a relay run without --%s later publishes the rows the writers deleted, and the relay's role may not alter it (%v); as its owner, run: %s",

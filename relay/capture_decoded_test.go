@@ -246,7 +246,7 @@ func TestWriterDeletesNamesThePublicationAlter(t *testing.T) {
 	r, err := relay.New(cfg)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = r.Close() })
-	require.ErrorContains(t, r.Check(ctx), `as its owner, run: ALTER PUBLICATION "`+pub+`" SET (publish = 'insert, delete')`)
+	require.ErrorContains(t, r.Check(ctx), `as its owner, run: ALTER PUBLICATION "`+pub+`" SET (publish = 'insert, delete', publish_via_partition_root = true)`)
 
 	// Without writer deletes the same role starts, and the publication is
 	// left as it was.
@@ -483,4 +483,29 @@ func TestWriterDeletesPublishesKeptRowsOnce(t *testing.T) {
 	require.Equal(t, want, got, "each event once, in commit order")
 	require.Equal(t, 20, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NOT NULL`), "kept rows marked")
 	_ = x
+}
+
+// With writer deletes a partitioned outbox's rows go out from the stream
+// too (its publication publishes them as the table's own), in commit
+// order, and the table stays empty.
+func TestWriterDeletesStreamsAPartitionedTable(t *testing.T) {
+	t.Parallel()
+	f, cfg, store := writerDeletesFixture(t, "E")
+	partitioned(t, f)
+	cfg.FullRescanInterval = time.Hour // no sweep delivers what the stream skipped
+	startStreaming(t, cfg)
+	waitDeletesOnStore(t, f, 10*time.Second)
+	var want []string
+	for i := range 20 {
+		e := entry("E", i)
+		store(e)
+		want = append(want, e.EventID)
+	}
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox`), "the writer deleted every row")
+	var got []string
+	for _, m := range testenv.Broker().Consume(t, f.Topics["E"], len(want), 20*time.Second) {
+		got = append(got, header(m, relay.HeaderEventID))
+	}
+	require.Equal(t, want, got, "each event once, in commit order")
+	requireSlotConfirmedPastNow(t, f)
 }

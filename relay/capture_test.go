@@ -320,3 +320,21 @@ func TestLogicalReplicationSweepDueMidTransactionWaitsForIt(t *testing.T) {
 	f.WaitDrained(0, 30*time.Second)
 	requireSlotConfirmedPastNow(t, f)
 }
+
+// A partitioned outbox streams too: its publication publishes its
+// partitions' changes as the table's own (publish_via_partition_root), so
+// the stream's inserts are the table's, in commit order, and not left to a
+// sweep. A publication made without it is altered.
+func TestLogicalReplicationStreamsAPartitionedTable(t *testing.T) {
+	t.Parallel()
+	f, cfg := captureFixture(t, 1, "E")
+	today := partitioned(t, f)
+	slot := tableSlot(t, f)
+	f.Exec(`CREATE PUBLICATION ` + slot + ` FOR TABLE outbox WITH (publish = 'insert, delete')`) // as a relay made it before
+	cfg.FullRescanInterval = time.Hour // no sweep delivers what the stream skipped
+	startStreaming(t, cfg)
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM pg_publication WHERE pubname = $1 AND pubviaroot`, slot))
+	insertAt(f, 30, 3, today.Add(time.Hour), false, "E")
+	f.WaitDrained(0, 20*time.Second)
+	deliveredInOrder(t, f, f.Topics["E"], 30)
+}

@@ -19,11 +19,13 @@ const (
 		FROM pg_roles r WHERE r.rolname = current_user`
 	// sqlPublishes: whether the publication $1 exists, whether it
 	// includes the table whose quoted name is $2, whose oid it returns too,
-	// and whether it publishes deletes.
+	// whether it publishes deletes, and whether it publishes a partitioned
+	// table's changes as the table's own.
 	sqlPublishes = `SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1),
 		EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
 		WHERE p.pubname = $1 AND pr.prrelid = to_regclass($2)), to_regclass($2)::oid,
-		COALESCE((SELECT pubdelete FROM pg_publication WHERE pubname = $1), false)`
+		COALESCE((SELECT pubdelete FROM pg_publication WHERE pubname = $1), false),
+		COALESCE((SELECT pubviaroot FROM pg_publication WHERE pubname = $1), false)`
 	// sqlWriterDeletesTable: the generated columns of the table whose oid
 	// is $1, and whether the role may insert into it.
 	sqlWriterDeletesTable = `SELECT COALESCE(array_agg(attname::text ORDER BY attnum), '{}'), has_table_privilege($1::oid, 'INSERT')
@@ -39,17 +41,20 @@ const (
 
 // publishes is what the table's publication publishes: inserts, and
 // deletes for the rows a writer deletes in the transaction that inserted
-// them (streamState.restore).
-const publishes = `publish = 'insert, delete'`
+// them (streamState.restore); a partitioned table's as the table's own
+// (without publish_via_partition_root they carry their partition's
+// relation, which the stream does not read).
+const publishes = `publish = 'insert, delete', publish_via_partition_root = true`
 
 // sqlCreatePublication publishes the inserts and deletes of table t as pub.
 func sqlCreatePublication(pub string, t outbox.Table) string {
 	return `CREATE PUBLICATION ` + pgx.Identifier{pub}.Sanitize() + ` FOR TABLE ` + t.Quoted() + ` WITH (` + publishes + `)`
 }
 
-// sqlPublishDeletes makes the publication pub publish deletes too (one
-// made by a relay before it did).
-func sqlPublishDeletes(pub string) string {
+// sqlAlterPublication makes the publication pub publish what publishes
+// says (one made by a relay before it published deletes, or a partitioned
+// table's changes through the table).
+func sqlAlterPublication(pub string) string {
 	return `ALTER PUBLICATION ` + pgx.Identifier{pub}.Sanitize() + ` SET (` + publishes + `)`
 }
 
