@@ -429,8 +429,9 @@ type streamState struct {
 	r    *Relay
 	conn *pgconn.PgConn
 
-	rel   uint32 // the table's relation id in this session; 0 until its Relation message
-	idCol int    // the index of the id column in its tuples
+	rel      uint32   // the table's relation id in this session; 0 until its Relation message
+	idCol    int      // the index of the id column in its tuples
+	relNames []string // its columns' names, in its tuples' order
 	// With writer deletes: where the columns are, the open transaction's
 	// rows, and the committed rows not yet published (pending's ids).
 	cols             *streamColumns
@@ -444,10 +445,10 @@ type streamState struct {
 	txIDs   []int64       // ids inserted by the open transaction
 	pending []int64       // ids of committed transactions not yet published, in commit order
 	pendLSN pglogrepl.LSN // the end of the last committed transaction in pending
-	// restore are the committed rows (as records) that a writer deleted in
+	// restore are the committed rows that a writer deleted in
 	// the transaction that inserted them, to put back before pending's
 	// claim (without writer deletes).
-	restore []string
+	restore []streamedRow
 	// pendSince is when the first of pending arrived: the linger runs from it.
 	pendSince time.Time
 	// carry is the last published batch, its mark and commit still
@@ -504,8 +505,9 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 	switch m := m.(type) {
 	case *pglogrepl.RelationMessage:
 		if m.RelationID == s.r.capture.oid { // by oid: a dropped table of the same name in older WAL is another relation
-			s.rel, s.idCol = m.RelationID, -1
+			s.rel, s.idCol, s.relNames = m.RelationID, -1, make([]string, len(m.Columns)) // a new slice: rows keep theirs
 			for i, c := range m.Columns {
+				s.relNames[i] = c.Name
 				if c.Name == "id" {
 					s.idCol = i
 				}
@@ -545,7 +547,7 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 		}
 		s.txIDs = append(s.txIDs, id)
 		// Kept until the commit, in case the transaction deletes the row.
-		s.txRows = append(s.txRows, tupleText(id, m.Tuple))
+		s.txRows = append(s.txRows, tupleText(id, s.relNames, m.Tuple))
 	case *pglogrepl.DeleteMessage:
 		// A row deleted by the transaction that inserted it was stored by
 		// a writer with writer deletes: it is in no table, and the claim
@@ -578,7 +580,7 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 			case s.cols != nil:
 				s.pendRows, s.pendBytes = append(s.pendRows, x), s.pendBytes+x.size
 			case x.deleted:
-				s.restore = append(s.restore, x.record())
+				s.restore = append(s.restore, x)
 			}
 		}
 		s.txIDs, s.txRows = s.txIDs[:0], s.txRows[:0]

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
 )
 
 // This file is the logical replication capture with writer deletes
@@ -70,7 +71,11 @@ func newStreamColumns(m *pglogrepl.RelationMessage, partitionColumn string) (*st
 // reads, and its columns' text to put it back with.
 type streamedRow struct {
 	row
-	text []*string // each column's text form, nil for NULL, in the relation's (the table's) order
+	text []*string // each column's text form, nil for NULL, in the order of names
+	// names are the columns the stream delivered the row with: the
+	// table's when it was written (it may have columns added or dropped
+	// since), shared by the rows of one relation message.
+	names []string
 	// readable: the columns the relay publishes are all there and parse;
 	// a row that is not is put back untried, for the claim to name what
 	// is wrong with it and hold it.
@@ -81,8 +86,8 @@ type streamedRow struct {
 
 // tupleText keeps an insert's columns' text (the stream's buffer is
 // reused by the next message), enough to put the row back (record).
-func tupleText(id int64, t *pglogrepl.TupleData) streamedRow {
-	x := streamedRow{row: row{id: id}, text: make([]*string, len(t.Columns))}
+func tupleText(id int64, names []string, t *pglogrepl.TupleData) streamedRow {
+	x := streamedRow{row: row{id: id}, names: names, text: make([]*string, len(t.Columns))}
 	for i, col := range t.Columns {
 		if col.DataType == pglogrepl.TupleDataTypeText || col.DataType == pglogrepl.TupleDataTypeBinary {
 			s := string(col.Data)
@@ -94,7 +99,7 @@ func tupleText(id int64, t *pglogrepl.TupleData) streamedRow {
 
 // decodeRow reads an insert's tuple.
 func (c *streamColumns) decodeRow(t *pglogrepl.TupleData) (streamedRow, error) {
-	x := streamedRow{text: make([]*string, len(c.names)), readable: true}
+	x := streamedRow{names: c.names, text: make([]*string, len(c.names)), readable: true}
 	for i, col := range t.Columns {
 		if i < len(x.text) && (col.DataType == pglogrepl.TupleDataTypeText || col.DataType == pglogrepl.TupleDataTypeBinary) {
 			s := string(col.Data)
@@ -219,10 +224,10 @@ func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRo
 	for _, id := range published {
 		out[id] = true
 	}
-	back, backIDs := []string{}, []int64{}
+	back, backIDs := []streamedRow{}, []int64{}
 	for _, x := range rows {
 		if !out[x.id] {
-			back, backIDs = append(back, x.record()), append(backIDs, x.id)
+			back, backIDs = append(back, x), append(backIDs, x.id)
 		}
 	}
 	if len(back) > 0 || len(b.holds) > 0 || len(b.unhold) > 0 {
@@ -270,19 +275,20 @@ func (s *streamState) remember(ids []int64) {
 	}
 }
 
-// record is the row in the text form of the table's row type, "(v1,,v3)"
-// (an empty field is NULL): cast to the type, each field goes through its
-// column type's input, as the writer's insert did.
-func (x streamedRow) record() string {
+// record is the row in the text form of a row type whose columns are
+// layout, "(v1,,v3)" (an empty field is NULL): cast to the type, each field
+// goes through its column type's input, as the writer's insert did. A
+// column of layout the row does not have is left empty.
+func (x streamedRow) record(layout []string) string {
 	var b strings.Builder
 	b.WriteByte('(')
-	for i, v := range x.text {
+	for i, name := range layout {
 		if i > 0 {
 			b.WriteByte(',')
 		}
-		if v != nil {
+		if j := slices.Index(x.names, name); j >= 0 && x.text[j] != nil {
 			b.WriteByte('"')
-			b.WriteString(recordQuoter.Replace(*v))
+			b.WriteString(recordQuoter.Replace(*x.text[j]))
 			b.WriteByte('"')
 		}
 	}
@@ -292,17 +298,15 @@ func (x streamedRow) record() string {
 
 // putBack inserts rows into the table as they were written (their ids
 // too), unpublished, and records the batch's holds, in one transaction.
-func (r *Relay) putBack(b *inFlight, rows []string) error {
+func (r *Relay) putBack(b *inFlight, rows []streamedRow) error {
 	tx, err := r.pool.Begin(b.ctx)
 	if err != nil {
 		return fmt.Errorf("begin putting rows back into %s: %w", r.table, err)
 	}
 	defer tx.Rollback(b.ctx) //nolint:errcheck // no-op after commit
 	b.tx = tx
-	if len(rows) > 0 {
-		if _, err := tx.Exec(b.ctx, r.sql.PutBack, rows); err != nil {
-			return fmt.Errorf("put %d rows back into %s: %w", len(rows), r.table, err)
-		}
+	if err := r.insertStreamed(b.ctx, tx, rows); err != nil {
+		return fmt.Errorf("put %d rows back into %s: %w", len(rows), r.table, err)
 	}
 	if err := r.recordHolds(b); err != nil {
 		return err
@@ -317,13 +321,50 @@ func (r *Relay) putBack(b *inFlight, rows []string) error {
 // transaction that inserted them (a writer with writer deletes, while the
 // table's relay did not run with them: during a switch away from writer
 // deletes, say), unpublished, for the claim that follows to publish them.
-func (r *Relay) restoreDeleted(ctx context.Context, rows []string) error {
+func (r *Relay) restoreDeleted(ctx context.Context, rows []streamedRow) error {
 	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
 	defer cancel()
-	if _, err := r.pool.Exec(bctx, r.sql.PutBack, rows); err != nil {
+	if err := pgx.BeginFunc(bctx, r.pool, func(tx pgx.Tx) error { return r.insertStreamed(bctx, tx, rows) }); err != nil {
 		return r.dbFailed(fmt.Errorf("put %d rows the writers deleted back into %s (the relay's role needs INSERT on it: GRANT INSERT ON %s TO the role): %w",
 			len(rows), r.table, r.table.Quoted(), err))
 	}
 	r.log.Info("put rows their writers deleted back into the table, to publish them", "rows", len(rows))
+	return nil
+}
+
+// insertStreamed inserts streamed rows into the table, unpublished, with
+// their ids, leaving out those it has already. The stream delivers a row
+// with the columns the table had when it was written; a column added
+// since takes its default, one dropped since is left out, so a row
+// written before a migration goes back after it.
+func (r *Relay) insertStreamed(ctx context.Context, tx pgx.Tx, rows []streamedRow) error {
+	if len(rows) == 0 {
+		return nil
+	}
+	var layout []string
+	if err := tx.QueryRow(ctx, sqlRowTypeColumns, r.capture.oid).Scan(&layout); err != nil {
+		return fmt.Errorf("read the columns of %s: %w", r.table, err)
+	}
+	// Rows of one relation message share their names: one statement each.
+	for len(rows) > 0 {
+		n := 1
+		for n < len(rows) && slices.Equal(rows[n].names, rows[0].names) {
+			n++
+		}
+		var cols []string
+		for _, name := range layout {
+			if slices.Contains(rows[0].names, name) {
+				cols = append(cols, name)
+			}
+		}
+		records := make([]string, n)
+		for i, x := range rows[:n] {
+			records[i] = x.record(layout)
+		}
+		if _, err := tx.Exec(ctx, sqlInsertRecords(r.table, cols), records); err != nil {
+			return err
+		}
+		rows = rows[n:]
+	}
 	return nil
 }

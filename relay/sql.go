@@ -38,10 +38,6 @@ type SQL struct {
 	// Delete deletes the rows whose ids are $1 (OnPublishDelete), with
 	// Mark's $2 and $3 on a partitioned table.
 	Delete string
-	// PutBack inserts rows a streaming relay with writer deletes could not
-	// publish ($1, each the text form of the table's row type, ids
-	// included), unpublished, leaving out those the table has already.
-	PutBack string
 	// Partitioned: built WithPartitions; Mark and Delete take the batch's
 	// created_at bounds.
 	Partitioned bool
@@ -257,9 +253,6 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
     FOR UPDATE SKIP LOCKED`, "$4", "$5", "ord"),
 		Mark:   `UPDATE ` + q + ` SET published_at = now() WHERE id = ANY($1)` + bounds,
 		Delete: `DELETE FROM ` + q + ` WHERE id = ANY($1)` + bounds,
-		PutBack: `INSERT INTO ` + q + ` OVERRIDING SYSTEM VALUE
-    SELECT (r::` + q + `).* FROM unnest($1::text[]) AS r
-    ON CONFLICT DO NOTHING`,
 		Prune: `WITH doomed AS (
     SELECT id FROM ` + q + `
     WHERE id > $1 AND published_at < now() - $2::float8 * interval '1 second'

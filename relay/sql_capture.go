@@ -1,6 +1,8 @@
 package relay
 
 import (
+	"strings"
+
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
@@ -39,6 +41,26 @@ const (
 		SELECT count(*) > 0 FROM d`
 )
 
+// sqlRowTypeColumns: the names of the columns of the table whose oid is $1, in
+// its row type's order.
+const sqlRowTypeColumns = `SELECT COALESCE(array_agg(attname::text ORDER BY attnum), '{}')
+	FROM pg_attribute WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped`
+
+// sqlInsertRecords inserts into t the columns cols of records ($1, each the
+// text form of t's row type, ids included), leaving out rows t has already;
+// t's other columns take their defaults.
+func sqlInsertRecords(t outbox.Table, cols []string) string {
+	list := make([]string, len(cols))
+	sel := make([]string, len(cols))
+	for i, c := range cols {
+		list[i] = pgx.Identifier{c}.Sanitize()
+		sel[i] = "x." + list[i]
+	}
+	return `INSERT INTO ` + t.Quoted() + ` (` + strings.Join(list, ", ") + `) OVERRIDING SYSTEM VALUE
+    SELECT ` + strings.Join(sel, ", ") + ` FROM unnest($1::text[]) AS r, LATERAL (SELECT (r::` + t.Quoted() + `).*) AS x
+    ON CONFLICT DO NOTHING`
+}
+
 // publishes is what the table's publication publishes: inserts, and
 // deletes for the rows a writer deletes in the transaction that inserted
 // them (streamState.restore); a partitioned table's as the table's own
@@ -68,4 +90,5 @@ func sqlAddToPublication(pub string, t outbox.Table) string {
 var captureStatements = map[string]string{
 	"sqlCaptureSettings": sqlCaptureSettings, "sqlCanReplicate": sqlCanReplicate, "sqlPublishes": sqlPublishes,
 	"sqlSlotState": sqlSlotState, "sqlDropSlot": sqlDropSlot, "sqlWriterDeletesTable": sqlWriterDeletesTable,
+	"sqlRowTypeColumns": sqlRowTypeColumns,
 }
