@@ -331,7 +331,8 @@ func TestLogicalReplicationStreamsAPartitionedTable(t *testing.T) {
 	today := partitioned(t, f)
 	slot := tableSlot(t, f)
 	f.Exec(`CREATE PUBLICATION ` + slot + ` FOR TABLE outbox WITH (publish = 'insert, delete')`) // as a relay made it before
-	cfg.FullRescanInterval = time.Hour                                                           // no sweep delivers what the stream skipped
+	// No sweep delivers what the stream skipped.
+	cfg.FullRescanInterval = time.Hour
 	startStreaming(t, cfg)
 	require.Equal(t, 1, f.Count(`SELECT count(*) FROM pg_publication WHERE pubname = $1 AND pubviaroot`, slot))
 	insertAt(f, 30, 3, today.Add(time.Hour), false, "E")
