@@ -75,8 +75,16 @@ const (
 	writerDeletesLockRetry = 2 * time.Millisecond
 )
 
-// errSlotBusy: another replica streams from the slot.
-var errSlotBusy = errors.New("another replica streams from the replication slot")
+// The wait for the capture lock (tryCaptureLock), and between its tries:
+// a session this relay just closed may hold it until its backend exits.
+const (
+	captureLockWait  = 500 * time.Millisecond
+	captureLockRetry = 20 * time.Millisecond
+)
+
+// errSlotBusy: another replica streams from the slot, or polls in the
+// stream's stead.
+var errSlotBusy = errors.New("another replica streams from the replication slot or polls in its stead")
 
 // errSlotGone: the slot was lost (invalidated) or given up (too much
 // retained WAL); the relay polls for fallbackPeriod and makes a new one.
@@ -203,12 +211,55 @@ func (r *Relay) runCapture(ctx context.Context) {
 	}
 }
 
-// pollFor polls for d: the relay's rows flow while it cannot stream.
+// pollFor polls for d: the relay's rows flow while it cannot stream. It
+// polls holding the slot's capture lock, on a replication session of its
+// own (the pool's connections are the batches'), so no other replica
+// streams meanwhile; when another replica holds it, that one publishes,
+// and this one waits as a standby.
 func (r *Relay) pollFor(ctx context.Context, d time.Duration) {
+	conn, err := r.replicationConn(ctx)
+	if err == nil {
+		defer conn.Close(context.WithoutCancel(ctx))
+		err = r.tryCaptureLock(ctx, conn)
+	}
+	if err != nil {
+		if errors.Is(err, errSlotBusy) {
+			d = standbyRetry
+			r.health.batchDone(time.Now(), 0, 0) // a standby has nothing to do: that is progress
+		} else {
+			r.log.Warn("cannot take the capture lock to poll in the stream's stead", "err", err, "retry in", d)
+			r.health.batchFailed(time.Now(), err)
+		}
+		r.health.idleUntil(time.Now().Add(d))
+		sleep(ctx, d)
+		return
+	}
 	r.m.captureFallback.Set(1)
 	defer r.m.captureFallback.Set(0)
 	until := time.Now().Add(d)
 	r.poll(ctx, func() bool { return !time.Now().Before(until) })
+}
+
+// tryCaptureLock takes the slot's capture lock on conn (sqlTryCaptureLock):
+// errSlotBusy when another session holds it for captureLockWait.
+func (r *Relay) tryCaptureLock(ctx context.Context, conn *pgconn.PgConn) error {
+	q := sqlTryCaptureLock(outbox.QuoteLiteral(r.capture.slot))
+	for deadline := time.Now().Add(captureLockWait); ; {
+		res, err := conn.Exec(ctx, q).ReadAll()
+		if err != nil {
+			return fmt.Errorf("take the capture lock of slot %s: %w", r.capture.slot, err)
+		}
+		if len(res) != 1 || len(res[0].Rows) != 1 || len(res[0].Rows[0]) != 1 {
+			return fmt.Errorf("take the capture lock of slot %s: unexpected result", r.capture.slot)
+		}
+		switch {
+		case string(res[0].Rows[0][0]) == "t":
+			return nil
+		case time.Now().After(deadline) || ctx.Err() != nil:
+			return errSlotBusy
+		}
+		sleep(ctx, captureLockRetry)
+	}
 }
 
 // replicationConn opens a replication connection with the pool's
@@ -235,11 +286,15 @@ func (r *Relay) replicationConn(ctx context.Context) (*pgconn.PgConn, error) {
 	return pgconn.ConnectConfig(ctx, cfg)
 }
 
-// startReplication starts streaming from the slot on conn; with writer
-// deletes it first takes the slot's writer-deletes lock on conn, which the
-// writers test before they delete (outbox.DeleteOnStoreCondition) and
-// which goes with the session.
+// startReplication starts streaming from the slot on conn. It first takes
+// the slot's capture lock on conn (errSlotBusy when another replica
+// streams or polls in the stream's stead) and, with writer deletes, the
+// slot's writer-deletes lock, which the writers test before they delete
+// (outbox.DeleteOnStoreCondition); both go with the session.
 func (r *Relay) startReplication(ctx context.Context, conn *pgconn.PgConn, opts pglogrepl.StartReplicationOptions) error {
+	if err := r.tryCaptureLock(ctx, conn); err != nil {
+		return err
+	}
 	if r.cfg.WriterDeletes {
 		if err := lockWriterDeletes(ctx, conn, r.capture.slot); err != nil {
 			return err

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -50,4 +51,61 @@ func TestSlotPastMaxRetainedWALIsGivenUp(t *testing.T) {
 	var left int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&left))
 	require.Zero(t, left, "the slot is dropped")
+}
+
+// One replica at a time publishes what the slot carries: while another
+// session holds the slot's capture lock (a replica streaming, or polling
+// in the stream's stead), this relay neither streams nor polls in the
+// stream's stead; once it is free, its polling publishes.
+func TestCaptureLockFencesStreamingAndFallbackPolling(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dsn := testenv.PG().NewDatabase(t)
+	pool, err := pgxpool.New(ctx, dsn)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	_, err = pool.Exec(ctx, outbox.SchemaDDL(outbox.Table{Name: "outbox"}))
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		SELECT gen_random_uuid(), 'O', 'a', 'E', '{}', 'a' FROM generate_series(1, 20)`)
+	require.NoError(t, err)
+	topic := testenv.Broker().TopicName(t, "E")
+	testenv.Broker().CreateTopic(t, topic, 1)
+
+	r, err := New(Config{Settings: Settings{DSN: dsn, Brokers: []string{testenv.Broker().Addr()}, Topics: map[string]string{"E": topic},
+		Capture: CaptureLogicalReplication}})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.Close() })
+	require.NoError(t, r.Check(ctx))
+	t.Cleanup(func() {
+		_, _ = pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, r.capture.slot)
+	})
+	unpublished := func() int {
+		var n int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE published_at IS NULL`).Scan(&n))
+		return n
+	}
+
+	holder, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	var held bool
+	require.NoError(t, holder.QueryRow(ctx, sqlTryCaptureLock(outbox.QuoteLiteral(r.capture.slot))).Scan(&held))
+	require.True(t, held)
+	require.ErrorIs(t, r.stream(ctx), errSlotBusy, "no stream while another replica holds the lock")
+	r.pollFor(ctx, 3*time.Second)
+	require.Equal(t, 20, unpublished(), "no polling in the stream's stead either")
+	require.Zero(t, testutil.ToFloat64(r.m.captureFallback))
+
+	holder.Conn().Close(ctx) // the other replica ends: its lock goes with its session
+	holder.Release()
+	pctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	go func() {
+		for pctx.Err() == nil && unpublished() > 0 {
+			time.Sleep(20 * time.Millisecond)
+		}
+		cancel()
+	}()
+	r.pollFor(pctx, 30*time.Second)
+	require.Zero(t, unpublished(), "then the relay polls in the stream's stead")
 }

@@ -61,6 +61,22 @@ func sqlInsertRecords(t outbox.Table, cols []string) string {
     ON CONFLICT DO NOTHING`
 }
 
+// captureLockSeed seeds the hash of a slot's name that keys its capture
+// lock (sqlTryCaptureLock), unlike the writer-deletes lock's and a plain
+// hash an application might lock on.
+const captureLockSeed = "7310248513"
+
+// sqlTryCaptureLock takes the capture lock of the slot whose name is the
+// literal slot, without waiting: true when this session holds it now. The
+// replica that streams from the slot holds it on its replication session,
+// and one that polls in the stream's stead (runCapture) holds it while it
+// polls, so that one replica at a time publishes what the slot carries:
+// two, one in commit order and one in id order, could put a key's rows
+// out of order between them.
+func sqlTryCaptureLock(slot string) string {
+	return `SELECT pg_try_advisory_lock(hashtextextended(` + slot + `, ` + captureLockSeed + `))`
+}
+
 // publishes is what the table's publication publishes: inserts, and
 // deletes for the rows a writer deletes in the transaction that inserted
 // them (streamState.restore); a partitioned table's as the table's own
