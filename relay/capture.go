@@ -861,7 +861,9 @@ func (r *Relay) checkSlot(ctx context.Context, slot string) error {
 	var status string
 	err := r.pool.QueryRow(ctx, sqlSlotState, slot).Scan(&retained, &status)
 	if err != nil {
-		r.log.Debug("could not read the replication slot's state", "slot", slot, "err", err)
+		// The stream goes on (it fails on its own if the database is
+		// gone), but the retained-WAL bound is not checked meanwhile.
+		r.log.Warn("could not read the replication slot's state; --max-retained-wal is not checked until it reads", "slot", slot, "err", err)
 		return nil
 	}
 	r.m.slotRetainedWAL.Set(float64(retained))
