@@ -47,7 +47,8 @@ const (
 	standbyRetry = time.Second
 	// statusInterval is how often the streaming replica reports its
 	// position to the server when nothing else makes it (the server
-	// drops a silent client after wal_sender_timeout, 60 s by default).
+	// drops a silent client after wal_sender_timeout, 60 s by default;
+	// statusEvery shortens it for a shorter one).
 	statusInterval = 10 * time.Second
 	// streamGap is how long the stream waits for the next message before
 	// it publishes a short batch: rows that come in a burst go together.
@@ -368,11 +369,12 @@ func (r *Relay) stream(ctx context.Context) error {
 	defer r.m.captureStreaming.Set(0)
 	r.log.Info("streaming the table's inserts", "slot", c.slot, "publication", c.publication)
 
-	s := &streamState{r: r, conn: conn}
+	s := &streamState{r: r, conn: conn, statusEvery: r.statusEvery(ctx)}
+	s.nextStatus = time.Now().Add(s.statusEvery)
 	defer func() { _ = s.settle(context.WithoutCancel(ctx)) }() // a batch whose commit runs is finished, never abandoned
-	r.sweep(ctx)                                                // rows committed before the slot, and rows released from holding
+	r.sweep(ctx, s.keepAlive)                                   // rows committed before the slot, and rows released from holding
 	now := time.Now()
-	s.nextSweep, s.nextStatus, s.nextCheck = now.Add(r.cfg.FullRescanInterval), now.Add(statusInterval), now
+	s.nextSweep, s.nextCheck = now.Add(r.cfg.FullRescanInterval), now
 	for ctx.Err() == nil {
 		now := time.Now()
 		r.health.iteration(now)
@@ -405,7 +407,7 @@ func (r *Relay) stream(ctx context.Context) error {
 				}
 			}
 			if sweep {
-				r.sweep(ctx)
+				r.sweep(ctx, s.keepAlive)
 				s.nextSweep = time.Now().Add(r.cfg.FullRescanInterval)
 			} else if len(due) > 0 {
 				// Held rows due again are tried at once, by id, as polling
@@ -516,6 +518,10 @@ type streamState struct {
 	confirmed pglogrepl.LSN
 
 	nextSweep, nextStatus, nextCheck, nextFilter time.Time
+	// statusEvery is how often the position is reported when nothing
+	// else makes it (statusInterval, or a third of a shorter
+	// wal_sender_timeout).
+	statusEvery time.Duration
 }
 
 // handle processes one message of the replication protocol.
@@ -709,9 +715,30 @@ func (s *streamState) settle(ctx context.Context) error {
 	return s.sendStatus(ctx)
 }
 
+// keepAlive reports the position when it is due while the loop does
+// something other than read the stream: a sweep through a backlog can
+// outlast wal_sender_timeout, after which the server ends a session that
+// said nothing. A failure shows at the stream's next read.
+func (s *streamState) keepAlive(ctx context.Context) {
+	if !time.Now().Before(s.nextStatus) {
+		_ = s.sendStatus(ctx)
+	}
+}
+
+// statusEvery is how often a stream reports its position unasked:
+// statusInterval, or a third of the server's wal_sender_timeout when that
+// is shorter (0 turns the timeout off).
+func (r *Relay) statusEvery(ctx context.Context) time.Duration {
+	var timeout float64
+	if err := r.pool.QueryRow(ctx, sqlWALSenderTimeout).Scan(&timeout); err != nil || timeout <= 0 {
+		return statusInterval
+	}
+	return min(statusInterval, time.Duration(timeout*float64(time.Second))/3)
+}
+
 // sendStatus tells the server how far it may discard the slot's WAL.
 func (s *streamState) sendStatus(ctx context.Context) error {
-	s.nextStatus = time.Now().Add(statusInterval)
+	s.nextStatus = time.Now().Add(s.statusEvery)
 	err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn, pglogrepl.StandbyStatusUpdate{
 		WALWritePosition: s.confirmed, WALFlushPosition: s.confirmed, WALApplyPosition: s.confirmed,
 	})
@@ -819,10 +846,11 @@ func (r *Relay) claimStreamed(ctx context.Context, ids []int64) (*inFlight, erro
 // Its batches are pipelined as polling's are (a full batch's mark and
 // commit run beside the next claim and publish), so a backlog left while
 // the relay was down drains at polling's pace.
-func (r *Relay) sweep(ctx context.Context) {
+func (r *Relay) sweep(ctx context.Context, alive func(context.Context)) {
 	r.cur.rescanSoon()
 	var pending *inFlight
 	for ctx.Err() == nil {
+		alive(ctx)
 		b, err := r.claimAndPublish(ctx)
 		if pending != nil {
 			err = firstErr(err, r.finish(pending))

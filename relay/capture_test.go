@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
@@ -338,4 +339,46 @@ func TestLogicalReplicationStreamsAPartitionedTable(t *testing.T) {
 	insertAt(f, 30, 3, today.Add(time.Hour), false, "E")
 	f.WaitDrained(0, 20*time.Second)
 	deliveredInOrder(t, f, f.Topics["E"], 30)
+}
+
+// A sweep through a backlog outlasting wal_sender_timeout does not cost the
+// stream its session: the relay reports its position while it sweeps (at
+// a third of a timeout shorter than its usual interval), so the server
+// does not end a session that seemed silent.
+func TestLogicalReplicationSweepOutlastsWALSenderTimeout(t *testing.T) {
+	t.Parallel()
+	f, cfg := captureFixture(t, 1, "E")
+	var db string
+	require.NoError(t, f.Pool.QueryRow(context.Background(), `SELECT current_database()`).Scan(&db))
+	f.Exec(`ALTER DATABASE ` + db + ` SET wal_sender_timeout = '1s'`)
+	x := startStreaming(t, cfg) // the slot, so that what follows is in its WAL
+	x.Stop(t)
+	f.Insert(5000, 100, "E")
+	cfg.BatchSize = 50
+	// 100 batches of at least 20 ms each: the sweep lasts 2 s or more.
+	y := run(t, cfg, &pacedWriter{w: newKafkaWriter(t), pause: 20 * time.Millisecond})
+	streaming := func() bool { return outboxtest.MetricValue(t, y.Reg, "outbox_relay_capture_streaming") == 1 }
+	require.Eventually(t, streaming, 10*time.Second, 5*time.Millisecond) // then it sweeps
+	started := time.Now()
+	var drained time.Time // the session would end at its first read after the sweep: watch a while longer
+	for drained.IsZero() || time.Since(drained) < 2*time.Second {
+		require.True(t, streaming(), "the stream's session lasts through the sweep")
+		require.Less(t, time.Since(started), 60*time.Second, "drained")
+		if drained.IsZero() && f.Unpublished() == 0 {
+			drained = time.Now()
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	require.Greater(t, drained.Sub(started), 1500*time.Millisecond, "the sweep outlasted the timeout")
+}
+
+// pacedWriter pauses before each publish: a slow broker.
+type pacedWriter struct {
+	w     relay.MessageWriter
+	pause time.Duration
+}
+
+func (p *pacedWriter) WriteMessages(ctx context.Context, msgs ...kafka.Message) error {
+	time.Sleep(p.pause)
+	return p.w.WriteMessages(ctx, msgs...)
 }

@@ -32,6 +32,8 @@ const (
 	// is $1, and whether the role may insert into it.
 	sqlWriterDeletesTable = `SELECT COALESCE(array_agg(attname::text ORDER BY attnum), '{}'), has_table_privilege($1::oid, 'INSERT')
 		FROM pg_attribute WHERE attrelid = $1 AND attgenerated <> '' AND attnum > 0 AND NOT attisdropped`
+	// sqlWALSenderTimeout: wal_sender_timeout in seconds (0: none).
+	sqlWALSenderTimeout = `SELECT extract(epoch FROM current_setting('wal_sender_timeout')::interval)::float8`
 	// sqlSlotState: the WAL the slot $1 holds back, in bytes, and its wal_status.
 	sqlSlotState = `SELECT COALESCE(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::bigint, COALESCE(wal_status, '')
 		FROM pg_replication_slots WHERE slot_name = $1`
@@ -106,5 +108,5 @@ func sqlAddToPublication(pub string, t outbox.Table) string {
 var captureStatements = map[string]string{
 	"sqlCaptureSettings": sqlCaptureSettings, "sqlCanReplicate": sqlCanReplicate, "sqlPublishes": sqlPublishes,
 	"sqlSlotState": sqlSlotState, "sqlDropSlot": sqlDropSlot, "sqlWriterDeletesTable": sqlWriterDeletesTable,
-	"sqlRowTypeColumns": sqlRowTypeColumns,
+	"sqlRowTypeColumns": sqlRowTypeColumns, "sqlWALSenderTimeout": sqlWALSenderTimeout,
 }
