@@ -15,20 +15,27 @@ import (
 	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
+// outboxDB is a new database with the outbox table, and a pool on it.
+func outboxDB(t *testing.T) (string, *pgxpool.Pool) {
+	t.Helper()
+	dsn := testenv.PG().NewDatabase(t)
+	pool, err := pgxpool.New(context.Background(), dsn)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	_, err = pool.Exec(context.Background(), outbox.SchemaDDL(outbox.Table{Name: "outbox"}))
+	require.NoError(t, err)
+	return dsn, pool
+}
+
 // A slot holding back more WAL than MaxRetainedWAL is given up: checkSlot
 // says so (errSlotGone, naming the bytes and the limit) and sets the gauge,
 // and dropSlot removes it, so the relay polls and later makes a new one.
 func TestSlotPastMaxRetainedWALIsGivenUp(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	dsn := testenv.PG().NewDatabase(t)
-	pool, err := pgxpool.New(ctx, dsn)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	_, err = pool.Exec(ctx, outbox.SchemaDDL(outbox.Table{Name: "outbox"}))
-	require.NoError(t, err)
+	dsn, pool := outboxDB(t)
 	slot := fmt.Sprintf("test_given_up_%d", testenv.PG().Port)
-	_, err = pool.Exec(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, slot)
+	_, err := pool.Exec(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, slot)
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		_, _ = pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1`, slot)
@@ -60,13 +67,8 @@ func TestSlotPastMaxRetainedWALIsGivenUp(t *testing.T) {
 func TestCaptureLockFencesStreamingAndFallbackPolling(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	dsn := testenv.PG().NewDatabase(t)
-	pool, err := pgxpool.New(ctx, dsn)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	_, err = pool.Exec(ctx, outbox.SchemaDDL(outbox.Table{Name: "outbox"}))
-	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+	dsn, pool := outboxDB(t)
+	_, err := pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 		SELECT gen_random_uuid(), 'O', 'a', 'E', '{}', 'a' FROM generate_series(1, 20)`)
 	require.NoError(t, err)
 	topic := testenv.Broker().TopicName(t, "E")
