@@ -213,15 +213,15 @@ func (r *Relay) runCapture(ctx context.Context) {
 }
 
 // pollFor polls for d: the relay's rows flow while it cannot stream. It
-// polls holding the slot's capture lock, on a replication session of its
-// own (the pool's connections are the batches'), so no other replica
-// streams meanwhile; when another replica holds it, that one publishes,
-// and this one waits as a standby.
+// polls holding the slot's capture lock, on a session of its own (the
+// pool's connections are the batches'; an ordinary one, which takes no
+// walsender), so no other replica streams meanwhile; when another replica
+// holds it, that one publishes, and this one waits as a standby.
 func (r *Relay) pollFor(ctx context.Context, d time.Duration) {
-	conn, err := r.replicationConn(ctx)
+	conn, err := r.connect(ctx)
 	if err == nil {
 		defer conn.Close(context.WithoutCancel(ctx))
-		err = r.tryCaptureLock(ctx, conn)
+		err = r.tryCaptureLock(ctx, conn.PgConn())
 	}
 	if err != nil {
 		if errors.Is(err, errSlotBusy) {
