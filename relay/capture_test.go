@@ -350,13 +350,17 @@ func TestLogicalReplicationSweepOutlastsWALSenderTimeout(t *testing.T) {
 	f, cfg := captureFixture(t, 1, "E")
 	var db string
 	require.NoError(t, f.Pool.QueryRow(context.Background(), `SELECT current_database()`).Scan(&db))
-	f.Exec(`ALTER DATABASE ` + db + ` SET wal_sender_timeout = '1s'`)
+	f.Exec(`ALTER DATABASE ` + db + ` SET wal_sender_timeout = '2s'`)
 	x := startStreaming(t, cfg) // the slot, so that what follows is in its WAL
 	x.Stop(t)
-	f.Insert(5000, 100, "E")
+	f.Insert(8000, 100, "E")
 	cfg.BatchSize = 50
-	// 100 batches of at least 20 ms each: the sweep lasts 2 s or more.
-	y := run(t, cfg, &pacedWriter{w: newKafkaWriter(t), pause: 20 * time.Millisecond})
+	w := newKafkaWriter(t)
+	require.Eventually(t, func() bool { // a new topic: the writer knows it before the sweep's first write
+		return w.WriteMessages(context.Background(), kafka.Message{Topic: f.Topics["E"], Value: []byte(`{}`)}) == nil
+	}, 30*time.Second, 100*time.Millisecond)
+	// 160 batches of at least 20 ms each: the sweep lasts 3.2 s or more.
+	y := run(t, cfg, &pacedWriter{w: w, pause: 20 * time.Millisecond})
 	streaming := func() bool { return outboxtest.MetricValue(t, y.Reg, "outbox_relay_capture_streaming") == 1 }
 	require.Eventually(t, streaming, 10*time.Second, 5*time.Millisecond) // then it sweeps
 	started := time.Now()
@@ -369,7 +373,7 @@ func TestLogicalReplicationSweepOutlastsWALSenderTimeout(t *testing.T) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	require.Greater(t, drained.Sub(started), 1500*time.Millisecond, "the sweep outlasted the timeout")
+	require.Greater(t, drained.Sub(started), 2500*time.Millisecond, "the sweep outlasted the timeout")
 }
 
 // pacedWriter pauses before each publish: a slow broker.
