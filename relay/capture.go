@@ -67,6 +67,8 @@ const (
 	// fallbackPeriod is how long the relay polls after it gave up or lost
 	// its slot, before it makes a new one.
 	fallbackPeriod = time.Minute
+	// sweepRetry is when a sweep that failed runs again (sweep).
+	sweepRetry = time.Second
 )
 
 // The wait for the writer-deletes lock (lockWriterDeletes), and between
@@ -372,9 +374,8 @@ func (r *Relay) stream(ctx context.Context) error {
 	s := &streamState{r: r, conn: conn, statusEvery: r.statusEvery(ctx)}
 	s.nextStatus = time.Now().Add(s.statusEvery)
 	defer func() { _ = s.settle(context.WithoutCancel(ctx)) }() // a batch whose commit runs is finished, never abandoned
-	r.sweep(ctx, s.keepAlive)                                   // rows committed before the slot, and rows released from holding
-	now := time.Now()
-	s.nextSweep, s.nextCheck = now.Add(r.cfg.FullRescanInterval), now
+	s.nextSweep = r.sweep(ctx, s.keepAlive)                     // rows committed before the slot, and rows released from holding
+	s.nextCheck = time.Now()
 	for ctx.Err() == nil {
 		now := time.Now()
 		r.health.iteration(now)
@@ -407,8 +408,7 @@ func (r *Relay) stream(ctx context.Context) error {
 				}
 			}
 			if sweep {
-				r.sweep(ctx, s.keepAlive)
-				s.nextSweep = time.Now().Add(r.cfg.FullRescanInterval)
+				s.nextSweep = r.sweep(ctx, s.keepAlive)
 			} else if len(due) > 0 {
 				// Held rows due again are tried at once, by id, as polling
 				// tries them with its next claim.
@@ -846,7 +846,15 @@ func (r *Relay) claimStreamed(ctx context.Context, ids []int64) (*inFlight, erro
 // Its batches are pipelined as polling's are (a full batch's mark and
 // commit run beside the next claim and publish), so a backlog left while
 // the relay was down drains at polling's pace.
-func (r *Relay) sweep(ctx context.Context, alive func(context.Context)) {
+//
+// It returns when the next sweep is due: after FullRescanInterval, or
+// after sweepRetry when this one failed (Kafka or the database): the rows
+// it could not publish wait in the table, and no stream delivers them.
+func (r *Relay) sweep(ctx context.Context, alive func(context.Context)) (next time.Time) {
+	failed := func(err error) time.Time {
+		r.log.Warn("sweep failed; sweeping again soon", "err", err, "in", sweepRetry)
+		return time.Now().Add(sweepRetry)
+	}
 	r.cur.rescanSoon()
 	var pending *inFlight
 	for ctx.Err() == nil {
@@ -858,9 +866,9 @@ func (r *Relay) sweep(ctx context.Context, alive func(context.Context)) {
 		}
 		if b == nil {
 			if err != nil {
-				r.log.Warn("sweep failed", "err", err)
+				return failed(err)
 			}
-			return
+			break
 		}
 		if r.mayPipeline(b, err) {
 			pending = r.commitAsync(b)
@@ -868,18 +876,18 @@ func (r *Relay) sweep(ctx context.Context, alive func(context.Context)) {
 		}
 		b.done <- r.markAndCommit(b)
 		if err := firstErr(err, r.finish(b)); err != nil {
-			r.log.Warn("sweep failed", "err", err)
-			return
+			return failed(err)
 		}
 		if !b.full {
-			return
+			break
 		}
 	}
 	if pending != nil {
 		if err := r.finish(pending); err != nil {
-			r.log.Warn("sweep failed", "err", err)
+			return failed(err)
 		}
 	}
+	return time.Now().Add(r.cfg.FullRescanInterval)
 }
 
 // checkSlot reads the slot's retained WAL; a slot past MaxRetainedWAL is

@@ -57,8 +57,10 @@ var faultSeeds = []uint64{1, 2, 3, 4, 5, 6, 10, 29, 821291}
 // captureSeeds are the scenarios make test runs again with logical
 // replication capture: those above that draw ordering none (capture does
 // not combine with partition-key ordering); 10 restarts PostgreSQL under
-// the stream, 6 kills the streaming relay.
-var captureSeeds = []uint64{2, 4, 6, 10}
+// the stream, 6 kills the streaming relay; 707398 (found by make chaos)
+// fails a sweep on a slow broker after the writers stopped, whose rows no
+// stream delivers: they waited for the next sweep, 10 s later.
+var captureSeeds = []uint64{2, 4, 6, 10, 707398}
 
 // The topics' record batch limit (max.message.bytes) in the scenarios: small,
 // so a hot key's share of a batch exceeds it and a large row is over it.
