@@ -66,6 +66,16 @@ func TestBenchQuick(t *testing.T) {
 	v, ok = rep.get(scCapture, "latency rate=500 logical-replication", "db_cpu_ms_per_1k")
 	require.True(t, ok)
 	require.Positive(t, v, "the database server's CPU per event is measured")
+	// What the writers' commits take at the rate, with no relay and with each mode.
+	alone, ok := rep.get(scCapture, "latency rate=500 "+noRelay, "writer_commit_p99_ms")
+	require.True(t, ok, "the writers' commits with no relay are measured")
+	require.Positive(t, alone)
+	v, ok = rep.get(scCapture, "latency rate=500 logical-replication", "writer_commit_p99_ms")
+	require.True(t, ok, "the writers' commits beside logical replication are measured")
+	require.Positive(t, v)
+	q, ok := rep.Ratios["writers' commit p99 at 500/s, with logical-replication / "+noRelay]
+	require.True(t, ok, "the writers' commit p99 against no relay, in the same run")
+	require.InDelta(t, v/alone, q.Median, 1e-9)
 	_, ok = rep.get(scCaptureIdle, "idle logical-replication, writer deletes", "relay_cpu_millicores")
 	require.True(t, ok, "the capture modes' idle cost is measured")
 	// Idle, the server may use less than one clock tick (10 ms) in the
@@ -73,7 +83,7 @@ func TestBenchQuick(t *testing.T) {
 	v, ok = rep.get(scCaptureIdle, "idle logical-replication, writer deletes", "db_cpu_millicores")
 	require.True(t, ok, "the database server's idle CPU is measured")
 	require.GreaterOrEqual(t, v, 0.0)
-	q, ok := rep.Ratios["relay CPU per event, poll / poll every 200 ms (--linger 200ms) at 500/s"]
+	q, ok = rep.Ratios["relay CPU per event, poll / poll every 200 ms (--linger 200ms) at 500/s"]
 	require.True(t, ok, "adaptive polling's cost against the fixed poller, per round")
 	require.Len(t, q.Rounds, 1)
 	require.Positive(t, q.Median)

@@ -33,6 +33,10 @@ const (
 	pollFixed    = "poll every 200 ms (--linger 200ms)"
 )
 
+// noRelay names the writers' runs with no relay at all: the yardstick of
+// what each mode costs them.
+const noRelay = "no relay"
+
 var captureModes = []captureMode{
 	{name: pollAdaptive},
 	{name: pollLinger10, args: []string{flagArg(relayconfig.FlagLinger, 10*time.Millisecond)}, latencyOnly: true},
@@ -51,6 +55,16 @@ var captureModes = []captureMode{
 // with no relay at all (alternating rounds; the ratio is taken per round).
 func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 	for _, rate := range o.rates {
+		// The writers at this rate with no relay: what their commits take
+		// when nothing reads the table or its WAL.
+		alone, err := writersAtRate(ctx, o, e, rate)
+		if err != nil {
+			return fmt.Errorf("writers alone at %d/s: %w", rate, err)
+		}
+		logf("capture no relay at %d/s: writers' commits p50 %.2f ms, p99 %.2f ms", rate, alone["writer_commit_p50_ms"], alone["writer_commit_p99_ms"])
+		rep.add(scCapture, fmt.Sprintf("latency rate=%d %s", rate, noRelay),
+			map[string]any{"kind": "latency", "mode": noRelay, "rate": rate, "duration_s": o.latencyFor.Seconds(), "producers": o.producers},
+			[]map[string]float64{alone})
 		byMode := map[string]map[string]float64{}
 		for _, m := range o.chosenCaptureModes() {
 			res, err := latencyRun(ctx, o, e, rate, relayconfig.DefaultPollInterval, m.notify, m.args...)
@@ -61,8 +75,12 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 			if err := e.dropSlots(ctx); err != nil {
 				return err
 			}
-			logf("capture %s at %d/s: p50 %.1f ms, p99 %.1f ms, relay CPU %.3f cores, relay claims/1k events %.0f, WAL %.0f B/event",
-				m.name, rate, res["p50_ms"], res["p99_ms"], res["relay_cpu_cores"], res["relay_claims_per_1k"], res["wal_bytes_per_event"])
+			logf("capture %s at %d/s: p50 %.1f ms, p99 %.1f ms, relay CPU %.3f cores, relay claims/1k events %.0f, WAL %.0f B/event, writers' commits p99 %.2f ms",
+				m.name, rate, res["p50_ms"], res["p99_ms"], res["relay_cpu_cores"], res["relay_claims_per_1k"], res["wal_bytes_per_event"], res["writer_commit_p99_ms"])
+			if !m.latencyOnly {
+				r := res["writer_commit_p99_ms"] / alone["writer_commit_p99_ms"]
+				rep.Ratios[fmt.Sprintf("writers' commit p99 at %d/s, with %s / %s", rate, m.name, noRelay)] = ratioResult{Median: r, Rounds: []float64{r}}
+			}
 			rep.add(scCapture, fmt.Sprintf("latency rate=%d %s", rate, m.name),
 				map[string]any{"kind": "latency", "mode": m.name, "rate": rate, "duration_s": o.latencyFor.Seconds(), "producers": o.producers},
 				[]map[string]float64{res})
@@ -104,7 +122,7 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 		if err != nil {
 			return err
 		}
-		results["no relay"] = append(results["no relay"], base)
+		results[noRelay] = append(results[noRelay], base)
 		for _, m := range o.chosenCaptureModes() {
 			if m.latencyOnly {
 				continue
@@ -121,11 +139,11 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 			ratios[m.name] = append(ratios[m.name], res["rows_per_s"]/base["rows_per_s"])
 		}
 	}
-	for _, name := range append([]string{"no relay"}, o.writerModeNames()...) {
+	for _, name := range append([]string{noRelay}, o.writerModeNames()...) {
 		rep.add(scCapture, "writers "+name, map[string]any{"kind": "writers", "mode": name, "writers": o.producers, "duration_s": o.writersFor.Seconds()}, results[name])
 	}
 	for name, rs := range ratios {
-		rep.Ratios["writers with "+name+" / no relay"] = ratioResult{Median: median(rs), Rounds: rs}
+		rep.Ratios["writers with "+name+" / "+noRelay] = ratioResult{Median: median(rs), Rounds: rs}
 	}
 	return captureDrains(ctx, o, e, rep)
 }

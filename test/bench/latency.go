@@ -162,37 +162,13 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 	}
 	defer stopRelay(p)
 	insert := insertSQL(notify, writerDeletes(extra))
-	// Producers: open loop, each client on its own schedule of rate/producers.
-	var inserted atomic.Int64
-	// A warm-up at the same rate (connections, JIT, first metadata) is not measured.
-	warm := 2 * time.Second
-	if o.latencyFor >= 30*time.Second {
-		warm = 5 * time.Second
-	}
-	prodStart := time.Now()
-	start := prodStart.Add(warm)
-	end := start.Add(o.latencyFor)
-	interval := time.Duration(float64(time.Second) * float64(o.producers) / float64(rate))
-	errs := make([]error, o.producers)
-	var pwg sync.WaitGroup
-	for c := range o.producers {
-		pwg.Add(1)
-		go func() {
-			defer pwg.Done()
-			next := prodStart.Add(time.Duration(c) * interval / time.Duration(o.producers))
-			errs[c] = produce(ctx, e, c, insert, &inserted, func() bool {
-				if d := time.Until(next); d > 0 {
-					time.Sleep(d)
-				}
-				next = next.Add(interval)
-				return time.Now().Before(end)
-			}, func(id string, at time.Time) {
-				mu.Lock()
-				committed[id] = at
-				mu.Unlock()
-			})
-		}()
-	}
+	var commits []float64 // how long each measured writer's insert and commit took, ms
+	pw := startPaced(ctx, o, e, rate, insert, func(id string, at time.Time, took time.Duration) {
+		mu.Lock()
+		committed[id] = at
+		mu.Unlock()
+	}, &commits)
+	prodStart, start, end, inserted := pw.prodStart, pw.start, pw.end, &pw.inserted
 	// Sample the relay's RSS in the second half (steady state), and the
 	// WAL written over the measured window.
 	var rssMax, cpu0 float64
@@ -218,14 +194,11 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 			}
 		}
 	}()
-	pwg.Wait()
+	if err := pw.wait(); err != nil {
+		return nil, err
+	}
 	produceEnd := time.Now()
 	<-sampleDone
-	for _, err := range errs {
-		if err != nil {
-			return nil, err
-		}
-	}
 	cpu1, _ := cpuSeconds(p.Pid())
 	batches := relayBatches(p).minus(batches0)
 	db1, _ := e.dbCounters(ctx)
@@ -374,6 +347,96 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 		// took (a claim-publish-mark transaction; streaming, a publish).
 		"relay_batch_rows_mean": batches.rows / max(batches.n, 1),
 		"relay_batch_ms_mean":   1000 * batches.seconds / max(batches.durations, 1),
+		// What the writers paid: each one's insert and commit, measured.
+		"writer_commit_p50_ms": pct(commits, 0.50),
+		"writer_commit_p99_ms": pct(commits, 0.99),
+	}, nil
+}
+
+// pacedWriters are o.producers writers in an open loop, each on its own
+// schedule of rate/producers, for a warm-up that is not measured and then
+// o.latencyFor (from start to end).
+type pacedWriters struct {
+	prodStart, start, end time.Time
+	inserted              atomic.Int64
+	wg                    sync.WaitGroup
+	errs                  []error
+	mu                    sync.Mutex
+	commits               *[]float64
+}
+
+// startPaced starts paced writers at rate events/s; noted (if not nil) is
+// told of each commit: the event's id, when its commit returned to the
+// writer and how long the writer's insert and commit took. The durations
+// of the commits made between start and end go to *commits, in ms, sorted
+// once wait returns.
+func startPaced(ctx context.Context, o *options, e *benchEnv, rate int, insert writeSQL, noted func(id string, at time.Time, took time.Duration), commits *[]float64) *pacedWriters {
+	w := &pacedWriters{errs: make([]error, o.producers), commits: commits}
+	// A warm-up at the same rate (connections, JIT, first metadata) is not measured.
+	warm := 2 * time.Second
+	if o.latencyFor >= 30*time.Second {
+		warm = 5 * time.Second
+	}
+	w.prodStart = time.Now()
+	w.start = w.prodStart.Add(warm)
+	w.end = w.start.Add(o.latencyFor)
+	for c := range o.producers {
+		w.wg.Go(func() {
+			w.errs[c] = produce(ctx, e, c, insert, &w.inserted, pacedBy(rate, o.producers, c, w.prodStart, func() bool { return time.Now().Before(w.end) }),
+				func(id string, at time.Time, took time.Duration) {
+					if noted != nil {
+						noted(id, at, took)
+					}
+					if at.Before(w.start) || at.After(w.end) {
+						return
+					}
+					w.mu.Lock()
+					*w.commits = append(*w.commits, float64(took.Microseconds())/1000)
+					w.mu.Unlock()
+				})
+		})
+	}
+	return w
+}
+
+// wait waits for the writers to stop and sorts the commits' durations.
+func (w *pacedWriters) wait() error {
+	w.wg.Wait()
+	sort.Float64s(*w.commits)
+	return errors.Join(w.errs...)
+}
+
+// pacedBy is writer c's schedule in an open loop: producers writers share
+// rate events/s, writer c taking its turn c/producers of an interval after
+// start. Each call waits for the writer's next turn, then asks goOn.
+func pacedBy(rate, producers, c int, start time.Time, goOn func() bool) func() bool {
+	interval := time.Duration(float64(time.Second) * float64(producers) / float64(rate))
+	next := start.Add(time.Duration(c) * interval / time.Duration(producers))
+	return func() bool {
+		if d := time.Until(next); d > 0 {
+			time.Sleep(d)
+		}
+		next = next.Add(interval)
+		return goOn()
+	}
+}
+
+// writersAtRate runs the paced writers of latencyRun with no relay: what
+// their inserts and commits take when nothing reads the table or its WAL.
+func writersAtRate(ctx context.Context, o *options, e *benchEnv, rate int) (map[string]float64, error) {
+	if err := e.freshTable(ctx, 0); err != nil {
+		return nil, err
+	}
+	var commits []float64
+	w := startPaced(ctx, o, e, rate, insertSQL(false, false), nil, &commits)
+	if err := w.wait(); err != nil {
+		return nil, err
+	}
+	return map[string]float64{
+		"inserted":             float64(w.inserted.Load()),
+		"achieved_per_s":       float64(w.inserted.Load()) / time.Since(w.prodStart).Seconds(),
+		"writer_commit_p50_ms": pct(commits, 0.50),
+		"writer_commit_p99_ms": pct(commits, 0.99),
 	}, nil
 }
 
@@ -531,7 +594,7 @@ func (e *benchEnv) readyRelay(ctx context.Context, topic string, notify bool, ex
 //
 // committed, when not nil, is told each event's id and the moment its
 // transaction's commit returned (the start of commit-to-consumed latency).
-func produce(ctx context.Context, e *benchEnv, c int, w writeSQL, inserted *atomic.Int64, more func() bool, committed func(id string, at time.Time)) error {
+func produce(ctx context.Context, e *benchEnv, c int, w writeSQL, inserted *atomic.Int64, more func() bool, committed func(id string, at time.Time, took time.Duration)) error {
 	conn, err := pgConnect(ctx, e.dsn)
 	if err != nil {
 		return err
@@ -548,6 +611,7 @@ func produce(ctx context.Context, e *benchEnv, c int, w writeSQL, inserted *atom
 	for seq := 0; more() && ctx.Err() == nil; seq++ {
 		key := fmt.Sprintf("order-%d", (c*1_000_003+seq)%1000)
 		id := uuid.New()
+		began := time.Now()
 		if w.deleteAfter == "" {
 			if _, err := conn.Exec(ctx, w.insert, id, key, eventType, seq); err != nil {
 				return fmt.Errorf("producer insert: %w", err)
@@ -561,7 +625,8 @@ func produce(ctx context.Context, e *benchEnv, c int, w writeSQL, inserted *atom
 			}
 		}
 		if committed != nil {
-			committed(id.String(), time.Now())
+			now := time.Now()
+			committed(id.String(), now, now.Sub(began))
 		}
 		inserted.Add(1)
 	}

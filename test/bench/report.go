@@ -436,14 +436,18 @@ func (r *report) tables() string {
 			return fmt.Sprintf("| %v | %.0f | %s |", x.Params["notify"], x.Median["rows_per_s"], reps(x, "rows_per_s", "%.0f"))
 		})
 	section(scCapture, "Capture modes side by side: polling, polling with the wake-up (--notify), logical replication (--capture logical-replication); one relay at batch 50, producers inserting one row per transaction",
-		"| run | mode | target events/s | p50 ms | p99 ms | relay CPU (cores) | relay CPU ms / 1k events | relay claim transactions / 1k events | database CPU ms / 1k events (writers' included) | WAL bytes / event | writers' rows/s (median) | repetitions |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+		"| run | mode | target events/s | p50 ms | p99 ms | relay CPU (cores) | relay CPU ms / 1k events | relay claim transactions / 1k events | database CPU ms / 1k events (writers' included) | WAL bytes / event | writers' insert + commit p50 / p99 ms | writers' rows/s (median) | repetitions |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
 		func(x *result) string {
 			m := x.Median
-			if x.Params["kind"] == "writers" {
-				return fmt.Sprintf("| writers | %v | – | – | – | – | – | – | – | – | %.0f | %s |", x.Params["mode"], m["rows_per_s"], reps(x, "rows_per_s", "%.0f"))
+			switch {
+			case x.Params["kind"] == "writers":
+				return fmt.Sprintf("| writers | %v | – | – | – | – | – | – | – | – | – | %.0f | %s |", x.Params["mode"], m["rows_per_s"], reps(x, "rows_per_s", "%.0f"))
+			case x.Params["mode"] == noRelay:
+				return fmt.Sprintf("| latency | %v | %v | – | – | – | – | – | – | – | %.2f / %.2f | – | – |", x.Params["mode"], x.Params["rate"], m["writer_commit_p50_ms"], m["writer_commit_p99_ms"])
 			}
-			return fmt.Sprintf("| latency | %v | %v | %.1f | %.1f | %.3f | %.0f | %.0f | %.0f | %.0f | – | %s |", x.Params["mode"], x.Params["rate"], m["p50_ms"], m["p99_ms"],
-				m["relay_cpu_cores"], m["relay_cpu_ms_per_1k"], m["relay_claims_per_1k"], m["db_cpu_ms_per_1k"], m["wal_bytes_per_event"], reps(x, "p99_ms", "%.1f"))
+			return fmt.Sprintf("| latency | %v | %v | %.1f | %.1f | %.3f | %.0f | %.0f | %.0f | %.0f | %.2f / %.2f | – | %s |", x.Params["mode"], x.Params["rate"], m["p50_ms"], m["p99_ms"],
+				m["relay_cpu_cores"], m["relay_cpu_ms_per_1k"], m["relay_claims_per_1k"], m["db_cpu_ms_per_1k"], m["wal_bytes_per_event"],
+				m["writer_commit_p50_ms"], m["writer_commit_p99_ms"], reps(x, "p99_ms", "%.1f"))
 		})
 	section(scCaptureIdle, "The capture modes idle (one relay, empty table; with logical replication the database's transactions may include those the walsender runs to decode)",
 		"| mode | database transactions/s | database CPU (millicores) | relay CPU (millicores) |\n| --- | ---: | ---: | ---: |",

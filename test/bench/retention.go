@@ -198,23 +198,13 @@ func longLivedRun(ctx context.Context, o *options, e *benchEnv, onPublish relayc
 	var stop atomic.Bool
 	var inserted atomic.Int64
 	insert := insertSQL(false, false)
-	interval := time.Duration(float64(time.Second) * float64(o.producers) / float64(o.longWriteRate))
 	wStart := time.Now()
 	errs := make([]error, o.producers)
 	var wg sync.WaitGroup
 	for c := range o.producers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			next := wStart.Add(time.Duration(c) * interval / time.Duration(o.producers))
-			errs[c] = produce(ctx, e, c, insert, &inserted, func() bool {
-				if d := time.Until(next); d > 0 {
-					time.Sleep(d)
-				}
-				next = next.Add(interval)
-				return !stop.Load()
-			}, nil)
-		}()
+		wg.Go(func() {
+			errs[c] = produce(ctx, e, c, insert, &inserted, pacedBy(o.longWriteRate, o.producers, c, wStart, func() bool { return !stop.Load() }), nil)
+		})
 	}
 	stopWriters := func() error {
 		stop.Store(true)
