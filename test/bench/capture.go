@@ -46,6 +46,10 @@ var captureModes = []captureMode{
 	{name: "logical-replication", args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication)}},
 	{name: "logical-replication, batch 500", args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication), flagArg(relayconfig.FlagBatchSize, 500)}},
 	{name: "logical-replication, writer deletes", args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication), "--" + relayconfig.FlagWriterDeletes}},
+	// The shortest wait the relay allows for more rows before it publishes
+	// what the stream brought: the lowest latency the capture modes reach.
+	{name: "logical-replication, --linger " + relayconfig.MinLinger.String(), args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication), flagArg(relayconfig.FlagLinger, relayconfig.MinLinger)}, latencyOnly: true},
+	{name: "logical-replication, writer deletes, --linger " + relayconfig.MinLinger.String(), args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication), "--" + relayconfig.FlagWriterDeletes, flagArg(relayconfig.FlagLinger, relayconfig.MinLinger)}, latencyOnly: true},
 }
 
 // runCaptureModes compares polling, polling with the wake-up and logical
