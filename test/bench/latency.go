@@ -162,12 +162,11 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 	}
 	defer stopRelay(p)
 	insert := insertSQL(notify, writerDeletes(extra))
-	var commits []float64 // how long each measured writer's insert and commit took, ms
-	pw := startPaced(ctx, o, e, rate, insert, func(id string, at time.Time, took time.Duration) {
+	pw := startPaced(ctx, o, e, rate, insert, func(id string, at time.Time) {
 		mu.Lock()
 		committed[id] = at
 		mu.Unlock()
-	}, &commits)
+	})
 	prodStart, start, end, inserted := pw.prodStart, pw.start, pw.end, &pw.inserted
 	// Sample the relay's RSS in the second half (steady state), and the
 	// WAL written over the measured window.
@@ -348,8 +347,8 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 		"relay_batch_rows_mean": batches.rows / max(batches.n, 1),
 		"relay_batch_ms_mean":   1000 * batches.seconds / max(batches.durations, 1),
 		// What the writers paid: each one's insert and commit, measured.
-		"writer_commit_p50_ms": pct(commits, 0.50),
-		"writer_commit_p99_ms": pct(commits, 0.99),
+		"writer_commit_p50_ms": pct(pw.commits, 0.50),
+		"writer_commit_p99_ms": pct(pw.commits, 0.99),
 	}, nil
 }
 
@@ -362,16 +361,16 @@ type pacedWriters struct {
 	wg                    sync.WaitGroup
 	errs                  []error
 	mu                    sync.Mutex
-	commits               *[]float64
+	// commits are how long each insert and commit between start and end
+	// took, in ms; sorted once wait returns.
+	commits []float64
 }
 
 // startPaced starts paced writers at rate events/s; noted (if not nil) is
-// told of each commit: the event's id, when its commit returned to the
-// writer and how long the writer's insert and commit took. The durations
-// of the commits made between start and end go to *commits, in ms, sorted
-// once wait returns.
-func startPaced(ctx context.Context, o *options, e *benchEnv, rate int, insert writeSQL, noted func(id string, at time.Time, took time.Duration), commits *[]float64) *pacedWriters {
-	w := &pacedWriters{errs: make([]error, o.producers), commits: commits}
+// told of each commit: the event's id and when its commit returned to the
+// writer.
+func startPaced(ctx context.Context, o *options, e *benchEnv, rate int, insert writeSQL, noted func(id string, at time.Time)) *pacedWriters {
+	w := &pacedWriters{errs: make([]error, o.producers)}
 	// A warm-up at the same rate (connections, JIT, first metadata) is not measured.
 	warm := 2 * time.Second
 	if o.latencyFor >= 30*time.Second {
@@ -385,13 +384,13 @@ func startPaced(ctx context.Context, o *options, e *benchEnv, rate int, insert w
 			w.errs[c] = produce(ctx, e, c, insert, &w.inserted, pacedBy(rate, o.producers, c, w.prodStart, func() bool { return time.Now().Before(w.end) }),
 				func(id string, at time.Time, took time.Duration) {
 					if noted != nil {
-						noted(id, at, took)
+						noted(id, at)
 					}
 					if at.Before(w.start) || at.After(w.end) {
 						return
 					}
 					w.mu.Lock()
-					*w.commits = append(*w.commits, float64(took.Microseconds())/1000)
+					w.commits = append(w.commits, float64(took.Microseconds())/1000)
 					w.mu.Unlock()
 				})
 		})
@@ -402,7 +401,7 @@ func startPaced(ctx context.Context, o *options, e *benchEnv, rate int, insert w
 // wait waits for the writers to stop and sorts the commits' durations.
 func (w *pacedWriters) wait() error {
 	w.wg.Wait()
-	sort.Float64s(*w.commits)
+	sort.Float64s(w.commits)
 	return errors.Join(w.errs...)
 }
 
@@ -427,16 +426,15 @@ func writersAtRate(ctx context.Context, o *options, e *benchEnv, rate int) (map[
 	if err := e.freshTable(ctx, 0); err != nil {
 		return nil, err
 	}
-	var commits []float64
-	w := startPaced(ctx, o, e, rate, insertSQL(false, false), nil, &commits)
+	w := startPaced(ctx, o, e, rate, insertSQL(false, false), nil)
 	if err := w.wait(); err != nil {
 		return nil, err
 	}
 	return map[string]float64{
 		"inserted":             float64(w.inserted.Load()),
 		"achieved_per_s":       float64(w.inserted.Load()) / time.Since(w.prodStart).Seconds(),
-		"writer_commit_p50_ms": pct(commits, 0.50),
-		"writer_commit_p99_ms": pct(commits, 0.99),
+		"writer_commit_p50_ms": pct(w.commits, 0.50),
+		"writer_commit_p99_ms": pct(w.commits, 0.99),
 	}, nil
 }
 
@@ -592,8 +590,9 @@ func (e *benchEnv) readyRelay(ctx context.Context, topic string, notify bool, ex
 // produce is one producer: its own connection, one row per transaction
 // (insert), as long as more says so; it counts the rows in inserted.
 //
-// committed, when not nil, is told each event's id and the moment its
-// transaction's commit returned (the start of commit-to-consumed latency).
+// committed, when not nil, is told each event's id, the moment its
+// transaction's commit returned (the start of commit-to-consumed latency)
+// and how long the insert and commit took.
 func produce(ctx context.Context, e *benchEnv, c int, w writeSQL, inserted *atomic.Int64, more func() bool, committed func(id string, at time.Time, took time.Duration)) error {
 	conn, err := pgConnect(ctx, e.dsn)
 	if err != nil {
