@@ -148,8 +148,10 @@ bench: deps-postgres deps-kafka deps-kube deps-node ## Measure ceiling, drain, t
 
 .PHONY: chaos
 CHAOS_DURATION ?= 10m
-chaos: deps-postgres deps-kafka ## Run random fault scenarios for CHAOS_DURATION (default 10m) and write docs/chaos-report.md.
-	go test -count=1 -timeout 0 -run '^TestFaults$$' ./relay/ -args -chaos.duration $(CHAOS_DURATION) -chaos.report $(CURDIR)/docs/chaos-report.md
+CHAOS_CAPTURE ?=
+CHAOS_REPORT ?= $(CURDIR)/docs/chaos-report.md
+chaos: deps-postgres deps-kafka ## Run random fault scenarios for CHAOS_DURATION (default 10m), of one capture mode only with CHAOS_CAPTURE (as the report's capture column names it), and write CHAOS_REPORT (default docs/chaos-report.md).
+	go test -count=1 -timeout 0 -run '^TestFaults$$' ./relay/ -args -chaos.duration $(CHAOS_DURATION) -chaos.capture "$(CHAOS_CAPTURE)" -chaos.report $(CHAOS_REPORT)
 
 .PHONY: bench-quick
 bench-quick: deps-postgres deps-kafka ## A ~3-minute subset of `make bench` (writes bench/quick.md and bench/quick-results.json).

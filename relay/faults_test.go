@@ -37,12 +37,29 @@ import (
 // against the expected output of one case. A failure prints its seed; replay
 // it with -run 'TestFaults/seed=N'. Seeds that once failed stay in
 // faultSeeds as regression tests. make chaos runs random seeds for a while
-// and writes a report (-chaos.duration, -chaos.report).
+// and writes a report (-chaos.duration, -chaos.report), of one capture mode
+// only with -chaos.capture.
 
 var (
-	chaosDuration = flag.Duration("chaos.duration", 0, "run random fault scenarios for this long (make chaos)")
-	chaosReport   = flag.String("chaos.report", "", "write the chaos run's report (Markdown) to this file")
+	chaosDuration    = flag.Duration("chaos.duration", 0, "run random fault scenarios for this long (make chaos)")
+	chaosReport      = flag.String("chaos.report", "", "write the chaos run's report (Markdown) to this file")
+	chaosCaptureOnly = flag.String("chaos.capture", "", "run only the random scenarios of this capture mode: "+strings.Join(chaosCaptureModes, ", ")+" (default all)")
 )
+
+// chaosCaptureModes are the capture modes a chaos run can be held to
+// (-chaos.capture), as the report names them (scenarioCapture).
+var chaosCaptureModes = []string{string(relay.CapturePoll), string(relay.CaptureLogicalReplication), string(relay.CaptureLogicalReplication) + writerDeletesSuffix}
+
+// writerDeletesSuffix marks a streamed scenario with writer deletes.
+const writerDeletesSuffix = " + writer deletes"
+
+// scenarioCapture names a scenario's capture mode.
+func scenarioCapture(sc scenario) string {
+	if sc.writerDeletes {
+		return string(sc.capture) + writerDeletesSuffix
+	}
+	return string(sc.capture)
+}
 
 // faultSeeds are the scenarios make test runs: each draws both ordering
 // modes, the dead-letter topic on and off, pipelining, and every fault;
@@ -335,9 +352,15 @@ func runChaos(t *testing.T) {
 	faults := map[string]int{}
 	ran, failed := 0, 0
 	held := map[string]int{}
+	if *chaosCaptureOnly != "" && !slices.Contains(chaosCaptureModes, *chaosCaptureOnly) {
+		t.Fatalf("-chaos.capture %q: want one of %s", *chaosCaptureOnly, strings.Join(chaosCaptureModes, ", "))
+	}
 	for time.Now().Before(deadline) {
 		seed := rand.Uint64() % 1_000_000
 		sc := chaosCapture(drawScenario(seed))
+		if *chaosCaptureOnly != "" && scenarioCapture(sc) != *chaosCaptureOnly {
+			continue // drawing is cheap: the next seed
+		}
 		var res scenarioResult
 		ok := t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
 			res = runScenario(t, sc)
@@ -363,17 +386,16 @@ func runChaos(t *testing.T) {
 			failed++
 			verdict = "VIOLATED: " + strings.Join(res.violations, "; ")
 		}
-		capture := string(sc.capture)
-		if sc.writerDeletes {
-			capture += " + writer deletes"
-		}
-		lines = append(lines, fmt.Sprintf("| %d | %s | %s | %t | %d | %d | %d | %s |", seed, capture, sc.ordering, sc.deadLetter,
+		lines = append(lines, fmt.Sprintf("| %d | %s | %s | %t | %d | %d | %d | %s |", seed, scenarioCapture(sc), sc.ordering, sc.deadLetter,
 			res.rows, res.duplicates, len(sc.faults), verdict))
 	}
 	if *chaosReport != "" {
 		var b strings.Builder
 		fmt.Fprintf(&b, "# Chaos run\n\nWritten by `make chaos` (the fault suite, `relay/faults_test.go`, on random seeds) on %s, for %s.\n\n",
 			time.Now().UTC().Format("2006-01-02 15:04 UTC"), *chaosDuration)
+		if *chaosCaptureOnly != "" {
+			fmt.Fprintf(&b, "Only scenarios of capture %s (`CHAOS_CAPTURE`).\n\n", *chaosCaptureOnly)
+		}
 		fmt.Fprintf(&b, "%d scenarios, %d with a violated invariant.\n\n", ran, failed)
 		b.WriteString("Invariants checked after every scenario: nothing lost; nothing on the dead-letter topic that the broker did not refuse alone; per-key order on each topic in partition-key mode (first deliveries); duplicates within one batch per fault (with writer deletes, one transaction: the slot moves only past whole transactions); every healthy row published within 60 s of the faults' end; `/healthz` never failing; every row held for itself recorded in the held table with its reason, and no row that went out still recorded there; with retention, every row published long ago pruned; `/readyz` naming a stall reason or an unreachable dependency whenever it fails, and passing, with every stall gauge at 0, once the faults end.\n\n")
 		b.WriteString("Faults injected:\n\n| fault | times |\n| --- | --- |\n")
