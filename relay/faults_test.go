@@ -314,6 +314,20 @@ func TestFaultsWriterDeletes(t *testing.T) {
 	}
 }
 
+// Every mode a chaos run can be held to is one that seeds draw, named as
+// the report names it: a name no scenario has would leave such a run
+// drawing seeds until its time ran out, with nothing run.
+func TestChaosCaptureModesAreDrawn(t *testing.T) {
+	drawn := map[string]int{}
+	for seed := range uint64(1000) {
+		drawn[scenarioCapture(chaosCapture(drawScenario(seed)))]++
+	}
+	for _, m := range chaosCaptureModes {
+		require.Positive(t, drawn[m], "no seed of the first 1,000 draws capture %q (drawn: %v)", m, drawn)
+	}
+	require.Len(t, drawn, len(chaosCaptureModes), "every mode drawn can be chosen: %v", drawn)
+}
+
 // runSeed runs a scenario and reports its violations with how to replay it.
 func runSeed(t *testing.T, test string, sc scenario) {
 	t.Log(sc)
