@@ -40,8 +40,9 @@ const (
 // truth: a row the stream delivers twice (after a crash, before the
 // confirmation) is found published and skipped, and what the stream cannot
 // deliver (rows from before the slot, held rows released, a lost slot) is
-// published by a sweep, a polling pass every FullRescanInterval, and by
-// polling while the relay cannot stream.
+// published by a sweep, when streaming starts (sweepBeforeSlot) and every
+// FullRescanInterval (sweepFence), and by polling while the relay cannot
+// stream.
 const (
 	// standbyRetry is how often a standby tries to take the slot over.
 	standbyRetry = time.Second
@@ -69,6 +70,15 @@ const (
 	fallbackPeriod = time.Minute
 	// sweepRetry is when a sweep that failed runs again (sweep).
 	sweepRetry = time.Second
+	// fenceAsk is how often the streaming loop asks the server how far the
+	// stream has read while a sweep waits for it (sweepFence).
+	fenceAsk = 20 * time.Millisecond
+	// sweepChunk is how many batches' worth of ids a sweep behind the
+	// stream reads at a time (SQL.SweepIDs).
+	sweepChunk = 8
+	// walPageHeaderMax is the size of the longest WAL page header, the
+	// first page's of a segment (SizeOfXLogLongPHD).
+	walPageHeaderMax = 40
 )
 
 // The wait for the writer-deletes lock (lockWriterDeletes), and between
@@ -334,9 +344,9 @@ func lockWriterDeletes(ctx context.Context, conn *pgconn.PgConn, slot string) er
 	}
 }
 
-// stream takes the slot (making it when missing), sweeps once, and
-// publishes what the stream delivers until an error, the slot is given
-// up, or ctx ends.
+// stream takes the slot (making it when missing), sweeps what it does not
+// carry, and publishes what the stream delivers until an error, the slot
+// is given up, or ctx ends.
 func (r *Relay) stream(ctx context.Context) error {
 	c := r.capture
 	conn, err := r.replicationConn(ctx)
@@ -374,7 +384,7 @@ func (r *Relay) stream(ctx context.Context) error {
 	s := &streamState{r: r, conn: conn, statusEvery: r.statusEvery(ctx)}
 	s.nextStatus = time.Now().Add(s.statusEvery)
 	defer func() { _ = s.settle(context.WithoutCancel(ctx)) }() // a batch whose commit runs is finished, never abandoned
-	s.nextSweep = r.sweep(ctx, s.keepAlive)                     // rows committed before the slot, and rows released from holding
+	s.nextSweep = r.sweepBeforeSlot(ctx, s.keepAlive)
 	s.nextCheck = time.Now()
 	for ctx.Err() == nil {
 		now := time.Now()
@@ -394,7 +404,10 @@ func (r *Relay) stream(ctx context.Context) error {
 			}
 		}
 		if len(s.pending) == 0 && !s.inTx {
-			sweep := !now.Before(s.nextSweep)
+			sweep, err := s.sweepDue(ctx, now)
+			if err != nil {
+				return err
+			}
 			var due []int64
 			if !sweep {
 				due = r.held.releaseIDs(now)
@@ -408,11 +421,12 @@ func (r *Relay) stream(ctx context.Context) error {
 				}
 			}
 			if sweep {
-				s.nextSweep = r.sweep(ctx, s.keepAlive)
+				s.nextSweep = r.sweepBehind(ctx, s.keepAlive, s.fence)
+				s.fence = nil
 			} else if len(due) > 0 {
 				// Held rows due again are tried at once, by id, as polling
 				// tries them with its next claim.
-				if err := r.publishStreamed(ctx, due); err != nil {
+				if err := r.publishStreamed(ctx, due, s.keepAlive); err != nil {
 					return err
 				}
 			}
@@ -427,7 +441,12 @@ func (r *Relay) stream(ctx context.Context) error {
 			// Only then does the sweep run (above): while a transaction is
 			// open, a sweep that is due must not end the wait at once, or
 			// the loop would spin without ever reading the transaction's end.
-			deadline = minTime(deadline, s.nextSweep)
+			// One that waits for the stream waits for the next question.
+			next := s.nextSweep
+			if s.fence != nil {
+				next = s.nextAsk
+			}
+			deadline = minTime(deadline, next)
 		}
 		if len(s.pending) > 0 {
 			// A pause in the stream ends the wait, and so does the linger,
@@ -516,6 +535,14 @@ type streamState struct {
 	// confirmed is how far the server may discard: every row before it is
 	// published or in the table for the sweep.
 	confirmed pglogrepl.LSN
+	// passed is how far the stream has been read: every transaction that
+	// ended before it has been decoded.
+	passed pglogrepl.LSN
+	// fence is the sweep that waits for the stream to pass its position,
+	// nil when none does; nextAsk is when the loop next asks the server
+	// for the stream's position meanwhile.
+	fence   *sweepFence
+	nextAsk time.Time
 
 	nextSweep, nextStatus, nextCheck, nextFilter time.Time
 	// statusEvery is how often the position is reported when nothing
@@ -539,6 +566,7 @@ func (s *streamState) handle(ctx context.Context, msg pgproto3.BackendMessage) e
 			if err != nil {
 				return fmt.Errorf("replication keepalive: %w", err)
 			}
+			s.passed = max(s.passed, k.ServerWALEnd) // the end of the last record decoded
 			if len(s.pending) == 0 && !s.inTx && s.carry == nil && k.ServerWALEnd > s.confirmed {
 				s.confirmed = k.ServerWALEnd // nothing of ours before it is unpublished
 			}
@@ -631,7 +659,7 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 			}
 		}
 	case *pglogrepl.CommitMessage:
-		s.inTx = false
+		s.inTx, s.passed = false, max(s.passed, m.TransactionEndLSN)
 		if len(s.pending) == 0 && len(s.txIDs) > 0 {
 			s.pendSince = time.Now()
 		}
@@ -681,7 +709,7 @@ func (s *streamState) flush(ctx context.Context) error {
 		s.restore = s.restore[:0]
 	}
 	carried := s.carry != nil
-	last, err := s.r.publishStreamedFrom(ctx, s.pending, s.carry)
+	last, err := s.r.publishStreamedFrom(ctx, s.pending, s.carry, s.keepAlive)
 	s.carry = nil // settled by publishStreamedFrom, whatever its error
 	if err != nil {
 		if last != nil {
@@ -738,9 +766,15 @@ func (r *Relay) statusEvery(ctx context.Context) time.Duration {
 
 // sendStatus tells the server how far it may discard the slot's WAL.
 func (s *streamState) sendStatus(ctx context.Context) error {
+	return s.sendStatusAsking(ctx, false)
+}
+
+// sendStatusAsking reports the position and, when ask, asks the server to
+// answer with its own (a keepalive: how far the stream has been read).
+func (s *streamState) sendStatusAsking(ctx context.Context, ask bool) error {
 	s.nextStatus = time.Now().Add(s.statusEvery)
 	err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn, pglogrepl.StandbyStatusUpdate{
-		WALWritePosition: s.confirmed, WALFlushPosition: s.confirmed, WALApplyPosition: s.confirmed,
+		WALWritePosition: s.confirmed, WALFlushPosition: s.confirmed, WALApplyPosition: s.confirmed, ReplyRequested: ask,
 	})
 	if err != nil {
 		return fmt.Errorf("confirm replication position: %w", err)
@@ -753,9 +787,9 @@ func (s *streamState) sendStatus(ctx context.Context) error {
 // held or unmapped are not claimed. With MaxInFlight 2 a batch's mark and
 // commit run beside the next batch's claim and publish (its publish starts
 // after the previous one ended, so the stream's order holds); it returns
-// once every batch committed.
-func (r *Relay) publishStreamed(ctx context.Context, ids []int64) error {
-	last, err := r.publishStreamedFrom(ctx, ids, nil)
+// once every batch committed. It calls alive before each batch (keepAlive).
+func (r *Relay) publishStreamed(ctx context.Context, ids []int64, alive func(context.Context)) error {
+	last, err := r.publishStreamedFrom(ctx, ids, nil, alive)
 	if last != nil {
 		err = firstErr(err, r.finish(last))
 	}
@@ -766,7 +800,7 @@ func (r *Relay) publishStreamed(ctx context.Context, ids []int64) error {
 // commit may still run: it waits for it before its first claim's publish
 // is settled, and returns its own last batch with its commit running
 // (nil when none), for the caller to finish.
-func (r *Relay) publishStreamedFrom(ctx context.Context, ids []int64, carry *inFlight) (*inFlight, error) {
+func (r *Relay) publishStreamedFrom(ctx context.Context, ids []int64, carry *inFlight, alive func(context.Context)) (*inFlight, error) {
 	pending := carry
 	settle := func(err error) error {
 		if pending != nil {
@@ -776,6 +810,7 @@ func (r *Relay) publishStreamedFrom(ctx context.Context, ids []int64, carry *inF
 		return err
 	}
 	for len(ids) > 0 {
+		alive(ctx) // a large transaction's rows can take longer than wal_sender_timeout
 		chunk := ids[:min(len(ids), r.cfg.BatchSize)]
 		b, err := r.claimStreamed(ctx, chunk)
 		if err = settle(err); err != nil {
@@ -842,52 +877,153 @@ func (r *Relay) claimStreamed(ctx context.Context, ids []int64) (*inFlight, erro
 	return b, nil
 }
 
-// sweep polls until a claim finds nothing: what the stream cannot deliver.
-// Its batches are pipelined as polling's are (a full batch's mark and
-// commit run beside the next claim and publish), so a backlog left while
-// the relay was down drains at polling's pace.
-//
-// It returns when the next sweep is due: after FullRescanInterval, or
-// after sweepRetry when this one failed (Kafka or the database): the rows
-// it could not publish wait in the table, and no stream delivers them.
-func (r *Relay) sweep(ctx context.Context, alive func(context.Context)) (next time.Time) {
-	failed := func(err error) time.Time {
-		r.log.Warn("sweep failed; sweeping again soon", "err", err, "in", sweepRetry)
-		return time.Now().Add(sweepRetry)
+// sweepFailed logs a failed sweep and says when to sweep again.
+func (r *Relay) sweepFailed(err error) time.Time {
+	r.log.Warn("sweep failed; sweeping again soon", "err", err, "in", sweepRetry)
+	return time.Now().Add(sweepRetry)
+}
+
+// sweepFence holds a sweep while streaming back until the stream has read
+// what the sweep could overtake. A sweep that claimed every unpublished
+// row would race the stream: a row committed after one the stream has not
+// read yet would go out first, and with writer deletes that earlier row is
+// not in the table at all (TestWriterDeletesSweepsNeverOvertakeTheStream).
+// So the sweep takes only rows last written by transactions before
+// horizon, all of which had ended when lsn was read, and only once the
+// stream has read past lsn: by then the stream has published (or put back)
+// every row of theirs it carries. Rows of later transactions it leaves to
+// the stream, or to the next sweep.
+type sweepFence struct {
+	horizon string        // a transaction id's text form
+	lsn     pglogrepl.LSN // the WAL's insert position, read after horizon
+	ids     []int64       // the first of the rows to sweep (SQL.SweepIDs)
+}
+
+// sweepDue says whether the sweep runs now: it is due and the stream has
+// read past its fence. The first time it is due, it reads the fence and
+// the rows to sweep; with none, the sweep is done until the next one.
+// Meanwhile it asks the server every fenceAsk how far the stream has read:
+// the server tells that when asked, or when it has more to send.
+func (s *streamState) sweepDue(ctx context.Context, now time.Time) (bool, error) {
+	if now.Before(s.nextSweep) {
+		return false, nil
 	}
-	r.cur.rescanSoon()
-	var pending *inFlight
-	for ctx.Err() == nil {
-		alive(ctx)
-		b, err := r.claimAndPublish(ctx)
-		if pending != nil {
-			err = firstErr(err, r.finish(pending))
-			pending = nil
+	if s.fence == nil {
+		f, err := s.r.readSweepFence(ctx)
+		if err != nil {
+			s.nextSweep = s.r.sweepFailed(err)
+			return false, nil
 		}
-		if b == nil {
-			if err != nil {
-				return failed(err)
-			}
-			break
+		if len(f.ids) == 0 {
+			s.nextSweep = now.Add(s.r.cfg.FullRescanInterval)
+			return false, nil
 		}
-		if r.mayPipeline(b, err) {
-			pending = r.commitAsync(b)
-			continue
-		}
-		b.done <- r.markAndCommit(b)
-		if err := firstErr(err, r.finish(b)); err != nil {
-			return failed(err)
-		}
-		if !b.full {
-			break
-		}
+		s.fence, s.nextAsk = f, now
 	}
-	if pending != nil {
-		if err := r.finish(pending); err != nil {
-			return failed(err)
-		}
+	if s.passed >= s.fence.lsn {
+		return true, nil
+	}
+	if now.Before(s.nextAsk) {
+		return false, nil
+	}
+	s.nextAsk = now.Add(fenceAsk)
+	return false, s.sendStatusAsking(ctx, true)
+}
+
+// readSweepFence reads a sweep's fence and the first rows it sweeps.
+func (r *Relay) readSweepFence(ctx context.Context) (*sweepFence, error) {
+	var horizon, lsn string
+	var page int64
+	if err := r.pool.QueryRow(ctx, sqlSweepFence).Scan(&horizon, &lsn, &page); err != nil {
+		return nil, fmt.Errorf("read the sweep's transaction horizon: %w", err)
+	}
+	at, err := pglogrepl.ParseLSN(lsn)
+	if err != nil {
+		return nil, fmt.Errorf("read the sweep's transaction horizon: %w", err)
+	}
+	// When the last record ends at a page's start, the insert position is
+	// past the page's header, and the stream's (the end of the last record
+	// it decoded) stays at the page's start; no record ends inside a
+	// header, so the page's start is as good a fence.
+	if off := int64(at) % page; off <= walPageHeaderMax {
+		at -= pglogrepl.LSN(off)
+	}
+	ids, err := r.sweepIDs(ctx, 0, horizon)
+	if err != nil {
+		return nil, err
+	}
+	return &sweepFence{horizon: horizon, lsn: at, ids: ids}, nil
+}
+
+// sweepIDs reads the next ids to sweep after from (SQL.SweepIDs).
+func (r *Relay) sweepIDs(ctx context.Context, from int64, horizon string) ([]int64, error) {
+	rs, err := r.pool.Query(ctx, r.sql.SweepIDs, from, horizon, sweepChunk*r.cfg.BatchSize)
+	if err != nil {
+		return nil, r.dbFailed(fmt.Errorf("read the rows to sweep from %s: %w", r.table, err))
+	}
+	ids, err := pgx.CollectRows(rs, pgx.RowTo[int64])
+	if err != nil {
+		return nil, r.dbFailed(fmt.Errorf("read the rows to sweep from %s: %w", r.table, err))
+	}
+	return ids, nil
+}
+
+// sweepBehind is the sweep while streaming, once the stream passed f: it
+// publishes the rows f found, and those after them that transactions
+// before f's horizon wrote, by id, as the stream publishes its own. It
+// returns when the next sweep is due: after FullRescanInterval, or after
+// sweepRetry when this one failed (Kafka or the database): the rows it
+// could not publish wait in the table, and no stream delivers them.
+func (r *Relay) sweepBehind(ctx context.Context, alive func(context.Context), f *sweepFence) (next time.Time) {
+	if err := r.sweepBefore(ctx, alive, f.horizon, f.ids); err != nil {
+		return r.sweepFailed(err)
 	}
 	return time.Now().Add(r.cfg.FullRescanInterval)
+}
+
+// sweepBeforeSlot is the sweep when streaming starts. It publishes first
+// the rows the stream does not carry because their transactions ended
+// before the slot's position: those before the slot's catalog horizon
+// (catalog_xmin, the oldest transaction the slot's decoding may still
+// meet, never past its position). The rows of later transactions it
+// leaves to the stream, which publishes them in commit order (a sweep that
+// took them too would put them out before earlier rows only the stream
+// has, as in sweepFence), and the sweep behind the stream, due at once,
+// the few rows of transactions that ran across the slot's position.
+func (r *Relay) sweepBeforeSlot(ctx context.Context, alive func(context.Context)) (next time.Time) {
+	var horizon *string
+	if err := r.pool.QueryRow(ctx, sqlSlotHorizon, r.capture.slot).Scan(&horizon); err != nil {
+		return r.sweepFailed(fmt.Errorf("read the catalog horizon of slot %s: %w", r.capture.slot, err))
+	}
+	if horizon != nil {
+		ids, err := r.sweepIDs(ctx, 0, *horizon)
+		if err == nil {
+			err = r.sweepBefore(ctx, alive, *horizon, ids)
+		}
+		if err != nil {
+			return r.sweepFailed(err)
+		}
+	}
+	return time.Now()
+}
+
+// sweepBefore publishes, by id, the unpublished rows that transactions
+// before horizon wrote, from ids (the first of them, SQL.SweepIDs) on.
+func (r *Relay) sweepBefore(ctx context.Context, alive func(context.Context), horizon string, ids []int64) error {
+	for len(ids) > 0 && ctx.Err() == nil {
+		alive(ctx)
+		if err := r.publishStreamed(ctx, ids, alive); err != nil {
+			return err
+		}
+		if len(ids) < sweepChunk*r.cfg.BatchSize {
+			return nil
+		}
+		var err error
+		if ids, err = r.sweepIDs(ctx, ids[len(ids)-1], horizon); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // checkSlot reads the slot's retained WAL; a slot past MaxRetainedWAL is

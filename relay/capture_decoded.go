@@ -167,6 +167,7 @@ func parseTimestamptz(s string) (time.Time, bool) {
 func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) (confirmed bool, err error) {
 	var kafkaErr error
 	for len(rows) > 0 {
+		s.keepAlive(ctx) // a large transaction's rows can take longer than wal_sender_timeout
 		if !rows[0].deleted {
 			n := 1
 			for n < len(rows) && !rows[n].deleted {
@@ -177,7 +178,7 @@ func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) (c
 				for i := range n {
 					ids[i] = rows[i].id
 				}
-				kafkaErr = s.r.publishStreamed(ctx, ids)
+				kafkaErr = s.r.publishStreamed(ctx, ids, s.keepAlive)
 			}
 			rows = rows[n:]
 			continue

@@ -313,12 +313,10 @@ func TestLogicalReplicationPublishesRowsTheirWritersDeleted(t *testing.T) {
 	f, cfg := captureFixture(t, 1, "E")
 	slot := tableSlot(t, f)
 	f.Exec(`CREATE PUBLICATION ` + slot + ` FOR TABLE outbox WITH (publish = 'insert')`)
-	// No sweep while the rows arrive: a sweep publishes the rows it finds in
-	// the table before the stream restores the deleted ones before them.
-	cfg.FullRescanInterval = time.Hour
-	x := startStreaming(t, cfg)
-	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_claim_duration_seconds") >= 1 },
-		10*time.Second, 10*time.Millisecond, "the sweep at the start of streaming claimed, and found nothing")
+	// Sweeps every few milliseconds while the rows arrive: none may publish
+	// a kept row before the deleted one the stream puts back before it.
+	cfg.FullRescanInterval = 5 * time.Millisecond
+	startStreaming(t, cfg)
 	require.Equal(t, 1, f.Count(`SELECT count(*) FROM pg_publication WHERE pubname = $1 AND pubdelete`, slot), "the relay made its publication publish deletes")
 
 	w, err := outbox.NewWriter("outbox")
@@ -483,6 +481,77 @@ func TestWriterDeletesPublishesKeptRowsOnce(t *testing.T) {
 	require.Equal(t, want, got, "each event once, in commit order")
 	require.Equal(t, 20, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NOT NULL`), "kept rows marked")
 	_ = x
+}
+
+// Rows written while no relay streams, after the slot's position, are the
+// stream's: the sweep when streaming starts leaves them, and the stream
+// publishes them in commit order. (That sweep once claimed every row it
+// found, so each kept row below went out before the deleted one committed
+// before it, which only the stream has.)
+func TestLogicalReplicationPublishesRowsWrittenWhileNoRelayStreamedInCommitOrder(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg := captureFixture(t, 1, "E")
+	x := startStreaming(t, cfg)
+	x.Stop(t)
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, tableSlot(t, f)) == 1
+	}, 10*time.Second, 20*time.Millisecond, "no relay reads the slot")
+	w, err := outbox.NewWriter("outbox")
+	require.NoError(t, err)
+	var want []string // in commit order
+	for i := range 10 {
+		gone, kept := entry("E", 2*i), entry("E", 2*i+1)
+		require.NoError(t, pgx.BeginFunc(ctx, f.Pool, func(tx pgx.Tx) error {
+			if err := w.Store(ctx, tx, gone); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, `DELETE FROM outbox WHERE event_id = $1`, gone.EventID) // as a writer with writer deletes does
+			return err
+		}))
+		require.NoError(t, pgx.BeginFunc(ctx, f.Pool, func(tx pgx.Tx) error { return w.Store(ctx, tx, kept) }))
+		want = append(want, gone.EventID, kept.EventID)
+	}
+	startStreaming(t, cfg)
+	var got []string
+	for _, m := range testenv.Broker().Consume(t, f.Topics["E"], len(want), 30*time.Second) {
+		got = append(got, header(m, relay.HeaderEventID))
+	}
+	require.Equal(t, want, got, "each event once, in commit order")
+}
+
+// A sweep never publishes a row ahead of an earlier one the stream has not
+// read yet. Rows a writer kept are in the table, rows a writer deleted are
+// in the stream only: a sweep that claimed every unpublished row it found
+// would send a kept row out before a deleted one committed before it (a
+// sweep runs between two transactions of the stream, and the writers go
+// on meanwhile). Here sweeps run every few milliseconds while kept and
+// deleted rows of three keys alternate, and each key's events must arrive
+// in commit order.
+func TestWriterDeletesSweepsNeverOvertakeTheStream(t *testing.T) {
+	t.Parallel()
+	f, cfg, store := writerDeletesFixture(t, "E")
+	cfg.FullRescanInterval = 5 * time.Millisecond
+	startStreaming(t, cfg)
+	waitDeletesOnStore(t, f, 10*time.Second)
+	plain, err := outbox.NewWriter("outbox")
+	require.NoError(t, err)
+	want := map[string][]string{} // each key's event ids in commit order
+	const n = 300
+	for i := range n {
+		e := entry("E", i)
+		if i%2 == 0 {
+			require.NoError(t, pgx.BeginFunc(context.Background(), f.Pool, func(tx pgx.Tx) error { return plain.Store(context.Background(), tx, e) }))
+		} else {
+			store(e)
+		}
+		want[e.PartitionKey] = append(want[e.PartitionKey], e.EventID)
+	}
+	got := map[string][]string{}
+	for _, m := range testenv.Broker().Consume(t, f.Topics["E"], n, 60*time.Second) {
+		got[string(m.Key)] = append(got[string(m.Key)], header(m, relay.HeaderEventID))
+	}
+	require.Equal(t, want, got, "each key's events once, in commit order")
 }
 
 // With writer deletes a partitioned outbox's rows go out from the stream

@@ -341,10 +341,13 @@ func TestLogicalReplicationStreamsAPartitionedTable(t *testing.T) {
 	deliveredInOrder(t, f, f.Topics["E"], 30)
 }
 
-// A sweep through a backlog outlasting wal_sender_timeout does not cost the
-// stream its session: the relay reports its position while it sweeps (at
+// A backlog whose publishing outlasts wal_sender_timeout does not cost the
+// stream its session: the relay reports its position between batches (at
 // a third of a timeout shorter than its usual interval), so the server
-// does not end a session that seemed silent.
+// does not end a session that seemed silent. The rows are written while no
+// relay streams, after the slot's position, so the stream publishes them,
+// a large transaction at a time (a sweep through rows from before the
+// slot reports its position the same way).
 func TestLogicalReplicationSweepOutlastsWALSenderTimeout(t *testing.T) {
 	t.Parallel()
 	f, cfg := captureFixture(t, 1, "E")

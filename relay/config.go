@@ -78,7 +78,8 @@ type Config struct {
 	Settings
 	// FullRescanInterval is how often a claim scans the index from the
 	// start instead of from the cursor, to catch rows that committed long
-	// after their id was taken. Default 10s.
+	// after their id was taken, and how often a streaming relay sweeps
+	// for what its stream does not carry. Default 10s.
 	FullRescanInterval time.Duration
 	// HeldRetryInterval is how often held rows (refused by Kafka with no
 	// dead-letter topic, invalid, or of an unavailable topic) are tried

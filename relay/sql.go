@@ -23,6 +23,12 @@ type SQL struct {
 	// among $3, in that order, within the byte budget $4 ($5 the largest
 	// record). Result as Claim's.
 	ClaimIDs string
+	// SweepIDs reads up to $3 ids of unpublished rows after the id $1,
+	// in id order, whose last write was by a transaction before $2 (a
+	// transaction id's text form, without its epoch): one that had ended
+	// when $2 was the oldest running. The logical replication capture's
+	// sweep publishes only those (sweepFence).
+	SweepIDs string
 	// ClaimBuckets is Claim for partition-key ordering: every row of the
 	// replica's key-hash buckets, whatever its type (an unpublishable row
 	// must stop the later rows of its key and topic). Arguments: $1 the id
@@ -251,6 +257,12 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
     FROM `+q+`
     WHERE id = ANY($1::bigint[]) AND published_at IS NULL AND event_type = ANY($2) AND id <> ALL($3)
     FOR UPDATE SKIP LOCKED`, "$4", "$5", "ord"),
+		// age(xmin) > age($2): xmin precedes $2 (age counts back from the
+		// newest transaction, and a frozen xmin is the oldest of all).
+		SweepIDs: `SELECT id FROM ` + q + `
+    WHERE published_at IS NULL AND id > $1 AND age(xmin) > age($2::text::xid)
+    ORDER BY id
+    LIMIT $3`,
 		Mark:   `UPDATE ` + q + ` SET published_at = now() WHERE id = ANY($1)` + bounds,
 		Delete: `DELETE FROM ` + q + ` WHERE id = ANY($1)` + bounds,
 		Prune: `WITH doomed AS (

@@ -37,6 +37,15 @@ const (
 	// sqlSlotState: the WAL the slot $1 holds back, in bytes, and its wal_status.
 	sqlSlotState = `SELECT COALESCE(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::bigint, COALESCE(wal_status, '')
 		FROM pg_replication_slots WHERE slot_name = $1`
+	// sqlSweepFence (sweepFence): the oldest running transaction, every
+	// one before it ended (a transaction id's text form, without its
+	// epoch), then the WAL's insert position, read after this statement's
+	// snapshot, and the size of a WAL page.
+	sqlSweepFence = `SELECT (pg_snapshot_xmin(pg_current_snapshot())::text::numeric % 4294967296)::text,
+		pg_current_wal_insert_lsn()::text, current_setting('wal_block_size')::int`
+	// sqlSlotHorizon: the catalog horizon of the slot $1 (catalog_xmin, a
+	// transaction id's text form), NULL when it has none.
+	sqlSlotHorizon = `SELECT catalog_xmin::text FROM pg_replication_slots WHERE slot_name = $1`
 	// sqlDropSlot drops the slot $1 when no connection uses it; true when it did.
 	sqlDropSlot = `WITH s AS (SELECT slot_name FROM pg_replication_slots WHERE slot_name = $1 AND NOT active),
 		d AS (SELECT pg_drop_replication_slot(slot_name) FROM s)
