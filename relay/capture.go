@@ -955,9 +955,11 @@ func (r *Relay) readSweepFence(ctx context.Context) (*sweepFence, error) {
 	return &sweepFence{horizon: horizon, lsn: at, ids: ids}, nil
 }
 
-// sweepIDs reads the next ids to sweep after from (SQL.SweepIDs).
+// sweepIDs reads the next ids to sweep after from (SQL.SweepIDs): rows a
+// claim would take (rows held or of a type no topic takes now are left
+// out, so a sweep does not walk through all of them each time).
 func (r *Relay) sweepIDs(ctx context.Context, from int64, horizon string) ([]int64, error) {
-	rs, err := r.pool.Query(ctx, r.sql.SweepIDs, from, horizon, sweepChunk*r.cfg.BatchSize)
+	rs, err := r.pool.Query(ctx, r.sql.SweepIDs, from, horizon, r.availableTypes(time.Now()), r.held.ids(), sweepChunk*r.cfg.BatchSize)
 	if err != nil {
 		return nil, r.dbFailed(fmt.Errorf("read the rows to sweep from %s: %w", r.table, err))
 	}

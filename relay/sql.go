@@ -23,11 +23,12 @@ type SQL struct {
 	// among $3, in that order, within the byte budget $4 ($5 the largest
 	// record). Result as Claim's.
 	ClaimIDs string
-	// SweepIDs reads up to $3 ids of unpublished rows after the id $1,
-	// in id order, whose last write was by a transaction before $2 (a
-	// transaction id's text form, without its epoch): one that had ended
-	// when $2 was the oldest running. The logical replication capture's
-	// sweep publishes only those (sweepFence).
+	// SweepIDs reads up to $5 ids of unpublished rows after the id $1,
+	// in id order, of the event types $3 and not among $4 (as Claim),
+	// whose last write was by a transaction before $2 (a transaction id's
+	// text form, without its epoch): one that had ended when $2 was the
+	// oldest running. The logical replication capture's sweep publishes
+	// only those (sweepFence).
 	SweepIDs string
 	// ClaimBuckets is Claim for partition-key ordering: every row of the
 	// replica's key-hash buckets, whatever its type (an unpublishable row
@@ -260,9 +261,9 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
 		// age(xmin) > age($2): xmin precedes $2 (age counts back from the
 		// newest transaction, and a frozen xmin is the oldest of all).
 		SweepIDs: `SELECT id FROM ` + q + `
-    WHERE published_at IS NULL AND id > $1 AND age(xmin) > age($2::text::xid)
+    WHERE published_at IS NULL AND id > $1 AND age(xmin) > age($2::text::xid) AND event_type = ANY($3) AND id <> ALL($4)
     ORDER BY id
-    LIMIT $3`,
+    LIMIT $5`,
 		Mark:   `UPDATE ` + q + ` SET published_at = now() WHERE id = ANY($1)` + bounds,
 		Delete: `DELETE FROM ` + q + ` WHERE id = ANY($1)` + bounds,
 		Prune: `WITH doomed AS (
