@@ -384,11 +384,13 @@ func (r *Relay) stream(ctx context.Context) error {
 	s := &streamState{r: r, conn: conn, statusEvery: r.statusEvery(ctx)}
 	s.nextStatus = time.Now().Add(s.statusEvery)
 	defer func() { _ = s.settle(context.WithoutCancel(ctx)) }() // a batch whose commit runs is finished, never abandoned
+	r.mergeHeld() // what the held table says before the first sweep
 	s.nextSweep = r.sweepBeforeSlot(ctx, s.keepAlive)
 	s.nextCheck = time.Now()
 	for ctx.Err() == nil {
 		now := time.Now()
 		r.health.iteration(now)
+		r.mergeHeld()
 		if !now.Before(s.nextFilter) {
 			// The stall check leaves out what this loop holds; the stream's
 			// claims are not the polling loop's, which records its filter.
@@ -941,18 +943,24 @@ func (r *Relay) readSweepFence(ctx context.Context) (*sweepFence, error) {
 	if err != nil {
 		return nil, fmt.Errorf("read the sweep's transaction horizon: %w", err)
 	}
-	// When the last record ends at a page's start, the insert position is
-	// past the page's header, and the stream's (the end of the last record
-	// it decoded) stays at the page's start; no record ends inside a
-	// header, so the page's start is as good a fence.
-	if off := int64(at) % page; off <= walPageHeaderMax {
-		at -= pglogrepl.LSN(off)
-	}
 	ids, err := r.sweepIDs(ctx, 0, horizon)
 	if err != nil {
 		return nil, err
 	}
-	return &sweepFence{horizon: horizon, lsn: at, ids: ids}, nil
+	return &sweepFence{horizon: horizon, lsn: fencePosition(at, page), ids: ids}, nil
+}
+
+// fencePosition is the stream position that passes the WAL's insert
+// position at, on WAL pages of page bytes. When the last record ends at a
+// page's start, the insert position is past the page's header, and the
+// stream's (the end of the last record it decoded) stays at the page's
+// start until another record is written, which on an idle database may be
+// never; no record ends inside a header, so the page's start is as good.
+func fencePosition(at pglogrepl.LSN, page int64) pglogrepl.LSN {
+	if off := int64(at) % page; off <= walPageHeaderMax {
+		return at - pglogrepl.LSN(off)
+	}
+	return at
 }
 
 // sweepIDs reads the next ids to sweep after from (SQL.SweepIDs): rows a

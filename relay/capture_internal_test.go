@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/require"
@@ -110,4 +111,19 @@ func TestCaptureLockFencesStreamingAndFallbackPolling(t *testing.T) {
 	}()
 	r.pollFor(pctx, 30*time.Second)
 	require.Zero(t, unpublished(), "then the relay polls in the stream's stead")
+}
+
+// A sweep's fence is the insert position, except just past a page's
+// header, where the stream's position stays at the page's start.
+func TestFencePositionStepsBackOverAPageHeader(t *testing.T) {
+	const page = 8192
+	for _, c := range []struct{ at, want pglogrepl.LSN }{
+		{0x3000000 + 5*page + 24, 0x3000000 + 5*page}, // a short header
+		{0x3000000 + 40, 0x3000000},                   // a segment's first page: a long header
+		{0x3000000 + 5*page, 0x3000000 + 5*page},      // at the page's start
+		{0x3000000 + 5*page + 48, 0x3000000 + 5*page + 48},
+		{0x3000000 + 5*page + 4000, 0x3000000 + 5*page + 4000},
+	} {
+		require.Equal(t, c.want, fencePosition(c.at, page), "insert position %s", c.at)
+	}
 }

@@ -166,6 +166,23 @@ func (r *Relay) begin(ctx context.Context, now time.Time) (beginner, error) {
 	return db, nil
 }
 
+// mergeHeld takes in the held table's last reload (heldSnap), if there is
+// a new one: rows other replicas (or this one's predecessor) hold are left
+// out of the claims from then on, and rows released elsewhere (redrive)
+// come due. The loop that claims calls it, polling or streaming.
+func (r *Relay) mergeHeld() {
+	s := r.heldSnap.Swap(nil)
+	if s == nil {
+		return
+	}
+	for _, h := range r.held.merge(*s) {
+		if r.lanes != nil {
+			r.lanes.released(h.key, h.eventType)
+		}
+		r.cur.rescanSoon() // rows released elsewhere (redrive) are behind the cursor
+	}
+}
+
 // claimAndPublish runs the first half of a batch: claim and publish. It
 // returns nil when there was nothing to claim.
 func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
@@ -173,14 +190,7 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	// publish has its own deadline and the transaction is short.
 	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
 	start := time.Now()
-	if s := r.heldSnap.Swap(nil); s != nil {
-		for _, h := range r.held.merge(*s) {
-			if r.lanes != nil {
-				r.lanes.released(h.key, h.eventType)
-			}
-			r.cur.rescanSoon() // rows released elsewhere (redrive) are behind the cursor
-		}
-	}
+	r.mergeHeld()
 	if r.held.release(start) {
 		r.cur.rescanSoon() // released rows are behind the cursor
 	}

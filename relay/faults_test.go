@@ -293,8 +293,12 @@ func TestFaultsLogicalReplication(t *testing.T) {
 // checkpoint, not by a batch. 428636 came from make chaos: Kafka timed
 // out whenever its later waves streamed, so the relay put every row the
 // writers had deleted back into the table (which the suite first took for
-// rows the writers never deleted).
-var writerDeletesSeeds = []uint64{6, 12, 16, 26, 428636}
+// rows the writers never deleted). 69596 came from make chaos too: a
+// relay started again after a kill streamed without taking in the held
+// table its predecessor wrote (only polling's claim merged it, and the
+// sweeps had stopped claiming that way), so it dead-lettered a row held as
+// too large and left the row's record.
+var writerDeletesSeeds = []uint64{6, 12, 16, 26, 428636, 69596}
 
 // TestFaultsWriterDeletes runs writerDeletesSeeds with the writers
 // deleting their rows (--writer-deletes): the relay publishes from the
@@ -335,6 +339,9 @@ func runSeed(t *testing.T, test string, sc scenario) {
 	for _, v := range res.violations {
 		t.Errorf("seed %d: %s", sc.seed, v)
 	}
+	if res.unexercised != "" {
+		t.Errorf("seed %d does not exercise its capture mode: %s", sc.seed, res.unexercised)
+	}
 	if t.Failed() {
 		t.Logf("replay: go test ./relay -run '%s/seed=%d$' (%s)", test, sc.seed, sc)
 	}
@@ -364,7 +371,7 @@ func runChaos(t *testing.T) {
 	deadline := time.Now().Add(*chaosDuration)
 	var lines []string
 	faults := map[string]int{}
-	ran, failed := 0, 0
+	ran, failed, unexercised := 0, 0, 0
 	held := map[string]int{}
 	if *chaosCaptureOnly != "" && !slices.Contains(chaosCaptureModes, *chaosCaptureOnly) {
 		t.Fatalf("-chaos.capture %q: want one of %s", *chaosCaptureOnly, strings.Join(chaosCaptureModes, ", "))
@@ -396,6 +403,10 @@ func runChaos(t *testing.T) {
 			held[k] += n
 		}
 		verdict := "held"
+		if res.unexercised != "" {
+			unexercised++
+			verdict += " (not exercised: " + res.unexercised + ")"
+		}
 		if !ok {
 			failed++
 			verdict = "VIOLATED: " + strings.Join(res.violations, "; ")
@@ -411,6 +422,9 @@ func runChaos(t *testing.T) {
 			fmt.Fprintf(&b, "Only scenarios of capture %s (`CHAOS_CAPTURE`).\n\n", *chaosCaptureOnly)
 		}
 		fmt.Fprintf(&b, "%d scenarios, %d with a violated invariant.\n\n", ran, failed)
+		if unexercised > 0 {
+			fmt.Fprintf(&b, "%d of them did not exercise writer deletes: every wave of rows came while no relay with writer deletes streamed (a relay restart under slow Kafka answers takes seconds), so the writers kept every row; their invariants were checked all the same.\n\n", unexercised)
+		}
 		b.WriteString("Invariants checked after every scenario: nothing lost; nothing on the dead-letter topic that the broker did not refuse alone; per-key order on each topic in partition-key mode (first deliveries); duplicates within one batch per fault (with writer deletes, one transaction: the slot moves only past whole transactions); every healthy row published within 60 s of the faults' end; `/healthz` never failing; every row held for itself recorded in the held table with its reason, and no row that went out still recorded there; with retention, every row published long ago pruned; `/readyz` naming a stall reason or an unreachable dependency whenever it fails, and passing, with every stall gauge at 0, once the faults end.\n\n")
 		b.WriteString("Faults injected:\n\n| fault | times |\n| --- | --- |\n")
 		for _, k := range append(slices.Clone(faultKinds), pgRestart, relayKill) {
@@ -428,6 +442,12 @@ func runChaos(t *testing.T) {
 
 type scenarioResult struct {
 	violations []string
+	// unexercised says why the scenario did not exercise its capture
+	// mode: with writer deletes, every wave was written while no relay
+	// with writer deletes streamed (a restart took that long), so the
+	// writers kept every row. A seed kept for make test must exercise it;
+	// a chaos run counts such scenarios apart.
+	unexercised string
 	rows       int
 	duplicates int
 	kinds      map[string]int
@@ -871,7 +891,7 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 		// the table, which holds the rows put back again).
 		t.Logf("the writers deleted %d of %d rows", writerDeleted.Load(), len(rows))
 		if writerDeleted.Load() == 0 {
-			res.violations = append(res.violations, "the writers deleted no row: the stream was not exercised")
+			res.unexercised = "the writers deleted no row: every wave came while no relay with writer deletes streamed"
 		}
 	}
 	t.Logf("%d rows, %d produce requests, %d duplicates", len(rows), produceRequests.Load(), res.duplicates)

@@ -158,8 +158,8 @@ const captureDrainBatch = 500
 // captureDrains drains o.rows rows at batch 500 in each mode, in
 // alternating rounds: polling from the table; streaming, from a slot
 // whose WAL holds the rows after the relay was down (they are in the
-// table too, where the relay's sweep finds them); with writer deletes,
-// from the slot's WAL alone. The rate is the relay's counter's, the same
+// table too, and the stream claims them from it as it reads them); with
+// writer deletes, from the slot's WAL alone. The rate is the relay's counter's, the same
 // for all; "caught_up_s" is how long until the slot was confirmed past
 // the rows (new rows wait behind them until then).
 func captureDrains(ctx context.Context, o *options, e *benchEnv, rep *report) error {

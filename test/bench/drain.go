@@ -262,9 +262,8 @@ func relayDrainWith(ctx context.Context, o *options, e *benchEnv, d drainSetup, 
 		m["pruned"] = pruned
 	}
 	if d.fromSlot {
-		// Every row is out; the stream may still be reading their inserts
-		// (a sweep published them first): until the slot is confirmed
-		// past them, new rows wait behind.
+		// Every row is out; the slot may not be confirmed past them yet:
+		// until it is, new rows wait behind.
 		for {
 			var caughtUp bool
 			if err := e.pool.QueryRow(ctx, `SELECT COALESCE(bool_and(confirmed_flush_lsn >= $1::pg_lsn), false) FROM pg_replication_slots`, walEnd).Scan(&caughtUp); err != nil {
