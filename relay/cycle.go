@@ -171,6 +171,9 @@ func (r *Relay) begin(ctx context.Context, now time.Time) (beginner, error) {
 // out of the claims from then on, and rows released elsewhere (redrive)
 // come due. The loop that claims calls it, polling or streaming.
 func (r *Relay) mergeHeld() {
+	if r.heldSnap.Load() == nil { // a read, not a write, on the streaming loop's every turn
+		return
+	}
 	s := r.heldSnap.Swap(nil)
 	if s == nil {
 		return
