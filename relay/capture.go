@@ -68,7 +68,7 @@ const (
 	// fallbackPeriod is how long the relay polls after it gave up or lost
 	// its slot, before it makes a new one.
 	fallbackPeriod = time.Minute
-	// sweepRetry is when a sweep that failed runs again (sweep).
+	// sweepRetry is when a sweep that failed runs again (sweepFailed).
 	sweepRetry = time.Second
 	// fenceAsk is how often the streaming loop asks the server how far the
 	// stream has read while a sweep waits for it (sweepFence).

@@ -46,6 +46,14 @@ func tableSlot(t *testing.T, f *outboxtest.Fixture) string {
 	return outbox.SlotName(db, outbox.Table{Name: "outbox"})
 }
 
+// waitSlotIdle waits until no relay reads f's table's slot (it exists).
+func waitSlotIdle(t *testing.T, f *outboxtest.Fixture) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, tableSlot(t, f)) == 1
+	}, 10*time.Second, 20*time.Millisecond, "no relay reads the slot")
+}
+
 // waitDeletesOnStore waits until a writer with WithDeleteOnStore would
 // delete its rows in f's outbox table: a relay with writer deletes streams.
 func waitDeletesOnStore(t *testing.T, f *outboxtest.Fixture, timeout time.Duration) {
@@ -494,9 +502,7 @@ func TestLogicalReplicationPublishesRowsWrittenWhileNoRelayStreamedInCommitOrder
 	f, cfg := captureFixture(t, 1, "E")
 	x := startStreaming(t, cfg)
 	x.Stop(t)
-	require.Eventually(t, func() bool {
-		return f.Count(`SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, tableSlot(t, f)) == 1
-	}, 10*time.Second, 20*time.Millisecond, "no relay reads the slot")
+	waitSlotIdle(t, f)
 	w, err := outbox.NewWriter("outbox")
 	require.NoError(t, err)
 	var want []string // in commit order
@@ -589,9 +595,7 @@ func TestWriterDeletesPutsBackAcrossAColumnAdded(t *testing.T) {
 	f, cfg, _ := writerDeletesFixture(t, "E")
 	x := startStreaming(t, cfg)
 	x.Stop(t)
-	require.Eventually(t, func() bool {
-		return f.Count(`SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, tableSlot(t, f)) == 1
-	}, 10*time.Second, 20*time.Millisecond, "no relay reads the slot")
+	waitSlotIdle(t, f)
 	// Stored and deleted in one transaction, as a writer with writer
 	// deletes does, with an event type the relay maps to no topic: it is
 	// put back when the relay reads it.

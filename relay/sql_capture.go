@@ -118,4 +118,5 @@ var captureStatements = map[string]string{
 	"sqlCaptureSettings": sqlCaptureSettings, "sqlCanReplicate": sqlCanReplicate, "sqlPublishes": sqlPublishes,
 	"sqlSlotState": sqlSlotState, "sqlDropSlot": sqlDropSlot, "sqlWriterDeletesTable": sqlWriterDeletesTable,
 	"sqlRowTypeColumns": sqlRowTypeColumns, "sqlWALSenderTimeout": sqlWALSenderTimeout,
+	"sqlSweepFence": sqlSweepFence, "sqlSlotHorizon": sqlSlotHorizon,
 }
