@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -384,7 +385,8 @@ func (r *Relay) stream(ctx context.Context) error {
 	s := &streamState{r: r, conn: conn, statusEvery: r.statusEvery(ctx)}
 	s.nextStatus = time.Now().Add(s.statusEvery)
 	defer func() { _ = s.settle(context.WithoutCancel(ctx)) }() // a batch whose commit runs is finished, never abandoned
-	r.mergeHeld() // what the held table says before the first sweep
+	// What the held table says before the first sweep.
+	r.mergeHeld()
 	s.nextSweep = r.sweepBeforeSlot(ctx, s.keepAlive)
 	s.nextCheck = time.Now()
 	for ctx.Err() == nil {
@@ -854,7 +856,8 @@ func (r *Relay) claimStreamed(ctx context.Context, ids []int64) (*inFlight, erro
 		return nil, r.dbFailed(fmt.Errorf("begin claim transaction on %s: %w", r.table, err))
 	}
 	f := claimFilter{types: r.availableTypes(start), held: r.held.ids(), largest: r.largestRecord()}
-	rs, err := tx.Query(bctx, r.sql.ClaimIDs, ids, f.types, f.held, r.cfg.MaxBatchBytes, f.largest)
+	pos, lo := commitOrder(ids)
+	rs, err := tx.Query(bctx, r.sql.ClaimIDs, ids, f.types, f.held, r.cfg.MaxBatchBytes, f.largest, pos, lo)
 	var rows []row
 	var locked int
 	if err == nil {
@@ -877,6 +880,32 @@ func (r *Relay) claimStreamed(ctx context.Context, ids []int64) (*inFlight, erro
 	b.published, b.perr = r.publish(bctx, rows)
 	b.holds, b.unhold = r.held.take(), r.held.forget(b.published)
 	return b, nil
+}
+
+// denseOrderSpan bounds commitOrder's lookup: at most this many entries
+// per id of the chunk.
+const denseOrderSpan = 8
+
+// commitOrder is the lookup SQL.ClaimIDs reads the ids' order from: pos
+// holds, at an id less lo, its 1-based place in ids (0 at ids not among
+// them), where the ids span no more than denseOrderSpan entries per id, as
+// a stream's ids do unless a long transaction's commit brings an old one.
+// Otherwise pos is nil and the claim looks each row up in ids.
+func commitOrder(ids []int64) (pos []int32, lo int64) {
+	if len(ids) == 0 {
+		return nil, 0
+	}
+	lo, hi := slices.Min(ids), slices.Max(ids)
+	if hi-lo >= int64(denseOrderSpan*len(ids)) {
+		return nil, 0
+	}
+	pos = make([]int32, hi-lo+1)
+	for i, id := range ids {
+		if pos[id-lo] == 0 { // the first place, as array_position's
+			pos[id-lo] = int32(i + 1)
+		}
+	}
+	return pos, lo
 }
 
 // sweepFailed logs a failed sweep and says when to sweep again.

@@ -127,3 +127,64 @@ func TestFencePositionStepsBackOverAPageHeader(t *testing.T) {
 		require.Equal(t, c.want, fencePosition(c.at, page), "insert position %s", c.at)
 	}
 }
+
+
+// A streamed claim takes the stream's ids in the order given, whether the
+// claim finds their order in commitOrder's lookup (ids close together) or
+// in the ids themselves (one far from the rest), and a byte budget that
+// cuts the claim leaves the ids at the end, never ones in the middle.
+func TestClaimIDsTakesTheGivenOrder(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := outboxDB(t)
+	_, err := pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		SELECT gen_random_uuid(), 'O', 'a', 'E', jsonb_build_object('pad', repeat('x', 90)), 'a' FROM generate_series(1, 3000)`)
+	require.NoError(t, err)
+	var first int64
+	require.NoError(t, pool.QueryRow(ctx, `SELECT min(id) FROM outbox`).Scan(&first))
+	// Commit order interleaves the ids of concurrent writers.
+	near := make([]int64, 0, 400)
+	for i := range int64(200) {
+		near = append(near, first+2*i+1, first+2*i)
+	}
+	far := append([]int64{first + 2999}, near[:40]...)
+	sql := NewSQL(outbox.Table{Name: "outbox"})
+	for _, c := range []struct {
+		name  string
+		ids   []int64
+		dense bool
+	}{{"close together", near, true}, {"one far from the rest", far, false}} {
+		pos, lo := commitOrder(c.ids)
+		require.Equal(t, c.dense, pos != nil, "%s: the lookup", c.name)
+		for _, budget := range []int{1 << 30, 3000} {
+			tx, err := pool.Begin(ctx)
+			require.NoError(t, err)
+			rows, err := tx.Query(ctx, sql.ClaimIDs, c.ids, []string{"E"}, []int64{}, budget, 1<<20, pos, lo)
+			require.NoError(t, err)
+			var got []int64
+			for rows.Next() {
+				v, err := rows.Values()
+				require.NoError(t, err)
+				got = append(got, v[0].(int64))
+			}
+			require.NoError(t, rows.Err())
+			require.NoError(t, tx.Rollback(ctx))
+			want := c.ids
+			if budget < 1<<30 {
+				require.Less(t, len(got), len(c.ids), "%s: the budget cuts the claim", c.name)
+				want = c.ids[:len(got)]
+			}
+			require.Equal(t, want, got, "%s, budget %d", c.name, budget)
+		}
+	}
+}
+
+func TestCommitOrderPlacesEachID(t *testing.T) {
+	pos, lo := commitOrder([]int64{12, 10, 11, 10})
+	require.Equal(t, int64(10), lo)
+	require.Equal(t, []int32{2, 3, 1}, pos, "each id's first place, 1-based")
+	pos, _ = commitOrder([]int64{1, 2 + denseOrderSpan*2})
+	require.Nil(t, pos, "ids spread wider than the bound")
+	pos, _ = commitOrder(nil)
+	require.Nil(t, pos)
+}

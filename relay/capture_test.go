@@ -229,7 +229,7 @@ func TestClaimIDsPlanProbesTheIndex(t *testing.T) {
 	for i := range ids {
 		ids[i] = int64(40000 - 7*i) // not in id order, as commit order need not be
 	}
-	rows, err := conn.Query(ctx, "EXPLAIN "+sql, ids, []string{"E"}, []int64{}, 4<<20, 1<<20)
+	rows, err := conn.Query(ctx, "EXPLAIN "+sql, ids, []string{"E"}, []int64{}, 4<<20, 1<<20, []int32(nil), 0)
 	require.NoError(t, err)
 	var plan strings.Builder
 	for rows.Next() {

@@ -448,9 +448,9 @@ type scenarioResult struct {
 	// writers kept every row. A seed kept for make test must exercise it;
 	// a chaos run counts such scenarios apart.
 	unexercised string
-	rows       int
-	duplicates int
-	kinds      map[string]int
+	rows        int
+	duplicates  int
+	kinds       map[string]int
 }
 
 // insertedRow is a scenario row as stored.
