@@ -163,6 +163,10 @@ func relayDrainWith(ctx context.Context, o *options, e *benchEnv, d drainSetup, 
 			return nil, err
 		}
 	}
+	dbCPU0, err := e.serverCPUSeconds(ctx)
+	if err != nil {
+		return nil, err
+	}
 	var procs []*devproc.Proc
 	defer func() {
 		for _, p := range procs {
@@ -230,6 +234,10 @@ func relayDrainWith(ctx context.Context, o *options, e *benchEnv, d drainSetup, 
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+	dbCPU, err := e.serverCPUSeconds(ctx)
+	if err != nil {
+		return nil, err
+	}
 	var cpu, hwm, pruned float64
 	for _, p := range procs {
 		n, err := scrape(p, metricPruned)
@@ -256,6 +264,7 @@ func relayDrainWith(ctx context.Context, o *options, e *benchEnv, d drainSetup, 
 		"topic_mib":            float64(topicBytes) / (1 << 20),
 		"counter_events_per_s": counterRate,
 		"cpu_s_per_10k":        cpu / float64(o.rows) * 10_000,
+		"db_cpu_s_per_10k":     (dbCPU - dbCPU0) / float64(o.rows) * 10_000,
 		"peak_rss_mib":         hwm / 1024,
 	}
 	if d.published > 0 {
