@@ -896,7 +896,7 @@ func commitOrder(ids []int64) (pos []int32, lo int64) {
 		return nil, 0
 	}
 	lo, hi := slices.Min(ids), slices.Max(ids)
-	if hi-lo >= int64(denseOrderSpan*len(ids)) {
+	if uint64(hi)-uint64(lo) >= uint64(denseOrderSpan*len(ids)) { // unsigned: ids of both signs cannot overflow it
 		return nil, 0
 	}
 	pos = make([]int32, hi-lo+1)

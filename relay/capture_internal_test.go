@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"testing"
 	"time"
 
@@ -128,7 +129,6 @@ func TestFencePositionStepsBackOverAPageHeader(t *testing.T) {
 	}
 }
 
-
 // A streamed claim takes the stream's ids in the order given, whether the
 // claim finds their order in commitOrder's lookup (ids close together) or
 // in the ids themselves (one far from the rest), and a byte budget that
@@ -185,6 +185,11 @@ func TestCommitOrderPlacesEachID(t *testing.T) {
 	require.Equal(t, []int32{2, 3, 1}, pos, "each id's first place, 1-based")
 	pos, _ = commitOrder([]int64{1, 2 + denseOrderSpan*2})
 	require.Nil(t, pos, "ids spread wider than the bound")
+	pos, _ = commitOrder([]int64{math.MinInt64 + 1, math.MaxInt64})
+	require.Nil(t, pos, "ids whose difference overflows an int64")
+	pos, lo = commitOrder([]int64{-1, 1})
+	require.Equal(t, int64(-1), lo)
+	require.Equal(t, []int32{1, 0, 2}, pos)
 	pos, _ = commitOrder(nil)
 	require.Nil(t, pos)
 }
