@@ -179,6 +179,8 @@ func TestClaimIDsTakesTheGivenOrder(t *testing.T) {
 	}
 }
 
+// commitOrder places each id at its first place in the list, and gives no
+// lookup for ids spread wider than its bound, however far apart they are.
 func TestCommitOrderPlacesEachID(t *testing.T) {
 	pos, lo := commitOrder([]int64{12, 10, 11, 10})
 	require.Equal(t, int64(10), lo)
