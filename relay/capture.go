@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"slices"
@@ -522,7 +523,15 @@ type streamState struct {
 	// put back, forgotten after putBackMemory).
 	putBack map[int64]time.Time
 	inTx    bool
-	txIDs   []int64       // ids inserted by the open transaction
+	txIDs   []int64 // ids inserted by the open transaction
+	// Without writer deletes: the open transaction's inserts, their
+	// tuples copied into txRaw (the stream's buffer is reused by the next
+	// message), in case the transaction deletes them (restore).
+	txIns []rawInsert
+	txRaw []byte
+	// tuple is the columns of the message decode reads, within it
+	// (tupleColumns), reused from message to message.
+	tuple   [][]byte
 	pending []int64       // ids of committed transactions not yet published, in commit order
 	pendLSN pglogrepl.LSN // the end of the last committed transaction in pending
 	// restore are the committed rows that a writer deleted in
@@ -589,8 +598,12 @@ func (s *streamState) handle(ctx context.Context, msg pgproto3.BackendMessage) e
 }
 
 // decode reads one pgoutput message: the table's relation, transaction
-// boundaries and its inserts.
+// boundaries and its inserts. Inserts and deletes, a message per row, are
+// read in place; pglogrepl.Parse would copy each column twice over.
 func (s *streamState) decode(ctx context.Context, data []byte) error {
+	if len(data) > 0 && (data[0] == byte(pglogrepl.MessageTypeInsert) || data[0] == byte(pglogrepl.MessageTypeDelete)) {
+		return s.decodeRowChange(data)
+	}
 	m, err := pglogrepl.Parse(data)
 	if err != nil {
 		return fmt.Errorf("decode pgoutput: %w", err)
@@ -617,51 +630,11 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 			}
 		}
 	case *pglogrepl.BeginMessage:
-		s.inTx, s.txIDs, s.txRows = true, s.txIDs[:0], s.txRows[:0]
-	case *pglogrepl.InsertMessage:
-		if m.RelationID != s.rel || s.rel == 0 || m.Tuple == nil || s.idCol >= len(m.Tuple.Columns) {
-			return nil
+		s.inTx, s.txIDs, s.txRows, s.txIns = true, s.txIDs[:0], s.txRows[:0], s.txIns[:0]
+		if cap(s.txRaw) > maxKeptTxRaw {
+			s.txRaw = nil // a large transaction's
 		}
-		if s.cols != nil {
-			x, err := s.cols.decodeRow(m.Tuple)
-			if err != nil {
-				return err
-			}
-			if _, ok := s.putBack[x.id]; ok {
-				delete(s.putBack, x.id) // the relay's own insert: the row is in the table
-				return nil
-			}
-			s.txIDs, s.txRows = append(s.txIDs, x.id), append(s.txRows, x)
-			return nil
-		}
-		id, err := strconv.ParseInt(string(m.Tuple.Columns[s.idCol].Data), 10, 64)
-		if err != nil {
-			return fmt.Errorf("the stream's id %q: %w", m.Tuple.Columns[s.idCol].Data, err)
-		}
-		s.txIDs = append(s.txIDs, id)
-		// Kept until the commit, in case the transaction deletes the row.
-		s.txRows = append(s.txRows, tupleText(id, s.relNames, m.Tuple))
-	case *pglogrepl.DeleteMessage:
-		// A row deleted by the transaction that inserted it was stored by
-		// a writer with writer deletes: it is in no table, and the claim
-		// would find it gone. Without writer deletes it goes back into
-		// the table before the claim (restoreDeleted), so it is published
-		// with the rest in commit order; with them it is published from
-		// the stream, and a row its writer kept is claimed from the table
-		// (publishDecoded). Deletes of earlier rows (published ones) are
-		// not the stream's concern.
-		if m.RelationID != s.rel || s.rel == 0 || m.OldTuple == nil || s.idCol >= len(m.OldTuple.Columns) {
-			return nil
-		}
-		id, err := strconv.ParseInt(string(m.OldTuple.Columns[s.idCol].Data), 10, 64)
-		if err != nil {
-			return nil // a key without the id: not a row this transaction inserted
-		}
-		for i := range s.txRows {
-			if s.txRows[i].id == id {
-				s.txRows[i].deleted = true
-			}
-		}
+		s.txRaw = s.txRaw[:0]
 	case *pglogrepl.CommitMessage:
 		s.inTx, s.passed = false, max(s.passed, m.TransactionEndLSN)
 		if len(s.pending) == 0 && len(s.txIDs) > 0 {
@@ -669,14 +642,19 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 		}
 		s.pending = append(s.pending, s.txIDs...)
 		for _, x := range s.txRows {
-			switch {
-			case s.cols != nil:
-				s.pendRows, s.pendBytes = append(s.pendRows, x), s.pendBytes+x.size
-			case x.deleted:
-				s.restore = append(s.restore, x)
+			s.pendRows, s.pendBytes = append(s.pendRows, x), s.pendBytes+x.size
+		}
+		for _, x := range s.txIns {
+			if x.deleted {
+				cols, err := tupleColumns(s.txRaw[x.from:x.to], s.tuple)
+				if err != nil {
+					return err // read once already, as the insert came
+				}
+				s.tuple = cols
+				s.restore = append(s.restore, tupleText(x.id, x.names, cols))
 			}
 		}
-		s.txIDs, s.txRows = s.txIDs[:0], s.txRows[:0]
+		s.txIDs, s.txRows, s.txIns = s.txIDs[:0], s.txRows[:0], s.txIns[:0]
 		s.pendLSN = m.TransactionEndLSN
 		if len(s.pending) == 0 && s.carry == nil {
 			s.confirmed = max(s.confirmed, m.TransactionEndLSN)
@@ -685,6 +663,135 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 		}
 	}
 	return nil
+}
+
+// maxKeptTxRaw is the most of its capacity the stream's copy of an open
+// transaction's inserts (streamState.txRaw) keeps for the next one.
+const maxKeptTxRaw = 1 << 20
+
+// rawInsert is an insert of the open transaction, without writer deletes:
+// its tuple is txRaw[from:to], read with the columns names.
+type rawInsert struct {
+	id       int64
+	from, to int
+	names    []string
+	deleted  bool // the transaction deleted the row
+}
+
+// decodeRowChange reads an insert or a delete of the table: an insert's
+// id, with writer deletes its whole row; a delete's id, to mark a row the
+// same transaction inserted.
+func (s *streamState) decodeRowChange(data []byte) error {
+	rel, tuple, err := rowChange(data)
+	if err != nil {
+		return err
+	}
+	if rel != s.rel || s.rel == 0 {
+		return nil
+	}
+	cols, err := tupleColumns(tuple, s.tuple)
+	if err != nil {
+		return fmt.Errorf("decode pgoutput %q message: %w", data[0], err)
+	}
+	s.tuple = cols
+	if s.idCol >= len(cols) {
+		return nil
+	}
+	if data[0] == byte(pglogrepl.MessageTypeDelete) {
+		// A row deleted by the transaction that inserted it was stored by
+		// a writer with writer deletes: it is in no table, and the claim
+		// would find it gone. Without writer deletes it goes back into
+		// the table before the claim (restoreDeleted), so it is published
+		// with the rest in commit order; with them it is published from
+		// the stream, and a row its writer kept is claimed from the table
+		// (publishDecoded). Deletes of earlier rows (published ones) are
+		// not the stream's concern.
+		id, err := strconv.ParseInt(string(cols[s.idCol]), 10, 64)
+		if err != nil {
+			return nil // a key without the id: not a row this transaction inserted
+		}
+		for i := range s.txRows {
+			if s.txRows[i].id == id {
+				s.txRows[i].deleted = true
+			}
+		}
+		for i := range s.txIns {
+			if s.txIns[i].id == id {
+				s.txIns[i].deleted = true
+			}
+		}
+		return nil
+	}
+	if s.cols != nil {
+		x, err := s.cols.decodeRow(cols)
+		if err != nil {
+			return err
+		}
+		if _, ok := s.putBack[x.id]; ok {
+			delete(s.putBack, x.id) // the relay's own insert: the row is in the table
+			return nil
+		}
+		s.txIDs, s.txRows = append(s.txIDs, x.id), append(s.txRows, x)
+		return nil
+	}
+	id, err := strconv.ParseInt(string(cols[s.idCol]), 10, 64)
+	if err != nil {
+		return fmt.Errorf("the stream's id %q: %w", cols[s.idCol], err)
+	}
+	s.txIDs = append(s.txIDs, id)
+	// Kept until the commit, in case the transaction deletes the row.
+	s.txIns = append(s.txIns, rawInsert{id: id, from: len(s.txRaw), to: len(s.txRaw) + len(tuple), names: s.relNames})
+	s.txRaw = append(s.txRaw, tuple...)
+	return nil
+}
+
+// rowChange splits pgoutput's insert or delete message (protocol version
+// 1: its kind, the relation's id, the kind of tuple, the tuple) into the
+// relation and the tuple.
+func rowChange(data []byte) (rel uint32, tuple []byte, err error) {
+	if len(data) < 6 {
+		return 0, nil, fmt.Errorf("decode pgoutput %q message: %d bytes", data[0], len(data))
+	}
+	switch k := data[5]; {
+	case data[0] == byte(pglogrepl.MessageTypeInsert) && k == 'N',
+		data[0] == byte(pglogrepl.MessageTypeDelete) && (k == pglogrepl.DeleteMessageTupleTypeKey || k == pglogrepl.DeleteMessageTupleTypeOld):
+		return binary.BigEndian.Uint32(data[1:5]), data[6:], nil
+	default:
+		return 0, nil, fmt.Errorf("decode pgoutput %q message: a tuple of kind %q", data[0], k)
+	}
+}
+
+// tupleColumns splits pgoutput's TupleData (a column count, then each
+// column's kind and, for a text or binary one, its length and bytes) into
+// cols, reused: each column's bytes within tuple, nil for NULL or a TOASTed
+// value left unchanged. The bytes are the message's: what outlives it
+// must be copied.
+func tupleColumns(tuple []byte, cols [][]byte) ([][]byte, error) {
+	if len(tuple) < 2 {
+		return nil, errors.New("no column count")
+	}
+	n := int(binary.BigEndian.Uint16(tuple))
+	rest, cols := tuple[2:], cols[:0]
+	for i := range n {
+		if len(rest) == 0 {
+			return nil, fmt.Errorf("it ends before column %d of %d", i+1, n)
+		}
+		kind := rest[0]
+		rest = rest[1:]
+		switch kind {
+		case pglogrepl.TupleDataTypeText, pglogrepl.TupleDataTypeBinary:
+			if len(rest) < 4 || uint64(binary.BigEndian.Uint32(rest)) > uint64(len(rest)-4) {
+				return nil, fmt.Errorf("it ends within column %d of %d", i+1, n)
+			}
+			l := int(binary.BigEndian.Uint32(rest))
+			cols, rest = append(cols, rest[4:4+l:4+l]), rest[4+l:]
+		case pglogrepl.TupleDataTypeNull, pglogrepl.TupleDataTypeToast:
+			cols = append(cols, nil)
+		default:
+			return nil, fmt.Errorf("column %d of %d is of kind %q", i+1, n, kind)
+		}
+	}
+	return cols, nil
 }
 
 // flush publishes the pending rows; their last batch's mark and commit go

@@ -84,30 +84,30 @@ type streamedRow struct {
 	deleted bool
 }
 
-// tupleText keeps an insert's columns' text (the stream's buffer is
-// reused by the next message), enough to put the row back (record).
-func tupleText(id int64, names []string, t *pglogrepl.TupleData) streamedRow {
-	x := streamedRow{row: row{id: id}, names: names, text: make([]*string, len(t.Columns))}
-	for i, col := range t.Columns {
-		if col.DataType == pglogrepl.TupleDataTypeText || col.DataType == pglogrepl.TupleDataTypeBinary {
-			s := string(col.Data)
+// tupleText keeps the text of a tuple's columns (tupleColumns), enough to
+// put the row back (record).
+func tupleText(id int64, names []string, cols [][]byte) streamedRow {
+	x := streamedRow{row: row{id: id}, names: names, text: make([]*string, len(cols))}
+	for i, col := range cols {
+		if col != nil {
+			s := string(col)
 			x.text[i] = &s
 		}
 	}
 	return x
 }
 
-// decodeRow reads an insert's tuple.
-func (c *streamColumns) decodeRow(t *pglogrepl.TupleData) (streamedRow, error) {
+// decodeRow reads an insert's columns (tupleColumns).
+func (c *streamColumns) decodeRow(cols [][]byte) (streamedRow, error) {
 	x := streamedRow{names: c.names, text: make([]*string, len(c.names)), readable: true}
-	for i, col := range t.Columns {
-		if i < len(x.text) && (col.DataType == pglogrepl.TupleDataTypeText || col.DataType == pglogrepl.TupleDataTypeBinary) {
-			s := string(col.Data)
+	for i, col := range cols {
+		if i < len(x.text) && col != nil {
+			s := string(col)
 			x.text[i] = &s
 		}
 	}
-	if len(t.Columns) != len(c.names) || x.text[c.id] == nil {
-		return x, fmt.Errorf("the stream's insert has %d columns, its relation %d, or no id", len(t.Columns), len(c.names))
+	if len(cols) != len(c.names) || x.text[c.id] == nil {
+		return x, fmt.Errorf("the stream's insert has %d columns, its relation %d, or no id", len(cols), len(c.names))
 	}
 	id, err := strconv.ParseInt(*x.text[c.id], 10, 64)
 	if err != nil {

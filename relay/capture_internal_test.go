@@ -2,9 +2,11 @@ package relay
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"testing"
 	"time"
 
@@ -194,4 +196,91 @@ func TestCommitOrderPlacesEachID(t *testing.T) {
 	require.Equal(t, []int32{1, 0, 2}, pos)
 	pos, _ = commitOrder(nil)
 	require.Nil(t, pos)
+}
+
+// tupleData is pgoutput's TupleData of cols: nil is NULL, toast a TOASTed
+// value left unchanged, anything else a text column.
+func tupleData(cols ...*string) []byte {
+	b := binary.BigEndian.AppendUint16(nil, uint16(len(cols)))
+	for _, c := range cols {
+		switch {
+		case c == nil:
+			b = append(b, pglogrepl.TupleDataTypeNull)
+		case c == toast:
+			b = append(b, pglogrepl.TupleDataTypeToast)
+		default:
+			b = append(b, pglogrepl.TupleDataTypeText)
+			b = binary.BigEndian.AppendUint32(b, uint32(len(*c)))
+			b = append(b, *c...)
+		}
+	}
+	return b
+}
+
+var toast = new(string)
+
+func str(s string) *string { return &s }
+
+func TestTupleColumnsReadsEachKind(t *testing.T) {
+	tuple := tupleData(str("42"), nil, str(""), toast, str(`{"a": 1}`))
+	cols, err := tupleColumns(tuple, nil)
+	require.NoError(t, err)
+	require.Equal(t, [][]byte{[]byte("42"), nil, {}, nil, []byte(`{"a": 1}`)}, cols)
+	require.NotNil(t, cols[2], "an empty text is not NULL")
+	bin := slices.Clone(tuple)
+	bin[2+1+4+2] = pglogrepl.TupleDataTypeBinary // the second column's kind
+	bin = slices.Insert(bin, 2+1+4+2+1, 0, 0, 0, 1, 'x')
+	cols, err = tupleColumns(bin, cols)
+	require.NoError(t, err)
+	require.Equal(t, []byte("x"), cols[1], "a binary column's bytes")
+
+	for n := range len(tuple) { // every truncation fails, none reads past the end
+		_, err := tupleColumns(tuple[:n], nil)
+		require.Error(t, err, "%d of %d bytes", n, len(tuple))
+	}
+	bad := slices.Clone(tuple)
+	bad[2] = 'z'
+	_, err = tupleColumns(bad, nil)
+	require.ErrorContains(t, err, `column 1 of 5 is of kind 'z'`)
+	long := slices.Clone(tuple)
+	binary.BigEndian.PutUint32(long[3:], math.MaxUint32)
+	_, err = tupleColumns(long, nil)
+	require.ErrorContains(t, err, "it ends within column 1 of 5")
+}
+
+// A row that the transaction inserting it deletes, without writer deletes,
+// is put back as the stream delivered it, even after the stream's buffer
+// has been reused by the messages after it.
+func TestStreamKeepsTheRowsItsTransactionDeletes(t *testing.T) {
+	s := &streamState{r: &Relay{cfg: Config{Settings: Settings{BatchSize: 100, MaxBatchBytes: 1 << 20}}}, rel: 7, idCol: 0, relNames: []string{"id", "payload", "note"}}
+	buf := make([]byte, 0, 256) // one buffer for every message, as pgconn's
+	feed := func(msg []byte) {
+		buf = append(buf[:0], msg...)
+		require.NoError(t, s.decode(context.Background(), buf))
+		clear(buf) // the next message's bytes
+	}
+	change := func(kind, tupleKind byte, rel uint32, tuple []byte) []byte {
+		return append(binary.BigEndian.AppendUint32([]byte{kind}, rel), append([]byte{tupleKind}, tuple...)...)
+	}
+	feed(append([]byte{'B'}, make([]byte, 20)...))
+	feed(change('I', 'N', 7, tupleData(str("1"), str(`{"n": 1}`), nil)))
+	feed(change('I', 'N', 7, tupleData(str("2"), str(`{"n": 2}`), str("gone"))))
+	feed(change('I', 'N', 8, tupleData(str("3"), str(`{"n": 3}`), nil))) // another table's
+	feed(change('I', 'N', 7, tupleData(str("4"), str(`{"n": 4}`), str(""))))
+	feed(change('D', 'K', 7, tupleData(str("2"), nil, nil)))
+	feed(change('D', 'K', 7, tupleData(str("99"), nil, nil))) // a row of an earlier transaction
+	require.Empty(t, s.pending, "nothing before the commit")
+	feed(append([]byte{'C'}, make([]byte, 25)...))
+
+	require.Equal(t, []int64{1, 2, 4}, s.pending, "the table's rows in the order they came")
+	require.Len(t, s.restore, 1)
+	x := s.restore[0]
+	require.Equal(t, int64(2), x.id)
+	require.Equal(t, []string{"id", "payload", "note"}, x.names)
+	require.Equal(t, []*string{str("2"), str(`{"n": 2}`), str("gone")}, x.text)
+
+	err := s.decode(context.Background(), change('I', 'N', 7, tupleData(str("x"))))
+	require.ErrorContains(t, err, `the stream's id "x"`)
+	err = s.decode(context.Background(), change('I', 'N', 7, tupleData(str("5"))[:4]))
+	require.ErrorContains(t, err, `decode pgoutput 'I' message: it ends within column 1 of 1`)
 }
