@@ -599,9 +599,13 @@ func (s *streamState) handle(ctx context.Context, msg pgproto3.BackendMessage) e
 
 // decode reads one pgoutput message: the table's relation, transaction
 // boundaries and its inserts. Inserts and deletes, a message per row, are
-// read in place; pglogrepl.Parse would copy each column twice over.
+// read in place: pglogrepl.Parse copies each column into an allocation of
+// its own.
 func (s *streamState) decode(ctx context.Context, data []byte) error {
-	if len(data) > 0 && (data[0] == byte(pglogrepl.MessageTypeInsert) || data[0] == byte(pglogrepl.MessageTypeDelete)) {
+	if len(data) == 0 {
+		return errors.New("decode pgoutput: an empty message")
+	}
+	if data[0] == byte(pglogrepl.MessageTypeInsert) || data[0] == byte(pglogrepl.MessageTypeDelete) {
 		return s.decodeRowChange(data)
 	}
 	m, err := pglogrepl.Parse(data)
@@ -630,11 +634,7 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 			}
 		}
 	case *pglogrepl.BeginMessage:
-		s.inTx, s.txIDs, s.txRows, s.txIns = true, s.txIDs[:0], s.txRows[:0], s.txIns[:0]
-		if cap(s.txRaw) > maxKeptTxRaw {
-			s.txRaw = nil // a large transaction's
-		}
-		s.txRaw = s.txRaw[:0]
+		s.inTx, s.txIDs, s.txRows, s.txIns, s.txRaw = true, s.txIDs[:0], s.txRows[:0], s.txIns[:0], s.txRaw[:0]
 	case *pglogrepl.CommitMessage:
 		s.inTx, s.passed = false, max(s.passed, m.TransactionEndLSN)
 		if len(s.pending) == 0 && len(s.txIDs) > 0 {
@@ -655,6 +655,9 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 			}
 		}
 		s.txIDs, s.txRows, s.txIns = s.txIDs[:0], s.txRows[:0], s.txIns[:0]
+		if cap(s.txRaw) > maxKeptTxRaw {
+			s.txRaw, s.tuple = nil, nil // a large transaction's, not kept while the stream is idle
+		}
 		s.pendLSN = m.TransactionEndLSN
 		if len(s.pending) == 0 && s.carry == nil {
 			s.confirmed = max(s.confirmed, m.TransactionEndLSN)
@@ -665,12 +668,12 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 	return nil
 }
 
-// maxKeptTxRaw is the most of its capacity the stream's copy of an open
-// transaction's inserts (streamState.txRaw) keeps for the next one.
+// maxKeptTxRaw is the most capacity the stream's copy of a transaction's
+// inserts (streamState.txRaw) keeps after its commit, for the next one.
 const maxKeptTxRaw = 1 << 20
 
 // rawInsert is an insert of the open transaction, without writer deletes:
-// its tuple is txRaw[from:to], read with the columns names.
+// its tuple is txRaw[from:to], its columns' names names.
 type rawInsert struct {
 	id       int64
 	from, to int

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -283,4 +284,17 @@ func TestStreamKeepsTheRowsItsTransactionDeletes(t *testing.T) {
 	require.ErrorContains(t, err, `the stream's id "x"`)
 	err = s.decode(context.Background(), change('I', 'N', 7, tupleData(str("5"))[:4]))
 	require.ErrorContains(t, err, `decode pgoutput 'I' message: it ends within column 1 of 1`)
+	require.ErrorContains(t, s.decode(context.Background(), nil), "an empty message")
+
+	// A large transaction's copy is not kept once it committed.
+	s.pending = s.pending[:0]
+	feed(append([]byte{'B'}, make([]byte, 20)...))
+	big := str(strings.Repeat("x", maxKeptTxRaw/4))
+	for id := range 5 {
+		feed(change('I', 'N', 7, tupleData(str(fmt.Sprint(10+id)), big, nil)))
+	}
+	require.Greater(t, cap(s.txRaw), maxKeptTxRaw)
+	feed(append([]byte{'C'}, make([]byte, 25)...))
+	require.Equal(t, []int64{10, 11, 12, 13, 14}, s.pending)
+	require.Zero(t, cap(s.txRaw), "released")
 }
