@@ -6,6 +6,7 @@ import (
 	"os"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/outbox-relay/outbox-operator/relayconfig"
@@ -289,20 +290,44 @@ func (e *benchEnv) serverCPUSeconds(ctx context.Context) (float64, error) {
 		return 0, fmt.Errorf("the database server's processes: %w", err)
 	}
 	total := pm.utime + pm.stime + pm.cutime + pm.cstime
+	err = e.serverProcs(func(_ int, st procStat) { total += st.utime + st.stime }) // one that ended meanwhile is in pm's children's times next time
+	return total, err
+}
+
+// walsenderCPUSeconds is the CPU time the database server's walsenders
+// running now have used: with a streaming relay, what decoding the WAL for
+// it costs, a part of serverCPUSeconds. A walsender's time goes with it
+// when it ends (into the postmaster's), so it is read while the relay runs.
+func (e *benchEnv) walsenderCPUSeconds(ctx context.Context) (float64, error) {
+	if _, err := e.serverCPUSeconds(ctx); err != nil { // finds the postmaster
+		return 0, err
+	}
+	var total float64
+	err := e.serverProcs(func(pid int, st procStat) {
+		// PostgreSQL sets its processes' titles: "postgres: walsender …".
+		if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid)); err == nil && strings.HasPrefix(string(b), "postgres: walsender ") {
+			total += st.utime + st.stime
+		}
+	})
+	return total, err
+}
+
+// serverProcs calls f with each process the database server runs now.
+func (e *benchEnv) serverProcs(f func(pid int, st procStat)) error {
 	procs, err := os.ReadDir("/proc")
 	if err != nil {
-		return 0, err
+		return err
 	}
 	for _, d := range procs {
 		pid, err := strconv.Atoi(d.Name())
 		if err != nil {
 			continue
 		}
-		if st, err := readProcStat(pid); err == nil && st.ppid == e.postmaster { // one that ended meanwhile is in pm's children's times next time
-			total += st.utime + st.stime
+		if st, err := readProcStat(pid); err == nil && st.ppid == e.postmaster {
+			f(pid, st)
 		}
 	}
-	return total, nil
+	return nil
 }
 
 // dropSlots drops the replication slots a logical-replication relay left

@@ -238,6 +238,10 @@ func relayDrainWith(ctx context.Context, o *options, e *benchEnv, d drainSetup, 
 	if err != nil {
 		return nil, err
 	}
+	walsender, err := e.walsenderCPUSeconds(ctx) // the relays' walsenders started after dbCPU0, and still run
+	if err != nil {
+		return nil, err
+	}
 	var cpu, hwm, pruned float64
 	for _, p := range procs {
 		n, err := scrape(p, metricPruned)
@@ -271,6 +275,7 @@ func relayDrainWith(ctx context.Context, o *options, e *benchEnv, d drainSetup, 
 		m["pruned"] = pruned
 	}
 	if d.fromSlot {
+		m["walsender_cpu_s_per_10k"] = walsender / float64(o.rows) * 10_000
 		// Every row is out; the slot may not be confirmed past them yet:
 		// until it is, new rows wait behind.
 		for {

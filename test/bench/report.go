@@ -455,13 +455,16 @@ func (r *report) tables() string {
 			return fmt.Sprintf("| %v | %.1f | %.1f | %.1f |", x.Params["mode"], x.Median["db_xacts_per_s"], x.Median["db_cpu_millicores"], x.Median["relay_cpu_millicores"])
 		})
 	section(scCaptureDrain, fmt.Sprintf("The capture modes draining a backlog (%d rows, one relay at batch %d): polling from the table; logical replication from the slot's WAL after the relay was down (the rows are in the table too); writer deletes from the slot's WAL alone. Events/s by the relay's counter; caught up: until the slot was confirmed past the rows", r.Rows, captureDrainBatch),
-		"| mode | events/s (median) | caught up after (s) | relay CPU s / 10k events | database CPU s / 10k events | repetitions (events/s) |\n| --- | ---: | ---: | ---: | ---: | --- |",
+		"| mode | events/s (median) | caught up after (s) | relay CPU s / 10k events | database CPU s / 10k events | of which its walsender | repetitions (events/s) |\n| --- | ---: | ---: | ---: | ---: | ---: | --- |",
 		func(x *result) string {
-			caught := "–"
+			caught, walsender := "–", "–"
 			if v, ok := x.Median["caught_up_s"]; ok {
 				caught = fmt.Sprintf("%.1f", v)
 			}
-			return fmt.Sprintf("| %v | %.0f | %s | %.2f | %.2f | %s |", x.Params["mode"], x.Median["counter_events_per_s"], caught, x.Median["cpu_s_per_10k"], x.Median["db_cpu_s_per_10k"], reps(x, "counter_events_per_s", "%.0f"))
+			if v, ok := x.Median["walsender_cpu_s_per_10k"]; ok {
+				walsender = fmt.Sprintf("%.2f", v)
+			}
+			return fmt.Sprintf("| %v | %.0f | %s | %.2f | %.2f | %s | %s |", x.Params["mode"], x.Median["counter_events_per_s"], caught, x.Median["cpu_s_per_10k"], x.Median["db_cpu_s_per_10k"], walsender, reps(x, "counter_events_per_s", "%.0f"))
 		})
 	section(scLinger, "Adaptive polling's wait after a partial claim (--linger) against a relay polling every 200 ms: one relay at batch 50, producers inserting one row per transaction, each setting in turn in every round",
 		"| mode | target events/s | p50 ms (median) | p99 ms (median) | relay CPU ms / 1k events | relay claim transactions / 1k events | p99 ms in each round |\n| --- | ---: | ---: | ---: | ---: | ---: | --- |",
