@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
@@ -58,10 +59,23 @@ func waitSlotIdle(t *testing.T, f *outboxtest.Fixture) {
 // delete its rows in f's outbox table: a relay with writer deletes streams.
 func waitDeletesOnStore(t *testing.T, f *outboxtest.Fixture, timeout time.Duration) {
 	t.Helper()
-	require.Eventually(t, func() bool {
-		on, err := outbox.DeletesOnStore(context.Background(), f.Pool, outbox.Table{Name: "outbox"})
-		return err == nil && on
-	}, timeout, 20*time.Millisecond, "a relay with writer deletes streams")
+	require.True(t, deletesOnStoreWithin(f.Pool, timeout), "a relay with writer deletes streams")
+}
+
+// deletesOnStoreWithin reports whether a writer with WithDeleteOnStore
+// would delete its rows in db's outbox table within timeout.
+func deletesOnStoreWithin(db *pgxpool.Pool, timeout time.Duration) bool {
+	deadline := time.Now().Add(timeout)
+	for {
+		on, err := outbox.DeletesOnStore(context.Background(), db, outbox.Table{Name: "outbox"})
+		if err == nil && on {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 // consumedIDs are the event ids of the first n records of topic.
