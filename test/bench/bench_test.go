@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"testing"
 	"time"
 
@@ -76,6 +77,18 @@ func TestBenchQuick(t *testing.T) {
 	q, ok := rep.Ratios["writers' commit p99 at 500/s, with logical-replication / "+noRelay]
 	require.True(t, ok, "the writers' commit p99 against no relay, in the same run")
 	require.InDelta(t, v/alone, q.Median, 1e-9)
+	// The writers again with the relay and the broker on a CPU of their
+	// own: the machine that runs make test has two.
+	require.GreaterOrEqual(t, runtime.NumCPU(), 2, "the CPU split needs two CPUs")
+	aloneSplit, ok := rep.get(scCapture, "writers split "+noRelay, "rows_per_s")
+	require.True(t, ok, "the writers with no relay are measured with the CPUs split")
+	require.Positive(t, aloneSplit)
+	v, ok = rep.get(scCapture, "writers split logical-replication", "rows_per_s")
+	require.True(t, ok, "the writers beside logical replication are measured with the CPUs split")
+	require.Positive(t, v)
+	q, ok = rep.Ratios[writersSplitRatio("logical-replication")]
+	require.True(t, ok, "the writers with the CPUs split against no relay, in the same run")
+	require.InDelta(t, v/aloneSplit, q.Median, 1e-9)
 	_, ok = rep.get(scCaptureIdle, "idle logical-replication, writer deletes", "relay_cpu_millicores")
 	require.True(t, ok, "the capture modes' idle cost is measured")
 	// Idle, the server may use less than one clock tick (10 ms) in the

@@ -120,12 +120,32 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 		logf("capture idle %s: %.1f database transactions/s, database %.1f millicores, relay %.1f millicores", m.name, res["db_xacts_per_s"], res["db_cpu_millicores"], res["relay_cpu_millicores"])
 		rep.add(scCaptureIdle, "idle "+m.name, map[string]any{"mode": m.name, "duration_s": o.idleFor.Seconds()}, []map[string]float64{res})
 	}
+	results, ratios, err := writerRounds(ctx, o, e, "")
+	if err != nil {
+		return err
+	}
+	for _, name := range append([]string{noRelay}, o.writerModeNames()...) {
+		rep.add(scCapture, "writers "+name, map[string]any{"kind": "writers", "mode": name, "writers": o.producers, "duration_s": o.writersFor.Seconds()}, results[name])
+	}
+	for name, rs := range ratios {
+		rep.Ratios["writers with "+name+" / "+noRelay] = ratioResult{Median: median(rs), Rounds: rs}
+	}
+	if err := writersSplit(ctx, o, e, rep); err != nil {
+		return err
+	}
+	return captureDrains(ctx, o, e, rep)
+}
+
+// writerRounds runs o.reps rounds of the writers with no relay and then
+// beside a relay in each mode, and gives each run's result and each
+// mode's ratios to no relay by mode; what ends its log lines and errors.
+func writerRounds(ctx context.Context, o *options, e *benchEnv, what string) (map[string][]map[string]float64, map[string][]float64, error) {
 	ratios := map[string][]float64{}
 	results := map[string][]map[string]float64{}
 	for round := range o.reps {
 		base, err := writersAlone(ctx, o, e)
 		if err != nil {
-			return err
+			return nil, nil, err
 		}
 		results[noRelay] = append(results[noRelay], base)
 		for _, m := range o.chosenCaptureModes() {
@@ -134,23 +154,57 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 			}
 			res, err := writersRunWith(ctx, o, e, tableFill{}, m.notify, m.args...)
 			if err != nil {
-				return fmt.Errorf("writers with %s: %w", m.name, err)
+				return nil, nil, fmt.Errorf("writers with %s%s: %w", m.name, what, err)
 			}
 			if err := e.dropSlots(ctx); err != nil {
-				return err
+				return nil, nil, err
 			}
-			logf("capture writers round %d %s: %.0f rows/s (no relay %.0f)", round+1, m.name, res["rows_per_s"], base["rows_per_s"])
+			logf("capture writers round %d %s%s: %.0f rows/s (no relay %.0f)", round+1, m.name, what, res["rows_per_s"], base["rows_per_s"])
 			results[m.name] = append(results[m.name], res)
 			ratios[m.name] = append(ratios[m.name], res["rows_per_s"]/base["rows_per_s"])
 		}
 	}
+	return results, ratios, nil
+}
+
+// writersSplitRatio names the ratio of the writers' throughput beside a
+// relay in mode to theirs with no relay, the CPUs split (cpuSplit).
+func writersSplitRatio(mode string) string {
+	return "writers with " + mode + " / " + noRelay + ", CPUs split"
+}
+
+// writersSplit runs the writer rounds again with the CPUs split
+// (cpuSplit): the relay and the broker on CPUs of their own, so the
+// writers lose only what each mode costs the database server.
+func writersSplit(ctx context.Context, o *options, e *benchEnv, rep *report) error {
+	s, ok, err := newCPUSplit()
+	if err != nil {
+		return err
+	}
+	if !ok {
+		logf("capture writers with the CPUs split: not run, the benchmark may use a single CPU")
+		return nil
+	}
+	if err := e.split(ctx, s); err != nil {
+		return err
+	}
+	defer func() {
+		if err := e.unsplit(context.WithoutCancel(ctx), s); err != nil {
+			logf("capture writers with the CPUs split: cannot give the processes every CPU again: %v", err)
+		}
+	}()
+	results, ratios, err := writerRounds(ctx, o, e, ", CPUs split")
+	if err != nil {
+		return err
+	}
 	for _, name := range append([]string{noRelay}, o.writerModeNames()...) {
-		rep.add(scCapture, "writers "+name, map[string]any{"kind": "writers", "mode": name, "writers": o.producers, "duration_s": o.writersFor.Seconds()}, results[name])
+		rep.add(scCapture, "writers split "+name, map[string]any{"kind": "writers", "mode": name, "writers": o.producers,
+			"duration_s": o.writersFor.Seconds(), "cpus": s.describe()}, results[name])
 	}
 	for name, rs := range ratios {
-		rep.Ratios["writers with "+name+" / "+noRelay] = ratioResult{Median: median(rs), Rounds: rs}
+		rep.Ratios[writersSplitRatio(name)] = ratioResult{Median: median(rs), Rounds: rs}
 	}
-	return captureDrains(ctx, o, e, rep)
+	return nil
 }
 
 // captureDrainBatch is the batch size the capture modes drain a backlog at.

@@ -15,6 +15,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"golang.org/x/sys/unix"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relayconfig"
@@ -37,7 +38,8 @@ type benchEnv struct {
 	dsn        string // the benchmark database
 	pool       *pgxpool.Pool
 	pgVer      string
-	postmaster int // the database server's pid, once serverCPUSeconds found it
+	postmaster int          // the database server's pid, once serverCPUSeconds found it
+	relayCPUs  *unix.CPUSet // the CPUs of the relays startRelay starts, while a cpuSplit applies
 
 	orderingProbe map[string]string // mode -> "" when available, else why not
 }
@@ -251,7 +253,14 @@ func flagArg(name string, value any) string { return fmt.Sprintf("--%s=%v", name
 // startRelay runs the relay binary on the benchmark database; env is added
 // to its environment.
 func (e *benchEnv) startRelay(args []string, env ...string) (*devproc.Proc, error) {
-	return devproc.StartRelay(e.relayBin, args, append([]string{relayconfig.EnvDSN + "=" + e.dsn}, env...)...)
+	p, err := devproc.StartRelay(e.relayBin, args, append([]string{relayconfig.EnvDSN + "=" + e.dsn}, env...)...)
+	if err == nil && e.relayCPUs != nil {
+		if err = pinProcess(p.Cmd.Process.Pid, e.relayCPUs); err != nil {
+			stopRelay(p)
+			return nil, err
+		}
+	}
+	return p, err
 }
 
 // stopRelay sends SIGTERM and waits; the relay finishes its batch and exits.

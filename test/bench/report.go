@@ -441,7 +441,11 @@ func (r *report) tables() string {
 			m := x.Median
 			switch {
 			case x.Params["kind"] == "writers":
-				return fmt.Sprintf("| writers | %v | – | – | – | – | – | – | – | – | – | %.0f | %s |", x.Params["mode"], m["rows_per_s"], reps(x, "rows_per_s", "%.0f"))
+				run := "writers"
+				if cpus, ok := x.Params["cpus"]; ok {
+					run = fmt.Sprintf("writers, %v", cpus)
+				}
+				return fmt.Sprintf("| %s | %v | – | – | – | – | – | – | – | – | – | %.0f | %s |", run, x.Params["mode"], m["rows_per_s"], reps(x, "rows_per_s", "%.0f"))
 			case x.Params["mode"] == noRelay:
 				return fmt.Sprintf("| latency | %v | %v | – | – | – | – | – | – | – | %.2f / %.2f | – | – |", x.Params["mode"], x.Params["rate"], m["writer_commit_p50_ms"], m["writer_commit_p99_ms"])
 			}

@@ -217,6 +217,16 @@ func (b *KafkaBroker) java(mainClass string, args ...string) *exec.Cmd {
 // Addr is the broker's host:port.
 func (b *KafkaBroker) Addr() string { return net.JoinHostPort(b.host, strconv.Itoa(b.Port)) }
 
+// Pid is the broker process's id, 0 while it is stopped.
+func (b *KafkaBroker) Pid() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.cmd == nil || b.cmd.Process == nil {
+		return 0
+	}
+	return b.cmd.Process.Pid
+}
+
 // Start starts the broker process and waits until it serves metadata.
 func (b *KafkaBroker) Start() error {
 	b.mu.Lock()
