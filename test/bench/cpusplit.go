@@ -31,7 +31,7 @@ func newCPUSplit() (s cpuSplit, ok bool, err error) {
 		return s, false, nil
 	}
 	first := true
-	for cpu := range 8 * 1024 {
+	for cpu := range len(s.all) * 64 { // a CPUSet holds 64 CPUs per element
 		if !s.all.IsSet(cpu) {
 			continue
 		}
