@@ -5,15 +5,18 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"net"
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
+	"golang.org/x/sys/unix"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relayconfig"
@@ -53,8 +56,9 @@ const (
 	// drops a silent client after wal_sender_timeout, 60 s by default;
 	// statusEvery shortens it for a shorter one).
 	statusInterval = 10 * time.Second
-	// streamGap is how long the stream waits for the next message before
-	// it publishes a short batch: rows that come in a burst go together.
+	// streamGap is how long the stream waits for the rest of what has
+	// arrived on its socket before it publishes the rows it holds (see
+	// the streaming loop: with nothing arrived it does not wait at all).
 	// While messages keep coming the first waiting row waits at most
 	// Settings.Linger.
 	streamGap = time.Millisecond
@@ -454,12 +458,18 @@ func (r *Relay) stream(ctx context.Context) error {
 			deadline = minTime(deadline, next)
 		}
 		if len(s.pending) > 0 {
-			// A pause in the stream ends the wait, and so does the linger,
-			// from the first waiting row: rows arriving steadily (one a
-			// millisecond at 1,000 events/s) would otherwise wait for a
-			// full batch, and at high rates the batches grow to what
-			// arrives while the last one was published.
-			deadline = minTime(now.Add(streamGap), s.pendSince.Add(s.r.cfg.Linger))
+			// The rows held go out as soon as nothing more has arrived:
+			// the wait takes only what the connection has read already
+			// (a deadline of now), unless its socket holds bytes not read
+			// yet (s.arrived), whose messages it reads first, waiting at
+			// most streamGap. So a lone row goes at once, rows that
+			// arrive while a batch is published go together in the next
+			// (the batches grow with the rate), and the linger bounds the
+			// first waiting row's wait while messages keep coming.
+			deadline = minTime(now, s.pendSince.Add(s.r.cfg.Linger))
+			if s.arrived {
+				deadline = minTime(now.Add(streamGap), s.pendSince.Add(s.r.cfg.Linger))
+			}
 			if !now.Before(s.pendSince.Add(s.r.cfg.Linger)) {
 				if err := s.flush(ctx); err != nil {
 					return err
@@ -470,6 +480,11 @@ func (r *Relay) stream(ctx context.Context) error {
 		msg, err := receive(ctx, conn, deadline)
 		if err != nil {
 			if pgconn.Timeout(err) && ctx.Err() == nil {
+				if len(s.pending) > 0 && !s.arrived && unreadBytes(conn.Conn()) != 0 {
+					s.arrived = true // more of the stream is here: read it first
+					continue
+				}
+				s.arrived = false
 				if len(s.pending) == 0 {
 					r.health.batchDone(time.Now(), 0, 0) // nothing committed: idle, as an empty claim is
 				}
@@ -480,6 +495,7 @@ func (r *Relay) stream(ctx context.Context) error {
 			}
 			return fmt.Errorf("receive from replication slot %s: %w", c.slot, err)
 		}
+		s.arrived = false
 		if err := s.handle(ctx, msg); err != nil {
 			return err
 		}
@@ -505,10 +521,40 @@ func receive(ctx context.Context, conn *pgconn.PgConn, deadline time.Time) (pgpr
 	return conn.ReceiveMessage(context.Background())
 }
 
+// unreadBytes is how many bytes have arrived on c's socket and wait to be
+// read (SIOCINQ), without waiting; -1 when it cannot tell (a connection
+// that is not a socket), which the streaming loop takes as "some".
+func unreadBytes(c net.Conn) int {
+	if t, ok := c.(interface{ NetConn() net.Conn }); ok { // TLS: its records count
+		c = t.NetConn()
+	}
+	sc, ok := c.(syscall.Conn)
+	if !ok {
+		return -1
+	}
+	raw, err := sc.SyscallConn()
+	if err != nil {
+		return -1
+	}
+	n := -1
+	if err := raw.Control(func(fd uintptr) {
+		if v, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ); err == nil {
+			n = v
+		}
+	}); err != nil {
+		return -1
+	}
+	return n
+}
+
 // streamState is one streaming session's position and what it holds.
 type streamState struct {
 	r    *Relay
 	conn *pgconn.PgConn
+
+	// arrived says the socket held bytes not read yet when the last wait
+	// for a message ended with none (unreadBytes): the next wait reads them.
+	arrived bool
 
 	rel      uint32   // the table's relation id in this session; 0 until its Relation message
 	idCol    int      // the index of the id column in its tuples
