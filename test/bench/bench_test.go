@@ -108,7 +108,9 @@ func TestBenchQuick(t *testing.T) {
 	require.Positive(t, v)
 	w, ok := rep.get(scCaptureDrain, "drain logical-replication", "walsender_cpu_s_per_10k")
 	require.True(t, ok, "what its walsender costs is measured")
-	require.Positive(t, w, "the walsender decoded the rows")
+	// Decoding the quick run's few thousand rows may take the walsender
+	// less than one clock tick (10 ms), which /proc counts as none.
+	require.GreaterOrEqual(t, w, 0.0)
 	require.Less(t, w, v, "the walsender is a part of the server")
 	v, ok = rep.get(scBacklog, "pending=5000", "rows_read")
 	require.True(t, ok)
