@@ -118,6 +118,15 @@ func TestBenchQuick(t *testing.T) {
 	require.NotNil(t, rep.Profile)
 	require.NotEmpty(t, rep.Profile.CPUTop)
 	require.NotEmpty(t, rep.Targets)
+	// The capture targets are read from this run's cases; the fleet's,
+	// which -quick does not run, are not listed.
+	measured := map[string]string{}
+	for _, x := range rep.Targets {
+		measured[x.Name] = x.Status
+		require.NotContains(t, x.Name, "OutboxRelays Ready")
+	}
+	require.Contains(t, []string{"met", "missed"}, measured["logical replication at its defaults: commit-to-consumed p99 at 500 events/s"])
+	require.Contains(t, []string{"met", "missed"}, measured["drain at batch 500, logical-replication, writer deletes vs polling"])
 
 	text, err := os.ReadFile(md)
 	require.NoError(t, err)
@@ -193,4 +202,49 @@ func TestTablesRender(t *testing.T) {
 		require.Contains(t, text, "| autoscaling 0..4, 125 pending rows per replica, scale-down after 30s | 20.0 | 2.00× |")
 	}
 	require.Contains(t, rep.tables(), "rate over the last 10% of the drain vs the first 10% | ≥ 80% | 90% | met |")
+}
+
+// A run lists the targets of the scenarios it chose, each read from the
+// medians and ratios of its own cases, and not the targets of the rest.
+func TestCaptureTargets(t *testing.T) {
+	o, err := parseFlags([]string{"-scenarios", scCapture + "," + scLinger, "-rates", "1000"})
+	require.NoError(t, err)
+	rep := &report{Ratios: map[string]ratioResult{}, Notes: map[string]string{}}
+	one := func(m map[string]float64) []map[string]float64 { return []map[string]float64{m} }
+	for mode, p99 := range map[string]float64{pollAdaptive: 14, logicalRepl: 6, logicalReplDeletes: 8, "logical-replication, --linger 1ms": 4.5} {
+		rep.add(scCapture, captureLatencyCase(1000, mode), map[string]any{"kind": "latency", "mode": mode, "rate": 1000}, one(map[string]float64{"p99_ms": p99}))
+	}
+	for mode, x := range map[string]float64{pollAdaptive: 6.7, logicalRepl: 4.2, logicalReplDeletes: 7} {
+		rep.add(scCaptureIdle, captureCase("idle", mode), map[string]any{"mode": mode}, one(map[string]float64{"db_xacts_per_s": x}))
+	}
+	rep.Ratios[writersRatio(logicalRepl)] = ratioResult{Median: 0.61}
+	rep.Ratios[writersSplitRatio(logicalRepl)] = ratioResult{Median: 0.96}
+	rep.Ratios[captureDrainRatio(logicalRepl)] = ratioResult{Median: 0.81}
+	rep.Ratios[captureDrainRatio(logicalReplDeletes)] = ratioResult{Median: 1.31}
+	for mode, v := range map[string][3]float64{pollAdaptive: {2.7, 3.2, 1}, pollLinger20: {1.8, 1.7, 1.9}} {
+		rep.Ratios[lingerRatio(lingerCPU, mode, pollFixed, 1000)] = ratioResult{Median: v[0]}
+		rep.Ratios[lingerRatio(lingerClaims, mode, pollFixed, 1000)] = ratioResult{Median: v[1]}
+		rep.Ratios[lingerRatio(lingerP99, mode, pollAdaptive, 1000)] = ratioResult{Median: v[2]}
+	}
+	rep.evaluate(o)
+	status := map[string]string{}
+	for _, x := range rep.Targets {
+		status[x.Name] = x.Measured + " " + x.Status
+	}
+	require.Equal(t, map[string]string{
+		"logical replication at its defaults: commit-to-consumed p99 at 1000 events/s":                                                                  "6.0 ms missed",
+		"the lowest p99 of the logical-replication settings at 1000 events/s":                                                                           "4.5 ms (logical-replication, --linger 1ms) met",
+		"writers beside logical-replication vs no relay (8 writers, one row per transaction, flat out)":                                                 "61% missed",
+		"the same with the database and the writers on one CPU, the relay and Kafka on the other (logical-replication)":                                 "96% met",
+		"the same with the database and the writers on one CPU, the relay and Kafka on the other (logical-replication, writer deletes)":                 " not measured",
+		"writers beside logical-replication, writer deletes vs no relay (8 writers, one row per transaction, flat out)":                                 " not measured",
+		"drain at batch 500, logical-replication vs polling":                                                                                            "81% missed",
+		"drain at batch 500, logical-replication, writer deletes vs polling":                                                                            "131% met",
+		"idle, logical-replication: database transactions/s vs polling's":                                                                               "4.2 against 6.7 met",
+		"idle, logical-replication, writer deletes: database transactions/s vs polling's":                                                               "7.0 against 6.7 missed",
+		"poll at 1000 events/s: relay CPU and claim transactions per event vs a relay polling every 200 ms, p99 vs the default's (poll)":                "2.70×, 3.20×, 1.00× missed",
+		"poll, --linger 10ms at 1000 events/s: relay CPU and claim transactions per event vs a relay polling every 200 ms, p99 vs the default's (poll)": " not measured",
+		"poll, --linger 20ms at 1000 events/s: relay CPU and claim transactions per event vs a relay polling every 200 ms, p99 vs the default's (poll)": "1.80×, 1.70×, 1.90× missed",
+	}, status)
+	require.NotContains(t, rep.tables(), "%!")
 }

@@ -38,15 +38,49 @@ const (
 // what each mode costs them.
 const noRelay = "no relay"
 
+// Modes named outside the list below: polling with the wake-up, and logical
+// replication at its defaults and with writer deletes, whose targets the
+// report reads (captureTargets).
+const (
+	pollNotify         = "poll + notify"
+	logicalRepl        = "logical-replication"
+	logicalReplDeletes = "logical-replication, writer deletes"
+)
+
+// captureCase names a case of the capture-modes scenarios: what ran
+// ("latency rate=1000", "writers", "writers split", "idle", "drain") and
+// the mode it ran in.
+func captureCase(what, mode string) string { return what + " " + mode }
+
+// captureLatencyCase names the capture-modes steady state of a mode at a rate.
+func captureLatencyCase(rate int, mode string) string {
+	return captureCase(fmt.Sprintf("latency rate=%d", rate), mode)
+}
+
+// writersRatio names the writers' throughput beside a relay in mode against
+// no relay, on a shared machine.
+func writersRatio(mode string) string { return "writers with " + mode + " / " + noRelay }
+
+// captureDrainRatio names a mode's drain at batch captureDrainBatch against
+// polling's.
+func captureDrainRatio(mode string) string {
+	return fmt.Sprintf("drain at batch %d, %s / %s", captureDrainBatch, mode, pollAdaptive)
+}
+
+// streams reports whether the relay runs with logical replication in m.
+func (m captureMode) streams() bool {
+	return slices.Contains(m.args, flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication))
+}
+
 var captureModes = []captureMode{
 	{name: pollAdaptive},
 	{name: pollLinger10, args: []string{flagArg(relayconfig.FlagLinger, 10*time.Millisecond)}, latencyOnly: true},
 	{name: pollLinger20, args: []string{flagArg(relayconfig.FlagLinger, 20*time.Millisecond)}, latencyOnly: true},
 	{name: pollFixed, args: []string{flagArg(relayconfig.FlagLinger, relayconfig.DefaultPollInterval)}, latencyOnly: true},
-	{name: "poll + notify", notify: true},
-	{name: "logical-replication", args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication)}},
+	{name: pollNotify, notify: true},
+	{name: logicalRepl, args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication)}},
 	{name: "logical-replication, batch 500", args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication), flagArg(relayconfig.FlagBatchSize, 500)}},
-	{name: "logical-replication, writer deletes", args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication), "--" + relayconfig.FlagWriterDeletes}},
+	{name: logicalReplDeletes, args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication), "--" + relayconfig.FlagWriterDeletes}},
 	// The shortest wait the relay allows for more rows before it publishes
 	// what the stream brought: the lowest latency the capture modes reach.
 	{name: "logical-replication, --linger " + relayconfig.MinLinger.String(), args: []string{flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication), flagArg(relayconfig.FlagLinger, relayconfig.MinLinger)}, latencyOnly: true},
@@ -67,7 +101,7 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 			return fmt.Errorf("writers alone at %d/s: %w", rate, err)
 		}
 		logf("capture no relay at %d/s: writers' commits p50 %.2f ms, p99 %.2f ms", rate, alone["writer_commit_p50_ms"], alone["writer_commit_p99_ms"])
-		rep.add(scCapture, fmt.Sprintf("latency rate=%d %s", rate, noRelay),
+		rep.add(scCapture, captureLatencyCase(rate, noRelay),
 			map[string]any{"kind": "latency", "mode": noRelay, "rate": rate, "duration_s": o.latencyFor.Seconds(), "producers": o.producers},
 			[]map[string]float64{alone})
 		byMode := map[string]map[string]float64{}
@@ -86,7 +120,7 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 				r := res["writer_commit_p99_ms"] / alone["writer_commit_p99_ms"]
 				rep.Ratios[fmt.Sprintf("writers' commit p99 at %d/s, with %s / %s", rate, m.name, noRelay)] = ratioResult{Median: r, Rounds: []float64{r}}
 			}
-			rep.add(scCapture, fmt.Sprintf("latency rate=%d %s", rate, m.name),
+			rep.add(scCapture, captureLatencyCase(rate, m.name),
 				map[string]any{"kind": "latency", "mode": m.name, "rate": rate, "duration_s": o.latencyFor.Seconds(), "producers": o.producers},
 				[]map[string]float64{res})
 		}
@@ -95,7 +129,7 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 			if byMode[name] == nil || byMode[pollFixed] == nil {
 				continue
 			}
-			for _, k := range []struct{ key, what string }{{"relay_cpu_ms_per_1k", "relay CPU per event"}, {"relay_claims_per_1k", "relay claim transactions per event"}} {
+			for _, k := range []struct{ key, what string }{{"relay_cpu_ms_per_1k", lingerCPU}, {"relay_claims_per_1k", lingerClaims}} {
 				r := byMode[name][k.key] / byMode[pollFixed][k.key]
 				rep.Ratios[fmt.Sprintf("%s at %d/s, %s / %s", k.what, rate, name, pollFixed)] = ratioResult{Median: r, Rounds: []float64{r}}
 			}
@@ -118,17 +152,17 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 			return err
 		}
 		logf("capture idle %s: %.1f database transactions/s, database %.1f millicores, relay %.1f millicores", m.name, res["db_xacts_per_s"], res["db_cpu_millicores"], res["relay_cpu_millicores"])
-		rep.add(scCaptureIdle, "idle "+m.name, map[string]any{"mode": m.name, "duration_s": o.idleFor.Seconds()}, []map[string]float64{res})
+		rep.add(scCaptureIdle, captureCase("idle", m.name), map[string]any{"mode": m.name, "duration_s": o.idleFor.Seconds()}, []map[string]float64{res})
 	}
 	results, ratios, err := writerRounds(ctx, o, e, "")
 	if err != nil {
 		return err
 	}
 	for _, name := range append([]string{noRelay}, o.writerModeNames()...) {
-		rep.add(scCapture, "writers "+name, map[string]any{"kind": "writers", "mode": name, "writers": o.producers, "duration_s": o.writersFor.Seconds()}, results[name])
+		rep.add(scCapture, captureCase("writers", name), map[string]any{"kind": "writers", "mode": name, "writers": o.producers, "duration_s": o.writersFor.Seconds()}, results[name])
 	}
 	for name, rs := range ratios {
-		rep.Ratios["writers with "+name+" / "+noRelay] = ratioResult{Median: median(rs), Rounds: rs}
+		rep.Ratios[writersRatio(name)] = ratioResult{Median: median(rs), Rounds: rs}
 	}
 	if err := writersSplit(ctx, o, e, rep); err != nil {
 		return err
@@ -169,9 +203,7 @@ func writerRounds(ctx context.Context, o *options, e *benchEnv, what string) (ma
 
 // writersSplitRatio names the ratio of the writers' throughput beside a
 // relay in mode to theirs with no relay, the CPUs split (cpuSplit).
-func writersSplitRatio(mode string) string {
-	return "writers with " + mode + " / " + noRelay + ", CPUs split"
-}
+func writersSplitRatio(mode string) string { return writersRatio(mode) + ", CPUs split" }
 
 // writersSplit runs the writer rounds again with the CPUs split
 // (cpuSplit): the relay and the broker on CPUs of their own, so the
@@ -198,7 +230,7 @@ func writersSplit(ctx context.Context, o *options, e *benchEnv, rep *report) err
 		return err
 	}
 	for _, name := range append([]string{noRelay}, o.writerModeNames()...) {
-		rep.add(scCapture, "writers split "+name, map[string]any{"kind": "writers", "mode": name, "writers": o.producers,
+		rep.add(scCapture, captureCase("writers split", name), map[string]any{"kind": "writers", "mode": name, "writers": o.producers,
 			"duration_s": o.writersFor.Seconds(), "cpus": s.describe()}, results[name])
 	}
 	for name, rs := range ratios {
@@ -229,8 +261,7 @@ func captureDrains(ctx context.Context, o *options, e *benchEnv, rep *report) er
 	for range o.reps {
 		var poll float64
 		for _, m := range modes {
-			streams := slices.Contains(m.args, flagArg(relayconfig.FlagCapture, relayconfig.CaptureLogicalReplication))
-			res, err := relayDrainWith(ctx, o, e, drainSetup{fromSlot: streams, writerDeletes: writerDeletes(m.args)}, captureDrainBatch, 1, "", m.args...)
+			res, err := relayDrainWith(ctx, o, e, drainSetup{fromSlot: m.streams(), writerDeletes: writerDeletes(m.args)}, captureDrainBatch, 1, "", m.args...)
 			if err != nil {
 				return fmt.Errorf("drain with %s: %w", m.name, err)
 			}
@@ -239,7 +270,7 @@ func captureDrains(ctx context.Context, o *options, e *benchEnv, rep *report) er
 			}
 			logf("capture drain %s: %.0f events/s (caught up after %.1f s)", m.name, res["counter_events_per_s"], res["caught_up_s"])
 			results[m.name] = append(results[m.name], res)
-			if m.name == "poll" {
+			if m.name == pollAdaptive {
 				poll = res["counter_events_per_s"]
 			} else if poll > 0 {
 				ratios[m.name] = append(ratios[m.name], res["counter_events_per_s"]/poll)
@@ -247,10 +278,10 @@ func captureDrains(ctx context.Context, o *options, e *benchEnv, rep *report) er
 		}
 	}
 	for _, m := range modes {
-		rep.add(scCaptureDrain, "drain "+m.name, map[string]any{"mode": m.name, "batch": captureDrainBatch, "rows": o.rows}, results[m.name])
+		rep.add(scCaptureDrain, captureCase("drain", m.name), map[string]any{"mode": m.name, "batch": captureDrainBatch, "rows": o.rows}, results[m.name])
 	}
 	for name, rs := range ratios {
-		rep.Ratios[fmt.Sprintf("drain at batch %d, %s / poll", captureDrainBatch, name)] = ratioResult{Median: median(rs), Rounds: rs}
+		rep.Ratios[captureDrainRatio(name)] = ratioResult{Median: median(rs), Rounds: rs}
 	}
 	return nil
 }

@@ -11,6 +11,20 @@ import (
 // adaptive polling at the default linger first, then at 10 ms and 20 ms.
 var lingerModes = []string{pollAdaptive, pollLinger10, pollLinger20}
 
+// What the linger-cost scenario compares, per event (lingerRatio).
+const (
+	lingerCPU    = "relay CPU per event"
+	lingerClaims = "relay claim transactions per event"
+	lingerP50    = "p50"
+	lingerP99    = "p99"
+)
+
+// lingerRatio names the median over the rounds of what (lingerCPU, ...) in
+// mode a against mode b at rate.
+func lingerRatio(what, a, b string, rate int) string {
+	return fmt.Sprintf("%s, %s / %s at %d/s", what, a, b, rate)
+}
+
 // runLinger measures what adaptive polling's wait after a partial claim
 // (--linger) costs at the first rate, against a relay polling every 200 ms,
 // in rounds that run each setting in turn, so that each ratio (relay CPU
@@ -37,23 +51,23 @@ func runLinger(ctx context.Context, o *options, e *benchEnv, rep *report) error 
 			results[name] = append(results[name], res)
 		}
 		ratio := func(what, key, a, b string) {
-			name := fmt.Sprintf("%s, %s / %s", what, a, b)
+			name := lingerRatio(what, a, b, rate)
 			ratios[name] = append(ratios[name], byMode[a][key]/byMode[b][key])
 		}
 		for _, name := range lingerModes {
-			ratio("relay CPU per event", "relay_cpu_ms_per_1k", name, pollFixed)
-			ratio("relay claim transactions per event", "relay_claims_per_1k", name, pollFixed)
+			ratio(lingerCPU, "relay_cpu_ms_per_1k", name, pollFixed)
+			ratio(lingerClaims, "relay_claims_per_1k", name, pollFixed)
 		}
 		for _, name := range lingerModes[1:] {
-			ratio("p50", "p50_ms", name, pollAdaptive)
-			ratio("p99", "p99_ms", name, pollAdaptive)
+			ratio(lingerP50, "p50_ms", name, pollAdaptive)
+			ratio(lingerP99, "p99_ms", name, pollAdaptive)
 		}
 	}
 	for _, name := range append(lingerModes, pollFixed) {
 		rep.add(scLinger, fmt.Sprintf("rate=%d %s", rate, name), map[string]any{"mode": name, "rate": rate, "duration_s": o.latencyFor.Seconds()}, results[name])
 	}
 	for name, rs := range ratios {
-		rep.Ratios[fmt.Sprintf("%s at %d/s", name, rate)] = ratioResult{Median: median(rs), Rounds: rs}
+		rep.Ratios[name] = ratioResult{Median: median(rs), Rounds: rs}
 	}
 	return nil
 }
