@@ -127,6 +127,10 @@ func TestBenchQuick(t *testing.T) {
 	}
 	require.Contains(t, []string{"met", "missed"}, measured["logical replication at its defaults: commit-to-consumed p99 at 500 events/s"])
 	require.Contains(t, []string{"met", "missed"}, measured["drain at batch 500, logical-replication, writer deletes vs polling"])
+	inserted, ok = rep.get(scCapture, captureLatencyCase(500, kafkaAlone), "inserted")
+	require.True(t, ok, "the Kafka hop alone is measured")
+	consumed, _ = rep.get(scCapture, captureLatencyCase(500, kafkaAlone), "consumed")
+	require.Equal(t, inserted, consumed, "every event published alone reached the consumer")
 
 	text, err := os.ReadFile(md)
 	require.NoError(t, err)
@@ -211,7 +215,7 @@ func TestCaptureTargets(t *testing.T) {
 	require.NoError(t, err)
 	rep := &report{Ratios: map[string]ratioResult{}, Notes: map[string]string{}}
 	one := func(m map[string]float64) []map[string]float64 { return []map[string]float64{m} }
-	for mode, p99 := range map[string]float64{pollAdaptive: 14, logicalRepl: 6, logicalReplDeletes: 8, "logical-replication, --linger 1ms": 4.5} {
+	for mode, p99 := range map[string]float64{kafkaAlone: 3, pollAdaptive: 14, logicalRepl: 6, logicalReplDeletes: 8, "logical-replication, --linger 1ms": 4.5} {
 		rep.add(scCapture, captureLatencyCase(1000, mode), map[string]any{"kind": "latency", "mode": mode, "rate": 1000}, one(map[string]float64{"p99_ms": p99}))
 	}
 	for mode, x := range map[string]float64{pollAdaptive: 6.7, logicalRepl: 4.2, logicalReplDeletes: 7} {
@@ -232,6 +236,7 @@ func TestCaptureTargets(t *testing.T) {
 		status[x.Name] = x.Measured + " " + x.Status
 	}
 	require.Equal(t, map[string]string{
+		"the Kafka hop alone, no database (paced producers with the relay's produce settings, and a consumer): p99 at 1000 events/s":                    "3.0 ms reported",
 		"logical replication at its defaults: commit-to-consumed p99 at 1000 events/s":                                                                  "6.0 ms missed",
 		"the lowest p99 of the logical-replication settings at 1000 events/s":                                                                           "4.5 ms (logical-replication, --linger 1ms) met",
 		"writers beside logical-replication vs no relay (8 writers, one row per transaction, flat out)":                                                 "61% missed",
@@ -247,4 +252,5 @@ func TestCaptureTargets(t *testing.T) {
 		"poll, --linger 20ms at 1000 events/s: relay CPU and claim transactions per event vs a relay polling every 200 ms, p99 vs the default's (poll)": "1.80×, 1.70×, 1.90× missed",
 	}, status)
 	require.NotContains(t, rep.tables(), "%!")
+	require.Contains(t, rep.tables(), "| latency | "+kafkaAlone+" | 1000 | 0.0 | 3.0 | – |")
 }

@@ -104,6 +104,14 @@ func runCaptureModes(ctx context.Context, o *options, e *benchEnv, rep *report) 
 		rep.add(scCapture, captureLatencyCase(rate, noRelay),
 			map[string]any{"kind": "latency", "mode": noRelay, "rate": rate, "duration_s": o.latencyFor.Seconds(), "producers": o.producers},
 			[]map[string]float64{alone})
+		floor, err := kafkaAloneAt(ctx, o, e, rate)
+		if err != nil {
+			return fmt.Errorf("%s at %d/s: %w", kafkaAlone, rate, err)
+		}
+		logf("capture %s at %d/s: p50 %.1f ms, p99 %.1f ms (%.0f of %.0f events consumed)", kafkaAlone, rate, floor["p50_ms"], floor["p99_ms"], floor["consumed"], floor["inserted"])
+		rep.add(scCapture, captureLatencyCase(rate, kafkaAlone),
+			map[string]any{"kind": "latency", "mode": kafkaAlone, "rate": rate, "duration_s": o.latencyFor.Seconds(), "producers": o.producers},
+			[]map[string]float64{floor})
 		byMode := map[string]map[string]float64{}
 		for _, m := range o.chosenCaptureModes() {
 			res, err := latencyRun(ctx, o, e, rate, relayconfig.DefaultPollInterval, m.notify, m.args...)

@@ -325,18 +325,7 @@ type naiveRow struct {
 // transaction ends (and drops the locks) with the SELECT, then publish and
 // mark one row at a time, with the relay's Writer settings.
 func naiveShape(ctx context.Context, e *benchEnv, topic string, batch int, d time.Duration) error {
-	w := &kafka.Writer{
-		Addr:         kafka.TCP(e.kafka.Addr()),
-		Balancer:     &kafka.Murmur2Balancer{},
-		RequiredAcks: kafka.RequireAll,
-		BatchTimeout: time.Microsecond,
-		BatchSize:    batch,
-		BatchBytes:   1 << 20,
-		MaxAttempts:  3,
-		// Its own transport, as the relay has: the shared default one caches
-		// metadata from before this run's topic existed.
-		Transport: &kafka.Transport{},
-	}
+	w := relayLikeWriter(e.kafka.Addr(), batch)
 	defer w.Close()
 	end := time.Now().Add(d)
 	for time.Now().Before(end) && ctx.Err() == nil {

@@ -266,6 +266,8 @@ func (r *report) evaluate(o *options) {
 func (r *report) captureTargets(o *options, in func(...string), add func(name, want string, measured float64, have, ok bool, format string)) {
 	in(scCapture)
 	for _, rate := range o.rates {
+		floor, ok := r.get(scCapture, captureLatencyCase(rate, kafkaAlone), "p99_ms")
+		add(fmt.Sprintf("the Kafka hop alone, no database (paced producers with the relay's produce settings, and a consumer): p99 at %d events/s", rate), "reported", floor, ok, true, "%.1f ms")
 		p99, ok := r.get(scCapture, captureLatencyCase(rate, logicalRepl), "p99_ms")
 		add(fmt.Sprintf("logical replication at its defaults: commit-to-consumed p99 at %d events/s", rate), "≤ 5 ms", p99, ok, p99 <= 5, "%.1f ms")
 		best, bestMode := math.Inf(1), ""
@@ -522,6 +524,8 @@ func (r *report) tables() string {
 					run = fmt.Sprintf("writers, %v", cpus)
 				}
 				return fmt.Sprintf("| %s | %v | – | – | – | – | – | – | – | – | – | %.0f | %s |", run, x.Params["mode"], m["rows_per_s"], reps(x, "rows_per_s", "%.0f"))
+			case x.Params["mode"] == kafkaAlone:
+				return fmt.Sprintf("| latency | %v | %v | %.1f | %.1f | – | – | – | – | – | – | – | %s |", x.Params["mode"], x.Params["rate"], m["p50_ms"], m["p99_ms"], reps(x, "p99_ms", "%.1f"))
 			case x.Params["mode"] == noRelay:
 				return fmt.Sprintf("| latency | %v | %v | – | – | – | – | – | – | – | %.2f / %.2f | – | – |", x.Params["mode"], x.Params["rate"], m["writer_commit_p50_ms"], m["writer_commit_p99_ms"])
 			}
