@@ -13,7 +13,6 @@ import (
 	"github.com/segmentio/kafka-go"
 
 	"github.com/outbox-relay/outbox-operator/relay"
-	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
 // kafkaAlone names the capture-modes case of the Kafka hop with no
@@ -52,28 +51,18 @@ func kafkaAloneAt(ctx context.Context, o *options, e *benchEnv, rate int) (map[s
 	defer e.deleteTopic(topic)
 	var (
 		mu   sync.Mutex
-		recv = map[string]time.Time{}
 		sent = map[string]time.Time{}
 	)
-	consumer, err := e.kafka.ReadTopic(ctx, topic, func(m kafka.Message) {
-		now := time.Now()
-		mu.Lock()
-		recv[testenv.Header(m, relay.HeaderEventID)] = now
-		mu.Unlock()
-	})
+	recv, err := e.readArrivals(ctx, topic)
 	if err != nil {
 		return nil, err
 	}
-	defer consumer.Close()
+	defer recv.close()
 	w := relayLikeWriter(e.kafka.Addr(), 1)
 	w.Topic = topic
 	defer w.Close()
-	warm := 2 * time.Second
-	if o.latencyFor >= 30*time.Second {
-		warm = 5 * time.Second
-	}
 	prodStart := time.Now()
-	start := prodStart.Add(warm)
+	start := prodStart.Add(o.warmUp())
 	end := start.Add(o.latencyFor)
 	payload := []byte(`{"pad":"` + strings.Repeat("x", 280) + `"}`)
 	errs := make([]error, o.producers)
@@ -103,21 +92,12 @@ func kafkaAloneAt(ctx context.Context, o *options, e *benchEnv, rate int) (map[s
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		mu.Lock()
-		got := len(recv)
-		mu.Unlock()
-		if got >= len(sent) || time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	consumer.Close()
+	recv.waitFor(len(sent), 30*time.Second)
+	recv.close()
 	var lat []float64
 	consumed := 0
 	for id, at := range sent {
-		r, ok := recv[id]
+		r, ok := recv.at[id]
 		if !ok {
 			continue
 		}

@@ -141,20 +141,13 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 	// Consumer first: every partition from the first offset.
 	var (
 		mu        sync.Mutex
-		recv      = map[string]time.Time{}
 		committed = map[string]time.Time{} // when each row's transaction's commit returned to its writer
 	)
-	consumer, err := e.kafka.ReadTopic(ctx, topic, func(m kafka.Message) {
-		now := time.Now()
-		id := testenv.Header(m, relay.HeaderEventID)
-		mu.Lock()
-		recv[id] = now
-		mu.Unlock()
-	})
+	recv, err := e.readArrivals(ctx, topic)
 	if err != nil {
 		return nil, err
 	}
-	defer consumer.Close()
+	defer recv.close()
 
 	p, err := e.readyRelay(ctx, topic, notify, append([]string{flagArg(relayconfig.FlagPollInterval, poll)}, extra...)...)
 	if err != nil {
@@ -204,17 +197,8 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 	n := int(inserted.Load())
 	windowRows := float64(int64(n) - inserted0)
 	// Let the relay and the consumer catch up (bounded).
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		mu.Lock()
-		got := len(recv)
-		mu.Unlock()
-		if got >= n || time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	consumer.Close()
+	recv.waitFor(n, 60*time.Second)
+	recv.close()
 
 	// Join receive times with the commits, in id order.
 	rows, err := e.pool.Query(ctx, `SELECT event_id::text, created_at FROM outbox ORDER BY id`)
@@ -231,8 +215,9 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 			return nil, err
 		}
 		mu.Lock()
-		r, c := recv[id], committed[id]
+		c := committed[id]
 		mu.Unlock()
+		r := recv.at[id]
 		if c.IsZero() { // the writer stopped between its commit and noting it
 			c = created
 		}
@@ -246,7 +231,7 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 		// order, the moment of the commit standing for created_at.
 		mu.Lock()
 		for id, c := range committed {
-			evs = append(evs, ev{c, c, recv[id]})
+			evs = append(evs, ev{c, c, recv.at[id]})
 		}
 		mu.Unlock()
 		slices.SortFunc(evs, func(a, b ev) int { return a.committed.Compare(b.committed) })
@@ -352,6 +337,58 @@ func latencyRun(ctx context.Context, o *options, e *benchEnv, rate int, poll tim
 	}, nil
 }
 
+// warmUp is how long paced writers run at their rate before the measured
+// window (connections, JIT, first metadata).
+func (o *options) warmUp() time.Duration {
+	if o.latencyFor >= 30*time.Second {
+		return 5 * time.Second
+	}
+	return 2 * time.Second
+}
+
+// arrivals are the moments the events of a topic reached a consumer that
+// reads it from its first offset, by event id (the relay's header); at may
+// be read once close returned.
+type arrivals struct {
+	mu     sync.Mutex
+	at     map[string]time.Time
+	reader *testenv.TopicReader
+}
+
+// readArrivals starts reading topic.
+func (e *benchEnv) readArrivals(ctx context.Context, topic string) (*arrivals, error) {
+	a := &arrivals{at: map[string]time.Time{}}
+	r, err := e.kafka.ReadTopic(ctx, topic, func(m kafka.Message) {
+		now := time.Now()
+		id := testenv.Header(m, relay.HeaderEventID)
+		a.mu.Lock()
+		a.at[id] = now
+		a.mu.Unlock()
+	})
+	if err != nil {
+		return nil, err
+	}
+	a.reader = r
+	return a, nil
+}
+
+// waitFor waits until n events arrived, or for at most timeout.
+func (a *arrivals) waitFor(n int, timeout time.Duration) {
+	deadline := time.Now().Add(timeout)
+	for {
+		a.mu.Lock()
+		got := len(a.at)
+		a.mu.Unlock()
+		if got >= n || time.Now().After(deadline) {
+			return
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// close stops reading; it may be called more than once.
+func (a *arrivals) close() { a.reader.Close() }
+
 // pacedWriters are o.producers writers in an open loop, each on its own
 // schedule of rate/producers, for a warm-up that is not measured and then
 // o.latencyFor (from start to end).
@@ -371,13 +408,8 @@ type pacedWriters struct {
 // writer.
 func startPaced(ctx context.Context, o *options, e *benchEnv, rate int, insert writeSQL, noted func(id string, at time.Time)) *pacedWriters {
 	w := &pacedWriters{errs: make([]error, o.producers)}
-	// A warm-up at the same rate (connections, JIT, first metadata) is not measured.
-	warm := 2 * time.Second
-	if o.latencyFor >= 30*time.Second {
-		warm = 5 * time.Second
-	}
 	w.prodStart = time.Now()
-	w.start = w.prodStart.Add(warm)
+	w.start = w.prodStart.Add(o.warmUp())
 	w.end = w.start.Add(o.latencyFor)
 	for c := range o.producers {
 		w.wg.Go(func() {
