@@ -54,24 +54,24 @@ func TestBenchQuick(t *testing.T) {
 	require.True(t, ok)
 	require.Positive(t, v, "nothing pruned while the writers ran")
 	// Logical replication delivered every row the producers wrote.
-	inserted, ok := rep.get(scCapture, "latency rate=500 logical-replication", "inserted")
+	inserted, ok := rep.get(scCapture, captureLatencyCase(500, logicalRepl), "inserted")
 	require.True(t, ok)
-	consumed, _ := rep.get(scCapture, "latency rate=500 logical-replication", "consumed")
+	consumed, _ := rep.get(scCapture, captureLatencyCase(500, logicalRepl), "consumed")
 	require.Positive(t, inserted)
 	require.Equal(t, inserted, consumed, "every streamed row reached Kafka")
-	inserted, ok = rep.get(scCapture, "latency rate=500 logical-replication, writer deletes", "inserted")
+	inserted, ok = rep.get(scCapture, captureLatencyCase(500, logicalReplDeletes), "inserted")
 	require.True(t, ok)
-	consumed, _ = rep.get(scCapture, "latency rate=500 logical-replication, writer deletes", "consumed")
+	consumed, _ = rep.get(scCapture, captureLatencyCase(500, logicalReplDeletes), "consumed")
 	require.Positive(t, inserted)
 	require.Equal(t, inserted, consumed, "every row the writers deleted reached Kafka")
-	v, ok = rep.get(scCapture, "latency rate=500 logical-replication", "db_cpu_ms_per_1k")
+	v, ok = rep.get(scCapture, captureLatencyCase(500, logicalRepl), "db_cpu_ms_per_1k")
 	require.True(t, ok)
 	require.Positive(t, v, "the database server's CPU per event is measured")
 	// What the writers' commits take at the rate, with no relay and with each mode.
-	alone, ok := rep.get(scCapture, "latency rate=500 "+noRelay, "writer_commit_p99_ms")
+	alone, ok := rep.get(scCapture, captureLatencyCase(500, noRelay), "writer_commit_p99_ms")
 	require.True(t, ok, "the writers' commits with no relay are measured")
 	require.Positive(t, alone)
-	v, ok = rep.get(scCapture, "latency rate=500 logical-replication", "writer_commit_p99_ms")
+	v, ok = rep.get(scCapture, captureLatencyCase(500, logicalRepl), "writer_commit_p99_ms")
 	require.True(t, ok, "the writers' commits beside logical replication are measured")
 	require.Positive(t, v)
 	q, ok := rep.Ratios["writers' commit p99 at 500/s, with logical-replication / "+noRelay]
@@ -80,33 +80,33 @@ func TestBenchQuick(t *testing.T) {
 	// The writers again with the relay and the broker on a CPU of their
 	// own: the machine that runs make test has two.
 	require.GreaterOrEqual(t, runtime.NumCPU(), 2, "the CPU split needs two CPUs")
-	aloneSplit, ok := rep.get(scCapture, "writers split "+noRelay, "rows_per_s")
+	aloneSplit, ok := rep.get(scCapture, captureCase("writers split", noRelay), "rows_per_s")
 	require.True(t, ok, "the writers with no relay are measured with the CPUs split")
 	require.Positive(t, aloneSplit)
-	v, ok = rep.get(scCapture, "writers split logical-replication", "rows_per_s")
+	v, ok = rep.get(scCapture, captureCase("writers split", logicalRepl), "rows_per_s")
 	require.True(t, ok, "the writers beside logical replication are measured with the CPUs split")
 	require.Positive(t, v)
-	q, ok = rep.Ratios[writersSplitRatio("logical-replication")]
+	q, ok = rep.Ratios[writersSplitRatio(logicalRepl)]
 	require.True(t, ok, "the writers with the CPUs split against no relay, in the same run")
 	require.InDelta(t, v/aloneSplit, q.Median, 1e-9)
-	_, ok = rep.get(scCaptureIdle, "idle logical-replication, writer deletes", "relay_cpu_millicores")
+	_, ok = rep.get(scCaptureIdle, captureCase("idle", logicalReplDeletes), "relay_cpu_millicores")
 	require.True(t, ok, "the capture modes' idle cost is measured")
 	// Idle, the server may use less than one clock tick (10 ms) in the
 	// quick run's seconds.
-	v, ok = rep.get(scCaptureIdle, "idle logical-replication, writer deletes", "db_cpu_millicores")
+	v, ok = rep.get(scCaptureIdle, captureCase("idle", logicalReplDeletes), "db_cpu_millicores")
 	require.True(t, ok, "the database server's idle CPU is measured")
 	require.GreaterOrEqual(t, v, 0.0)
 	q, ok = rep.Ratios["relay CPU per event, poll / poll every 200 ms (--linger 200ms) at 500/s"]
 	require.True(t, ok, "adaptive polling's cost against the fixed poller, per round")
 	require.Len(t, q.Rounds, 1)
 	require.Positive(t, q.Median)
-	v, ok = rep.get(scCaptureDrain, "drain logical-replication, writer deletes", "counter_events_per_s")
+	v, ok = rep.get(scCaptureDrain, captureCase("drain", logicalReplDeletes), "counter_events_per_s")
 	require.True(t, ok, "a backlog in the slot's WAL alone is drained")
 	require.Positive(t, v)
-	v, ok = rep.get(scCaptureDrain, "drain logical-replication", "db_cpu_s_per_10k")
+	v, ok = rep.get(scCaptureDrain, captureCase("drain", logicalRepl), "db_cpu_s_per_10k")
 	require.True(t, ok, "what a drain costs the database server is measured")
 	require.Positive(t, v)
-	w, ok := rep.get(scCaptureDrain, "drain logical-replication", "walsender_cpu_s_per_10k")
+	w, ok := rep.get(scCaptureDrain, captureCase("drain", logicalRepl), "walsender_cpu_s_per_10k")
 	require.True(t, ok, "what its walsender costs is measured")
 	// Decoding the quick run's few thousand rows may take the walsender
 	// less than one clock tick (10 ms), which /proc counts as none.
