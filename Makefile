@@ -162,7 +162,7 @@ bench-fleet: deps-postgres deps-kube ## The operator with 1,000 OutboxRelays in 
 	go run ./test/bench -scenarios operator-fleet -out-md bench/fleet.md -out-json bench/fleet-results.json $(BENCH_FLAGS)
 
 .PHONY: bench-capture
-bench-capture: deps-postgres deps-kafka ## Polling, polling with the wake-up and logical replication side by side in one run: latency at 1,000 and 5,000 events/s, relay CPU and claim transactions per 1k events, database CPU per 1k events, WAL per event, writers against no relay (on a shared machine, and with the relay and Kafka on a CPU of their own), the drain of a 100,000-row backlog (writes bench/capture.md and bench/capture-results.json).
+bench-capture: deps-postgres deps-kafka ## Polling, polling with the wake-up and logical replication side by side in one run: latency at 1,000 and 5,000 events/s, relay CPU and claim transactions per 1k events, database CPU per 1k events, WAL per event, writers against no relay (on a shared machine, and with the relay and Kafka on a CPU of their own), the drain of a 100,000-row backlog, the Kafka hop alone as the floor under their latency, and each capture target met or missed (writes bench/capture.md and bench/capture-results.json).
 	go run ./test/bench -scenarios capture-modes -latency-duration 20s -writers-duration 5s -rows 100000 -out-md bench/capture.md -out-json bench/capture-results.json $(BENCH_FLAGS)
 
 .PHONY: bench-linger
