@@ -65,9 +65,15 @@ demo-autoscaling: deps ## make demo with the relay autoscaled on its backlog (0.
 fmt: ## Run gofmt on the code.
 	gofmt -s -w $$(git ls-files '*.go')
 
+# What builds on every platform a developer runs: the packages applications
+# import and the two binaries (the demo and the test environment start Linux
+# processes and stay Linux-only).
+PORTABLE_PKGS = ./api/... ./outbox/... ./relay/... ./relayconfig/... ./dbauth/... ./kafkaauth/... ./version/... ./controllers/... ./examples/... ./cmd/manager ./cmd/relay
+
 .PHONY: vet
-vet: ## Run go vet.
+vet: ## Run go vet, and build the packages applications import and both binaries for macOS too.
 	go vet ./...
+	GOOS=darwin go build $(PORTABLE_PKGS)
 
 .PHONY: generate
 generate: $(CONTROLLER_GEN) ## Generate DeepCopy methods for the API types.

@@ -5,18 +5,15 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"net"
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
-	"golang.org/x/sys/unix"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relayconfig"
@@ -519,32 +516,6 @@ func receive(ctx context.Context, conn *pgconn.PgConn, deadline time.Time) (pgpr
 	}
 	defer conn.Conn().SetReadDeadline(time.Time{}) //nolint:errcheck // a closed connection fails the next read
 	return conn.ReceiveMessage(context.Background())
-}
-
-// unreadBytes is how many bytes have arrived on c's socket and wait to be
-// read (SIOCINQ), without waiting; -1 when it cannot tell (a connection
-// that is not a socket), which the streaming loop takes as "some".
-func unreadBytes(c net.Conn) int {
-	if t, ok := c.(interface{ NetConn() net.Conn }); ok { // TLS: its records count
-		c = t.NetConn()
-	}
-	sc, ok := c.(syscall.Conn)
-	if !ok {
-		return -1
-	}
-	raw, err := sc.SyscallConn()
-	if err != nil {
-		return -1
-	}
-	n := -1
-	if err := raw.Control(func(fd uintptr) {
-		if v, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ); err == nil {
-			n = v
-		}
-	}); err != nil {
-		return -1
-	}
-	return n
 }
 
 // streamState is one streaming session's position and what it holds.
