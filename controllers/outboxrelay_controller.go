@@ -116,7 +116,7 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 	relay.Status = computeStatus(relay, deploy, prob, obs)
 	r.Metrics.set(req.NamespacedName, &relay.Status) // every reading, also those the status lets wait
 	if settled(original.Status, relay.Status, time.Now()) {
-		relay.Status = original.Status // small moves wait for statusRefresh
+		relay.Status = *original.Status.DeepCopy() // small moves wait for statusRefresh; ensurePodMonitor may still set a condition
 	}
 	if err := r.ensurePodMonitor(ctx, relay); err != nil {
 		return ctrl.Result{}, err

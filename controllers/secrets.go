@@ -101,7 +101,12 @@ func (c *secretCache) get(ctx context.Context, reader client.Reader, key types.N
 	c.mu.Lock()
 	e := c.entries[key]
 	if e != nil && now.Before(e.expires) {
-		if _, kept := e.values[value]; value == "" || kept || !e.keys[value] {
+		// A key the Secret lacked is read again by the reconcile that
+		// comes back for it, secretRetryInterval later (readings of the
+		// backlog in between use the entry): a user who adds it sees the
+		// relay start then, not at the entry's refresh.
+		missing := value != "" && !e.keys[value]
+		if _, kept := e.values[value]; value == "" || kept || (missing && now.Sub(e.read) < secretRetryInterval/2) {
 			c.mu.Unlock()
 			return e, nil
 		}

@@ -34,7 +34,8 @@ func (c *countingReader) Get(_ context.Context, key client.ObjectKey, obj client
 
 // A Secret is read once per refresh interval however often relays ask
 // (each backlog reading wakes a reconcile), again at once for a key value it
-// does not keep, after a failed login, and while it is missing.
+// does not keep, after a failed login, and while it is missing; for a key it
+// lacked, again when the reconcile that reported it comes back.
 func TestSecretCacheReadsOncePerChange(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -54,25 +55,31 @@ func TestSecretCacheReadsOncePerChange(t *testing.T) {
 	_, err = c.get(ctx, r, k, "missing-key")
 	require.NoError(t, err)
 	require.Equal(t, 1, r.reads, "key names are kept: no read to learn a key is missing")
+	c.mu.Lock()
+	c.entries[k].read = time.Now().Add(-secretRetryInterval) // the reconcile that reported it missing comes back
+	c.mu.Unlock()
+	_, err = c.get(ctx, r, k, "missing-key")
+	require.NoError(t, err)
+	require.Equal(t, 2, r.reads, "a key the Secret lacked is looked for again by the reconcile that comes back for it, not at the refresh")
 
 	e, err := c.get(ctx, r, k, "other")
 	require.NoError(t, err)
-	require.Equal(t, 2, r.reads, "a value not kept is read")
+	require.Equal(t, 3, r.reads, "a value not kept is read")
 	require.Equal(t, map[string]string{"dsn": "postgres://a", "other": "postgres://b"}, e.values, "only the values asked for")
 
 	c.stale(k, time.Hour)
 	_, _ = c.get(ctx, r, k, "dsn")
-	require.Equal(t, 2, r.reads, "a failed login right after a read does not read again")
+	require.Equal(t, 3, r.reads, "a failed login right after a read does not read again")
 	c.stale(k, 0)
 	r.secret.ResourceVersion = "2"
 	e, _ = c.get(ctx, r, k, "dsn")
-	require.Equal(t, 3, r.reads)
+	require.Equal(t, 4, r.reads)
 	require.Equal(t, "2", e.version)
 
 	time.Sleep(300*time.Millisecond*6/5 + 50*time.Millisecond)
 	r.secret.ResourceVersion = "3"
 	e, _ = c.get(ctx, r, k, "dsn")
-	require.Equal(t, 4, r.reads, "read again once the refresh interval (and its jitter) is over")
+	require.Equal(t, 5, r.reads, "read again once the refresh interval (and its jitter) is over")
 	require.Equal(t, "3", e.version)
 
 	r.secret = nil
@@ -81,7 +88,7 @@ func TestSecretCacheReadsOncePerChange(t *testing.T) {
 		_, err = c.get(ctx, r, k, "dsn")
 		require.True(t, apierrors.IsNotFound(err))
 	}
-	require.Equal(t, 7, r.reads, "a missing Secret is not kept")
+	require.Equal(t, 8, r.reads, "a missing Secret is not kept")
 }
 
 // A status whose backlog numbers moved only a little (an older oldest row,
