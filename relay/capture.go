@@ -106,10 +106,20 @@ var errSlotBusy = errors.New("another replica streams from the replication slot 
 // retained WAL); the relay polls for fallbackPeriod and makes a new one.
 var errSlotGone = errors.New("the replication slot is gone")
 
+// errCannotStream is a failure to stream that trying again soon does not
+// mend: the relay polls between its attempts at once (runCapture).
+var errCannotStream = errors.New("cannot stream")
+
 // captureState is what the streaming needs beyond the relay.
 type captureState struct {
 	slot, publication string
 	oid               uint32 // the table's: the stream's relation id of its inserts
+	// retryGivenUp: a batch's rows failed for streamRetryLimit, and the
+	// stream leaves the rows that fail to the sweep until a batch goes
+	// out whole (retryStreamed).
+	retryGivenUp bool
+	// streamedAt is when a stream last started.
+	streamedAt time.Time
 }
 
 // checkCapture verifies what logical replication needs and names the fix
@@ -200,13 +210,24 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 	return nil
 }
 
+// streamFailingLimit is how long a relay whose stream fails (PostgreSQL
+// restarting, its walsender ended) only tries to stream again, before it
+// polls between the attempts.
+const streamFailingLimit = 30 * time.Second
+
 // runCapture streams while it can; a standby waits for the slot, and a
-// relay that cannot stream polls, so rows flow whatever becomes of the slot.
+// relay that cannot stream (the slot lost, or streaming failing for
+// streamFailingLimit) polls, so rows flow whatever becomes of the slot.
 func (r *Relay) runCapture(ctx context.Context) {
 	var backoff time.Duration
+	var failingSince time.Time
 	for ctx.Err() == nil {
-		r.health.iteration(time.Now())
+		began := time.Now()
+		r.health.iteration(began)
 		err := r.stream(ctx)
+		if r.capture.streamedAt.After(began) {
+			backoff, failingSince = 0, time.Time{}
+		}
 		switch {
 		case ctx.Err() != nil:
 			return
@@ -221,6 +242,20 @@ func (r *Relay) runCapture(ctx context.Context) {
 			r.pollFor(ctx, fallbackPeriod)
 		default:
 			backoff = min(max(2*backoff, 100*time.Millisecond), r.cfg.MaxBackoff)
+			now := time.Now()
+			if failingSince.IsZero() {
+				failingSince = now
+			}
+			if now.Sub(failingSince) < streamFailingLimit && !errors.Is(err, errCannotStream) {
+				// Polling now would publish in id order what the stream
+				// publishes in commit order.
+				r.log.Warn("streaming failed; streaming again", "err", err, "in", backoff)
+				r.health.batchFailed(now, err)
+				d := jitter(backoff)
+				r.health.idleUntil(now.Add(d))
+				sleep(ctx, d)
+				continue
+			}
 			r.log.Warn("streaming failed; polling, then streaming again", "err", err, "in", backoff)
 			r.pollFor(ctx, jitter(backoff))
 		}
@@ -341,7 +376,7 @@ func lockWriterDeletes(ctx context.Context, conn *pgconn.PgConn, slot string) er
 		case string(v) == "t":
 			return nil
 		case time.Now().After(deadline):
-			return fmt.Errorf("the writer-deletes lock of slot %s is held by a session that does not stream from it", slot)
+			return fmt.Errorf("%w: the writer-deletes lock of slot %s is held by a session that does not stream from it", errCannotStream, slot)
 		}
 		sleep(ctx, writerDeletesLockRetry)
 	}
@@ -382,14 +417,28 @@ func (r *Relay) stream(ctx context.Context) error {
 	}
 	r.m.captureStreaming.Set(1)
 	defer r.m.captureStreaming.Set(0)
+	c.streamedAt = time.Now()
 	r.log.Info("streaming the table's inserts", "slot", c.slot, "publication", c.publication)
 
 	s := &streamState{r: r, conn: conn, statusEvery: r.statusEvery(ctx)}
+	// The stream starts where the slot was confirmed, and its keepalives
+	// report positions from the slot's restart point on, before that:
+	// confirming one of those would take the slot back on a server that
+	// lets it move backwards, and publish again what lies between.
+	var confirmed *string
+	if err := r.pool.QueryRow(ctx, sqlSlotConfirmed, c.slot).Scan(&confirmed); err == nil && confirmed != nil {
+		if at, err := pglogrepl.ParseLSN(*confirmed); err == nil {
+			s.confirmed = at
+		}
+	}
 	s.nextStatus = time.Now().Add(s.statusEvery)
 	defer func() { _ = s.settle(context.WithoutCancel(ctx)) }() // a batch whose commit runs is finished, never abandoned
 	// What the held table says before the first sweep.
 	r.mergeHeld()
-	s.nextSweep = r.sweepBeforeSlot(ctx, s.keepAlive)
+	if err := r.sweepBeforeSlot(ctx, s.keepAlive); err != nil {
+		return err // before streaming: what the stream delivers is later than these rows
+	}
+	s.nextSweep = time.Now() // the sweep behind the stream, at once
 	s.nextCheck = time.Now()
 	for ctx.Err() == nil {
 		now := time.Now()
@@ -956,7 +1005,13 @@ func (r *Relay) publishStreamedFrom(ctx context.Context, ids []int64, carry *inF
 			continue
 		}
 		cut := b.cut
-		if r.commitsBeside(b) {
+		if len(b.retry) > 0 {
+			// Some rows did not go out: they go before the chunks after
+			// this one, which hold the later rows of their keys.
+			if err := r.retryStreamed(ctx, b, alive); err != nil {
+				return nil, err
+			}
+		} else if r.commitsBeside(b) {
 			pending = r.commitAsync(b)
 		} else {
 			b.done <- r.markAndCommit(b)
@@ -969,6 +1024,80 @@ func (r *Relay) publishStreamedFrom(ctx context.Context, ids []int64, carry *inF
 		}
 	}
 	return pending, nil
+}
+
+// streamRetryLimit bounds how long the stream publishes again, in place,
+// rows that failed transiently, before it goes on to any later row. Past
+// it, they wait in the table for the sweep and the stream goes on, so a
+// partition that stays down does not hold the others' rows back for
+// longer; their keys' later rows then go out before them.
+const streamRetryLimit = time.Minute
+
+// retryStreamed commits batch b, then publishes again the rows it did not
+// get out (b.retry) before anything else (retryIDs).
+func (r *Relay) retryStreamed(ctx context.Context, b *inFlight, alive func(context.Context)) error {
+	ids, perr := b.retry, b.perr
+	b.done <- r.markAndCommit(b)
+	if err := r.finish(b); err != nil && err != perr { //nolint:errorlint // finish returns perr itself
+		return err
+	}
+	return r.retryIDs(ctx, ids, perr, alive)
+}
+
+// retryIDs publishes again, from the table, the rows of ids that a
+// streamed batch did not get out (publish's retry; perr its error), with
+// backoff, until none is left: the stream reads and publishes nothing else
+// meanwhile, so each key's rows reach Kafka in commit order through broker
+// failures, as a stream that stopped until Kafka took them would. Rows
+// Kafka refuses are held and rows of a topic that is unavailable are left
+// to the sweep, as in any batch (publish). Past streamRetryLimit it leaves
+// the rest to the sweep too, and retries nothing in place until a batch
+// goes out whole again. The error is the database's or ctx's.
+func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive func(context.Context)) error {
+	if r.capture.retryGivenUp {
+		return nil
+	}
+	var backoff time.Duration
+	for until := time.Now().Add(streamRetryLimit); len(ids) > 0; {
+		now := time.Now()
+		r.health.iteration(now)
+		if perr != nil {
+			r.health.batchFailed(now, perr)
+		}
+		if !now.Before(until) {
+			r.capture.retryGivenUp = true
+			r.m.streamLeftBehind.Add(float64(len(ids)))
+			r.log.Warn("rows failed for longer than the stream retries them in place; the sweep publishes them, after later rows of their keys",
+				"rows", len(ids), "for", streamRetryLimit, "err", perr)
+			return nil
+		}
+		if backoff > 0 {
+			d := jitter(backoff)
+			r.health.idleUntil(now.Add(d))
+			alive(ctx)
+			if sleep(ctx, d); ctx.Err() != nil {
+				return ctx.Err()
+			}
+		}
+		backoff = min(max(2*backoff, 100*time.Millisecond), r.cfg.MaxBackoff)
+		alive(ctx)
+		b, err := r.claimStreamed(ctx, ids)
+		if err != nil {
+			return err
+		}
+		if b == nil {
+			return nil // published or held meanwhile
+		}
+		if len(b.retry) < len(ids) && b.perr == nil {
+			backoff = 0 // rows went out: those that waited behind them go at once
+		}
+		ids, perr = b.retry, b.perr
+		b.done <- r.markAndCommit(b)
+		if err := r.finish(b); err != nil && err != perr { //nolint:errorlint // as above
+			return err
+		}
+	}
+	return nil
 }
 
 // claimStreamed claims the unpublished rows of ids and publishes them; its
@@ -1004,7 +1133,10 @@ func (r *Relay) claimStreamed(ctx context.Context, ids []int64) (*inFlight, erro
 	}
 	b := &inFlight{ctx: bctx, cancel: cancel, tx: tx, start: start, rows: rows, cut: len(rows) < locked,
 		big: payloadBytes(rows) > bigBatchBytes, done: make(chan error, 1)}
-	b.published, b.perr = r.publish(bctx, rows)
+	b.published, b.retry, b.perr = r.publish(bctx, rows)
+	if len(b.retry) == 0 {
+		r.capture.retryGivenUp = false // the batch went out whole
+	}
 	b.holds, b.unhold = r.held.take(), r.held.forget(b.published)
 	return b, nil
 }
@@ -1138,8 +1270,9 @@ func (r *Relay) sweepIDs(ctx context.Context, from int64, horizon string) ([]int
 // publishes the rows f found, and those after them that transactions
 // before f's horizon wrote, by id, as the stream publishes its own. It
 // returns when the next sweep is due: after FullRescanInterval, or after
-// sweepRetry when this one failed (Kafka or the database): the rows it
-// could not publish wait in the table, and no stream delivers them.
+// sweepRetry when this one failed (the database; Kafka's failures it
+// retries in place, retryIDs): the rows it could not publish wait in the
+// table, and no stream delivers them.
 func (r *Relay) sweepBehind(ctx context.Context, alive func(context.Context), f *sweepFence) (next time.Time) {
 	if err := r.sweepBefore(ctx, alive, f.horizon, f.ids); err != nil {
 		return r.sweepFailed(err)
@@ -1155,22 +1288,25 @@ func (r *Relay) sweepBehind(ctx context.Context, alive func(context.Context), f 
 // leaves to the stream, which publishes them in commit order (a sweep that
 // took them too would put them out before earlier rows only the stream
 // has, as in sweepFence), and the sweep behind the stream, due at once,
-// the few rows of transactions that ran across the slot's position.
-func (r *Relay) sweepBeforeSlot(ctx context.Context, alive func(context.Context)) (next time.Time) {
+// the few rows of transactions that ran across the slot's position. When
+// it fails, the stream does not start: rows it then delivered would go out
+// before these older ones.
+func (r *Relay) sweepBeforeSlot(ctx context.Context, alive func(context.Context)) error {
 	var horizon *string
 	if err := r.pool.QueryRow(ctx, sqlSlotHorizon, r.capture.slot).Scan(&horizon); err != nil {
-		return r.sweepFailed(fmt.Errorf("read the catalog horizon of slot %s: %w", r.capture.slot, err))
+		return fmt.Errorf("read the catalog horizon of slot %s: %w", r.capture.slot, err)
 	}
-	if horizon != nil {
-		ids, err := r.sweepIDs(ctx, 0, *horizon)
-		if err == nil {
-			err = r.sweepBefore(ctx, alive, *horizon, ids)
-		}
-		if err != nil {
-			return r.sweepFailed(err)
-		}
+	if horizon == nil {
+		return nil
 	}
-	return time.Now()
+	ids, err := r.sweepIDs(ctx, 0, *horizon)
+	if err == nil {
+		err = r.sweepBefore(ctx, alive, *horizon, ids)
+	}
+	if err != nil {
+		return fmt.Errorf("sweep the rows before slot %s: %w", r.capture.slot, err)
+	}
+	return nil
 }
 
 // sweepBefore publishes, by id, the unpublished rows that transactions

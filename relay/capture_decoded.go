@@ -159,13 +159,17 @@ func parseTimestamptz(s string) (time.Time, bool) {
 // stored while no relay with writer deletes streamed) is in the table too,
 // so it is claimed, published and marked from there, as a relay without
 // writer deletes does: published from the stream, it would go out again
-// when a sweep or polling claimed it. confirmed says the slot may move past
-// them: each is on Kafka, or in the table. err is a failure to put rows
-// back (nothing is confirmed then: the stream delivers them again) or,
-// with confirmed, Kafka's or the claim's, for the caller to back off while
-// polling publishes what is in the table.
+// when a sweep or polling claimed it. Rows that fail transiently are put
+// back and published again from the table before any later row
+// (retryIDs). confirmed says the slot may move past them: each is on
+// Kafka, or in the table. err is the database's: a failure to put rows
+// back, or to publish rows from the table, after which the rest goes back
+// untried. Nothing is confirmed then, so the stream delivers the rows
+// again, in commit order, before any later row: rows it put back would
+// otherwise go out with a sweep, after later rows of their keys (the
+// table's copies of rows put back go out again then, duplicates).
 func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) (confirmed bool, err error) {
-	var kafkaErr error
+	var failed error
 	for len(rows) > 0 {
 		s.keepAlive(ctx) // a large transaction's rows can take longer than wal_sender_timeout
 		if !rows[0].deleted {
@@ -173,12 +177,12 @@ func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) (c
 			for n < len(rows) && !rows[n].deleted {
 				n++
 			}
-			if kafkaErr == nil { // after a failure polling publishes them: they are in the table
+			if failed == nil { // after a failure polling publishes them: they are in the table
 				ids := make([]int64, n)
 				for i := range n {
 					ids[i] = rows[i].id
 				}
-				kafkaErr = s.r.publishStreamed(ctx, ids, s.keepAlive)
+				failed = s.r.publishStreamed(ctx, ids, s.keepAlive)
 			}
 			rows = rows[n:]
 			continue
@@ -188,21 +192,24 @@ func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) (c
 			bytes += rows[n].size
 			n++
 		}
-		// After Kafka failed, the rest goes back untried: the polling that
-		// follows publishes it once Kafka answers.
-		perr, err := s.publishDecodedBatch(ctx, rows[:n], kafkaErr == nil)
+		// After the database failed, the rest goes back untried: the
+		// polling that follows publishes it.
+		retry, perr, err := s.publishDecodedBatch(ctx, rows[:n], failed == nil)
 		if err != nil {
 			return false, err
 		}
-		kafkaErr = firstErr(kafkaErr, perr)
+		if len(retry) > 0 && failed == nil {
+			failed = s.r.retryIDs(ctx, retry, perr, s.keepAlive)
+		}
 		rows = rows[n:]
 	}
-	return true, kafkaErr
+	return failed == nil, failed
 }
 
 // publishDecodedBatch publishes one batch of streamed rows (when try) and
-// puts back what did not go out, with its holds, in one transaction.
-func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRow, try bool) (perr, err error) {
+// puts back what did not go out, with its holds, in one transaction. retry
+// are the rows put back to publish again first (publish).
+func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRow, try bool) (retry []int64, perr, err error) {
 	r := s.r
 	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
 	defer cancel()
@@ -217,7 +224,10 @@ func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRo
 	}
 	var published []int64
 	if len(send) > 0 && try {
-		published, perr = r.publish(bctx, send)
+		published, retry, perr = r.publish(bctx, send)
+		if len(retry) == 0 {
+			r.capture.retryGivenUp = false // the batch went out whole
+		}
 	}
 	b := &inFlight{ctx: bctx, cancel: cancel, start: start, rows: send, published: published}
 	b.holds, b.unhold = r.held.take(), r.held.forget(published)
@@ -236,19 +246,21 @@ func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRo
 	}
 	r.held.committed(b.holds, time.Now())
 	if err != nil {
-		return nil, r.dbFailed(err)
+		return nil, nil, r.dbFailed(err)
 	}
 	if len(back) > 0 {
 		s.remember(backIDs)
-		r.log.Info("put rows the relay could not publish back into the table; the sweep publishes or holds them", "ids", backIDs)
-		s.nextSweep = time.Now()
+		if len(back) > len(retry) {
+			r.log.Info("put rows the relay could not publish back into the table; the sweep publishes or holds them", "ids", backIDs)
+			s.nextSweep = time.Now()
+		}
 	}
 	r.setDBErr(nil)
 	r.batchMetrics(start, len(rows))
 	if perr == nil {
 		r.health.batchDone(start, len(rows), len(published))
 	}
-	return perr, nil
+	return retry, perr, nil
 }
 
 // recordQuoter escapes a field of a row type's text form inside its quotes.

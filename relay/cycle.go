@@ -24,6 +24,7 @@ type inFlight struct {
 	holds     []heldRecord // rows held in this batch, recorded in its transaction
 	unhold    []int64      // published rows whose held record goes
 	perr      error        // publish failures that make the loop back off
+	retry     []int64      // with logical replication capture: rows to publish again first (publish)
 	done      chan error   // the mark and commit's result
 }
 
@@ -244,7 +245,7 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	if b.big {
 		releaseMemory() // the claim's read buffers, before the publish builds its request
 	}
-	b.published, b.perr = r.publish(bctx, rows)
+	b.published, _, b.perr = r.publish(bctx, rows)
 	b.holds, b.unhold = r.held.take(), r.held.forget(b.published)
 	return b, nil
 }

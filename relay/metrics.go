@@ -31,6 +31,10 @@ type metrics struct {
 	// captureFallback is 1 while a logical-replication relay polls
 	// because it cannot stream.
 	captureFallback prometheus.Gauge
+	// streamLeftBehind counts rows the stream stopped retrying in place
+	// (streamRetryLimit): the sweep publishes them after later rows of
+	// their keys.
+	streamLeftBehind prometheus.Counter
 	// slotRetainedWAL is the WAL the replication slot holds back.
 	slotRetainedWAL prometheus.Gauge
 	// slotMaxRetainedWAL is --max-retained-wal, for the alert's ratio.
@@ -125,6 +129,8 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			"1 while this replica streams the table's inserts from the replication slot (--capture logical-replication); the other replicas wait as standbys."),
 		captureFallback: f.gauge("outbox_relay_capture_fallback",
 			"1 while this logical-replication replica polls because it cannot stream (the slot was lost or given up, or streaming failed)."),
+		streamLeftBehind: f.counter("outbox_relay_capture_rows_left_behind_total",
+			"Rows that failed for longer than the stream retries them in place (a minute) and were left in the table for the sweep, which publishes them after later rows of their keys: each a break of commit order."),
 		slotRetainedWAL: f.gauge("outbox_relay_slot_retained_wal_bytes",
 			"WAL the replication slot holds back (pg_current_wal_lsn() - restart_lsn), read by the streaming replica every 5 s; beyond --max-retained-wal the relay drops the slot and polls."),
 		slotMaxRetainedWAL: f.gauge("outbox_relay_slot_max_retained_wal_bytes",

@@ -68,17 +68,29 @@ type batch struct {
 	out   []outcome
 	errs  []error
 	spans []trace.Span // each admitted row's producer span, when tracing
+	// stops, with logical replication capture, are each lane's first row
+	// that did not go out (a lane is a key on a topic, as in partition-key
+	// mode): the later rows of its lane in the batch are not sent, so
+	// that they can go out after it, in commit order (streamRetry).
+	stops map[lane]int
 }
 
 // publish sends the batch and returns the ids of the rows to mark
 // published: those Kafka acknowledged, and those that went to the
 // dead-letter topic. A row that cannot go out now is held or left for a
 // later batch, and never stops the rows of other keys or topics; the
-// ordering mode decides what it does to the later rows of its key. The
+// ordering mode decides what it does to the later rows of its key. With
+// logical replication capture, retry lists, in the batch's order, the rows
+// to publish again before any later row of their keys: those that failed
+// transiently, and those that waited behind such a row of their lane
+// (rows held, or of a topic that is unavailable, are not among them). The
 // error reports rows that failed transiently when the loop should back off.
-func (r *Relay) publish(ctx context.Context, rows []row) ([]int64, error) {
+func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int64, err error) {
 	now := time.Now()
 	b := &batch{rows: rows, out: make([]outcome, len(rows)), errs: make([]error, len(rows))}
+	if r.capture != nil && r.lanes == nil {
+		b.stops = map[lane]int{}
+	}
 	if r.tracer != nil {
 		b.spans = make([]trace.Span, len(rows))
 		defer r.endSpans(b)
@@ -93,7 +105,7 @@ func (r *Relay) publish(ctx context.Context, rows []row) ([]int64, error) {
 	}
 	r.sendRounds(ctx, b, msgs, idx)
 
-	published := make([]int64, 0, len(rows))
+	published = make([]int64, 0, len(rows))
 	var transientErr error
 	failed := 0
 	for i, x := range rows {
@@ -104,14 +116,14 @@ func (r *Relay) publish(ctx context.Context, rows []row) ([]int64, error) {
 			// older row failed, even transiently) is not a verdict either:
 			// it waits for a later batch, never the dead-letter topic.
 			b.out[i] = skipped
-			if !r.laneStopped(x, i) {
+			if !r.laneStopped(b, x, i) {
 				r.write(ctx, []kafka.Message{r.message(x, r.cfg.Topics[x.eventType])},
 					func(_ int, o outcome, err error) { b.out[i], b.errs[i] = o, err })
 			}
 		}
 		switch b.out[i] {
 		case acked:
-			if r.laneStopped(x, i) {
+			if r.laneStopped(b, x, i) {
 				r.log.Error("a row was acknowledged after an older row of its key failed; its order may be broken",
 					"id", x.id, "partition_key", x.partitionKey)
 			}
@@ -127,18 +139,20 @@ func (r *Relay) publish(ctx context.Context, rows []row) ([]int64, error) {
 			transientErr = b.errs[i]
 			if r.lanes != nil {
 				r.lanes.failed(x, i, now)
+			} else {
+				r.stopLane(b, x, i, time.Time{})
 			}
 		case skipped:
-			r.stopLane(x, i, time.Time{}) // its key's later rows wait for the next batch
+			r.stopLane(b, x, i, time.Time{}) // its key's later rows wait for the next batch
 		case topicDown:
 			r.m.publishErrors.WithLabelValues(HeldTopicUnavailable).Inc()
 			r.topicFailed(r.cfg.Topics[x.eventType], x, b.errs[i], now)
-			r.stopLane(x, i, now.Add(r.cfg.MaxBackoff))
+			r.stopLane(b, x, i, now.Add(r.cfg.MaxBackoff))
 		case permanent:
 			r.m.publishErrors.WithLabelValues("permanent").Inc()
 			if r.deadLetter(ctx, x, b.errs[i]) {
 				published = append(published, x.id)
-				r.stopLane(x, i, time.Time{}) // its key's later rows go in the next batch
+				r.stopLane(b, x, i, time.Time{}) // its key's later rows go in the next batch
 				continue
 			}
 			reason := HeldRefused
@@ -147,40 +161,76 @@ func (r *Relay) publish(ctx context.Context, rows []row) ([]int64, error) {
 			}
 			until := now.Add(r.cfg.HeldRetryInterval)
 			r.held.hold(r.log, x, reason, until, b.errs[i])
-			r.stopLane(x, i, until)
+			r.stopLane(b, x, i, until)
 		}
+	}
+	if b.stops != nil {
+		retry = b.retry(r, time.Now())
 	}
 	if transientErr != nil {
 		r.setKafkaErr(transientErr)
 		if r.claimer.backOff(failed, len(msgs)) {
-			return published, fmt.Errorf("publish to Kafka: %w", transientErr)
+			return published, retry, fmt.Errorf("publish to Kafka: %w", transientErr)
 		}
-		return published, nil // only some keys failed; they wait, the rest flows
+		return published, retry, nil // only some keys failed; they wait, the rest flows
 	}
 	if len(msgs) > 0 {
 		r.setKafkaErr(nil)
 	}
-	return published, nil
+	return published, retry, nil
 }
 
-// stopLane stops row i's lane until until (byKey.stop) in partition-key
-// mode; with no lanes a row that cannot go out holds back nothing else.
-func (r *Relay) stopLane(x row, i int, until time.Time) {
-	if r.lanes != nil {
+// retry lists the rows of b that neither went out nor were held, in order,
+// but those of a topic that is unavailable now (publish).
+func (b *batch) retry(r *Relay, now time.Time) []int64 {
+	var ids []int64
+	for i, x := range b.rows {
+		if b.out[i] != transient && b.out[i] != skipped || r.held.isHeld(x.id) {
+			continue
+		}
+		if topic, ok := r.cfg.Topics[x.eventType]; ok && r.topics.available(topic, now) {
+			ids = append(ids, x.id)
+		}
+	}
+	return ids
+}
+
+// stopLane stops row i's lane: until until in partition-key mode
+// (byKey.stop), for the rest of the batch with logical replication
+// capture (batch.stops); otherwise a row that cannot go out holds back
+// nothing else.
+func (r *Relay) stopLane(b *batch, x row, i int, until time.Time) {
+	switch {
+	case r.lanes != nil:
 		r.lanes.stop(x, i, until)
+	case b.stops != nil:
+		if r.held.isHeld(x.id) || b.out[i] == acked || b.out[i] == permanent {
+			return // a row held or dead-lettered does not hold back its key's later rows
+		}
+		l := lane{x.partitionKey, r.cfg.Topics[x.eventType]}
+		if j, ok := b.stops[l]; !ok || i < j {
+			b.stops[l] = i
+		}
 	}
 }
 
 // laneStopped reports whether row i waits for an older row of its lane
-// (byKey.stopped); with no lanes no row waits for another.
-func (r *Relay) laneStopped(x row, i int) bool {
-	return r.lanes != nil && r.lanes.stopped(x, i)
+// (stopLane); with no lanes no row waits for another.
+func (r *Relay) laneStopped(b *batch, x row, i int) bool {
+	switch {
+	case r.lanes != nil:
+		return r.lanes.stopped(x, i)
+	case b.stops != nil:
+		j, ok := b.stops[lane{x.partitionKey, r.cfg.Topics[x.eventType]}]
+		return ok && j < i
+	}
+	return false
 }
 
 // admit decides whether row i can be sent in this batch and builds its record.
 func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 	x := b.rows[i]
-	if r.laneStopped(x, i) {
+	if r.laneStopped(b, x, i) {
 		return kafka.Message{}, false // an older row of its key is not out yet
 	}
 	if x.invalid != "" {
@@ -188,7 +238,7 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 		// unroutable, an infinite created_at a wrong time.
 		until := now.Add(r.cfg.HeldRetryInterval)
 		r.held.hold(r.log, x, HeldInvalidRow, until, errors.New(x.invalid))
-		r.stopLane(x, i, until)
+		r.stopLane(b, x, i, until)
 		return kafka.Message{}, false
 	}
 	if x.oversize {
@@ -196,7 +246,7 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 		until := now.Add(r.cfg.HeldRetryInterval)
 		r.held.hold(r.log, x, HeldTooLarge, until, fmt.Errorf(
 			"payload and headers of %d bytes, more than any of the relay's topics takes (%d bytes); held without reading them", x.size, r.largestRecord()))
-		r.stopLane(x, i, until)
+		r.stopLane(b, x, i, until)
 		return kafka.Message{}, false
 	}
 	custom, skippedHeaders, err := rowHeaders(x.headers)
@@ -208,30 +258,30 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 		// writer meant to tell it.
 		until := now.Add(r.cfg.HeldRetryInterval)
 		r.held.hold(r.log, x, HeldInvalidRow, until, fmt.Errorf("headers column: %w", err))
-		r.stopLane(x, i, until)
+		r.stopLane(b, x, i, until)
 		return kafka.Message{}, false
 	}
 	topic, ok := r.cfg.Topics[x.eventType]
 	if !ok {
 		// Only partition-key claims return unmapped rows: the key waits for the map.
-		r.stopLane(x, i, now.Add(r.cfg.HeldRetryInterval))
+		r.stopLane(b, x, i, now.Add(r.cfg.HeldRetryInterval))
 		return kafka.Message{}, false
 	}
 	if !r.topics.available(topic, now) {
-		r.stopLane(x, i, now.Add(r.cfg.MaxBackoff))
+		r.stopLane(b, x, i, now.Add(r.cfg.MaxBackoff))
 		return kafka.Message{}, false
 	}
 	if x.partition != nil {
 		n, known := r.topics.partitionCount(topic)
 		if !known {
-			r.stopLane(x, i, now.Add(r.cfg.MaxBackoff)) // its topic's metadata comes with the next refresh
+			r.stopLane(b, x, i, now.Add(r.cfg.MaxBackoff)) // its topic's metadata comes with the next refresh
 			return kafka.Message{}, false
 		}
 		if p := *x.partition; p < 0 || p >= int64(n) {
 			// Never sent elsewhere: the writer chose this partition.
 			until := now.Add(r.cfg.HeldRetryInterval)
 			r.held.hold(r.log, x, HeldInvalidRow, until, fmt.Errorf("partition column %s: %d is not a partition of topic %s (0 to %d)", r.cfg.PartitionColumn, p, topic, n-1))
-			r.stopLane(x, i, until)
+			r.stopLane(b, x, i, until)
 			return kafka.Message{}, false
 		}
 	}
@@ -247,7 +297,7 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 	if size, budget := recordSize(m), r.topics.budget(topic); size > budget {
 		// Decided here: sent, it would fail the whole partition batch.
 		b.out[i], b.errs[i] = permanent, errTooLarge(size, budget, topic)
-		r.stopLane(x, i, time.Time{})
+		r.stopLane(b, x, i, time.Time{})
 		return kafka.Message{}, false
 	}
 	return m, true
@@ -261,7 +311,7 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 // round, after the rows of every key and topic that did not go out in an
 // earlier round are left for a later batch.
 func (r *Relay) sendRounds(ctx context.Context, b *batch, msgs []kafka.Message, idx []int) {
-	if r.cfg.Ordering != OrderingPartitionKey {
+	if r.cfg.Ordering != OrderingPartitionKey && b.stops == nil {
 		r.send(ctx, b, msgs, idx) // the writer splits partitions' shares to fit
 		return
 	}
@@ -318,7 +368,7 @@ func (r *Relay) send(ctx context.Context, b *batch, msgs []kafka.Message, idx []
 		var ti []int
 		for j, m := range msgs {
 			if i := idx[j]; m.Topic == topic {
-				if r.laneStopped(b.rows[i], i) {
+				if r.laneStopped(b, b.rows[i], i) {
 					b.out[i] = skipped // an older row of its key on this topic did not go out
 					continue
 				}
@@ -328,7 +378,7 @@ func (r *Relay) send(ctx context.Context, b *batch, msgs []kafka.Message, idx []
 		r.write(ctx, tm, func(j int, o outcome, err error) { b.out[ti[j]], b.errs[ti[j]] = o, err })
 		for _, i := range ti {
 			if b.out[i] != acked {
-				r.stopLane(b.rows[i], i, time.Time{})
+				r.stopLane(b, b.rows[i], i, time.Time{})
 			}
 		}
 	}

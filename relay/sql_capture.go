@@ -36,7 +36,7 @@ const (
 	sqlWALSenderTimeout = `SELECT extract(epoch FROM current_setting('wal_sender_timeout')::interval)::float8`
 	// sqlSlotState: the WAL the slot $1 holds back, in bytes, and its wal_status.
 	sqlSlotState = `SELECT COALESCE(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::bigint, COALESCE(wal_status, '')
-		FROM pg_replication_slots WHERE slot_name = $1`
+		FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()`
 	// sqlSweepFence (sweepFence): the oldest running transaction, every
 	// one before it ended (a transaction id's text form, without its
 	// epoch), then the WAL's insert position, read after this statement's
@@ -45,9 +45,12 @@ const (
 		pg_current_wal_insert_lsn()::text, current_setting('wal_block_size')::int`
 	// sqlSlotHorizon: the catalog horizon of the slot $1 (catalog_xmin, a
 	// transaction id's text form), NULL when it has none.
-	sqlSlotHorizon = `SELECT catalog_xmin::text FROM pg_replication_slots WHERE slot_name = $1`
-	// sqlDropSlot drops the slot $1 when no connection uses it; true when it did.
-	sqlDropSlot = `WITH s AS (SELECT slot_name FROM pg_replication_slots WHERE slot_name = $1 AND NOT active),
+	sqlSlotHorizon = `SELECT catalog_xmin::text FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()`
+	// sqlSlotConfirmed: how far the slot's consumer has confirmed.
+	sqlSlotConfirmed = `SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()`
+	// sqlDropSlot drops the slot $1 when no connection uses it; true when it
+	// did. Slot names are the cluster's: only this database's slot is its.
+	sqlDropSlot = `WITH s AS (SELECT slot_name FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database() AND NOT active),
 		d AS (SELECT pg_drop_replication_slot(slot_name) FROM s)
 		SELECT count(*) > 0 FROM d`
 )
@@ -118,5 +121,5 @@ var captureStatements = map[string]string{
 	"sqlCaptureSettings": sqlCaptureSettings, "sqlCanReplicate": sqlCanReplicate, "sqlPublishes": sqlPublishes,
 	"sqlSlotState": sqlSlotState, "sqlDropSlot": sqlDropSlot, "sqlWriterDeletesTable": sqlWriterDeletesTable,
 	"sqlRowTypeColumns": sqlRowTypeColumns, "sqlWALSenderTimeout": sqlWALSenderTimeout,
-	"sqlSweepFence": sqlSweepFence, "sqlSlotHorizon": sqlSlotHorizon,
+	"sqlSweepFence": sqlSweepFence, "sqlSlotHorizon": sqlSlotHorizon, "sqlSlotConfirmed": sqlSlotConfirmed,
 }
