@@ -1159,3 +1159,42 @@ func TestInfiniteCreatedAtIsHeldAlone(t *testing.T) {
 		}, 10*time.Second, 50*time.Millisecond)
 	})
 }
+
+// A topic whose limit the relay may not read (no DESCRIBE_CONFIGS on it)
+// is taken to have Kafka's default; a record over that guess, which the
+// topic itself may take, is held and tried again, never dead-lettered,
+// and the rows behind it flow.
+func TestOverAGuessedLimitIsHeldNotDeadLettered(t *testing.T) {
+	eachMode(t, 1, nil, func(t *testing.T, f *outboxtest.Fixture, cfg relay.Config) {
+		c := faultCluster(t, 1, 4<<20, "big", "dlq")
+		c.ControlKey(int16(kmsg.DescribeConfigs), func(req kmsg.Request) (kmsg.Response, error, bool) {
+			c.KeepControl()
+			dr := req.(*kmsg.DescribeConfigsRequest)
+			resp := dr.ResponseKind().(*kmsg.DescribeConfigsResponse)
+			for _, res := range dr.Resources {
+				rr := kmsg.NewDescribeConfigsResponseResource()
+				rr.ResourceType, rr.ResourceName = res.ResourceType, res.ResourceName
+				if res.ResourceName == "big" {
+					rr.ErrorCode = kerr.TopicAuthorizationFailed.Code
+				} else {
+					e := kmsg.NewDescribeConfigsResponseResourceConfig()
+					e.Name, e.Value = "max.message.bytes", kmsg.StringPtr(fmt.Sprint(4<<20))
+					rr.Configs = append(rr.Configs, e)
+				}
+				resp.Resources = append(resp.Resources, rr)
+			}
+			return resp, nil, true
+		})
+		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+			VALUES (gen_random_uuid(), 'Order', 'big', 'E', jsonb_build_object('pad', repeat('y', 1500000)), 'big')`)
+		f.Insert(20, 1, "E")
+		cfg.Brokers, cfg.Topics, cfg.DeadLetterTopic = c.ListenAddrs(), map[string]string{"E": "big"}, "dlq"
+		x := run(t, cfg, nil)
+		f.WaitDrained(1, 30*time.Second)
+		require.Eventually(t, func() bool {
+			return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTooLarge) == 1
+		}, 10*time.Second, 50*time.Millisecond)
+		require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"), "a record over a guessed limit is not dead-lettered")
+		require.Equal(t, 20.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_events_published_total", "topic", "big"))
+	})
+}

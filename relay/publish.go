@@ -295,6 +295,16 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 	b.rows[i] = x // later records of this row (sent alone, dead-lettered) carry the same headers
 	m := r.message(x, topic)
 	if size, budget := recordSize(m), r.topics.budget(topic); size > budget {
+		if !r.topics.limitKnown(topic) {
+			// Over a guessed limit only: the topic may take it, so it is
+			// held and tried again, never dead-lettered.
+			until := now.Add(r.cfg.HeldRetryInterval)
+			r.held.hold(r.log, x, HeldTooLarge, until, fmt.Errorf(
+				"%w; the topic's max.message.bytes could not be read (the relay's principal needs DESCRIBE_CONFIGS on it), so the default was assumed and the row is held, not dead-lettered",
+				errTooLarge(size, budget, topic)))
+			r.stopLane(b, x, i, until)
+			return kafka.Message{}, false
+		}
 		// Decided here: sent, it would fail the whole partition batch.
 		b.out[i], b.errs[i] = permanent, errTooLarge(size, budget, topic)
 		r.stopLane(b, x, i, time.Time{})

@@ -94,6 +94,15 @@ func (s *topicState) limit(topic string) int {
 	return defaultMaxRecordBytes
 }
 
+// limitKnown reports whether the broker has told topic's limit: without
+// DESCRIBE_CONFIGS on the topic it does not, and limit is a guess.
+func (s *topicState) limitKnown(topic string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, ok := s.maxBytes[topic]
+	return ok
+}
+
 // recordBatchOverhead is a record batch's header (magic v2): the broker
 // measures the whole batch, header included, against the topic's
 // max.message.bytes.
