@@ -92,8 +92,8 @@ func TestSecretCacheReadsOncePerChange(t *testing.T) {
 }
 
 // A status whose backlog numbers moved only a little (an older oldest row,
-// a tenth of the pending rows or of the rate) is not rewritten within
-// statusRefresh; anything else is.
+// a tenth of the pending rows or of the rate, or a few rows) is not
+// rewritten within statusRefresh; anything else is.
 func TestSettledStatusWaitsForSmallMoves(t *testing.T) {
 	t.Parallel()
 	now := time.Now()
@@ -114,8 +114,15 @@ func TestSettledStatusWaitsForSmallMoves(t *testing.T) {
 	}
 	require.True(t, settled(old, moved(func(*outboxv1alpha1.OutboxRelayStatus) {}), now), "only the age")
 	require.True(t, settled(old, moved(func(n *outboxv1alpha1.OutboxRelayStatus) { n.Backlog.Pending = 109 }), now))
+	// A busy relay that keeps up: a few rows waiting at one reading, none at the next.
+	for _, pending := range [][2]int64{{0, 12}, {7, 0}, {3, backlogSmallMove}} {
+		busy := *old.DeepCopy()
+		busy.Backlog.Pending = pending[0]
+		require.True(t, settled(busy, moved(func(n *outboxv1alpha1.OutboxRelayStatus) { n.Backlog.Pending = pending[1] }), now),
+			"pending %d to %d", pending[0], pending[1])
+	}
 	for name, change := range map[string]func(*outboxv1alpha1.OutboxRelayStatus){
-		"pending by more than a tenth": func(n *outboxv1alpha1.OutboxRelayStatus) { n.Backlog.Pending = 120 },
+		"pending by more than a tenth": func(n *outboxv1alpha1.OutboxRelayStatus) { n.Backlog.Pending = 100 + backlogSmallMove + 1 },
 		"pending to zero":              func(n *outboxv1alpha1.OutboxRelayStatus) { n.Backlog.Pending = 0 },
 		"the rate to zero":             func(n *outboxv1alpha1.OutboxRelayStatus) { n.Backlog.PublishedPerMinute = rate(0) },
 		"a held row":                   func(n *outboxv1alpha1.OutboxRelayStatus) { n.Backlog.Held.TooLarge = 1 },

@@ -94,7 +94,7 @@ const backlogRenewal = 5 * time.Minute
 
 // statusRefresh is how long a status whose backlog numbers moved only a
 // little (the age of the oldest row, a tenth of the pending rows or of the
-// publish rate) is left as it is: a thousand relays would otherwise patch
+// publish rate, or backlogSmallMove) is left as it is: a thousand relays would otherwise patch
 // their status at every reading, all the time, because ages grow. The
 // operator's metrics carry every reading; anything that changes a
 // condition's status or reason is written at once.
@@ -118,16 +118,21 @@ func settled(old, new outboxv1alpha1.OutboxRelayStatus, now time.Time) bool {
 	return equality.Semantic.DeepEqual(old, n)
 }
 
+// backlogSmallMove is how far pending rows (or rows published a minute)
+// may move and still count as a small move whatever their size: a busy
+// relay that keeps up finds a few rows waiting at one reading and none at
+// the next, and a thousand such relays must not patch their status at
+// every reading.
+const backlogSmallMove = 50
+
 // backlogClose reports whether b moved only a little from a: the same held
-// rows, pending rows and publish rate each zero on both or within a tenth,
-// whatever the age of the oldest row.
+// rows, and pending rows and publish rate each within a tenth or
+// backlogSmallMove, whatever the age of the oldest row.
 func backlogClose(a, b outboxv1alpha1.BacklogStatus) bool {
 	near := func(x, y int64) bool {
-		if x == 0 || y == 0 {
-			return x == y
-		}
 		d := x - y
-		return 10*max(d, -d) <= max(x, y)
+		d = max(d, -d)
+		return d <= backlogSmallMove || 10*d <= max(x, y)
 	}
 	if a.Estimated != b.Estimated || a.Held != b.Held || !near(a.Pending, b.Pending) ||
 		(a.PublishedPerMinute == nil) != (b.PublishedPerMinute == nil) {
