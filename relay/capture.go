@@ -481,7 +481,7 @@ func (r *Relay) stream(ctx context.Context) error {
 			} else if len(due) > 0 {
 				// Held rows due again are tried at once, by id, as polling
 				// tries them with its next claim.
-				if err := r.publishStreamed(ctx, due, s.keepAlive); err != nil {
+				if err := r.publishStreamed(ctx, due, nil, s.keepAlive); err != nil {
 					return err
 				}
 			}
@@ -600,6 +600,10 @@ type streamState struct {
 	tuple   [][]byte
 	pending []int64       // ids of committed transactions not yet published, in commit order
 	pendLSN pglogrepl.LSN // the end of the last committed transaction in pending
+	// txXid is the open transaction's id; pendXids are the ids of the
+	// transactions whose rows are in pending (claimStreamed).
+	txXid    uint32
+	pendXids []int64
 	// restore are the committed rows that a writer deleted in
 	// the transaction that inserted them, to put back before pending's
 	// claim (without writer deletes).
@@ -701,12 +705,16 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 		}
 	case *pglogrepl.BeginMessage:
 		s.inTx, s.txIDs, s.txRows, s.txIns, s.txRaw = true, s.txIDs[:0], s.txRows[:0], s.txIns[:0], s.txRaw[:0]
+		s.txXid = m.Xid
 	case *pglogrepl.CommitMessage:
 		s.inTx, s.passed = false, max(s.passed, m.TransactionEndLSN)
 		if len(s.pending) == 0 && len(s.txIDs) > 0 {
 			s.pendSince = time.Now()
 		}
 		s.pending = append(s.pending, s.txIDs...)
+		if len(s.txIDs) > 0 || len(s.txRows) > 0 {
+			s.pendXids = append(s.pendXids, int64(s.txXid))
+		}
 		for _, x := range s.txRows {
 			s.pendRows, s.pendBytes = append(s.pendRows, x), s.pendBytes+x.size
 		}
@@ -879,7 +887,7 @@ func (s *streamState) flush(ctx context.Context) error {
 		}
 		s.confirmed = max(s.confirmed, s.pendLSN)
 		clear(s.pendRows) // their payloads
-		s.pending, s.pendRows, s.pendBytes = s.pending[:0], s.pendRows[:0], 0
+		s.pending, s.pendRows, s.pendBytes, s.pendXids = s.pending[:0], s.pendRows[:0], 0, s.pendXids[:0]
 		return firstErr(err, s.sendStatus(ctx))
 	}
 	if len(s.restore) > 0 {
@@ -889,7 +897,7 @@ func (s *streamState) flush(ctx context.Context) error {
 		s.restore = s.restore[:0]
 	}
 	carried := s.carry != nil
-	last, err := s.r.publishStreamedFrom(ctx, s.pending, s.carry, s.keepAlive)
+	last, err := s.r.publishStreamedFrom(ctx, s.pending, s.pendXids, s.carry, s.keepAlive)
 	s.carry = nil // settled by publishStreamedFrom, whatever its error
 	if err != nil {
 		if last != nil {
@@ -905,7 +913,7 @@ func (s *streamState) flush(ctx context.Context) error {
 	} else {
 		s.confirmed = max(s.confirmed, s.pendLSN)
 	}
-	s.pending = s.pending[:0]
+	s.pending, s.pendXids = s.pending[:0], s.pendXids[:0]
 	return s.sendStatus(ctx)
 }
 
@@ -968,8 +976,8 @@ func (s *streamState) sendStatusAsking(ctx context.Context, ask bool) error {
 // commit run beside the next batch's claim and publish (its publish starts
 // after the previous one ended, so the stream's order holds); it returns
 // once every batch committed. It calls alive before each batch (keepAlive).
-func (r *Relay) publishStreamed(ctx context.Context, ids []int64, alive func(context.Context)) error {
-	last, err := r.publishStreamedFrom(ctx, ids, nil, alive)
+func (r *Relay) publishStreamed(ctx context.Context, ids, xids []int64, alive func(context.Context)) error {
+	last, err := r.publishStreamedFrom(ctx, ids, xids, nil, alive)
 	if last != nil {
 		err = firstErr(err, r.finish(last))
 	}
@@ -980,7 +988,7 @@ func (r *Relay) publishStreamed(ctx context.Context, ids []int64, alive func(con
 // commit may still run: it waits for it before its first claim's publish
 // is settled, and returns its own last batch with its commit running
 // (nil when none), for the caller to finish.
-func (r *Relay) publishStreamedFrom(ctx context.Context, ids []int64, carry *inFlight, alive func(context.Context)) (*inFlight, error) {
+func (r *Relay) publishStreamedFrom(ctx context.Context, ids, xids []int64, carry *inFlight, alive func(context.Context)) (*inFlight, error) {
 	pending := carry
 	settle := func(err error) error {
 		if pending != nil {
@@ -992,7 +1000,7 @@ func (r *Relay) publishStreamedFrom(ctx context.Context, ids []int64, carry *inF
 	for len(ids) > 0 {
 		alive(ctx) // a large transaction's rows can take longer than wal_sender_timeout
 		chunk := ids[:min(len(ids), r.cfg.BatchSize)]
-		b, err := r.claimStreamed(ctx, chunk)
+		b, err := r.claimStreamed(ctx, chunk, xids)
 		if err = settle(err); err != nil {
 			if b != nil {
 				b.done <- r.markAndCommit(b)
@@ -1081,7 +1089,7 @@ func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive fun
 		}
 		backoff = min(max(2*backoff, 100*time.Millisecond), r.cfg.MaxBackoff)
 		alive(ctx)
-		b, err := r.claimStreamed(ctx, ids)
+		b, err := r.claimStreamed(ctx, ids, nil)
 		if err != nil {
 			return err
 		}
@@ -1100,29 +1108,85 @@ func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive fun
 	return nil
 }
 
+// waitVisible says whether a claim that found fewer rows than it asked
+// for should run again: some of xids, the transactions whose rows it
+// claimed, were not visible to it. The stream can deliver a commit before
+// the transaction is visible: with synchronous replication, a commit is
+// written, and sent to logical replication, before the standby confirms
+// it, and the transaction stays in progress for everyone until then. A
+// claim then would leave the row to a sweep, after later rows of its key.
+// So it waits, up to streamRetryLimit from start, until every one of xids
+// is visible; past that the rows are left to the sweep. It runs on the
+// claim's transaction, which it then leaves for the caller to end.
+func (r *Relay) waitVisible(ctx context.Context, tx pgx.Tx, xids []int64, start time.Time) (bool, error) {
+	waited := false
+	for {
+		var invisible int
+		if err := tx.QueryRow(ctx, sqlInvisible, xids).Scan(&invisible); err != nil {
+			return false, err
+		}
+		if invisible == 0 {
+			// Visible now, but perhaps not to the claim: claim again if
+			// this call waited, or if any might have been invisible to it.
+			return true, nil
+		}
+		if time.Since(start) > streamRetryLimit || ctx.Err() != nil {
+			r.log.Warn("transactions the stream delivered are still not visible; the sweep publishes their rows",
+				"transactions", invisible, "waited", time.Since(start).Round(time.Millisecond))
+			return false, nil
+		}
+		if !waited {
+			r.log.Info("waiting for transactions the stream delivered to become visible (synchronous replication?)", "transactions", invisible)
+			waited = true
+		}
+		r.health.iteration(time.Now())
+		sleep(ctx, visibleRetry)
+	}
+}
+
+// visibleRetry is how often waitVisible looks again.
+const visibleRetry = 5 * time.Millisecond
+
 // claimStreamed claims the unpublished rows of ids and publishes them; its
 // cut says the byte budget left some of them for another batch. Nil when
-// it claimed nothing.
-func (r *Relay) claimStreamed(ctx context.Context, ids []int64) (*inFlight, error) {
+// it claimed nothing. xids, when not nil, are the transactions that wrote
+// ids: a claim that finds fewer rows than ids waits until they are all
+// visible (waitVisible) and claims again.
+func (r *Relay) claimStreamed(ctx context.Context, ids, xids []int64) (*inFlight, error) {
 	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
 	start := time.Now()
-	tx, err := r.pool.Begin(bctx)
-	if err != nil {
-		cancel()
-		return nil, r.dbFailed(fmt.Errorf("begin claim transaction on %s: %w", r.table, err))
-	}
-	f := claimFilter{types: r.availableTypes(start), held: r.held.ids(), largest: r.largestRecord()}
-	pos, lo := commitOrder(ids)
-	rs, err := tx.Query(bctx, r.sql.ClaimIDs, ids, f.types, f.held, r.cfg.MaxBatchBytes, f.largest, pos, lo)
+	var tx pgx.Tx
 	var rows []row
 	var locked int
-	if err == nil {
-		rows, locked, err = r.scanClaim(rs, f)
-	}
-	if err != nil {
-		tx.Rollback(bctx) //nolint:errcheck // the claim's error is the one to report
-		cancel()
-		return nil, r.dbFailed(fmt.Errorf("claim streamed rows from %s: %w", r.table, err))
+	f := claimFilter{types: r.availableTypes(start), held: r.held.ids(), largest: r.largestRecord()}
+	for {
+		var err error
+		if tx, err = r.pool.Begin(bctx); err != nil {
+			cancel()
+			return nil, r.dbFailed(fmt.Errorf("begin claim transaction on %s: %w", r.table, err))
+		}
+		pos, lo := commitOrder(ids)
+		rs, err := tx.Query(bctx, r.sql.ClaimIDs, ids, f.types, f.held, r.cfg.MaxBatchBytes, f.largest, pos, lo)
+		if err == nil {
+			rows, locked, err = r.scanClaim(rs, f)
+		}
+		again := false
+		if err == nil && len(xids) > 0 && locked < len(ids) {
+			// Rows are missing: published, held, of a type no topic takes
+			// now, or written by a transaction the stream has but the
+			// claim could not see yet.
+			again, err = r.waitVisible(ctx, tx, xids, start)
+			xids = nil // once: the claim after the wait sees them all
+		}
+		if err != nil {
+			tx.Rollback(bctx) //nolint:errcheck // the claim's error is the one to report
+			cancel()
+			return nil, r.dbFailed(fmt.Errorf("claim streamed rows from %s: %w", r.table, err))
+		}
+		if !again {
+			break
+		}
+		tx.Rollback(bctx) //nolint:errcheck // claimed again below
 	}
 	r.setDBErr(nil)
 	r.m.claimDuration.Observe(time.Since(start).Seconds())
@@ -1314,7 +1378,7 @@ func (r *Relay) sweepBeforeSlot(ctx context.Context, alive func(context.Context)
 func (r *Relay) sweepBefore(ctx context.Context, alive func(context.Context), horizon string, ids []int64) error {
 	for len(ids) > 0 && ctx.Err() == nil {
 		alive(ctx)
-		if err := r.publishStreamed(ctx, ids, alive); err != nil {
+		if err := r.publishStreamed(ctx, ids, nil, alive); err != nil {
 			return err
 		}
 		if len(ids) < sweepChunk*r.cfg.BatchSize {

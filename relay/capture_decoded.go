@@ -182,7 +182,7 @@ func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) (c
 				for i := range n {
 					ids[i] = rows[i].id
 				}
-				failed = s.r.publishStreamed(ctx, ids, s.keepAlive)
+				failed = s.r.publishStreamed(ctx, ids, s.pendXids, s.keepAlive)
 			}
 			rows = rows[n:]
 			continue

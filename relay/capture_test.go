@@ -3,10 +3,13 @@ package relay_test
 import (
 	"context"
 	"fmt"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
@@ -391,4 +394,68 @@ type pacedWriter struct {
 func (p *pacedWriter) WriteMessages(ctx context.Context, msgs ...kafka.Message) error {
 	time.Sleep(p.pause)
 	return p.w.WriteMessages(ctx, msgs...)
+}
+
+// With synchronous replication a commit is written, and streamed, before
+// the standby confirms it, and until then the transaction is in progress
+// for every session: the relay receives rows it cannot see yet. It waits
+// for them, so a key's rows go out in commit order; a claim that found
+// nothing left the row to the sweep, up to 10 s later, after the key's
+// next row. (Here the standby never comes; cancelling the wait lets the
+// commit end, as the standby's answer would.)
+func TestLogicalReplicationWaitsForACommitToBeVisible(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	server, err := testenv.StartPostgres(filepath.Join(t.TempDir(), "postgres"))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = server.Close() })
+	dsn, err := server.CreateDatabase(ctx, "syncrep")
+	require.NoError(t, err)
+	local := dsn + "&options=-c%20synchronous_commit%3Dlocal" // commits that wait for no standby
+	admin, err := pgxpool.New(ctx, local)
+	require.NoError(t, err)
+	t.Cleanup(admin.Close)
+	_, err = admin.Exec(ctx, outbox.SchemaDDL(outbox.Table{Name: "outbox"}))
+	require.NoError(t, err)
+	_, err = admin.Exec(ctx, `ALTER SYSTEM SET synchronous_standby_names = 'nobody'`)
+	require.NoError(t, err)
+	_, err = admin.Exec(ctx, `SELECT pg_reload_conf()`)
+	require.NoError(t, err)
+
+	f := outboxtest.NewFixture(t, 1, "E")
+	cfg := f.Config()
+	cfg.DSN, cfg.Capture = local, relay.CaptureLogicalReplication
+	startStreaming(t, cfg)
+	t.Cleanup(func() { // after the relay stops
+		_, _ = admin.Exec(context.Background(), `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE NOT active`)
+	})
+
+	insert := `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES ($1, 'Order', 'o1', 'E', '{}', 'o1')`
+	first, second := outbox.NewEventID(), outbox.NewEventID()
+	writer, err := pgx.Connect(ctx, dsn+"&options=-c%20synchronous_commit%3Don") // its commit waits for the standby
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = writer.Close(context.Background()) })
+	var pid int
+	require.NoError(t, writer.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+	committed := make(chan error, 1)
+	go func() {
+		_, err := writer.Exec(ctx, insert, first) // one statement, one transaction
+		committed <- err
+	}()
+	require.Eventually(t, func() bool {
+		var waiting bool
+		return admin.QueryRow(ctx, `SELECT wait_event = 'SyncRep' FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&waiting) == nil && waiting
+	}, 10*time.Second, 10*time.Millisecond, "the first row's commit waits for the standby")
+	_, err = admin.Exec(ctx, insert, second) // committed, and visible, at once
+	require.NoError(t, err)
+	time.Sleep(time.Second) // the relay has both commits, and sees the second only
+	_, err = admin.Exec(ctx, `SELECT pg_cancel_backend($1)`, pid)
+	require.NoError(t, err)
+	require.NoError(t, <-committed, "committed locally once the wait is cancelled")
+
+	msgs := testenv.Broker().Consume(t, f.Topics["E"], 2, 8*time.Second) // before a sweep, 10 s on
+	require.Len(t, msgs, 2)
+	require.Equal(t, []string{first, second}, []string{header(msgs[0], relay.HeaderEventID), header(msgs[1], relay.HeaderEventID)},
+		"the key's rows in commit order")
 }

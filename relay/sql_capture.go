@@ -46,6 +46,13 @@ const (
 	// sqlSlotHorizon: the catalog horizon of the slot $1 (catalog_xmin, a
 	// transaction id's text form), NULL when it has none.
 	sqlSlotHorizon = `SELECT catalog_xmin::text FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()`
+	// sqlInvisible: how many of the transactions $1 (32-bit ids, of the
+	// current epoch or the one before) this statement's snapshot does not
+	// see as ended.
+	sqlInvisible = `SELECT count(*) FROM pg_current_snapshot() s,
+		LATERAL (SELECT pg_snapshot_xmax(s)::text::numeric AS xmax) m, unnest($1::bigint[]) x
+		WHERE NOT pg_visible_in_snapshot(((floor(m.xmax / 4294967296) - CASE WHEN x <= m.xmax % 4294967296 THEN 0 ELSE 1 END)
+			* 4294967296 + x)::text::xid8, s)`
 	// sqlSlotConfirmed: how far the slot's consumer has confirmed.
 	sqlSlotConfirmed = `SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()`
 	// sqlDropSlot drops the slot $1 when no connection uses it; true when it
@@ -121,5 +128,5 @@ var captureStatements = map[string]string{
 	"sqlCaptureSettings": sqlCaptureSettings, "sqlCanReplicate": sqlCanReplicate, "sqlPublishes": sqlPublishes,
 	"sqlSlotState": sqlSlotState, "sqlDropSlot": sqlDropSlot, "sqlWriterDeletesTable": sqlWriterDeletesTable,
 	"sqlRowTypeColumns": sqlRowTypeColumns, "sqlWALSenderTimeout": sqlWALSenderTimeout,
-	"sqlSweepFence": sqlSweepFence, "sqlSlotHorizon": sqlSlotHorizon, "sqlSlotConfirmed": sqlSlotConfirmed,
+	"sqlSweepFence": sqlSweepFence, "sqlSlotHorizon": sqlSlotHorizon, "sqlSlotConfirmed": sqlSlotConfirmed, "sqlInvisible": sqlInvisible,
 }
