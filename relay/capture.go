@@ -116,7 +116,7 @@ type captureState struct {
 	oid               uint32 // the table's: the stream's relation id of its inserts
 	// retryGivenUp: a batch's rows failed for streamRetryLimit, and the
 	// stream leaves the rows that fail to the sweep until a batch goes
-	// out whole (retryStreamed).
+	// out whole (retryIDs).
 	retryGivenUp bool
 	// streamedAt is when a stream last started.
 	streamedAt time.Time
@@ -1108,36 +1108,29 @@ func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive fun
 	return nil
 }
 
-// waitVisible says whether a claim that found fewer rows than it asked
-// for should run again: some of xids, the transactions whose rows it
-// claimed, were not visible to it. The stream can deliver a commit before
-// the transaction is visible: with synchronous replication, a commit is
-// written, and sent to logical replication, before the standby confirms
-// it, and the transaction stays in progress for everyone until then. A
-// claim then would leave the row to a sweep, after later rows of its key.
-// So it waits, up to streamRetryLimit from start, until every one of xids
-// is visible; past that the rows are left to the sweep. It runs on the
-// claim's transaction, which it then leaves for the caller to end.
-func (r *Relay) waitVisible(ctx context.Context, tx pgx.Tx, xids []int64, start time.Time) (bool, error) {
-	waited := false
-	for {
+// waitVisible waits, up to streamRetryLimit from start, until every one
+// of xids, the transactions that wrote rows a claim asked for, is
+// visible. The stream can deliver a commit before the transaction is
+// visible: with synchronous replication a commit is written, and sent to
+// logical replication, before the standby confirms it, and the
+// transaction stays in progress for every session until then; a claim then
+// leaves its rows to a sweep, after later rows of their keys. Past the
+// limit it returns, and they are.
+func (r *Relay) waitVisible(ctx context.Context, xids []int64, start time.Time) error {
+	for waited := false; ; waited = true {
 		var invisible int
-		if err := tx.QueryRow(ctx, sqlInvisible, xids).Scan(&invisible); err != nil {
-			return false, err
+		if err := r.pool.QueryRow(ctx, sqlInvisible, xids).Scan(&invisible); err != nil {
+			return fmt.Errorf("read whether the stream's transactions are visible: %w", err)
 		}
-		if invisible == 0 {
-			// Visible now, but perhaps not to the claim: claim again if
-			// this call waited, or if any might have been invisible to it.
-			return true, nil
-		}
-		if time.Since(start) > streamRetryLimit || ctx.Err() != nil {
+		switch {
+		case invisible == 0:
+			return nil
+		case time.Since(start) > streamRetryLimit || ctx.Err() != nil:
 			r.log.Warn("transactions the stream delivered are still not visible; the sweep publishes their rows",
 				"transactions", invisible, "waited", time.Since(start).Round(time.Millisecond))
-			return false, nil
-		}
-		if !waited {
+			return nil
+		case !waited:
 			r.log.Info("waiting for transactions the stream delivered to become visible (synchronous replication?)", "transactions", invisible)
-			waited = true
 		}
 		r.health.iteration(time.Now())
 		sleep(ctx, visibleRetry)
@@ -1150,44 +1143,47 @@ const visibleRetry = 5 * time.Millisecond
 // claimStreamed claims the unpublished rows of ids and publishes them; its
 // cut says the byte budget left some of them for another batch. Nil when
 // it claimed nothing. xids, when not nil, are the transactions that wrote
-// ids: a claim that finds fewer rows than ids waits until they are all
-// visible (waitVisible) and claims again.
+// ids: a claim that finds fewer rows than ids (published, held, of a type
+// no topic takes now, or not visible yet) waits until they are all visible
+// (waitVisible) and claims again.
 func (r *Relay) claimStreamed(ctx context.Context, ids, xids []int64) (*inFlight, error) {
-	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
 	start := time.Now()
-	var tx pgx.Tx
-	var rows []row
-	var locked int
 	f := claimFilter{types: r.availableTypes(start), held: r.held.ids(), largest: r.largestRecord()}
 	for {
-		var err error
-		if tx, err = r.pool.Begin(bctx); err != nil {
+		bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
+		tx, err := r.pool.Begin(bctx)
+		if err != nil {
 			cancel()
 			return nil, r.dbFailed(fmt.Errorf("begin claim transaction on %s: %w", r.table, err))
 		}
 		pos, lo := commitOrder(ids)
 		rs, err := tx.Query(bctx, r.sql.ClaimIDs, ids, f.types, f.held, r.cfg.MaxBatchBytes, f.largest, pos, lo)
+		var rows []row
+		var locked int
 		if err == nil {
 			rows, locked, err = r.scanClaim(rs, f)
 		}
-		again := false
 		if err == nil && len(xids) > 0 && locked < len(ids) {
-			// Rows are missing: published, held, of a type no topic takes
-			// now, or written by a transaction the stream has but the
-			// claim could not see yet.
-			again, err = r.waitVisible(ctx, tx, xids, start)
-			xids = nil // once: the claim after the wait sees them all
+			tx.Rollback(bctx) //nolint:errcheck // claimed again once they are visible
+			cancel()
+			err = r.waitVisible(ctx, xids, start)
+			if err == nil {
+				xids = nil // once: the claim after the wait sees them all
+				continue
+			}
+			return nil, r.dbFailed(err)
 		}
 		if err != nil {
 			tx.Rollback(bctx) //nolint:errcheck // the claim's error is the one to report
 			cancel()
 			return nil, r.dbFailed(fmt.Errorf("claim streamed rows from %s: %w", r.table, err))
 		}
-		if !again {
-			break
-		}
-		tx.Rollback(bctx) //nolint:errcheck // claimed again below
+		return r.publishClaimed(bctx, cancel, tx, start, rows, locked)
 	}
+}
+
+// publishClaimed publishes the rows a streamed claim (on tx) returned.
+func (r *Relay) publishClaimed(bctx context.Context, cancel context.CancelFunc, tx pgx.Tx, start time.Time, rows []row, locked int) (*inFlight, error) {
 	r.setDBErr(nil)
 	r.m.claimDuration.Observe(time.Since(start).Seconds())
 	if len(rows) == 0 {
