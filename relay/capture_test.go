@@ -425,7 +425,7 @@ func TestLogicalReplicationWaitsForACommitToBeVisible(t *testing.T) {
 	f := outboxtest.NewFixture(t, 1, "E")
 	cfg := f.Config()
 	cfg.DSN, cfg.Capture = local, relay.CaptureLogicalReplication
-	startStreaming(t, cfg)
+	x := startStreaming(t, cfg)
 	t.Cleanup(func() { // after the relay stops
 		_, _ = admin.Exec(context.Background(), `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE NOT active`)
 	})
@@ -449,7 +449,8 @@ func TestLogicalReplicationWaitsForACommitToBeVisible(t *testing.T) {
 	}, 10*time.Second, 10*time.Millisecond, "the first row's commit waits for the standby")
 	_, err = admin.Exec(ctx, insert, second) // committed, and visible, at once
 	require.NoError(t, err)
-	time.Sleep(time.Second) // the relay has both commits, and sees the second only
+	require.Never(t, func() bool { return x.Published() > 0 }, time.Second, 10*time.Millisecond,
+		"the second row, visible, waits for the first, streamed before it but not visible yet")
 	_, err = admin.Exec(ctx, `SELECT pg_cancel_backend($1)`, pid)
 	require.NoError(t, err)
 	require.NoError(t, <-committed, "committed locally once the wait is cancelled")
