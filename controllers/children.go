@@ -33,6 +33,9 @@ const (
 	// specHashAnnotation on a child holds the hash of the spec the operator
 	// last wrote; an equal hash means there is nothing to update.
 	specHashAnnotation = "outbox.dev/spec-hash"
+	// restartedAtAnnotation is what kubectl rollout restart stamps on a
+	// Deployment's pod template; the operator keeps it (ensureChildren).
+	restartedAtAnnotation = "kubectl.kubernetes.io/restartedAt"
 	// configHashAnnotation on the pod template hashes the relay's
 	// configuration and the identity and version (UID, resourceVersion) of
 	// every Secret it references, never their data, so a rotated DSN or

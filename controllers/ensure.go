@@ -51,7 +51,14 @@ func (r *OutboxRelayReconciler) ensureChildren(ctx context.Context, relay *outbo
 		func(cur, want *appsv1.Deployment) {
 			cur.Spec.Replicas = want.Spec.Replicas
 			cur.Spec.RevisionHistoryLimit = want.Spec.RevisionHistoryLimit
-			cur.Spec.Template = want.Spec.Template
+			restarted, wasRestarted := cur.Spec.Template.Annotations[restartedAtAnnotation]
+			cur.Spec.Template = *want.Spec.Template.DeepCopy()
+			if _, own := want.Spec.Template.Annotations[restartedAtAnnotation]; wasRestarted && !own {
+				// kubectl rollout restart (or Argo CD's restart of the
+				// Deployment) stamped it: dropping the stamp would roll
+				// the pods once more, at the next scale.
+				cur.Spec.Template.Annotations[restartedAtAnnotation] = restarted
+			}
 			// Keep the API server's rollingUpdate defaults when the type stays.
 			if cur.Spec.Strategy.Type != want.Spec.Strategy.Type {
 				cur.Spec.Strategy = want.Spec.Strategy

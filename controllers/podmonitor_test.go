@@ -195,45 +195,29 @@ func TestPodMonitorProblemsAreConditions(t *testing.T) {
 // PodMonitor CRD was installed since the last pass.
 func TestMonitoringConditionWrittenWhenStatusSettled(t *testing.T) {
 	t.Parallel()
-	const dsn = "postgres://relay:pw@db.example:5432/orders"
-	relay := &outboxv1alpha1.OutboxRelay{
-		ObjectMeta: metav1.ObjectMeta{Name: "orders", Namespace: "shop", Generation: 1},
-		Spec: outboxv1alpha1.OutboxRelaySpec{
-			DSNSecretRef: outboxv1alpha1.SecretKeyReference{Name: "dsn", Key: "dsn"},
-			Table:        "outbox",
-			Topics:       map[string]outboxv1alpha1.TopicName{"A": "a"},
-			Kafka:        outboxv1alpha1.KafkaSpec{Brokers: []outboxv1alpha1.BrokerAddress{"k:9092"}},
-			Replicas:     ptr.To[int32](1),
-			Monitoring:   &outboxv1alpha1.MonitoringSpec{PodMonitor: true},
-		},
-	}
-	dsnSecret := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "dsn", Namespace: "shop"}, Data: map[string][]byte{"dsn": []byte(dsn)}}
 	var crdInstalled atomic.Bool
-	c := fake.NewClientBuilder().WithScheme(newScheme(t)).WithObjects(relay, dsnSecret).WithStatusSubresource(relay).
-		WithInterceptorFuncs(interceptor.Funcs{
-			Get: func(ctx context.Context, c client.WithWatch, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
-				if u, ok := obj.(*unstructured.Unstructured); ok && u.GroupVersionKind() == podMonitorGVK {
-					if !crdInstalled.Load() {
-						return &meta.NoKindMatchError{GroupKind: podMonitorGVK.GroupKind(), SearchedVersions: []string{"v1"}}
-					}
-					return apierrors.NewNotFound(schema.GroupResource{Group: podMonitorGVK.Group, Resource: "podmonitors"}, key.Name)
+	c, r, relay := fakeRelay(t, interceptor.Funcs{
+		Get: func(ctx context.Context, c client.WithWatch, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
+			if u, ok := obj.(*unstructured.Unstructured); ok && u.GroupVersionKind() == podMonitorGVK {
+				if !crdInstalled.Load() {
+					return &meta.NoKindMatchError{GroupKind: podMonitorGVK.GroupKind(), SearchedVersions: []string{"v1"}}
 				}
-				return c.Get(ctx, key, obj, opts...)
-			},
-			Create: func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.CreateOption) error {
-				if u, ok := obj.(*unstructured.Unstructured); ok && u.GroupVersionKind() == podMonitorGVK {
-					return nil
-				}
-				return c.Create(ctx, obj, opts...)
-			},
-		}).Build()
-	r := &OutboxRelayReconciler{Client: c, APIReader: c, RelayImage: "ghcr.io/x/relay:v1",
-		secrets: newSecretCache(0, nil), configMaps: newConfigMapCache(0), Flow: NewFlowObserver()}
+				return apierrors.NewNotFound(schema.GroupResource{Group: podMonitorGVK.Group, Resource: "podmonitors"}, key.Name)
+			}
+			return c.Get(ctx, key, obj, opts...)
+		},
+		Create: func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.CreateOption) error {
+			if u, ok := obj.(*unstructured.Unstructured); ok && u.GroupVersionKind() == podMonitorGVK {
+				return nil
+			}
+			return c.Create(ctx, obj, opts...)
+		},
+	}, func(relay *outboxv1alpha1.OutboxRelay) { relay.Spec.Monitoring = &outboxv1alpha1.MonitoringSpec{PodMonitor: true} })
 	key := client.ObjectKeyFromObject(relay)
 	table, err := outbox.ParseTable("outbox")
 	require.NoError(t, err)
 	// A backlog reading that does not move between the passes: the status settles.
-	r.Flow.relays[key] = &relayFlow{target: flowTarget{dsn: dsn, auth: dbAuth{method: relayconfig.DatabaseAuthPassword}, table: table,
+	r.Flow.relays[key] = &relayFlow{target: flowTarget{dsn: fakeDSN, auth: dbAuth{method: relayconfig.DatabaseAuthPassword}, table: table,
 		interval: 15 * time.Second}, latest: &backlogSample{at: time.Now()}}
 	ctx := context.Background()
 	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
