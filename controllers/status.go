@@ -2,6 +2,7 @@ package controllers
 
 import (
 	"fmt"
+	"strings"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -39,9 +40,14 @@ func lagThreshold(relay *outboxv1alpha1.OutboxRelay) time.Duration {
 	return defaultLagThreshold
 }
 
+// readingFailed joins a lagging relay's last reading and the latest
+// reading's failure in Lagging's message.
+const readingFailed = "; the latest reading failed: "
+
 // lagging is the Lagging condition for an observation: Unknown without a
 // current reading (none yet, or the last read failed: an earlier sample
-// cannot vouch for the flow now), True when the oldest
+// cannot vouch for the flow now, unless it found the relay lagging less
+// than the threshold ago), True when the oldest
 // waiting row is older than the threshold, with the reason that best says
 // why: no ready replica, nothing published in the last minute, or too slow.
 func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, now time.Time) verdict {
@@ -51,6 +57,15 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 	case b == nil && obs.err == "":
 		return verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonObserving, "the operator has not read the backlog yet"}
 	case obs.err != "":
+		// A relay found lagging stays so while its last reading is younger
+		// than the threshold: one failed read (a timeout, most likely when
+		// the database is overloaded) must not call a stalled relay Ready
+		// until the next reading says it is stalled again.
+		if prev := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging); prev != nil &&
+			prev.Status == metav1.ConditionTrue && relay.Status.Backlog != nil && now.Sub(relay.Status.Backlog.ObservedAt.Time) < threshold {
+			last, _, _ := strings.Cut(prev.Message, readingFailed)
+			return verdict{metav1.ConditionTrue, prev.Reason, last + readingFailed + obs.err}
+		}
 		return verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonBacklogUnavailable, obs.err}
 	}
 	approx := ""
