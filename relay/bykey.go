@@ -67,8 +67,11 @@ func newByKey(d byKeyDeps) *byKey {
 }
 
 // laneOf is x's lane.
-func (k *byKey) laneOf(x row) lane {
-	if t, ok := k.topics[x.eventType]; ok {
+func (k *byKey) laneOf(x row) lane { return laneOf(k.topics, x) }
+
+// laneOf is x's lane under the topic map topics.
+func laneOf(topics map[string]string, x row) lane {
+	if t, ok := topics[x.eventType]; ok {
 		return lane{x.partitionKey, t}
 	}
 	return lane{x.partitionKey, unmappedLane + x.eventType}

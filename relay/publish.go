@@ -71,7 +71,7 @@ type batch struct {
 	// stops, with logical replication capture, are each lane's first row
 	// that did not go out (a lane is a key on a topic, as in partition-key
 	// mode): the later rows of its lane in the batch are not sent, so
-	// that they can go out after it, in commit order (streamRetry).
+	// that they can go out after it, in commit order (retryIDs).
 	stops map[lane]int
 }
 
@@ -207,7 +207,7 @@ func (r *Relay) stopLane(b *batch, x row, i int, until time.Time) {
 		if r.held.isHeld(x.id) || b.out[i] == acked || b.out[i] == permanent {
 			return // a row held or dead-lettered does not hold back its key's later rows
 		}
-		l := lane{x.partitionKey, r.cfg.Topics[x.eventType]}
+		l := laneOf(r.cfg.Topics, x)
 		if j, ok := b.stops[l]; !ok || i < j {
 			b.stops[l] = i
 		}
@@ -221,7 +221,7 @@ func (r *Relay) laneStopped(b *batch, x row, i int) bool {
 	case r.lanes != nil:
 		return r.lanes.stopped(x, i)
 	case b.stops != nil:
-		j, ok := b.stops[lane{x.partitionKey, r.cfg.Topics[x.eventType]}]
+		j, ok := b.stops[laneOf(r.cfg.Topics, x)]
 		return ok && j < i
 	}
 	return false
