@@ -276,6 +276,13 @@ func (r *Relay) Check(ctx context.Context) error {
 		r.log.Info("the table has no headers column; records carry only the relay's headers",
 			"fix", "ALTER TABLE "+r.table.Quoted()+" ADD COLUMN headers jsonb")
 	}
+	var payloadType string
+	if err := r.pool.QueryRow(ctx, sqlColumnType, r.table.Quoted(), "payload").Scan(&payloadType); err != nil {
+		return fmt.Errorf("read the type of %s.payload: %w", r.table, err)
+	}
+	if payloadType == "bytea" {
+		opts = append(opts, WithByteaPayload())
+	}
 	if c := r.cfg.PartitionColumn; c != "" {
 		if err := checkPartitionColumn(ctx, r.pool, r.table, c); err != nil {
 			return err

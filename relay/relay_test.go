@@ -478,3 +478,23 @@ func TestConfigValidationNamesFieldAndValue(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, r.Close())
 }
+
+// A bytea payload is sized by its length, not by its text form (hex, twice
+// as long): a compressed 15,000-byte payload on a topic that takes 20,000
+// bytes goes out, where its hex length would have held it as too large
+// without reading it.
+func TestByteaPayloadIsSizedByItsLength(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	f.Topics["E"] = f.NewTopic("bytes", 1, "max.message.bytes", "20000")
+	f.Exec(`ALTER TABLE outbox ALTER COLUMN payload TYPE bytea USING convert_to(payload::text, 'UTF8')`)
+	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', 'o1', 'E', convert_to(repeat('y', 15000), 'UTF8'), 'o1')`)
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE pg_column_compression(payload) IS NOT NULL`), "stored compressed")
+	x := outboxtest.Start(t, f.Config())
+	f.WaitDrained(0, 30*time.Second)
+	msgs := testenv.Broker().Consume(t, f.Topics["E"], 1, 30*time.Second)
+	require.Len(t, msgs, 1)
+	require.Len(t, msgs[0].Value, 15000)
+	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTooLarge))
+}

@@ -111,12 +111,18 @@ type SQLOption func(*sqlOptions)
 type sqlOptions struct {
 	headers, partitioned bool
 	partitionColumn      string
+	byteaPayload         bool
 }
 
 // WithHeadersColumn makes the claims read the table's optional headers
 // column. Without it they return NULL in its place and never name the
 // column, so a table made before the column existed keeps working.
 func WithHeadersColumn() SQLOption { return func(o *sqlOptions) { o.headers = true } }
+
+// WithByteaPayload says the payload column is bytea: the claims size it
+// by its length, which PostgreSQL reads from a compressed value's header
+// (its text form, hex, is twice as long as what the relay sends).
+func WithByteaPayload() SQLOption { return func(o *sqlOptions) { o.byteaPayload = true } }
 
 // WithPartitionColumn makes the claims read column (an integer column,
 // relayconfig.CheckPartitionColumn's name) as each row's Kafka partition.
@@ -177,10 +183,14 @@ func storedSize(col string) string {
 // fail the scan either: the relay reads them as bytes and holds a row whose
 // headers are not an object of strings.
 func claimHeaders(o sqlOptions) string {
-	if o.headers {
-		return `, headers, ` + storedSize("payload") + ` + ` + storedSize("headers") + ` AS size`
+	payload := storedSize("payload")
+	if o.byteaPayload {
+		payload = `COALESCE(octet_length(payload), 0)`
 	}
-	return `, NULL::jsonb AS headers, ` + storedSize("payload") + ` AS size`
+	if o.headers {
+		return `, headers, ` + payload + ` + ` + storedSize("headers") + ` AS size`
+	}
+	return `, NULL::jsonb AS headers, ` + payload + ` AS size`
 }
 
 // claimPartition is the record's explicit Kafka partition in a claim's

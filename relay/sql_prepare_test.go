@@ -31,6 +31,8 @@ func TestEveryStatementPreparesOnTheShippedDDL(t *testing.T) {
 		{"plain with a partition column", outbox.SchemaDDL(table) + `ALTER TABLE app.outbox ADD COLUMN kafka_partition smallint;`,
 			[]relay.SQLOption{relay.WithHeadersColumn(), relay.WithPartitionColumn("kafka_partition")}},
 		{"partitioned", outbox.PartitionedSchemaDDL(table, outbox.PartitionDay, 1), []relay.SQLOption{relay.WithHeadersColumn(), relay.WithPartitions()}},
+		{"bytea payload", outbox.SchemaDDL(table) + `ALTER TABLE app.outbox ALTER COLUMN payload TYPE bytea USING convert_to(payload::text, 'UTF8');`,
+			[]relay.SQLOption{relay.WithHeadersColumn(), relay.WithByteaPayload()}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
