@@ -214,9 +214,11 @@ func (o *FlowObserver) run(ctx context.Context, key types.NamespacedName, target
 	defer close(done)
 	log := ctrl.LoggerFrom(ctx).WithValues("outboxrelay", key)
 	db, err := o.acquire(target.dsn, target.tls, target.auth)
-	if db != nil {
-		defer o.release(db)
-	}
+	defer func() {
+		if db != nil {
+			o.release(db)
+		}
+	}()
 	bound := o.Bound
 	if bound <= 0 {
 		bound = outboxv1alpha1.BacklogBound
@@ -235,6 +237,12 @@ func (o *FlowObserver) run(ctx context.Context, key types.NamespacedName, target
 		case <-ctx.Done():
 			return
 		case <-timer.C:
+		}
+		if db == nil && reads > 0 {
+			// Acquiring failed (a cloud identity's token source not ready
+			// in the manager's first seconds, say): try again at each
+			// reading, not only when the DSN, its TLS or its auth change.
+			db, err = o.acquire(target.dsn, target.tls, target.auth)
 		}
 		var s backlogSample
 		if db != nil {

@@ -2,6 +2,7 @@ package controllers
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync/atomic"
@@ -12,7 +13,9 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/dbauth"
 	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 // Sixty OutboxRelays on one database: forty on tables of their own (a third
@@ -115,4 +118,36 @@ func tableOf(o *FlowObserver, k types.NamespacedName) outbox.Table {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	return o.relays[k].target.table
+}
+
+// A cloud identity's token source that cannot be made at first (the
+// metadata server not ready in the manager's first seconds) is made again
+// at a later reading: the backlog does not stay unreadable until the
+// manager restarts.
+func TestObserverRetriesATokenSourceThatFailed(t *testing.T) {
+	t.Parallel()
+	var calls atomic.Int32
+	o := NewFlowObserver()
+	o.TokenProvider = func(context.Context, relayconfig.DatabaseAuth, string) (dbauth.Provider, error) {
+		if calls.Add(1) == 1 {
+			return nil, errors.New("metadata server not ready yet")
+		}
+		return dbauth.ProviderFunc(func(context.Context, dbauth.Target) (dbauth.Token, error) {
+			return dbauth.Token{Value: "t", Expiry: time.Now().Add(time.Hour)}, nil
+		}), nil
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = o.Start(ctx) }()
+	table, err := outbox.ParseTable("outbox")
+	require.NoError(t, err)
+	key := types.NamespacedName{Namespace: "shop", Name: "orders"}
+	target := flowTarget{dsn: "postgres://relay@127.0.0.1:1/orders?sslmode=require", table: table, interval: 50 * time.Millisecond,
+		auth: dbAuth{method: relayconfig.DatabaseAuthAWSRDSIAM, region: "eu-west-1"}}
+	o.Observe(key, target)
+	require.Eventually(t, func() bool { return calls.Load() >= 2 }, 10*time.Second, 10*time.Millisecond,
+		"the token source is made again")
+	require.Eventually(t, func() bool {
+		return !strings.Contains(o.Observe(key, target).lastErr, "metadata server not ready yet")
+	}, 10*time.Second, 10*time.Millisecond, "the readings go on with it (here they fail to connect instead)")
 }
