@@ -881,14 +881,13 @@ func (s *streamState) flush(ctx context.Context) error {
 		return s.settle(ctx)
 	}
 	if s.cols != nil {
-		confirmed, err := s.publishDecoded(ctx, s.pendRows)
-		if !confirmed {
-			return err
+		if err := s.publishDecoded(ctx, s.pendRows); err != nil {
+			return err // nothing confirmed: the stream delivers them again
 		}
 		s.confirmed = max(s.confirmed, s.pendLSN)
 		clear(s.pendRows) // their payloads
 		s.pending, s.pendRows, s.pendBytes, s.pendXids = s.pending[:0], s.pendRows[:0], 0, s.pendXids[:0]
-		return firstErr(err, s.sendStatus(ctx))
+		return s.sendStatus(ctx)
 	}
 	if len(s.restore) > 0 {
 		if err := s.r.restoreDeleted(ctx, s.restore); err != nil {

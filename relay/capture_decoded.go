@@ -161,15 +161,14 @@ func parseTimestamptz(s string) (time.Time, bool) {
 // writer deletes does: published from the stream, it would go out again
 // when a sweep or polling claimed it. Rows that fail transiently are put
 // back and published again from the table before any later row
-// (retryIDs). confirmed says the slot may move past them: each is on
-// Kafka, or in the table. err is the database's: a failure to put rows
-// back, or to publish rows from the table, after which the rest goes back
-// untried. Nothing is confirmed then, so the stream delivers the rows
-// again, in commit order, before any later row: rows it put back would
-// otherwise go out with a sweep, after later rows of their keys (the
-// table's copies of rows put back go out again then, duplicates).
-func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) (confirmed bool, err error) {
-	var failed error
+// (retryIDs). Without an error the slot may move past them: each is on
+// Kafka, or in the table. The error is the database's: a failure to put
+// rows back, or to publish rows from the table. Nothing is confirmed then, so
+// the stream delivers the rows again, in commit order, before any later
+// row: rows it put back would otherwise go out with a sweep, after later
+// rows of their keys (the table's copies of rows put back go out again
+// then, duplicates).
+func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) error {
 	for len(rows) > 0 {
 		s.keepAlive(ctx) // a large transaction's rows can take longer than wal_sender_timeout
 		if !rows[0].deleted {
@@ -177,12 +176,12 @@ func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) (c
 			for n < len(rows) && !rows[n].deleted {
 				n++
 			}
-			if failed == nil { // after a failure polling publishes them: they are in the table
-				ids := make([]int64, n)
-				for i := range n {
-					ids[i] = rows[i].id
-				}
-				failed = s.r.publishStreamed(ctx, ids, s.pendXids, s.keepAlive)
+			ids := make([]int64, n)
+			for i := range n {
+				ids[i] = rows[i].id
+			}
+			if err := s.r.publishStreamed(ctx, ids, s.pendXids, s.keepAlive); err != nil {
+				return err
 			}
 			rows = rows[n:]
 			continue
@@ -192,24 +191,24 @@ func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) (c
 			bytes += rows[n].size
 			n++
 		}
-		// After the database failed, the rest goes back untried: the
-		// polling that follows publishes it.
-		retry, perr, err := s.publishDecodedBatch(ctx, rows[:n], failed == nil)
+		retry, perr, err := s.publishDecodedBatch(ctx, rows[:n])
 		if err != nil {
-			return false, err
+			return err
 		}
-		if len(retry) > 0 && failed == nil {
-			failed = s.r.retryIDs(ctx, retry, perr, s.keepAlive)
+		if len(retry) > 0 {
+			if err := s.r.retryIDs(ctx, retry, perr, s.keepAlive); err != nil {
+				return err
+			}
 		}
 		rows = rows[n:]
 	}
-	return failed == nil, failed
+	return nil
 }
 
-// publishDecodedBatch publishes one batch of streamed rows (when try) and
-// puts back what did not go out, with its holds, in one transaction. retry
+// publishDecodedBatch publishes one batch of streamed rows and puts back
+// what did not go out, with its holds, in one transaction. retry
 // are the rows put back to publish again first (publish).
-func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRow, try bool) (retry []int64, perr, err error) {
+func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRow) (retry []int64, perr, err error) {
 	r := s.r
 	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
 	defer cancel()
@@ -223,7 +222,7 @@ func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRo
 		}
 	}
 	var published []int64
-	if len(send) > 0 && try {
+	if len(send) > 0 {
 		published, retry, perr = r.publish(bctx, send)
 		if len(retry) == 0 {
 			r.capture.retryGivenUp = false // the batch went out whole
