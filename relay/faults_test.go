@@ -150,7 +150,10 @@ func (s scenario) String() string {
 	for _, w := range s.waves {
 		n += len(w)
 	}
-	var fs []string
+	var ws, fs []string
+	for i, w := range s.waves {
+		ws = append(ws, fmt.Sprintf("%d@%s", len(w), s.waveAt[i]))
+	}
 	for _, f := range s.faults {
 		fs = append(fs, fmt.Sprintf("%s@%s", f.kind, f.at))
 	}
@@ -164,8 +167,8 @@ func (s scenario) String() string {
 	if s.writerDeletes {
 		capture += "+writer-deletes"
 	}
-	return fmt.Sprintf("seed=%d capture=%s ordering=%s deadLetter=%t inFlight=%d batch=%d deleteOnPublish=%t retention=%t rows=%d faults=[%s]",
-		s.seed, capture, s.ordering, s.deadLetter, s.inFlight, s.batchSize, s.deleteOnPublish, s.retention, n, strings.Join(fs, " "))
+	return fmt.Sprintf("seed=%d capture=%s ordering=%s deadLetter=%t inFlight=%d batch=%d deleteOnPublish=%t retention=%t rows=%d waves=[%s] faults=[%s]",
+		s.seed, capture, s.ordering, s.deadLetter, s.inFlight, s.batchSize, s.deleteOnPublish, s.retention, n, strings.Join(ws, " "), strings.Join(fs, " "))
 }
 
 // faultKinds are the faults a scenario draws from.
@@ -573,7 +576,7 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 		require.NoError(t, err)
 	}
 	if testing.Verbose() {
-		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})).With("seed", sc.seed)
+		cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo})).With("seed", sc.seed)
 	}
 
 	var mu sync.Mutex
