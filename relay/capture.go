@@ -120,6 +120,38 @@ type captureState struct {
 	retryGivenUp bool
 	// streamedAt is when a stream last started.
 	streamedAt time.Time
+	// beforeSlot is what the slot this process made saw when it was made,
+	// until a sweep before the slot has published its rows.
+	beforeSlot *slotSnapshot
+}
+
+// slotSnapshot is the snapshot a slot's creation exports: the
+// transactions it sees had ended before the slot's first position, so the
+// stream carries none of their rows, and the others are after it. The
+// slot's catalog horizon is no such bound: it is the oldest transaction
+// running anywhere on the server when the slot began to be made, and the
+// rows of transactions after it that ended before the slot's position
+// would otherwise go out only with a sweep behind the stream, after later
+// rows of their keys.
+type slotSnapshot struct {
+	xmax string  // the first transaction it does not see, without its epoch
+	xip  []int64 // the transactions before xmax it does not see, without their epochs
+}
+
+// readSlotSnapshot imports the snapshot name a slot's creation exported
+// (valid until the creating connection's next command).
+func (r *Relay) readSlotSnapshot(ctx context.Context, name string) (*slotSnapshot, error) {
+	var snap slotSnapshot
+	err := pgx.BeginTxFunc(ctx, r.pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SET TRANSACTION SNAPSHOT `+outbox.QuoteLiteral(name)); err != nil {
+			return err
+		}
+		return tx.QueryRow(ctx, sqlSlotSnapshot).Scan(&snap.xmax, &snap.xip)
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read the snapshot of slot %s: %w", r.capture.slot, err)
+	}
+	return &snap, nil
 }
 
 // checkCapture verifies what logical replication needs and names the fix
@@ -399,10 +431,20 @@ func (r *Relay) stream(ctx context.Context) error {
 		if conn, err = r.replicationConn(ctx); err != nil {
 			return fmt.Errorf("connect for replication: %w", err)
 		}
-		if _, err := pglogrepl.CreateReplicationSlot(ctx, conn, c.slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{}); err != nil && pgCode(err) != "42710" {
+		made, err := pglogrepl.CreateReplicationSlot(ctx, conn, c.slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{SnapshotAction: "EXPORT_SNAPSHOT"})
+		switch {
+		case pgCode(err) == "42710": // another replica made it: that one sweeps before it
+		case err != nil:
 			return fmt.Errorf("create replication slot %s: %w", c.slot, err)
+		default:
+			if c.beforeSlot, err = r.readSlotSnapshot(ctx, made.SnapshotName); err != nil {
+				// Never streamed from, so the writers never deleted for it:
+				// made again, it loses nothing.
+				r.dropSlot(ctx, c.slot)
+				return err
+			}
+			r.log.Info("created the replication slot", "slot", c.slot)
 		}
-		r.log.Info("created the replication slot", "slot", c.slot)
 		err = r.startReplication(ctx, conn, opts)
 	}
 	switch {
@@ -1290,7 +1332,7 @@ func (r *Relay) readSweepFence(ctx context.Context) (*sweepFence, error) {
 	if err != nil {
 		return nil, fmt.Errorf("read the sweep's transaction horizon: %w", err)
 	}
-	ids, err := r.sweepIDs(ctx, 0, horizon)
+	ids, err := r.sweepIDs(ctx, 0, horizon, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -1310,11 +1352,17 @@ func fencePosition(at pglogrepl.LSN, page int64) pglogrepl.LSN {
 	return at
 }
 
-// sweepIDs reads the next ids to sweep after from (SQL.SweepIDs): rows a
+// sweepIDs reads the next ids to sweep after from (SQL.SweepIDs): rows
+// of transactions before horizon, or seen by before when not nil, that a
 // claim would take (rows held or of a type no topic takes now are left
 // out, so a sweep does not walk through all of them each time).
-func (r *Relay) sweepIDs(ctx context.Context, from int64, horizon string) ([]int64, error) {
-	rs, err := r.pool.Query(ctx, r.sql.SweepIDs, from, horizon, r.availableTypes(time.Now()), r.held.ids(), sweepChunk*r.cfg.BatchSize)
+func (r *Relay) sweepIDs(ctx context.Context, from int64, horizon string, before *slotSnapshot) ([]int64, error) {
+	var xmax *string
+	xip := []int64{}
+	if before != nil {
+		xmax, xip = &before.xmax, before.xip
+	}
+	rs, err := r.pool.Query(ctx, r.sql.SweepIDs, from, horizon, r.availableTypes(time.Now()), r.held.ids(), sweepChunk*r.cfg.BatchSize, xmax, xip)
 	if err != nil {
 		return nil, r.dbFailed(fmt.Errorf("read the rows to sweep from %s: %w", r.table, err))
 	}
@@ -1333,7 +1381,7 @@ func (r *Relay) sweepIDs(ctx context.Context, from int64, horizon string) ([]int
 // retries in place, retryIDs): the rows it could not publish wait in the
 // table, and no stream delivers them.
 func (r *Relay) sweepBehind(ctx context.Context, alive func(context.Context), f *sweepFence) (next time.Time) {
-	if err := r.sweepBefore(ctx, alive, f.horizon, f.ids); err != nil {
+	if err := r.sweepBefore(ctx, alive, f.horizon, nil, f.ids); err != nil {
 		return r.sweepFailed(err)
 	}
 	return time.Now().Add(r.cfg.FullRescanInterval)
@@ -1343,34 +1391,44 @@ func (r *Relay) sweepBehind(ctx context.Context, alive func(context.Context), f 
 // the rows the stream does not carry because their transactions ended
 // before the slot's position: those before the slot's catalog horizon
 // (catalog_xmin, the oldest transaction the slot's decoding may still
-// meet, never past its position). The rows of later transactions it
-// leaves to the stream, which publishes them in commit order (a sweep that
-// took them too would put them out before earlier rows only the stream
-// has, as in sweepFence), and the sweep behind the stream, due at once,
-// the few rows of transactions that ran across the slot's position. When
-// it fails, the stream does not start: rows it then delivered would go out
-// before these older ones.
+// meet, never past its position) and, when this process made the slot,
+// those its snapshot sees (slotSnapshot). The rows of later transactions
+// it leaves to the stream, which publishes them in commit order (a sweep
+// that took them too would put them out before earlier rows only the
+// stream has, as in sweepFence), and the sweep behind the stream, due at
+// once, the rest: rows the stream delivered before and left in the table
+// (held, or failed past streamRetryLimit), and rows from before a slot
+// whose maker stopped before its first sweep ended. When it fails, the
+// stream does not start: rows it then delivered would go out before these
+// older ones.
 func (r *Relay) sweepBeforeSlot(ctx context.Context, alive func(context.Context)) error {
 	var horizon *string
 	if err := r.pool.QueryRow(ctx, sqlSlotHorizon, r.capture.slot).Scan(&horizon); err != nil {
 		return fmt.Errorf("read the catalog horizon of slot %s: %w", r.capture.slot, err)
 	}
-	if horizon == nil {
+	before := r.capture.beforeSlot
+	if horizon == nil && before == nil {
 		return nil
 	}
-	ids, err := r.sweepIDs(ctx, 0, *horizon)
+	h := "0" // no transaction precedes the invalid one (its age is the largest)
+	if horizon != nil {
+		h = *horizon
+	}
+	ids, err := r.sweepIDs(ctx, 0, h, before)
 	if err == nil {
-		err = r.sweepBefore(ctx, alive, *horizon, ids)
+		err = r.sweepBefore(ctx, alive, h, before, ids)
 	}
 	if err != nil {
 		return fmt.Errorf("sweep the rows before slot %s: %w", r.capture.slot, err)
 	}
+	r.capture.beforeSlot = nil // what it left (held) the sweeps behind the stream publish
 	return nil
 }
 
 // sweepBefore publishes, by id, the unpublished rows that transactions
-// before horizon wrote, from ids (the first of them, SQL.SweepIDs) on.
-func (r *Relay) sweepBefore(ctx context.Context, alive func(context.Context), horizon string, ids []int64) error {
+// before horizon wrote, or that before sees (when not nil), from ids (the
+// first of them, SQL.SweepIDs) on.
+func (r *Relay) sweepBefore(ctx context.Context, alive func(context.Context), horizon string, before *slotSnapshot, ids []int64) error {
 	for len(ids) > 0 && ctx.Err() == nil {
 		alive(ctx)
 		if err := r.publishStreamed(ctx, ids, nil, alive); err != nil {
@@ -1380,7 +1438,7 @@ func (r *Relay) sweepBefore(ctx context.Context, alive func(context.Context), ho
 			return nil
 		}
 		var err error
-		if ids, err = r.sweepIDs(ctx, ids[len(ids)-1], horizon); err != nil {
+		if ids, err = r.sweepIDs(ctx, ids[len(ids)-1], horizon, before); err != nil {
 			return err
 		}
 	}

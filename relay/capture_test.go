@@ -460,3 +460,58 @@ func TestLogicalReplicationWaitsForACommitToBeVisible(t *testing.T) {
 	require.Equal(t, []string{first, second}, []string{header(msgs[0], relay.HeaderEventID), header(msgs[1], relay.HeaderEventID)},
 		"the key's rows in commit order")
 }
+
+// Rows committed before the slot was made go out before every row the
+// stream delivers, also when a transaction older than theirs ran while the
+// slot was made. The slot's catalog horizon is then older than the rows'
+// transactions, so a sweep bounded by it leaves them out, and the stream
+// does not carry them either: it starts after they committed.
+func TestLogicalReplicationSweepsRowsFromBeforeTheSlotFirst(t *testing.T) {
+	t.Parallel()
+	for _, writerDeletes := range []bool{false, true} {
+		t.Run(fmt.Sprintf("writerDeletes=%t", writerDeletes), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			f, cfg := captureFixture(t, 1, "E")
+			cfg.WriterDeletes = writerDeletes
+			var opts []outbox.WriterOption
+			if writerDeletes {
+				opts = append(opts, outbox.WithDeleteOnStore())
+			}
+			w, err := outbox.NewWriter("outbox", opts...)
+			require.NoError(t, err)
+			var want []string // the key's event ids in commit order
+			store := func() {
+				e := entry("E", len(want))
+				e.PartitionKey = "k"
+				require.NoError(t, pgx.BeginFunc(ctx, f.Pool, func(tx pgx.Tx) error { return w.Store(ctx, tx, e) }))
+				want = append(want, e.EventID)
+			}
+
+			old, err := f.Pool.Begin(ctx)
+			require.NoError(t, err)
+			defer old.Rollback(ctx)                               //nolint:errcheck // committed below
+			_, err = old.Exec(ctx, `SELECT pg_current_xact_id()`) // it takes a transaction id: older than the rows'
+			require.NoError(t, err)
+			for range 20 {
+				store()
+			}
+			outboxtest.Start(t, cfg)
+			require.Eventually(t, func() bool {
+				return f.Count(`SELECT count(*) FROM pg_replication_slots WHERE database = current_database()`) == 1
+			}, 10*time.Second, 10*time.Millisecond, "the relay makes its slot, which waits for the older transaction")
+			require.NoError(t, old.Commit(ctx))
+			for range 100 { // the key's later rows, one transaction each, while the relay starts streaming
+				store()
+			}
+			var order []string
+			for _, m := range testenv.Broker().Consume(t, f.Topics["E"], len(want), 30*time.Second) {
+				order = append(order, header(m, relay.HeaderEventID))
+			}
+			require.Len(t, order, len(want), "each row once")
+			for i := range want {
+				require.Equal(t, want[i], order[i], "the key's rows in commit order: row %d of %d is out of place", i+1, len(want))
+			}
+		})
+	}
+}

@@ -28,8 +28,11 @@ type SQL struct {
 	// in id order, of the event types $3 and not among $4 (as Claim),
 	// whose last write was by a transaction before $2 (a transaction id's
 	// text form, without its epoch): one that had ended when $2 was the
-	// oldest running. The logical replication capture's sweep publishes
-	// only those (sweepFence).
+	// oldest running. With $6 not NULL it also reads those whose last
+	// write was by a transaction before $6 not among $7 (the 32-bit forms
+	// of a snapshot's xmax and running transactions): one the snapshot
+	// sees. The logical replication capture's sweep publishes only those
+	// (sweepFence, slotSnapshot).
 	SweepIDs string
 	// ClaimBuckets is Claim for partition-key ordering: every row of the
 	// replica's key-hash buckets, whatever its type (an unpublishable row
@@ -277,7 +280,9 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
 		// age(xmin) > age($2): xmin precedes $2 (age counts back from the
 		// newest transaction, and a frozen xmin is the oldest of all).
 		SweepIDs: `SELECT id FROM ` + q + `
-    WHERE published_at IS NULL AND id > $1 AND age(xmin) > age($2::text::xid) AND event_type = ANY($3) AND id <> ALL($4)
+    WHERE published_at IS NULL AND id > $1 AND event_type = ANY($3) AND id <> ALL($4)
+      AND (age(xmin) > age($2::text::xid)
+           OR (age(xmin) > age($6::text::xid) AND xmin::text::bigint <> ALL($7::bigint[])))
     ORDER BY id
     LIMIT $5`,
 		Mark:   `UPDATE ` + q + ` SET published_at = now() WHERE id = ANY($1)` + bounds,

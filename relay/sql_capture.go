@@ -53,6 +53,11 @@ const (
 		LATERAL (SELECT pg_snapshot_xmax(s)::text::numeric AS xmax) m, unnest($1::bigint[]) x
 		WHERE NOT pg_visible_in_snapshot(((floor(m.xmax / 4294967296) - CASE WHEN x <= m.xmax % 4294967296 THEN 0 ELSE 1 END)
 			* 4294967296 + x)::text::xid8, s)`
+	// sqlSlotSnapshot: the 32-bit forms of the transaction snapshot's xmax
+	// and running transactions (slotSnapshot), in a transaction that
+	// imported the snapshot a slot's creation exported.
+	sqlSlotSnapshot = `SELECT (pg_snapshot_xmax(pg_current_snapshot())::text::numeric % 4294967296)::text,
+		ARRAY(SELECT (x::text::numeric % 4294967296)::bigint FROM pg_snapshot_xip(pg_current_snapshot()) x)`
 	// sqlSlotConfirmed: how far the slot's consumer has confirmed.
 	sqlSlotConfirmed = `SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()`
 	// sqlDropSlot drops the slot $1 when no connection uses it; true when it
@@ -129,4 +134,5 @@ var captureStatements = map[string]string{
 	"sqlSlotState": sqlSlotState, "sqlDropSlot": sqlDropSlot, "sqlWriterDeletesTable": sqlWriterDeletesTable,
 	"sqlRowTypeColumns": sqlRowTypeColumns, "sqlWALSenderTimeout": sqlWALSenderTimeout,
 	"sqlSweepFence": sqlSweepFence, "sqlSlotHorizon": sqlSlotHorizon, "sqlSlotConfirmed": sqlSlotConfirmed, "sqlInvisible": sqlInvisible,
+	"sqlSlotSnapshot": sqlSlotSnapshot,
 }
