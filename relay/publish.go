@@ -32,6 +32,7 @@ const (
 	permanent                  // Kafka will never take this record (a verdict on the record alone)
 	refusedWith                // Kafka refused the request that carried it with others; the culprit is unknown
 	topicDown                  // its topic is unavailable
+	staleTime                  // its topic refuses its timestamp (publish sends it again with the publish time)
 )
 
 // errTooLarge is the error a record larger than its topic takes gets.
@@ -120,6 +121,9 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 				r.write(ctx, []kafka.Message{r.message(x, r.cfg.Topics[x.eventType])},
 					func(_ int, o outcome, err error) { b.out[i], b.errs[i] = o, err })
 			}
+		}
+		if b.out[i] == staleTime {
+			r.restamp(ctx, b, i)
 		}
 		switch b.out[i] {
 		case acked:
@@ -394,6 +398,25 @@ func (r *Relay) send(ctx context.Context, b *batch, msgs []kafka.Message, idx []
 	}
 }
 
+// restamp sends row i of b again stamped with the publish time: its topic
+// refused its created_at as the record's timestamp (INVALID_TIMESTAMP:
+// older than message.timestamp.before.max.ms, or further ahead of the
+// broker's clock than message.timestamp.after.max.ms allows), which it
+// would do at every retry while the row only grows older. The event is
+// valid, so it is neither held nor dead-lettered.
+func (r *Relay) restamp(ctx context.Context, b *batch, i int) {
+	x := b.rows[i]
+	m := r.message(x, r.cfg.Topics[x.eventType])
+	created := m.Time
+	m.Time = time.Time{} // the writer stamps it when it sends it
+	r.write(ctx, []kafka.Message{m}, func(_ int, o outcome, err error) { b.out[i], b.errs[i] = o, err })
+	if b.out[i] == acked {
+		r.m.restamped.Inc()
+		r.log.Warn("the topic refused the row's created_at as the record's timestamp; it went out stamped with the publish time",
+			"id", x.id, "event_id", x.eventID, "topic", m.Topic, "created_at", created)
+	}
+}
+
 // recheckUnknown asks the broker about each topic a write called unknown:
 // the writer's cached metadata can lag behind a topic that was just
 // created, and such a topic is only slow, not unavailable (a transient
@@ -512,6 +535,10 @@ func (r *Relay) writeWith(ctx context.Context, w MessageWriter, msgs []kafka.Mes
 				report(j, acked, nil)
 			case isTopicUnavailable(e):
 				report(j, topicDown, e)
+			case errors.Is(e, kafka.InvalidTimestamp) && len(msgs) > 1:
+				report(j, refusedWith, e)
+			case errors.Is(e, kafka.InvalidTimestamp) && !msgs[j].Time.IsZero():
+				report(j, staleTime, e)
 			case isPermanent(e) && len(msgs) > 1:
 				report(j, refusedWith, e)
 			case isPermanent(e):

@@ -302,3 +302,43 @@ func TestCloudEventsAttributesFromHeaders(t *testing.T) {
 		})
 	}
 }
+
+// A topic that takes records from the last hour only
+// (message.timestamp.before.max.ms) refuses a row written before that with
+// INVALID_TIMESTAMP, and would refuse it at every retry, so its key would
+// never move again. The relay sends such a row stamped with the publish
+// time instead, in its key's order, alone or among rows it takes; nothing
+// is held or dead-lettered.
+func TestRowOlderThanItsTopicTakesGoesOutStampedWithThePublishTime(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	cfg := f.Config()
+	cfg.Topics = map[string]string{"E": f.NewTopic("lasthour", 1, "message.timestamp.before.max.ms", "3600000")}
+	cfg.DeadLetterTopic = f.NewTopic("dlq", 1)
+	insert := func(key, age string) string {
+		id := outbox.NewEventID()
+		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
+			VALUES ($1, 'Order', $2, 'E', '{}', $2, now() - $3::interval)`, id, key, age)
+		return id
+	}
+	want := []string{
+		insert("a", "2 hours"), insert("a", "0"), insert("b", "0"), insert("a", "3 hours"), insert("a", "0"),
+	}
+	stale := map[string]bool{want[0]: true, want[3]: true}
+	before := time.Now()
+	x := outboxtest.Start(t, cfg)
+	f.WaitDrained(0, 30*time.Second)
+	var got []string
+	for _, m := range testenv.Broker().Consume(t, cfg.Topics["E"], len(want), 30*time.Second) {
+		id := header(m, relay.HeaderEventID)
+		got = append(got, id)
+		if stale[id] {
+			require.WithinDuration(t, time.Now(), m.Time, time.Since(before)+time.Second, "a stale row is stamped with the publish time")
+		} else {
+			require.Less(t, time.Since(m.Time), time.Since(before)+time.Minute, "a fresh row keeps its created_at")
+		}
+	}
+	require.Equal(t, want, got, "every row once, in id order (one partition)")
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox_held`), "nothing held")
+	require.Equal(t, 2.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_records_restamped_total"), "each stale row counted once")
+}
