@@ -19,8 +19,10 @@ import (
 	policyv1 "k8s.io/api/policy/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 	"github.com/outbox-relay/outbox-operator/relayconfig"
@@ -56,7 +58,20 @@ const (
 	labelInstance  = "app.kubernetes.io/instance"
 	labelComponent = "app.kubernetes.io/component"
 	labelManagedBy = "app.kubernetes.io/managed-by"
+	// managedBy is labelManagedBy's value on every object the operator makes.
+	managedBy = "outbox-operator"
 )
+
+// childKinds are the kinds of a relay's children the manager caches.
+func childKinds() []client.Object {
+	return []client.Object{&appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}}
+}
+
+// childSelector selects the objects the operator made (commonLabels): the
+// only ones of childKinds its cache holds.
+func childSelector() labels.Selector {
+	return labels.SelectorFromSet(labels.Set{labelManagedBy: managedBy})
+}
 
 // childName is the name of the Deployment, Service and PodDisruptionBudget of a relay.
 func childName(relay *outboxv1alpha1.OutboxRelay) string { return relay.Name + "-relay" }
@@ -69,7 +84,7 @@ func selectorLabels(relay *outboxv1alpha1.OutboxRelay) map[string]string {
 func commonLabels(relay *outboxv1alpha1.OutboxRelay) map[string]string {
 	l := selectorLabels(relay)
 	l[labelComponent] = "relay"
-	l[labelManagedBy] = "outbox-operator"
+	l[labelManagedBy] = managedBy
 	return l
 }
 

@@ -46,7 +46,7 @@ func (r *OutboxRelayReconciler) images() images {
 // the children.
 func (r *OutboxRelayReconciler) ensureChildren(ctx context.Context, relay *outboxv1alpha1.OutboxRelay, s relayconfig.Command, in secretInputs, current *appsv1.Deployment) (*appsv1.Deployment, *problem, error) {
 	desired := relayDeployment(relay, r.images(), s, in, current)
-	deploy, err := ensure(ctx, r.Client, relay, desired, &appsv1.Deployment{},
+	deploy, err := ensure(ctx, r.Client, r.APIReader, relay, desired, &appsv1.Deployment{},
 		func(cur, want *appsv1.Deployment) bool { return *cur.Spec.Replicas != *want.Spec.Replicas },
 		func(cur, want *appsv1.Deployment) {
 			cur.Spec.Replicas = want.Spec.Replicas
@@ -67,7 +67,7 @@ func (r *OutboxRelayReconciler) ensureChildren(ctx context.Context, relay *outbo
 	if prob, err := childProblem(err); prob != nil || err != nil {
 		return nil, prob, err
 	}
-	_, err = ensure(ctx, r.Client, relay, relayService(relay), &corev1.Service{}, nil,
+	_, err = ensure(ctx, r.Client, r.APIReader, relay, relayService(relay), &corev1.Service{}, nil,
 		func(cur, want *corev1.Service) {
 			cur.Spec.Type = want.Spec.Type
 			cur.Spec.Selector = want.Spec.Selector
@@ -86,7 +86,7 @@ func (r *OutboxRelayReconciler) ensureChildren(ctx context.Context, relay *outbo
 // owns when it runs fewer than two replicas.
 func (r *OutboxRelayReconciler) ensurePDB(ctx context.Context, relay *outboxv1alpha1.OutboxRelay) error {
 	if want := relayPDB(relay); want != nil {
-		_, err := ensure(ctx, r.Client, relay, want, &policyv1.PodDisruptionBudget{}, nil,
+		_, err := ensure(ctx, r.Client, r.APIReader, relay, want, &policyv1.PodDisruptionBudget{}, nil,
 			func(cur, want *policyv1.PodDisruptionBudget) { cur.Spec = want.Spec })
 		return err
 	}
@@ -120,6 +120,16 @@ func (r *OutboxRelayReconciler) currentDeployment(ctx context.Context, relay *ou
 	return d, nil
 }
 
+// hasLabels reports whether cur carries every label of want, with its value.
+func hasLabels(cur, want client.Object) bool {
+	for k, v := range want.GetLabels() {
+		if got, ok := cur.GetLabels()[k]; !ok || got != v {
+			return false
+		}
+	}
+	return true
+}
+
 // conflictError: a child's name is taken by an object another owner controls.
 type conflictError struct{ msg string }
 
@@ -143,22 +153,31 @@ func childProblem(err error) (*problem, error) {
 }
 
 // ensure creates want (controlled by relay), or patches the existing object
-// when its spec-hash annotation differs from want's or drifted says it
-// changed underneath us. merge copies the fields the operator owns from
-// want into the existing object; fields the API server defaulted stay, so
-// an unchanged relay causes no write at all.
-func ensure[T client.Object](ctx context.Context, c client.Client, relay *outboxv1alpha1.OutboxRelay,
+// when its spec-hash annotation differs from want's, it lacks one of want's
+// labels, or drifted says it changed underneath us. merge copies the fields
+// the operator owns from want into the existing object; fields the API
+// server defaulted stay, so an unchanged relay causes no write at all. c's
+// cache holds only objects with the operator's label (childSelector): when
+// the create finds the name taken, ensure reads the object from the API
+// server with uncached (a child that lost its label gets it back; another
+// owner's object is a conflict).
+func ensure[T client.Object](ctx context.Context, c client.Client, uncached client.Reader, relay *outboxv1alpha1.OutboxRelay,
 	want, cur T, drifted func(cur, want T) bool, merge func(cur, want T)) (T, error) {
 	kind := fmt.Sprintf("%T", want)[1:]
-	err := c.Get(ctx, client.ObjectKeyFromObject(want), cur)
+	key := client.ObjectKeyFromObject(want)
+	err := c.Get(ctx, key, cur)
 	if apierrors.IsNotFound(err) {
 		if err := controllerutil.SetControllerReference(relay, want, c.Scheme()); err != nil {
 			return want, fmt.Errorf("own %s %s: %w", kind, want.GetName(), err)
 		}
-		if err := c.Create(ctx, want); err != nil {
+		err = c.Create(ctx, want)
+		if err == nil {
+			return want, nil
+		}
+		if !apierrors.IsAlreadyExists(err) {
 			return want, fmt.Errorf("create %s %s: %w", kind, want.GetName(), err)
 		}
-		return want, nil
+		err = uncached.Get(ctx, key, cur)
 	}
 	if err != nil {
 		return cur, fmt.Errorf("get %s %s: %w", kind, want.GetName(), err)
@@ -167,7 +186,7 @@ func ensure[T client.Object](ctx context.Context, c client.Client, relay *outbox
 		return cur, &conflictError{fmt.Sprintf("%s %s exists and is not controlled by this OutboxRelay", kind, cur.GetName())}
 	}
 	if cur.GetAnnotations()[specHashAnnotation] == want.GetAnnotations()[specHashAnnotation] &&
-		(drifted == nil || !drifted(cur, want)) {
+		hasLabels(cur, want) && (drifted == nil || !drifted(cur, want)) {
 		return cur, nil
 	}
 	patch := client.MergeFromWithOptions(cur.DeepCopyObject().(client.Object), client.MergeFromWithOptimisticLock{})

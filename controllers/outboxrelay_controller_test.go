@@ -31,7 +31,7 @@ import (
 // TestController runs the reconciler in a manager against the real API
 // server; each subtest works in its own namespace.
 func TestController(t *testing.T) {
-	r, _ := startManager(t)
+	r, mgr := startManager(t)
 	c := adminClient(t)
 
 	t.Run("SampleCreatesChildren", func(t *testing.T) { t.Parallel(); testSampleCreatesChildren(t, c) })
@@ -45,6 +45,7 @@ func TestController(t *testing.T) {
 	t.Run("InvalidSpecSetsConditionAndEvent", func(t *testing.T) { t.Parallel(); testInvalidSpec(t, c) })
 	t.Run("KafkaTLSAndSASL", func(t *testing.T) { t.Parallel(); testKafkaTLSAndSASL(t, c) })
 	t.Run("ForeignChildIsLeftAlone", func(t *testing.T) { t.Parallel(); testForeignChild(t, c) })
+	t.Run("CacheHoldsOnlyChildren", func(t *testing.T) { t.Parallel(); testCacheHoldsOnlyChildren(t, c, mgr) })
 	t.Run("OrderingSwitchUsesRecreate", func(t *testing.T) { t.Parallel(); testOrderingSwitch(t, c) })
 	t.Run("ImageAllowList", func(t *testing.T) { t.Parallel(); testImageAllowList(t, c) })
 	t.Run("SecretsKeptWithoutOtherData", func(t *testing.T) { t.Parallel(); testSecretsKeptWithoutOtherData(t, c, r) })
@@ -556,6 +557,35 @@ func testForeignChild(t *testing.T, c client.Client) {
 	got := &corev1.Service{}
 	require.NoError(t, c.Get(ctx, key(foreign), got))
 	require.Equal(t, foreign.ResourceVersion, got.ResourceVersion, "a Service the relay does not own is left alone")
+}
+
+// testCacheHoldsOnlyChildren: the manager caches the Deployments it made,
+// not the cluster's others; a child whose label someone removed leaves the
+// cache, and the operator finds it on the API server and labels it again.
+func testCacheHoldsOnlyChildren(t *testing.T, c client.Client, mgr ctrl.Manager) {
+	ctx := context.Background()
+	ns := newNamespace(t, c)
+	relay, secret := minimalRelay(ns, "cached")
+	labels := map[string]string{"app": "someone-elses"}
+	other := &appsv1.Deployment{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "someone-elses", Labels: labels},
+		Spec: appsv1.DeploymentSpec{
+			Selector: &metav1.LabelSelector{MatchLabels: labels},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: labels},
+				Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "app", Image: "app"}}},
+			},
+		},
+	}
+	create(t, c, other, secret, relay)
+	d := waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })
+	require.Eventually(t, func() bool { return mgr.GetCache().Get(ctx, childKey(relay), &appsv1.Deployment{}) == nil },
+		10*time.Second, tick, "the relay's Deployment is cached")
+	err := mgr.GetCache().Get(ctx, key(other), &appsv1.Deployment{})
+	require.True(t, apierrors.IsNotFound(err), "another Deployment is not cached: %v", err)
+
+	update(t, c, d, func(o *appsv1.Deployment) { delete(o.Labels, labelManagedBy) })
+	waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return d.Labels[labelManagedBy] == managedBy })
 }
 
 // testOrderingSwitch: the rollout that changes the ordering mode uses

@@ -93,7 +93,7 @@ func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *out
 		meta.RemoveStatusCondition(&relay.Status.Conditions, outboxv1alpha1.ConditionMonitoring)
 		return nil
 	}
-	_, err := ensure(ctx, r.Client, relay, relayPodMonitor(relay), newPodMonitor(), nil,
+	_, err := ensure(ctx, r.Client, r.APIReader, relay, relayPodMonitor(relay), newPodMonitor(), nil,
 		func(cur, want *unstructured.Unstructured) { cur.Object["spec"] = want.Object["spec"] })
 	var conflict *conflictError
 	switch {

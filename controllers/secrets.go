@@ -15,6 +15,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
@@ -325,10 +326,13 @@ func referencedSecrets(relay *outboxv1alpha1.OutboxRelay) []string {
 	return slices.Compact(names)
 }
 
-// ManagerOptions returns opts with the client settings the OutboxRelay
-// reconciler relies on to hold no Secret informer: the client never serves
-// Secrets from a cache, so no code path can start one (which would need to
-// list and watch every Secret, and hold their data).
+// ManagerOptions returns opts with the cache and client settings the
+// OutboxRelay reconciler relies on. The client never serves Secrets from a
+// cache, so no code path can start a Secret informer (which would need to
+// list and watch every Secret, and hold their data). The cache holds only
+// the Deployments, Services and PodDisruptionBudgets the operator made
+// (childSelector), not every one in the cluster; ensure finds a child that
+// lost its label on the API server.
 func ManagerOptions(opts ctrl.Options) ctrl.Options {
 	if opts.Client.Cache == nil {
 		opts.Client.Cache = &client.CacheOptions{}
@@ -337,5 +341,13 @@ func ManagerOptions(opts ctrl.Options) ctrl.Options {
 		opts.Client.Cache = &c
 	}
 	opts.Client.Cache.DisableFor = append(slices.Clone(opts.Client.Cache.DisableFor), &corev1.Secret{})
+	byObject := maps.Clone(opts.Cache.ByObject)
+	if byObject == nil {
+		byObject = map[client.Object]cache.ByObject{}
+	}
+	for _, o := range childKinds() {
+		byObject[o] = cache.ByObject{Label: childSelector()}
+	}
+	opts.Cache.ByObject = byObject
 	return opts
 }
