@@ -212,7 +212,9 @@ func TestMonitoringConditionWrittenWhenStatusSettled(t *testing.T) {
 			}
 			return c.Create(ctx, obj, opts...)
 		},
-	}, func(relay *outboxv1alpha1.OutboxRelay) { relay.Spec.Monitoring = &outboxv1alpha1.MonitoringSpec{PodMonitor: true} })
+	}, func(relay *outboxv1alpha1.OutboxRelay) {
+		relay.Spec.Monitoring = &outboxv1alpha1.MonitoringSpec{PodMonitor: true}
+	})
 	key := client.ObjectKeyFromObject(relay)
 	table, err := outbox.ParseTable("outbox")
 	require.NoError(t, err)
