@@ -176,23 +176,42 @@ func databaseTLSVolume(relay *outboxv1alpha1.OutboxRelay) (corev1.Volume, bool) 
 	}}, true
 }
 
-// overlay is base with every field over sets replacing base's; base when
-// over is nil. A pointer field left nil in over keeps base's value.
+// overlay is base with every field over sets replacing base's, and each
+// object field merged the same way, field by field; base when over is nil.
+// A field left unset in over keeps base's value, so a template that adds a
+// capability keeps the default's drop of all the others; a list replaces
+// base's.
 func overlay[T any](base, over *T) *T {
 	if over == nil {
 		return base
 	}
+	var m, fields map[string]any
 	b, err1 := json.Marshal(base)
 	o, err2 := json.Marshal(over)
-	m, fields := map[string]json.RawMessage{}, map[string]json.RawMessage{}
 	err3, err4 := json.Unmarshal(b, &m), json.Unmarshal(o, &fields)
-	maps.Copy(m, fields)
-	merged, err5 := json.Marshal(m)
+	merged, err5 := json.Marshal(mergeFields(m, fields))
 	out := new(T)
 	if err := errors.Join(err1, err2, err3, err4, err5, json.Unmarshal(merged, out)); err != nil {
 		panic(fmt.Sprintf("overlay %T: %v", base, err)) // the API types always marshal
 	}
 	return out
+}
+
+// mergeFields sets over's fields in base, merging where both hold an object.
+func mergeFields(base, over map[string]any) map[string]any {
+	if base == nil {
+		base = map[string]any{}
+	}
+	for k, v := range over {
+		if sub, ok := v.(map[string]any); ok {
+			if cur, ok := base[k].(map[string]any); ok {
+				base[k] = mergeFields(cur, sub)
+				continue
+			}
+		}
+		base[k] = v
+	}
+	return base
 }
 
 // podTemplate and containerTemplate are t's parts, empty when unset.

@@ -438,10 +438,13 @@ func TestRelayDeploymentTemplate(t *testing.T) {
 			TopologySpreadConstraints: []corev1.TopologySpreadConstraint{{MaxSkew: 1, TopologyKey: "topology.kubernetes.io/zone", WhenUnsatisfiable: corev1.ScheduleAnyway}},
 		},
 		Container: &outboxv1alpha1.RelayContainerSpec{
-			Env:             []corev1.EnvVar{{Name: "AWS_REGION", Value: "eu-west-1"}},
-			EnvFrom:         []corev1.EnvFromSource{{ConfigMapRef: &corev1.ConfigMapEnvSource{LocalObjectReference: corev1.LocalObjectReference{Name: "proxy"}}}},
-			VolumeMounts:    []corev1.VolumeMount{{Name: "pg-ca", MountPath: "/etc/pg-ca", ReadOnly: true}},
-			SecurityContext: &corev1.SecurityContext{ReadOnlyRootFilesystem: ptr.To(false)},
+			Env:          []corev1.EnvVar{{Name: "AWS_REGION", Value: "eu-west-1"}},
+			EnvFrom:      []corev1.EnvFromSource{{ConfigMapRef: &corev1.ConfigMapEnvSource{LocalObjectReference: corev1.LocalObjectReference{Name: "proxy"}}}},
+			VolumeMounts: []corev1.VolumeMount{{Name: "pg-ca", MountPath: "/etc/pg-ca", ReadOnly: true}},
+			SecurityContext: &corev1.SecurityContext{ReadOnlyRootFilesystem: ptr.To(false),
+				// A capability added keeps the default's drop of all the others.
+				Capabilities:   &corev1.Capabilities{Add: []corev1.Capability{"NET_BIND_SERVICE"}},
+				SELinuxOptions: &corev1.SELinuxOptions{Level: "s0:c1,c2"}},
 		},
 	}
 	d := build(t, relay, secretInputs{TLSCA: true})
@@ -469,6 +472,9 @@ func TestRelayDeploymentTemplate(t *testing.T) {
 	require.False(t, *c.SecurityContext.ReadOnlyRootFilesystem, "set in the template")
 	require.False(t, *c.SecurityContext.AllowPrivilegeEscalation, "unset in the template: the operator's")
 	require.Equal(t, []corev1.Capability{"ALL"}, c.SecurityContext.Capabilities.Drop)
+	require.Equal(t, []corev1.Capability{"NET_BIND_SERVICE"}, c.SecurityContext.Capabilities.Add, "set in the template")
+	require.Equal(t, corev1.SeccompProfileTypeRuntimeDefault, c.SecurityContext.SeccompProfile.Type, "unset in the template: the operator's")
+	require.Equal(t, "s0:c1,c2", c.SecurityContext.SELinuxOptions.Level, "set in the template")
 
 	relay.Spec.Template.Metadata.Labels["app.kubernetes.io/instance"] = "x"
 	require.ErrorContains(t, validateSpec(relay, testImages), "spec.template.metadata.labels must not set app.kubernetes.io/instance")
