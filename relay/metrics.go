@@ -23,8 +23,8 @@ type metrics struct {
 	// partitioned table.
 	prunedPartitions prometheus.Counter
 	pruneDuration    prometheus.Histogram
-	// restamped counts records sent again with the publish time because
-	// their topic refused their created_at (restamp).
+	// restamped counts rows acknowledged with the publish time because
+	// their topic takes no record with their created_at (restamp, tooOld).
 	restamped prometheus.Counter
 	// headersSkipped counts row headers not forwarded because the relay
 	// sets a header of that name itself.
@@ -133,7 +133,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		captureFallback: f.gauge("outbox_relay_capture_fallback",
 			"1 while this logical-replication replica polls because it cannot stream (the slot was lost or given up, or streaming failed)."),
 		restamped: f.counter("outbox_relay_records_restamped_total",
-			"Rows whose topic refused their created_at as the record timestamp (INVALID_TIMESTAMP: message.timestamp.before.max.ms or after.max.ms) and that went out stamped with the publish time."),
+			"Rows that went out stamped with the publish time because their topic takes no record with their created_at (older than message.timestamp.before.max.ms, or refused with INVALID_TIMESTAMP)."),
 		streamLeftBehind: f.counter("outbox_relay_capture_rows_left_behind_total",
 			"Rows that failed for longer than the stream retries them in place (a minute) and were left in the table for the sweep, which publishes them after later rows of their keys: each a break of commit order."),
 		slotRetainedWAL: f.gauge("outbox_relay_slot_retained_wal_bytes",

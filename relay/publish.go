@@ -74,6 +74,9 @@ type batch struct {
 	// mode): the later rows of its lane in the batch are not sent, so
 	// that they can go out after it, in commit order (retryIDs).
 	stops map[lane]int
+	// restamped are the rows sent again with the publish time once their
+	// topic refused their created_at (restamp).
+	restamped map[int]bool
 }
 
 // publish sends the batch and returns the ids of the rows to mark
@@ -127,6 +130,9 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 		}
 		switch b.out[i] {
 		case acked:
+			if b.restamped[i] || r.cfg.RecordTimestamp == RecordTimestampCreatedAt && r.topics.tooOld(r.cfg.Topics[x.eventType], x.createdAt, now) {
+				r.m.restamped.Inc()
+			}
 			if r.laneStopped(b, x, i) {
 				r.log.Error("a row was acknowledged after an older row of its key failed; its order may be broken",
 					"id", x.id, "partition_key", x.partitionKey)
@@ -411,7 +417,10 @@ func (r *Relay) restamp(ctx context.Context, b *batch, i int) {
 	m.Time = time.Time{} // the writer stamps it when it sends it
 	r.write(ctx, []kafka.Message{m}, func(_ int, o outcome, err error) { b.out[i], b.errs[i] = o, err })
 	if b.out[i] == acked {
-		r.m.restamped.Inc()
+		if b.restamped == nil {
+			b.restamped = map[int]bool{}
+		}
+		b.restamped[i] = true
 		r.log.Warn("the topic refused the row's created_at as the record's timestamp; it went out stamped with the publish time",
 			"id", x.id, "event_id", x.eventID, "topic", m.Topic, "created_at", created)
 	}

@@ -145,6 +145,9 @@ func (r *Relay) message(x row, topic string) kafka.Message {
 	m := kafka.Message{Topic: topic, Key: []byte(x.partitionKey), Value: value, Headers: h}
 	if r.cfg.RecordTimestamp == RecordTimestampCreatedAt {
 		m.Time = x.createdAt // zero (the writer's clock) takes the publish time
+		if r.topics.tooOld(topic, x.createdAt, time.Now()) {
+			m.Time = time.Time{} // the topic would refuse it (restamp)
+		}
 	}
 	if x.partition != nil {
 		m.WriterData = explicitPartition(*x.partition) // explicitBalancer sends it there

@@ -3,6 +3,10 @@ package relay_test
 import (
 	"encoding/json"
 	"fmt"
+	"log/slog"
+	"regexp"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -306,25 +310,31 @@ func TestCloudEventsAttributesFromHeaders(t *testing.T) {
 // A topic that takes records from the last hour only
 // (message.timestamp.before.max.ms) refuses a row written before that with
 // INVALID_TIMESTAMP, and would refuse it at every retry, so its key would
-// never move again. The relay sends such a row stamped with the publish
-// time instead, in its key's order, alone or among rows it takes; nothing
-// is held or dead-lettered.
-func TestRowOlderThanItsTopicTakesGoesOutStampedWithThePublishTime(t *testing.T) {
+// never move again; one more than an hour ahead of the broker's clock
+// (message.timestamp.after.max.ms, a row whose writer's clock is ahead) is
+// refused too. The relay sends such rows stamped with the publish time
+// instead, in their key's order, among rows it takes; nothing is held or
+// dead-lettered. It reads the topic's window and stamps the old rows so
+// before it sends them; the one ahead it sends again once refused.
+func TestRowOutsideItsTopicsTimestampWindowGoesOutStampedWithThePublishTime(t *testing.T) {
 	t.Parallel()
 	f := outboxtest.NewFixture(t, 1, "E")
 	cfg := f.Config()
-	cfg.Topics = map[string]string{"E": f.NewTopic("lasthour", 1, "message.timestamp.before.max.ms", "3600000")}
+	cfg.Topics = map[string]string{"E": f.NewTopic("lasthour", 1,
+		"message.timestamp.before.max.ms", "3600000", "message.timestamp.after.max.ms", "3600000")}
 	cfg.DeadLetterTopic = f.NewTopic("dlq", 1)
-	insert := func(key, age string) string {
+	var logs lockedBuffer
+	cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	insert := func(key, at string) string {
 		id := outbox.NewEventID()
 		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
-			VALUES ($1, 'Order', $2, 'E', '{}', $2, now() - $3::interval)`, id, key, age)
+			VALUES ($1, 'Order', $2, 'E', '{}', $2, now() + $3::interval)`, id, key, at)
 		return id
 	}
 	want := []string{
-		insert("a", "2 hours"), insert("a", "0"), insert("b", "0"), insert("a", "3 hours"), insert("a", "0"),
+		insert("a", "-2 hours"), insert("a", "0"), insert("b", "0"), insert("a", "-3 hours"), insert("a", "2 hours"), insert("a", "0"),
 	}
-	stale := map[string]bool{want[0]: true, want[3]: true}
+	restamped := map[string]bool{want[0]: true, want[3]: true, want[4]: true}
 	before := time.Now()
 	x := outboxtest.Start(t, cfg)
 	f.WaitDrained(0, 30*time.Second)
@@ -332,13 +342,34 @@ func TestRowOlderThanItsTopicTakesGoesOutStampedWithThePublishTime(t *testing.T)
 	for _, m := range testenv.Broker().Consume(t, cfg.Topics["E"], len(want), 30*time.Second) {
 		id := header(m, relay.HeaderEventID)
 		got = append(got, id)
-		if stale[id] {
-			require.WithinDuration(t, time.Now(), m.Time, time.Since(before)+time.Second, "a stale row is stamped with the publish time")
+		if restamped[id] {
+			require.WithinDuration(t, time.Now(), m.Time, time.Since(before)+time.Second, "stamped with the publish time")
 		} else {
-			require.Less(t, time.Since(m.Time), time.Since(before)+time.Minute, "a fresh row keeps its created_at")
+			require.Less(t, time.Since(m.Time), time.Since(before)+time.Minute, "a row in the window keeps its created_at")
 		}
 	}
 	require.Equal(t, want, got, "every row once, in id order (one partition)")
 	require.Zero(t, f.Count(`SELECT count(*) FROM outbox_held`), "nothing held")
-	require.Equal(t, 2.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_records_restamped_total"), "each stale row counted once")
+	require.Equal(t, 3.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_records_restamped_total"), "each row outside the window counted once")
+	refused := regexp.MustCompile(`refused the row's created_at.* event_id=(\S+)`).FindAllStringSubmatch(logs.String(), -1)
+	require.Len(t, refused, 1, "only the row ahead of the window was refused first: %v", refused)
+	require.Equal(t, want[4], refused[0][1])
+}
+
+// lockedBuffer is a log destination the relay's goroutines share.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }

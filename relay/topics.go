@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strconv"
 	"sync"
@@ -20,9 +21,12 @@ const defaultMaxRecordBytes = 1048588
 // available now, and the largest record it takes. The loop reads it; the
 // stats loop refreshes it from the broker.
 type topicState struct {
-	mu         sync.Mutex
-	down       map[string]*topicOutage
-	maxBytes   map[string]int
+	mu       sync.Mutex
+	down     map[string]*topicOutage
+	maxBytes map[string]int
+	// oldest is how far before the broker's clock a topic takes a record's
+	// timestamp (timestampWindow); none when it takes any.
+	oldest     map[string]time.Duration
 	partitions map[string]int // partition counts, from the latest metadata
 	compressed bool           // the writer compresses record batches
 }
@@ -37,7 +41,8 @@ type topicOutage struct {
 }
 
 func newTopicState(compressed bool) *topicState {
-	return &topicState{down: map[string]*topicOutage{}, maxBytes: map[string]int{}, partitions: map[string]int{}, compressed: compressed}
+	return &topicState{down: map[string]*topicOutage{}, maxBytes: map[string]int{}, oldest: map[string]time.Duration{},
+		partitions: map[string]int{}, compressed: compressed}
 }
 
 // available reports whether rows of topic may be sent now.
@@ -125,14 +130,48 @@ func (s *topicState) budget(topic string) int {
 	return max(b, 1)
 }
 
+// timestampConfigs are the topic settings that bound the timestamps a
+// topic takes (timestampWindow).
+var timestampConfigs = []string{"message.timestamp.type", "message.timestamp.before.max.ms", "message.timestamp.difference.max.ms"}
+
+// timestampWindow is how far before the broker's clock a topic with
+// configs (its values of timestampConfigs) takes a record's timestamp; ok
+// is false when it takes any. Kafka 3.6 and later bound it with
+// message.timestamp.before.max.ms, earlier ones with
+// message.timestamp.difference.max.ms (both directions), and a topic
+// stamped with LogAppendTime replaces the timestamp instead of refusing it.
+func timestampWindow(configs map[string]string) (d time.Duration, ok bool) {
+	if configs["message.timestamp.type"] == "LogAppendTime" {
+		return 0, false
+	}
+	for _, name := range timestampConfigs[1:] {
+		ms, err := strconv.ParseInt(configs[name], 10, 64)
+		if err == nil && ms >= 0 && ms < int64(math.MaxInt64/time.Millisecond) && (!ok || time.Duration(ms)*time.Millisecond < d) {
+			d, ok = time.Duration(ms)*time.Millisecond, true
+		}
+	}
+	return d, ok
+}
+
+// tooOld reports whether topic would refuse a record stamped at: older than
+// its timestamp window less a margin for the clocks' skew and the time the
+// record takes to reach the broker (a tenth of the window, at most a minute).
+func (s *topicState) tooOld(topic string, at, now time.Time) bool {
+	s.mu.Lock()
+	d, ok := s.oldest[topic]
+	s.mu.Unlock()
+	return ok && !at.IsZero() && at.Before(now.Add(-d+min(d/10, time.Minute)))
+}
+
 // refreshLimits reads max.message.bytes of every topic from the broker (a
-// topic's value is its own setting or the broker's message.max.bytes).
-// Unknown topics are marked down, and topics that exist again are tried at once.
+// topic's value is its own setting or the broker's message.max.bytes), and
+// the window of timestamps it takes (timestampWindow). Unknown topics are
+// marked down, and topics that exist again are tried at once.
 func (s *topicState) refreshLimits(ctx context.Context, c *kafka.Client, topics []string, limit time.Duration) error {
 	req := &kafka.DescribeConfigsRequest{}
 	for _, t := range topics {
 		req.Resources = append(req.Resources, kafka.DescribeConfigRequestResource{
-			ResourceType: kafka.ResourceTypeTopic, ResourceName: t, ConfigNames: []string{"max.message.bytes"},
+			ResourceType: kafka.ResourceTypeTopic, ResourceName: t, ConfigNames: append([]string{"max.message.bytes"}, timestampConfigs...),
 		})
 	}
 	resp, err := c.DescribeConfigs(ctx, req)
@@ -147,6 +186,17 @@ func (s *topicState) refreshLimits(ctx context.Context, c *kafka.Client, topics 
 			}
 			continue
 		}
+		configs := map[string]string{}
+		for _, e := range res.ConfigEntries {
+			configs[e.ConfigName] = e.ConfigValue
+		}
+		s.mu.Lock()
+		if d, ok := timestampWindow(configs); ok {
+			s.oldest[res.ResourceName] = d
+		} else {
+			delete(s.oldest, res.ResourceName)
+		}
+		s.mu.Unlock()
 		for _, e := range res.ConfigEntries {
 			if n, err := strconv.Atoi(e.ConfigValue); err == nil && e.ConfigName == "max.message.bytes" && n > 0 {
 				s.mu.Lock()
