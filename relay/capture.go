@@ -71,6 +71,10 @@ const (
 	// fallbackPeriod is how long the relay polls after it gave up or lost
 	// its slot, before it makes a new one.
 	fallbackPeriod = time.Minute
+	// captureLockCheck is how often a replica polling in the stream's
+	// stead checks that the session holding its capture lock lives
+	// (pollFor).
+	captureLockCheck = time.Second
 	// sweepRetry is when a sweep that failed runs again (sweepFailed).
 	sweepRetry = time.Second
 	// fenceAsk is how often the streaming loop asks the server how far the
@@ -320,7 +324,27 @@ func (r *Relay) pollFor(ctx context.Context, d time.Duration) {
 	r.m.captureFallback.Set(1)
 	defer r.m.captureFallback.Set(0)
 	until := time.Now().Add(d)
-	r.poll(ctx, func() bool { return !time.Now().Before(until) })
+	var nextCheck time.Time
+	r.poll(ctx, func() bool {
+		now := time.Now()
+		if !now.Before(until) {
+			return true
+		}
+		if now.Before(nextCheck) {
+			return false
+		}
+		// Its session ended (PostgreSQL ended it, the network dropped it):
+		// the lock went with it, and another replica may stream now, in
+		// commit order, while this one would poll in id order.
+		nextCheck = now.Add(captureLockCheck)
+		pctx, cancel := context.WithTimeout(ctx, captureLockCheck)
+		defer cancel()
+		if err := conn.Ping(pctx); err != nil && ctx.Err() == nil {
+			r.log.Warn("lost the session that holds the capture lock; polling stops", "err", err)
+			return true
+		}
+		return false
+	})
 }
 
 // tryCaptureLock takes the slot's capture lock on conn (sqlTryCaptureLock):

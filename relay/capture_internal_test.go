@@ -65,6 +65,41 @@ func TestSlotPastMaxRetainedWALIsGivenUp(t *testing.T) {
 	require.Zero(t, left, "the slot is dropped")
 }
 
+// A replica that polls in the stream's stead holds the capture lock on a
+// session of its own, so that no other replica streams meanwhile. When
+// that session ends, the lock goes with it: the replica stops polling
+// within about a second (captureLockCheck), instead of polling on for the
+// rest of its minute while another replica could stream.
+func TestFallbackPollingStopsWhenItsLockSessionEnds(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dsn, pool := outboxDB(t)
+	topic := testenv.Broker().TopicName(t, "E")
+	testenv.Broker().CreateTopic(t, topic, 1)
+	r, err := New(Config{Settings: Settings{DSN: dsn, Brokers: []string{testenv.Broker().Addr()}, Topics: map[string]string{"E": topic},
+		Capture: CaptureLogicalReplication}})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.Close() })
+	require.NoError(t, r.Check(ctx))
+
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		r.pollFor(ctx, time.Minute)
+	}()
+	require.Eventually(t, func() bool { return testutil.ToFloat64(r.m.captureFallback) == 1 }, 10*time.Second, 10*time.Millisecond,
+		"the relay polls in the stream's stead")
+	_, err = pool.Exec(ctx, `SELECT pg_terminate_backend(l.pid) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+		WHERE l.locktype = 'advisory' AND a.datname = current_database() AND a.pid <> pg_backend_pid()`)
+	require.NoError(t, err)
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the relay polled on after the session holding its capture lock ended")
+	}
+	require.Zero(t, testutil.ToFloat64(r.m.captureFallback))
+}
+
 // One replica at a time publishes what the slot carries: while another
 // session holds the slot's capture lock (a replica streaming, or polling
 // in the stream's stead), this relay neither streams nor polls in the
