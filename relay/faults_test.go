@@ -143,6 +143,11 @@ type scenario struct {
 	// minimum), among them rows published long before the scenario, which
 	// the relay prunes while it claims and the faults happen.
 	retention bool
+	// oldTxUntil, when not zero, is when a transaction that took its id
+	// before the first wave was written ends: a long one elsewhere on the
+	// server (another application's). A replication slot made meanwhile
+	// waits for it, and its catalog horizon is older than the first wave.
+	oldTxUntil time.Duration
 }
 
 func (s scenario) String() string {
@@ -162,6 +167,9 @@ func (s scenario) String() string {
 	}
 	if s.killAt > 0 {
 		fs = append(fs, fmt.Sprintf("%s@%s", relayKill, s.killAt))
+	}
+	if s.oldTxUntil > 0 {
+		fs = append(fs, fmt.Sprintf("old_transaction_until@%s", s.oldTxUntil))
 	}
 	capture := string(s.capture)
 	if s.writerDeletes {
@@ -243,6 +251,9 @@ func drawScenario(seed uint64) scenario {
 	}
 	s.deleteOnPublish = more.IntN(4) == 0
 	s.retention = more.IntN(3) == 0 && !s.deleteOnPublish
+	if old := rand.New(rand.NewPCG(seed, 0x6f6c64207478)); old.IntN(3) == 0 { // a stream of its own
+		s.oldTxUntil = time.Duration(100+old.IntN(1500)) * time.Millisecond
+	}
 	return s
 }
 
@@ -622,6 +633,15 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 		rows = append(rows, got...)
 		mu.Unlock()
 	}
+	var oldTx pgx.Tx
+	if sc.oldTxUntil > 0 {
+		tx, err := pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+		_, err = tx.Exec(ctx, `SELECT pg_current_xact_id()`)
+		require.NoError(t, err)
+		oldTx = tx
+	}
 	insert(sc.waves[0])
 
 	var current atomic.Pointer[outboxtest.Running]
@@ -688,6 +708,10 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 			require.NoError(t, server.Start())
 		}})
 		faultEnd = max(faultEnd, sc.pgRestartAt+3*time.Second)
+	}
+	if oldTx != nil {
+		// Its error is a restarted server's, which ended it as well.
+		events = append(events, event{sc.oldTxUntil, func() { _ = oldTx.Commit(ctx) }})
 	}
 	if sc.killAt > 0 {
 		events = append(events, event{sc.killAt, func() {
