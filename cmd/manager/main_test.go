@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"reflect"
 	"testing"
 	"time"
 
@@ -80,7 +81,12 @@ func TestParseConfig(t *testing.T) {
 	opts = managerOptions(cfg, runtime.NewScheme())
 	require.Len(t, opts.Client.Cache.DisableFor, 1)
 	require.IsType(t, &corev1.Secret{}, opts.Client.Cache.DisableFor[0])
-	require.Empty(t, opts.Cache.ByObject, "no Secret informer to configure")
+	// The children's informers hold only what the operator made.
+	require.Len(t, opts.Cache.ByObject, 3)
+	for o, by := range opts.Cache.ByObject {
+		require.NotEqual(t, "Secret", reflect.TypeOf(o).Elem().Name(), "no Secret informer to configure")
+		require.Equal(t, "app.kubernetes.io/managed-by=outbox-operator", by.Label.String(), "%T", o)
+	}
 
 	_, err = parseConfig([]string{"--relay-image="}, env(nil))
 	require.ErrorContains(t, err, "relay-image")
