@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"fmt"
+	"sync"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -58,6 +59,9 @@ type OutboxRelayReconciler struct {
 
 	secrets    *secretCache // made by SetupWithManager
 	configMaps *secretCache // the referenced ConfigMaps, kept as the Secrets are
+	// podMonitors are the PodMonitors written or found as wanted lately
+	// (ensurePodMonitor), by relay: types.NamespacedName to podMonitorSeen.
+	podMonitors sync.Map
 }
 
 // Least privilege: status is only patched; finalizers/update lets the owner
@@ -170,6 +174,7 @@ func (r *OutboxRelayReconciler) forget(key types.NamespacedName) {
 		r.Flow.Forget(key)
 	}
 	r.Metrics.delete(key)
+	r.podMonitors.Delete(key)
 }
 
 // observe makes sure the relay's backlog is being read and returns the

@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -26,6 +28,21 @@ import (
 
 // podMonitorGVK is the Prometheus Operator's PodMonitor.
 var podMonitorGVK = schema.GroupVersionKind{Group: "monitoring.coreos.com", Version: "v1", Kind: "PodMonitor"}
+
+// podMonitorRecheck is how long a PodMonitor found as wanted is taken to be
+// so. The client reads PodMonitors from the API server, uncached (the
+// cluster may serve no such kind), and every backlog reading wakes its
+// relay: reading it at each pass would cost the API server a request per
+// relay every 15 s. A PodMonitor deleted or changed by hand is put right
+// within this, or at once when the relay's spec changes.
+const podMonitorRecheck = 5 * time.Minute
+
+// podMonitorSeen is a relay's PodMonitor as ensurePodMonitor last left it.
+type podMonitorSeen struct {
+	uid  types.UID // the relay's: one made again under its name is another
+	hash string    // the PodMonitor's spec-hash annotation
+	at   time.Time
+}
 
 // relayJob is the job label the PodMonitor gives every relay's series.
 const relayJob = "outbox-relay"
@@ -77,6 +94,7 @@ func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *out
 			Status: status, Reason: reason, Message: msg, ObservedGeneration: relay.Generation})
 	}
 	if relay.Spec.Monitoring == nil || !relay.Spec.Monitoring.PodMonitor {
+		r.podMonitors.Delete(client.ObjectKeyFromObject(relay))
 		// Only a relay that asked before can own one: others cost no request.
 		if meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionMonitoring) == nil {
 			return nil
@@ -93,13 +111,28 @@ func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *out
 		meta.RemoveStatusCondition(&relay.Status.Conditions, outboxv1alpha1.ConditionMonitoring)
 		return nil
 	}
-	_, err := ensure(ctx, r.Client, r.APIReader, relay, relayPodMonitor(relay), newPodMonitor(), nil,
+	want := relayPodMonitor(relay)
+	key := client.ObjectKeyFromObject(relay)
+	ready := func() {
+		set(metav1.ConditionTrue, outboxv1alpha1.ReasonPodMonitorReady,
+			fmt.Sprintf("PodMonitor %s scrapes the relay pods (job=%q, outboxrelay=%q)", childName(relay), relayJob, relay.Name))
+	}
+	seen := podMonitorSeen{uid: relay.UID, hash: want.GetAnnotations()[specHashAnnotation]}
+	if v, ok := r.podMonitors.Load(key); ok {
+		if last := v.(podMonitorSeen); last.uid == seen.uid && last.hash == seen.hash && time.Since(last.at) < podMonitorRecheck {
+			ready()
+			return nil
+		}
+	}
+	r.podMonitors.Delete(key)
+	_, err := ensure(ctx, r.Client, r.APIReader, relay, want, newPodMonitor(), nil,
 		func(cur, want *unstructured.Unstructured) { cur.Object["spec"] = want.Object["spec"] })
 	var conflict *conflictError
 	switch {
 	case err == nil:
-		set(metav1.ConditionTrue, outboxv1alpha1.ReasonPodMonitorReady,
-			fmt.Sprintf("PodMonitor %s scrapes the relay pods (job=%q, outboxrelay=%q)", childName(relay), relayJob, relay.Name))
+		seen.at = time.Now()
+		r.podMonitors.Store(key, seen)
+		ready()
 	case meta.IsNoMatchError(err):
 		set(metav1.ConditionFalse, outboxv1alpha1.ReasonPodMonitorCRDMissing,
 			"spec.monitoring.podMonitor: the cluster serves no PodMonitor (monitoring.coreos.com/v1); install the Prometheus Operator's CRDs")

@@ -231,3 +231,45 @@ func TestMonitoringConditionWrittenWhenStatusSettled(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, metav1.ConditionTrue, monitoringCondition(t, c, key).Status, "the PodMonitor made in a settled pass is reported")
 }
+
+// Every backlog reading wakes its relay, and the client reads PodMonitors
+// from the API server: a relay's PodMonitor found as wanted is not read
+// again at each pass, only after podMonitorRecheck or when what the relay
+// wants of it changes.
+func TestPodMonitorIsNotReadAtEveryPass(t *testing.T) {
+	t.Parallel()
+	var gets atomic.Int32
+	c, r, relay := fakeRelay(t, interceptor.Funcs{
+		Get: func(ctx context.Context, c client.WithWatch, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
+			if u, ok := obj.(*unstructured.Unstructured); ok && u.GroupVersionKind() == podMonitorGVK {
+				gets.Add(1)
+				return apierrors.NewNotFound(schema.GroupResource{Group: podMonitorGVK.Group, Resource: "podmonitors"}, key.Name)
+			}
+			return c.Get(ctx, key, obj, opts...)
+		},
+		Create: func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.CreateOption) error {
+			if u, ok := obj.(*unstructured.Unstructured); ok && u.GroupVersionKind() == podMonitorGVK {
+				return nil
+			}
+			return c.Create(ctx, obj, opts...)
+		},
+	}, func(relay *outboxv1alpha1.OutboxRelay) {
+		relay.Spec.Monitoring = &outboxv1alpha1.MonitoringSpec{PodMonitor: true}
+	})
+	key := client.ObjectKeyFromObject(relay)
+	ctx := context.Background()
+	for range 5 {
+		_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+		require.NoError(t, err)
+		require.Equal(t, metav1.ConditionTrue, monitoringCondition(t, c, key).Status)
+	}
+	require.Equal(t, int32(1), gets.Load(), "read once in five passes")
+
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.Monitoring.PodMonitor = false })
+	_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.Monitoring.PodMonitor = true })
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.Equal(t, int32(3), gets.Load(), "turned off and on: read to delete it, and again to make it")
+}
