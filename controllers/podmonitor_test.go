@@ -196,24 +196,11 @@ func TestPodMonitorProblemsAreConditions(t *testing.T) {
 func TestMonitoringConditionWrittenWhenStatusSettled(t *testing.T) {
 	t.Parallel()
 	var crdInstalled atomic.Bool
-	c, r, relay := fakeRelay(t, interceptor.Funcs{
-		Get: func(ctx context.Context, c client.WithWatch, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
-			if u, ok := obj.(*unstructured.Unstructured); ok && u.GroupVersionKind() == podMonitorGVK {
-				if !crdInstalled.Load() {
-					return &meta.NoKindMatchError{GroupKind: podMonitorGVK.GroupKind(), SearchedVersions: []string{"v1"}}
-				}
-				return apierrors.NewNotFound(schema.GroupResource{Group: podMonitorGVK.Group, Resource: "podmonitors"}, key.Name)
-			}
-			return c.Get(ctx, key, obj, opts...)
-		},
-		Create: func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.CreateOption) error {
-			if u, ok := obj.(*unstructured.Unstructured); ok && u.GroupVersionKind() == podMonitorGVK {
-				return nil
-			}
-			return c.Create(ctx, obj, opts...)
-		},
-	}, func(relay *outboxv1alpha1.OutboxRelay) {
-		relay.Spec.Monitoring = &outboxv1alpha1.MonitoringSpec{PodMonitor: true}
+	c, r, relay := fakeMonitoredRelay(t, func() error {
+		if !crdInstalled.Load() {
+			return &meta.NoKindMatchError{GroupKind: podMonitorGVK.GroupKind(), SearchedVersions: []string{"v1"}}
+		}
+		return nil
 	})
 	key := client.ObjectKeyFromObject(relay)
 	table, err := outbox.ParseTable("outbox")
@@ -239,22 +226,9 @@ func TestMonitoringConditionWrittenWhenStatusSettled(t *testing.T) {
 func TestPodMonitorIsNotReadAtEveryPass(t *testing.T) {
 	t.Parallel()
 	var gets atomic.Int32
-	c, r, relay := fakeRelay(t, interceptor.Funcs{
-		Get: func(ctx context.Context, c client.WithWatch, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
-			if u, ok := obj.(*unstructured.Unstructured); ok && u.GroupVersionKind() == podMonitorGVK {
-				gets.Add(1)
-				return apierrors.NewNotFound(schema.GroupResource{Group: podMonitorGVK.Group, Resource: "podmonitors"}, key.Name)
-			}
-			return c.Get(ctx, key, obj, opts...)
-		},
-		Create: func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.CreateOption) error {
-			if u, ok := obj.(*unstructured.Unstructured); ok && u.GroupVersionKind() == podMonitorGVK {
-				return nil
-			}
-			return c.Create(ctx, obj, opts...)
-		},
-	}, func(relay *outboxv1alpha1.OutboxRelay) {
-		relay.Spec.Monitoring = &outboxv1alpha1.MonitoringSpec{PodMonitor: true}
+	c, r, relay := fakeMonitoredRelay(t, func() error {
+		gets.Add(1)
+		return nil
 	})
 	key := client.ObjectKeyFromObject(relay)
 	ctx := context.Background()
@@ -272,4 +246,30 @@ func TestPodMonitorIsNotReadAtEveryPass(t *testing.T) {
 	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
 	require.NoError(t, err)
 	require.Equal(t, int32(3), gets.Load(), "turned off and on: read to delete it, and again to make it")
+}
+
+// fakeMonitoredRelay is fakeRelay with spec.monitoring.podMonitor, on a
+// client whose PodMonitor reads call read (its error is the read's; nil
+// reads none) and whose PodMonitor creates succeed without storing.
+func fakeMonitoredRelay(t *testing.T, read func() error) (client.Client, *OutboxRelayReconciler, *outboxv1alpha1.OutboxRelay) {
+	t.Helper()
+	return fakeRelay(t, interceptor.Funcs{
+		Get: func(ctx context.Context, c client.WithWatch, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
+			if u, ok := obj.(*unstructured.Unstructured); ok && u.GroupVersionKind() == podMonitorGVK {
+				if err := read(); err != nil {
+					return err
+				}
+				return apierrors.NewNotFound(schema.GroupResource{Group: podMonitorGVK.Group, Resource: "podmonitors"}, key.Name)
+			}
+			return c.Get(ctx, key, obj, opts...)
+		},
+		Create: func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.CreateOption) error {
+			if u, ok := obj.(*unstructured.Unstructured); ok && u.GroupVersionKind() == podMonitorGVK {
+				return nil
+			}
+			return c.Create(ctx, obj, opts...)
+		},
+	}, func(relay *outboxv1alpha1.OutboxRelay) {
+		relay.Spec.Monitoring = &outboxv1alpha1.MonitoringSpec{PodMonitor: true}
+	})
 }
