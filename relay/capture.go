@@ -186,6 +186,18 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 	if err := r.pool.QueryRow(ctx, sqlPublishes, pub, r.table.Quoted()).Scan(&exists, &published, &oid, &deletes, &viaRoot); err != nil {
 		return fmt.Errorf("read publication %s: %w", pub, err)
 	}
+	var otherTable, otherDatabase *string
+	if err := r.pool.QueryRow(ctx, sqlNameTaken, pub, r.table.Quoted()).Scan(&otherTable, &otherDatabase); err != nil {
+		return fmt.Errorf("read publication %s: %w", pub, err)
+	}
+	switch {
+	case otherTable != nil:
+		return fmt.Errorf("--%s %s: the publication %s, named after %s, publishes the table %s too: both names fold to one slot name, and one stream would serve both (its relay would never stream the other's rows); capture one of them with --%s %s",
+			relayconfig.FlagCapture, CaptureLogicalReplication, pub, r.table, *otherTable, relayconfig.FlagCapture, CapturePoll)
+	case otherDatabase != nil:
+		return fmt.Errorf("--%s %s: the replication slot %s, named after %s in database %s, belongs to database %s: slot names are the server's, and both names fold to this one; capture one of them with --%s %s",
+			relayconfig.FlagCapture, CaptureLogicalReplication, slot, r.table, database, *otherDatabase, relayconfig.FlagCapture, CapturePoll)
+	}
 	if !published {
 		create := sqlCreatePublication(pub, r.table)
 		if exists { // made for a table of this name that was dropped since

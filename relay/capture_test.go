@@ -515,3 +515,39 @@ func TestLogicalReplicationSweepsRowsFromBeforeTheSlotFirst(t *testing.T) {
 		})
 	}
 }
+
+// Slot and publication names fold case, '.' and '_', and slot names are the
+// server's: two tables can get one name. Sharing it, one stream would serve
+// both and the relay of the other would never stream; so a relay refuses a
+// publication that publishes another table, or a slot of its name in
+// another database, and names them.
+func TestLogicalReplicationRefusesANameTakenByAnotherTable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg := captureFixture(t, 1, "E")
+	f.Exec(`CREATE SCHEMA a`)
+	f.Exec(outbox.SchemaDDL(outbox.Table{Name: "a_b"}))
+	f.Exec(outbox.SchemaDDL(outbox.Table{Schema: "a", Name: "b"}))
+	check := func(table string) error {
+		c := cfg
+		c.Table = table
+		r, err := relay.New(c)
+		require.NoError(t, err)
+		defer r.Close()
+		return r.Check(ctx)
+	}
+	require.NoError(t, check("a_b"), "the first makes the publication")
+	err := check("a.b")
+	require.ErrorContains(t, err, `publishes the table a_b too`)
+	require.ErrorContains(t, err, `--capture poll`)
+
+	// A slot of this table's name in another database.
+	other := outboxtest.NewFixture(t, 1, "E")
+	name := tableSlot(t, f)
+	_, err = other.Pool.Exec(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, name)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = other.Pool.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, name) })
+	var db string
+	require.NoError(t, other.Pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db))
+	require.ErrorContains(t, check("outbox"), `belongs to database `+db)
+}

@@ -28,6 +28,13 @@ const (
 		WHERE p.pubname = $1 AND pr.prrelid = to_regclass($2)), to_regclass($2)::oid,
 		COALESCE((SELECT pubdelete FROM pg_publication WHERE pubname = $1), false),
 		COALESCE((SELECT pubviaroot FROM pg_publication WHERE pubname = $1), false)`
+	// sqlNameTaken: the other table the publication $1 publishes, and the
+	// database of another database's slot named $1 (NULL when none): slot
+	// names are the cluster's, and two tables whose names differ only in
+	// what SlotName folds (case, '.' and '_') get the same.
+	sqlNameTaken = `SELECT (SELECT pr.prrelid::regclass::text FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+			WHERE p.pubname = $1 AND pr.prrelid <> to_regclass($2) LIMIT 1),
+		(SELECT database::text FROM pg_replication_slots WHERE slot_name = $1 AND database <> current_database() LIMIT 1)`
 	// sqlWriterDeletesTable: the generated columns of the table whose oid
 	// is $1, and whether the role may insert into it.
 	sqlWriterDeletesTable = `SELECT COALESCE(array_agg(attname::text ORDER BY attnum), '{}'), has_table_privilege($1::oid, 'INSERT')
@@ -134,5 +141,5 @@ var captureStatements = map[string]string{
 	"sqlSlotState": sqlSlotState, "sqlDropSlot": sqlDropSlot, "sqlWriterDeletesTable": sqlWriterDeletesTable,
 	"sqlRowTypeColumns": sqlRowTypeColumns, "sqlWALSenderTimeout": sqlWALSenderTimeout,
 	"sqlSweepFence": sqlSweepFence, "sqlSlotHorizon": sqlSlotHorizon, "sqlSlotConfirmed": sqlSlotConfirmed, "sqlInvisible": sqlInvisible,
-	"sqlSlotSnapshot": sqlSlotSnapshot,
+	"sqlSlotSnapshot": sqlSlotSnapshot, "sqlNameTaken": sqlNameTaken,
 }
