@@ -464,10 +464,13 @@ func (r *Relay) stream(ctx context.Context) error {
 	err = r.startReplication(ctx, conn, opts)
 	if pgCode(err) == "42704" { // no such slot: make it, on a connection of its own (the failed start leaves this one unusable)
 		conn.Close(context.WithoutCancel(ctx))
-		if conn, err = r.replicationConn(ctx); err != nil {
+		var fresh *pgconn.PgConn // conn stays the closed one, never nil, if this fails
+		if fresh, err = r.replicationConn(ctx); err != nil {
 			return fmt.Errorf("connect for replication: %w", err)
 		}
-		made, err := pglogrepl.CreateReplicationSlot(ctx, conn, c.slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{SnapshotAction: "EXPORT_SNAPSHOT"})
+		conn = fresh
+		var made pglogrepl.CreateReplicationSlotResult
+		made, err = pglogrepl.CreateReplicationSlot(ctx, conn, c.slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{SnapshotAction: "EXPORT_SNAPSHOT"})
 		switch {
 		case pgCode(err) == "42710": // another replica made it: that one sweeps before it
 		case err != nil:

@@ -3,6 +3,7 @@ package relay_test
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -474,6 +475,8 @@ func TestLogicalReplicationSweepsRowsFromBeforeTheSlotFirst(t *testing.T) {
 			ctx := context.Background()
 			f, cfg := captureFixture(t, 1, "E")
 			cfg.WriterDeletes = writerDeletes
+			var logs lockedBuffer
+			cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
 			var opts []outbox.WriterOption
 			if writerDeletes {
 				opts = append(opts, outbox.WithDeleteOnStore())
@@ -512,6 +515,8 @@ func TestLogicalReplicationSweepsRowsFromBeforeTheSlotFirst(t *testing.T) {
 			for i := range want {
 				require.Equal(t, want[i], order[i], "the key's rows in commit order: row %d of %d is out of place", i+1, len(want))
 			}
+			require.Contains(t, logs.String(), "created the replication slot")
+			require.NotContains(t, logs.String(), "streaming failed", "the stream that made the slot streams from it")
 		})
 	}
 }
