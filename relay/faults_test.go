@@ -169,7 +169,7 @@ func (s scenario) String() string {
 		fs = append(fs, fmt.Sprintf("%s@%s", relayKill, s.killAt))
 	}
 	if s.oldTxUntil > 0 {
-		fs = append(fs, fmt.Sprintf("old_transaction_until@%s", s.oldTxUntil))
+		fs = append(fs, fmt.Sprintf("%s_until@%s", oldTransaction, s.oldTxUntil))
 	}
 	capture := string(s.capture)
 	if s.writerDeletes {
@@ -268,6 +268,10 @@ const relayKill = "relay_kill"
 
 // pgRestart is the fault of a PostgreSQL stop and start (scenario.pgRestartAt).
 const pgRestart = "pg_restart"
+
+// oldTransaction is the fault of a transaction open from before the first
+// wave (scenario.oldTxUntil).
+const oldTransaction = "old_transaction"
 
 // TestFaults runs the fixed seeds, or with -chaos.duration random ones.
 func TestFaults(t *testing.T) {
@@ -419,6 +423,9 @@ func runChaos(t *testing.T) {
 		if sc.killAt > 0 {
 			faults[relayKill]++
 		}
+		if sc.oldTxUntil > 0 {
+			faults[oldTransaction]++
+		}
 		for k, n := range res.kinds {
 			held[k] += n
 		}
@@ -447,7 +454,7 @@ func runChaos(t *testing.T) {
 		}
 		b.WriteString("Invariants checked after every scenario: nothing lost; nothing on the dead-letter topic that the broker did not refuse alone; per-key order on each topic in partition-key mode, and with logical replication but on a topic the broker refused for a while (first deliveries); duplicates within one batch per fault (with writer deletes, one transaction: the slot moves only past whole transactions); every healthy row published within 60 s of the faults' end; `/healthz` never failing; every row held for itself recorded in the held table with its reason, and no row that went out still recorded there; with retention, every row published long ago pruned; `/readyz` naming a stall reason or an unreachable dependency whenever it fails, and passing, with every stall gauge at 0, once the faults end.\n\n")
 		b.WriteString("Faults injected:\n\n| fault | times |\n| --- | --- |\n")
-		for _, k := range append(slices.Clone(faultKinds), pgRestart, relayKill) {
+		for _, k := range append(slices.Clone(faultKinds), pgRestart, relayKill, oldTransaction) {
 			fmt.Fprintf(&b, "| %s | %d |\n", k, faults[k])
 		}
 		b.WriteString("\nRows by kind:\n\n| kind | rows |\n| --- | --- |\n")
