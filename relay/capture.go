@@ -450,6 +450,39 @@ func lockWriterDeletes(ctx context.Context, conn *pgconn.PgConn, slot string) er
 	}
 }
 
+// slotWaitLogged is how long making the slot waits before the relay says
+// what it waits for.
+const slotWaitLogged = 5 * time.Second
+
+// makeSlot makes the slot on conn, exporting its snapshot (slotSnapshot).
+// PostgreSQL makes it once every transaction that had taken an id when it
+// began has ended, anywhere on the server, which a long one (a migration,
+// a batch job) can put off for as long as it runs. The loop counts as
+// moving meanwhile, so /healthz does not fail and the pod is not restarted
+// for a wait that is not its own.
+func (r *Relay) makeSlot(ctx context.Context, conn *pgconn.PgConn) (pglogrepl.CreateReplicationSlotResult, error) {
+	done := make(chan struct{})
+	defer close(done)
+	go func() {
+		t := time.NewTicker(time.Second)
+		defer t.Stop()
+		for start, told := time.Now(), false; ; {
+			select {
+			case <-done:
+				return
+			case now := <-t.C:
+				r.health.iteration(now)
+				if !told && now.Sub(start) >= slotWaitLogged {
+					told = true
+					r.log.Info("making the replication slot waits until every transaction that had taken an id when it began has ended (a long one anywhere on the server holds it back)",
+						"slot", r.capture.slot, "waited", now.Sub(start).Round(time.Second))
+				}
+			}
+		}
+	}()
+	return pglogrepl.CreateReplicationSlot(ctx, conn, r.capture.slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{SnapshotAction: "EXPORT_SNAPSHOT"})
+}
+
 // stream takes the slot (making it when missing), sweeps what it does not
 // carry, and publishes what the stream delivers until an error, the slot
 // is given up, or ctx ends.
@@ -470,7 +503,7 @@ func (r *Relay) stream(ctx context.Context) error {
 		}
 		conn = fresh
 		var made pglogrepl.CreateReplicationSlotResult
-		made, err = pglogrepl.CreateReplicationSlot(ctx, conn, c.slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{SnapshotAction: "EXPORT_SNAPSHOT"})
+		made, err = r.makeSlot(ctx, conn)
 		switch {
 		case pgCode(err) == "42710": // another replica made it: that one sweeps before it
 		case err != nil:

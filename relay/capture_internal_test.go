@@ -65,6 +65,42 @@ func TestSlotPastMaxRetainedWALIsGivenUp(t *testing.T) {
 	require.Zero(t, left, "the slot is dropped")
 }
 
+// Making a slot waits until every transaction that had taken an id has
+// ended, anywhere on the server: behind a long one the relay waits, and
+// /healthz must not call that wait a wedged loop (the pod would be
+// restarted for a wait that is not its own, and wait again).
+func TestMakingASlotBehindALongTransactionIsNoWedge(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dsn, pool := outboxDB(t)
+	topic := testenv.Broker().TopicName(t, "E")
+	testenv.Broker().CreateTopic(t, topic, 1)
+	r, err := New(Config{Settings: Settings{DSN: dsn, Brokers: []string{testenv.Broker().Addr()}, Topics: map[string]string{"E": topic},
+		Capture: CaptureLogicalReplication}})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.Close() })
+	r.health = newHealth(time.Second, 2*time.Second, time.Now()) // wedged after 2 s
+
+	old, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer old.Rollback(ctx)                               //nolint:errcheck // committed below
+	_, err = old.Exec(ctx, `SELECT pg_current_xact_id()`) // the slot waits for it
+	require.NoError(t, err)
+	require.NoError(t, r.Check(ctx))
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(rctx) }()
+	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
+	t.Cleanup(func() {
+		_, _ = pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = current_database() AND NOT active`)
+	})
+	require.Never(t, func() bool { return r.Live() != nil }, 5*time.Second, 50*time.Millisecond, "/healthz passes while the slot waits")
+	require.Zero(t, testutil.ToFloat64(r.m.captureStreaming), "the slot still waits for the transaction")
+	require.NoError(t, old.Commit(ctx))
+	require.Eventually(t, func() bool { return testutil.ToFloat64(r.m.captureStreaming) == 1 }, 10*time.Second, 20*time.Millisecond,
+		"the relay streams once the transaction ended")
+}
+
 // A replica that polls in the stream's stead holds the capture lock on a
 // session of its own, so that no other replica streams meanwhile. When
 // that session ends, the lock goes with it: the replica stops polling

@@ -717,8 +717,10 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 		faultEnd = max(faultEnd, sc.pgRestartAt+3*time.Second)
 	}
 	if oldTx != nil {
-		// Its error is a restarted server's, which ended it as well.
-		events = append(events, event{sc.oldTxUntil, func() { _ = oldTx.Commit(ctx) }})
+		// Not an event: a wave that waits for the stream would hold it
+		// back, and the stream waits for it. Its error is a restarted
+		// server's, which ended it as well.
+		time.AfterFunc(time.Until(began.Add(sc.oldTxUntil)), func() { _ = oldTx.Commit(ctx) })
 	}
 	if sc.killAt > 0 {
 		events = append(events, event{sc.killAt, func() {
