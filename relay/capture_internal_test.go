@@ -65,13 +65,10 @@ func TestSlotPastMaxRetainedWALIsGivenUp(t *testing.T) {
 	require.Zero(t, left, "the slot is dropped")
 }
 
-// Making a slot waits until every transaction that had taken an id has
-// ended, anywhere on the server: behind a long one the relay waits, and
-// /healthz must not call that wait a wedged loop (the pod would be
-// restarted for a wait that is not its own, and wait again).
-func TestMakingASlotBehindALongTransactionIsNoWedge(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
+// captureRelay is a relay with logical replication capture of a database
+// of its own (outboxDB), on a topic of the test's for the event type E.
+func captureRelay(t *testing.T) (*Relay, *pgxpool.Pool) {
+	t.Helper()
 	dsn, pool := outboxDB(t)
 	topic := testenv.Broker().TopicName(t, "E")
 	testenv.Broker().CreateTopic(t, topic, 1)
@@ -79,6 +76,17 @@ func TestMakingASlotBehindALongTransactionIsNoWedge(t *testing.T) {
 		Capture: CaptureLogicalReplication}})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = r.Close() })
+	return r, pool
+}
+
+// Making a slot waits until every transaction that had taken an id has
+// ended, anywhere on the server: behind a long one the relay waits, and
+// /healthz must not call that wait a wedged loop (the pod would be
+// restarted for a wait that is not its own, and wait again).
+func TestMakingASlotBehindALongTransactionIsNoWedge(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	r, pool := captureRelay(t)
 	r.health = newHealth(time.Second, 2*time.Second, time.Now()) // wedged after 2 s
 
 	old, err := pool.Begin(ctx)
@@ -109,13 +117,7 @@ func TestMakingASlotBehindALongTransactionIsNoWedge(t *testing.T) {
 func TestFallbackPollingStopsWhenItsLockSessionEnds(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	dsn, pool := outboxDB(t)
-	topic := testenv.Broker().TopicName(t, "E")
-	testenv.Broker().CreateTopic(t, topic, 1)
-	r, err := New(Config{Settings: Settings{DSN: dsn, Brokers: []string{testenv.Broker().Addr()}, Topics: map[string]string{"E": topic},
-		Capture: CaptureLogicalReplication}})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = r.Close() })
+	r, pool := captureRelay(t)
 	require.NoError(t, r.Check(ctx))
 
 	done := make(chan struct{})
@@ -125,7 +127,7 @@ func TestFallbackPollingStopsWhenItsLockSessionEnds(t *testing.T) {
 	}()
 	require.Eventually(t, func() bool { return testutil.ToFloat64(r.m.captureFallback) == 1 }, 10*time.Second, 10*time.Millisecond,
 		"the relay polls in the stream's stead")
-	_, err = pool.Exec(ctx, `SELECT pg_terminate_backend(l.pid) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+	_, err := pool.Exec(ctx, `SELECT pg_terminate_backend(l.pid) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
 		WHERE l.locktype = 'advisory' AND a.datname = current_database() AND a.pid <> pg_backend_pid()`)
 	require.NoError(t, err)
 	select {
@@ -143,17 +145,10 @@ func TestFallbackPollingStopsWhenItsLockSessionEnds(t *testing.T) {
 func TestCaptureLockFencesStreamingAndFallbackPolling(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	dsn, pool := outboxDB(t)
+	r, pool := captureRelay(t)
 	_, err := pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 		SELECT gen_random_uuid(), 'O', 'a', 'E', '{}', 'a' FROM generate_series(1, 20)`)
 	require.NoError(t, err)
-	topic := testenv.Broker().TopicName(t, "E")
-	testenv.Broker().CreateTopic(t, topic, 1)
-
-	r, err := New(Config{Settings: Settings{DSN: dsn, Brokers: []string{testenv.Broker().Addr()}, Topics: map[string]string{"E": topic},
-		Capture: CaptureLogicalReplication}})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = r.Close() })
 	require.NoError(t, r.Check(ctx))
 	t.Cleanup(func() {
 		_, _ = pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, r.capture.slot)
