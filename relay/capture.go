@@ -117,6 +117,7 @@ var errCannotStream = errors.New("cannot stream")
 // captureState is what the streaming needs beyond the relay.
 type captureState struct {
 	slot, publication string
+	role              string // the relay's, on the database
 	oid               uint32 // the table's: the stream's relation id of its inserts
 	// retryGivenUp: a batch's rows failed for streamRetryLimit, and the
 	// stream leaves the rows that fail to the sweep until a batch goes
@@ -253,8 +254,18 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 				relayconfig.FlagWriterDeletes, r.table, strings.Join(generated, ", "), relayconfig.FlagWriterDeletes)
 		}
 	}
-	r.capture = &captureState{slot: slot, publication: pub, oid: oid}
+	r.capture = &captureState{slot: slot, publication: pub, role: role, oid: oid}
 	r.m.slotMaxRetainedWAL.Set(float64(r.cfg.MaxRetainedWAL))
+	if r.cfg.WriterDeletes {
+		// Each stream marks it again; this names a missing privilege at
+		// start-up.
+		conn, err := r.pool.Acquire(ctx)
+		if err != nil {
+			return err
+		}
+		defer conn.Release()
+		return r.markWriterDeletes(ctx, conn.Conn().PgConn())
+	}
 	return nil
 }
 
@@ -418,6 +429,10 @@ func (r *Relay) startReplication(ctx context.Context, conn *pgconn.PgConn, opts 
 		if err := lockWriterDeletes(ctx, conn, r.capture.slot); err != nil {
 			return err
 		}
+		// Before the writers delete: they do only while it streams.
+		if err := r.markWriterDeletes(ctx, conn); err != nil {
+			return fmt.Errorf("%w: %w", errCannotStream, err)
+		}
 	}
 	return pglogrepl.StartReplication(ctx, conn, r.capture.slot, 0, opts)
 }
@@ -566,7 +581,7 @@ func (r *Relay) stream(ctx context.Context) error {
 		}
 		if !now.Before(s.nextCheck) {
 			s.nextCheck = now.Add(slotCheckInterval)
-			if err := r.checkSlot(ctx, c.slot); err != nil {
+			if err := r.checkSlot(ctx, c.slot, r.cfg.WriterDeletes || r.holdsDeleted(ctx, &s.deleted, s.confirmed)); err != nil {
 				conn.Close(context.WithoutCancel(ctx))
 				r.dropSlot(ctx, c.slot)
 				return err
@@ -712,6 +727,9 @@ type streamState struct {
 	// tuple is the columns of the message decode reads, within it
 	// (tupleColumns), reused from message to message.
 	tuple   [][]byte
+	// deleted, without writer deletes: whether the slot holds events
+	// written with them that this stream has not published.
+	deleted deletedRows
 	pending []int64       // ids of committed transactions not yet published, in commit order
 	pendLSN pglogrepl.LSN // the end of the last committed transaction in pending
 	// txXid is the open transaction's id; pendXids are the ids of the
@@ -1518,8 +1536,9 @@ func (r *Relay) sweepBefore(ctx context.Context, alive func(context.Context), ho
 }
 
 // checkSlot reads the slot's retained WAL; a slot past MaxRetainedWAL is
-// given up, and a lost one is gone.
-func (r *Relay) checkSlot(ctx context.Context, slot string) error {
+// given up, unless it holds rows their writers deleted, and a lost one is
+// gone.
+func (r *Relay) checkSlot(ctx context.Context, slot string, holdsDeleted bool) error {
 	var retained int64
 	var status string
 	err := r.pool.QueryRow(ctx, sqlSlotState, slot).Scan(&retained, &status)
@@ -1531,15 +1550,15 @@ func (r *Relay) checkSlot(ctx context.Context, slot string) error {
 	}
 	r.m.slotRetainedWAL.Set(float64(retained))
 	switch {
-	case status == "lost" && r.cfg.WriterDeletes:
-		r.log.Error("PostgreSQL invalidated the replication slot: with writer deletes the events of the WAL it lost are gone, they were in no table; making a new slot",
+	case status == "lost" && holdsDeleted:
+		r.log.Error("PostgreSQL invalidated the replication slot: the events written with writer deletes in the WAL it lost are gone, they were in no table; making a new slot",
 			"slot", slot, "fix", "raise max_slot_wal_keep_size, and keep the relay streaming")
 		return fmt.Errorf("%w: PostgreSQL invalidated slot %s (max_slot_wal_keep_size)", errSlotGone, slot)
 	case status == "lost":
 		return fmt.Errorf("%w: PostgreSQL invalidated slot %s (max_slot_wal_keep_size)", errSlotGone, slot)
-	case retained > r.cfg.MaxRetainedWAL && r.cfg.WriterDeletes:
+	case retained > r.cfg.MaxRetainedWAL && holdsDeleted:
 		// The slot is the only copy of the events it holds back: keep it.
-		r.log.Error("the replication slot holds back more WAL than --max-retained-wal; with writer deletes it is kept, since its WAL is the only copy of the events not yet published",
+		r.log.Error("the replication slot holds back more WAL than --max-retained-wal; it is kept, since it holds events written with writer deletes and its WAL is their only copy",
 			"slot", slot, "retained_bytes", retained, "max", r.cfg.MaxRetainedWAL)
 	case retained > r.cfg.MaxRetainedWAL:
 		r.log.Error("the replication slot holds back more WAL than allowed; dropping it and polling",
@@ -1547,6 +1566,95 @@ func (r *Relay) checkSlot(ctx context.Context, slot string) error {
 		return fmt.Errorf("%w: slot %s retained %d bytes of WAL, more than --%s %d", errSlotGone, slot, retained, relayconfig.FlagMaxRetainedWAL, r.cfg.MaxRetainedWAL)
 	}
 	return nil
+}
+
+// writerDeletesMark is the comment a relay with writer deletes gives the
+// slot's publication before it streams (markWriterDeletes): a relay
+// without them that takes the slot later reads it (holdsDeleted).
+const writerDeletesMark = "outbox-relay: streamed with writer deletes; the slot may hold events that are in no table"
+
+// markWriterDeletes gives the publication writerDeletesMark, on conn.
+func (r *Relay) markWriterDeletes(ctx context.Context, conn *pgconn.PgConn) error {
+	mark := sqlMarkPublication(r.capture.publication, outbox.QuoteLiteral(writerDeletesMark))
+	if _, err := conn.Exec(ctx, mark).ReadAll(); err != nil {
+		return fmt.Errorf("--%s: the relay marks the publication %s as streamed with writer deletes, so that a relay run without --%s later keeps the slot until it has published their events, and the relay's role may not (%v); make the relay's role the publication's owner: ALTER PUBLICATION %s OWNER TO %s",
+			relayconfig.FlagWriterDeletes, r.capture.publication, relayconfig.FlagWriterDeletes, err,
+			pgx.Identifier{r.capture.publication}.Sanitize(), pgx.Identifier{r.capture.role}.Sanitize())
+	}
+	return nil
+}
+
+// deletedRows is what a relay without writer deletes knows of the events
+// that a relay with them streamed from the slot while their writers
+// deleted their rows: they are in no table, so until this relay has
+// streamed past them the slot is their only copy, and it is kept past
+// MaxRetainedWAL (holdsDeleted).
+type deletedRows struct {
+	read bool // the publication's mark was read
+	// xmax is, when the publication is marked, the first transaction id
+	// not begun when the mark was read, after the last relay with writer
+	// deletes stopped streaming: every writer that deleted its row began
+	// before it.
+	xmax string
+	// end is the WAL's insert position once every transaction before xmax
+	// had ended: every event written with writer deletes is before it. 0
+	// until then.
+	end pglogrepl.LSN
+	// past: this relay has published everything before end, or the
+	// publication is not marked.
+	past bool
+}
+
+// holdsDeleted reports whether the slot may hold events written with
+// writer deletes that this relay, having published everything before
+// confirmed, has not streamed yet. Once it has streamed past them, it
+// removes the publication's mark. A read that fails answers true: the
+// slot is kept until one succeeds.
+func (r *Relay) holdsDeleted(ctx context.Context, d *deletedRows, confirmed pglogrepl.LSN) bool {
+	pub := r.capture.publication
+	if !d.read {
+		var marked bool
+		if err := r.pool.QueryRow(ctx, sqlDeletedRowsMark, pub, writerDeletesMark).Scan(&marked, &d.xmax); err != nil {
+			r.log.Warn("could not read whether the slot was streamed with writer deletes; it is kept until that reads", "publication", pub, "err", err)
+			return true
+		}
+		d.read, d.past = true, !marked
+		if marked {
+			r.log.Info("the slot was streamed with writer deletes: it is kept past --"+relayconfig.FlagMaxRetainedWAL+" until the relay has published the events written so", "publication", pub)
+		}
+	}
+	if d.past {
+		return false
+	}
+	if d.end == 0 {
+		var ended bool
+		var at string
+		if err := r.pool.QueryRow(ctx, sqlDeletedRowsEnd, d.xmax).Scan(&ended, &at); err != nil {
+			r.log.Warn("could not read how far the events written with writer deletes reach", "err", err)
+			return true
+		}
+		if !ended {
+			return true
+		}
+		end, err := pglogrepl.ParseLSN(at)
+		if err != nil {
+			r.log.Warn("could not read how far the events written with writer deletes reach", "err", err)
+			return true
+		}
+		d.end = end
+	}
+	if confirmed < d.end {
+		return true
+	}
+	d.past = true
+	if _, err := r.pool.Exec(ctx, sqlMarkPublication(pub, "NULL")); err != nil {
+		// The next stream reads the mark again, and keeps the slot until
+		// it has streamed past a later position.
+		r.log.Warn("could not remove the writer-deletes mark of the publication", "publication", pub, "err", err,
+			"fix", sqlMarkPublication(pub, "NULL"))
+	}
+	r.log.Info("published every event written with writer deletes; --"+relayconfig.FlagMaxRetainedWAL+" bounds the slot again", "publication", pub)
+	return false
 }
 
 // dropSlot drops the slot once no connection uses it (the walsender of a

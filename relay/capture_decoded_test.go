@@ -11,10 +11,12 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relay"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 	"github.com/outbox-relay/outbox-operator/test/outboxtest"
 	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
@@ -219,6 +221,58 @@ func TestWriterDeletesLosesNothingAcrossRestarts(t *testing.T) {
 	_ = y
 }
 
+// A relay run without writer deletes that takes a slot a relay with them
+// streamed keeps it past --max-retained-wal until it has published what
+// the slot holds of the events written with writer deletes: their rows are
+// in no table, so the slot is their only copy. (Switching an OutboxRelay
+// off writer deletes while its slot held back more than maxRetainedWAL
+// dropped the slot at the new relay's first check, and lost them.) Once
+// past them, the relay removes the publication's mark.
+func TestLogicalReplicationKeepsASlotHoldingEventsWrittenWithWriterDeletes(t *testing.T) {
+	t.Parallel()
+	f, cfg, store := writerDeletesFixture(t, "E")
+	slot := tableSlot(t, f)
+	mark := func() *string {
+		var comment *string
+		require.NoError(t, f.Pool.QueryRow(context.Background(),
+			`SELECT obj_description(oid, 'pg_publication') FROM pg_publication WHERE pubname = $1`, slot).Scan(&comment))
+		return comment
+	}
+	x := run(t, cfg, stuckWriter{}) // streams, and publishes nothing
+	waitDeletesOnStore(t, f, 30*time.Second)
+	require.NotNil(t, mark(), "a relay with writer deletes marks the publication")
+	var want []string
+	for i := range 20 {
+		e := entry("E", i)
+		store(e)
+		want = append(want, e.EventID)
+	}
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox`), "the writers deleted their rows")
+	x.Stop(t)
+	waitSlotIdle(t, f)
+	// The slot holds back more WAL than the least limit.
+	f.Exec(`SELECT pg_logical_emit_message(false, 'test-ballast', repeat('x', 1 << 20)) FROM generate_series(1, 80)`)
+
+	cfg.WriterDeletes = false
+	cfg.MaxRetainedWAL = relayconfig.MinMaxRetainedWAL
+	outboxtest.Start(t, cfg)
+	seen := consumedIDs(t, f.Topics["E"], len(want))
+	for _, id := range want {
+		require.True(t, seen[id], "event %s published", id)
+	}
+	require.Eventually(t, func() bool { return mark() == nil }, 30*time.Second, 50*time.Millisecond,
+		"past those events, the relay removes the mark")
+}
+
+// stuckWriter never publishes: each write waits for its context to end,
+// as with a broker that stopped answering.
+type stuckWriter struct{}
+
+func (stuckWriter) WriteMessages(ctx context.Context, _ ...kafka.Message) error {
+	<-ctx.Done()
+	return ctx.Err()
+}
+
 // A table with a generated column is refused with writer deletes, by name:
 // the stream leaves such columns out, so a row could not be put back.
 func TestWriterDeletesRefusesGeneratedColumns(t *testing.T) {
@@ -254,7 +308,8 @@ func TestWriterDeletesNamesTheMissingInsert(t *testing.T) {
 // A relay run with writer deletes needs the table's publication to publish
 // deletes (a relay run later without them puts back what the writers
 // deleted); when it may not alter a publication of inserts alone, it
-// refuses to start and names the ALTER PUBLICATION its owner runs.
+// refuses to start and names the ALTER PUBLICATION its owner runs. It
+// also needs to own it, to mark it.
 func TestWriterDeletesNamesThePublicationAlter(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -269,6 +324,14 @@ func TestWriterDeletesNamesThePublicationAlter(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = r.Close() })
 	require.ErrorContains(t, r.Check(ctx), `as its owner, run: ALTER PUBLICATION "`+pub+`" SET (publish = 'insert, delete', publish_via_partition_root = true)`)
+
+	// It marks the publication as streamed with writer deletes, which only
+	// its owner may.
+	f.Exec(`ALTER PUBLICATION ` + pub + ` SET (publish = 'insert, delete', publish_via_partition_root = true)`)
+	require.ErrorContains(t, r.Check(ctx), `make the relay's role the publication's owner: ALTER PUBLICATION "`+pub+`" OWNER TO "`+role+`"`)
+	f.Exec(`ALTER PUBLICATION ` + pub + ` OWNER TO ` + role)
+	require.NoError(t, r.Check(ctx))
+	f.Exec(`ALTER PUBLICATION ` + pub + ` OWNER TO postgres; ALTER PUBLICATION ` + pub + ` SET (publish = 'insert')`)
 
 	// Without writer deletes the same role starts, and the publication is
 	// left as it was.

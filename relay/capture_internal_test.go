@@ -52,9 +52,9 @@ func TestSlotPastMaxRetainedWALIsGivenUp(t *testing.T) {
 	r, err := New(Config{Settings: Settings{DSN: dsn, Brokers: []string{testenv.Broker().Addr()}, Topics: map[string]string{"E": "t"}}})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = r.Close() })
-	require.NoError(t, r.checkSlot(ctx, slot), "within the default limit")
+	require.NoError(t, r.checkSlot(ctx, slot, false), "within the default limit")
 	r.cfg.MaxRetainedWAL = 1024
-	err = r.checkSlot(ctx, slot)
+	err = r.checkSlot(ctx, slot, false)
 	require.True(t, errors.Is(err, errSlotGone), "%v", err)
 	require.ErrorContains(t, err, "more than --max-retained-wal 1024")
 	require.Greater(t, testutil.ToFloat64(r.m.slotRetainedWAL), 1024.0)

@@ -65,6 +65,13 @@ const (
 	// imported the snapshot a slot's creation exported.
 	sqlSlotSnapshot = `SELECT (pg_snapshot_xmax(pg_current_snapshot())::text::numeric % 4294967296)::text,
 		ARRAY(SELECT (x::text::numeric % 4294967296)::bigint FROM pg_snapshot_xip(pg_current_snapshot()) x)`
+	// sqlDeletedRowsMark: whether the publication $1's comment is $2
+	// (writerDeletesMark), and the first transaction id not yet begun.
+	sqlDeletedRowsMark = `SELECT COALESCE((SELECT obj_description(oid, 'pg_publication') = $2 FROM pg_publication WHERE pubname = $1), false),
+		pg_snapshot_xmax(pg_current_snapshot())::text`
+	// sqlDeletedRowsEnd: whether every transaction before $1 (a full
+	// transaction id's text form) has ended, then the WAL's insert position.
+	sqlDeletedRowsEnd = `SELECT pg_snapshot_xmin(pg_current_snapshot()) >= $1::xid8, pg_current_wal_insert_lsn()::text`
 	// sqlSlotConfirmed: how far the slot's consumer has confirmed.
 	sqlSlotConfirmed = `SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()`
 	// sqlDropSlot drops the slot $1 when no connection uses it; true when it
@@ -129,6 +136,12 @@ func sqlAlterPublication(pub string) string {
 	return `ALTER PUBLICATION ` + pgx.Identifier{pub}.Sanitize() + ` SET (` + publishes + `)`
 }
 
+// sqlMarkPublication sets the publication pub's comment to the literal lit
+// (outbox.QuoteLiteral), or removes it for "NULL".
+func sqlMarkPublication(pub, lit string) string {
+	return `COMMENT ON PUBLICATION ` + pgx.Identifier{pub}.Sanitize() + ` IS ` + lit
+}
+
 // sqlAddToPublication adds table t to the publication pub.
 func sqlAddToPublication(pub string, t outbox.Table) string {
 	return `ALTER PUBLICATION ` + pgx.Identifier{pub}.Sanitize() + ` ADD TABLE ` + t.Quoted()
@@ -140,6 +153,7 @@ var captureStatements = map[string]string{
 	"sqlCaptureSettings": sqlCaptureSettings, "sqlCanReplicate": sqlCanReplicate, "sqlPublishes": sqlPublishes,
 	"sqlSlotState": sqlSlotState, "sqlDropSlot": sqlDropSlot, "sqlWriterDeletesTable": sqlWriterDeletesTable,
 	"sqlRowTypeColumns": sqlRowTypeColumns, "sqlWALSenderTimeout": sqlWALSenderTimeout,
-	"sqlSweepFence": sqlSweepFence, "sqlSlotHorizon": sqlSlotHorizon, "sqlSlotConfirmed": sqlSlotConfirmed, "sqlInvisible": sqlInvisible,
+	"sqlSweepFence": sqlSweepFence, "sqlSlotHorizon": sqlSlotHorizon, "sqlSlotConfirmed": sqlSlotConfirmed,
+	"sqlDeletedRowsMark": sqlDeletedRowsMark, "sqlDeletedRowsEnd": sqlDeletedRowsEnd, "sqlInvisible": sqlInvisible,
 	"sqlSlotSnapshot": sqlSlotSnapshot, "sqlNameTaken": sqlNameTaken,
 }
