@@ -726,7 +726,7 @@ type streamState struct {
 	txRaw []byte
 	// tuple is the columns of the message decode reads, within it
 	// (tupleColumns), reused from message to message.
-	tuple   [][]byte
+	tuple [][]byte
 	// deleted, without writer deletes: whether the slot holds events
 	// written with them that this stream has not published.
 	deleted deletedRows
