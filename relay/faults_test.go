@@ -1181,6 +1181,50 @@ func TestBatchRefusalThenTransientNeverDeadLettersValidRows(t *testing.T) {
 	})
 }
 
+// Kafka refuses a partition's record batch as a whole for one record in
+// it: the relay finds that record by sending what was refused again in
+// halves, a few writes for a batch of 400, and dead-letters it alone; the
+// 399 others go out. (Before, it sent every refused row alone, one after
+// the other: 400 writes here, and a large batch outlasted its deadline,
+// failed whole and was claimed again, for good.)
+func TestARefusedBatchFindsItsCulpritByHalving(t *testing.T) {
+	eachMode(t, 1, nil, func(t *testing.T, f *outboxtest.Fixture, cfg relay.Config) {
+		c := faultCluster(t, 1, 1<<20, "orders", "dlq")
+		var writes atomic.Int64
+		c.ControlKey(int16(kmsg.Produce), func(req kmsg.Request) (kmsg.Response, error, bool) {
+			c.KeepControl()
+			if tp := req.(*kmsg.ProduceRequest).Topics; len(tp) > 0 && tp[0].Topic == "orders" {
+				writes.Add(1)
+			}
+			return nil, nil, false // observe only
+		})
+		c.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Err: kerr.InvalidRecord, Count: -1, When: func(req kmsg.Request) bool {
+			tp := req.(*kmsg.ProduceRequest).Topics
+			if len(tp) == 0 || tp[0].Topic != "orders" {
+				return false
+			}
+			for _, p := range tp[0].Partitions {
+				if bytes.Contains(p.Records, []byte(poisonMarker)) {
+					return true
+				}
+			}
+			return false
+		}})
+		f.Insert(150, 10, "E")
+		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+			VALUES (gen_random_uuid(), 'Order', 'p', 'E', '{"note": "` + poisonMarker + `"}', 'p')`)
+		f.Insert(249, 10, "E")
+		cfg.BatchSize = 400
+		cfg.Brokers, cfg.Topics, cfg.DeadLetterTopic = c.ListenAddrs(), map[string]string{"E": "orders"}, "dlq"
+		x := run(t, cfg, nil)
+		f.WaitDrained(0, 30*time.Second)
+		require.Equal(t, 1.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
+		require.Equal(t, 399.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_events_published_total", "topic", "orders"))
+		t.Logf("%d produce requests", writes.Load())
+		require.LessOrEqual(t, writes.Load(), int64(25), "two writes per halving of 400 rows")
+	})
+}
+
 // A created_at the column allows but Go cannot carry (infinity) holds its
 // row as invalid; the rows behind it flow, in both modes.
 func TestInfiniteCreatedAtIsHeldAlone(t *testing.T) {

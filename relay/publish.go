@@ -108,23 +108,12 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 		}
 	}
 	r.sendRounds(ctx, b, msgs, idx)
+	r.isolate(ctx, b)
 
 	published = make([]int64, 0, len(rows))
 	var transientErr error
 	failed := 0
 	for i, x := range rows {
-		if b.out[i] == refusedWith {
-			// A partition's batch is refused as a whole, so its error says
-			// nothing about this row: send it alone to learn whether it is
-			// the culprit. A row whose key already stopped in this batch (an
-			// older row failed, even transiently) is not a verdict either:
-			// it waits for a later batch, never the dead-letter topic.
-			b.out[i] = skipped
-			if !r.laneStopped(b, x, i) {
-				r.write(ctx, []kafka.Message{r.message(x, r.cfg.Topics[x.eventType])},
-					func(_ int, o outcome, err error) { b.out[i], b.errs[i] = o, err })
-			}
-		}
 		if b.out[i] == staleTime {
 			r.restamp(ctx, b, i)
 		}
@@ -188,6 +177,68 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 		r.setKafkaErr(nil)
 	}
 	return published, retry, nil
+}
+
+// isolate finds the rows Kafka refuses among those it refused with others
+// (refusedWith): a partition's batch is refused as a whole, so its error
+// says nothing about any one row. The refused rows go again in halves, in
+// the batch's order; a half refused is halved again, down to rows sent
+// alone, whose verdict is their own. A few culprits among n rows take a
+// few times log2(n) writes; sending each row alone took n, one after the
+// other, which for a large batch outlasted its deadline, so the whole
+// batch failed, to be claimed and fail again. A row whose lane stopped
+// earlier in the batch (an older row of its key failed, even transiently)
+// is not sent: it waits for a later batch, never the dead-letter topic.
+func (r *Relay) isolate(ctx context.Context, b *batch) {
+	var refused []int
+	for i, x := range b.rows {
+		switch b.out[i] {
+		case refusedWith:
+			b.out[i] = skipped
+			refused = append(refused, i)
+		case transient, topicDown, permanent:
+			r.stopLane(b, x, i, time.Time{}) // before any later row of its lane goes again
+		}
+	}
+	if len(refused) > 1 {
+		r.bisect(ctx, b, refused[:len(refused)/2])
+		r.bisect(ctx, b, refused[len(refused)/2:])
+	} else {
+		r.bisect(ctx, b, refused)
+	}
+}
+
+// bisect sends rows idx of b in one call (isolate), but those whose lane
+// stopped, and halves again what Kafka refused with others.
+func (r *Relay) bisect(ctx context.Context, b *batch, idx []int) {
+	var send []int
+	var msgs []kafka.Message
+	for _, i := range idx {
+		if x := b.rows[i]; !r.laneStopped(b, x, i) {
+			send, msgs = append(send, i), append(msgs, r.message(x, r.cfg.Topics[x.eventType]))
+		}
+	}
+	r.write(ctx, msgs, func(j int, o outcome, err error) { b.out[send[j]], b.errs[send[j]] = o, err })
+	var again []int
+	for _, i := range send {
+		if b.out[i] == staleTime {
+			r.restamp(ctx, b, i) // now, before any later row of its key goes
+		}
+		switch b.out[i] {
+		case refusedWith:
+			b.out[i] = skipped
+			again = append(again, i)
+		case acked:
+		default:
+			// Its key's later rows wait as publish's verdict will have
+			// them wait (stopLane knows which verdicts stop none).
+			r.stopLane(b, b.rows[i], i, time.Time{})
+		}
+	}
+	if len(again) > 0 {
+		r.bisect(ctx, b, again[:len(again)/2])
+		r.bisect(ctx, b, again[len(again)/2:])
+	}
 }
 
 // retry lists the rows of b that neither went out nor were held, in order,
