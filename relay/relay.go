@@ -484,8 +484,8 @@ type row struct {
 	partition     *int64 // the partition column (Settings.PartitionColumn); nil when NULL or none
 	// size is the payload's and headers' size in the claim's byte budget.
 	size int64
-	// oversize: size is more than any topic takes; the claim returned no
-	// payload or headers (SQL.Claim).
+	// oversize: size, and the payload's own length, are more than any
+	// topic takes; the claim returned no payload or headers (SQL.Claim).
 	oversize bool
 	// custom are the row's own headers the record carries (admit sets them).
 	custom []kafka.Header
@@ -538,7 +538,9 @@ func (r *Relay) scanClaim(rs pgx.Rows, f claimFilter) ([]row, int, error) {
 			rs.Close()
 			return nil, 0, fmt.Errorf("claim batch from %s: %w", r.table, err)
 		}
-		x.oversize = x.size > int64(f.largest)
+		// Over the limit by its stored size, a row whose payload fits
+		// comes with it (budgetedBy).
+		x.oversize = x.size > int64(f.largest) && x.payload == nil
 		out = append(out, x)
 	}
 	if err := rs.Err(); err != nil {

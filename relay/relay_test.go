@@ -232,6 +232,25 @@ func TestOversizedRecordHeldWithoutDeadLetterTopic(t *testing.T) {
 	require.Len(t, testenv.Broker().Consume(t, f.Topics["E"], 300, 30*time.Second), 300)
 }
 
+// A jsonb payload stored uncompressed can take several times its text: a
+// row over the topic's limit by its stored size whose text fits is
+// published, never held as too large (it was, for good).
+func TestPayloadStoredLargerThanItsTextIsPublished(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	f.Topics["E"] = f.NewTopic("small", 1, "max.message.bytes", "20000")
+	f.Exec(`ALTER TABLE outbox ALTER COLUMN payload SET STORAGE EXTERNAL`)
+	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', 'numbers', 'E', (SELECT jsonb_agg(i % 10) FROM generate_series(1, 3000) i), 'numbers')`)
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE pg_column_size(payload) > 20000 AND octet_length(payload::text) < 10000`),
+		"stored, the payload is larger than the topic takes; as text it fits")
+	f.Insert(10, 5, "E")
+	x := outboxtest.Start(t, f.Config())
+	f.WaitDrained(0, 30*time.Second)
+	require.Len(t, testenv.Broker().Consume(t, f.Topics["E"], 11, 30*time.Second), 11)
+	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", "too_large"))
+}
+
 // faultyWriter fails chosen messages of the first calls with per-message
 // errors, as kafka-go reports a partial batch failure.
 type faultyWriter struct {

@@ -188,12 +188,23 @@ func storedSize(col string) string {
 func claimHeaders(o sqlOptions) string {
 	payload := storedSize("payload")
 	if o.byteaPayload {
-		payload = `COALESCE(octet_length(payload), 0)`
+		payload = payloadLength(o)
 	}
 	if o.headers {
 		return `, headers, ` + payload + ` + ` + storedSize("headers") + ` AS size`
 	}
 	return `, NULL::jsonb AS headers, ` + payload + ` AS size`
+}
+
+// payloadLength is the length of the payload the relay publishes: its
+// text, or a bytea's bytes. It reads the value (and detoasts it), so a
+// claim computes it only for a row its stored size says may not fit
+// (budgetedBy).
+func payloadLength(o sqlOptions) string {
+	if o.byteaPayload {
+		return `COALESCE(octet_length(payload), 0)`
+	}
+	return `COALESCE(octet_length(payload::text), 0)`
 }
 
 // claimPartition is the record's explicit Kafka partition in a claim's
@@ -212,22 +223,26 @@ func claimPartition(o sqlOptions) string {
 // A row larger than the largest record any topic takes (largestArg) comes
 // back with a NULL payload and headers and costs nothing of the budget: the
 // relay holds it as too large from its size alone, without reading (or
-// holding in memory) a payload it could never publish.
-func budgeted(claim, budgetArg, largestArg string) string {
-	return budgetedBy(claim, budgetArg, largestArg, "id")
+// holding in memory) a payload it could never publish. The size is the
+// stored one (storedSize), which for a jsonb stored uncompressed can be
+// several times its text (an array of small numbers); a row over the
+// limit by that size is too large only if its payload's text (payload,
+// payloadLength) is over it too, so a row that fits is never held.
+func budgeted(claim, budgetArg, largestArg, payload string) string {
+	return budgetedBy(claim, budgetArg, largestArg, payload, "id")
 }
 
 // budgetedBy is budgeted with the rows in the order of column order (id,
 // or the stream's commit order).
-func budgetedBy(claim, budgetArg, largestArg, order string) string {
-	return `WITH c AS (` + claim + `)
+func budgetedBy(claim, budgetArg, largestArg, payload, order string) string {
+	return `WITH c AS (` + claim + `),
+o AS (SELECT c.*, CASE WHEN size > ` + largestArg + ` THEN ` + payload + ` > ` + largestArg + ` ELSE false END AS oversize FROM c)
 SELECT id, event_id, event_type, aggregate_type, aggregate_id, partition_key,
        CASE WHEN oversize THEN NULL ELSE payload END, created_at, invalid,
        CASE WHEN oversize THEN NULL ELSE headers END, size, kafka_partition, (SELECT count(*) FROM c) AS locked
-FROM (SELECT c.*, size > ` + largestArg + ` AS oversize,
-             sum(CASE WHEN size > ` + largestArg + ` THEN 0 ELSE size END) OVER (ORDER BY ` + order + `)
-               - CASE WHEN size > ` + largestArg + ` THEN 0 ELSE size END AS before
-      FROM c) s
+FROM (SELECT o.*, sum(CASE WHEN oversize THEN 0 ELSE size END) OVER (ORDER BY ` + order + `)
+               - CASE WHEN oversize THEN 0 ELSE size END AS before
+      FROM o) s
 WHERE before < ` + budgetArg + `
 ORDER BY ` + order
 }
@@ -253,14 +268,14 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
     WHERE published_at IS NULL AND id > $1 AND event_type = ANY($2) AND id <> ALL($3)
     ORDER BY id
     LIMIT $4
-    FOR UPDATE SKIP LOCKED`, "$5", "$6"),
+    FOR UPDATE SKIP LOCKED`, "$5", "$6", payloadLength(o)),
 		ClaimBuckets: budgeted(`SELECT `+cols+`
     FROM `+q+`
     WHERE published_at IS NULL AND id > $1 AND id <> ALL($2) AND NOT `+waitingPair("$3", "$4")+`
       AND `+bucketSQL+` = ANY($5)
     ORDER BY id
     LIMIT $6
-    FOR UPDATE SKIP LOCKED`, "$7", "$8"),
+    FOR UPDATE SKIP LOCKED`, "$7", "$8", payloadLength(o)),
 		// ClaimIDs claims the rows of the ids a logical replication stream
 		// delivered ($1, in commit order), those still unpublished, mapped
 		// and not held, in that order; rows another transaction holds are
@@ -276,7 +291,7 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
            ELSE array_position($1::bigint[], id) END AS ord
     FROM `+q+`
     WHERE id = ANY($1::bigint[]) AND published_at IS NULL AND event_type = ANY($2) AND id <> ALL($3)
-    FOR UPDATE SKIP LOCKED`, "$4", "$5", "ord"),
+    FOR UPDATE SKIP LOCKED`, "$4", "$5", payloadLength(o), "ord"),
 		// age(xmin) > age($2): xmin precedes $2 (age counts back from the
 		// newest transaction, and a frozen xmin is the oldest of all).
 		SweepIDs: `SELECT id FROM ` + q + `
