@@ -286,6 +286,48 @@ func TestPartitionedStartupChecks(t *testing.T) {
 func TestPartitionPrunerFinishesInterruptedDetaches(t *testing.T) {
 	t.Parallel()
 	f := outboxtest.NewFixture(t, 1, "E")
+	unpublished := interruptedDetaches(t, f)
+
+	cfg := f.Config()
+	cfg.KeepPublishedFor = time.Minute
+	cfg.FullRescanInterval = time.Second
+	x := run(t, cfg, nil)
+	require.Eventually(t, func() bool {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_pruned_partitions_total") == 2
+	}, 30*time.Second, 50*time.Millisecond)
+	require.Equal(t, float64(150), outboxtest.MetricValue(t, x.Reg, "outbox_relay_pruned_rows_total"))
+	require.Zero(t, f.Count(`SELECT count(*) FROM pg_class WHERE relname IN ('outbox_d2', 'outbox_d3')`))
+	require.True(t, attached(t, f, "outbox_d4"), "the table with an unpublished row is a partition again")
+	counts, _ := outboxtest.Deliveries(t, 1, f.Topics["E"])
+	outboxtest.RequireExactlyOnce(t, unpublished, counts)
+}
+
+// With retention off nothing drops what a pruner detached, or began to,
+// and did not drop: the relay attaches every such table again, published
+// rows and all, and publishes what waits there. (Before, those rows were
+// in no partition of the table, stranded.)
+func TestPartitionsADetachLeftAreAttachedAgainWithRetentionOff(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	unpublished := interruptedDetaches(t, f)
+	x := run(t, f.Config(), nil)
+	require.Eventually(t, func() bool {
+		return attached(t, f, "outbox_d2") && attached(t, f, "outbox_d3") && attached(t, f, "outbox_d4")
+	}, 30*time.Second, 50*time.Millisecond, "every table a pruner left is a partition again")
+	require.Zero(t, f.Count(`SELECT count(*) FROM pg_inherits WHERE inhparent = 'outbox'::regclass AND inhdetachpending`))
+	f.WaitDrained(0, 30*time.Second)
+	require.Equal(t, 171, f.Count(`SELECT count(*) FROM outbox`), "nothing dropped")
+	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_pruned_partitions_total"))
+	counts, _ := outboxtest.Deliveries(t, 1, f.Topics["E"])
+	outboxtest.RequireExactlyOnce(t, unpublished, counts)
+}
+
+// interruptedDetaches leaves f's partitioned outbox as interrupted pruners
+// leave it: outbox_d2 pending detach (its wait timed out), outbox_d3 and
+// outbox_d4 marked and detached (the pruner died before the drop); every
+// row published but one in outbox_d4, whose event id it returns (as a set).
+func interruptedDetaches(t *testing.T, f *outboxtest.Fixture) map[string]bool {
+	t.Helper()
 	today := partitioned(t, f)
 	for i, name := range []string{"outbox_d2", "outbox_d3", "outbox_d4"} {
 		addDay(f, name, today.Add(-time.Duration(24*(i+2))*time.Hour))
@@ -320,17 +362,5 @@ func TestPartitionPrunerFinishesInterruptedDetaches(t *testing.T) {
 		f.Exec(fmt.Sprintf(`COMMENT ON TABLE %s IS 'outbox relay: detaching from %d: %s'`, name, parent, strings.ReplaceAll(bound, "'", "''")))
 		f.Exec(`ALTER TABLE outbox DETACH PARTITION ` + name)
 	}
-
-	cfg := f.Config()
-	cfg.KeepPublishedFor = time.Minute
-	cfg.FullRescanInterval = time.Second
-	x := run(t, cfg, nil)
-	require.Eventually(t, func() bool {
-		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_pruned_partitions_total") == 2
-	}, 30*time.Second, 50*time.Millisecond)
-	require.Equal(t, float64(150), outboxtest.MetricValue(t, x.Reg, "outbox_relay_pruned_rows_total"))
-	require.Zero(t, f.Count(`SELECT count(*) FROM pg_class WHERE relname IN ('outbox_d2', 'outbox_d3')`))
-	require.True(t, attached(t, f, "outbox_d4"), "the table with an unpublished row is a partition again")
-	counts, _ := outboxtest.Deliveries(t, 1, f.Topics["E"])
-	outboxtest.RequireExactlyOnce(t, unpublished, counts)
+	return unpublished
 }

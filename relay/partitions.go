@@ -172,9 +172,42 @@ func (pr *pruner) detach(ctx context.Context, conn *pgx.Conn, parent uint32, p p
 	return nil
 }
 
+// restoreDetached attaches again every partition a pruner detached, or
+// began to detach, and did not drop: with retention off nothing drops it,
+// and its rows, published or not, would be in no partition of the table
+// (a pruner that stopped between the detach and the drop, or a detach left
+// pending, before retention was turned off).
+func (pr *pruner) restoreDetached(ctx context.Context, conn *pgx.Conn, parent uint32) error {
+	if _, err := conn.Exec(ctx, sqlSetSession, "lock_timeout", strconv.FormatInt(pruneLockTimeout.Milliseconds(), 10)); err != nil {
+		return fmt.Errorf("set lock_timeout on the pruning session: %w", err)
+	}
+	parts, _, err := pr.partitions(ctx, conn, parent)
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, p := range parts {
+		if !p.pending || !p.leaf || ctx.Err() != nil {
+			continue
+		}
+		if err := pr.detach(ctx, conn, parent, p); err != nil { // finishes a pending detach
+			errs = append(errs, err)
+			continue
+		}
+		errs = append(errs, pr.settleDetached(ctx, conn, p, true))
+	}
+	return errors.Join(errs...)
+}
+
 // dropDetached drops a detached partition whose rows are all published, or
 // attaches it again when it holds an unpublished row.
 func (pr *pruner) dropDetached(ctx context.Context, conn *pgx.Conn, p partition) error {
+	return pr.settleDetached(ctx, conn, p, false)
+}
+
+// settleDetached drops a detached partition whose rows are all published,
+// or attaches it again when it holds an unpublished row or keep is set.
+func (pr *pruner) settleDetached(ctx context.Context, conn *pgx.Conn, p partition, keep bool) error {
 	tx, err := conn.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("drop %s: %w", p.name, err)
@@ -193,7 +226,7 @@ func (pr *pruner) dropDetached(ctx context.Context, conn *pgx.Conn, p partition)
 	if err := tx.QueryRow(ctx, sqlCountRows(p.name)).Scan(&rows, &unpublished); err != nil {
 		return fmt.Errorf("count the rows of detached partition %s: %w", p.name, err)
 	}
-	if unpublished > 0 {
+	if unpublished > 0 || keep {
 		if !boundRE.MatchString(p.bound) {
 			return fmt.Errorf("detached partition %s holds %d unpublished rows and its bound %q cannot be read back; attach it again by hand", p.name, unpublished, p.bound)
 		}
@@ -205,6 +238,11 @@ func (pr *pruner) dropDetached(ctx context.Context, conn *pgx.Conn, p partition)
 		}
 		if err := tx.Commit(ctx); err != nil {
 			return fmt.Errorf("attach %s again (it holds %d unpublished rows): %w", p.name, unpublished, err)
+		}
+		if keep {
+			pr.log.Warn("attached again a partition a pruner had detached and not dropped: retention is off",
+				"partition", p.name, "rows", rows, "unpublished", unpublished)
+			return nil
 		}
 		pr.log.Warn("a detached partition holds unpublished rows (a writer whose transaction began inside its range committed late, or a pruner stopped between the detach and this check); attached it again",
 			"partition", p.name, "unpublished", unpublished)

@@ -48,14 +48,28 @@ func (r *Relay) newPruner() *pruner {
 // PrunePause between them. It only deletes rows whose published_at is set
 // and skips rows another transaction holds, so it never touches an
 // unpublished row and never waits on a claim or a writer.
+//
+// With retention off (on a partitioned table only) it attaches again, at
+// start and every restoreEvery, the partitions a pruner detached and did
+// not drop (restoreDetached).
 func (pr *pruner) loop(ctx context.Context) {
+	every := pruneEvery
+	if pr.cfg.KeepPublishedFor == 0 {
+		every = restoreEvery
+	}
 	for ctx.Err() == nil {
 		if err := pr.prune(ctx); err != nil && ctx.Err() == nil {
-			pr.log.Warn("pruning failed; retrying", "err", err, "in", pruneEvery)
+			pr.log.Warn("pruning failed; retrying", "err", err, "in", every)
 		}
-		sleep(ctx, jitter(pruneEvery))
+		sleep(ctx, jitter(every))
 	}
 }
+
+// restoreEvery is how often, with retention off, a replica looks for
+// partitions a pruner detached and did not drop (restoreDetached): only a
+// pruner of an older setting, or of another replica still running with
+// retention on, leaves one.
+const restoreEvery = 10 * time.Minute
 
 // prune holds the prune lock for as long as pruning keeps finding rows.
 func (pr *pruner) prune(ctx context.Context) error {
@@ -75,7 +89,10 @@ func (pr *pruner) prune(ctx context.Context) error {
 	if !mine {
 		return nil // another replica prunes
 	}
-	if pr.shape.partitioned {
+	switch {
+	case pr.shape.partitioned && pr.cfg.KeepPublishedFor == 0:
+		return pr.restoreDetached(ctx, conn, oid)
+	case pr.shape.partitioned:
 		return pr.prunePartitions(ctx, conn, oid)
 	}
 	var after int64
