@@ -42,7 +42,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	r.refreshHeld(ctx) // before the first claim: a restarted relay does not retry its holds early
 	go func() { defer close(statsDone); r.statsLoop(ctx) }()
 	defer func() { <-statsDone }()
-	if r.cfg.KeepPublishedFor > 0 || r.shape.partitioned {
+	if r.cfg.KeepPublishedFor > 0 || r.shape.byCreatedAt { // a pruner may have left partitions detached (restoreDetached)
 		pruneDone := make(chan struct{})
 		pr := r.newPruner()
 		go func() { defer close(pruneDone); pr.loop(ctx) }()

@@ -90,7 +90,7 @@ func (pr *pruner) prune(ctx context.Context) error {
 		return nil // another replica prunes
 	}
 	switch {
-	case pr.shape.partitioned && pr.cfg.KeepPublishedFor == 0:
+	case pr.cfg.KeepPublishedFor == 0: // only a table a pruner may have pruned gets here (Run)
 		return pr.restoreDetached(ctx, conn, oid)
 	case pr.shape.partitioned:
 		return pr.prunePartitions(ctx, conn, oid)
