@@ -257,14 +257,14 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 	r.capture = &captureState{slot: slot, publication: pub, role: role, oid: oid}
 	r.m.slotMaxRetainedWAL.Set(float64(r.cfg.MaxRetainedWAL))
 	if r.cfg.WriterDeletes {
-		// Each stream marks it again; this names a missing privilege at
-		// start-up.
+		// Each stream marks it again; this says at start-up when the
+		// relay cannot.
 		conn, err := r.pool.Acquire(ctx)
 		if err != nil {
 			return err
 		}
 		defer conn.Release()
-		return r.markWriterDeletes(ctx, conn.Conn().PgConn())
+		r.markWriterDeletes(ctx, conn.Conn().PgConn())
 	}
 	return nil
 }
@@ -429,10 +429,7 @@ func (r *Relay) startReplication(ctx context.Context, conn *pgconn.PgConn, opts 
 		if err := lockWriterDeletes(ctx, conn, r.capture.slot); err != nil {
 			return err
 		}
-		// Before the writers delete: they do only while it streams.
-		if err := r.markWriterDeletes(ctx, conn); err != nil {
-			return fmt.Errorf("%w: %w", errCannotStream, err)
-		}
+		r.markWriterDeletes(ctx, conn) // before the writers delete: they do only while it streams
 	}
 	return pglogrepl.StartReplication(ctx, conn, r.capture.slot, 0, opts)
 }
@@ -1573,15 +1570,17 @@ func (r *Relay) checkSlot(ctx context.Context, slot string, holdsDeleted bool) e
 // without them that takes the slot later reads it (holdsDeleted).
 const writerDeletesMark = "outbox-relay: streamed with writer deletes; the slot may hold events that are in no table"
 
-// markWriterDeletes gives the publication writerDeletesMark, on conn.
-func (r *Relay) markWriterDeletes(ctx context.Context, conn *pgconn.PgConn) error {
+// markWriterDeletes gives the publication writerDeletesMark, on conn. Only
+// the publication's owner may, and a DBA often makes it: a relay that
+// may not says so, with the fix, and streams all the same, as a relay did
+// before it marked.
+func (r *Relay) markWriterDeletes(ctx context.Context, conn *pgconn.PgConn) {
 	mark := sqlMarkPublication(r.capture.publication, outbox.QuoteLiteral(writerDeletesMark))
 	if _, err := conn.Exec(ctx, mark).ReadAll(); err != nil {
-		return fmt.Errorf("--%s: the relay marks the publication %s as streamed with writer deletes, so that a relay run without --%s later keeps the slot until it has published their events, and the relay's role may not (%v); make the relay's role the publication's owner: ALTER PUBLICATION %s OWNER TO %s",
-			relayconfig.FlagWriterDeletes, r.capture.publication, relayconfig.FlagWriterDeletes, err,
-			pgx.Identifier{r.capture.publication}.Sanitize(), pgx.Identifier{r.capture.role}.Sanitize())
+		r.log.Warn("the relay may not mark the publication as streamed with writer deletes, so a relay run without them later (the OutboxRelay switched off writer deletes) would drop the slot past --"+relayconfig.FlagMaxRetainedWAL+" even while it holds events in no table; make the relay's role the publication's owner, or keep the slot within the limit when switching",
+			"publication", r.capture.publication, "err", err,
+			"fix", "ALTER PUBLICATION "+pgx.Identifier{r.capture.publication}.Sanitize()+" OWNER TO "+pgx.Identifier{r.capture.role}.Sanitize())
 	}
-	return nil
 }
 
 // deletedRows is what a relay without writer deletes knows of the events
