@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // This file is the logical replication capture with writer deletes
@@ -318,7 +320,7 @@ func (r *Relay) putBack(b *inFlight, rows []streamedRow) error {
 	defer tx.Rollback(b.ctx) //nolint:errcheck // no-op after commit
 	b.tx = tx
 	if err := r.insertStreamed(b.ctx, tx, rows); err != nil {
-		return fmt.Errorf("put %d rows back into %s: %w", len(rows), r.table, err)
+		return fmt.Errorf("put %d rows back into %s: %w%s", len(rows), r.table, err, failingRow(err))
 	}
 	if err := r.recordHolds(b); err != nil {
 		return err
@@ -337,11 +339,32 @@ func (r *Relay) restoreDeleted(ctx context.Context, rows []streamedRow) error {
 	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
 	defer cancel()
 	if err := pgx.BeginFunc(bctx, r.pool, func(tx pgx.Tx) error { return r.insertStreamed(bctx, tx, rows) }); err != nil {
-		return r.dbFailed(fmt.Errorf("put %d rows the writers deleted back into %s (the relay's role needs INSERT on it: GRANT INSERT ON %s TO the role): %w",
-			len(rows), r.table, r.table.Quoted(), err))
+		return r.dbFailed(fmt.Errorf("put %d rows the writers deleted back into %s (the relay's role needs INSERT on it: GRANT INSERT ON %s TO the role): %w%s",
+			len(rows), r.table, r.table.Quoted(), err, failingRow(err)))
 	}
 	r.log.Info("put rows their writers deleted back into the table, to publish them", "rows", len(rows))
 	return nil
+}
+
+// failingRowMax bounds the failing row failingRow quotes: its payload can
+// be megabytes.
+const failingRowMax = 500
+
+// failingRow is the server's detail of a put-back the table refused (a
+// constraint or trigger added since the row was written, a partition that
+// retention dropped): "Failing row contains (…)", its id and event id
+// first. The stream waits for that row until the table takes it, so the
+// error names it; "" when err has no detail.
+func failingRow(err error) string {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Detail == "" {
+		return ""
+	}
+	d := pgErr.Detail
+	if len(d) > failingRowMax {
+		d = strings.ToValidUTF8(d[:failingRowMax], "") + "…"
+	}
+	return " (" + d + ")"
 }
 
 // insertStreamed inserts streamed rows into the table, unpublished, with

@@ -190,6 +190,37 @@ func TestWriterDeletesPutsBackWhatItCannotPublish(t *testing.T) {
 		"an unmapped type is not held for itself: it waits for the map")
 }
 
+// A row the table refuses to take back (a constraint added since it was
+// written) stops the stream: its event is in no table and not on Kafka,
+// so the slot keeps it until the table takes it. The relay's error quotes
+// the server's failing row, its event id included, so whoever fixes the
+// table knows which (it named only how many rows before); once the table
+// takes it, the stream goes on.
+func TestWriterDeletesNamesARowTheTableRefusesBack(t *testing.T) {
+	t.Parallel()
+	f, cfg, store := writerDeletesFixture(t, "E")
+	var logs lockedBuffer
+	cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	startStreaming(t, cfg)
+	waitDeletesOnStore(t, f, 30*time.Second)
+	// A constraint the writer's insert meets and the relay's put-back
+	// does not, as one added between the two would be.
+	f.Exec(`ALTER TABLE outbox ADD CONSTRAINT no_unmapped
+		CHECK (event_type <> 'Unmapped' OR current_setting('application_name') <> 'outbox-relay') NOT VALID`)
+	unmapped, after := entry("Unmapped", 1), entry("E", 2)
+	store(unmapped)
+	store(after)
+	require.Eventually(t, func() bool {
+		return strings.Contains(logs.String(), `violates check constraint \"no_unmapped\"`) &&
+			strings.Contains(logs.String(), "Failing row contains") && strings.Contains(logs.String(), unmapped.EventID)
+	}, 30*time.Second, 50*time.Millisecond, "the relay names the row:\n%s", &logs)
+	f.Exec(`ALTER TABLE outbox DROP CONSTRAINT no_unmapped`)
+	require.True(t, consumedIDs(t, f.Topics["E"], 1)[after.EventID], "the row behind it goes out")
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1 AND published_at IS NULL`, unmapped.EventID) == 1
+	}, 30*time.Second, 50*time.Millisecond, "the refused row is back in the table")
+}
+
 // A relay that stops mid-stream and one that starts later lose nothing:
 // the slot keeps what was not confirmed, and the rows written while none
 // streamed stay in the table (the writer deletes only while one does).
