@@ -91,6 +91,18 @@ func consumedIDs(t *testing.T, topic string, n int) map[string]bool {
 	return seen
 }
 
+// storeEach stores n events of type E with store, a transaction each, and
+// returns their event ids in that order.
+func storeEach(store func(entries ...outbox.Entry), n int) []string {
+	ids := make([]string, n)
+	for i := range n {
+		e := entry("E", i)
+		store(e)
+		ids[i] = e.EventID
+	}
+	return ids
+}
+
 func entry(eventType string, n int) outbox.Entry {
 	return outbox.Entry{EventID: outbox.NewEventID(), AggregateType: "Order", AggregateID: fmt.Sprintf("o%d", n%3),
 		EventType: eventType, Payload: fmt.Appendf(nil, `{"n": %d, "note": "a \"quoted\" \\ value"}`, n), PartitionKey: fmt.Sprintf("o%d", n%3)}
@@ -228,19 +240,11 @@ func TestWriterDeletesLosesNothingAcrossRestarts(t *testing.T) {
 	t.Parallel()
 	f, cfg, store := writerDeletesFixture(t, "E")
 	x := startStreaming(t, cfg)
-	var want []string
-	write := func(n int) {
-		for i := range n {
-			e := entry("E", i)
-			store(e)
-			want = append(want, e.EventID)
-		}
-	}
-	write(50)
+	want := storeEach(store, 50)
 	x.Stop(t)
-	write(50)
+	want = append(want, storeEach(store, 50)...)
 	y := outboxtest.Start(t, cfg)
-	write(50)
+	want = append(want, storeEach(store, 50)...)
 	seen := map[string]bool{}
 	for _, m := range testenv.Broker().Consume(t, f.Topics["E"], len(want), 30*time.Second) {
 		seen[header(m, relay.HeaderEventID)] = true
@@ -275,12 +279,7 @@ func TestLogicalReplicationKeepsASlotHoldingEventsWrittenWithWriterDeletes(t *te
 	x := run(t, cfg, stuckWriter{}) // streams, and publishes nothing
 	waitDeletesOnStore(t, f, 30*time.Second)
 	require.NotNil(t, mark(), "a relay with writer deletes marks the publication")
-	var want []string
-	for i := range 20 {
-		e := entry("E", i)
-		store(e)
-		want = append(want, e.EventID)
-	}
+	want := storeEach(store, 20)
 	require.Zero(t, f.Count(`SELECT count(*) FROM outbox`), "the writers deleted their rows")
 	x.Stop(t)
 	waitSlotIdle(t, f)
@@ -685,12 +684,7 @@ func TestWriterDeletesStreamsAPartitionedTable(t *testing.T) {
 	cfg.FullRescanInterval = time.Hour // no sweep delivers what the stream skipped
 	startStreaming(t, cfg)
 	waitDeletesOnStore(t, f, 10*time.Second)
-	var want []string
-	for i := range 20 {
-		e := entry("E", i)
-		store(e)
-		want = append(want, e.EventID)
-	}
+	want := storeEach(store, 20)
 	require.Zero(t, f.Count(`SELECT count(*) FROM outbox`), "the writer deleted every row")
 	var got []string
 	for _, m := range testenv.Broker().Consume(t, f.Topics["E"], len(want), 20*time.Second) {

@@ -1183,8 +1183,8 @@ func TestBatchRefusalThenTransientNeverDeadLettersValidRows(t *testing.T) {
 
 // Kafka refuses a partition's record batch as a whole for one record in
 // it: the relay finds that record by sending what was refused again in
-// halves, a few writes for a batch of 400, and dead-letters it alone; the
-// 399 others go out. (Before, it sent every refused row alone, one after
+// halves, 17 produce requests for a batch of 400, and dead-letters it
+// alone; the 399 others go out. (Before, it sent every refused row alone, one after
 // the other: 400 writes here, and a large batch outlasted its deadline,
 // failed whole and was claimed again, for good.)
 func TestARefusedBatchFindsItsCulpritByHalving(t *testing.T) {
