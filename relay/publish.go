@@ -200,12 +200,13 @@ func (r *Relay) isolate(ctx context.Context, b *batch) {
 			r.stopLane(b, x, i, time.Time{}) // before any later row of its lane goes again
 		}
 	}
-	if len(refused) > 1 {
-		r.bisect(ctx, b, refused[:len(refused)/2])
-		r.bisect(ctx, b, refused[len(refused)/2:])
-	} else {
-		r.bisect(ctx, b, refused)
-	}
+	r.halve(ctx, b, refused) // sent whole, they were just refused
+}
+
+// halve bisects each half of rows idx of b, the first first.
+func (r *Relay) halve(ctx context.Context, b *batch, idx []int) {
+	r.bisect(ctx, b, idx[:len(idx)/2])
+	r.bisect(ctx, b, idx[len(idx)/2:])
 }
 
 // bisect sends rows idx of b in one call (isolate), but those whose lane
@@ -236,8 +237,7 @@ func (r *Relay) bisect(ctx context.Context, b *batch, idx []int) {
 		}
 	}
 	if len(again) > 0 {
-		r.bisect(ctx, b, again[:len(again)/2])
-		r.bisect(ctx, b, again[len(again)/2:])
+		r.halve(ctx, b, again)
 	}
 }
 
