@@ -350,11 +350,11 @@ func (r *Relay) restoreDeleted(ctx context.Context, rows []streamedRow) error {
 // be megabytes.
 const failingRowMax = 500
 
-// failingRow is the server's detail of a put-back the table refused (a
-// constraint or trigger added since the row was written, a partition that
-// retention dropped): "Failing row contains (…)", its id and event id
-// first. The stream waits for that row until the table takes it, so the
-// error names it; "" when err has no detail.
+// failingRow is the server's detail of a put-back the table refused: for
+// a constraint added since the row was written, "Failing row contains
+// (…)", its id and event id first; for a partition that retention dropped,
+// the row's created_at. The stream waits for that row until the table
+// takes it, so the error names it; "" when err has no detail.
 func failingRow(err error) string {
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) || pgErr.Detail == "" {
