@@ -98,9 +98,6 @@ func compareLow(a, b *time.Time) int {
 // using the table instead of locking them out (it cannot run inside a
 // transaction block, and not beside a DEFAULT partition).
 func (pr *pruner) prunePartitions(ctx context.Context, conn *pgx.Conn, parent uint32) error {
-	if _, err := conn.Exec(ctx, sqlSetSession, "lock_timeout", strconv.FormatInt(pruneLockTimeout.Milliseconds(), 10)); err != nil {
-		return fmt.Errorf("set lock_timeout on the pruning session: %w", err)
-	}
 	parts, _, err := pr.partitions(ctx, conn, parent)
 	if err != nil {
 		return err
@@ -178,9 +175,6 @@ func (pr *pruner) detach(ctx context.Context, conn *pgx.Conn, parent uint32, p p
 // (a pruner that stopped between the detach and the drop, or a detach left
 // pending, before retention was turned off).
 func (pr *pruner) restoreDetached(ctx context.Context, conn *pgx.Conn, parent uint32) error {
-	if _, err := conn.Exec(ctx, sqlSetSession, "lock_timeout", strconv.FormatInt(pruneLockTimeout.Milliseconds(), 10)); err != nil {
-		return fmt.Errorf("set lock_timeout on the pruning session: %w", err)
-	}
 	parts, _, err := pr.partitions(ctx, conn, parent)
 	if err != nil {
 		return err

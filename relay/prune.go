@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -89,10 +90,14 @@ func (pr *pruner) prune(ctx context.Context) error {
 	if !mine {
 		return nil // another replica prunes
 	}
-	switch {
-	case pr.cfg.KeepPublishedFor == 0: // only a table a pruner may have pruned gets here (Run)
-		return pr.restoreDetached(ctx, conn, oid)
-	case pr.shape.partitioned:
+	if pr.shape.partitioned {
+		// Detaching and attaching partitions: every lock wait is bounded.
+		if _, err := conn.Exec(ctx, sqlSetSession, "lock_timeout", strconv.FormatInt(pruneLockTimeout.Milliseconds(), 10)); err != nil {
+			return fmt.Errorf("set lock_timeout on the pruning session: %w", err)
+		}
+		if pr.cfg.KeepPublishedFor == 0 { // only a table a pruner may have pruned gets here (Run)
+			return pr.restoreDetached(ctx, conn, oid)
+		}
 		return pr.prunePartitions(ctx, conn, oid)
 	}
 	var after int64
