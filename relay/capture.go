@@ -1272,11 +1272,15 @@ const visibleRetry = 5 * time.Millisecond
 // cut says the byte budget left some of them for another batch. Nil when
 // it claimed nothing. xids, when not nil, are the transactions that wrote
 // ids: a claim that finds fewer rows than ids (published, held, of a type
-// no topic takes now, or not visible yet) waits until they are all visible
-// (waitVisible) and claims again.
+// no topic takes now, locked by another transaction, or not visible yet)
+// waits until they are all visible (waitVisible) and claims again, waiting
+// up to lockWait for rows another transaction has locked (another
+// relay's batch, during a switch from polling, or an application's): a
+// row it skipped would go out with a sweep, after later rows of its key.
 func (r *Relay) claimStreamed(ctx context.Context, ids, xids []int64) (*inFlight, error) {
 	start := time.Now()
 	f := claimFilter{types: r.availableTypes(start), held: r.held.ids(), largest: r.largestRecord()}
+	claim := r.sql.ClaimIDs
 	for {
 		bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
 		tx, err := r.pool.Begin(bctx)
@@ -1284,22 +1288,36 @@ func (r *Relay) claimStreamed(ctx context.Context, ids, xids []int64) (*inFlight
 			cancel()
 			return nil, r.dbFailed(fmt.Errorf("begin claim transaction on %s: %w", r.table, err))
 		}
-		pos, lo := commitOrder(ids)
-		rs, err := tx.Query(bctx, r.sql.ClaimIDs, ids, f.types, f.held, r.cfg.MaxBatchBytes, f.largest, pos, lo)
+		waiting := claim == r.sql.ClaimIDsWaiting
+		if waiting {
+			_, err = tx.Exec(bctx, sqlSetLocal, "lock_timeout", strconv.FormatInt(r.lockWait().Milliseconds(), 10))
+		}
 		var rows []row
 		var locked int
 		if err == nil {
-			rows, locked, err = r.scanClaim(rs, f)
+			pos, lo := commitOrder(ids)
+			var rs pgx.Rows
+			if rs, err = tx.Query(bctx, claim, ids, f.types, f.held, r.cfg.MaxBatchBytes, f.largest, pos, lo); err == nil {
+				rows, locked, err = r.scanClaim(rs, f)
+			}
 		}
 		if err == nil && len(xids) > 0 && locked < len(ids) {
 			tx.Rollback(bctx) //nolint:errcheck // claimed again once they are visible
 			cancel()
 			err = r.waitVisible(ctx, xids, start)
 			if err == nil {
-				xids = nil // once: the claim after the wait sees them all
+				xids, claim = nil, r.sql.ClaimIDsWaiting // once: the claim after the wait sees them all
 				continue
 			}
 			return nil, r.dbFailed(err)
+		}
+		if waiting && (pgCode(err) == "55P03" || pgCode(err) == "40P01") { // lock_not_available, deadlock_detected
+			tx.Rollback(bctx) //nolint:errcheck // claimed again, without waiting
+			cancel()
+			r.log.Warn("rows the stream delivered stayed locked by another transaction; a sweep publishes them, after later rows of their keys",
+				"waited", r.lockWait(), "err", err)
+			claim = r.sql.ClaimIDs
+			continue
 		}
 		if err != nil {
 			tx.Rollback(bctx) //nolint:errcheck // the claim's error is the one to report
@@ -1308,6 +1326,14 @@ func (r *Relay) claimStreamed(ctx context.Context, ids, xids []int64) (*inFlight
 		}
 		return r.publishClaimed(bctx, cancel, tx, start, rows, locked)
 	}
+}
+
+// lockWait is how long a streamed claim waits for rows another
+// transaction has locked (claimStreamed): as long as another relay's batch
+// may take to publish, --publish-timeout, but no longer than its default,
+// which leaves the claim's own publish its time within batchDeadline.
+func (r *Relay) lockWait() time.Duration {
+	return min(r.cfg.PublishTimeout, relayconfig.DefaultPublishTimeout)
 }
 
 // publishClaimed publishes the rows a streamed claim (on tx) returned.

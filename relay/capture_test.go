@@ -41,9 +41,16 @@ func captureFixture(t *testing.T, partitions int, eventTypes ...string) (*outbox
 func startStreaming(t *testing.T, cfg relay.Config) *outboxtest.Running {
 	t.Helper()
 	x := outboxtest.Start(t, cfg)
-	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming") == 1 },
-		10*time.Second, 20*time.Millisecond, "the relay streams")
+	waitStreaming(t, x)
 	return x
+}
+
+// waitStreaming waits until relay x streams. Making its slot waits for
+// every transaction running on the server, other tests' too.
+func waitStreaming(t *testing.T, x *outboxtest.Running) {
+	t.Helper()
+	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming") == 1 },
+		30*time.Second, 20*time.Millisecond, "the relay streams")
 }
 
 // eventIDs are the table's event ids in the order of the SQL ORDER BY order.
@@ -395,6 +402,79 @@ type pacedWriter struct {
 func (p *pacedWriter) WriteMessages(ctx context.Context, msgs ...kafka.Message) error {
 	time.Sleep(p.pause)
 	return p.w.WriteMessages(ctx, msgs...)
+}
+
+// lockedRowStream starts a streaming relay and writes two rows of key k,
+// the first locked by a transaction of the test's (lock) before the relay
+// can claim it: the relay is publishing an earlier row meanwhile. The
+// relay waits for a locked row up to publishTimeout.
+func lockedRowStream(t *testing.T, publishTimeout time.Duration) (f *outboxtest.Fixture, x *outboxtest.Running, logs *lockedBuffer, lock pgx.Tx, first, second string) {
+	t.Helper()
+	ctx := context.Background()
+	f, cfg := captureFixture(t, 1, "E")
+	cfg.PublishTimeout = publishTimeout
+	logs = &lockedBuffer{}
+	cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
+	released := make(chan struct{})
+	w := &slowFirstWriter{w: newKafkaWriter(t), delay: 30 * time.Second, released: released}
+	x = run(t, cfg, w)
+	waitStreaming(t, x)
+
+	insert := `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES ($1, 'Order', $2, 'E', '{}', $2)`
+	_, err := f.Pool.Exec(ctx, insert, outbox.NewEventID(), "other")
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return w.calls.Load() == 1 }, 10*time.Second, 5*time.Millisecond,
+		"the stream publishes the first row, and waits in the broker")
+	first, second = outbox.NewEventID(), outbox.NewEventID()
+	_, err = f.Pool.Exec(ctx, insert, first, "k")
+	require.NoError(t, err)
+	lock, err = f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = lock.Rollback(context.Background()) })
+	_, err = lock.Exec(ctx, `SELECT id FROM outbox WHERE event_id = $1 FOR UPDATE`, first)
+	require.NoError(t, err)
+	_, err = f.Pool.Exec(ctx, insert, second, "k")
+	require.NoError(t, err)
+	close(released)
+	return f, x, logs, lock, first, second
+}
+
+// A row the stream delivers that another transaction has locked (another
+// relay's batch, during a switch from polling, or an application's) is
+// waited for, so its key's rows go out in commit order. Skipped, it was
+// left to a sweep, up to 10 s later, after the key's next row.
+func TestLogicalReplicationWaitsForARowAnotherTransactionLocked(t *testing.T) {
+	t.Parallel()
+	f, x, logs, lock, first, second := lockedRowStream(t, relayconfig.DefaultPublishTimeout)
+	require.Never(t, func() bool { return x.Published() > 1 }, 2*time.Second, 10*time.Millisecond,
+		"the key's second row waits for its first, locked")
+	require.NoError(t, lock.Commit(context.Background()))
+
+	msgs := testenv.Broker().Consume(t, f.Topics["E"], 3, 8*time.Second) // before a sweep, 10 s on
+	require.Len(t, msgs, 3)
+	require.Equal(t, []string{first, second}, []string{header(msgs[1], relay.HeaderEventID), header(msgs[2], relay.HeaderEventID)},
+		"the key's rows in commit order")
+	require.NotContains(t, logs.String(), "stayed locked", "the lock ended within the wait")
+}
+
+// A row locked for longer than the stream waits for it does not stop the
+// stream: the rows after it go out, and it goes out with a sweep once its
+// lock ends, as the relay's warning says.
+func TestLogicalReplicationGoesOnPastARowLockedForLong(t *testing.T) {
+	t.Parallel()
+	f, x, logs, lock, first, second := lockedRowStream(t, time.Second) // held longer, it would delay other tests' slots
+	require.Eventually(t, func() bool { return x.Published() == 2 }, 10*time.Second, 20*time.Millisecond,
+		"the key's second row goes out once the wait ends")
+	require.Contains(t, logs.String(), "stayed locked")
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1 AND published_at IS NULL`, first),
+		"the locked row waits for its lock")
+	require.NoError(t, lock.Commit(context.Background()))
+	f.WaitDrained(0, 30*time.Second)
+	msgs := testenv.Broker().Consume(t, f.Topics["E"], 3, 10*time.Second)
+	require.Len(t, msgs, 3)
+	require.Equal(t, []string{second, first}, []string{header(msgs[1], relay.HeaderEventID), header(msgs[2], relay.HeaderEventID)},
+		"past the wait, after the key's later row")
 }
 
 // With synchronous replication a commit is written, and streamed, before

@@ -22,8 +22,14 @@ type SQL struct {
 	// in commit order) that are unpublished, of the event types $2 and not
 	// among $3, in that order, within the byte budget $4 ($5 the largest
 	// record). $6 and $7 say that order fast where they can (see
-	// commitOrder; NULL and 0 where not). Result as Claim's.
+	// commitOrder; NULL and 0 where not). Result as Claim's. It skips
+	// rows another transaction has locked.
 	ClaimIDs string
+	// ClaimIDsWaiting is ClaimIDs that waits for the rows another
+	// transaction has locked, up to the transaction's lock_timeout, and
+	// leaves out those it published meanwhile: a row the stream delivered
+	// that it skipped would go out after the later rows of its key.
+	ClaimIDsWaiting string
 	// SweepIDs reads up to $5 ids of unpublished rows after the id $1,
 	// in id order, of the event types $3 and not among $4 (as Claim),
 	// whose last write was by a transaction before $2 (a transaction id's
@@ -247,6 +253,23 @@ WHERE before < ` + budgetArg + `
 ORDER BY ` + order
 }
 
+// claimIDs claims the rows of the ids a logical replication stream
+// delivered ($1, in commit order), those still unpublished, mapped and not
+// held, in that order, locked by lock (ClaimIDs, ClaimIDsWaiting).
+// id = ANY walks the partial index of unpublished rows, one probe per id,
+// however large the table (a join with unnest could be planned as a scan
+// of the table). A row's place in $1 comes from the dense lookup $6 (its
+// id less $7 as the index) where the relay could build one: array_position
+// scans $1 from its start for every row, n²/2 steps for a claim of n ids.
+func claimIDs(cols, q string, o sqlOptions, lock string) string {
+	return budgetedBy(`SELECT `+cols+`,
+      CASE WHEN id - $7::bigint BETWEEN 0 AND cardinality($6::int[]) - 1 THEN ($6::int[])[(id - $7::bigint + 1)::int]
+           ELSE array_position($1::bigint[], id) END AS ord
+    FROM `+q+`
+    WHERE id = ANY($1::bigint[]) AND published_at IS NULL AND event_type = ANY($2) AND id <> ALL($3)
+    `+lock, "$4", "$5", payloadLength(o), "ord")
+}
+
 // NewSQL builds the statements for table t. The relay builds them once, after
 // its start-up check found out which optional columns the table has.
 func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
@@ -276,22 +299,8 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
     ORDER BY id
     LIMIT $6
     FOR UPDATE SKIP LOCKED`, "$7", "$8", payloadLength(o)),
-		// ClaimIDs claims the rows of the ids a logical replication stream
-		// delivered ($1, in commit order), those still unpublished, mapped
-		// and not held, in that order; rows another transaction holds are
-		// skipped, as in Claim.
-		// id = ANY walks the partial index of unpublished rows, one probe
-		// per id, however large the table (a join with unnest could be
-		// planned as a scan of the table). A row's place in $1 comes from
-		// the dense lookup $6 (its id less $7 as the index) where the
-		// relay could build one: array_position scans $1 from its start
-		// for every row, n²/2 steps for a claim of n ids.
-		ClaimIDs: budgetedBy(`SELECT `+cols+`,
-      CASE WHEN id - $7::bigint BETWEEN 0 AND cardinality($6::int[]) - 1 THEN ($6::int[])[(id - $7::bigint + 1)::int]
-           ELSE array_position($1::bigint[], id) END AS ord
-    FROM `+q+`
-    WHERE id = ANY($1::bigint[]) AND published_at IS NULL AND event_type = ANY($2) AND id <> ALL($3)
-    FOR UPDATE SKIP LOCKED`, "$4", "$5", payloadLength(o), "ord"),
+		ClaimIDs:        claimIDs(cols, q, o, "FOR UPDATE SKIP LOCKED"),
+		ClaimIDsWaiting: claimIDs(cols, q, o, "FOR UPDATE"),
 		// age(xmin) > age($2): xmin precedes $2 (age counts back from the
 		// newest transaction, and a frozen xmin is the oldest of all).
 		SweepIDs: `SELECT id FROM ` + q + `

@@ -43,6 +43,8 @@ const (
 	sqlServerVersion = `SELECT current_setting('server_version_num')::int`
 	// sqlSetSession sets setting $1 to $2 for the rest of the session.
 	sqlSetSession = `SELECT set_config($1, $2, false)`
+	// sqlSetLocal sets setting $1 to $2 for the rest of the transaction.
+	sqlSetLocal = `SELECT set_config($1, $2, true)`
 	// sqlBitmapScansOn turns bitmap scans back on for one transaction (the
 	// relay's sessions run with them off, for the claim).
 	sqlBitmapScansOn = `SET LOCAL enable_bitmapscan = on`
@@ -76,7 +78,7 @@ func sqlListen(channel string) string { return "LISTEN " + pgx.Identifier{channe
 var sessionStatements = map[string]string{
 	"sqlTableOID": sqlTableOID, "sqlHasColumn": sqlHasColumn, "sqlColumnType": sqlColumnType, "sqlTableShape": sqlTableShape,
 	"sqlColumns": sqlColumns, "sqlHasUnpublishedIndex": sqlHasUnpublishedIndex, "sqlIsPartitioned": sqlIsPartitioned,
-	"sqlServerVersion": sqlServerVersion, "sqlSetSession": sqlSetSession, "sqlBitmapScansOn": sqlBitmapScansOn,
+	"sqlServerVersion": sqlServerVersion, "sqlSetSession": sqlSetSession, "sqlSetLocal": sqlSetLocal, "sqlBitmapScansOn": sqlBitmapScansOn,
 	"sqlLockShared": sqlLockShared, "sqlTryLock": sqlTryLock, "sqlUnlock": sqlUnlock,
 	"sqlLockHolders": sqlLockHolders, "sqlFreeLocks": sqlFreeLocks,
 }
