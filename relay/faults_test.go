@@ -1016,7 +1016,13 @@ func keepFor(c *kfake.Cluster, left *int) {
 // readAll reads every record of the scenario's topics, until want records
 // have come and no more come for a while.
 func readAll(t *testing.T, brokers []string, want int) []delivery {
-	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.ConsumeTopics("topic-a", "topic-b", "dead-letters"),
+	return readTopics(t, brokers, want, "topic-a", "topic-b", "dead-letters")
+}
+
+// readTopics reads every record of topics, until want records have come
+// and no more come for a while.
+func readTopics(t *testing.T, brokers []string, want int, topics ...string) []delivery {
+	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.ConsumeTopics(topics...),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
 	require.NoError(t, err)
 	defer cl.Close()
@@ -1223,6 +1229,76 @@ func TestARefusedBatchFindsItsCulpritByHalving(t *testing.T) {
 		t.Logf("%d produce requests", writes.Load())
 		require.LessOrEqual(t, writes.Load(), int64(25), "two writes per halving of 400 rows")
 	})
+}
+
+// halvingSeeds are the seeds TestHalvingKeepsEachKeysOrder runs: 1 to 3,
+// and those that broke a key's order before a half was cut to one record
+// batch per partition.
+var halvingSeeds = []uint64{1, 2, 3, 7, 16}
+
+// Rows of a few keys and random sizes, some poisoned, go out in partition-key
+// mode through a topic that takes a few rows per record batch: each round
+// that holds a poisoned row is refused whole, and its rows are sent again
+// in halves. A half can hold more than one round's rows, more than one
+// record batch of the partition. Sent in one call, the writer cut it in
+// batches sent one after the other: a later batch went out while an earlier
+// one, with an older row of the same key, was refused. Every key's rows
+// must reach the topic in id order, and only the poisoned ones the
+// dead-letter topic.
+func TestHalvingKeepsEachKeysOrder(t *testing.T) {
+	t.Parallel()
+	for _, seed := range halvingSeeds {
+		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
+			t.Parallel()
+			rng := rand.New(rand.NewPCG(seed, 0))
+			f := outboxtest.NewFixture(t, 1, "E")
+			c := faultCluster(t, 1, 16<<10, "orders", "dlq")
+			c.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Err: kerr.InvalidRecord, Count: -1, When: func(req kmsg.Request) bool {
+				for _, tp := range req.(*kmsg.ProduceRequest).Topics {
+					for _, p := range tp.Partitions {
+						if tp.Topic == "orders" && bytes.Contains(p.Records, []byte(poisonMarker)) {
+							return true
+						}
+					}
+				}
+				return false
+			}})
+			const n = 120
+			order := map[string]int{} // event id -> its place in id order
+			poisoned := 0
+			for i := range n {
+				id, key := outbox.NewEventID(), fmt.Sprintf("k%d", rng.IntN(4))
+				mark := ""
+				if i > 0 && rng.IntN(12) == 0 || i == n/2 {
+					mark, poisoned = poisonMarker, poisoned+1
+				}
+				payload := fmt.Sprintf(`{"pad":"%s","mark":"%s"}`, strings.Repeat("x", []int{100, 700, 3000}[rng.IntN(3)]), mark)
+				_, err := f.Pool.Exec(context.Background(), `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+					VALUES ($1, 'Order', $2, 'E', $3, $2)`, id, key, payload)
+				require.NoError(t, err)
+				order[id] = i
+			}
+			cfg := f.Config()
+			cfg.Ordering, cfg.BatchSize = relay.OrderingPartitionKey, n
+			cfg.Brokers, cfg.Topics, cfg.DeadLetterTopic = c.ListenAddrs(), map[string]string{"E": "orders"}, "dlq"
+			x := run(t, cfg, nil)
+			f.WaitDrained(0, 60*time.Second)
+			require.Equal(t, float64(poisoned), outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
+			last := map[string]int{}
+			seen := map[string]bool{}
+			for _, d := range readTopics(t, c.ListenAddrs(), n-poisoned, "orders") {
+				if seen[d.eventID] {
+					continue // a duplicate: at least once
+				}
+				seen[d.eventID] = true
+				if prev, ok := last[d.key]; ok {
+					require.Less(t, prev, order[d.eventID], "key %s: row %d reached the topic after row %d", d.key, order[d.eventID], prev)
+				}
+				last[d.key] = order[d.eventID]
+			}
+			require.Len(t, seen, n-poisoned, "every row but the poisoned ones")
+		})
+	}
 }
 
 // A created_at the column allows but Go cannot carry (infinity) holds its

@@ -210,14 +210,27 @@ func (r *Relay) halve(ctx context.Context, b *batch, idx []int) {
 }
 
 // bisect sends rows idx of b in one call (isolate), but those whose lane
-// stopped, and halves again what Kafka refused with others.
+// stopped, and halves again what Kafka refused with others. Rows of more
+// than one record batch of a topic (those of two refused rounds) are
+// halved before they are sent: the writer would cut them in batches sent
+// one after the other, and a later batch could go out while an earlier
+// one, with an older row of its key, was refused.
 func (r *Relay) bisect(ctx context.Context, b *batch, idx []int) {
 	var send []int
 	var msgs []kafka.Message
+	used := map[string]int{}
+	over := false
 	for _, i := range idx {
 		if x := b.rows[i]; !r.laneStopped(b, x, i) {
-			send, msgs = append(send, i), append(msgs, r.message(x, r.cfg.Topics[x.eventType]))
+			m := r.message(x, r.cfg.Topics[x.eventType])
+			used[m.Topic] += recordSize(m)
+			over = over || used[m.Topic] > r.topics.budget(m.Topic)
+			send, msgs = append(send, i), append(msgs, m)
 		}
+	}
+	if over && len(send) > 1 {
+		r.halve(ctx, b, send)
+		return
 	}
 	r.write(ctx, msgs, func(j int, o outcome, err error) { b.out[send[j]], b.errs[send[j]] = o, err })
 	var again []int
