@@ -322,6 +322,25 @@ func TestPartitionsADetachLeftAreAttachedAgainWithRetentionOff(t *testing.T) {
 	outboxtest.RequireExactlyOnce(t, unpublished, counts)
 }
 
+// With retention off, a detach that no pruner began (a DBA's, or a
+// partition manager's, left pending) is left to whoever began it, while
+// what a pruner left is attached again.
+func TestPartitionsADetachSomeoneElseBeganIsLeftAlone(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	today := partitioned(t, f)
+	addDay(f, "outbox_d2", today.Add(-48*time.Hour))
+	addDay(f, "outbox_d3", today.Add(-72*time.Hour))
+	detachTimedOut(t, f, "outbox_d2")
+	markDetaching(t, f, "outbox_d3")
+	f.Exec(`ALTER TABLE outbox DETACH PARTITION outbox_d3`)
+	run(t, f.Config(), nil)
+	require.Eventually(t, func() bool { return attached(t, f, "outbox_d3") }, 30*time.Second, 50*time.Millisecond,
+		"the table a pruner left is a partition again")
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM pg_inherits WHERE inhrelid = 'outbox_d2'::regclass AND inhdetachpending`),
+		"a detach no pruner began stays pending")
+}
+
 // interruptedDetaches leaves f's partitioned outbox as interrupted pruners
 // leave it: outbox_d2 pending detach (its wait timed out), outbox_d3 and
 // outbox_d4 marked and detached (the pruner died before the drop); every
@@ -338,8 +357,33 @@ func interruptedDetaches(t *testing.T, f *outboxtest.Fixture) map[string]bool {
 	insertAt(f, 1, 1, today.Add(-84*time.Hour), false, "E")   // … and a row to publish
 	unpublished := f.EventIDs("WHERE published_at IS NULL")
 
+	// d2: marked by a pruner whose DETACH … CONCURRENTLY timed out.
+	markDetaching(t, f, "outbox_d2")
+	detachTimedOut(t, f, "outbox_d2")
+	// d3, d4: marked and detached by a pruner that died before the drop.
+	for _, name := range []string{"outbox_d3", "outbox_d4"} {
+		markDetaching(t, f, name)
+		f.Exec(`ALTER TABLE outbox DETACH PARTITION ` + name)
+	}
+	return unpublished
+}
+
+// markDetaching comments partition name as a pruner does before it
+// detaches it.
+func markDetaching(t *testing.T, f *outboxtest.Fixture, name string) {
+	t.Helper()
+	var parent uint32
+	var bound string
+	require.NoError(t, f.Pool.QueryRow(context.Background(), `SELECT 'outbox'::regclass::oid, pg_get_expr(relpartbound, oid) FROM pg_class WHERE oid = $1::regclass`,
+		name).Scan(&parent, &bound))
+	f.Exec(fmt.Sprintf(`COMMENT ON TABLE %s IS 'outbox relay: detaching from %d: %s'`, name, parent, strings.ReplaceAll(bound, "'", "''")))
+}
+
+// detachTimedOut leaves partition name detach pending: a DETACH …
+// CONCURRENTLY that timed out waiting for a reader.
+func detachTimedOut(t *testing.T, f *outboxtest.Fixture, name string) {
+	t.Helper()
 	ctx := context.Background()
-	// d2: a DETACH … CONCURRENTLY that timed out waiting for a reader.
 	reader, err := f.Pool.Begin(ctx)
 	require.NoError(t, err)
 	_, err = reader.Exec(ctx, `SELECT count(*) FROM outbox`)
@@ -348,19 +392,9 @@ func interruptedDetaches(t *testing.T, f *outboxtest.Fixture) map[string]bool {
 	require.NoError(t, err)
 	_, err = conn.Exec(ctx, `SET lock_timeout = '300ms'`)
 	require.NoError(t, err)
-	_, err = conn.Exec(ctx, `ALTER TABLE outbox DETACH PARTITION outbox_d2 CONCURRENTLY`)
+	_, err = conn.Exec(ctx, `ALTER TABLE outbox DETACH PARTITION `+name+` CONCURRENTLY`)
 	require.ErrorContains(t, err, "lock timeout")
 	conn.Release()
 	require.NoError(t, reader.Commit(ctx))
-	require.Equal(t, 1, f.Count(`SELECT count(*) FROM pg_inherits WHERE inhrelid = 'outbox_d2'::regclass AND inhdetachpending`))
-	// d3, d4: marked and detached by a pruner that died before the drop.
-	var parent uint32
-	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT 'outbox'::regclass::oid`).Scan(&parent))
-	for _, name := range []string{"outbox_d3", "outbox_d4"} {
-		var bound string
-		require.NoError(t, f.Pool.QueryRow(ctx, `SELECT pg_get_expr(relpartbound, oid) FROM pg_class WHERE oid = $1::regclass`, name).Scan(&bound))
-		f.Exec(fmt.Sprintf(`COMMENT ON TABLE %s IS 'outbox relay: detaching from %d: %s'`, name, parent, strings.ReplaceAll(bound, "'", "''")))
-		f.Exec(`ALTER TABLE outbox DETACH PARTITION ` + name)
-	}
-	return unpublished
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM pg_inherits WHERE inhrelid = $1::regclass AND inhdetachpending`, name))
 }

@@ -29,6 +29,7 @@ type partition struct {
 	lo, hi  *time.Time // the range; nil for MINVALUE / MAXVALUE
 	leaf    bool       // a plain table, not itself partitioned
 	pending bool       // a DETACH … CONCURRENTLY that did not finish
+	marked  bool       // a pruner began to detach it (detachedMark)
 	old     bool       // the range ended more than KeepPublishedFor ago
 	isDef   bool       // the DEFAULT partition
 }
@@ -53,7 +54,7 @@ func (pr *pruner) partitions(ctx context.Context, conn *pgx.Conn, parent uint32)
 	var parts []partition
 	for rows.Next() {
 		var p partition
-		if err := rows.Scan(&p.name, &p.bound, &p.leaf, &p.pending, &p.lo, &p.hi, &p.isDef); err != nil {
+		if err := rows.Scan(&p.name, &p.bound, &p.leaf, &p.pending, &p.marked, &p.lo, &p.hi, &p.isDef); err != nil {
 			return nil, time.Time{}, fmt.Errorf("list the partitions of %s: %w", pr.table, err)
 		}
 		parts = append(parts, p)
@@ -173,7 +174,8 @@ func (pr *pruner) detach(ctx context.Context, conn *pgx.Conn, parent uint32, p p
 // began to detach, and did not drop: with retention off nothing drops it,
 // and its rows, published or not, would be in no partition of the table
 // (a pruner that stopped between the detach and the drop, or a detach left
-// pending, before retention was turned off).
+// pending, before retention was turned off). A detach someone else began
+// (no detachedMark: a DBA's, or a partition manager's) is theirs to finish.
 func (pr *pruner) restoreDetached(ctx context.Context, conn *pgx.Conn, parent uint32) error {
 	parts, _, err := pr.partitions(ctx, conn, parent)
 	if err != nil {
@@ -181,7 +183,7 @@ func (pr *pruner) restoreDetached(ctx context.Context, conn *pgx.Conn, parent ui
 	}
 	var errs []error
 	for _, p := range parts {
-		if !p.pending || !p.leaf || ctx.Err() != nil {
+		if !p.pending || !p.marked || !p.leaf || ctx.Err() != nil {
 			continue
 		}
 		if err := pr.detach(ctx, conn, parent, p); err != nil { // finishes a pending detach

@@ -7,16 +7,17 @@ package relay
 // partitioned DDL.
 
 // sqlPartitions lists the partitions of the table of oid $1 (name, bound,
-// plain table, detach pending, range, DEFAULT) and the tables a pruner
+// plain table, detach pending, marked by a pruner, range, DEFAULT) and the tables a pruner
 // detached from it and has not dropped: those whose comment starts with
 // $2, detachedMark and the parent's oid, followed by their bound.
 var sqlPartitions = `
 		SELECT c.oid::regclass::text, pg_get_expr(c.relpartbound, c.oid), c.relkind = 'r', i.inhdetachpending,
+		       COALESCE(starts_with(obj_description(c.oid, 'pg_class'), $2), false),
 		       ` + boundsSQL("pg_get_expr(c.relpartbound, c.oid)") + `, pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT'
 		FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
 		WHERE i.inhparent = $1
 		UNION ALL
-		SELECT c.oid::regclass::text, substr(d.description, length($2) + 1), true, true,
+		SELECT c.oid::regclass::text, substr(d.description, length($2) + 1), true, true, true,
 		       ` + boundsSQL("substr(d.description, length($2) + 1)") + `, false
 		FROM pg_description d JOIN pg_class c ON c.oid = d.objoid
 		WHERE d.classoid = 'pg_class'::regclass AND d.objsubid = 0 AND starts_with(d.description, $2)
