@@ -1290,7 +1290,8 @@ func (r *Relay) claimStreamed(ctx context.Context, ids, xids []int64) (*inFlight
 		}
 		waiting := claim == r.sql.ClaimIDsWaiting
 		if waiting {
-			_, err = tx.Exec(bctx, sqlSetLocal, "lock_timeout", strconv.FormatInt(r.lockWait().Milliseconds(), 10))
+			// lock_timeout bounds each lock wait; statement_timeout their sum.
+			_, err = tx.Exec(bctx, sqlBoundWaits, strconv.FormatInt(r.lockWait().Milliseconds(), 10))
 		}
 		var rows []row
 		var locked int
@@ -1311,7 +1312,7 @@ func (r *Relay) claimStreamed(ctx context.Context, ids, xids []int64) (*inFlight
 			}
 			return nil, r.dbFailed(err)
 		}
-		if waiting && (pgCode(err) == "55P03" || pgCode(err) == "40P01") { // lock_not_available, deadlock_detected
+		if code := pgCode(err); waiting && (code == "55P03" || code == "57014" || code == "40P01") { // lock_not_available, query_canceled, deadlock_detected
 			tx.Rollback(bctx) //nolint:errcheck // claimed again, without waiting
 			cancel()
 			r.log.Warn("rows the stream delivered stayed locked by another transaction; a sweep publishes them, after later rows of their keys",

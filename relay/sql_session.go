@@ -43,8 +43,9 @@ const (
 	sqlServerVersion = `SELECT current_setting('server_version_num')::int`
 	// sqlSetSession sets setting $1 to $2 for the rest of the session.
 	sqlSetSession = `SELECT set_config($1, $2, false)`
-	// sqlSetLocal sets setting $1 to $2 for the rest of the transaction.
-	sqlSetLocal = `SELECT set_config($1, $2, true)`
+	// sqlBoundWaits bounds, for the rest of the transaction, each
+	// statement's lock waits and the statement itself to $1 milliseconds.
+	sqlBoundWaits = `SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $1, true)`
 	// sqlBitmapScansOn turns bitmap scans back on for one transaction (the
 	// relay's sessions run with them off, for the claim).
 	sqlBitmapScansOn = `SET LOCAL enable_bitmapscan = on`
@@ -78,7 +79,7 @@ func sqlListen(channel string) string { return "LISTEN " + pgx.Identifier{channe
 var sessionStatements = map[string]string{
 	"sqlTableOID": sqlTableOID, "sqlHasColumn": sqlHasColumn, "sqlColumnType": sqlColumnType, "sqlTableShape": sqlTableShape,
 	"sqlColumns": sqlColumns, "sqlHasUnpublishedIndex": sqlHasUnpublishedIndex, "sqlIsPartitioned": sqlIsPartitioned,
-	"sqlServerVersion": sqlServerVersion, "sqlSetSession": sqlSetSession, "sqlSetLocal": sqlSetLocal, "sqlBitmapScansOn": sqlBitmapScansOn,
+	"sqlServerVersion": sqlServerVersion, "sqlSetSession": sqlSetSession, "sqlBoundWaits": sqlBoundWaits, "sqlBitmapScansOn": sqlBitmapScansOn,
 	"sqlLockShared": sqlLockShared, "sqlTryLock": sqlTryLock, "sqlUnlock": sqlUnlock,
 	"sqlLockHolders": sqlLockHolders, "sqlFreeLocks": sqlFreeLocks,
 }
