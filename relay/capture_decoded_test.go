@@ -293,7 +293,9 @@ func TestLogicalReplicationKeepsASlotHoldingEventsWrittenWithWriterDeletes(t *te
 	for _, id := range want {
 		require.True(t, seen[id], "event %s published", id)
 	}
-	require.Eventually(t, func() bool { return mark() == nil }, 30*time.Second, 50*time.Millisecond,
+	// Every transaction on the server before the mark's must end first:
+	// other tests' stalled claims run up to their deadline, 25 s.
+	require.Eventually(t, func() bool { return mark() == nil }, 60*time.Second, 50*time.Millisecond,
 		"past those events, the relay removes the mark")
 }
 
