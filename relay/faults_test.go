@@ -522,22 +522,7 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 	}
 	topicOf := map[string]string{"A1": "topic-a", "A2": "topic-a", "B1": "topic-b"}
 
-	// The broker refuses every request that carries a poison record to its
-	// topic (as a topic's policy would), for the whole request: the relay
-	// must find the culprit by itself. The dead-letter topic takes it.
-	c.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Err: kerr.InvalidRecord, Count: -1, When: func(req kmsg.Request) bool {
-		for _, tp := range req.(*kmsg.ProduceRequest).Topics {
-			if tp.Topic == "dead-letters" {
-				continue
-			}
-			for _, p := range tp.Partitions {
-				if bytes.Contains(p.Records, []byte(poisonMarker)) {
-					return true
-				}
-			}
-		}
-		return false
-	}})
+	refusePoison(c, "dead-letters")
 	var produceRequests atomic.Int64
 	c.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Count: -1, When: func(kmsg.Request) bool {
 		produceRequests.Add(1)
@@ -1124,6 +1109,26 @@ func faultCluster(t *testing.T, partitions int32, limit int, topics ...string) *
 	return c
 }
 
+// refusePoison makes c refuse every produce request that carries a record
+// with poisonMarker to a topic but deadLetters, for the whole request (as
+// a topic's policy would): the relay must find the culprit by itself. The
+// dead-letter topic takes it.
+func refusePoison(c *kfake.Cluster, deadLetters string) {
+	c.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Err: kerr.InvalidRecord, Count: -1, When: func(req kmsg.Request) bool {
+		for _, tp := range req.(*kmsg.ProduceRequest).Topics {
+			if tp.Topic == deadLetters {
+				continue
+			}
+			for _, p := range tp.Partitions {
+				if bytes.Contains(p.Records, []byte(poisonMarker)) {
+					return true
+				}
+			}
+		}
+		return false
+	}})
+}
+
 // A hot key's share of a batch larger than the broker's batch limit goes
 // out in a few full requests, never one request per row; in both modes.
 func TestPartitionShareOverBatchLimitIsSplitNotSerialized(t *testing.T) {
@@ -1204,18 +1209,7 @@ func TestARefusedBatchFindsItsCulpritByHalving(t *testing.T) {
 			}
 			return nil, nil, false // observe only
 		})
-		c.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Err: kerr.InvalidRecord, Count: -1, When: func(req kmsg.Request) bool {
-			tp := req.(*kmsg.ProduceRequest).Topics
-			if len(tp) == 0 || tp[0].Topic != "orders" {
-				return false
-			}
-			for _, p := range tp[0].Partitions {
-				if bytes.Contains(p.Records, []byte(poisonMarker)) {
-					return true
-				}
-			}
-			return false
-		}})
+		refusePoison(c, "dlq")
 		f.Insert(150, 10, "E")
 		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 			VALUES (gen_random_uuid(), 'Order', 'p', 'E', '{"note": "` + poisonMarker + `"}', 'p')`)
@@ -1253,16 +1247,7 @@ func TestHalvingKeepsEachKeysOrder(t *testing.T) {
 			rng := rand.New(rand.NewPCG(seed, 0))
 			f := outboxtest.NewFixture(t, 1, "E")
 			c := faultCluster(t, 1, 16<<10, "orders", "dlq")
-			c.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Err: kerr.InvalidRecord, Count: -1, When: func(req kmsg.Request) bool {
-				for _, tp := range req.(*kmsg.ProduceRequest).Topics {
-					for _, p := range tp.Partitions {
-						if tp.Topic == "orders" && bytes.Contains(p.Records, []byte(poisonMarker)) {
-							return true
-						}
-					}
-				}
-				return false
-			}})
+			refusePoison(c, "dlq")
 			const n = 120
 			order := map[string]int{} // event id -> its place in id order
 			poisoned := 0
