@@ -1302,6 +1302,11 @@ func (r *Relay) claimStreamed(ctx context.Context, ids, xids []int64) (*inFlight
 				rows, locked, err = r.scanClaim(rs, f)
 			}
 		}
+		if waiting && err == nil {
+			// The mark and the commit run in this transaction too, under the
+			// session's bounds.
+			_, err = tx.Exec(bctx, sqlUnboundWaits)
+		}
 		if err == nil && len(xids) > 0 && locked < len(ids) {
 			tx.Rollback(bctx) //nolint:errcheck // claimed again once they are visible
 			cancel()
@@ -1315,7 +1320,7 @@ func (r *Relay) claimStreamed(ctx context.Context, ids, xids []int64) (*inFlight
 		if code := pgCode(err); waiting && (code == "55P03" || code == "57014" || code == "40P01") { // lock_not_available, query_canceled, deadlock_detected
 			tx.Rollback(bctx) //nolint:errcheck // claimed again, without waiting
 			cancel()
-			r.log.Warn("rows the stream delivered stayed locked by another transaction; a sweep publishes them, after later rows of their keys",
+			r.log.Warn("rows the stream delivered stayed locked by another transaction, or the claim outlasted its wait; a sweep publishes the rows it skips, after later rows of their keys",
 				"waited", r.lockWait(), "err", err)
 			claim = r.sql.ClaimIDs
 			continue

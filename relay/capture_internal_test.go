@@ -198,6 +198,38 @@ func TestFencePositionStepsBackOverAPageHeader(t *testing.T) {
 	}
 }
 
+// A waiting streamed claim bounds its lock waits and itself, and then sets
+// both back to the session's values for the rest of its transaction: the
+// mark and the commit that follow must not run under the claim's bounds.
+func TestStreamedClaimBoundsOnlyItsOwnWaits(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dsn, _ := outboxDB(t)
+	pcfg, err := pgxpool.ParseConfig(dsn)
+	require.NoError(t, err)
+	pcfg.ConnConfig.RuntimeParams["statement_timeout"] = "30000" // as the relay's sessions start
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx) //nolint:errcheck // read only
+	show := func() (lock, statement string) {
+		require.NoError(t, tx.QueryRow(ctx, `SELECT current_setting('lock_timeout'), current_setting('statement_timeout')`).Scan(&lock, &statement))
+		return lock, statement
+	}
+	lock, statement := show()
+	require.Equal(t, "30s", statement)
+	_, err = tx.Exec(ctx, sqlBoundWaits, "1500")
+	require.NoError(t, err)
+	l, s := show()
+	require.Equal(t, []string{"1500ms", "1500ms"}, []string{l, s}, "the claim's bounds")
+	_, err = tx.Exec(ctx, sqlUnboundWaits)
+	require.NoError(t, err)
+	l, s = show()
+	require.Equal(t, []string{lock, statement}, []string{l, s}, "the session's again")
+}
+
 // A streamed claim takes the stream's ids in the order given, whether the
 // claim finds their order in commitOrder's lookup (ids close together) or
 // in the ids themselves (one far from the rest), and a byte budget that

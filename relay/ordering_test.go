@@ -105,7 +105,6 @@ func (s *slowFirstWriter) WriteMessages(ctx context.Context, msgs ...kafka.Messa
 		select {
 		case <-s.released:
 		case <-time.After(s.delay):
-		case <-ctx.Done(): // the caller's deadline, as a broker's would end the call
 		}
 	}
 	return s.w.WriteMessages(ctx, msgs...)

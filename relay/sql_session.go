@@ -46,6 +46,9 @@ const (
 	// sqlBoundWaits bounds, for the rest of the transaction, each
 	// statement's lock waits and the statement itself to $1 milliseconds.
 	sqlBoundWaits = `SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $1, true)`
+	// sqlUnboundWaits sets them back to the session's values, as it began,
+	// for the rest of the transaction.
+	sqlUnboundWaits = `SELECT set_config(name, reset_val, true) FROM pg_settings WHERE name IN ('lock_timeout', 'statement_timeout')`
 	// sqlBitmapScansOn turns bitmap scans back on for one transaction (the
 	// relay's sessions run with them off, for the claim).
 	sqlBitmapScansOn = `SET LOCAL enable_bitmapscan = on`
@@ -79,7 +82,7 @@ func sqlListen(channel string) string { return "LISTEN " + pgx.Identifier{channe
 var sessionStatements = map[string]string{
 	"sqlTableOID": sqlTableOID, "sqlHasColumn": sqlHasColumn, "sqlColumnType": sqlColumnType, "sqlTableShape": sqlTableShape,
 	"sqlColumns": sqlColumns, "sqlHasUnpublishedIndex": sqlHasUnpublishedIndex, "sqlIsPartitioned": sqlIsPartitioned,
-	"sqlServerVersion": sqlServerVersion, "sqlSetSession": sqlSetSession, "sqlBoundWaits": sqlBoundWaits, "sqlBitmapScansOn": sqlBitmapScansOn,
+	"sqlServerVersion": sqlServerVersion, "sqlSetSession": sqlSetSession, "sqlBoundWaits": sqlBoundWaits, "sqlUnboundWaits": sqlUnboundWaits, "sqlBitmapScansOn": sqlBitmapScansOn,
 	"sqlLockShared": sqlLockShared, "sqlTryLock": sqlTryLock, "sqlUnlock": sqlUnlock,
 	"sqlLockHolders": sqlLockHolders, "sqlFreeLocks": sqlFreeLocks,
 }
