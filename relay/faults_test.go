@@ -1225,7 +1225,7 @@ func TestARefusedBatchFindsItsCulpritByHalving(t *testing.T) {
 	})
 }
 
-// halvingSeeds are the seeds TestHalvingKeepsEachKeysOrder runs: 1 to 3,
+// halvingSeeds are what TestHalvingKeepsEachKeysOrder runs: 1 to 3,
 // and those that broke a key's order before a half was cut to one record
 // batch per partition.
 var halvingSeeds = []uint64{1, 2, 3, 7, 16}
