@@ -3,6 +3,7 @@ package relay_test
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"strings"
 	"testing"
 	"time"
@@ -45,9 +46,11 @@ func insertAt(f *outboxtest.Fixture, n, keys int, at time.Time, published bool, 
 		INSERT INTO outbox_event_ids SELECT event_id, created_at, '\x00' FROM r`, n, keys, eventType, at, published)
 }
 
+// attached reports whether table name is a partition of the outbox, and
+// not one pending detach (its rows are out of the table's then).
 func attached(t *testing.T, f *outboxtest.Fixture, name string) bool {
 	t.Helper()
-	return f.Count(`SELECT count(*) FROM pg_inherits WHERE inhparent = 'outbox'::regclass AND inhrelid = to_regclass($1)`, name) == 1
+	return f.Count(`SELECT count(*) FROM pg_inherits WHERE inhparent = 'outbox'::regclass AND inhrelid = to_regclass($1) AND NOT inhdetachpending`, name) == 1
 }
 
 // A range-partitioned outbox drains in both ordering modes: rows in three
@@ -341,6 +344,38 @@ func TestPartitionsADetachSomeoneElseBeganIsLeftAlone(t *testing.T) {
 		"the table a pruner left is a partition again")
 	require.Equal(t, 1, f.Count(`SELECT count(*) FROM pg_inherits WHERE inhrelid = 'outbox_d2'::regclass AND inhdetachpending`),
 		"a detach no pruner began stays pending")
+}
+
+// A pruner's detach that times out before it begins leaves the partition
+// attached, and without the pruner's mark: marked, a detach someone else
+// began later, and left pending, would be taken for the pruner's and
+// undone with retention off. The next pass detaches and drops it.
+func TestPartitionDetachThatNeverBeganLeavesNoMark(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := outboxtest.NewFixture(t, 1, "E")
+	today := partitioned(t, f)
+	addDay(f, "outbox_d2", today.Add(-48*time.Hour))
+	insertAt(f, 10, 2, today.Add(-36*time.Hour), true, "E")
+	lock, err := f.Pool.Begin(ctx) // the detach's first lock wait times out behind it
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = lock.Rollback(context.Background()) })
+	_, err = lock.Exec(ctx, `LOCK TABLE ONLY outbox IN SHARE UPDATE EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	cfg := f.Config()
+	cfg.KeepPublishedFor = time.Minute
+	var logs lockedBuffer
+	cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	x := run(t, cfg, nil)
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "pruning failed") }, 30*time.Second, 20*time.Millisecond,
+		"the detach times out")
+	require.Contains(t, logs.String(), "outbox_d2")
+	require.True(t, attached(t, f, "outbox_d2"))
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM pg_class WHERE oid = 'outbox_d2'::regclass AND obj_description(oid, 'pg_class') IS NULL`),
+		"no mark is left on the partition")
+	require.NoError(t, lock.Rollback(ctx))
+	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_pruned_partitions_total") == 1 },
+		40*time.Second, 50*time.Millisecond, "the next pass drops it")
 }
 
 // interruptedDetaches leaves f's partitioned outbox as interrupted pruners

@@ -165,7 +165,17 @@ func (pr *pruner) detach(ctx context.Context, conn *pgx.Conn, parent uint32, p p
 		how = "FINALIZE"
 	}
 	if _, err := conn.Exec(ctx, sqlDetach(pr.table.Quoted(), p.name, how)); err != nil {
-		return fmt.Errorf("detach %s from %s (%s): %w", p.name, pr.table, how, err)
+		err = fmt.Errorf("detach %s from %s (%s): %w", p.name, pr.table, how, err)
+		// A detach that failed before it began (its first lock wait timed
+		// out) leaves the partition attached: the mark goes, or it would
+		// claim a detach someone else later begins (restoreDetached).
+		var pending bool
+		if qerr := conn.QueryRow(ctx, sqlIsPending, p.name).Scan(&pending); qerr == nil && !pending {
+			if _, cerr := conn.Exec(ctx, sqlComment(p.name, "NULL")); cerr != nil {
+				err = errors.Join(err, fmt.Errorf("unmark %s: %w", p.name, cerr))
+			}
+		}
+		return err
 	}
 	return nil
 }

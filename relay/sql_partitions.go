@@ -36,6 +36,8 @@ const (
 	sqlPruneCut = `SELECT now() - $1::float8 * interval '1 second'`
 	// sqlIsAttached: the table named $1 is a partition.
 	sqlIsAttached = `SELECT relispartition FROM pg_class WHERE oid = $1::regclass`
+	// sqlIsPending: the partition named $1 is detach pending (no row: not a partition).
+	sqlIsPending = `SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = $1::regclass`
 	// sqlLongStatements lets one transaction's statements run for 10 minutes.
 	sqlLongStatements = `SET LOCAL statement_timeout = '10min'`
 )

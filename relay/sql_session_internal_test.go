@@ -51,7 +51,7 @@ func TestPartitionStatementsPrepare(t *testing.T) {
 		WHERE i.inhparent = $1::regclass AND pg_get_expr(c.relpartbound, c.oid) <> 'DEFAULT' LIMIT 1`, table.Quoted()).Scan(&part, &bound))
 	q := table.Quoted()
 	stmts := map[string]string{
-		"sqlPartitions": sqlPartitions, "sqlPruneCut": sqlPruneCut, "sqlIsAttached": sqlIsAttached,
+		"sqlPartitions": sqlPartitions, "sqlPruneCut": sqlPruneCut, "sqlIsAttached": sqlIsAttached, "sqlIsPending": sqlIsPending,
 		"sqlLongStatements": sqlLongStatements, "sqlPartitionWaits": sqlPartitionWaits(part),
 		"sqlComment": sqlComment(part, outbox.QuoteLiteral(detachedMark+"1: "+bound)), "sqlUncomment": sqlComment(part, "NULL"),
 		"sqlDetach": sqlDetach(q, part, "CONCURRENTLY"), "sqlDetachFinalize": sqlDetach(q, part, "FINALIZE"),
