@@ -125,9 +125,12 @@ type captureState struct {
 	retryGivenUp bool
 	// streamedAt is when a stream last started.
 	streamedAt time.Time
-	// beforeSlot is what the slot this process made saw when it was made,
-	// until a sweep before the slot has published its rows.
-	beforeSlot *slotSnapshot
+	// beforeSlot is what the slot saw when it was made, until a sweep
+	// before the slot has published its rows: from this process's making
+	// it, or from the publication's comment (noteBeforeSlot), which it is
+	// noted in when beforeSlotNoted.
+	beforeSlot      *slotSnapshot
+	beforeSlotNoted bool
 }
 
 // slotSnapshot is the snapshot a slot's creation exports: the
@@ -141,6 +144,81 @@ type captureState struct {
 type slotSnapshot struct {
 	xmax string  // the first transaction it does not see, without its epoch
 	xip  []int64 // the transactions before xmax it does not see, without their epochs
+}
+
+// beforeSlotNote starts the line of the publication's comment (sqlSetNote)
+// that keeps the snapshot of the slot's creation until a sweep has
+// published the rows it sees: a replica that streams from the slot after
+// its maker stopped sweeps them first too (readBeforeSlot).
+const beforeSlotNote = "outbox-relay: the slot's snapshot, whose rows go out before the stream's:"
+
+// note is s as the line beforeSlotNote starts.
+func (s *slotSnapshot) note() string {
+	xip := make([]string, len(s.xip))
+	for i, x := range s.xip {
+		xip[i] = strconv.FormatInt(x, 10)
+	}
+	return beforeSlotNote + " xmax=" + s.xmax + " xip=" + strings.Join(xip, ",")
+}
+
+// parseSlotSnapshot reads a line note made.
+func parseSlotSnapshot(line string) (*slotSnapshot, error) {
+	rest, ok := strings.CutPrefix(line, beforeSlotNote+" xmax=")
+	xmax, list, ok2 := strings.Cut(rest, " xip=")
+	if !ok || !ok2 {
+		return nil, fmt.Errorf("not a slot's snapshot: %q", line)
+	}
+	if _, err := strconv.ParseUint(xmax, 10, 32); err != nil {
+		return nil, fmt.Errorf("not a slot's snapshot: %q: %w", line, err)
+	}
+	s := &slotSnapshot{xmax: xmax, xip: []int64{}}
+	for _, x := range strings.Split(list, ",") {
+		if x == "" {
+			continue
+		}
+		id, err := strconv.ParseUint(x, 10, 32)
+		if err != nil {
+			return nil, fmt.Errorf("not a slot's snapshot: %q: %w", line, err)
+		}
+		s.xip = append(s.xip, int64(id))
+	}
+	return s, nil
+}
+
+// noteBeforeSlot keeps snap on the publication until sweepBeforeSlot has
+// published its rows. Only the publication's owner may; a relay that may
+// not says what that risks, and goes on.
+func (r *Relay) noteBeforeSlot(ctx context.Context, snap *slotSnapshot) {
+	pub := r.capture.publication
+	_, err := r.pool.Exec(ctx, sqlSetNote(pub, beforeSlotNote, snap.note()))
+	r.capture.beforeSlotNoted = err == nil
+	if err != nil {
+		r.log.Warn("the relay may not keep the slot's snapshot on the publication: should this replica stop before it has published the rows committed before the slot, the replica that streams next would publish some of them after later rows of their keys; make the relay's role the publication's owner",
+			"publication", pub, "err", err,
+			"fix", "ALTER PUBLICATION "+pgx.Identifier{pub}.Sanitize()+" OWNER TO "+pgx.Identifier{r.capture.role}.Sanitize())
+	}
+}
+
+// readBeforeSlot is the snapshot noteBeforeSlot kept, nil when there is
+// none: the replica that made the slot stopped before it had published the
+// rows committed before the slot.
+func (r *Relay) readBeforeSlot(ctx context.Context) (*slotSnapshot, error) {
+	var line string
+	err := r.pool.QueryRow(ctx, sqlNote, r.capture.publication, beforeSlotNote).Scan(&line)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return nil, nil
+	case err != nil:
+		return nil, fmt.Errorf("read the snapshot of slot %s: %w", r.capture.slot, err)
+	}
+	snap, err := parseSlotSnapshot(line)
+	if err != nil {
+		return nil, fmt.Errorf("read the snapshot of slot %s from the comment of publication %s: %w", r.capture.slot, r.capture.publication, err)
+	}
+	r.log.Info("the replica that made the slot stopped before it had published the rows committed before it; publishing them first",
+		"slot", r.capture.slot)
+	r.capture.beforeSlotNoted = true
+	return snap, nil
 }
 
 // readSlotSnapshot imports the snapshot name a slot's creation exported
@@ -527,6 +605,7 @@ func (r *Relay) stream(ctx context.Context) error {
 				r.dropSlot(ctx, c.slot)
 				return err
 			}
+			r.noteBeforeSlot(ctx, c.beforeSlot)
 			r.log.Info("created the replication slot", "slot", c.slot)
 		}
 		err = r.startReplication(ctx, conn, opts)
@@ -540,6 +619,11 @@ func (r *Relay) stream(ctx context.Context) error {
 		return fmt.Errorf("%w: %v", errSlotGone, err)
 	case err != nil:
 		return fmt.Errorf("start replication from slot %s: %w", c.slot, err)
+	}
+	if c.beforeSlot == nil {
+		if c.beforeSlot, err = r.readBeforeSlot(ctx); err != nil {
+			return err
+		}
 	}
 	r.m.captureStreaming.Set(1)
 	defer r.m.captureStreaming.Set(0)
@@ -1540,6 +1624,14 @@ func (r *Relay) sweepBeforeSlot(ctx context.Context, alive func(context.Context)
 	if err != nil {
 		return fmt.Errorf("sweep the rows before slot %s: %w", r.capture.slot, err)
 	}
+	if r.capture.beforeSlotNoted {
+		// A note left behind is harmless: the rows its snapshot sees are
+		// older than all the stream carries.
+		if _, err := r.pool.Exec(ctx, sqlSetNote(r.capture.publication, beforeSlotNote, "")); err != nil {
+			r.log.Warn("could not remove the slot's snapshot from the publication", "publication", r.capture.publication, "err", err)
+		}
+		r.capture.beforeSlotNoted = false
+	}
 	r.capture.beforeSlot = nil // what it left (held) the sweeps behind the stream publish
 	return nil
 }
@@ -1607,7 +1699,7 @@ const writerDeletesMark = "outbox-relay: streamed with writer deletes; the slot 
 // may not says so, with the fix, and streams all the same, as a relay did
 // before it marked.
 func (r *Relay) markWriterDeletes(ctx context.Context, conn *pgconn.PgConn) {
-	mark := sqlMarkPublication(r.capture.publication, outbox.QuoteLiteral(writerDeletesMark))
+	mark := sqlSetNote(r.capture.publication, writerDeletesMark, writerDeletesMark)
 	if _, err := conn.Exec(ctx, mark).ReadAll(); err != nil {
 		r.log.Warn("the relay may not mark the publication as streamed with writer deletes, so a relay run without them later (the OutboxRelay switched off writer deletes) would drop the slot past --"+relayconfig.FlagMaxRetainedWAL+" even while it holds events in no table; make the relay's role the publication's owner, or keep the slot within the limit when switching",
 			"publication", r.capture.publication, "err", err,
@@ -1678,7 +1770,7 @@ func (r *Relay) holdsDeleted(ctx context.Context, d *deletedRows, confirmed pglo
 		return true
 	}
 	d.past = true
-	if _, err := r.pool.Exec(ctx, sqlMarkPublication(pub, "NULL")); err != nil {
+	if _, err := r.pool.Exec(ctx, sqlSetNote(pub, writerDeletesMark, "")); err != nil {
 		// The next stream reads the mark again, and keeps the slot until
 		// it has streamed past a later position.
 		r.log.Warn("could not remove the writer-deletes mark of the publication", "publication", pub, "err", err,

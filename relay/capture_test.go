@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -555,59 +556,109 @@ func TestLogicalReplicationWaitsForACommitToBeVisible(t *testing.T) {
 // stream delivers, also when a transaction older than theirs ran while the
 // slot was made. The slot's catalog horizon is then older than the rows'
 // transactions, so a sweep bounded by it leaves them out, and the stream
-// does not carry them either: it starts after they committed.
+// does not carry them either: it starts after they committed. When the
+// replica that made the slot stops before it has published them (makerStops:
+// its broker never answers), the replica that streams next finds the slot's
+// snapshot on the publication and publishes them first all the same.
 func TestLogicalReplicationSweepsRowsFromBeforeTheSlotFirst(t *testing.T) {
 	t.Parallel()
 	for _, writerDeletes := range []bool{false, true} {
-		t.Run(fmt.Sprintf("writerDeletes=%t", writerDeletes), func(t *testing.T) {
-			t.Parallel()
-			ctx := context.Background()
-			f, cfg := captureFixture(t, 1, "E")
-			cfg.WriterDeletes = writerDeletes
-			var logs lockedBuffer
-			cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
-			var opts []outbox.WriterOption
-			if writerDeletes {
-				opts = append(opts, outbox.WithDeleteOnStore())
-			}
-			w, err := outbox.NewWriter("outbox", opts...)
-			require.NoError(t, err)
-			var want []string // the key's event ids in commit order
-			store := func() {
-				e := entry("E", len(want))
-				e.PartitionKey = "k"
-				require.NoError(t, pgx.BeginFunc(ctx, f.Pool, func(tx pgx.Tx) error { return w.Store(ctx, tx, e) }))
-				want = append(want, e.EventID)
-			}
+		for _, makerStops := range []bool{false, true} {
+			t.Run(fmt.Sprintf("writerDeletes=%t/makerStops=%t", writerDeletes, makerStops), func(t *testing.T) {
+				t.Parallel()
+				ctx := context.Background()
+				f, cfg := captureFixture(t, 1, "E")
+				cfg.WriterDeletes = writerDeletes
+				var logs lockedBuffer
+				cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+				var opts []outbox.WriterOption
+				if writerDeletes {
+					opts = append(opts, outbox.WithDeleteOnStore())
+				}
+				w, err := outbox.NewWriter("outbox", opts...)
+				require.NoError(t, err)
+				var want []string // the key's event ids in commit order
+				store := func() {
+					e := entry("E", len(want))
+					e.PartitionKey = "k"
+					require.NoError(t, pgx.BeginFunc(ctx, f.Pool, func(tx pgx.Tx) error { return w.Store(ctx, tx, e) }))
+					want = append(want, e.EventID)
+				}
 
-			old, err := f.Pool.Begin(ctx)
-			require.NoError(t, err)
-			defer old.Rollback(ctx)                               //nolint:errcheck // committed below
-			_, err = old.Exec(ctx, `SELECT pg_current_xact_id()`) // it takes a transaction id: older than the rows'
-			require.NoError(t, err)
-			for range 20 {
-				store()
-			}
-			outboxtest.Start(t, cfg)
-			require.Eventually(t, func() bool {
-				return f.Count(`SELECT count(*) FROM pg_replication_slots WHERE database = current_database()`) == 1
-			}, 10*time.Second, 10*time.Millisecond, "the relay makes its slot, which waits for the older transaction")
-			require.NoError(t, old.Commit(ctx))
-			for range 100 { // the key's later rows, one transaction each, while the relay starts streaming
-				store()
-			}
-			var order []string
-			for _, m := range testenv.Broker().Consume(t, f.Topics["E"], len(want), 30*time.Second) {
-				order = append(order, header(m, relay.HeaderEventID))
-			}
-			require.Len(t, order, len(want), "each row once")
-			for i := range want {
-				require.Equal(t, want[i], order[i], "the key's rows in commit order: row %d of %d is out of place", i+1, len(want))
-			}
-			require.Contains(t, logs.String(), "created the replication slot")
-			require.NotContains(t, logs.String(), "streaming failed", "the stream that made the slot streams from it")
-		})
+				old, err := f.Pool.Begin(ctx)
+				require.NoError(t, err)
+				defer old.Rollback(ctx)                               //nolint:errcheck // committed below
+				_, err = old.Exec(ctx, `SELECT pg_current_xact_id()`) // it takes a transaction id: older than the rows'
+				require.NoError(t, err)
+				for range 20 {
+					store()
+				}
+				var maker *outboxtest.Running
+				stuck := &firstWriteSignal{called: make(chan struct{})}
+				if makerStops {
+					makerCfg := cfg
+					makerCfg.Logger = slog.New(slog.NewTextHandler(&lockedBuffer{}, nil))
+					maker, err = outboxtest.RunRelay(makerCfg, stuck)
+					require.NoError(t, err)
+					t.Cleanup(func() { _ = maker.Close() })
+				} else {
+					outboxtest.Start(t, cfg)
+				}
+				require.Eventually(t, func() bool {
+					return f.Count(`SELECT count(*) FROM pg_replication_slots WHERE database = current_database()`) == 1
+				}, 10*time.Second, 10*time.Millisecond, "the relay makes its slot, which waits for the older transaction")
+				require.NoError(t, old.Commit(ctx))
+				if makerStops {
+					select {
+					case <-stuck.called:
+					case <-time.After(30 * time.Second):
+						t.Fatal("the replica that made the slot never began to publish the rows from before it")
+					}
+					require.NoError(t, maker.Close())
+				}
+				for range 100 { // the key's later rows, one transaction each, while the relay starts streaming
+					store()
+				}
+				if makerStops {
+					outboxtest.Start(t, cfg)
+				}
+				var order []string
+				for _, m := range testenv.Broker().Consume(t, f.Topics["E"], len(want), 30*time.Second) {
+					order = append(order, header(m, relay.HeaderEventID))
+				}
+				require.Len(t, order, len(want), "each row once")
+				for i := range want {
+					require.Equal(t, want[i], order[i], "the key's rows in commit order: row %d of %d is out of place", i+1, len(want))
+				}
+				require.NotContains(t, logs.String(), "streaming failed", "the stream that made the slot streams from it")
+				if makerStops {
+					require.Contains(t, logs.String(), "the replica that made the slot")
+				} else {
+					require.Contains(t, logs.String(), "created the replication slot")
+				}
+				require.Eventually(t, func() bool {
+					return f.Count(`SELECT count(*) FROM pg_publication WHERE COALESCE(obj_description(oid, 'pg_publication'), '') LIKE '%snapshot%'`) == 0
+				}, 10*time.Second, 10*time.Millisecond, "once the rows are out, the publication no longer keeps the snapshot")
+				if writerDeletes {
+					require.Equal(t, 1, f.Count(`SELECT count(*) FROM pg_publication WHERE obj_description(oid, 'pg_publication') LIKE '%writer deletes%'`),
+						"removing the snapshot keeps the writer-deletes mark")
+				}
+			})
+		}
 	}
+}
+
+// firstWriteSignal never publishes, as a broker that stopped answering;
+// it closes called on its first write.
+type firstWriteSignal struct {
+	once   sync.Once
+	called chan struct{}
+}
+
+func (w *firstWriteSignal) WriteMessages(ctx context.Context, _ ...kafka.Message) error {
+	w.once.Do(func() { close(w.called) })
+	<-ctx.Done()
+	return ctx.Err()
 }
 
 // Slot and publication names fold case, '.' and '_', and slot names are the

@@ -65,13 +65,18 @@ const (
 	// imported the snapshot a slot's creation exported.
 	sqlSlotSnapshot = `SELECT (pg_snapshot_xmax(pg_current_snapshot())::text::numeric % 4294967296)::text,
 		ARRAY(SELECT (x::text::numeric % 4294967296)::bigint FROM pg_snapshot_xip(pg_current_snapshot()) x)`
-	// sqlDeletedRowsMark: whether the publication $1's comment is $2
-	// (writerDeletesMark), and the first transaction id not yet begun.
-	sqlDeletedRowsMark = `SELECT COALESCE((SELECT obj_description(oid, 'pg_publication') = $2 FROM pg_publication WHERE pubname = $1), false),
+	// sqlDeletedRowsMark: whether the publication $1's comment has the line
+	// $2 (writerDeletesMark, sqlSetNote), and the first transaction id not
+	// yet begun.
+	sqlDeletedRowsMark = `SELECT COALESCE((SELECT $2 = ANY(string_to_array(obj_description(oid, 'pg_publication'), E'\n')) FROM pg_publication WHERE pubname = $1), false),
 		pg_snapshot_xmax(pg_current_snapshot())::text`
 	// sqlDeletedRowsEnd: whether every transaction before $1 (a full
 	// transaction id's text form) has ended, then the WAL's insert position.
 	sqlDeletedRowsEnd = `SELECT pg_snapshot_xmin(pg_current_snapshot()) >= $1::xid8, pg_current_wal_insert_lsn()::text`
+	// sqlNote: the first line of the publication $1's comment that starts
+	// with $2 (sqlSetNote), if any.
+	sqlNote = `SELECT l FROM pg_publication p, unnest(string_to_array(obj_description(p.oid, 'pg_publication'), E'\n')) AS l
+		WHERE p.pubname = $1 AND starts_with(l, $2) LIMIT 1`
 	// sqlSlotConfirmed: how far the slot's consumer has confirmed.
 	sqlSlotConfirmed = `SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()`
 	// sqlDropSlot drops the slot $1 when no connection uses it; true when it
@@ -142,6 +147,24 @@ func sqlMarkPublication(pub, lit string) string {
 	return `COMMENT ON PUBLICATION ` + pgx.Identifier{pub}.Sanitize() + ` IS ` + lit
 }
 
+// sqlSetNote replaces, in one statement, the lines of the publication
+// pub's comment that start with prefix by line, or removes them when line
+// is "": the comment holds one line per note (writerDeletesMark,
+// beforeSlotNote), and each note is set or removed without the others.
+func sqlSetNote(pub, prefix, line string) string {
+	lit := "NULL"
+	if line != "" {
+		lit = outbox.QuoteLiteral(line)
+	}
+	// The notes are the relay's, so none holds the block's quote.
+	return `DO $outbox$ BEGIN EXECUTE format('COMMENT ON PUBLICATION %I IS %L', ` + outbox.QuoteLiteral(pub) + `,
+	NULLIF(concat_ws(E'\n', (SELECT string_agg(l, E'\n' ORDER BY n)
+		FROM unnest(string_to_array(obj_description((SELECT oid FROM pg_publication WHERE pubname = ` + outbox.QuoteLiteral(pub) + `), 'pg_publication'), E'\n'))
+			WITH ORDINALITY AS x(l, n)
+		WHERE NOT starts_with(l, ` + outbox.QuoteLiteral(prefix) + `)), ` + lit + `), ''));
+END $outbox$`
+}
+
 // sqlAddToPublication adds table t to the publication pub.
 func sqlAddToPublication(pub string, t outbox.Table) string {
 	return `ALTER PUBLICATION ` + pgx.Identifier{pub}.Sanitize() + ` ADD TABLE ` + t.Quoted()
@@ -155,5 +178,5 @@ var captureStatements = map[string]string{
 	"sqlRowTypeColumns": sqlRowTypeColumns, "sqlWALSenderTimeout": sqlWALSenderTimeout,
 	"sqlSweepFence": sqlSweepFence, "sqlSlotHorizon": sqlSlotHorizon, "sqlSlotConfirmed": sqlSlotConfirmed,
 	"sqlDeletedRowsMark": sqlDeletedRowsMark, "sqlDeletedRowsEnd": sqlDeletedRowsEnd, "sqlInvisible": sqlInvisible,
-	"sqlSlotSnapshot": sqlSlotSnapshot, "sqlNameTaken": sqlNameTaken,
+	"sqlSlotSnapshot": sqlSlotSnapshot, "sqlNameTaken": sqlNameTaken, "sqlNote": sqlNote,
 }
