@@ -180,36 +180,44 @@ func TestTooLargeForDeadLetterTopicIsHeld(t *testing.T) {
 	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND aggregate_id = 'big'`))
 }
 
-// An authorization error is not permanent: the topic's rows are held and
-// retried, never dead-lettered, and flow once the ACL is fixed.
+// An authorization error, or a topic format too old for the relay's
+// records, is not permanent: the topic's rows are held and retried, never
+// dead-lettered, and flow once the ACL is fixed or the format raised.
 func TestAuthorizationErrorIsHeldNotDeadLettered(t *testing.T) {
 	t.Parallel()
-	f := outboxtest.NewFixture(t, 2, "A", "B")
-	dlt := f.NewTopic("dlt", 1)
-	f.Insert(400, 10, "A", "B")
-	var denied atomic.Bool
-	denied.Store(true)
-	w := &faultyWriter{MessageWriter: newKafkaWriter(t), fail: func(_ int, m kafka.Message) error {
-		if denied.Load() && m.Topic == f.Topics["B"] {
-			return kafka.TopicAuthorizationFailed
-		}
-		return nil
-	}}
-	cfg := f.Config()
-	cfg.DeadLetterTopic = dlt
-	cfg.HeldRetryInterval = 2 * time.Second
-	x := run(t, cfg, w)
-	require.Eventually(t, func() bool {
-		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND event_type = 'A'`) == 0
-	}, 30*time.Second, 20*time.Millisecond)
-	require.Eventually(t, func() bool {
-		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTopicUnavailable) == 200
-	}, 15*time.Second, 100*time.Millisecond)
-	require.Equal(t, 200, f.Unpublished())
-	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
-	denied.Store(false) // the ACL is fixed
-	f.WaitDrained(0, 30*time.Second)
-	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
+	// A topic whose message.format.version is older than 0.11 refuses every
+	// record with headers, which is every record the relay sends.
+	for _, refusal := range []kafka.Error{kafka.TopicAuthorizationFailed, kafka.UnsupportedForMessageFormat} {
+		t.Run(refusal.Title(), func(t *testing.T) {
+			t.Parallel()
+			f := outboxtest.NewFixture(t, 2, "A", "B")
+			dlt := f.NewTopic("dlt", 1)
+			f.Insert(400, 10, "A", "B")
+			var denied atomic.Bool
+			denied.Store(true)
+			w := &faultyWriter{MessageWriter: newKafkaWriter(t), fail: func(_ int, m kafka.Message) error {
+				if denied.Load() && m.Topic == f.Topics["B"] {
+					return refusal
+				}
+				return nil
+			}}
+			cfg := f.Config()
+			cfg.DeadLetterTopic = dlt
+			cfg.HeldRetryInterval = 2 * time.Second
+			x := run(t, cfg, w)
+			require.Eventually(t, func() bool {
+				return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND event_type = 'A'`) == 0
+			}, 30*time.Second, 20*time.Millisecond)
+			require.Eventually(t, func() bool {
+				return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTopicUnavailable) == 200
+			}, 15*time.Second, 100*time.Millisecond)
+			require.Equal(t, 200, f.Unpublished())
+			require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
+			denied.Store(false) // the ACL is fixed, the topic's format raised
+			f.WaitDrained(0, 30*time.Second)
+			require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
+		})
+	}
 }
 
 // Each stall fails Ready within the stall timeout, with the gauge set.

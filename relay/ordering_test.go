@@ -2,6 +2,7 @@ package relay_test
 
 import (
 	"context"
+	"maps"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -175,11 +176,12 @@ func TestOrderingModeMatters(t *testing.T) {
 	require.Zero(t, run(relay.OrderingPartitionKey), "partition-key ordering keeps every key in order")
 }
 
-// keyFailWriter fails every message of one key (transiently) while failing is set.
+// keyFailWriter fails every message of one key, or of one topic,
+// (transiently) while failing is set.
 type keyFailWriter struct {
-	w       relay.MessageWriter
-	key     string
-	failing atomic.Bool
+	w          relay.MessageWriter
+	key, topic string
+	failing    atomic.Bool
 }
 
 func (k *keyFailWriter) WriteMessages(ctx context.Context, msgs ...kafka.Message) error {
@@ -191,7 +193,7 @@ func (k *keyFailWriter) WriteMessages(ctx context.Context, msgs ...kafka.Message
 	var passIdx []int
 	bad := false
 	for i, m := range msgs {
-		if string(m.Key) == k.key {
+		if k.key != "" && string(m.Key) == k.key || k.topic != "" && m.Topic == k.topic {
 			werrs[i] = kafka.LeaderNotAvailable
 			bad = true
 			continue
@@ -239,6 +241,40 @@ func TestFailingKeyBlocksOnlyItself(t *testing.T) {
 	outboxtest.RequireExactlyOnce(t, f.EventIDs(""), counts)
 	v, _ := orderViolations(t, msgs, idsByEvent(t, f))
 	require.Zero(t, v)
+}
+
+// With no ordering, a topic whose records keep failing (its partitions
+// without a leader, or short of in-sync replicas) waits alone: its rows
+// leave the claims for a backoff, so the other topics' rows behind them
+// flow, and when it takes records again its rows follow at once.
+func TestFailingTopicBlocksOnlyItself(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 2, "A", "B")
+	f.Insert(600, 10, "A") // ahead of every B row, more than a batch
+	f.Insert(300, 10, "B")
+	w := &keyFailWriter{w: newKafkaWriter(t), topic: f.Topics["A"]}
+	w.failing.Store(true)
+	cfg := f.Config()
+	cfg.MaxBackoff = 500 * time.Millisecond
+	r, err := relay.NewWithWriter(cfg, w)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	defer func() { cancel(); <-done; r.Close() }() // Close only after Run returned
+
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND event_type = 'B'`) == 0
+	}, time.Minute, 20*time.Millisecond, "the other topic's rows flow")
+	require.Equal(t, 600, f.Unpublished(), "the failing topic's rows all wait")
+	w.failing.Store(false)
+	f.WaitDrained(0, 5*time.Second) // the next try after its backoff
+
+	want := f.EventIDs("")
+	counts, _ := outboxtest.Deliveries(t, 600, f.Topics["A"])
+	countsB, _ := outboxtest.Deliveries(t, 300, f.Topics["B"])
+	maps.Copy(counts, countsB)
+	outboxtest.RequireExactlyOnce(t, want, counts)
 }
 
 // In partition-key mode an unmapped row holds back only the later rows of

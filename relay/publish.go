@@ -166,6 +166,9 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 	if b.stops != nil {
 		retry = b.retry(r, time.Now())
 	}
+	if r.lanes == nil && r.capture == nil {
+		r.topicsFailing(b, now)
+	}
 	if transientErr != nil {
 		r.setKafkaErr(transientErr)
 		if r.claimer.backOff(failed, len(msgs)) {
@@ -533,6 +536,39 @@ func topicsOf(msgs []kafka.Message) []string {
 		}
 	}
 	return ts
+}
+
+// topicsFailing leaves out of the claims, for a backoff, each topic whose
+// rows in b all failed transiently (its partitions short of in-sync
+// replicas, or without a leader), and clears each topic that took a row.
+// Polling with no ordering claims the rows that failed again first, so a
+// topic whose rows keep failing would otherwise fill every claim and stop
+// the other topics' rows behind its own. Partition-key ordering waits per
+// key instead (its lanes), and logical replication retries rows in commit
+// order.
+func (r *Relay) topicsFailing(b *batch, now time.Time) {
+	failed := map[string]error{}
+	took := map[string]bool{}
+	for i, x := range b.rows {
+		topic := r.cfg.Topics[x.eventType]
+		switch b.out[i] {
+		case acked:
+			took[topic] = true
+		case transient:
+			failed[topic] = b.errs[i]
+		}
+	}
+	for topic := range took {
+		if r.topics.clearFailing(topic) {
+			r.log.Info("the topic takes records again", "topic", topic)
+		}
+	}
+	for topic, err := range failed {
+		if !took[topic] && r.topics.markFailing(topic, err, now, r.cfg.MaxBackoff) {
+			r.log.Warn("every record for the topic failed; its rows wait and it is tried again, while the other topics' rows flow",
+				"topic", topic, "err", err)
+		}
+	}
 }
 
 // topicFailed holds a topic's rows for a backoff, logging once per outage.

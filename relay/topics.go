@@ -21,14 +21,35 @@ const defaultMaxRecordBytes = 1048588
 // available now, and the largest record it takes. The loop reads it; the
 // stats loop refreshes it from the broker.
 type topicState struct {
-	mu       sync.Mutex
-	down     map[string]*topicOutage
+	mu   sync.Mutex
+	down outages
+	// failing are the topics whose rows all failed transiently in a
+	// polling batch with no ordering (Relay.topicsFailing): left out of
+	// the claims for a backoff, they are not unavailable.
+	failing  outages
 	maxBytes map[string]int
 	// oldest is how far before the broker's clock a topic takes a record's
 	// timestamp (timestampWindow); none when it takes any.
 	oldest     map[string]time.Duration
 	partitions map[string]int // partition counts, from the latest metadata
 	compressed bool           // the writer compresses record batches
+}
+
+// outages are topics the relay leaves out for now, with why and until when.
+type outages map[string]*topicOutage
+
+// mark sets topic's backoff (doubled, up to limit) and error; it reports
+// whether topic was not marked before.
+func (o outages) mark(topic string, err error, now time.Time, limit time.Duration) bool {
+	d, was := o[topic]
+	if !was {
+		d = &topicOutage{}
+		o[topic] = d
+	}
+	d.backoff = min(max(2*d.backoff, 100*time.Millisecond), limit)
+	d.until = now.Add(jitter(d.backoff))
+	d.err = err
+	return !was
 }
 
 // topicOutage is a topic the relay may not write to for now (unknown, deleted,
@@ -41,7 +62,7 @@ type topicOutage struct {
 }
 
 func newTopicState(compressed bool) *topicState {
-	return &topicState{down: map[string]*topicOutage{}, maxBytes: map[string]int{}, oldest: map[string]time.Duration{},
+	return &topicState{down: outages{}, failing: outages{}, maxBytes: map[string]int{}, oldest: map[string]time.Duration{},
 		partitions: map[string]int{}, compressed: compressed}
 }
 
@@ -49,8 +70,12 @@ func newTopicState(compressed bool) *topicState {
 func (s *topicState) available(topic string, now time.Time) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	d, ok := s.down[topic]
-	return !ok || !now.Before(d.until)
+	for _, m := range []outages{s.down, s.failing} {
+		if d, ok := m[topic]; ok && now.Before(d.until) {
+			return false
+		}
+	}
+	return true
 }
 
 // markDown holds topic's rows for a backoff that doubles, up to limit, each
@@ -58,15 +83,25 @@ func (s *topicState) available(topic string, now time.Time) bool {
 func (s *topicState) markDown(topic string, err error, now time.Time, limit time.Duration) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	d, wasDown := s.down[topic]
-	if !wasDown {
-		d = &topicOutage{}
-		s.down[topic] = d
-	}
-	d.backoff = min(max(2*d.backoff, 100*time.Millisecond), limit)
-	d.until = now.Add(jitter(d.backoff))
-	d.err = err
-	return !wasDown
+	return s.down.mark(topic, err, now, limit)
+}
+
+// markFailing leaves topic's rows out of the claims for a backoff that
+// doubles, up to limit, each time they all fail again. It reports whether
+// the topic was not failing before.
+func (s *topicState) markFailing(topic string, err error, now time.Time, limit time.Duration) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.failing.mark(topic, err, now, limit)
+}
+
+// clearFailing clears topic after it took a row. It reports whether it was failing.
+func (s *topicState) clearFailing(topic string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, ok := s.failing[topic]
+	delete(s.failing, topic)
+	return ok
 }
 
 // markUp clears topic after a successful write. It reports whether it was down.
@@ -212,14 +247,16 @@ func (s *topicState) refreshLimits(ctx context.Context, c *kafka.Client, topics 
 }
 
 // isTopicUnavailable reports errors that concern a whole topic and that an
-// operator fixes (create the topic, grant the ACL, relax the policy): the
-// topic's rows are held and retried, never dead-lettered.
+// operator fixes (create the topic, grant the ACL, relax the policy, raise
+// the topic's message.format.version, which below 0.11 takes no record
+// with headers, and every record the relay sends has some): the topic's
+// rows are held and retried, never dead-lettered.
 func isTopicUnavailable(err error) bool {
 	var kerr kafka.Error
 	if errors.As(err, &kerr) {
 		switch kerr {
 		case kafka.UnknownTopicOrPartition, kafka.TopicAuthorizationFailed, kafka.ClusterAuthorizationFailed,
-			kafka.PolicyViolation, kafka.InvalidTopic, kafka.SASLAuthenticationFailed:
+			kafka.PolicyViolation, kafka.InvalidTopic, kafka.SASLAuthenticationFailed, kafka.UnsupportedForMessageFormat:
 			return true
 		}
 	}
@@ -235,8 +272,7 @@ func isPermanent(err error) bool {
 	var kerr kafka.Error
 	if errors.As(err, &kerr) {
 		switch kerr {
-		case kafka.MessageSizeTooLarge, kafka.RecordListTooLarge, kafka.InvalidRecord,
-			kafka.UnsupportedForMessageFormat:
+		case kafka.MessageSizeTooLarge, kafka.RecordListTooLarge, kafka.InvalidRecord:
 			return true
 		}
 	}
