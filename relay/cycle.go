@@ -234,7 +234,11 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	r.cur.claimed(rows, full)
 	if len(rows) == 0 {
 		defer cancel()
-		r.health.batchDone(start, 0, 0)
+		if !r.topics.anyFailing() {
+			// Else the claim only left out rows that keep failing: nothing
+			// is done, and the stalls say so.
+			r.health.batchDone(start, 0, 0)
+		}
 		if err := tx.Commit(bctx); err != nil {
 			return nil, r.dbFailed(fmt.Errorf("commit batch on %s: %w", r.table, err))
 		}

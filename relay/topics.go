@@ -95,6 +95,13 @@ func (s *topicState) markFailing(topic string, err error, now time.Time, limit t
 	return s.failing.mark(topic, err, now, limit)
 }
 
+// anyFailing reports whether a topic is marked failing (markFailing).
+func (s *topicState) anyFailing() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.failing) > 0
+}
+
 // clearFailing clears topic after it took a row. It reports whether it was failing.
 func (s *topicState) clearFailing(topic string) bool {
 	s.mu.Lock()
