@@ -330,3 +330,28 @@ func TestModeSwitchMidDrainKeepsKeyOrder(t *testing.T) {
 	require.Equal(t, 50, keys)
 	require.Zero(t, violations)
 }
+
+// A relay that waits at start-up for a database that does not answer, as
+// `relay` does before it runs, is not wedged: /healthz passes, so the
+// kubelet does not restart it for a wait that is not its own. Before, it
+// failed once the loop's wedged limit had passed since the relay was made.
+func TestWaitingForDependenciesIsNotWedged(t *testing.T) {
+	t.Parallel()
+	cfg := relay.Config{
+		Settings: relay.Settings{
+			DSN: "postgres://relay@127.0.0.1:1/outbox?connect_timeout=1", Table: "outbox",
+			Brokers: []string{"127.0.0.1:1"}, Topics: map[string]string{"E": "e"},
+			PublishTimeout: time.Second, StallTimeout: 5 * time.Second,
+		},
+	}
+	r, err := relay.New(cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.Close() })
+	wedged := cfg.PublishTimeout + 15*time.Second + cfg.StallTimeout // the least the loop's limit can be
+	for end := time.Now().Add(wedged + 5*time.Second); time.Now().Before(end); {
+		var unreachable *relay.UnreachableError
+		require.ErrorAs(t, r.Check(context.Background()), &unreachable)
+		require.NoError(t, r.Live(), "waiting for the database is not a wedged loop")
+		<-time.After(time.Second) // the start-up loop's backoff
+	}
+}

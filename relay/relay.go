@@ -214,6 +214,9 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 const minServerVersion = 140000
 
 // batchDeadline bounds one batch from begin to commit, even after SIGTERM.
+// checkTimeout bounds one start-up check (Check).
+const checkTimeout = 30 * time.Second
+
 func batchDeadline(cfg Config) time.Duration { return cfg.PublishTimeout + 15*time.Second }
 
 // Close releases the database connections and the Kafka writer. Call it
@@ -247,7 +250,12 @@ func (r *Relay) writerFor(batchBytes int) *kafka.Writer {
 // topic (and the dead-letter topic) exists in Kafka, and reads each topic's
 // largest record size from the broker.
 func (r *Relay) Check(ctx context.Context) error {
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	// Until Run starts, the checks are the relay's loop: a relay waiting
+	// for its dependencies is not wedged, and /healthz passes.
+	now := time.Now()
+	r.health.iteration(now)
+	r.health.idleUntil(now.Add(checkTimeout))
+	ctx, cancel := context.WithTimeout(ctx, checkTimeout)
 	defer cancel()
 	if err := r.pool.Ping(ctx); err != nil {
 		r.setDBErr(err)
