@@ -199,26 +199,31 @@ func (r *Relay) noteBeforeSlot(ctx context.Context, snap *slotSnapshot) {
 	}
 }
 
-// readBeforeSlot is the snapshot noteBeforeSlot kept, nil when there is
-// none: the replica that made the slot stopped before it had published the
-// rows committed before the slot.
-func (r *Relay) readBeforeSlot(ctx context.Context) (*slotSnapshot, error) {
+// readBeforeSlot takes the snapshot noteBeforeSlot kept, if any: the rows
+// committed before the slot are not all published yet (its maker, or this
+// replica's last stream, stopped before its first sweep ended). A note
+// this replica kept and that is gone now was removed by the replica that
+// published them; one it could not keep, it keeps in memory.
+func (r *Relay) readBeforeSlot(ctx context.Context) error {
+	c := r.capture
 	var line string
-	err := r.pool.QueryRow(ctx, sqlNote, r.capture.publication, beforeSlotNote).Scan(&line)
+	err := r.pool.QueryRow(ctx, sqlNote, c.publication, beforeSlotNote).Scan(&line)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
-		return nil, nil
+		if c.beforeSlotNoted {
+			c.beforeSlot, c.beforeSlotNoted = nil, false
+		}
+		return nil
 	case err != nil:
-		return nil, fmt.Errorf("read the snapshot of slot %s: %w", r.capture.slot, err)
+		return fmt.Errorf("read the snapshot of slot %s: %w", c.slot, err)
 	}
 	snap, err := parseSlotSnapshot(line)
 	if err != nil {
-		return nil, fmt.Errorf("read the snapshot of slot %s from the comment of publication %s: %w", r.capture.slot, r.capture.publication, err)
+		return fmt.Errorf("read the snapshot of slot %s from the comment of publication %s: %w", c.slot, c.publication, err)
 	}
-	r.log.Info("the replica that made the slot stopped before it had published the rows committed before it; publishing them first",
-		"slot", r.capture.slot)
-	r.capture.beforeSlotNoted = true
-	return snap, nil
+	r.log.Info("the rows committed before the slot was made are not all published yet; publishing them first", "slot", c.slot)
+	c.beforeSlot, c.beforeSlotNoted = snap, true
+	return nil
 }
 
 // readSlotSnapshot imports the snapshot name a slot's creation exported
@@ -337,12 +342,7 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 	if r.cfg.WriterDeletes {
 		// Each stream marks it again; this says at start-up when the
 		// relay cannot.
-		conn, err := r.pool.Acquire(ctx)
-		if err != nil {
-			return err
-		}
-		defer conn.Release()
-		r.markWriterDeletes(ctx, conn.Conn().PgConn())
+		r.markWriterDeletes(ctx)
 	}
 	return nil
 }
@@ -507,7 +507,7 @@ func (r *Relay) startReplication(ctx context.Context, conn *pgconn.PgConn, opts 
 		if err := lockWriterDeletes(ctx, conn, r.capture.slot); err != nil {
 			return err
 		}
-		r.markWriterDeletes(ctx, conn) // before the writers delete: they do only while it streams
+		r.markWriterDeletes(ctx) // before the writers delete: they do only while it streams
 	}
 	return pglogrepl.StartReplication(ctx, conn, r.capture.slot, 0, opts)
 }
@@ -585,6 +585,7 @@ func (r *Relay) stream(ctx context.Context) error {
 	defer func() { conn.Close(context.WithoutCancel(ctx)) }()
 	opts := pglogrepl.StartReplicationOptions{PluginArgs: []string{"proto_version '1'", "publication_names '" + c.publication + "'"}}
 	err = r.startReplication(ctx, conn, opts)
+	madeHere := false
 	if pgCode(err) == "42704" { // no such slot: make it, on a connection of its own (the failed start leaves this one unusable)
 		conn.Close(context.WithoutCancel(ctx))
 		var fresh *pgconn.PgConn // conn stays the closed one, never nil, if this fails
@@ -592,6 +593,11 @@ func (r *Relay) stream(ctx context.Context) error {
 			return fmt.Errorf("connect for replication: %w", err)
 		}
 		conn = fresh
+		// The capture lock first: no other replica streams from the slot
+		// before its snapshot is noted (noteBeforeSlot).
+		if err := r.tryCaptureLock(ctx, conn); err != nil {
+			return err
+		}
 		var made pglogrepl.CreateReplicationSlotResult
 		made, err = r.makeSlot(ctx, conn)
 		switch {
@@ -606,6 +612,7 @@ func (r *Relay) stream(ctx context.Context) error {
 				return err
 			}
 			r.noteBeforeSlot(ctx, c.beforeSlot)
+			madeHere = true
 			r.log.Info("created the replication slot", "slot", c.slot)
 		}
 		err = r.startReplication(ctx, conn, opts)
@@ -620,8 +627,8 @@ func (r *Relay) stream(ctx context.Context) error {
 	case err != nil:
 		return fmt.Errorf("start replication from slot %s: %w", c.slot, err)
 	}
-	if c.beforeSlot == nil {
-		if c.beforeSlot, err = r.readBeforeSlot(ctx); err != nil {
+	if !madeHere {
+		if err := r.readBeforeSlot(ctx); err != nil {
 			return err
 		}
 	}
@@ -1626,8 +1633,9 @@ func (r *Relay) sweepBeforeSlot(ctx context.Context, alive func(context.Context)
 	}
 	if r.capture.beforeSlotNoted {
 		// A note left behind is harmless: the rows its snapshot sees are
-		// older than all the stream carries.
-		if _, err := r.pool.Exec(ctx, sqlSetNote(r.capture.publication, beforeSlotNote, "")); err != nil {
+		// older than all the stream carries. Only this snapshot's goes: a
+		// newer slot's maker may have noted its own meanwhile.
+		if _, err := r.pool.Exec(ctx, sqlRemoveNote(r.capture.publication, before.note())); err != nil {
 			r.log.Warn("could not remove the slot's snapshot from the publication", "publication", r.capture.publication, "err", err)
 		}
 		r.capture.beforeSlotNoted = false
@@ -1694,13 +1702,14 @@ func (r *Relay) checkSlot(ctx context.Context, slot string, holdsDeleted bool) e
 // without them that takes the slot later reads it (holdsDeleted).
 const writerDeletesMark = "outbox-relay: streamed with writer deletes; the slot may hold events that are in no table"
 
-// markWriterDeletes gives the publication writerDeletesMark, on conn. Only
+// markWriterDeletes gives the publication writerDeletesMark. Only
 // the publication's owner may, and a DBA often makes it: a relay that
 // may not says so, with the fix, and streams all the same, as a relay did
 // before it marked.
-func (r *Relay) markWriterDeletes(ctx context.Context, conn *pgconn.PgConn) {
-	mark := sqlSetNote(r.capture.publication, writerDeletesMark, writerDeletesMark)
-	if _, err := conn.Exec(ctx, mark).ReadAll(); err != nil {
+func (r *Relay) markWriterDeletes(ctx context.Context) {
+	// On a connection of the pool: a replication connection of
+	// PostgreSQL 14.0 and 14.1 takes no statement holding a ';'.
+	if _, err := r.pool.Exec(ctx, sqlSetNote(r.capture.publication, writerDeletesMark, writerDeletesMark)); err != nil {
 		r.log.Warn("the relay may not mark the publication as streamed with writer deletes, so a relay run without them later (the OutboxRelay switched off writer deletes) would drop the slot past --"+relayconfig.FlagMaxRetainedWAL+" even while it holds events in no table; make the relay's role the publication's owner, or keep the slot within the limit when switching",
 			"publication", r.capture.publication, "err", err,
 			"fix", "ALTER PUBLICATION "+pgx.Identifier{r.capture.publication}.Sanitize()+" OWNER TO "+pgx.Identifier{r.capture.role}.Sanitize())
@@ -1783,6 +1792,10 @@ func (r *Relay) holdsDeleted(ctx context.Context, d *deletedRows, confirmed pglo
 // dropSlot drops the slot once no connection uses it (the walsender of a
 // closed connection ends shortly after).
 func (r *Relay) dropSlot(ctx context.Context, slot string) {
+	if c := r.capture; c != nil {
+		// The rows its snapshot sees are not the next slot's to sweep first.
+		c.beforeSlot, c.beforeSlotNoted = nil, false
+	}
 	var err error
 	for i := 0; i < 20 && ctx.Err() == nil; i++ {
 		var dropped bool

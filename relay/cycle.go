@@ -215,6 +215,10 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	}
 	// Never NULL arrays: id <> ALL(NULL) matches no row.
 	f := claimFilter{types: r.availableTypes(start), held: []int64{}, keys: []string{}, keyTypes: []string{}, largest: r.largestRecord()}
+	if len(f.types) > r.available {
+		r.cur.rescanSoon() // a topic back from its backoff: its rows may lie behind the cursor
+	}
+	r.available = len(f.types)
 	if r.lanes != nil {
 		r.lanes.holdBack(&f, start) // before the cursor: an expired lane moves it back; the lanes keep held rows out
 	} else {
@@ -234,7 +238,7 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	r.cur.claimed(rows, full)
 	if len(rows) == 0 {
 		defer cancel()
-		if !r.topics.anyFailing() {
+		if !r.topics.anyFailing(start) {
 			// Else the claim only left out rows that keep failing: nothing
 			// is done, and the stalls say so.
 			r.health.batchDone(start, 0, 0)

@@ -277,6 +277,29 @@ func TestFailingTopicBlocksOnlyItself(t *testing.T) {
 	outboxtest.RequireExactlyOnce(t, want, counts)
 }
 
+// A topic one replica found failing, whose rows another replica then
+// published, is no stall once the table is idle: the mark lapses with its
+// backoff, and the idle replica's empty claims count as batches done again.
+func TestFailingTopicPublishedElsewhereIsNoStall(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 2, "A", "B")
+	f.Insert(200, 10, "A", "B")
+	w := &keyFailWriter{w: newKafkaWriter(t), topic: f.Topics["A"]}
+	w.failing.Store(true) // for good: this replica never publishes to A
+	cfg := f.Config()
+	cfg.StallTimeout = 5 * time.Second
+	failing := run(t, cfg, w)
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND event_type = 'B'`) == 0
+	}, 30*time.Second, 20*time.Millisecond, "the failing replica publishes the other topic")
+	run(t, cfg, nil)
+	f.WaitDrained(0, 30*time.Second)
+	require.Eventually(t, func() bool { return failing.R.Ready() == nil }, 2*cfg.StallTimeout, 100*time.Millisecond,
+		"once the stats loop has reached Kafka again")
+	require.Never(t, func() bool { return failing.R.Ready() != nil }, cfg.StallTimeout+3*time.Second, 100*time.Millisecond,
+		"idle, the replica that found the topic failing is not stalled")
+}
+
 // In partition-key mode an unmapped row holds back only the later rows of
 // its key and type: order is kept per key within a topic, and an unmapped
 // type has no topic, so the key's mapped rows flow.

@@ -57,6 +57,9 @@ type Relay struct {
 	member  *member
 	cur     cursor
 	held    *heldRows
+	// available is how many mapped types the last claim took: when more
+	// are available again, their rows may lie behind the cursor.
+	available int
 
 	// Shared with the stats loop and the probes.
 	topics     *topicState
@@ -255,6 +258,10 @@ func (r *Relay) Check(ctx context.Context) error {
 	now := time.Now()
 	r.health.iteration(now)
 	r.health.idleUntil(now.Add(checkTimeout))
+	defer func() { // Run's loop is watched from its end on
+		r.health.iteration(time.Now())
+		r.health.idleUntil(time.Time{})
+	}()
 	ctx, cancel := context.WithTimeout(ctx, checkTimeout)
 	defer cancel()
 	if err := r.pool.Ping(ctx); err != nil {

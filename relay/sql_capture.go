@@ -152,16 +152,33 @@ func sqlMarkPublication(pub, lit string) string {
 // is "": the comment holds one line per note (writerDeletesMark,
 // beforeSlotNote), and each note is set or removed without the others.
 func sqlSetNote(pub, prefix, line string) string {
+	return sqlEditNotes(pub, `starts_with(l, `+outbox.QuoteLiteral(prefix)+`)`, line)
+}
+
+// sqlRemoveNote removes the lines of the publication pub's comment that
+// are line.
+func sqlRemoveNote(pub, line string) string {
+	return sqlEditNotes(pub, `l = `+outbox.QuoteLiteral(line), "")
+}
+
+// sqlEditNotes drops the lines l of the publication pub's comment for
+// which the SQL condition drop holds, and adds line unless it is "". An
+// advisory lock of the publication's name serializes the edits, which
+// read the comment before they write it.
+func sqlEditNotes(pub, drop, line string) string {
 	lit := "NULL"
 	if line != "" {
 		lit = outbox.QuoteLiteral(line)
 	}
+	p := outbox.QuoteLiteral(pub)
 	// The notes are the relay's, so none holds the block's quote.
-	return `DO $outbox$ BEGIN EXECUTE format('COMMENT ON PUBLICATION %I IS %L', ` + outbox.QuoteLiteral(pub) + `,
+	return `DO $outbox$ BEGIN
+PERFORM pg_advisory_xact_lock(hashtext('outbox-relay publication notes'), hashtext(` + p + `));
+EXECUTE format('COMMENT ON PUBLICATION %I IS %L', ` + p + `,
 	NULLIF(concat_ws(E'\n', (SELECT string_agg(l, E'\n' ORDER BY n)
-		FROM unnest(string_to_array(obj_description((SELECT oid FROM pg_publication WHERE pubname = ` + outbox.QuoteLiteral(pub) + `), 'pg_publication'), E'\n'))
+		FROM unnest(string_to_array(obj_description((SELECT oid FROM pg_publication WHERE pubname = ` + p + `), 'pg_publication'), E'\n'))
 			WITH ORDINALITY AS x(l, n)
-		WHERE NOT starts_with(l, ` + outbox.QuoteLiteral(prefix) + `)), ` + lit + `), ''));
+		WHERE NOT (` + drop + `)), ` + lit + `), ''));
 END $outbox$`
 }
 

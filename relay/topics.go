@@ -95,11 +95,17 @@ func (s *topicState) markFailing(topic string, err error, now time.Time, limit t
 	return s.failing.mark(topic, err, now, limit)
 }
 
-// anyFailing reports whether a topic is marked failing (markFailing).
-func (s *topicState) anyFailing() bool {
+// anyFailing reports whether a topic marked failing (markFailing) is
+// still left out of the claims at now.
+func (s *topicState) anyFailing(now time.Time) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return len(s.failing) > 0
+	for _, d := range s.failing {
+		if now.Before(d.until) {
+			return true
+		}
+	}
+	return false
 }
 
 // clearFailing clears topic after it took a row. It reports whether it was failing.
