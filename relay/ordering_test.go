@@ -256,12 +256,7 @@ func TestFailingTopicBlocksOnlyItself(t *testing.T) {
 	w.failing.Store(true)
 	cfg := f.Config()
 	cfg.MaxBackoff = 500 * time.Millisecond
-	r, err := relay.NewWithWriter(cfg, w)
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	defer func() { cancel(); <-done; r.Close() }() // Close only after Run returned
+	run(t, cfg, w)
 
 	require.Eventually(t, func() bool {
 		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND event_type = 'B'`) == 0

@@ -52,6 +52,13 @@ func (o outages) mark(topic string, err error, now time.Time, limit time.Duratio
 	return !was
 }
 
+// clear removes topic; it reports whether it was marked.
+func (o outages) clear(topic string) bool {
+	_, ok := o[topic]
+	delete(o, topic)
+	return ok
+}
+
 // topicOutage is a topic the relay may not write to for now (unknown, deleted,
 // not authorized, refused by policy). Its rows are held, the other topics'
 // rows flow, and the topic is tried again after a growing backoff.
@@ -112,18 +119,14 @@ func (s *topicState) anyFailing(now time.Time) bool {
 func (s *topicState) clearFailing(topic string) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	_, ok := s.failing[topic]
-	delete(s.failing, topic)
-	return ok
+	return s.failing.clear(topic)
 }
 
 // markUp clears topic after a successful write. It reports whether it was down.
 func (s *topicState) markUp(topic string) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	_, ok := s.down[topic]
-	delete(s.down, topic)
-	return ok
+	return s.down.clear(topic)
 }
 
 // downTopics returns the topics held now, with why.
