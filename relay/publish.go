@@ -52,6 +52,27 @@ func recordSize(m kafka.Message) int {
 	return n
 }
 
+// aloneRecordSize is m's exact size as the only record of a record batch
+// (magic v2): its length, attributes, timestamp and offset deltas (zero for
+// the first record), key, value and headers. kafka-go's accounting
+// (recordSize) counts fixed widths instead, some 10 bytes more.
+func aloneRecordSize(m kafka.Message) int {
+	body := 1 + 1 + 1 + bytesFieldSize(m.Key) + bytesFieldSize(m.Value) + varintSize(len(m.Headers))
+	for _, h := range m.Headers {
+		body += varintSize(len(h.Key)) + len(h.Key) + bytesFieldSize(h.Value)
+	}
+	return varintSize(body) + body
+}
+
+// bytesFieldSize is the size of b as a record's field: its length as a
+// varint (-1 for null), then its bytes.
+func bytesFieldSize(b []byte) int {
+	if b == nil {
+		return varintSize(-1)
+	}
+	return varintSize(len(b)) + len(b)
+}
+
 // varintSize is the length of n as a zig-zag varint, as Kafka encodes lengths.
 func varintSize(n int) int {
 	u := uint64(n) << 1
@@ -371,7 +392,7 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 	}
 	b.rows[i] = x // later records of this row (sent alone, dead-lettered) carry the same headers
 	m := r.message(x, topic)
-	if size, budget := recordSize(m), r.topics.budget(topic); size > budget {
+	if size, budget := recordSize(m), r.topics.budget(topic); size > budget && !r.topics.fitsAlone(topic, m) {
 		if !r.topics.limitKnown(topic) {
 			// Over a guessed limit only: the topic may take it, so it is
 			// held and tried again, never dead-lettered.
@@ -597,6 +618,14 @@ func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int
 	var budgets []int
 	for j, m := range msgs {
 		bb := r.topics.budget(m.Topic)
+		if recordSize(m) > bb {
+			// Admitted because it fits alone (topicState.fitsAlone): a
+			// writer whose batches hold one such record at most. Those of
+			// partition-key order and logical replication go in a round of
+			// their own for their topic (sendRounds), so no key's order
+			// turns.
+			bb = r.topics.limit(m.Topic)
+		}
 		if _, ok := groups[bb]; !ok {
 			budgets = append(budgets, bb)
 		}
@@ -682,7 +711,7 @@ func (r *Relay) deadLetter(ctx context.Context, x row, cause error) bool {
 		kafka.Header{Key: HeaderOriginalTopic, Value: []byte(m.Topic)})
 	m.Topic = r.cfg.DeadLetterTopic
 	m.WriterData = nil // the row's partition is one of its own topic's; the key's hash chooses here
-	if size, budget := recordSize(m), r.topics.budget(m.Topic); size > budget {
+	if size, budget := recordSize(m), r.topics.budget(m.Topic); size > budget && !r.topics.fitsAlone(m.Topic, m) {
 		r.log.Error("row fits neither its topic nor the dead-letter topic; it is held", "id", x.id, "event_id", x.eventID,
 			"bytes", size, "dead_letter_limit", budget)
 		return false

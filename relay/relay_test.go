@@ -214,6 +214,59 @@ func TestOversizedRecordGoesToDeadLetterTopic(t *testing.T) {
 	require.Equal(t, 1.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
 }
 
+// A record is dead-lettered as too large only when its topic would refuse
+// it sent alone. Rows whose records span the last bytes under the topic's
+// limit, in both ordering modes: each dead-lettered record, its dead-letter
+// headers taken off, is produced alone to its topic, which must refuse it.
+// Before, the relay's margin for batches of many records also bounded a
+// record alone, and a record some 70 bytes under the limit was
+// dead-lettered though the topic took it.
+func TestOnlyRecordsTheTopicRefusesAloneAreDeadLettered(t *testing.T) {
+	for _, mode := range modes {
+		t.Run(string(mode), func(t *testing.T) {
+			t.Parallel()
+			f := outboxtest.NewFixture(t, 1)
+			f.Topics["E"] = f.NewTopic("small", 2, "max.message.bytes", "2000")
+			dlt := f.NewTopic("dlt", 1)
+			f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+				SELECT gen_random_uuid(), 'Order', 'o', 'E', jsonb_build_object('pad', repeat('y', n)), 'k' || (n % 3)
+				FROM generate_series(1500, 2000, 2) n`)
+			cfg := f.Config()
+			cfg.Ordering = mode
+			cfg.DeadLetterTopic = dlt
+			x := outboxtest.Start(t, cfg)
+			f.WaitDrained(0, 30*time.Second)
+			dead := int(outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
+			published := testenv.Broker().Consume(t, f.Topics["E"], 251-dead, 30*time.Second)
+			require.Len(t, published, 251-dead)
+			require.NotZero(t, dead, "the largest rows are over the topic's limit")
+			require.NotEmpty(t, published, "the smallest rows are within it")
+			if mode == relay.OrderingPartitionKey {
+				v, _ := orderViolations(t, published, idsByEvent(t, f))
+				require.Zero(t, v, "a record sent in a batch of its own keeps its key's order")
+			}
+
+			w := &kafka.Writer{Addr: kafka.TCP(testenv.Broker().Addr()), Topic: f.Topics["E"], RequiredAcks: kafka.RequireAll,
+				BatchTimeout: time.Microsecond, BatchBytes: 1 << 20}
+			t.Cleanup(func() { w.Close() })
+			for _, m := range testenv.Broker().Consume(t, dlt, dead, 30*time.Second) {
+				alone := kafka.Message{Key: m.Key, Value: m.Value}
+				for _, h := range m.Headers {
+					if h.Key != relay.HeaderError && h.Key != relay.HeaderOriginalTopic {
+						alone.Headers = append(alone.Headers, h)
+					}
+				}
+				var werrs kafka.WriteErrors
+				err := w.WriteMessages(context.Background(), alone)
+				require.NotNil(t, err, "event %s (%d bytes of payload) was dead-lettered, but its topic takes it",
+					testenv.Header(m, relay.HeaderEventID), len(m.Value))
+				require.ErrorAs(t, err, &werrs)
+				require.ErrorIs(t, werrs[0], kafka.MessageSizeTooLarge)
+			}
+		})
+	}
+}
+
 // 7b. Without a dead-letter topic the refused row is held and reported, and
 // the rows behind it (same partition included) flow.
 func TestOversizedRecordHeldWithoutDeadLetterTopic(t *testing.T) {

@@ -159,6 +159,20 @@ func (s *topicState) limitKnown(topic string) bool {
 	return ok
 }
 
+// fitsAlone reports whether m, the only record of a batch, is a batch the
+// topic takes: the batch's header and m's exact size (aloneRecordSize)
+// within the topic's limit, as the broker said it. budget keeps a margin
+// for batches of many records, which a record alone does not need; so a
+// record over budget that fits alone goes out in a batch of its own
+// (Relay.write). Compressed batches are not sized before they are made,
+// and a limit the broker did not say is a guess: neither fits alone.
+func (s *topicState) fitsAlone(topic string, m kafka.Message) bool {
+	if s.compressed || !s.limitKnown(topic) {
+		return false
+	}
+	return recordBatchOverhead+aloneRecordSize(m) <= s.limit(topic)
+}
+
 // recordBatchOverhead is a record batch's header (magic v2): the broker
 // measures the whole batch, header included, against the topic's
 // max.message.bytes.
@@ -171,7 +185,8 @@ const recordBatchOverhead = 61
 // deltas). Compression usually shrinks a batch, but incompressible data
 // grows by the codec's framing, so a compressed writer keeps 1 % more back.
 // The writer of a topic splits each partition's share at this size (its
-// BatchBytes), and a record larger than it is too large for the topic.
+// BatchBytes), and a record larger than it is too large for the topic
+// unless it fits alone (fitsAlone).
 func (s *topicState) budget(topic string) int {
 	limit := s.limit(topic)
 	b := limit - recordBatchOverhead - 64
