@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -35,12 +36,6 @@ const (
 	staleTime                  // its topic refuses its timestamp (publish sends it again with the publish time)
 )
 
-// errTooLarge is the error a record larger than its topic takes gets.
-func errTooLarge(size, budget int, topic string) error {
-	return fmt.Errorf("record of %d bytes is larger than topic %s takes (%d in a record batch under its max.message.bytes): %w",
-		size, topic, budget, kafka.MessageSizeTooLarge)
-}
-
 // recordSize is kafka-go's accounting of a record's size, the one its
 // writer splits a partition's batches by (BatchBytes): key, value and
 // headers with their length prefixes, and the record's fixed fields.
@@ -65,10 +60,10 @@ func aloneRecordSize(m kafka.Message) int {
 }
 
 // bytesFieldSize is the size of b as a record's field: its length as a
-// varint (-1 for null), then its bytes.
+// varint (-1, one byte, for null), then its bytes.
 func bytesFieldSize(b []byte) int {
 	if b == nil {
-		return varintSize(-1)
+		return 1
 	}
 	return varintSize(len(b)) + len(b)
 }
@@ -392,19 +387,19 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 	}
 	b.rows[i] = x // later records of this row (sent alone, dead-lettered) carry the same headers
 	m := r.message(x, topic)
-	if size, budget := recordSize(m), r.topics.budget(topic); size > budget && !r.topics.fitsAlone(topic, m) {
+	if err := r.topics.tooLarge(topic, m); err != nil {
 		if !r.topics.limitKnown(topic) {
 			// Over a guessed limit only: the topic may take it, so it is
 			// held and tried again, never dead-lettered.
 			until := now.Add(r.cfg.HeldRetryInterval)
 			r.held.hold(r.log, x, HeldTooLarge, until, fmt.Errorf(
 				"%w; the topic's max.message.bytes could not be read (the relay's principal needs DESCRIBE_CONFIGS on it), so the default was assumed and the row is held, not dead-lettered",
-				errTooLarge(size, budget, topic)))
+				err))
 			r.stopLane(b, x, i, until)
 			return kafka.Message{}, false
 		}
 		// Decided here: sent, it would fail the whole partition batch.
-		b.out[i], b.errs[i] = permanent, errTooLarge(size, budget, topic)
+		b.out[i], b.errs[i] = permanent, err
 		r.stopLane(b, x, i, time.Time{})
 		return kafka.Message{}, false
 	}
@@ -419,7 +414,7 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 // round, after the rows of every key and topic that did not go out in an
 // earlier round are left for a later batch.
 func (r *Relay) sendRounds(ctx context.Context, b *batch, msgs []kafka.Message, idx []int) {
-	if r.cfg.Ordering != OrderingPartitionKey && b.stops == nil {
+	if r.cfg.Ordering != OrderingPartitionKey && b.stops == nil && !slices.ContainsFunc(msgs, r.overBudget) {
 		r.send(ctx, b, msgs, idx) // the writer splits partitions' shares to fit
 		return
 	}
@@ -454,6 +449,11 @@ func (r *Relay) sendRounds(ctx context.Context, b *batch, msgs []kafka.Message, 
 		msgs, idx = next, ni
 	}
 }
+
+// overBudget reports whether m is over its topic's budget: admitted
+// because it fits alone, it goes through a writer of its own, and so in a
+// round of its own for its topic, after the records before it.
+func (r *Relay) overBudget(m kafka.Message) bool { return recordSize(m) > r.topics.budget(m.Topic) }
 
 // send writes the admitted records in one call. When that call fails as a
 // whole because of one topic (kafka-go resolves every topic before sending
@@ -618,12 +618,11 @@ func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int
 	var budgets []int
 	for j, m := range msgs {
 		bb := r.topics.budget(m.Topic)
-		if recordSize(m) > bb {
-			// Admitted because it fits alone (topicState.fitsAlone): a
-			// writer whose batches hold one such record at most. Those of
-			// partition-key order and logical replication go in a round of
-			// their own for their topic (sendRounds), so no key's order
-			// turns.
+		if r.overBudget(m) {
+			// Admitted because it fits alone (topicState.tooLarge): a
+			// writer whose batches hold one such record at most. It goes
+			// in a round of its own for its topic (sendRounds), so no
+			// key's order turns.
 			bb = r.topics.limit(m.Topic)
 		}
 		if _, ok := groups[bb]; !ok {
@@ -711,9 +710,8 @@ func (r *Relay) deadLetter(ctx context.Context, x row, cause error) bool {
 		kafka.Header{Key: HeaderOriginalTopic, Value: []byte(m.Topic)})
 	m.Topic = r.cfg.DeadLetterTopic
 	m.WriterData = nil // the row's partition is one of its own topic's; the key's hash chooses here
-	if size, budget := recordSize(m), r.topics.budget(m.Topic); size > budget && !r.topics.fitsAlone(m.Topic, m) {
-		r.log.Error("row fits neither its topic nor the dead-letter topic; it is held", "id", x.id, "event_id", x.eventID,
-			"bytes", size, "dead_letter_limit", budget)
+	if err := r.topics.tooLarge(m.Topic, m); err != nil {
+		r.log.Error("row fits neither its topic nor the dead-letter topic; it is held", "id", x.id, "event_id", x.eventID, "err", err)
 		return false
 	}
 	ok := false

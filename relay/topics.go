@@ -159,18 +159,27 @@ func (s *topicState) limitKnown(topic string) bool {
 	return ok
 }
 
-// fitsAlone reports whether m, the only record of a batch, is a batch the
-// topic takes: the batch's header and m's exact size (aloneRecordSize)
-// within the topic's limit, as the broker said it. budget keeps a margin
-// for batches of many records, which a record alone does not need; so a
-// record over budget that fits alone goes out in a batch of its own
-// (Relay.write). Compressed batches are not sized before they are made,
-// and a limit the broker did not say is a guess: neither fits alone.
-func (s *topicState) fitsAlone(topic string, m kafka.Message) bool {
-	if s.compressed || !s.limitKnown(topic) {
-		return false
+// tooLarge says why m is too large for topic, or nil when it is not. A
+// batch holding m alone, sized exactly (aloneRecordSize), must be within
+// the topic's max.message.bytes: budget keeps a margin for batches of many
+// records, which a record alone does not need, so a record over budget
+// that fits alone goes out in a batch of its own (Relay.write). Compressed
+// batches are not sized before they are made, and a limit the broker did
+// not say is a guess: against those, kafka-go's count of m must be within
+// budget.
+func (s *topicState) tooLarge(topic string, m kafka.Message) error {
+	if !s.compressed && s.limitKnown(topic) {
+		if size, limit := recordBatchOverhead+aloneRecordSize(m), s.limit(topic); size > limit {
+			return fmt.Errorf("a record batch holding only this record is %d bytes, more than topic %s takes (its max.message.bytes is %d): %w",
+				size, topic, limit, kafka.MessageSizeTooLarge)
+		}
+		return nil
 	}
-	return recordBatchOverhead+aloneRecordSize(m) <= s.limit(topic)
+	if size, budget := recordSize(m), s.budget(topic); size > budget {
+		return fmt.Errorf("record of %d bytes is larger than topic %s takes (%d in a record batch under its max.message.bytes): %w",
+			size, topic, budget, kafka.MessageSizeTooLarge)
+	}
+	return nil
 }
 
 // recordBatchOverhead is a record batch's header (magic v2): the broker
@@ -186,7 +195,7 @@ const recordBatchOverhead = 61
 // grows by the codec's framing, so a compressed writer keeps 1 % more back.
 // The writer of a topic splits each partition's share at this size (its
 // BatchBytes), and a record larger than it is too large for the topic
-// unless it fits alone (fitsAlone).
+// unless it fits alone (tooLarge).
 func (s *topicState) budget(topic string) int {
 	limit := s.limit(topic)
 	b := limit - recordBatchOverhead - 64
