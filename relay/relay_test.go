@@ -219,7 +219,7 @@ func TestOversizedRecordGoesToDeadLetterTopic(t *testing.T) {
 // limit, in both ordering modes: each dead-lettered record, its dead-letter
 // headers taken off, is produced alone to its topic, which must refuse it.
 // Before, the relay's margin for batches of many records also bounded a
-// record alone, and a record some 70 bytes under the limit was
+// record alone: on this topic, a record with 1,757 bytes of payload was
 // dead-lettered though the topic took it.
 func TestOnlyRecordsTheTopicRefusesAloneAreDeadLettered(t *testing.T) {
 	for _, mode := range modes {
