@@ -216,10 +216,10 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 // minServerVersion is the oldest PostgreSQL the relay runs on (server_version_num).
 const minServerVersion = 140000
 
-// batchDeadline bounds one batch from begin to commit, even after SIGTERM.
 // checkTimeout bounds one start-up check (Check).
 const checkTimeout = 30 * time.Second
 
+// batchDeadline bounds one batch from begin to commit, even after SIGTERM.
 func batchDeadline(cfg Config) time.Duration { return cfg.PublishTimeout + 15*time.Second }
 
 // Close releases the database connections and the Kafka writer. Call it
