@@ -603,7 +603,7 @@ func (r *Relay) topicFailed(topic string, x row, err error, now time.Time) {
 // write sends msgs and reports each message's outcome. Messages whose
 // topics take batches of the same size go in one call of the writer for
 // that size, which splits each partition's share to fit; the calls of
-// different sizes run at once.
+// different writers run at once.
 func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int, outcome, error)) {
 	if len(msgs) == 0 {
 		return
@@ -614,36 +614,37 @@ func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int
 		r.writeWith(pctx, r.writer, msgs, report)
 		return
 	}
-	groups := map[int][]int{} // budget -> indexes into msgs
-	var budgets []int
+	groups := map[writerKind][]int{} // indexes into msgs
+	var kinds []writerKind
 	for j, m := range msgs {
-		bb := r.topics.budget(m.Topic)
+		k := writerKind{batchBytes: r.topics.budget(m.Topic), compressed: r.topics.compressed}
 		if r.overBudget(m) {
 			// Admitted because it fits alone (topicState.tooLarge): a
 			// writer whose batches hold one such record at most. It goes
 			// in a round of its own for its topic (sendRounds), so no
 			// key's order turns.
-			bb = r.topics.limit(m.Topic)
+			// Uncompressed: its size is then the one it was admitted by.
+			k = writerKind{batchBytes: r.topics.limit(m.Topic)}
 		}
-		if _, ok := groups[bb]; !ok {
-			budgets = append(budgets, bb)
+		if _, ok := groups[k]; !ok {
+			kinds = append(kinds, k)
 		}
-		groups[bb] = append(groups[bb], j)
+		groups[k] = append(groups[k], j)
 	}
-	if len(budgets) == 1 {
-		r.writeWith(pctx, r.writerFor(budgets[0]), msgs, report)
+	if len(kinds) == 1 {
+		r.writeWith(pctx, r.writerFor(kinds[0]), msgs, report)
 		return
 	}
 	var mu sync.Mutex
 	var wg sync.WaitGroup
-	for _, bb := range budgets {
-		idx := groups[bb]
+	for _, k := range kinds {
+		idx := groups[k]
 		part := make([]kafka.Message, len(idx))
 		for n, j := range idx {
 			part[n] = msgs[j]
 		}
 		wg.Go(func() {
-			r.writeWith(pctx, r.writerFor(bb), part, func(n int, o outcome, err error) {
+			r.writeWith(pctx, r.writerFor(k), part, func(n int, o outcome, err error) {
 				mu.Lock()
 				defer mu.Unlock()
 				report(idx[n], o, err)

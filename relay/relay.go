@@ -42,9 +42,9 @@ type Relay struct {
 	capture   *captureState // the slot and publication (logical-replication capture); set by Check
 	pool      *pgxpool.Pool
 	writer    MessageWriter // an injected writer; nil when the relay makes its own (writerFor)
-	newWriter func(batchBytes int) *kafka.Writer
+	newWriter func(writerKind) *kafka.Writer
 	wmu       sync.Mutex
-	writers   map[int]*kafka.Writer // by the batch size they split partitions' shares at
+	writers   map[writerKind]*kafka.Writer
 	client    *kafka.Client
 	m         *metrics
 	log       *slog.Logger
@@ -177,8 +177,12 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 	if cfg.TracerProvider != nil {
 		r.tracer = cfg.TracerProvider.Tracer(tracerName)
 	}
-	r.writers = map[int]*kafka.Writer{}
-	r.newWriter = func(batchBytes int) *kafka.Writer {
+	r.writers = map[writerKind]*kafka.Writer{}
+	r.newWriter = func(k writerKind) *kafka.Writer {
+		codec := kafka.Compression(0)
+		if k.compressed {
+			codec = compression(cfg.Compression)
+		}
 		return &kafka.Writer{
 			Addr:         kafka.TCP(cfg.Brokers...),
 			Balancer:     explicitBalancer{hash: &kafka.Murmur2Balancer{}}, // Murmur2: what Java clients pick for a key
@@ -192,9 +196,9 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 			// at the topics' budget (topicState.budget), so a hot key or
 			// large payloads go out in a few full requests, never refused
 			// as a whole and never one request per row.
-			BatchBytes:      int64(batchBytes),
+			BatchBytes:      int64(k.batchBytes),
 			MaxAttempts:     3,
-			Compression:     compression(cfg.Compression),
+			Compression:     codec,
 			WriteBackoffMin: 50 * time.Millisecond,
 			WriteBackoffMax: 500 * time.Millisecond,
 			ReadTimeout:     cfg.PublishTimeout,
@@ -236,15 +240,22 @@ func (r *Relay) Close() error {
 	return errors.Join(errs...)
 }
 
-// writerFor returns the relay's writer that splits partitions' shares at
-// batchBytes, made on first use (topics usually share one limit, so one).
-func (r *Relay) writerFor(batchBytes int) *kafka.Writer {
+// writerKind is what tells the relay's writers apart: the batch size they
+// split partitions' shares at, and whether they compress.
+type writerKind struct {
+	batchBytes int
+	compressed bool
+}
+
+// writerFor returns the relay's writer of kind k, made on first use
+// (topics usually share one limit, so one).
+func (r *Relay) writerFor(k writerKind) *kafka.Writer {
 	r.wmu.Lock()
 	defer r.wmu.Unlock()
-	w, ok := r.writers[batchBytes]
+	w, ok := r.writers[k]
 	if !ok {
-		w = r.newWriter(batchBytes)
-		r.writers[batchBytes] = w
+		w = r.newWriter(k)
+		r.writers[k] = w
 	}
 	return w
 }

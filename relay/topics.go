@@ -160,24 +160,28 @@ func (s *topicState) limitKnown(topic string) bool {
 }
 
 // tooLarge says why m is too large for topic, or nil when it is not. A
-// batch holding m alone, sized exactly (aloneRecordSize), must be within
-// the topic's max.message.bytes: budget keeps a margin for batches of many
-// records, which a record alone does not need, so a record over budget
-// that fits alone goes out in a batch of its own (Relay.write). Compressed
-// batches are not sized before they are made, and a limit the broker did
-// not say is a guess: against those, kafka-go's count of m must be within
-// budget.
+// batch holding m alone, uncompressed and sized exactly (aloneRecordSize),
+// must be within the topic's max.message.bytes: budget keeps a margin for
+// batches of many records, which a record alone does not need, so a record
+// over budget that fits alone goes out in a batch of its own (Relay.write),
+// without compression, so that its size is the one judged here. A record
+// over the limit uncompressed is too large even with compression: its
+// compressed size is not known before it is sent, and a broker does not
+// judge it by that size alone: Kafka 4.1 was seen here refusing, alone, a
+// record with headers whose value kafka-go's gzip made half the limit.
+// A limit the broker did not say is a guess: against it, kafka-go's count
+// of m must be within budget.
 func (s *topicState) tooLarge(topic string, m kafka.Message) error {
-	if !s.compressed && s.limitKnown(topic) {
-		if size, limit := recordBatchOverhead+aloneRecordSize(m), s.limit(topic); size > limit {
-			return fmt.Errorf("a record batch holding only this record is %d bytes, more than topic %s takes (its max.message.bytes is %d): %w",
-				size, topic, limit, kafka.MessageSizeTooLarge)
+	if !s.limitKnown(topic) {
+		if size, budget := recordSize(m), s.budget(topic); size > budget {
+			return fmt.Errorf("record of %d bytes is larger than topic %s takes (%d in a record batch under its max.message.bytes): %w",
+				size, topic, budget, kafka.MessageSizeTooLarge)
 		}
 		return nil
 	}
-	if size, budget := recordSize(m), s.budget(topic); size > budget {
-		return fmt.Errorf("record of %d bytes is larger than topic %s takes (%d in a record batch under its max.message.bytes): %w",
-			size, topic, budget, kafka.MessageSizeTooLarge)
+	if size, limit := recordBatchOverhead+aloneRecordSize(m), s.limit(topic); size > limit {
+		return fmt.Errorf("a record batch holding only this record is %d bytes uncompressed, more than topic %s takes (its max.message.bytes is %d): %w",
+			size, topic, limit, kafka.MessageSizeTooLarge)
 	}
 	return nil
 }
