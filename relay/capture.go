@@ -1218,6 +1218,9 @@ func (r *Relay) publishStreamedFrom(ctx context.Context, ids, xids []int64, carr
 	}
 	for len(ids) > 0 {
 		alive(ctx) // a large transaction's rows can take longer than wal_sender_timeout
+		// Each chunk is a batch of the loop, bounded by batchDeadline: a
+		// sweep or a transaction of many batches is a loop that moves.
+		r.health.iteration(time.Now())
 		chunk := ids[:min(len(ids), r.cfg.BatchSize)]
 		b, err := r.claimStreamed(ctx, chunk, xids)
 		if err = settle(err); err != nil {

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
@@ -107,6 +108,57 @@ func TestMakingASlotBehindALongTransactionIsNoWedge(t *testing.T) {
 	require.NoError(t, old.Commit(ctx))
 	require.Eventually(t, func() bool { return testutil.ToFloat64(r.m.captureStreaming) == 1 }, 10*time.Second, 20*time.Millisecond,
 		"the relay streams once the transaction ended")
+}
+
+// A sweep of many batches is a loop that moves: /healthz passes through
+// it. Before, only the stream's loop and its waits counted, so a sweep of
+// a backlog from before the slot (or one large transaction) that outlasted
+// a batch's deadline and the stall timeout, about 2.5 minutes by default,
+// failed /healthz and the kubelet restarted the relay mid-sweep, again and
+// again. Here wedged is 2 s, and the sweep takes 3 s or more.
+func TestLongSweepIsNoWedge(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	r, pool := captureRelay(t)
+	r.cfg.BatchSize = 10
+	w := &kafka.Writer{Addr: kafka.TCP(testenv.Broker().Addr()), RequiredAcks: kafka.RequireAll, BatchTimeout: time.Millisecond}
+	t.Cleanup(func() { w.Close() })
+	r.writer = pausingWriter{w: w, pause: 50 * time.Millisecond}
+	_, err := pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		SELECT gen_random_uuid(), 'O', 'a', 'E', '{}', 'a' FROM generate_series(1, 600)`) // before the slot: swept
+	require.NoError(t, err)
+	require.NoError(t, r.Check(ctx))
+	r.health = newHealth(time.Second, 2*time.Second, time.Now()) // wedged after 2 s
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(rctx) }()
+	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
+	t.Cleanup(func() {
+		_, _ = pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, r.capture.slot)
+	})
+	unpublished := func() int {
+		var n int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE published_at IS NULL`).Scan(&n))
+		return n
+	}
+	started := time.Now()
+	for unpublished() > 0 {
+		require.NoError(t, r.Live(), "/healthz passes through the sweep")
+		require.Less(t, time.Since(started), time.Minute, "swept")
+		<-time.After(20 * time.Millisecond)
+	}
+	require.Greater(t, time.Since(started), 2500*time.Millisecond, "the sweep outlasted the wedged limit")
+}
+
+// pausingWriter pauses before each publish: a slow broker.
+type pausingWriter struct {
+	w     MessageWriter
+	pause time.Duration
+}
+
+func (p pausingWriter) WriteMessages(ctx context.Context, msgs ...kafka.Message) error {
+	<-time.After(p.pause)
+	return p.w.WriteMessages(ctx, msgs...)
 }
 
 // A replica that polls in the stream's stead holds the capture lock on a
