@@ -123,8 +123,13 @@ type captureState struct {
 	// stream leaves the rows that fail to the sweep until a batch goes
 	// out whole (retryIDs).
 	retryGivenUp bool
-	// streamedAt is when a stream last started.
-	streamedAt time.Time
+	// progressedAt is when a stream last confirmed a position past the
+	// one it started from: it works. A stream that starts and then fails
+	// (its first sweep, or its first decode) does not count.
+	progressedAt time.Time
+	// failingLimit is how long the stream may keep failing before the
+	// relay polls between its attempts (streamFailingLimit).
+	failingLimit time.Duration
 	// beforeSlot is what the slot saw when it was made, until a sweep
 	// before the slot has published its rows: from this process's making
 	// it, or from the publication's comment (noteBeforeSlot), which it is
@@ -337,7 +342,7 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 				relayconfig.FlagWriterDeletes, r.table, strings.Join(generated, ", "), relayconfig.FlagWriterDeletes)
 		}
 	}
-	r.capture = &captureState{slot: slot, publication: pub, role: role, oid: oid}
+	r.capture = &captureState{slot: slot, publication: pub, role: role, oid: oid, failingLimit: streamFailingLimit}
 	r.m.slotMaxRetainedWAL.Set(float64(r.cfg.MaxRetainedWAL))
 	if r.cfg.WriterDeletes {
 		// Each stream marks it again; this says at start-up when the
@@ -362,7 +367,7 @@ func (r *Relay) runCapture(ctx context.Context) {
 		began := time.Now()
 		r.health.iteration(began)
 		err := r.stream(ctx)
-		if r.capture.streamedAt.After(began) {
+		if r.capture.progressedAt.After(began) {
 			backoff, failingSince = 0, time.Time{}
 		}
 		switch {
@@ -383,7 +388,7 @@ func (r *Relay) runCapture(ctx context.Context) {
 			if failingSince.IsZero() {
 				failingSince = now
 			}
-			if now.Sub(failingSince) < streamFailingLimit && !errors.Is(err, errCannotStream) {
+			if now.Sub(failingSince) < r.capture.failingLimit && !errors.Is(err, errCannotStream) {
 				// Polling now would publish in id order what the stream
 				// publishes in commit order.
 				r.log.Warn("streaming failed; streaming again", "err", err, "in", backoff)
@@ -634,7 +639,6 @@ func (r *Relay) stream(ctx context.Context) error {
 	}
 	r.m.captureStreaming.Set(1)
 	defer r.m.captureStreaming.Set(0)
-	c.streamedAt = time.Now()
 	r.log.Info("streaming the table's inserts", "slot", c.slot, "publication", c.publication)
 
 	s := &streamState{r: r, conn: conn, statusEvery: r.statusEvery(ctx)}
@@ -643,11 +647,15 @@ func (r *Relay) stream(ctx context.Context) error {
 	// confirming one of those would take the slot back on a server that
 	// lets it move backwards, and publish again what lies between.
 	var confirmed *string
-	if err := r.pool.QueryRow(ctx, sqlSlotConfirmed, c.slot).Scan(&confirmed); err == nil && confirmed != nil {
+	if err := r.pool.QueryRow(ctx, sqlSlotConfirmed, c.slot).Scan(&confirmed); err != nil {
+		return fmt.Errorf("read where slot %s was confirmed: %w", c.slot, err)
+	}
+	if confirmed != nil {
 		if at, err := pglogrepl.ParseLSN(*confirmed); err == nil {
 			s.confirmed = at
 		}
 	}
+	s.from = s.confirmed
 	s.nextStatus = time.Now().Add(s.statusEvery)
 	defer func() { _ = s.settle(context.WithoutCancel(ctx)) }() // a batch whose commit runs is finished, never abandoned
 	// What the held table says before the first sweep.
@@ -852,6 +860,8 @@ type streamState struct {
 	// else makes it (statusInterval, or a third of a shorter
 	// wal_sender_timeout).
 	statusEvery time.Duration
+	// from is where the slot was confirmed when the stream started.
+	from pglogrepl.LSN
 }
 
 // handle processes one message of the replication protocol.
@@ -1185,6 +1195,9 @@ func (s *streamState) sendStatusAsking(ctx context.Context, ask bool) error {
 	})
 	if err != nil {
 		return fmt.Errorf("confirm replication position: %w", err)
+	}
+	if s.confirmed > s.from {
+		s.r.capture.progressedAt = time.Now()
 	}
 	return nil
 }

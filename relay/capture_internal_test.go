@@ -1,13 +1,16 @@
 package relay
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -148,6 +151,57 @@ func TestLongSweepIsNoWedge(t *testing.T) {
 		<-time.After(20 * time.Millisecond)
 	}
 	require.Greater(t, time.Since(started), 2500*time.Millisecond, "the sweep outlasted the wedged limit")
+}
+
+// A stream that starts and then fails, every time, is a stream failing:
+// past the failing limit the relay polls between its attempts, and its
+// backoff grows. Before, any stream that got as far as starting counted
+// as working, so a sweep that always failed (here, the table refuses the
+// marks), or a publication dropped and made again, kept the relay trying
+// to stream every 100 ms for good, never polling or checking its slot.
+func TestStreamFailingAfterItStartsFallsBackToPolling(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	r, pool := captureRelay(t)
+	_, err := pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		SELECT gen_random_uuid(), 'O', 'a', 'E', '{}', 'a' FROM generate_series(1, 20)`) // before the slot: swept first
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'refused'; END $$;
+		CREATE TRIGGER refuse BEFORE UPDATE OR DELETE ON outbox FOR EACH ROW EXECUTE FUNCTION refuse()`)
+	require.NoError(t, err)
+	require.NoError(t, r.Check(ctx))
+	r.capture.failingLimit = 2 * time.Second
+	logs := &syncBuffer{}
+	r.log = slog.New(slog.NewTextHandler(logs, nil))
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(rctx) }()
+	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
+	t.Cleanup(func() {
+		_, _ = pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, r.capture.slot)
+	})
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "streaming failed; streaming again") },
+		10*time.Second, 20*time.Millisecond, "the sweep fails")
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "streaming failed; polling, then streaming again") },
+		15*time.Second, 20*time.Millisecond, "past the failing limit, the relay polls between its attempts")
+}
+
+// syncBuffer is a bytes.Buffer safe for a logger and a test at once.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
 
 // pausingWriter pauses before each publish: a slow broker.
