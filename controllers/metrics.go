@@ -8,13 +8,14 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 // Metrics are the operator's gauges per OutboxRelay, labelled namespace and
 // name, as its status reports them. They are deleted with the OutboxRelay.
 type Metrics struct {
 	backlog, oldestAge, desired, ready, lagging *prometheus.GaugeVec
-	slotRetained                                *prometheus.GaugeVec
+	slotRetained, slotMaxRetained               *prometheus.GaugeVec
 	held                                        *prometheus.GaugeVec
 	secretReads                                 prometheus.Counter
 }
@@ -41,8 +42,10 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			"1 while the Lagging condition is True, 0 while False, -1 while Unknown."),
 		slotRetained: gauge("outbox_operator_slot_retained_wal_bytes",
 			"WAL the replication slot of a LogicalReplication OutboxRelay holds back, as status.backlog.slot.retainedWAL; absent in Poll mode."),
+		slotMaxRetained: gauge("outbox_operator_slot_max_retained_wal_bytes",
+			"spec.capture.maxRetainedWAL of a LogicalReplication OutboxRelay, beside outbox_operator_slot_retained_wal_bytes: a streaming relay gives its slot up past it, and none does while no relay pod runs."),
 	}
-	for _, v := range []**prometheus.GaugeVec{&m.backlog, &m.oldestAge, &m.held, &m.desired, &m.ready, &m.lagging, &m.slotRetained} {
+	for _, v := range []**prometheus.GaugeVec{&m.backlog, &m.oldestAge, &m.held, &m.desired, &m.ready, &m.lagging, &m.slotRetained, &m.slotMaxRetained} {
 		err := reg.Register(*v)
 		var dup prometheus.AlreadyRegisteredError
 		switch {
@@ -76,11 +79,12 @@ func (m *Metrics) secretRead() {
 }
 
 // set reports a relay's status.
-func (m *Metrics) set(key types.NamespacedName, st *outboxv1alpha1.OutboxRelayStatus) {
+func (m *Metrics) set(key types.NamespacedName, relay *outboxv1alpha1.OutboxRelay) {
 	if m == nil {
 		return
 	}
 	ns, name := key.Namespace, key.Name
+	st := &relay.Status
 	m.desired.WithLabelValues(ns, name).Set(float64(st.DesiredReplicas))
 	m.ready.WithLabelValues(ns, name).Set(float64(st.ReadyReplicas))
 	lag := -1.0
@@ -103,8 +107,14 @@ func (m *Metrics) set(key types.NamespacedName, st *outboxv1alpha1.OutboxRelaySt
 		m.held.WithLabelValues(ns, name, "blocked").Set(float64(b.Held.Blocked))
 		if s := b.Slot; s != nil && s.RetainedWAL != nil {
 			m.slotRetained.WithLabelValues(ns, name).Set(float64(s.RetainedWAL.Value()))
+			limit := int64(relayconfig.DefaultMaxRetainedWAL)
+			if c := relay.Spec.Capture; c != nil && c.MaxRetainedWAL != nil {
+				limit = c.MaxRetainedWAL.Value()
+			}
+			m.slotMaxRetained.WithLabelValues(ns, name).Set(float64(limit))
 		} else {
 			m.slotRetained.DeleteLabelValues(ns, name)
+			m.slotMaxRetained.DeleteLabelValues(ns, name)
 		}
 	}
 }
@@ -115,7 +125,7 @@ func (m *Metrics) delete(key types.NamespacedName) {
 		return
 	}
 	match := prometheus.Labels{"namespace": key.Namespace, "name": key.Name}
-	for _, v := range []*prometheus.GaugeVec{m.backlog, m.oldestAge, m.held, m.desired, m.ready, m.lagging, m.slotRetained} {
+	for _, v := range []*prometheus.GaugeVec{m.backlog, m.oldestAge, m.held, m.desired, m.ready, m.lagging, m.slotRetained, m.slotMaxRetained} {
 		v.DeletePartialMatch(match)
 	}
 }

@@ -118,7 +118,7 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 		deploy = current
 	}
 	relay.Status = computeStatus(relay, deploy, prob, obs)
-	r.Metrics.set(req.NamespacedName, &relay.Status) // every reading, also those the status lets wait
+	r.Metrics.set(req.NamespacedName, relay) // every reading, also those the status lets wait
 	if settled(original.Status, relay.Status, time.Now()) {
 		relay.Status = *original.Status.DeepCopy() // small moves wait for statusRefresh; ensurePodMonitor may still set a condition
 	}

@@ -26,6 +26,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/test/devproc"
 	"github.com/outbox-relay/outbox-operator/test/ops/opstest"
 	"github.com/outbox-relay/outbox-operator/test/outboxtest"
@@ -157,10 +158,37 @@ func managerMetrics(t *testing.T, into exposed) {
 			Kafka:        outboxv1alpha1.KafkaSpec{Brokers: []outboxv1alpha1.BrokerAddress{"kafka:9092"}},
 		},
 	}))
+	// A logical-replication relay on a real table whose slot exists, and
+	// no relay pod: the manager reads the slot itself.
+	f := outboxtest.NewFixture(t, 1)
+	var db string
+	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db))
+	slot := outbox.SlotName(db, outbox.Table{Name: "outbox"})
+	_, err = f.Pool.Exec(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, slot)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = f.Pool.Exec(context.Background(), `SELECT pg_drop_replication_slot($1)`, slot) })
+	require.NoError(t, c.Create(ctx, &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "payments-dsn"},
+		StringData: map[string]string{"dsn": f.DSN},
+	}))
+	require.NoError(t, c.Create(ctx, &outboxv1alpha1.OutboxRelay{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "payments"},
+		Spec: outboxv1alpha1.OutboxRelaySpec{
+			DSNSecretRef: outboxv1alpha1.SecretKeyReference{Name: "payments-dsn"},
+			Topics:       map[string]outboxv1alpha1.TopicName{"PaymentTaken": "payments.taken"},
+			Kafka:        outboxv1alpha1.KafkaSpec{Brokers: []outboxv1alpha1.BrokerAddress{"kafka:9092"}},
+			Capture:      &outboxv1alpha1.CaptureSpec{Mode: outboxv1alpha1.CaptureLogicalReplication},
+		},
+	}))
 	require.Eventually(t, func() bool {
 		relay := &outboxv1alpha1.OutboxRelay{}
 		return c.Get(ctx, client.ObjectKey{Namespace: "shop", Name: "orders"}, relay) == nil && relay.Status.ObservedGeneration > 0
 	}, 60*time.Second, 100*time.Millisecond, "the manager reconciles the OutboxRelay")
+	require.Eventually(t, func() bool {
+		relay := &outboxv1alpha1.OutboxRelay{}
+		return c.Get(ctx, client.ObjectKey{Namespace: "shop", Name: "payments"}, relay) == nil && relay.Status.Backlog != nil &&
+			relay.Status.Backlog.Slot != nil && relay.Status.Backlog.Slot.RetainedWAL != nil
+	}, 60*time.Second, 100*time.Millisecond, "the manager reads the slot")
 	require.NoError(t, scrape("http://"+metricsAddr+"/metrics", into))
 }
 
