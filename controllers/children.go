@@ -113,6 +113,7 @@ func relayEnv(relay *outboxv1alpha1.OutboxRelay) []corev1.EnvVar {
 			secretEnv(relayconfig.EnvSASLUsername, ref.Name, cmp.Or(ref.UsernameKey, outboxv1alpha1.DefaultSASLUsernameKey)),
 			secretEnv(relayconfig.EnvSASLPassword, ref.Name, cmp.Or(ref.PasswordKey, outboxv1alpha1.DefaultSASLPasswordKey)))
 	}
+	env = append(env, corev1.EnvVar{Name: relayconfig.EnvArgsOnly, Value: "true"}) // settings come from the arguments
 	return append(env, tracingEnv(relay)...)
 }
 

@@ -54,6 +54,7 @@ func TestFormatCompressionAndTracingReachTheRelay(t *testing.T) {
 		relayconfig.EnvOTELTracesExporter:       "otlp",
 		relayconfig.EnvOTELExporterOTLPEndpoint: "http://collector.obs:4318",
 		relayconfig.EnvOTELServiceName:          relay.Name + "-relay",
+		relayconfig.EnvArgsOnly:                 "true",
 	}, plain)
 
 	relay.Spec.CloudEventsSource = "not a uri"

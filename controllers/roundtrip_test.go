@@ -28,11 +28,15 @@ var testSecretData = map[string]map[string]string{
 	"creds":      {"username": testUser, "password": testPassword, "u": testUser, "p": testPassword},
 }
 
-// podEnv is the environment a relay pod gets from env: each secretKeyRef
-// resolved from data, as the kubelet does.
+// podEnv is the environment a relay pod gets from env: each value, and
+// each secretKeyRef resolved from data, as the kubelet does.
 func podEnv(t testing.TB, env []corev1.EnvVar, data map[string]map[string]string) func(string) (string, bool) {
 	vars := map[string]string{}
 	for _, e := range env {
+		if e.ValueFrom == nil {
+			vars[e.Name] = e.Value
+			continue
+		}
 		ref := e.ValueFrom.SecretKeyRef
 		v, ok := data[ref.Name][ref.Key]
 		require.True(t, ok, "%s: Secret %s has no key %s", e.Name, ref.Name, ref.Key)

@@ -111,6 +111,14 @@ var (
 	EnvSASLPassword = EnvName(flagKafkaSASLPassword)
 )
 
+// EnvArgsOnly set to "true" makes the relay take its settings from its
+// arguments alone: of the RELAY_* variables it reads only the secrets
+// (EnvDSN, EnvSASLUsername, EnvSASLPassword). The operator sets it on the
+// pods it makes, so a variable that reaches a pod another way (envFrom of
+// a ConfigMap) does not change what its OutboxRelay says. A relay of a
+// release before it ignores it, as it does any variable it does not know.
+const EnvArgsOnly = EnvPrefix + "ARGS_ONLY"
+
 // The OpenTelemetry environment the operator sets on a relay pod with
 // tracing; the relay reads these and the rest of the standard OTEL_* set.
 const (
@@ -485,8 +493,27 @@ func Defaults() Command {
 // Args is the command line that gives a relay s, in a fixed order so a pod
 // template built from it is stable. Secrets (DSN, SASL credentials) are
 // never among the arguments: pass them in the environment (EnvDSN,
-// EnvSASLUsername, EnvSASLPassword).
+// EnvSASLUsername, EnvSASLPassword). A flag is given only when s's value
+// is not the relay's default (Defaults): a relay of an earlier release
+// (an OutboxRelay's image pinned) is never given a flag added after it
+// unless what that flag controls is set, and an operator upgrade that
+// adds a flag does not change the pod template of every relay.
 func (s Command) Args() []string {
+	defaults := map[string]bool{}
+	for _, a := range Defaults().FullArgs() {
+		defaults[a] = true
+	}
+	var args []string
+	for _, a := range s.FullArgs() {
+		if !defaults[a] {
+			args = append(args, a)
+		}
+	}
+	return args
+}
+
+// FullArgs is Args with every flag that has a value, defaults included.
+func (s Command) FullArgs() []string {
 	arg := func(name, v string) string { return "--" + name + "=" + v }
 	args := []string{
 		arg(FlagTable, s.Table),
@@ -1169,16 +1196,25 @@ func (t topicsValue) Set(v string) error {
 	return nil
 }
 
-// applyEnv sets every flag not given on the command line from RELAY_<FLAG>.
+// applyEnv sets every flag not given on the command line from RELAY_<FLAG>
+// (only the secrets' with EnvArgsOnly).
 func applyEnv(fs *flag.FlagSet, lookupEnv func(string) (string, bool)) error {
 	given := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	argsOnly := false
+	if v, ok := lookupEnv(EnvArgsOnly); ok {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			return fmt.Errorf("%s: %q is not true or false", EnvArgsOnly, v)
+		}
+		argsOnly = b
+	}
 	var err error
 	fs.VisitAll(func(f *flag.Flag) {
-		if given[f.Name] || err != nil {
+		env := EnvName(f.Name)
+		if given[f.Name] || err != nil || (argsOnly && env != EnvDSN && env != EnvSASLUsername && env != EnvSASLPassword) {
 			return
 		}
-		env := EnvName(f.Name)
 		if v, ok := lookupEnv(env); ok {
 			if e := f.Value.Set(v); e != nil {
 				err = fmt.Errorf("%s (--%s): %q: %v", env, f.Name, v, e)

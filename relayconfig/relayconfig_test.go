@@ -84,6 +84,57 @@ func TestArgsRoundTrip(t *testing.T) {
 	}
 }
 
+// Args gives a flag only when its value is not the default: a relay left
+// at its defaults is given its brokers and topics alone, so an operator
+// upgrade that adds a flag gives it to no relay that does not set it (a
+// relay image pinned to an earlier release would refuse it), and changes
+// no pod template. Before, every such flag was given, its default too.
+func TestArgsGiveOnlyWhatIsNotTheDefault(t *testing.T) {
+	t.Parallel()
+	s := relayconfig.Defaults()
+	s.DSN = "postgres://x"
+	s.Brokers = []string{"k:9092"}
+	s.Topics = map[string]string{"E": "t"}
+	require.Equal(t, []string{"--brokers=k:9092", "--topic=E=t"}, s.Args())
+	s.Linger = 2 * relayconfig.DefaultLinger
+	require.Contains(t, s.Args(), "--linger="+s.Linger.String())
+	require.Len(t, s.Args(), 3)
+	require.Greater(t, len(s.FullArgs()), 10, "FullArgs gives the defaults too")
+}
+
+// With RELAY_ARGS_ONLY (which the operator sets), the environment gives
+// the secrets alone: a RELAY_* variable from a ConfigMap the pod reads
+// whole (envFrom) changes no setting, neither one the arguments leave at
+// its default nor one they never give.
+func TestArgsOnlyTakesOnlySecretsFromTheEnvironment(t *testing.T) {
+	t.Parallel()
+	vars := map[string]string{
+		relayconfig.EnvDSN: "postgres://x", relayconfig.EnvSASLUsername: "client", relayconfig.EnvSASLPassword: "s3cret",
+		relayconfig.EnvName(relayconfig.FlagBatchSize): "7", relayconfig.EnvName(relayconfig.FlagNotify): "true",
+		relayconfig.EnvName(relayconfig.FlagOrdering): string(relayconfig.OrderingPartitionKey), relayconfig.EnvName(relayconfig.FlagDeadLetterTopic): "dlt",
+	}
+	args := []string{"--brokers=k:9092", "--topic=E=t", "--kafka-tls", "--kafka-sasl-mechanism=" + string(relayconfig.SASLPlain)}
+	got, err := relayconfig.Parse(args, env(vars), nil)
+	require.NoError(t, err)
+	require.Equal(t, 7, got.BatchSize, "without it, the environment sets what the arguments do not")
+	require.True(t, got.Notify)
+	require.Equal(t, relayconfig.OrderingPartitionKey, got.Ordering)
+	require.Equal(t, "dlt", got.DeadLetterTopic)
+
+	vars[relayconfig.EnvArgsOnly] = "true"
+	got, err = relayconfig.Parse(args, env(vars), nil)
+	require.NoError(t, err)
+	want := relayconfig.Defaults()
+	want.DSN, want.Brokers, want.Topics = "postgres://x", []string{"k:9092"}, map[string]string{"E": "t"}
+	want.KafkaTLS, want.KafkaSASLMechanism = true, relayconfig.SASLPlain
+	want.KafkaSASLUsername, want.KafkaSASLPassword = "client", "s3cret"
+	require.Equal(t, want, got)
+
+	vars[relayconfig.EnvArgsOnly] = "yes"
+	_, err = relayconfig.Parse(args, env(vars), nil)
+	require.ErrorContains(t, err, `RELAY_ARGS_ONLY: "yes"`)
+}
+
 // FuzzArgsRoundTrip: any settings that validate survive Args then Parse.
 func FuzzArgsRoundTrip(f *testing.F) {
 	f.Add("outbox", "E", "t", 50, int64(200*time.Millisecond), "none", false)
@@ -169,7 +220,7 @@ func TestDocsFlagTableMatches(t *testing.T) {
 	rows := regexp.MustCompile("(?m)^\\| `--([a-z-]+)` \\| `([^`]*)` \\|").FindAllStringSubmatch(string(doc), -1)
 	require.NotEmpty(t, rows)
 	defaults := map[string]string{}
-	for _, a := range relayconfig.Defaults().Args() {
+	for _, a := range relayconfig.Defaults().FullArgs() {
 		name, value, _ := strings.Cut(strings.TrimPrefix(a, "--"), "=")
 		defaults[name] = value
 	}

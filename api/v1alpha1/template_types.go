@@ -87,8 +87,8 @@ type RelayContainerSpec struct {
 	// +optional
 	Env []corev1.EnvVar `json:"env,omitempty"`
 	// EnvFrom adds the variables of ConfigMaps and Secrets. The relay's own
-	// variables (env) win over them, and its settings are arguments, which
-	// win over RELAY_* variables.
+	// variables (env) win over them, and its settings are arguments: it
+	// reads no setting from a RELAY_* variable.
 	// +kubebuilder:validation:MaxItems=16
 	// +listType=atomic
 	// +optional
