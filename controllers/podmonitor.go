@@ -37,11 +37,24 @@ var podMonitorGVK = schema.GroupVersionKind{Group: "monitoring.coreos.com", Vers
 // within this, or at once when the relay's spec changes.
 const podMonitorRecheck = 5 * time.Minute
 
+// podMonitorProblemRecheck is how long a PodMonitor the cluster serves no
+// kind for, or the operator may not write, is taken to stay so: each try
+// costs a request, and for a kind the cluster does not serve a discovery
+// of the API server's groups too, which a thousand relays would otherwise
+// repeat at every backlog reading. A CRD installed or a role widened is
+// seen within this, or at once when the relay's spec changes.
+const podMonitorProblemRecheck = time.Minute
+
 // podMonitorSeen is a relay's PodMonitor as ensurePodMonitor last left it.
 type podMonitorSeen struct {
 	uid  types.UID // the relay's: one made again under its name is another
 	hash string    // the PodMonitor's spec-hash annotation
 	at   time.Time
+	// reason and message are the Monitoring condition's when the
+	// PodMonitor could not be made (no CRD, forbidden), for the relay's
+	// generation; empty when made.
+	reason, message string
+	generation      int64
 }
 
 // relayJob is the job label the PodMonitor gives every relay's series.
@@ -117,10 +130,16 @@ func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *out
 		set(metav1.ConditionTrue, outboxv1alpha1.ReasonPodMonitorReady,
 			fmt.Sprintf("PodMonitor %s scrapes the relay pods (job=%q, outboxrelay=%q)", childName(relay), relayJob, relay.Name))
 	}
-	seen := podMonitorSeen{uid: relay.UID, hash: want.GetAnnotations()[specHashAnnotation]}
+	seen := podMonitorSeen{uid: relay.UID, hash: want.GetAnnotations()[specHashAnnotation], generation: relay.Generation}
 	if v, ok := r.podMonitors.Load(key); ok {
-		if last := v.(podMonitorSeen); last.uid == seen.uid && last.hash == seen.hash && time.Since(last.at) < podMonitorRecheck {
+		last := v.(podMonitorSeen)
+		switch {
+		case last.uid != seen.uid || last.hash != seen.hash:
+		case last.reason == "" && time.Since(last.at) < podMonitorRecheck:
 			ready()
+			return nil
+		case last.reason != "" && last.generation == seen.generation && time.Since(last.at) < podMonitorProblemRecheck:
+			set(metav1.ConditionFalse, last.reason, last.message)
 			return nil
 		}
 	}
@@ -134,12 +153,16 @@ func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *out
 		r.podMonitors.Store(key, seen)
 		ready()
 	case meta.IsNoMatchError(err):
-		set(metav1.ConditionFalse, outboxv1alpha1.ReasonPodMonitorCRDMissing,
-			"spec.monitoring.podMonitor: the cluster serves no PodMonitor (monitoring.coreos.com/v1); install the Prometheus Operator's CRDs")
+		seen.at, seen.reason = time.Now(), outboxv1alpha1.ReasonPodMonitorCRDMissing
+		seen.message = "spec.monitoring.podMonitor: the cluster serves no PodMonitor (monitoring.coreos.com/v1); install the Prometheus Operator's CRDs"
+		r.podMonitors.Store(key, seen)
+		set(metav1.ConditionFalse, seen.reason, seen.message)
 	case apierrors.IsForbidden(err):
-		set(metav1.ConditionFalse, outboxv1alpha1.ReasonPodMonitorForbidden,
-			"spec.monitoring.podMonitor: the operator's role does not allow PodMonitors (get, create, patch, delete on "+
-				"podmonitors.monitoring.coreos.com); apply the role of this operator version")
+		seen.at, seen.reason = time.Now(), outboxv1alpha1.ReasonPodMonitorForbidden
+		seen.message = "spec.monitoring.podMonitor: the operator's role does not allow PodMonitors (get, create, patch, delete on " +
+			"podmonitors.monitoring.coreos.com); apply the role of this operator version"
+		r.podMonitors.Store(key, seen)
+		set(metav1.ConditionFalse, seen.reason, seen.message)
 	case errors.As(err, &conflict):
 		set(metav1.ConditionFalse, outboxv1alpha1.ReasonResourceConflict,
 			fmt.Sprintf("PodMonitor %s exists and is not controlled by this OutboxRelay; it is left alone", childName(relay)))

@@ -214,9 +214,51 @@ func TestMonitoringConditionWrittenWhenStatusSettled(t *testing.T) {
 	require.Equal(t, outboxv1alpha1.ReasonPodMonitorCRDMissing, monitoringCondition(t, c, key).Reason)
 
 	crdInstalled.Store(true)
+	v, _ := r.podMonitors.Load(key) // the CRD was installed a while ago
+	seen := v.(podMonitorSeen)
+	seen.at = seen.at.Add(-podMonitorProblemRecheck)
+	r.podMonitors.Store(key, seen)
 	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
 	require.NoError(t, err)
 	require.Equal(t, metav1.ConditionTrue, monitoringCondition(t, c, key).Status, "the PodMonitor made in a settled pass is reported")
+}
+
+// Nor is a PodMonitor the cluster serves no kind for, or the operator may
+// not write, tried at every pass: each try of a kind not served costs a
+// discovery of the API server's groups besides the request. Before, a
+// thousand relays asking for one on a cluster without the Prometheus
+// Operator cost tens of discoveries a second.
+func TestPodMonitorProblemIsNotRetriedAtEveryPass(t *testing.T) {
+	t.Parallel()
+	for name, problem := range map[string]error{
+		"no CRD": &meta.NoKindMatchError{GroupKind: podMonitorGVK.GroupKind(), SearchedVersions: []string{"v1"}},
+		"forbidden": apierrors.NewForbidden(schema.GroupResource{Group: "monitoring.coreos.com", Resource: "podmonitors"},
+			"orders-relay", errors.New("no RBAC rule allows it")),
+	} {
+		t.Run(name, func(t *testing.T) {
+			var gets atomic.Int32
+			c, r, relay := fakeMonitoredRelay(t, func() error {
+				gets.Add(1)
+				return problem
+			})
+			key := client.ObjectKeyFromObject(relay)
+			ctx := context.Background()
+			for range 5 {
+				_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+				require.NoError(t, err)
+				require.Equal(t, metav1.ConditionFalse, monitoringCondition(t, c, key).Status)
+			}
+			require.Equal(t, int32(1), gets.Load(), "tried once in five passes")
+
+			v, _ := r.podMonitors.Load(key)
+			seen := v.(podMonitorSeen)
+			seen.at = seen.at.Add(-podMonitorProblemRecheck)
+			r.podMonitors.Store(key, seen)
+			_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+			require.NoError(t, err)
+			require.Equal(t, int32(2), gets.Load(), "tried again after podMonitorProblemRecheck")
+		})
+	}
 }
 
 // Every backlog reading wakes its relay, and the client reads PodMonitors
