@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"golang.org/x/sync/singleflight"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/event"
@@ -379,6 +380,13 @@ func (o *FlowObserver) record(key types.NamespacedName, done chan struct{}, s *b
 		s.perMinute = perMinute(f.counters)
 	} else {
 		f.counters = nil
+	}
+	if sl := s.slot; sl != nil && sl.Exists && !sl.Active {
+		since := metav1.NewTime(s.at)
+		if prev := f.latest; prev != nil && prev.slot != nil && prev.slot.InactiveSince != nil {
+			since = *prev.slot.InactiveSince
+		}
+		sl.InactiveSince = &since
 	}
 	f.latest = s
 	return f.target.interval

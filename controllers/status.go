@@ -78,10 +78,12 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 	}
 	msg := fmt.Sprintf("oldest waiting row %s old (threshold %s); %s%s rows waiting, %s, %d ready replicas",
 		b.OldestAge.Duration, threshold, approx, groupDigits(b.Pending), published, ready)
-	if c := relay.Spec.Capture; c != nil && c.WriterDeletes && b.Slot != nil && b.Slot.Exists && !b.Slot.Active {
+	if c := relay.Spec.Capture; c != nil && c.WriterDeletes && b.Slot != nil && b.Slot.Exists && !b.Slot.Active &&
+		(b.Slot.InactiveSince == nil || now.Sub(b.Slot.InactiveSince.Time) > threshold) {
 		// The writers deleted their rows: the table shows no backlog, and
 		// whatever they wrote since the slot's confirmed position waits in
-		// its WAL with nobody reading it.
+		// its WAL with nobody reading it, for longer than the threshold (a
+		// rollout or a standby's takeover leaves it unread for seconds).
 		lag := "an unknown amount of WAL"
 		if b.Slot.ConfirmedLag != nil {
 			lag = b.Slot.ConfirmedLag.String() + " of WAL"

@@ -6,6 +6,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 )
@@ -38,4 +40,42 @@ func TestLaggingOutlivesAFailedReading(t *testing.T) {
 
 	v = lagging(relay(metav1.ConditionFalse, outboxv1alpha1.ReasonFlowing, 20*time.Second), failed, 1, now)
 	require.Equal(t, verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonBacklogUnavailable, failed.err}, v, "flowing: nothing to keep")
+}
+
+// With writer deletes, a slot no relay pod streams from is NotStreaming
+// only once the operator's readings have found it so for longer than the
+// threshold: a rollout or a standby's takeover leaves it unread for
+// seconds. Before, one such reading made Lagging True (and Argo CD's
+// health Degraded) at every deploy. The readings carry when the run of
+// inactive ones began, and a reading that finds a relay streaming ends it.
+func TestNotStreamingOnlyPastTheThreshold(t *testing.T) {
+	t.Parallel()
+	key := types.NamespacedName{Namespace: "shop", Name: "orders"}
+	o := NewFlowObserver()
+	done := make(chan struct{})
+	o.relays[key] = &relayFlow{done: done, target: flowTarget{interval: 15 * time.Second, slot: true}}
+	start := time.Now().Add(-5 * time.Minute)
+	read := func(at time.Duration, active bool) *outboxv1alpha1.SlotStatus {
+		s := &backlogSample{at: start.Add(at), slot: &outboxv1alpha1.SlotStatus{Name: "s", Exists: true, Active: active}}
+		o.record(key, done, s, "", false)
+		return s.slot
+	}
+	require.Nil(t, read(0, true).InactiveSince)
+	require.Equal(t, start.Add(time.Minute), read(time.Minute, false).InactiveSince.Time)
+	require.Equal(t, start.Add(time.Minute), read(2*time.Minute, false).InactiveSince.Time, "the run of inactive readings began then")
+	require.Nil(t, read(3*time.Minute, true).InactiveSince)
+	require.Equal(t, start.Add(4*time.Minute), read(4*time.Minute, false).InactiveSince.Time, "a new run")
+
+	relay := unitRelay()
+	relay.Spec.Capture = &outboxv1alpha1.CaptureSpec{Mode: outboxv1alpha1.CaptureLogicalReplication, WriterDeletes: true}
+	now := time.Now()
+	obs := func(inactiveFor time.Duration) observation {
+		return observation{backlog: &outboxv1alpha1.BacklogStatus{ObservedAt: metav1.NewTime(now), PublishedPerMinute: ptr.To[int64](0),
+			Slot: &outboxv1alpha1.SlotStatus{Name: "s", Exists: true, InactiveSince: ptr.To(metav1.NewTime(now.Add(-inactiveFor)))}}}
+	}
+	v := lagging(relay, obs(10*time.Second), 0, now)
+	require.Equal(t, metav1.ConditionFalse, v.status, "unread for 10 s: %s", v.message)
+	v = lagging(relay, obs(defaultLagThreshold+time.Second), 0, now)
+	require.Equal(t, metav1.ConditionTrue, v.status)
+	require.Equal(t, outboxv1alpha1.ReasonNotStreaming, v.reason)
 }

@@ -1,6 +1,9 @@
 package v1alpha1
 
-import "k8s.io/apimachinery/pkg/api/resource"
+import (
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
 
 // CaptureMode is how the relay learns of new rows.
 // +kubebuilder:validation:Enum=Poll;LogicalReplication
@@ -66,4 +69,10 @@ type SlotStatus struct {
 	// (pg_current_wal_lsn() - confirmed_flush_lsn).
 	// +optional
 	ConfirmedLag *resource.Quantity `json:"confirmedLag,omitempty"`
+	// InactiveSince is the first of the operator's readings in a row that
+	// found the slot with no relay pod streaming from it; unset while one
+	// streams. (Its readings since it started: a manager restart starts
+	// it again.)
+	// +optional
+	InactiveSince *metav1.Time `json:"inactiveSince,omitempty"`
 }
