@@ -375,6 +375,8 @@ func (r *Relay) runCapture(ctx context.Context) {
 			return
 		case errors.Is(err, errSlotBusy):
 			backoff = 0
+			r.m.slotRetainedWAL.Set(0) // another replica streams, and reports it
+
 			r.health.batchDone(time.Now(), 0, 0) // a standby has nothing to do: that is progress
 			r.health.idleUntil(time.Now().Add(standbyRetry))
 			sleep(ctx, standbyRetry)
@@ -1817,6 +1819,7 @@ func (r *Relay) dropSlot(ctx context.Context, slot string) {
 		var dropped bool
 		if err = r.pool.QueryRow(ctx, sqlDropSlot, slot).Scan(&dropped); err == nil && dropped {
 			r.log.Warn("dropped the replication slot", "slot", slot)
+			r.m.slotRetainedWAL.Set(0) // it holds back nothing now
 			return
 		}
 		sleep(ctx, 100*time.Millisecond)

@@ -67,6 +67,7 @@ func TestSlotPastMaxRetainedWALIsGivenUp(t *testing.T) {
 	var left int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&left))
 	require.Zero(t, left, "the slot is dropped")
+	require.Zero(t, testutil.ToFloat64(r.m.slotRetainedWAL), "a dropped slot holds back nothing: the alert that reads the gauge stops")
 }
 
 // captureRelay is a relay with logical replication capture of a database
