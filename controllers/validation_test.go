@@ -134,23 +134,23 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		}, []string{"spec.autoscaling", "needs a target"}},
 		{"autoscaling oldestAge below 1s", func(s map[string]any) {
 			s["autoscaling"] = map[string]any{"maxReplicas": int64(3), "oldestAge": "500ms"}
-		}, []string{"spec.autoscaling.oldestAge"}},
+		}, []string{"spec.autoscaling.oldestAge: 500ms is not a duration between 1s and 24h"}},
 		{"autoscaling scaleDownStabilization above 1h", func(s map[string]any) {
 			s["autoscaling"] = map[string]any{"maxReplicas": int64(3), "pendingPerReplica": int64(1), "scaleDownStabilization": "61m"}
-		}, []string{"spec.autoscaling.scaleDownStabilization"}},
+		}, []string{"spec.autoscaling.scaleDownStabilization: 61m is not a duration"}},
 		{"autoscaling minReplicas negative", func(s map[string]any) {
 			s["autoscaling"] = map[string]any{"minReplicas": int64(-1), "maxReplicas": int64(3), "pendingPerReplica": int64(1)}
 		}, []string{"spec.autoscaling.minReplicas"}},
-		{"backlog interval below 5s", func(s map[string]any) { s["backlog"] = map[string]any{"interval": "4s"} }, []string{"spec.backlog.interval"}},
-		{"lagThreshold above 24h", func(s map[string]any) { s["lagThreshold"] = "25h" }, []string{"spec.lagThreshold"}},
+		{"backlog interval below 5s", func(s map[string]any) { s["backlog"] = map[string]any{"interval": "4s"} }, []string{"spec.backlog.interval: 4s is not a duration"}},
+		{"lagThreshold above 24h", func(s map[string]any) { s["lagThreshold"] = "25h" }, []string{"spec.lagThreshold: 25h is not a duration between 1s and 24h"}},
 		{"lagThreshold not a duration", func(s map[string]any) { s["lagThreshold"] = "1 minute" }, []string{"spec.lagThreshold"}},
 		{"batchSize above 10000", func(s map[string]any) { s["batchSize"] = int64(10001) }, []string{"spec.batchSize"}},
-		{"pollInterval below 10ms", func(s map[string]any) { s["pollInterval"] = "9ms" }, []string{"spec.pollInterval"}},
-		{"pollInterval above 1h", func(s map[string]any) { s["pollInterval"] = "61m" }, []string{"spec.pollInterval"}},
+		{"pollInterval below 10ms", func(s map[string]any) { s["pollInterval"] = "9ms" }, []string{"spec.pollInterval: 9ms is not a duration"}},
+		{"pollInterval above 1h", func(s map[string]any) { s["pollInterval"] = "61m" }, []string{"spec.pollInterval: 61m is not a duration"}},
 		{"pollInterval not a duration", func(s map[string]any) { s["pollInterval"] = "soon" }, []string{"spec.pollInterval"}},
 		{"pollInterval without unit", func(s map[string]any) { s["pollInterval"] = "200" }, []string{"spec.pollInterval"}},
-		{"linger below 1ms", func(s map[string]any) { s["linger"] = "500us" }, []string{"spec.linger"}},
-		{"linger above 1s", func(s map[string]any) { s["linger"] = "2s" }, []string{"spec.linger"}},
+		{"linger below 1ms", func(s map[string]any) { s["linger"] = "500us" }, []string{"spec.linger: 500us is not a duration between 1ms and 1s"}},
+		{"linger above 1s", func(s map[string]any) { s["linger"] = "2s" }, []string{"spec.linger: 2s is not a duration"}},
 		{"topics empty", func(s map[string]any) { s["topics"] = map[string]any{} }, []string{"spec.topics"}},
 		{"topics missing", func(s map[string]any) { delete(s, "topics") }, []string{"spec.topics"}},
 		{"event type empty", func(s map[string]any) { s["topics"] = map[string]any{"": "orders"} }, []string{"spec.topics"}},

@@ -164,7 +164,7 @@ type RetentionSpec struct {
 	// in bounded transactions that never touch an unpublished row.
 	// +kubebuilder:validation:MaxLength=64
 	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
-	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('1m0s') && duration(self) <= duration('87600h0m0s'))",message="spec.retention.keepPublishedFor must be a duration between 1m and 87600h"
+	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('1m0s') && duration(self) <= duration('87600h0m0s'))",message="spec.retention.keepPublishedFor must be a duration between 1m and 87600h",messageExpression="'spec.retention.keepPublishedFor: ' + self + ' is not a duration between 1m and 87600h'"
 	// +optional
 	KeepPublishedFor string `json:"keepPublishedFor,omitempty"`
 
@@ -428,7 +428,7 @@ type AutoscalingSpec struct {
 	// duration between 1s and 24h: 48s against 10s with one replica asks for five.
 	// +kubebuilder:validation:MaxLength=64
 	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
-	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('1s') && duration(self) <= duration('24h'))",message="spec.autoscaling.oldestAge must be a duration between 1s and 24h"
+	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('1s') && duration(self) <= duration('24h'))",message="spec.autoscaling.oldestAge must be a duration between 1s and 24h",messageExpression="'spec.autoscaling.oldestAge: ' + self + ' is not a duration between 1s and 24h'"
 	// +optional
 	OldestAge string `json:"oldestAge,omitempty"`
 
@@ -438,7 +438,7 @@ type AutoscalingSpec struct {
 	// +kubebuilder:default="5m"
 	// +kubebuilder:validation:MaxLength=64
 	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
-	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || duration(self) <= duration('1h')",message="spec.autoscaling.scaleDownStabilization must be a duration between 0s and 1h"
+	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || duration(self) <= duration('1h')",message="spec.autoscaling.scaleDownStabilization must be a duration between 0s and 1h",messageExpression="'spec.autoscaling.scaleDownStabilization: ' + self + ' is not a duration between 0s and 1h'"
 	// +optional
 	ScaleDownStabilization string `json:"scaleDownStabilization,omitempty"`
 }
@@ -450,7 +450,7 @@ type BacklogSpec struct {
 	// +kubebuilder:default="15s"
 	// +kubebuilder:validation:MaxLength=64
 	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
-	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('5s') && duration(self) <= duration('1h'))",message="spec.backlog.interval must be a duration between 5s and 1h"
+	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('5s') && duration(self) <= duration('1h'))",message="spec.backlog.interval must be a duration between 5s and 1h",messageExpression="'spec.backlog.interval: ' + self + ' is not a duration between 5s and 1h'"
 	// +optional
 	Interval string `json:"interval,omitempty"`
 }
@@ -527,7 +527,7 @@ type OutboxRelaySpec struct {
 	// +kubebuilder:default="2m0s"
 	// +kubebuilder:validation:MaxLength=64
 	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
-	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('5s') && duration(self) <= duration('24h0m0s'))",message="spec.stallTimeout must be a duration between 5s and 24h"
+	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('5s') && duration(self) <= duration('24h0m0s'))",message="spec.stallTimeout must be a duration between 5s and 24h",messageExpression="'spec.stallTimeout: ' + self + ' is not a duration between 5s and 24h'"
 	// +optional
 	StallTimeout string `json:"stallTimeout,omitempty"`
 
@@ -536,7 +536,7 @@ type OutboxRelaySpec struct {
 	// +kubebuilder:default="200ms"
 	// +kubebuilder:validation:MaxLength=64
 	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
-	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('10ms') && duration(self) <= duration('1h0m0s'))",message="spec.pollInterval must be a duration between 10ms and 1h"
+	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('10ms') && duration(self) <= duration('1h0m0s'))",message="spec.pollInterval must be a duration between 10ms and 1h",messageExpression="'spec.pollInterval: ' + self + ' is not a duration between 10ms and 1h'"
 	// +optional
 	PollInterval string `json:"pollInterval,omitempty"`
 
@@ -551,7 +551,7 @@ type OutboxRelaySpec struct {
 	// +kubebuilder:default="5ms"
 	// +kubebuilder:validation:MaxLength=64
 	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
-	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('1ms') && duration(self) <= duration('1s'))",message="spec.linger must be a duration between 1ms and 1s"
+	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('1ms') && duration(self) <= duration('1s'))",message="spec.linger must be a duration between 1ms and 1s",messageExpression="'spec.linger: ' + self + ' is not a duration between 1ms and 1s'"
 	// +optional
 	Linger string `json:"linger,omitempty"`
 
@@ -647,7 +647,7 @@ type OutboxRelaySpec struct {
 	// +kubebuilder:default="1m"
 	// +kubebuilder:validation:MaxLength=64
 	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
-	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('1s') && duration(self) <= duration('24h'))",message="spec.lagThreshold must be a duration between 1s and 24h"
+	// +kubebuilder:validation:XValidation:rule="!self.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$') || (duration(self) >= duration('1s') && duration(self) <= duration('24h'))",message="spec.lagThreshold must be a duration between 1s and 24h",messageExpression="'spec.lagThreshold: ' + self + ' is not a duration between 1s and 24h'"
 	// +optional
 	LagThreshold string `json:"lagThreshold,omitempty"`
 
