@@ -40,8 +40,12 @@ func TestRelayDeploymentDefaultsAndArgs(t *testing.T) {
 	require.Equal(t, appsv1.RollingUpdateDeploymentStrategyType, d.Spec.Strategy.Type)
 	ct := d.Spec.Template.Spec.Containers[0]
 	require.Equal(t, "img:default", ct.Image)
-	// Defaults are not given: a relay of an earlier release knows every flag here.
-	require.Equal(t, []string{"--brokers=127.0.0.1:9092", "--topic=OrderConfirmed=orders.confirmed"}, ct.Args)
+	require.Equal(t, []string{
+		"--table=outbox", "--brokers=127.0.0.1:9092", "--batch-size=50", "--max-batch-bytes=4194304",
+		"--poll-interval=200ms", "--publish-timeout=10s", "--stall-timeout=2m0s",
+		"--max-in-flight=2", "--on-publish=mark", "--keep-published-for=0s", "--prune-batch-size=1000",
+		"--topic=OrderConfirmed=orders.confirmed", "--ordering=none", "--metrics-addr=:9090", "--log-format=json",
+	}, specArgs(ct.Args), "a flag newer than the first release is not given at its default (--linger)")
 	require.Equal(t, relayconfig.EnvDSN, ct.Env[0].Name)
 	require.Equal(t, "dsn", ct.Env[0].ValueFrom.SecretKeyRef.Key, "the key defaults to dsn")
 	require.Equal(t, defaultResources(relayconfig.Settings{}), ct.Resources)
@@ -77,9 +81,10 @@ func TestRelayDeploymentSpecFields(t *testing.T) {
 	ct := pod.Containers[0]
 	require.Equal(t, []string{
 		"--table=events.outbox", "--brokers=k1:9092,k2:9093", "--batch-size=500", "--max-batch-bytes=1048576",
-		"--poll-interval=1s", "--linger=20ms",
+		"--poll-interval=1s", "--linger=20ms", "--publish-timeout=10s", "--stall-timeout=2m0s",
+		"--max-in-flight=2", "--on-publish=mark", "--keep-published-for=0s", "--prune-batch-size=1000",
 		"--topic=a=topic-a", "--topic=b=topic-b", "--topic=c=topic-c", "--dead-letter-topic=dlq",
-		"--ordering=partition-key",
+		"--ordering=partition-key", "--metrics-addr=:9090", "--log-format=json",
 	}, specArgs(ct.Args))
 	require.Equal(t, "my/relay:1", ct.Image)
 	require.Equal(t, corev1.PullAlways, ct.ImagePullPolicy)

@@ -493,11 +493,14 @@ func Defaults() Command {
 // Args is the command line that gives a relay s, in a fixed order so a pod
 // template built from it is stable. Secrets (DSN, SASL credentials) are
 // never among the arguments: pass them in the environment (EnvDSN,
-// EnvSASLUsername, EnvSASLPassword). A flag is given only when s's value
-// is not the relay's default (Defaults): a relay of an earlier release
-// (an OutboxRelay's image pinned) is never given a flag added after it
-// unless what that flag controls is set, and an operator upgrade that
-// adds a flag does not change the pod template of every relay.
+// EnvSASLUsername, EnvSASLPassword). A flag added after the first release
+// is given only when s's value is not the relay's default (Defaults): a
+// relay of an earlier release (an OutboxRelay's image pinned) is never
+// given a flag it does not know unless what that flag controls is set,
+// and an operator upgrade that adds a flag does not change the pod
+// template of every relay. The first release's flags (alwaysGiven) are
+// given with their defaults too, so no relay takes one of them from its
+// environment, whether or not it knows EnvArgsOnly.
 func (s Command) Args() []string {
 	defaults := map[string]bool{}
 	for _, a := range Defaults().FullArgs() {
@@ -505,12 +508,19 @@ func (s Command) Args() []string {
 	}
 	var args []string
 	for _, a := range s.FullArgs() {
-		if !defaults[a] {
+		name, _, _ := strings.Cut(strings.TrimPrefix(a, "--"), "=")
+		if !defaults[a] || slices.Contains(alwaysGiven, name) {
 			args = append(args, a)
 		}
 	}
 	return args
 }
+
+// alwaysGiven are the flags of the first release (0.1.0) that Args gives
+// with their defaults: a relay of that release knows each of them.
+var alwaysGiven = []string{FlagTable, FlagBrokers, FlagBatchSize, FlagMaxBatchBytes, FlagPollInterval, FlagPublishTimeout,
+	FlagStallTimeout, FlagMaxInFlight, FlagOnPublish, FlagKeepPublishedFor, FlagPruneBatchSize, FlagPrunePause, FlagFormat,
+	FlagCompression, FlagOrdering, FlagMetricsAddr, FlagLogFormat}
 
 // FullArgs is Args with every flag that has a value, defaults included.
 func (s Command) FullArgs() []string {
@@ -708,7 +718,7 @@ func ParseHeld(args []string, redrive bool, lookupEnv func(string) (string, bool
 	if fs.NArg() > 0 {
 		return s, fmt.Errorf("unexpected argument %q", fs.Arg(0))
 	}
-	if err := applyEnv(fs, lookupEnv); err != nil {
+	if err := applyEnv(fs, withoutArgsOnly(lookupEnv)); err != nil {
 		return s, err
 	}
 	var errs []error
@@ -1194,6 +1204,17 @@ func (t topicsValue) Set(v string) error {
 		t[et] = topic
 	}
 	return nil
+}
+
+// withoutArgsOnly is lookupEnv without EnvArgsOnly: `relay held` and
+// `relay redrive`, run by hand in a relay pod, read RELAY_TABLE there.
+func withoutArgsOnly(lookupEnv func(string) (string, bool)) func(string) (string, bool) {
+	return func(k string) (string, bool) {
+		if k == EnvArgsOnly {
+			return "", false
+		}
+		return lookupEnv(k)
+	}
 }
 
 // applyEnv sets every flag not given on the command line from RELAY_<FLAG>

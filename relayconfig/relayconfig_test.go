@@ -84,22 +84,42 @@ func TestArgsRoundTrip(t *testing.T) {
 	}
 }
 
-// Args gives a flag only when its value is not the default: a relay left
-// at its defaults is given its brokers and topics alone, so an operator
-// upgrade that adds a flag gives it to no relay that does not set it (a
-// relay image pinned to an earlier release would refuse it), and changes
-// no pod template. Before, every such flag was given, its default too.
-func TestArgsGiveOnlyWhatIsNotTheDefault(t *testing.T) {
+// A relay left at its defaults is given only flags the first release
+// (0.1.0) knows, so an OutboxRelay whose image is pinned to it keeps
+// running after an operator upgrade (a relay refuses a flag it does not
+// know), and each of them with its value, so that relay (which knows no
+// RELAY_ARGS_ONLY) takes none of them from its environment. A later flag
+// is given once its value is not the default. Before, every flag was
+// given: --linger and --record-timestamp made a 0.1.0 relay exit.
+func TestArgsOfADefaultRelayAreTheFirstReleases(t *testing.T) {
 	t.Parallel()
+	b, err := os.ReadFile("testdata/flags-v0.1.0.txt")
+	require.NoError(t, err)
+	known := map[string]bool{}
+	for _, l := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		if !strings.HasPrefix(l, "#") {
+			known[l] = true
+		}
+	}
 	s := relayconfig.Defaults()
 	s.DSN = "postgres://x"
 	s.Brokers = []string{"k:9092"}
 	s.Topics = map[string]string{"E": "t"}
-	require.Equal(t, []string{"--brokers=k:9092", "--topic=E=t"}, s.Args())
+	given := map[string]bool{}
+	for _, a := range s.Args() {
+		name, _, _ := strings.Cut(strings.TrimPrefix(a, "--"), "=")
+		require.True(t, known[name], "a relay at its defaults is given --%s, which relay 0.1.0 does not know", name)
+		given[name] = true
+	}
+	for _, a := range s.FullArgs() {
+		name, _, _ := strings.Cut(strings.TrimPrefix(a, "--"), "=")
+		if known[name] {
+			require.True(t, given[name], "--%s, which relay 0.1.0 knows, is given with its default", name)
+		}
+	}
+	require.Less(t, len(s.Args()), len(s.FullArgs()), "later flags at their defaults are not given")
 	s.Linger = 2 * relayconfig.DefaultLinger
-	require.Contains(t, s.Args(), "--linger="+s.Linger.String())
-	require.Len(t, s.Args(), 3)
-	require.Greater(t, len(s.FullArgs()), 10, "FullArgs gives the defaults too")
+	require.Contains(t, s.Args(), "--linger="+s.Linger.String(), "a later flag off its default is")
 }
 
 // With RELAY_ARGS_ONLY (which the operator sets), the environment gives
@@ -129,6 +149,13 @@ func TestArgsOnlyTakesOnlySecretsFromTheEnvironment(t *testing.T) {
 	want.KafkaTLS, want.KafkaSASLMechanism = true, relayconfig.SASLPlain
 	want.KafkaSASLUsername, want.KafkaSASLPassword = "client", "s3cret"
 	require.Equal(t, want, got)
+
+	// `relay held`, run by hand in the pod, reads its table from there.
+	vars[relayconfig.EnvName(relayconfig.FlagTable)] = "app.outbox"
+	held, err := relayconfig.ParseHeld(nil, false, env(vars), nil)
+	require.NoError(t, err)
+	require.Equal(t, "app.outbox", held.Table)
+	delete(vars, relayconfig.EnvName(relayconfig.FlagTable))
 
 	vars[relayconfig.EnvArgsOnly] = "yes"
 	_, err = relayconfig.Parse(args, env(vars), nil)
