@@ -420,7 +420,7 @@ func (e *UnreachableError) Unwrap() error { return e.Err }
 func (r *Relay) largestRecord() int {
 	n := 0
 	for _, t := range r.allTopics() {
-		n = max(n, r.topics.budget(t))
+		n = max(n, r.topics.largest(t))
 	}
 	return n
 }

@@ -305,6 +305,26 @@ func TestOversizedRecordHeldWithoutDeadLetterTopic(t *testing.T) {
 	require.Len(t, testenv.Broker().Consume(t, f.Topics["E"], 300, 30*time.Second), 300)
 }
 
+// With compression, a row whose record fits its topic alone but is over
+// the margin a compressing relay keeps for batches is read and published
+// alone, not held as too large from its size before it is read: the claim
+// reads every payload a topic could take. Before, the claim's bound was
+// the margin's, and such a row was held for good.
+func TestCompressingRelayReadsEveryRowATopicTakes(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	f.Topics["E"] = f.NewTopic("big", 1, "max.message.bytes", "100000")
+	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', 'near', 'E', jsonb_build_object('pad', repeat('y', 99500)), 'near')`)
+	f.Insert(10, 5, "E")
+	cfg := f.Config()
+	cfg.Compression = "gzip"
+	x := outboxtest.Start(t, cfg)
+	f.WaitDrained(0, 30*time.Second)
+	require.Len(t, testenv.Broker().Consume(t, f.Topics["E"], 11, 30*time.Second), 11)
+	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", "too_large"))
+}
+
 // A jsonb payload stored uncompressed can take several times its text: a
 // row over the topic's limit by its stored size whose text fits is
 // published, never held as too large (it was, for good).

@@ -186,6 +186,16 @@ func (s *topicState) tooLarge(topic string, m kafka.Message) error {
 	return nil
 }
 
+// largest is the most a record for topic may hold and still be admitted
+// (tooLarge): within the batch header of the limit the broker said, else
+// within the budget of a guessed one.
+func (s *topicState) largest(topic string) int {
+	if s.limitKnown(topic) {
+		return s.limit(topic) - recordBatchOverhead
+	}
+	return s.budget(topic)
+}
+
 // recordBatchOverhead is a record batch's header (magic v2): the broker
 // measures the whole batch, header included, against the topic's
 // max.message.bytes.
