@@ -124,8 +124,9 @@ type captureState struct {
 	// out whole (retryIDs).
 	retryGivenUp bool
 	// progressedAt is when a stream last confirmed a position past the
-	// one it started from: it works. A stream that starts and then fails
-	// (its first sweep, or its first decode) does not count.
+	// one it started from, or had streamed for failingLimit since its
+	// first sweep: it works. A stream that starts and then fails (its
+	// first sweep, or its first decode) does not count.
 	progressedAt time.Time
 	// failingLimit is how long the stream may keep failing before the
 	// relay polls between its attempts (streamFailingLimit).
@@ -667,9 +668,15 @@ func (r *Relay) stream(ctx context.Context) error {
 	}
 	s.nextSweep = time.Now() // the sweep behind the stream, at once
 	s.nextCheck = time.Now()
+	swept := time.Now()
 	for ctx.Err() == nil {
 		now := time.Now()
 		r.health.iteration(now)
+		if now.Sub(swept) >= c.failingLimit {
+			// Streaming this long without a failure is working, also on
+			// an idle database, where no position moves.
+			c.progressedAt = now
+		}
 		r.mergeHeld()
 		if !now.Before(s.nextFilter) {
 			// The stall check leaves out what this loop holds; the stream's

@@ -187,6 +187,44 @@ func TestStreamFailingAfterItStartsFallsBackToPolling(t *testing.T) {
 		15*time.Second, 20*time.Millisecond, "past the failing limit, the relay polls between its attempts")
 }
 
+// A stream that works is no failing one, even on an idle database, where
+// no position moves: the walsender ended twice, a healthy idle session
+// between, longer than the failing limit, is two failures a session apart,
+// not a stream failing all along. Before, only a confirmed position counted
+// as working, and the second end made the relay poll, in id order.
+func TestIdleStreamIsNoFailingStream(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	r, pool := captureRelay(t)
+	require.NoError(t, r.Check(ctx))
+	r.capture.failingLimit = 2 * time.Second
+	logs := &syncBuffer{}
+	r.log = slog.New(slog.NewTextHandler(logs, nil))
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(rctx) }()
+	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
+	t.Cleanup(func() {
+		_, _ = pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, r.capture.slot)
+	})
+	endWalsender := func() {
+		require.Eventually(t, func() bool {
+			var n int
+			require.NoError(t, pool.QueryRow(ctx, `SELECT count(pg_terminate_backend(active_pid)) FROM pg_replication_slots WHERE slot_name = $1 AND active`,
+				r.capture.slot).Scan(&n))
+			return n == 1
+		}, 20*time.Second, 20*time.Millisecond, "a relay streams from the slot")
+	}
+	endWalsender()
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "streaming failed; streaming again") }, 10*time.Second, 20*time.Millisecond)
+	<-time.After(500 * time.Millisecond) // streaming again
+	endWalsender()
+	<-time.After(3 * time.Second) // a healthy session, longer than the failing limit
+	endWalsender()
+	<-time.After(time.Second)
+	require.NotContains(t, logs.String(), "polling, then streaming again")
+}
+
 // syncBuffer is a bytes.Buffer safe for a logger and a test at once.
 type syncBuffer struct {
 	mu sync.Mutex
