@@ -133,13 +133,7 @@ func TestLongSweepIsNoWedge(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, r.Check(ctx))
 	r.health = newHealth(time.Second, 2*time.Second, time.Now()) // wedged after 2 s
-	rctx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- r.Run(rctx) }()
-	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
-	t.Cleanup(func() {
-		_, _ = pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, r.capture.slot)
-	})
+	runLogged(t, r, pool)
 	unpublished := func() int {
 		var n int
 		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE published_at IS NULL`).Scan(&n))
@@ -172,15 +166,7 @@ func TestStreamFailingAfterItStartsFallsBackToPolling(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, r.Check(ctx))
 	r.capture.failingLimit = 2 * time.Second
-	logs := &syncBuffer{}
-	r.log = slog.New(slog.NewTextHandler(logs, nil))
-	rctx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- r.Run(rctx) }()
-	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
-	t.Cleanup(func() {
-		_, _ = pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, r.capture.slot)
-	})
+	logs := runLogged(t, r, pool)
 	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "streaming failed; streaming again") },
 		10*time.Second, 20*time.Millisecond, "the sweep fails")
 	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "streaming failed; polling, then streaming again") },
@@ -198,15 +184,7 @@ func TestIdleStreamIsNoFailingStream(t *testing.T) {
 	r, pool := captureRelay(t)
 	require.NoError(t, r.Check(ctx))
 	r.capture.failingLimit = 2 * time.Second
-	logs := &syncBuffer{}
-	r.log = slog.New(slog.NewTextHandler(logs, nil))
-	rctx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- r.Run(rctx) }()
-	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
-	t.Cleanup(func() {
-		_, _ = pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, r.capture.slot)
-	})
+	logs := runLogged(t, r, pool)
 	endWalsender := func() {
 		require.Eventually(t, func() bool {
 			var n int
@@ -223,6 +201,23 @@ func TestIdleStreamIsNoFailingStream(t *testing.T) {
 	endWalsender()
 	<-time.After(time.Second)
 	require.NotContains(t, logs.String(), "polling, then streaming again")
+}
+
+// runLogged runs r, checked, until the test ends, its slot dropped then,
+// and returns what it logs.
+func runLogged(t *testing.T, r *Relay, pool *pgxpool.Pool) *syncBuffer {
+	t.Helper()
+	ctx := context.Background()
+	logs := &syncBuffer{}
+	r.log = slog.New(slog.NewTextHandler(logs, nil))
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(rctx) }()
+	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
+	t.Cleanup(func() {
+		_, _ = pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, r.capture.slot)
+	})
+	return logs
 }
 
 // syncBuffer is a bytes.Buffer safe for a logger and a test at once.
