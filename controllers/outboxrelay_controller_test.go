@@ -307,6 +307,13 @@ func testSecretRotation(t *testing.T, c client.Client) {
 	create(t, c, secret, relay)
 	first := configHash(waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true }))
 
+	// A write of the Secret's metadata alone (a label) rolls nothing: its
+	// pods read only its data. Before, any new version rolled them.
+	update(t, c, secret, func(s *corev1.Secret) { s.Labels = map[string]string{"team": "orders"} })
+	<-time.After(testSecretRefresh*6/5 + 2*time.Second)
+	require.Equal(t, first, configHash(waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })),
+		"a label on the Secret rolled the relay's pods")
+
 	// A rotation reaches the pods within the refresh interval (and its
 	// jitter of a fifth), measured from the write.
 	rotatedAt := time.Now()

@@ -3,6 +3,7 @@ package controllers
 import (
 	"cmp"
 	"context"
+	"crypto/sha256"
 	"fmt"
 	"maps"
 	"math/rand/v2"
@@ -57,10 +58,15 @@ type secretCache struct {
 type secretEntry struct {
 	uid     types.UID
 	version string
-	keys    map[string]bool   // the names of its keys
-	values  map[string]string // the values of the keys the backlog reads connect with (DSN, TLS material)
-	read    time.Time
-	expires time.Time
+	// dataVersion is the version at which this process last saw the data
+	// change (version itself when first read): a write of the metadata
+	// alone (a label, an annotation) moves version, not dataVersion.
+	dataVersion string
+	sums        map[string][sha256.Size]byte // each key's value's digest, in memory only: to tell a write of the data
+	keys        map[string]bool              // the names of its keys
+	values      map[string]string            // the values of the keys the backlog reads connect with (DSN, TLS material)
+	read        time.Time
+	expires     time.Time
 }
 
 func newSecretCache(refresh time.Duration, reads func()) *secretCache {
@@ -123,10 +129,15 @@ func (c *secretCache) get(ctx context.Context, reader client.Reader, key types.N
 		}
 		return nil, err
 	}
-	n := &secretEntry{uid: uid, version: version, keys: map[string]bool{}, values: map[string]string{}, read: now,
+	n := &secretEntry{uid: uid, version: version, dataVersion: version, keys: map[string]bool{}, values: map[string]string{},
+		sums: make(map[string][sha256.Size]byte, len(data)), read: now,
 		expires: now.Add(c.refresh + time.Duration(rand.Int64N(int64(c.refresh)/5+1)))}
-	for k := range data {
+	for k, v := range data {
 		n.keys[k] = true
+		n.sums[k] = sha256.Sum256([]byte(v))
+	}
+	if e != nil && e.uid == uid && maps.Equal(e.sums, n.sums) {
+		n.dataVersion = e.dataVersion
 	}
 	keep := []string{value}
 	if e != nil {
@@ -167,9 +178,11 @@ func (c *secretCache) forget(key types.NamespacedName) {
 
 // secretInputs is what the relay's pods depend on from the referenced Secrets.
 type secretInputs struct {
-	// Versions names each referenced Secret with its UID and
-	// resourceVersion: a new version (or a re-created Secret) rolls the pods,
-	// and nothing in the pod template is derived from a Secret's data.
+	// Versions names each referenced Secret with its UID and the
+	// resourceVersion at which its data last changed (secretEntry's
+	// dataVersion): new data (or a re-created Secret) rolls the pods, a
+	// write of its metadata alone does not, and nothing in the pod
+	// template is derived from a Secret's data.
 	Versions string
 	// TLSCA and TLSClientCert say which files the TLS Secret provides.
 	TLSCA, TLSClientCert bool
@@ -196,7 +209,7 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 		if err != nil {
 			return nil, nil, fmt.Errorf("get Secret %s: %w", name, err)
 		}
-		versions[name] = fmt.Sprintf("%s/%s/%s", name, e.uid, e.version)
+		versions[name] = fmt.Sprintf("%s/%s/%s", name, e.uid, e.dataVersion)
 		return e, nil, nil
 	}
 	needKeys := func(field, name string, e *secretEntry, keys ...string) *problem {
@@ -260,7 +273,7 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 				return in, &problem{reason: outboxv1alpha1.ReasonSecretKeyMissing, requeue: true,
 					message: fmt.Sprintf("ConfigMap %s has no key %q (spec.database.tls.ca.configMapRef.key)", ref.Name, key)}, nil
 			}
-			versions["configmap/"+ref.Name] = fmt.Sprintf("configmap/%s/%s/%s", ref.Name, cm.uid, cm.version)
+			versions["configmap/"+ref.Name] = fmt.Sprintf("configmap/%s/%s/%s", ref.Name, cm.uid, cm.dataVersion)
 			t.ca = []byte(cm.values[key])
 		}
 		if ref := db.TLS.ClientCertSecretRef; ref != nil {

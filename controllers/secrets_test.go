@@ -81,6 +81,11 @@ func TestSecretCacheReadsOncePerChange(t *testing.T) {
 	e, _ = c.get(ctx, r, k, "dsn")
 	require.Equal(t, 5, r.reads, "read again once the refresh interval (and its jitter) is over")
 	require.Equal(t, "3", e.version)
+	require.Equal(t, "1", e.dataVersion, "new versions of the same data: its pods do not roll")
+	c.stale(k, 0)
+	r.secret.ResourceVersion, r.secret.Data["other"] = "4", []byte("postgres://c")
+	e, _ = c.get(ctx, r, k, "dsn")
+	require.Equal(t, "4", e.dataVersion, "new data")
 
 	r.secret = nil
 	c.stale(k, 0)
@@ -88,7 +93,7 @@ func TestSecretCacheReadsOncePerChange(t *testing.T) {
 		_, err = c.get(ctx, r, k, "dsn")
 		require.True(t, apierrors.IsNotFound(err))
 	}
-	require.Equal(t, 8, r.reads, "a missing Secret is not kept")
+	require.Equal(t, 9, r.reads, "a missing Secret is not kept")
 }
 
 // A status whose backlog numbers moved only a little (an older oldest row,
