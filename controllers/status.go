@@ -92,8 +92,17 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 			"with writer deletes the events wait in replication slot %s, and no relay pod streams from it (%s not confirmed); %d ready replicas",
 			b.Slot.Name, lag, ready)}
 	}
+	// A relay found lagging flows again once its oldest row is a tenth
+	// under the threshold: a backlog whose age saw-tooths across the
+	// threshold does not flip Lagging (and Ready, and its events) at
+	// every reading.
+	prev := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging)
+	stillLagging := prev != nil && prev.Status == metav1.ConditionTrue
+	if stillLagging && b.OldestAge.Duration <= threshold {
+		msg += fmt.Sprintf("; lagging until the oldest row is under %s", threshold-threshold/lagHysteresis)
+	}
 	switch {
-	case b.OldestAge.Duration <= threshold:
+	case b.OldestAge.Duration <= threshold && !(stillLagging && b.OldestAge.Duration > threshold-threshold/lagHysteresis):
 		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonFlowing, msg}
 	case ready == 0:
 		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonNoReadyReplicas, msg}
@@ -103,6 +112,10 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonFallingBehind, msg}
 	}
 }
+
+// lagHysteresis: a lagging relay flows again once its oldest row is
+// 1/lagHysteresis of the threshold under it.
+const lagHysteresis = 10
 
 // backlogRenewal is how long unchanged backlog numbers keep their
 // observedAt: an idle relay's status is then rewritten every few minutes,

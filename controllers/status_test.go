@@ -79,3 +79,38 @@ func TestNotStreamingOnlyPastTheThreshold(t *testing.T) {
 	require.Equal(t, metav1.ConditionTrue, v.status)
 	require.Equal(t, outboxv1alpha1.ReasonNotStreaming, v.reason)
 }
+
+// A relay found lagging flows again only once its oldest row is a tenth
+// under the threshold, so a backlog whose age saw-tooths across the
+// threshold does not flip Lagging, Ready and Argo CD's health at every
+// reading; one not lagging turns so only past the threshold.
+func TestLaggingHasHysteresis(t *testing.T) {
+	t.Parallel()
+	now := time.Now()
+	relay := func(lagging bool) *outboxv1alpha1.OutboxRelay {
+		r := unitRelay()
+		if lagging {
+			r.Status.Conditions = []metav1.Condition{{Type: outboxv1alpha1.ConditionLagging, Status: metav1.ConditionTrue,
+				Reason: outboxv1alpha1.ReasonFallingBehind}}
+		}
+		return r
+	}
+	obs := func(age time.Duration) observation {
+		return observation{backlog: &outboxv1alpha1.BacklogStatus{Pending: 10, OldestAge: metav1.Duration{Duration: age},
+			PublishedPerMinute: ptr.To[int64](600), ObservedAt: metav1.NewTime(now)}}
+	}
+	for _, tc := range []struct {
+		lagging bool
+		age     time.Duration
+		want    metav1.ConditionStatus
+	}{
+		{false, 59 * time.Second, metav1.ConditionFalse},
+		{false, 61 * time.Second, metav1.ConditionTrue},
+		{true, 61 * time.Second, metav1.ConditionTrue},
+		{true, 57 * time.Second, metav1.ConditionTrue}, // within a tenth under the threshold
+		{true, 53 * time.Second, metav1.ConditionFalse},
+	} {
+		v := lagging(relay(tc.lagging), obs(tc.age), 1, now)
+		require.Equal(t, tc.want, v.status, "lagging before: %v, oldest row %s: %s", tc.lagging, tc.age, v.message)
+	}
+}
