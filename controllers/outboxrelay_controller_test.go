@@ -307,12 +307,15 @@ func testSecretRotation(t *testing.T, c client.Client) {
 	create(t, c, secret, relay)
 	first := configHash(waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true }))
 
-	// A write of the Secret's metadata alone (a label) rolls nothing: its
-	// pods read only its data. Before, any new version rolled them.
+	// A write of the Secret's metadata (a label) or of a key the pods do
+	// not read (the application's own, in a Secret it shares with the
+	// relay) rolls nothing: the pods read only the DSN's key. Before, any
+	// new version rolled them, and then any new data.
 	update(t, c, secret, func(s *corev1.Secret) { s.Labels = map[string]string{"team": "orders"} })
+	update(t, c, secret, func(s *corev1.Secret) { s.Data["app-password"] = []byte("hunter2") })
 	<-time.After(testSecretRefresh*6/5 + 2*time.Second)
 	require.Equal(t, first, configHash(waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })),
-		"a label on the Secret rolled the relay's pods")
+		"a label on the Secret, or a key the relay does not read, rolled the relay's pods")
 
 	// A rotation reaches the pods within the refresh interval (and its
 	// jitter of a fifth), measured from the write.

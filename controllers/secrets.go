@@ -58,15 +58,30 @@ type secretCache struct {
 type secretEntry struct {
 	uid     types.UID
 	version string
-	// dataVersion is the version at which this process last saw the data
-	// change (version itself when first read): a write of the metadata
-	// alone (a label, an annotation) moves version, not dataVersion.
-	dataVersion string
-	sums        map[string][sha256.Size]byte // each key's value's digest, in memory only: to tell a write of the data
+	// keyVersions are, for each key, the version at which this process
+	// last saw its value change (version itself when first read): a write
+	// of the metadata alone (a label, an annotation) or of other keys
+	// leaves a key's version as it was.
+	keyVersions map[string]string
+	sums        map[string][sha256.Size]byte // each key's value's digest, in memory only: to tell a write of a key's value
 	keys        map[string]bool              // the names of its keys
 	values      map[string]string            // the values of the keys the backlog reads connect with (DSN, TLS material)
 	read        time.Time
 	expires     time.Time
+}
+
+// dataVersion names the data of the keys a relay's pods read from the
+// entry: its UID and each key with the version at which its value last
+// changed ("-" for a key it lacks). It moves only when one of those
+// values changes (or the object is re-created), so a write of anything
+// else in a Secret shared with the application rolls no relay pod.
+func (e *secretEntry) dataVersion(keys []string) string {
+	keys = slices.Compact(slices.Sorted(slices.Values(keys)))
+	parts := make([]string, len(keys))
+	for i, k := range keys {
+		parts[i] = k + "@" + cmp.Or(e.keyVersions[k], "-")
+	}
+	return string(e.uid) + "/" + strings.Join(parts, ";")
 }
 
 func newSecretCache(refresh time.Duration, reads func()) *secretCache {
@@ -129,15 +144,16 @@ func (c *secretCache) get(ctx context.Context, reader client.Reader, key types.N
 		}
 		return nil, err
 	}
-	n := &secretEntry{uid: uid, version: version, dataVersion: version, keys: map[string]bool{}, values: map[string]string{},
-		sums: make(map[string][sha256.Size]byte, len(data)), read: now,
+	n := &secretEntry{uid: uid, version: version, keys: map[string]bool{}, values: map[string]string{},
+		keyVersions: make(map[string]string, len(data)), sums: make(map[string][sha256.Size]byte, len(data)), read: now,
 		expires: now.Add(c.refresh + time.Duration(rand.Int64N(int64(c.refresh)/5+1)))}
 	for k, v := range data {
 		n.keys[k] = true
 		n.sums[k] = sha256.Sum256([]byte(v))
-	}
-	if e != nil && e.uid == uid && maps.Equal(e.sums, n.sums) {
-		n.dataVersion = e.dataVersion
+		n.keyVersions[k] = version
+		if e != nil && e.uid == uid && e.sums[k] == n.sums[k] && e.keys[k] {
+			n.keyVersions[k] = e.keyVersions[k]
+		}
 	}
 	keep := []string{value}
 	if e != nil {
@@ -178,11 +194,12 @@ func (c *secretCache) forget(key types.NamespacedName) {
 
 // secretInputs is what the relay's pods depend on from the referenced Secrets.
 type secretInputs struct {
-	// Versions names each referenced Secret with its UID and the
-	// resourceVersion at which its data last changed (secretEntry's
-	// dataVersion): new data (or a re-created Secret) rolls the pods, a
-	// write of its metadata alone does not, and nothing in the pod
-	// template is derived from a Secret's data.
+	// Versions names each referenced Secret with its UID and, for each
+	// key the pods read, the resourceVersion at which its value last
+	// changed (secretEntry.dataVersion): a new value of such a key (or a
+	// re-created Secret) rolls the pods; a write of its metadata or of
+	// other keys does not, and nothing in the pod template is derived
+	// from a Secret's data.
 	Versions string
 	// TLSCA and TLSClientCert say which files the TLS Secret provides.
 	TLSCA, TLSClientCert bool
@@ -200,7 +217,10 @@ type secretInputs struct {
 func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1alpha1.OutboxRelay) (secretInputs, *problem, error) {
 	var in secretInputs
 	versions := map[string]string{}
-	get := func(field, name, value string) (*secretEntry, *problem, error) {
+	// read are the keys the pods read from each Secret: only a change of
+	// their values rolls the pods.
+	entries, read := map[string]*secretEntry{}, map[string][]string{}
+	get := func(field, name, value string, podReads ...string) (*secretEntry, *problem, error) {
 		e, err := r.secrets.get(ctx, r.APIReader, types.NamespacedName{Namespace: relay.Namespace, Name: name}, value)
 		if apierrors.IsNotFound(err) {
 			return nil, &problem{reason: outboxv1alpha1.ReasonSecretNotFound, requeue: true,
@@ -209,7 +229,7 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 		if err != nil {
 			return nil, nil, fmt.Errorf("get Secret %s: %w", name, err)
 		}
-		versions[name] = fmt.Sprintf("%s/%s/%s", name, e.uid, e.dataVersion)
+		entries[name], read[name] = e, append(read[name], podReads...)
 		return e, nil, nil
 	}
 	needKeys := func(field, name string, e *secretEntry, keys ...string) *problem {
@@ -224,7 +244,7 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 
 	ref := relay.Spec.DSNSecretRef
 	dsnKey := cmp.Or(ref.Key, outboxv1alpha1.DefaultDSNKey)
-	e, prob, err := get("spec.dsnSecretRef", ref.Name, dsnKey)
+	e, prob, err := get("spec.dsnSecretRef", ref.Name, dsnKey, dsnKey)
 	if prob != nil || err != nil {
 		return in, prob, err
 	}
@@ -234,12 +254,12 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 	in.DSN = e.values[dsnKey]
 	if tls := relay.Spec.Kafka.TLS; tls != nil && tls.SecretRef != nil {
 		name := tls.SecretRef.Name
-		e, prob, err := get("spec.kafka.tls.secretRef", name, "")
+		e, prob, err := get("spec.kafka.tls.secretRef", name, "", kafkaTLSKeys...)
 		if prob != nil || err != nil {
 			return in, prob, err
 		}
-		in.TLSCA = e.keys["ca.crt"]
-		hasCert, hasKey := e.keys["tls.crt"], e.keys["tls.key"]
+		in.TLSCA = e.keys[outboxv1alpha1.DefaultCAKey]
+		hasCert, hasKey := e.keys[corev1.TLSCertKey], e.keys[corev1.TLSPrivateKeyKey]
 		if hasCert != hasKey {
 			return in, &problem{reason: outboxv1alpha1.ReasonSecretKeyMissing, requeue: true,
 				message: fmt.Sprintf("Secret %s (spec.kafka.tls.secretRef) must hold both tls.crt and tls.key, or neither", name)}, nil
@@ -250,7 +270,7 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 		t := &dbTLS{}
 		if ref := db.TLS.CA.SecretRef; ref != nil {
 			key := cmp.Or(ref.Key, outboxv1alpha1.DefaultCAKey)
-			e, prob, err := get("spec.database.tls.ca.secretRef", ref.Name, key)
+			e, prob, err := get("spec.database.tls.ca.secretRef", ref.Name, key, key)
 			if prob != nil || err != nil {
 				return in, prob, err
 			}
@@ -273,12 +293,12 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 				return in, &problem{reason: outboxv1alpha1.ReasonSecretKeyMissing, requeue: true,
 					message: fmt.Sprintf("ConfigMap %s has no key %q (spec.database.tls.ca.configMapRef.key)", ref.Name, key)}, nil
 			}
-			versions["configmap/"+ref.Name] = fmt.Sprintf("configmap/%s/%s/%s", ref.Name, cm.uid, cm.dataVersion)
+			versions["configmap/"+ref.Name] = "configmap/" + ref.Name + "/" + cm.dataVersion([]string{key})
 			t.ca = []byte(cm.values[key])
 		}
 		if ref := db.TLS.ClientCertSecretRef; ref != nil {
 			for _, key := range []string{corev1.TLSCertKey, corev1.TLSPrivateKeyKey} {
-				e, prob, err := get("spec.database.tls.clientCertSecretRef", ref.Name, key)
+				e, prob, err := get("spec.database.tls.clientCertSecretRef", ref.Name, key, key)
 				if prob != nil || err != nil {
 					return in, prob, err
 				}
@@ -296,15 +316,17 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 	}
 	if sasl := relay.Spec.Kafka.SASL; sasl != nil && sasl.CredentialsSecretRef != nil {
 		ref := sasl.CredentialsSecretRef
-		e, prob, err := get("spec.kafka.sasl.credentialsSecretRef", ref.Name, "")
+		user, password := cmp.Or(ref.UsernameKey, outboxv1alpha1.DefaultSASLUsernameKey), cmp.Or(ref.PasswordKey, outboxv1alpha1.DefaultSASLPasswordKey)
+		e, prob, err := get("spec.kafka.sasl.credentialsSecretRef", ref.Name, "", user, password)
 		if prob != nil || err != nil {
 			return in, prob, err
 		}
-		if prob := needKeys("spec.kafka.sasl.credentialsSecretRef", ref.Name, e,
-			cmp.Or(ref.UsernameKey, outboxv1alpha1.DefaultSASLUsernameKey),
-			cmp.Or(ref.PasswordKey, outboxv1alpha1.DefaultSASLPasswordKey)); prob != nil {
+		if prob := needKeys("spec.kafka.sasl.credentialsSecretRef", ref.Name, e, user, password); prob != nil {
 			return in, prob, nil
 		}
+	}
+	for name, e := range entries {
+		versions[name] = name + "/" + e.dataVersion(read[name])
 	}
 	names := referencedSecrets(relay)
 	parts := make([]string, len(names))

@@ -81,11 +81,16 @@ func TestSecretCacheReadsOncePerChange(t *testing.T) {
 	e, _ = c.get(ctx, r, k, "dsn")
 	require.Equal(t, 5, r.reads, "read again once the refresh interval (and its jitter) is over")
 	require.Equal(t, "3", e.version)
-	require.Equal(t, "1", e.dataVersion, "new versions of the same data: its pods do not roll")
+	require.Equal(t, "u1/dsn@1", e.dataVersion([]string{"dsn"}), "new versions of the same data: its pods do not roll")
 	c.stale(k, 0)
 	r.secret.ResourceVersion, r.secret.Data["other"] = "4", []byte("postgres://c")
 	e, _ = c.get(ctx, r, k, "dsn")
-	require.Equal(t, "4", e.dataVersion, "new data")
+	require.Equal(t, "u1/dsn@1", e.dataVersion([]string{"dsn"}), "new data in a key the pods do not read: they do not roll")
+	require.Equal(t, "u1/dsn@1;other@4;tls.crt@-", e.dataVersion([]string{"other", "tls.crt", "dsn", "other"}), "new data")
+	c.stale(k, 0)
+	r.secret.ResourceVersion, r.secret.Data["dsn"] = "5", []byte("postgres://d")
+	e, _ = c.get(ctx, r, k, "dsn")
+	require.Equal(t, "u1/dsn@5", e.dataVersion([]string{"dsn"}), "a rotated DSN")
 
 	r.secret = nil
 	c.stale(k, 0)
@@ -93,7 +98,7 @@ func TestSecretCacheReadsOncePerChange(t *testing.T) {
 		_, err = c.get(ctx, r, k, "dsn")
 		require.True(t, apierrors.IsNotFound(err))
 	}
-	require.Equal(t, 9, r.reads, "a missing Secret is not kept")
+	require.Equal(t, 10, r.reads, "a missing Secret is not kept")
 }
 
 // A status whose backlog numbers moved only a little (an older oldest row,

@@ -17,6 +17,10 @@ import (
 // tlsMountPath is where the Kafka TLS Secret is mounted in a relay pod.
 const tlsMountPath = "/etc/relay/tls"
 
+// kafkaTLSKeys are the keys of the Kafka TLS Secret a relay reads: its CA
+// and its client certificate, each optional.
+var kafkaTLSKeys = []string{outboxv1alpha1.DefaultCAKey, corev1.TLSCertKey, corev1.TLSPrivateKeyKey}
+
 // dbTLSMountPath is where spec.database.tls's CA (ca.crt) and client
 // certificate (tls.crt, tls.key) are mounted in a relay pod.
 const dbTLSMountPath = "/etc/relay/database-tls"
@@ -225,10 +229,10 @@ func kafkaFiles(s *relayconfig.Command, in secretInputs) {
 		return
 	}
 	if in.TLSCA {
-		s.KafkaTLSCAFile = tlsMountPath + "/ca.crt"
+		s.KafkaTLSCAFile = tlsMountPath + "/" + outboxv1alpha1.DefaultCAKey
 	}
 	if in.TLSClientCert {
-		s.KafkaTLSCertFile, s.KafkaTLSKeyFile = tlsMountPath+"/tls.crt", tlsMountPath+"/tls.key"
+		s.KafkaTLSCertFile, s.KafkaTLSKeyFile = tlsMountPath+"/"+corev1.TLSCertKey, tlsMountPath+"/"+corev1.TLSPrivateKeyKey
 	}
 }
 
