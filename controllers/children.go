@@ -215,16 +215,16 @@ func mergeFields(base, over map[string]any) map[string]any {
 	return base
 }
 
-// podTemplate and containerTemplate are t's parts, empty when unset.
+// podTemplate and containerTemplate are t's parts, empty when unset (t too).
 func podTemplate(t *outboxv1alpha1.RelayPodTemplate) *outboxv1alpha1.RelayPodSpec {
-	if t.Pod == nil {
+	if t == nil || t.Pod == nil {
 		return &outboxv1alpha1.RelayPodSpec{}
 	}
 	return t.Pod
 }
 
 func containerTemplate(t *outboxv1alpha1.RelayPodTemplate) *outboxv1alpha1.RelayContainerSpec {
-	if t.Container == nil {
+	if t == nil || t.Container == nil {
 		return &outboxv1alpha1.RelayContainerSpec{}
 	}
 	return t.Container
@@ -305,7 +305,7 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, settings rel
 		Name:            containerName,
 		Image:           image,
 		ImagePullPolicy: spec.ImagePullPolicy,
-		Command:         []string{"/relay"},
+		Command:         []string{relayBinary},
 		Args:            args,
 		Env:             env,
 		Ports: []corev1.ContainerPort{{

@@ -260,6 +260,14 @@ func TestValidateSpecCatchesWhatTheSchemaCannot(t *testing.T) {
 		"pod annotation takes the config hash": {func(r *outboxv1alpha1.OutboxRelay) {
 			r.Spec.PodAnnotations = map[string]string{configHashAnnotation: "x"}
 		}, []string{"spec.podAnnotations"}},
+		"template mount over the relay's binary, spelt otherwise": {func(r *outboxv1alpha1.OutboxRelay) {
+			r.Spec.Template = &outboxv1alpha1.RelayPodTemplate{Container: &outboxv1alpha1.RelayContainerSpec{
+				VolumeMounts: []corev1.VolumeMount{{Name: "bin", MountPath: "//relay/", SubPath: "relay"}}}}
+		}, []string{`spec.template.container.volumeMounts: "//relay/" is /relay, the relay's own`}},
+		"template mount under /etc/relay, spelt otherwise": {func(r *outboxv1alpha1.OutboxRelay) {
+			r.Spec.Template = &outboxv1alpha1.RelayPodTemplate{Container: &outboxv1alpha1.RelayContainerSpec{
+				VolumeMounts: []corev1.VolumeMount{{Name: "ca", MountPath: "/etc//relay/./tls"}}}}
+		}, []string{`"/etc//relay/./tls" is /etc/relay/tls`}},
 		"poll interval out of range":   {func(r *outboxv1alpha1.OutboxRelay) { r.Spec.PollInterval = "2h" }, []string{"spec.pollInterval: 2h0m0s is outside"}},
 		"poll interval not a duration": {func(r *outboxv1alpha1.OutboxRelay) { r.Spec.PollInterval = "soon" }, []string{"spec.pollInterval"}},
 		"no topics":                    {func(r *outboxv1alpha1.OutboxRelay) { r.Spec.Topics = nil }, []string{"spec.topics"}},
@@ -335,6 +343,24 @@ func TestImageAllowList(t *testing.T) {
 		}
 		require.ErrorContains(t, err, fmt.Sprintf("spec.image %q does not start with an allowed prefix (ghcr.io/outbox-relay/outbox-operator:, ghcr.io/outbox-relay/outbox-operator@;", image))
 		require.ErrorContains(t, err, `"*" admits any image`)
+	}
+	// A prefix that does not end a part matches whole parts only.
+	bare := images{fallback: "x", allowed: []string{"registry.example/acme"}}
+	for image, ok := range map[string]bool{
+		"registry.example/acme:1":            true,
+		"registry.example/acme@sha256:0123":  true,
+		"registry.example/acme/relay:1":      true,
+		"registry.example/acme-evil/relay:1": false,
+		"registry.example/acmerelay:1":       false,
+		"registry.example/acme.evil.io/x:1":  false,
+	} {
+		relay := unitRelay()
+		relay.Spec.Image = image
+		if ok {
+			require.NoError(t, validateSpec(relay, bare), image)
+		} else {
+			require.ErrorContains(t, validateSpec(relay, bare), "spec.image", image)
+		}
 	}
 	require.Equal(t, "localhost:5000/r/x", imageRepository("localhost:5000/r/x:v1@sha256:00"))
 	require.Equal(t, "localhost:5000/r/x", imageRepository("localhost:5000/r/x"))

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"path"
 	"slices"
 	"strings"
 	"time"
@@ -16,6 +17,19 @@ import (
 
 // tlsMountPath is where the Kafka TLS Secret is mounted in a relay pod.
 const tlsMountPath = "/etc/relay/tls"
+
+// relayBinary is the relay's program in its image.
+const relayBinary = "/relay"
+
+// ownPath reports whether a template's mount at p (a clean path) would
+// cover what the relay owns: its binary (a mount over it would run another
+// program with the relay's Secrets, past the image allow-list), its
+// mounts under /etc/relay, or the root. The API's rule refuses the plain
+// spellings; this refuses the others ("//relay", "/etc/relay/./tls").
+func ownPath(p string) bool {
+	const etc = "/etc/relay"
+	return p == "/" || p == relayBinary || p == etc || strings.HasPrefix(p, etc+"/")
+}
 
 // kafkaTLSKeys are the keys of the Kafka TLS Secret a relay reads: its CA
 // and its client certificate, each optional.
@@ -325,7 +339,21 @@ func (img images) admits(image string) (bool, []string) {
 		}
 		allowed = []string{repo + ":", repo + "@"}
 	}
-	return slices.ContainsFunc(allowed, func(p string) bool { return strings.HasPrefix(image, p) }), allowed
+	return slices.ContainsFunc(allowed, func(p string) bool { return admitsPrefix(p, image) }), allowed
+}
+
+// admitsPrefix reports whether image starts with the allowed prefix p. A
+// prefix that ends a path part (with /, : or @) matches as it is; one that
+// does not is a repository, or a registry or path without the slash, and
+// matches only whole parts: registry.example/acme admits
+// registry.example/acme:1, registry.example/acme@sha256:… and
+// registry.example/acme/relay:1, never registry.example/acme-evil/relay:1.
+func admitsPrefix(p, image string) bool {
+	if strings.HasSuffix(p, "/") || strings.HasSuffix(p, ":") || strings.HasSuffix(p, "@") {
+		return strings.HasPrefix(image, p)
+	}
+	rest, ok := strings.CutPrefix(image, p)
+	return ok && (rest == "" || strings.ContainsRune("/:@", rune(rest[0])))
 }
 
 // imageRepository is an image reference without its tag or digest.
@@ -363,6 +391,11 @@ func checkSpec(relay *outboxv1alpha1.OutboxRelay, img images) (relayconfig.Comma
 	for field, a := range annotations {
 		if _, reserved := a[configHashAnnotation]; reserved {
 			errs = append(errs, fmt.Sprintf("%s must not set %s: the operator owns it", field, configHashAnnotation))
+		}
+	}
+	for _, m := range containerTemplate(spec.Template).VolumeMounts {
+		if p := path.Clean(m.MountPath); ownPath(p) {
+			errs = append(errs, fmt.Sprintf("spec.template.container.volumeMounts: %q is %s, the relay's own", m.MountPath, p))
 		}
 	}
 	switch {

@@ -47,11 +47,12 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 	long := strings.Repeat("t", 250)
 	ident64 := strings.Repeat("a", 64)
 
-	cases := []struct {
+	type invalidCase struct {
 		name   string
 		edit   func(spec map[string]any)
 		fields []string // each must appear in the error
-	}{
+	}
+	cases := []invalidCase{
 		{"batchSize zero", func(s map[string]any) { s["batchSize"] = int64(0) }, []string{"spec.batchSize"}},
 		{"template env sets the relay's own", func(s map[string]any) {
 			s["template"] = map[string]any{"container": map[string]any{"env": []any{map[string]any{"name": "RELAY_BATCH_SIZE", "value": "1"}}}}
@@ -115,7 +116,7 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		}, []string{"spec.template.pod.volumes", "kafka-tls and database-tls are the relay's own"}},
 		{"template mount under the relay's directory", func(s map[string]any) {
 			s["template"] = map[string]any{"container": map[string]any{"volumeMounts": []any{map[string]any{"name": "ca", "mountPath": "/etc/relay/tls"}}}}
-		}, []string{"spec.template.container.volumeMounts", "/etc/relay are the relay's own"}},
+		}, []string{"spec.template.container.volumeMounts", "the directory /etc/relay"}},
 		{"template volume of two kinds", func(s map[string]any) {
 			s["template"] = map[string]any{"pod": map[string]any{"volumes": []any{map[string]any{"name": "x", "emptyDir": map[string]any{},
 				"secret": map[string]any{"secretName": "s"}}}}}
@@ -197,6 +198,34 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 			kafka(s)["brokers"] = []any{"kafka"}
 		}, []string{"spec.batchSize", "spec.table", "spec.kafka.brokers[0]"}},
 	}
+	for _, c := range []struct{ name, mount string }{
+		{"template mount over the relay's binary", "/relay"},
+		{"template mount over the root", "/"},
+	} {
+		cases = append(cases, invalidCase{c.name, func(s map[string]any) {
+			s["template"] = map[string]any{
+				"pod":       map[string]any{"volumes": []any{map[string]any{"name": "bin", "configMap": map[string]any{"name": "bin", "defaultMode": int64(0o755)}}}},
+				"container": map[string]any{"volumeMounts": []any{map[string]any{"name": "bin", "mountPath": c.mount, "subPath": "relay"}}}}
+		}, []string{"spec.template.container.volumeMounts", "the relay's binary /relay are the relay's own"}})
+	}
+	// Every label the operator selects the relay pods by, in both places
+	// that add labels; the operator's own annotation in both that add
+	// annotations. Before, the API took them and the reconcile refused.
+	relay, _ := minimalRelay(ns, "labels")
+	for k := range commonLabels(relay) {
+		cases = append(cases, invalidCase{"podLabels " + k, func(s map[string]any) { s["podLabels"] = map[string]any{k: "x", "team": "orders"} },
+			[]string{"spec.podLabels", "must not set " + k}},
+			invalidCase{"template labels " + k, func(s map[string]any) {
+				s["template"] = map[string]any{"metadata": map[string]any{"labels": map[string]any{k: "x"}}}
+			}, []string{"spec.template.metadata.labels", "must not set " + k}})
+	}
+	cases = append(cases, invalidCase{"podAnnotations config hash", func(s map[string]any) { s["podAnnotations"] = map[string]any{configHashAnnotation: "x"} },
+		[]string{"spec.podAnnotations", "must not set " + configHashAnnotation}},
+		invalidCase{"template annotations config hash", func(s map[string]any) {
+			s["template"] = map[string]any{"metadata": map[string]any{"annotations": map[string]any{configHashAnnotation: "x"}}}
+		}, []string{"spec.template.metadata.annotations", "must not set " + configHashAnnotation}},
+		invalidCase{"partition column the relay reads", func(s map[string]any) { s["partitionColumn"] = "published_at" },
+			[]string{"spec.partitionColumn: published_at is a column the relay reads for its own purpose"}})
 	require.GreaterOrEqual(t, len(cases), 15)
 	for i, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -342,4 +371,39 @@ func TestAPIServerDefaults(t *testing.T) {
 	require.Equal(t, ptr.To[int32](1), got.Spec.Autoscaling.MinReplicas)
 	require.Equal(t, "5m", got.Spec.Autoscaling.ScaleDownStabilization)
 	require.Equal(t, "15s", got.Spec.Backlog.Interval)
+}
+
+// TestAPIServerRefusesLeavingWriterDeletesInOneStep: events that writers
+// deleted are only in the slot until a relay with logical replication
+// publishes them, so a relay with writer deletes may not switch to Poll,
+// drop its capture or change its table in one apply; it may switch writer
+// deletes off, and then do so.
+func TestAPIServerRefusesLeavingWriterDeletesInOneStep(t *testing.T) {
+	c := adminClient(t)
+	ns := newNamespace(t, c)
+	ctx := context.Background()
+	u := manifest(ns, "writer-deletes", func(s map[string]any) {
+		s["capture"] = map[string]any{"mode": "LogicalReplication", "writerDeletes": true}
+	})
+	require.NoError(t, c.Create(ctx, u))
+	for name, edit := range map[string]func(spec map[string]any){
+		"to Poll":         func(s map[string]any) { s["capture"] = map[string]any{"mode": "Poll"} },
+		"without capture": func(s map[string]any) { delete(s, "capture") },
+		"another table":   func(s map[string]any) { s["table"] = "outbox_v2" },
+	} {
+		changed := u.DeepCopy()
+		edit(changed.Object["spec"].(map[string]any))
+		err := c.Update(ctx, changed)
+		require.True(t, apierrors.IsInvalid(err), "%s: want 422 Invalid, got %v", name, err)
+		require.ErrorContains(t, err, "spec.capture")
+		require.ErrorContains(t, err, "set writerDeletes: false first", name)
+	}
+	// Other changes go through.
+	kafka(u.Object["spec"].(map[string]any))["brokers"] = []any{"kafka-1.kafka:9092"}
+	require.NoError(t, c.Update(ctx, u))
+	// Writer deletes off first, then Poll: each step is taken.
+	u.Object["spec"].(map[string]any)["capture"] = map[string]any{"mode": "LogicalReplication", "writerDeletes": false}
+	require.NoError(t, c.Update(ctx, u))
+	u.Object["spec"].(map[string]any)["capture"] = map[string]any{"mode": "Poll"}
+	require.NoError(t, c.Update(ctx, u))
 }

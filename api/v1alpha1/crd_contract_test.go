@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -12,6 +13,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relayconfig"
 	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
@@ -107,6 +109,13 @@ func TestCRDMatchesRelayContract(t *testing.T) {
 	table := spec.at(t, "table")
 	require.Equal(t, relayconfig.TablePattern, table.Pattern, "spec.table pattern")
 	require.Equal(t, relayconfig.PartitionColumnPattern, spec.at(t, "partitionColumn").Pattern, "spec.partitionColumn pattern")
+	var own []string // relayconfig.CheckPartitionColumn refuses these
+	for _, c := range append(slices.Clone(outbox.Columns), outbox.OptionalColumns...) {
+		own = append(own, "'"+c.Name+"'")
+		require.Error(t, relayconfig.CheckPartitionColumn(c.Name))
+	}
+	require.Contains(t, spec.at(t, "partitionColumn").rules(), "!(self in ["+strings.Join(own, ", ")+"])",
+		"spec.partitionColumn refuses the columns the relay reads for its own purpose")
 	defaultOf(t, table, relayconfig.DefaultTable)
 	require.NotNil(t, table.MaxLength)
 	require.Equal(t, 63+1+63, *table.MaxLength, "spec.table maxLength: the longest SCHEMA.NAME the pattern admits")

@@ -458,6 +458,7 @@ type BacklogSpec struct {
 // OutboxRelaySpec is the desired state of an OutboxRelay.
 // +kubebuilder:validation:XValidation:rule="!has(self.deadLetterTopic) || !self.topics.exists(k, self.topics[k] == self.deadLetterTopic)",message="spec.deadLetterTopic must not be one of the topics in spec.topics",fieldPath=".deadLetterTopic"
 // +kubebuilder:validation:XValidation:rule="!has(self.capture) || !has(self.capture.mode) || self.capture.mode != 'LogicalReplication' || !has(self.ordering) || self.ordering != 'PartitionKey'",message="spec.capture.mode LogicalReplication publishes in commit order from one streaming pod and does not combine with spec.ordering PartitionKey",fieldPath=".capture.mode"
+// +kubebuilder:validation:XValidation:rule="!has(oldSelf.capture) || !has(oldSelf.capture.writerDeletes) || !oldSelf.capture.writerDeletes || (has(self.capture) && has(self.capture.mode) && self.capture.mode == 'LogicalReplication' && (has(self.table) ? self.table : 'outbox') == (has(oldSelf.table) ? oldSelf.table : 'outbox'))",message="spec.capture.writerDeletes: the events its writers deleted are only in the table's replication slot until the relay publishes them, which polling or another table's relay never does; set writerDeletes: false first, and switch to Poll or change spec.table once status.backlog.slot.confirmedLag is near zero",fieldPath=".capture"
 // +kubebuilder:validation:XValidation:rule="!has(self.capture) || !has(self.capture.writerDeletes) || !self.capture.writerDeletes || !has(self.autoscaling)",message="spec.autoscaling does not combine with spec.capture.writerDeletes: the writers leave no backlog in the table to scale by, and with no pod streaming the events would wait in the WAL",fieldPath=".autoscaling"
 type OutboxRelaySpec struct {
 	// DSNSecretRef names the Secret key holding the PostgreSQL DSN. The DSN
@@ -605,6 +606,7 @@ type OutboxRelaySpec struct {
 	// its partition key's hash says. A value that is not a partition of
 	// the topic holds the row (invalid_row) with the reason. Default: none.
 	// +kubebuilder:validation:Pattern=`^[a-z_][a-z0-9_]{0,62}$`
+	// +kubebuilder:validation:XValidation:rule="!(self in ['id', 'event_id', 'aggregate_type', 'aggregate_id', 'event_type', 'payload', 'partition_key', 'created_at', 'published_at', 'headers'])",messageExpression="'spec.partitionColumn: ' + self + ' is a column the relay reads for its own purpose'"
 	// +optional
 	PartitionColumn string `json:"partitionColumn,omitempty"`
 
@@ -692,12 +694,15 @@ type OutboxRelaySpec struct {
 	// +optional
 	PriorityClassName string `json:"priorityClassName,omitempty"`
 
-	// PodAnnotations are added to the relay pods.
+	// PodAnnotations are added to the relay pods; outbox.dev/config-hash
+	// is the operator's.
+	// +kubebuilder:validation:XValidation:rule="!('outbox.dev/config-hash' in self)",message="must not set outbox.dev/config-hash: the operator owns it"
 	// +optional
 	PodAnnotations map[string]string `json:"podAnnotations,omitempty"`
 
 	// PodLabels are added to the relay pods; they cannot override the
 	// app.kubernetes.io labels the operator selects the pods by.
+	// +kubebuilder:validation:XValidation:rule="!['app.kubernetes.io/name', 'app.kubernetes.io/instance', 'app.kubernetes.io/component', 'app.kubernetes.io/managed-by'].exists(k, k in self)",messageExpression="'must not set ' + ['app.kubernetes.io/name', 'app.kubernetes.io/instance', 'app.kubernetes.io/component', 'app.kubernetes.io/managed-by'].filter(k, k in self)[0] + ': the operator selects the relay pods by it'"
 	// +optional
 	PodLabels map[string]string `json:"podLabels,omitempty"`
 

@@ -36,9 +36,12 @@ type RelayPodTemplate struct {
 type PodTemplateMetadata struct {
 	// Labels of the relay pods; the app.kubernetes.io labels the operator
 	// selects the pods by are refused.
+	// +kubebuilder:validation:XValidation:rule="!['app.kubernetes.io/name', 'app.kubernetes.io/instance', 'app.kubernetes.io/component', 'app.kubernetes.io/managed-by'].exists(k, k in self)",messageExpression="'must not set ' + ['app.kubernetes.io/name', 'app.kubernetes.io/instance', 'app.kubernetes.io/component', 'app.kubernetes.io/managed-by'].filter(k, k in self)[0] + ': the operator selects the relay pods by it'"
 	// +optional
 	Labels map[string]string `json:"labels,omitempty"`
-	// Annotations of the relay pods.
+	// Annotations of the relay pods; outbox.dev/config-hash is the
+	// operator's.
+	// +kubebuilder:validation:XValidation:rule="!('outbox.dev/config-hash' in self)",message="must not set outbox.dev/config-hash: the operator owns it"
 	// +optional
 	Annotations map[string]string `json:"annotations,omitempty"`
 }
@@ -94,9 +97,11 @@ type RelayContainerSpec struct {
 	// +optional
 	EnvFrom []corev1.EnvFromSource `json:"envFrom,omitempty"`
 	// VolumeMounts of the volumes in spec.template.pod.volumes; /etc/relay
-	// holds the relay's own mounts.
+	// holds the relay's own mounts, and /relay is the relay's binary (a
+	// mount over it would run another program with the relay's Secrets,
+	// past the operator's image allow-list).
 	// +kubebuilder:validation:MaxItems=32
-	// +kubebuilder:validation:XValidation:rule="self.all(m, m.name != 'kafka-tls' && m.name != 'database-tls' && m.mountPath != '/etc/relay' && !m.mountPath.startsWith('/etc/relay/'))",message="the volumes kafka-tls and database-tls and the directory /etc/relay are the relay's own"
+	// +kubebuilder:validation:XValidation:rule="self.all(m, m.name != 'kafka-tls' && m.name != 'database-tls' && m.mountPath != '/etc/relay' && !m.mountPath.startsWith('/etc/relay/') && m.mountPath != '/' && m.mountPath != '/relay' && !m.mountPath.startsWith('/relay/'))",message="the volumes kafka-tls and database-tls, the directory /etc/relay and the relay's binary /relay are the relay's own"
 	// +listType=map
 	// +listMapKey=mountPath
 	// +optional

@@ -74,8 +74,9 @@ func parseConfig(args []string, getenv func(string) string) (config, error) {
 		"Relay image for OutboxRelays that set no spec.image (env RELAY_IMAGE).")
 	var allowed string
 	fs.StringVar(&allowed, "allowed-relay-images", "",
-		"Comma-separated image prefixes an OutboxRelay's spec.image must start with (end each with / or : so that\n"+
-			"registry.example/relays/ does not also admit registry.example/relays-other/). Empty admits the\n"+
+		"Comma-separated image prefixes an OutboxRelay's spec.image must start with; one that does not end with /,\n"+
+			": or @ matches whole parts only (registry.example/relays admits registry.example/relays:1 and\n"+
+			"registry.example/relays/x:1, not registry.example/relays-other/x:1). Empty admits the\n"+
 			"--relay-image's repository only (any tag or digest); \""+controllers.AnyImage+"\" admits any image, which trusts\n"+
 			"everyone who may create an OutboxRelay with every Secret they can name. The --relay-image is always allowed.")
 	fs.DurationVar(&cfg.secretRefresh, "secret-refresh-interval", controllers.DefaultSecretRefreshInterval,
