@@ -10,6 +10,9 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	appsv1 "k8s.io/api/apps/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
@@ -150,4 +153,54 @@ func TestObserverRetriesATokenSourceThatFailed(t *testing.T) {
 	require.Eventually(t, func() bool {
 		return !strings.Contains(o.Observe(key, target).lastErr, "metadata server not ready yet")
 	}, 10*time.Second, 10*time.Millisecond, "the readings go on with it (here they fail to connect instead)")
+}
+
+// The operator's own cloud identity logs in nowhere unless the manager's
+// --database-token-logins allows: the OutboxRelay names the host, and with
+// sslmode=require or a CA of its author's would have the token sent to a
+// server of their choosing. Off, a relay with a token method is not
+// observed and no token source is made; Lagging says why, and Argo CD's
+// health follows Ready. On, it is read as before.
+func TestTokenLoginsAreOptIn(t *testing.T) {
+	t.Parallel()
+	var calls atomic.Int32
+	o := NewFlowObserver()
+	o.TokenProvider = func(context.Context, relayconfig.DatabaseAuth, string) (dbauth.Provider, error) {
+		calls.Add(1)
+		return dbauth.ProviderFunc(func(context.Context, dbauth.Target) (dbauth.Token, error) {
+			return dbauth.Token{Value: "operator-token", Expiry: time.Now().Add(time.Hour)}, nil
+		}), nil
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = o.Start(ctx) }()
+	r := &OutboxRelayReconciler{Flow: o}
+	relay := unitRelay()
+	relay.Spec.Database = &outboxv1alpha1.DatabaseSpec{Auth: &outboxv1alpha1.DatabaseAuth{Method: outboxv1alpha1.DatabaseAuthAzureAD}}
+	relay.Spec.Backlog = &outboxv1alpha1.BacklogSpec{Interval: "50ms"}
+	key := types.NamespacedName{Namespace: relay.Namespace, Name: relay.Name}
+	in := secretInputs{DSN: "postgres://relay@attacker.example:5432/orders?sslmode=require"}
+
+	obs := r.observe(key, relay, in, nil)
+	require.Equal(t, tokenLoginsOff, obs.notRead)
+	o.mu.Lock()
+	observed := len(o.relays)
+	o.mu.Unlock()
+	require.Zero(t, observed, "the relay is not observed")
+	<-time.After(200 * time.Millisecond)
+	require.Zero(t, calls.Load(), "no token source is made")
+	running := &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Generation: 2}, Status: appsv1.DeploymentStatus{
+		ObservedGeneration: 2, Replicas: 1, UpdatedReplicas: 1, ReadyReplicas: 1, AvailableReplicas: 1}}
+	relay.Status = computeStatus(relay, running, nil, obs)
+	lag := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging)
+	require.Equal(t, metav1.ConditionUnknown, lag.Status)
+	require.Equal(t, outboxv1alpha1.ReasonBacklogNotRead, lag.Reason)
+	require.Contains(t, lag.Message, "--database-token-logins")
+	health, msg := argoHealth(t, relay)
+	require.Equal(t, "Healthy", health, msg)
+
+	r.DatabaseTokenLogins = true
+	r.observe(key, relay, in, nil)
+	require.Eventually(t, func() bool { return calls.Load() > 0 }, 10*time.Second, 10*time.Millisecond,
+		"with --database-token-logins the backlog is read with the operator's identity")
 }

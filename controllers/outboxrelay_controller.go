@@ -54,6 +54,13 @@ type OutboxRelayReconciler struct {
 	// Flow reads the relays' backlogs; nil reads none (no Lagging, and
 	// autoscaled relays keep their running count).
 	Flow *FlowObserver
+	// DatabaseTokenLogins lets the backlog reads of relays with a token
+	// method (spec.database.auth) log in with the operator's own cloud
+	// identity (the manager's --database-token-logins). Off, those relays'
+	// backlogs are not read (Lagging Unknown, BacklogNotRead): whoever may
+	// create an OutboxRelay names the host, and with sslmode=require or a
+	// CA of their own could have the operator send them its token.
+	DatabaseTokenLogins bool
 	// Metrics are the per-relay gauges; nil reports none.
 	Metrics *Metrics
 
@@ -196,6 +203,10 @@ func (r *OutboxRelayReconciler) observe(key types.NamespacedName, relay *outboxv
 		}
 	}
 	auth, _ := databaseAuthOf(relay.Spec.Database) // checked with the spec: prob is nil
+	if auth.token() && !r.DatabaseTokenLogins {
+		r.Flow.Forget(key)
+		return observation{notRead: tokenLoginsOff}
+	}
 	view := r.Flow.Observe(key, flowTarget{dsn: in.DSN, tls: in.DatabaseTLS, auth: auth, dsnSecret: relay.Spec.DSNSecretRef.Name, table: table, interval: interval,
 		topics: relay.Spec.Topics, byKey: relay.Spec.Ordering == outboxv1alpha1.OrderingPartitionKey,
 		slot: relay.Spec.Capture != nil && relay.Spec.Capture.Mode == outboxv1alpha1.CaptureLogicalReplication})

@@ -27,7 +27,14 @@ type problem struct {
 type observation struct {
 	backlog *outboxv1alpha1.BacklogStatus
 	err     string
+	// notRead says why the operator does not read the backlog by choice.
+	notRead string
 }
+
+// tokenLoginsOff is Lagging's message for a relay whose backlog the
+// operator does not read because reading it would send a token of the
+// operator's own cloud identity to a host the OutboxRelay names.
+const tokenLoginsOff = "the operator does not read the backlog of a relay with spec.database.auth: it would log in with a token of its own cloud identity at the host the DSN names, which whoever may create an OutboxRelay chooses; the manager's --database-token-logins allows it. The relay pods' metrics show the backlog"
 
 // defaultLagThreshold is spec.lagThreshold's default.
 const defaultLagThreshold = time.Minute
@@ -54,6 +61,8 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 	threshold := lagThreshold(relay)
 	b := obs.backlog
 	switch {
+	case obs.notRead != "":
+		return verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonBacklogNotRead, obs.notRead}
 	case b == nil && obs.err == "":
 		return verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonObserving, "the operator has not read the backlog yet"}
 	case obs.err != "":

@@ -107,6 +107,8 @@ func startManager(t *testing.T) (*OutboxRelayReconciler, ctrl.Manager) {
 		AllowedImages: []string{allowedPrefix},
 		Flow:          newTestFlowObserver(),
 		Metrics:       metrics,
+		// testDatabaseTokenAuth logs in with the operator's (fake) identity.
+		DatabaseTokenLogins: true,
 		// Secrets are read again this often: how soon a rotation rolls the pods.
 		SecretRefreshInterval: testSecretRefresh,
 	}

@@ -103,6 +103,11 @@ const (
 	// ReasonBacklogUnavailable: the operator cannot read the backlog (no
 	// connection, the table missing, a permission refused, a timeout).
 	ReasonBacklogUnavailable = "BacklogUnavailable"
+	// ReasonBacklogNotRead: the operator does not read the backlog by
+	// choice: spec.database.auth logs in with a token of the cloud
+	// identity, and the operator's own identity logs in only where its
+	// --database-token-logins allows.
+	ReasonBacklogNotRead = "BacklogNotRead"
 	// ReasonCaughtUp: the event reason when Lagging turns False.
 	ReasonCaughtUp = "CaughtUp"
 	// ReasonScaledUp and ReasonScaledDown: the event reasons of an autoscaling decision.

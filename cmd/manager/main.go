@@ -50,7 +50,10 @@ type config struct {
 	secretRefresh time.Duration
 	// connsPerDatabase caps the backlog reads in flight per database.
 	connsPerDatabase int
-	zap              zap.Options
+	// databaseTokenLogins lets backlog reads log in with the operator's
+	// own cloud identity.
+	databaseTokenLogins bool
+	zap                 zap.Options
 }
 
 // parseConfig reads the flags, with RELAY_IMAGE and WATCH_NAMESPACE from the
@@ -85,6 +88,10 @@ func parseConfig(args []string, getenv func(string) string) (config, error) {
 	fs.IntVar(&cfg.connsPerDatabase, "backlog-connections-per-database", controllers.DefaultConnsPerDatabase,
 		"Most connections the backlog reads hold to one database (host, port and name), shared by every\n"+
 			"OutboxRelay on it (1..100).")
+	fs.BoolVar(&cfg.databaseTokenLogins, "database-token-logins", false,
+		"Read the backlog of OutboxRelays with spec.database.auth by logging in with the operator's own cloud identity.\n"+
+			"Whoever may create an OutboxRelay names the host it logs in at, and with sslmode=require or a CA of their\n"+
+			"own could receive that identity's token: enable only where all of them are trusted with its database access.")
 	fs.BoolVar(&cfg.printVersion, "version", false, "Print the version and exit.")
 	cfg.zap = zap.Options{Development: false} // JSON logs
 	cfg.zap.BindFlags(fs)
@@ -187,6 +194,8 @@ func run(ctx context.Context, cfg config, restCfg *rest.Config, tweaks ...func(*
 		AllowedImages: cfg.allowedImages,
 		Flow:          flow,
 		Metrics:       metrics,
+
+		DatabaseTokenLogins: cfg.databaseTokenLogins,
 
 		SecretRefreshInterval: cfg.secretRefresh,
 	}

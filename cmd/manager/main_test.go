@@ -74,6 +74,10 @@ func TestParseConfig(t *testing.T) {
 	_, err = parseConfig([]string{"--secret-refresh-interval=100ms"}, env(nil))
 	require.ErrorContains(t, err, "--secret-refresh-interval: 100ms is outside 1s..24h")
 	require.Equal(t, controllers.DefaultConnsPerDatabase, cfg.connsPerDatabase)
+	require.False(t, cfg.databaseTokenLogins, "the operator's own cloud identity logs in nowhere by default")
+	cfg, err = parseConfig([]string{"--database-token-logins"}, env(nil))
+	require.NoError(t, err)
+	require.True(t, cfg.databaseTokenLogins)
 	_, err = parseConfig([]string{"--backlog-connections-per-database=0"}, env(nil))
 	require.ErrorContains(t, err, "--backlog-connections-per-database: 0 is outside 1..100")
 
