@@ -285,7 +285,15 @@ func backlogStatus(relay *outboxv1alpha1.OutboxRelay, s *backlogSample) *outboxv
 	st.OldestAge = metav1.Duration{Duration: time.Duration(oldest) * time.Second}
 	st.PublishedPerMinute = s.perMinute
 	st.Slot = s.slot
+	if !streams(relay) && (st.Slot == nil || !st.Slot.Exists || st.Slot.Active) {
+		st.Slot = nil // a polling relay shows only a slot left behind, which nothing reads
+	}
 	return st
+}
+
+// streams reports whether the relay captures with logical replication.
+func streams(relay *outboxv1alpha1.OutboxRelay) bool {
+	return relay.Spec.Capture != nil && relay.Spec.Capture.Mode == outboxv1alpha1.CaptureLogicalReplication
 }
 
 func deref(s *string) string {

@@ -86,7 +86,6 @@ type flowTarget struct {
 	interval  time.Duration
 	topics    map[string]outboxv1alpha1.TopicName // the topic map, to tell held rows from pending ones
 	byKey     bool                                // PartitionKey ordering
-	slot      bool                                // LogicalReplication capture: read its slot
 }
 
 // relayFlow is one OutboxRelay's observer and what it saw.
@@ -167,7 +166,7 @@ func (o *FlowObserver) Observe(key types.NamespacedName, target flowTarget) flow
 		f.target, f.latest, f.lastErr, f.counters = target, nil, "", nil
 		o.startLocked(key, f)
 	default:
-		f.target.interval, f.target.dsnSecret, f.target.slot = target.interval, target.dsnSecret, target.slot
+		f.target.interval, f.target.dsnSecret = target.interval, target.dsnSecret
 		f.target.topics, f.target.byKey = target.topics, target.byKey
 	}
 	return flowView{sample: f.latest, lastErr: f.lastErr, authFailed: f.authFailed}
@@ -297,9 +296,10 @@ func (o *FlowObserver) query(key types.NamespacedName, done chan struct{}, withH
 	q := backlogQuery{withHeld: withHeld}
 	if f := o.relays[key]; f != nil && f.done == done {
 		q.table, q.byKey = f.target.table, f.target.byKey
-		if f.target.slot {
-			q.slot = o.slotName(f.target)
-		}
+		// Poll relays' too: a slot left by logical replication (a switch
+		// to Poll, a relay deleted) holds back the database's WAL with no
+		// relay to give it up (backlogStatus).
+		q.slot = o.slotName(f.target)
 		q.topics = make(map[string]string, len(f.target.topics))
 		for et, t := range f.target.topics {
 			q.topics[et] = string(t)

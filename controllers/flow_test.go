@@ -561,7 +561,10 @@ func testDatabaseTokenAuth(t *testing.T, c client.Client) {
 // With spec.capture LogicalReplication the operator reads the relays'
 // slot (named after the DSN's database and the table) into
 // status.backlog.slot: absent before a relay makes it, then the WAL it
-// retains; Poll relays show none.
+// retains. A Poll relay shows only a slot left behind (by a switch from
+// logical replication, or a relay deleted), which holds back the
+// database's WAL with no relay to give it up, and Lagging's message names
+// the statement that drops it.
 func testReplicationSlot(t *testing.T, c client.Client) {
 	ctx := context.Background()
 	dsn, db := outboxDB(t)
@@ -580,6 +583,10 @@ func testReplicationSlot(t *testing.T, c client.Client) {
 		return o.Status.Backlog != nil && o.Status.Backlog.Slot != nil
 	})
 	require.Equal(t, outboxv1alpha1.SlotStatus{Name: slot}, *o.Status.Backlog.Slot, "no slot yet")
+	polls, secret2 := flowRelay(ns, "polls", dsn)
+	create(t, c, secret2, polls)
+	p := waitRelay(t, c, key(polls), func(o *outboxv1alpha1.OutboxRelay) bool { return o.Status.Backlog != nil })
+	require.Nil(t, p.Status.Backlog.Slot, "a polling relay shows no slot while none is left behind")
 
 	_, err = db.Exec(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, slot)
 	require.NoError(t, err)
@@ -590,6 +597,14 @@ func testReplicationSlot(t *testing.T, c client.Client) {
 	})
 	require.False(t, o.Status.Backlog.Slot.Active, "no relay streams in envtest")
 	require.GreaterOrEqual(t, o.Status.Backlog.Slot.RetainedWAL.Value(), o.Status.Backlog.Slot.ConfirmedLag.Value())
+
+	p = waitRelay(t, c, key(polls), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return o.Status.Backlog.Slot != nil && strings.Contains(condOf(o, "Lagging").Message, "pg_drop_replication_slot")
+	})
+	require.True(t, p.Status.Backlog.Slot.Exists)
+	require.Equal(t, slot, p.Status.Backlog.Slot.Name)
+	require.Contains(t, condOf(p, "Lagging").Message, fmt.Sprintf("replication slot %s, left by logical replication, holds back", slot))
+	require.Contains(t, condOf(p, "Lagging").Message, fmt.Sprintf("SELECT pg_drop_replication_slot('%s')", slot))
 }
 
 // tlsOutboxDB starts a PostgreSQL with TLS on (its CA returned), creates

@@ -41,7 +41,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		lagging: gauge("outbox_operator_lagging",
 			"1 while the Lagging condition is True, 0 while False, -1 while Unknown."),
 		slotRetained: gauge("outbox_operator_slot_retained_wal_bytes",
-			"WAL the replication slot of a LogicalReplication OutboxRelay holds back, as status.backlog.slot.retainedWAL; absent in Poll mode."),
+			"WAL the replication slot of a LogicalReplication OutboxRelay holds back, as status.backlog.slot.retainedWAL; for a Poll relay, only a slot left behind by logical replication."),
 		slotMaxRetained: gauge("outbox_operator_slot_max_retained_wal_bytes",
 			"spec.capture.maxRetainedWAL of a LogicalReplication OutboxRelay, beside outbox_operator_slot_retained_wal_bytes: a streaming relay gives its slot up past it, and none does while no relay pod runs."),
 	}

@@ -208,8 +208,7 @@ func (r *OutboxRelayReconciler) observe(key types.NamespacedName, relay *outboxv
 		return observation{notRead: tokenLoginsOff}
 	}
 	view := r.Flow.Observe(key, flowTarget{dsn: in.DSN, tls: in.DatabaseTLS, auth: auth, dsnSecret: relay.Spec.DSNSecretRef.Name, table: table, interval: interval,
-		topics: relay.Spec.Topics, byKey: relay.Spec.Ordering == outboxv1alpha1.OrderingPartitionKey,
-		slot: relay.Spec.Capture != nil && relay.Spec.Capture.Mode == outboxv1alpha1.CaptureLogicalReplication})
+		topics: relay.Spec.Topics, byKey: relay.Spec.Ordering == outboxv1alpha1.OrderingPartitionKey})
 	if view.authFailed { // the Secret may hold a new password: read it again
 		r.secrets.stale(types.NamespacedName{Namespace: relay.Namespace, Name: relay.Spec.DSNSecretRef.Name}, secretRetryInterval)
 	}

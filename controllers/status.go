@@ -87,6 +87,15 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 	}
 	msg := fmt.Sprintf("oldest waiting row %s old (threshold %s); %s%s rows waiting, %s, %d ready replicas",
 		b.OldestAge.Duration, threshold, approx, groupDigits(b.Pending), published, ready)
+	if s := b.Slot; s != nil && !streams(relay) {
+		retained := "WAL"
+		if s.RetainedWAL != nil {
+			retained = s.RetainedWAL.String() + " of WAL"
+		}
+		msg += fmt.Sprintf("; replication slot %s, left by logical replication, holds back %s that no relay gives up: "+
+			"once no events written with writer deletes wait in it (status.backlog.slot.confirmedLag near zero), drop it with SELECT pg_drop_replication_slot('%s')",
+			s.Name, retained, s.Name)
+	}
 	if c := relay.Spec.Capture; c != nil && c.WriterDeletes && b.Slot != nil && b.Slot.Exists && !b.Slot.Active &&
 		(b.Slot.InactiveSince == nil || now.Sub(b.Slot.InactiveSince.Time) > threshold) {
 		// The writers deleted their rows: the table shows no backlog, and

@@ -53,7 +53,7 @@ func TestNotStreamingOnlyPastTheThreshold(t *testing.T) {
 	key := types.NamespacedName{Namespace: "shop", Name: "orders"}
 	o := NewFlowObserver()
 	done := make(chan struct{})
-	o.relays[key] = &relayFlow{done: done, target: flowTarget{interval: 15 * time.Second, slot: true}}
+	o.relays[key] = &relayFlow{done: done, target: flowTarget{interval: 15 * time.Second}}
 	start := time.Now().Add(-5 * time.Minute)
 	read := func(at time.Duration, active bool) *outboxv1alpha1.SlotStatus {
 		s := &backlogSample{at: start.Add(at), slot: &outboxv1alpha1.SlotStatus{Name: "s", Exists: true, Active: active}}

@@ -763,7 +763,9 @@ type BacklogStatus struct {
 	PublishedPerMinute *int64 `json:"publishedPerMinute,omitempty"`
 
 	// Slot is the replication slot of spec.capture LogicalReplication, as
-	// PostgreSQL reports it; absent in Poll mode.
+	// PostgreSQL reports it. In Poll mode it is present only while a slot
+	// left by logical replication exists and nothing streams from it: it
+	// holds back the database's WAL, and no relay gives it up.
 	// +optional
 	Slot *SlotStatus `json:"slot,omitempty"`
 
