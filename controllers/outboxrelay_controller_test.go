@@ -472,20 +472,27 @@ func testInvalidSpec(t *testing.T, c client.Client) {
 	ctx := context.Background()
 	ns := newNamespace(t, c)
 
-	// A rule the schema does not express: pod labels cannot take over the selector.
-	relay, secret := minimalRelay(ns, "badlabels")
-	relay.Spec.PodLabels = map[string]string{"app.kubernetes.io/instance": "someone-else"}
+	// A rule the schema does not express: a mount over the relay's binary
+	// spelt in a way the API's rule does not catch.
+	relay, secret := minimalRelay(ns, "badmount")
+	relay.Spec.Template = &outboxv1alpha1.RelayPodTemplate{
+		Pod: &outboxv1alpha1.RelayPodSpec{Volumes: []outboxv1alpha1.RelayVolume{{Name: "bin", EmptyDir: &corev1.EmptyDirVolumeSource{}}}},
+		Container: &outboxv1alpha1.RelayContainerSpec{VolumeMounts: []corev1.VolumeMount{{Name: "bin", MountPath: "//relay"}}},
+	}
 	create(t, c, secret, relay)
 	relay = waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
 		return readyReason(o) == outboxv1alpha1.ReasonInvalidSpec
 	})
-	require.Contains(t, meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady).Message, "spec.podLabels")
-	require.Contains(t, requireHealth(t, relay, "Degraded"), "spec.podLabels")
+	require.Contains(t, meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady).Message, "spec.template.container.volumeMounts")
+	require.Contains(t, requireHealth(t, relay, "Degraded"), "spec.template.container.volumeMounts")
 	require.Eventually(t, func() bool { return hasEvent(t, c, relay, outboxv1alpha1.ReasonInvalidSpec) }, eventually, tick)
 	require.True(t, apierrors.IsNotFound(c.Get(ctx, childKey(relay), &appsv1.Deployment{})))
 
 	// Fixing the spec recovers.
-	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.PodLabels = map[string]string{"team": "orders"} })
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) {
+		o.Spec.Template.Container.VolumeMounts[0].MountPath = "/var/cache/relay"
+		o.Spec.PodLabels = map[string]string{"team": "orders"}
+	})
 	d := waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })
 	require.Equal(t, "orders", d.Spec.Template.Labels["team"])
 
