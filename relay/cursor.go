@@ -12,6 +12,21 @@ import "time"
 // and at least every second) starts at the cursor of the previous floor
 // scan, and a full rescan from the start runs every FullRescanInterval for
 // transactions that stayed open longer than that. The cursor moves only here.
+//
+// That is not enough for partition-key ordering (guard): a row of key K
+// whose transaction commits after other keys' rows moved the cursor past
+// it, followed by K's next row (its writer waited on the aggregate's lock),
+// would go out after that next row. There every claim starts at or before
+// the safe floor instead: the cursor as of the newest claim all of whose
+// concurrent transactions have ended, which a snapshot taken after each
+// claim tells (snapshot). A row with an id at or below a claim's cursor that
+// the claim did not see was written by a transaction running then, below
+// the snapshot's xmax; once the oldest running transaction (xmin) is past
+// that xmax, all such rows are committed or gone. The writer must hold a
+// transaction id when it takes the row's id: a lock on the aggregate (which
+// the order of concurrent writers of one key already asks for) or an earlier
+// write does. The cost: while a transaction stays open anywhere on the
+// server, claims walk the index entries of every row published since.
 type cursor struct {
 	pos        int64 // highest id this replica claimed
 	floorMark  int64 // pos at the previous floor scan
@@ -19,10 +34,33 @@ type cursor struct {
 	nextFull   time.Time
 	lastShort  bool
 	fullRescan time.Duration
+
+	guard bool        // partition-key ordering: claims start at or before safe
+	safe  int64       // every row at or below it was committed or gone at the last snapshot
+	marks []claimMark // claims not yet safe, oldest first
 }
+
+// claimMark is the cursor after a claim and the xmax of a snapshot taken
+// after it: every transaction that could hold a row at or below pos that
+// the claim did not see has an id below xmax.
+type claimMark struct{ pos, xmax int64 }
+
+// maxClaimMarks bounds the marks kept while a long transaction holds xmin
+// back: past it, pairs merge into their later mark, which only delays the
+// floor.
+const maxClaimMarks = 1024
 
 // from picks where the next claim starts.
 func (c *cursor) from(now time.Time) int64 {
+	from := c.next(now)
+	if c.guard {
+		return min(from, c.safe)
+	}
+	return from
+}
+
+// next is where the next claim starts without the guard.
+func (c *cursor) next(now time.Time) int64 {
 	switch {
 	case now.After(c.nextFull):
 		c.nextFull = now.Add(c.fullRescan)
@@ -63,6 +101,38 @@ func (c *cursor) settled(rows []row, done func(id int64) bool) {
 			return
 		}
 	}
+}
+
+// wantsSnapshot reports whether a snapshot after the claim would move or
+// record anything: with the guard, after a claim that moved the cursor or
+// while claims wait to be safe.
+func (c *cursor) wantsSnapshot() bool {
+	return c.guard && (c.pos > c.safe || len(c.marks) > 0)
+}
+
+// snapshot settles the claims whose concurrent transactions have all
+// ended (their xmax at or below xmin) and records the claim just made
+// (the cursor now) with xmax.
+func (c *cursor) snapshot(xmin, xmax int64) {
+	i := 0
+	for ; i < len(c.marks) && c.marks[i].xmax <= xmin; i++ {
+		c.safe = max(c.safe, c.marks[i].pos)
+	}
+	c.marks = c.marks[i:]
+	if c.pos <= c.safe {
+		return
+	}
+	if n := len(c.marks); n > 0 && c.marks[n-1].pos >= c.pos {
+		return // an earlier claim already covers it, with an older xmax
+	}
+	if len(c.marks) >= maxClaimMarks {
+		kept := c.marks[:0]
+		for j := 1; j < len(c.marks); j += 2 {
+			kept = append(kept, c.marks[j])
+		}
+		c.marks = kept
+	}
+	c.marks = append(c.marks, claimMark{pos: c.pos, xmax: xmax})
 }
 
 // rescanSoon makes the next claim scan the index from the start (rows

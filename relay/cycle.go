@@ -236,6 +236,15 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	cut := len(rows) < locked
 	full := locked == r.cfg.BatchSize || cut
 	r.cur.claimed(rows, full)
+	if r.cur.wantsSnapshot() {
+		var xmin, xmax int64
+		if err := tx.QueryRow(bctx, sqlSnapshotBounds).Scan(&xmin, &xmax); err != nil {
+			tx.Rollback(bctx) //nolint:errcheck // the snapshot's error is the one to report
+			cancel()
+			return nil, r.dbFailed(fmt.Errorf("read the snapshot after a claim from %s: %w", r.table, err))
+		}
+		r.cur.snapshot(xmin, xmax)
+	}
 	if len(rows) == 0 {
 		defer cancel()
 		if !r.topics.anyFailing(start) {

@@ -369,3 +369,43 @@ func TestFrozenReplicaLosesItsBuckets(t *testing.T) {
 	require.Zero(t, v)
 	require.Nil(t, frozen.Cmd.ProcessState, "the frozen replica recovered by itself")
 }
+
+// A key's rows that commit in id order reach Kafka in id order in
+// partition-key mode, even when other keys' rows moved the cursor past the
+// first while its transaction was open (its writer holds the aggregate's
+// lock, which took a transaction id; the key's next writer waits on it).
+// Before, the claims started after the cursor: the key's next row went
+// out at once, and the first only with the next full rescan, after it.
+func TestLateCommitKeepsItsKeysOrder(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	cfg := f.Config()
+	cfg.Ordering = relay.OrderingPartitionKey
+	outboxtest.Start(t, cfg)
+
+	ctx := context.Background()
+	insert := `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', 'K', 'E', $1, 'K')`
+	writer, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer writer.Rollback(ctx) //nolint:errcheck // committed below
+	_, err = writer.Exec(ctx, `SELECT pg_current_xact_id()`) // the aggregate's lock takes a transaction id
+	require.NoError(t, err)
+	_, err = writer.Exec(ctx, insert, `{"n":1}`)
+	require.NoError(t, err)
+	f.Insert(40, 5, "E") // other keys, newer ids, committed first
+	f.WaitDrained(0, 30*time.Second)
+	<-time.After(300 * time.Millisecond) // claims go on past the open row
+	require.NoError(t, writer.Commit(ctx))
+	_, err = f.Pool.Exec(ctx, insert, `{"n":2}`)
+	require.NoError(t, err)
+	f.WaitDrained(0, 30*time.Second)
+
+	var order []string
+	for _, m := range testenv.Broker().Consume(t, f.Topics["E"], 42, 30*time.Second) {
+		if string(m.Key) == "K" {
+			order = append(order, string(m.Value))
+		}
+	}
+	require.Equal(t, []string{`{"n": 1}`, `{"n": 2}`}, order, "key K's rows on Kafka")
+}

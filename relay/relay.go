@@ -167,7 +167,7 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 		m:          newMetrics(cfg.Registerer),
 		log:        cfg.Logger.With("table", table.String()),
 		member:     &member{mode: cfg.Ordering},
-		cur:        cursor{fullRescan: cfg.FullRescanInterval},
+		cur:        cursor{fullRescan: cfg.FullRescanInterval, guard: cfg.Ordering == OrderingPartitionKey},
 		held:       newHeldRows(),
 		topics:     newTopicState(compression(cfg.Compression) != 0),
 		health:     newHealth(cfg.StallTimeout, batchDeadline(cfg)+cfg.StallTimeout, now),
