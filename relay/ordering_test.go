@@ -389,7 +389,8 @@ func TestLateCommitKeepsItsKeysOrder(t *testing.T) {
 	writer, err := f.Pool.Begin(ctx)
 	require.NoError(t, err)
 	defer writer.Rollback(ctx) //nolint:errcheck // committed below
-	_, err = writer.Exec(ctx, `SELECT pg_current_xact_id()`) // the aggregate's lock takes a transaction id
+	// The aggregate's lock takes a transaction id.
+	_, err = writer.Exec(ctx, `SELECT pg_current_xact_id()`)
 	require.NoError(t, err)
 	_, err = writer.Exec(ctx, insert, `{"n":1}`)
 	require.NoError(t, err)
