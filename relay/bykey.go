@@ -113,7 +113,7 @@ func (k *byKey) prepare(ctx context.Context, now time.Time) (beginner, error) {
 }
 
 func (k *byKey) claim(ctx context.Context, tx pgx.Tx, from int64, f claimFilter) (pgx.Rows, error) {
-	return tx.Query(ctx, k.sql, from, f.held, f.keys, f.keyTypes, k.mine, k.limits.rows, k.limits.bytes, f.largest)
+	return tx.Query(ctx, k.sql, from, f.held, f.keys, f.keyTypes, k.mine, k.limits.rows, k.limits.bytes, f.largest, f.types)
 }
 
 // stop says that row i of the batch cannot go out now; its lane's rows are

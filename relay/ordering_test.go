@@ -301,8 +301,9 @@ func TestFailingTopicPublishedElsewhereIsNoStall(t *testing.T) {
 }
 
 // In partition-key mode an unmapped row holds back only the later rows of
-// its key and type: order is kept per key within a topic, and an unmapped
-// type has no topic, so the key's mapped rows flow.
+// its type: order is kept per key within a topic, and an unmapped type has
+// no topic, so the key's mapped rows flow. The claims leave the type out
+// as a whole, and the rows count as held unroutable.
 func TestPartitionKeyUnmappedTypeHoldsOnlyItsOwnLane(t *testing.T) {
 	t.Parallel()
 	f := outboxtest.NewFixture(t, 2, "E")
@@ -316,8 +317,65 @@ func TestPartitionKeyUnmappedTypeHoldsOnlyItsOwnLane(t *testing.T) {
 	f.WaitDrained(2, 30*time.Second)
 	require.Equal(t, 2, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND event_type = 'Unmapped'`))
 	require.Eventually(t, func() bool {
-		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_ordering_blocked_keys", "topic", "unmapped:Unmapped") == 1
-	}, 10*time.Second, 50*time.Millisecond, "the blocked lane is counted under its type")
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", "unroutable") == 2
+	}, 15*time.Second, 50*time.Millisecond, "the unmapped rows count as held")
+}
+
+// downWriter refuses every record for one topic as the broker does a
+// topic the relay may not write to, and takes the others.
+type downWriter struct{ down string }
+
+func (w downWriter) WriteMessages(_ context.Context, msgs ...kafka.Message) error {
+	errs := make(kafka.WriteErrors, len(msgs))
+	bad := false
+	for i, m := range msgs {
+		if m.Topic == w.down {
+			errs[i], bad = kafka.TopicAuthorizationFailed, true
+		}
+	}
+	if bad {
+		return errs
+	}
+	return nil
+}
+
+// In partition-key mode a topic that is down, or an event type missing from
+// the map, holds back only its own rows however many keys it has: the claims
+// leave its types out as a whole. Before, each key's lane was left out on
+// its own, one pair per key in every claim, and behind 20,000 keys of a
+// down topic (50,000 of an unmapped type) the other topic's rows were never
+// claimed: its lanes expired faster than claims could block them again.
+func TestPartitionKeyDownTopicOrUnmappedTypeWithManyKeysStopsOnlyItsRows(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		keys int
+		down bool
+	}{{"down topic", 20000, true}, {"unmapped type", 50000, false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			f := outboxtest.NewFixture(t, 1, "Down", "Up")
+			cfg := f.Config()
+			cfg.Ordering = relay.OrderingPartitionKey
+			typ := "Down"
+			if !tc.down {
+				typ = "NewType"
+			}
+			f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+				SELECT gen_random_uuid(), 'Order', 'x', $2, '{}', 'k-' || g FROM generate_series(1, $1) g`, tc.keys, typ)
+			f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+				SELECT gen_random_uuid(), 'Order', 'x', 'Up', '{}', 'up-' || g FROM generate_series(1, 10) g`)
+			if tc.down {
+				run(t, cfg, downWriter{down: f.Topics["Down"]})
+			} else {
+				outboxtest.Start(t, cfg)
+			}
+			require.Eventually(t, func() bool {
+				return f.Count(`SELECT count(*) FROM outbox WHERE event_type = 'Up' AND published_at IS NULL`) == 0
+			}, 30*time.Second, 100*time.Millisecond, "the other topic's rows go out")
+			require.Equal(t, tc.keys, f.Count(`SELECT count(*) FROM outbox WHERE event_type = $1 AND published_at IS NULL`, typ))
+		})
+	}
 }
 
 // Buckets are shared out between live replicas and taken over when one goes.

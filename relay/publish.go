@@ -356,7 +356,8 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 	}
 	topic, ok := r.cfg.Topics[x.eventType]
 	if !ok {
-		// Only partition-key claims return unmapped rows: the key waits for the map.
+		// No claim returns unmapped rows (the claims' type filter); should
+		// one, its key waits for the map.
 		r.stopLane(b, x, i, now.Add(r.cfg.HeldRetryInterval))
 		return kafka.Message{}, false
 	}

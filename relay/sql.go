@@ -40,10 +40,14 @@ type SQL struct {
 	// sees. The logical replication capture's sweep publishes only those
 	// (sweepFence, slotSnapshot).
 	SweepIDs string
-	// ClaimBuckets is Claim for partition-key ordering: every row of the
-	// replica's key-hash buckets, whatever its type (an unpublishable row
-	// must stop the later rows of its key and topic). Arguments: $1 the id
-	// to start after, $2 ids to leave out, $3 and $4 the (partition key,
+	// ClaimBuckets is Claim for partition-key ordering: the rows of the
+	// replica's key-hash buckets of the event types $9 (those whose topic
+	// is available) or none (held as invalid). A row of another type
+	// waits with every row of its type, so the later rows of its key and
+	// topic (a lane) wait too; leaving out a down topic's lanes key by key
+	// instead made claims skip one pair per key, and with tens of thousands
+	// of keys the other topics' rows were never claimed. Arguments: $1 the
+	// id to start after, $2 ids to leave out, $3 and $4 the (partition key,
 	// event type) pairs to leave out, as two arrays, $5 the buckets, $6 the
 	// most rows, $7 the byte budget, $8 the largest record any topic takes.
 	ClaimBuckets string
@@ -295,7 +299,7 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
 		ClaimBuckets: budgeted(`SELECT `+cols+`
     FROM `+q+`
     WHERE published_at IS NULL AND id > $1 AND id <> ALL($2) AND NOT `+waitingPair("$3", "$4")+`
-      AND `+bucketSQL+` = ANY($5)
+      AND `+bucketSQL+` = ANY($5) AND (event_type IS NULL OR event_type = ANY($9))
     ORDER BY id
     LIMIT $6
     FOR UPDATE SKIP LOCKED`, "$7", "$8", payloadLength(o)),
