@@ -3,6 +3,7 @@ package relay
 import (
 	"log/slog"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
@@ -99,7 +100,9 @@ func (h *heldRows) hold(log *slog.Logger, x row, reason string, until time.Time,
 	if h.recorded {
 		msg := err.Error()
 		if len(msg) > heldErrorBytes {
-			msg = msg[:heldErrorBytes]
+			// Cut whole characters: half of one is no text PostgreSQL takes,
+			// and the batch recording the hold would fail at every retry.
+			msg = strings.ToValidUTF8(msg[:heldErrorBytes], "")
 		}
 		h.pending = append(h.pending, heldRecord{id: x.id, eventID: x.eventID, eventType: x.eventType, reason: reason, err: msg})
 	}

@@ -4,8 +4,10 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/stretchr/testify/require"
 )
@@ -34,4 +36,18 @@ func TestReloadDoesNotReleaseAHoldItCannotSeeYet(t *testing.T) {
 
 	h.merge(empty(time.Now().Add(time.Second))) // read after the commit, without the record: redriven or swept
 	require.False(t, h.isHeld(7))
+}
+
+// A long error is cut to heldErrorBytes at a character's edge: half a
+// character is no text PostgreSQL takes, and the batch recording the hold
+// would fail at every retry, with the healthy rows it published.
+func TestHeldErrorIsCutAtACharacter(t *testing.T) {
+	t.Parallel()
+	h := newHeldRows()
+	h.recorded = true
+	msg := "x" + strings.Repeat("é", heldErrorBytes) // two bytes each, the limit falls inside one
+	h.hold(slog.New(slog.NewTextHandler(io.Discard, nil)), row{id: 1, eventType: "E"}, HeldRefused, time.Now().Add(time.Hour), errors.New(msg))
+	got := h.take()[0].err
+	require.True(t, utf8.ValidString(got))
+	require.Equal(t, heldErrorBytes-1, len(got))
 }
