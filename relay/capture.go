@@ -1469,7 +1469,9 @@ func (r *Relay) publishClaimed(bctx context.Context, cancel context.CancelFunc, 
 	}
 	b := &inFlight{ctx: bctx, cancel: cancel, tx: tx, start: start, rows: rows, cut: len(rows) < locked,
 		big: payloadBytes(rows) > bigBatchBytes, done: make(chan error, 1)}
-	b.published, b.retry, b.perr = r.publish(bctx, rows)
+	pctx, pcancel := publishing(bctx, r.cfg, start)
+	b.published, b.retry, b.perr = r.publish(pctx, rows)
+	pcancel()
 	if len(b.retry) == 0 {
 		r.capture.retryGivenUp = false // the batch went out whole
 	}

@@ -225,7 +225,9 @@ func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRo
 	}
 	var published []int64
 	if len(send) > 0 {
-		published, retry, perr = r.publish(bctx, send)
+		pctx, pcancel := publishing(bctx, r.cfg, start)
+		published, retry, perr = r.publish(pctx, send)
+		pcancel()
 		if len(retry) == 0 {
 			r.capture.retryGivenUp = false // the batch went out whole
 		}

@@ -262,7 +262,9 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	if b.big {
 		releaseMemory() // the claim's read buffers, before the publish builds its request
 	}
-	b.published, _, b.perr = r.publish(bctx, rows)
+	pctx, pcancel := publishing(bctx, r.cfg, start)
+	b.published, _, b.perr = r.publish(pctx, rows)
+	pcancel()
 	b.holds, b.unhold = r.held.take(), r.held.forget(b.published)
 	return b, nil
 }

@@ -3,6 +3,8 @@ package relay_test
 import (
 	"context"
 	"maps"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -467,4 +469,49 @@ func TestLateCommitKeepsItsKeysOrder(t *testing.T) {
 		}
 	}
 	require.Equal(t, []string{`{"n": 1}`, `{"n": 2}`}, order, "key K's rows on Kafka")
+}
+
+// hangWriter acknowledges the records of healthy keys at once; a call that
+// carries a record of a "slow-" key waits until its deadline, as a write
+// to a partition whose leader hangs does, then acknowledges the healthy
+// records and fails the slow ones.
+type hangWriter struct{}
+
+func (hangWriter) WriteMessages(ctx context.Context, msgs ...kafka.Message) error {
+	slow := slices.ContainsFunc(msgs, func(m kafka.Message) bool { return strings.HasPrefix(string(m.Key), "slow-") })
+	if !slow {
+		return nil
+	}
+	<-ctx.Done()
+	errs := make(kafka.WriteErrors, len(msgs))
+	for i, m := range msgs {
+		if strings.HasPrefix(string(m.Key), "slow-") {
+			errs[i] = ctx.Err()
+		}
+	}
+	return errs
+}
+
+// The rows Kafka acknowledged are marked even when a batch's publish runs
+// into its deadline: in partition-key mode a batch goes in rounds of one
+// record batch per topic, and each round that carries a record for a hung
+// partition waits --publish-timeout. Before, the rounds used up the whole
+// deadline, the mark failed, and the batch rolled back, acknowledged rows
+// and all, to be claimed and sent again, for ever.
+func TestAcknowledgedRowsAreMarkedWhenThePublishRunsLong(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	f.Topics["E"] = f.NewTopic("small", 1, "max.message.bytes", "4096") // about three records a round
+	cfg := f.Config()
+	cfg.Ordering = relay.OrderingPartitionKey
+	cfg.PublishTimeout = time.Second // a batch's deadline: 16 s, its rounds 20 s
+	cfg.BatchSize = 100
+	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		SELECT gen_random_uuid(), 'Order', 'x', 'E', jsonb_build_object('pad', repeat('x', 1000)),
+		       CASE WHEN g % 2 = 0 THEN 'slow-' ELSE 'ok-' END || g
+		FROM generate_series(1, 60) g`)
+	run(t, cfg, hangWriter{})
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NOT NULL`) == 30
+	}, 60*time.Second, 200*time.Millisecond, "every acknowledged row is marked")
 }

@@ -226,6 +226,21 @@ const checkTimeout = 30 * time.Second
 // batchDeadline bounds one batch from begin to commit, even after SIGTERM.
 func batchDeadline(cfg Config) time.Duration { return cfg.PublishTimeout + 15*time.Second }
 
+// markReserve is the part of a batch's deadline kept for its mark (or
+// put-back) and commit.
+const markReserve = 5 * time.Second
+
+// publishing is ctx for a batch's publish, begun at start: it ends
+// markReserve before the batch's deadline, whatever rounds, halvings or
+// dead-letter writes (each up to --publish-timeout) it still had to make.
+// What Kafka acknowledged by then is marked; the rest is claimed again.
+// Before, a publish that spent the whole deadline (rounds waiting on a hung
+// partition) left the mark none: the batch rolled back, acknowledged rows
+// and all, and went out again, for ever.
+func publishing(ctx context.Context, cfg Config, start time.Time) (context.Context, context.CancelFunc) {
+	return context.WithDeadline(ctx, start.Add(batchDeadline(cfg)-markReserve))
+}
+
 // Close releases the database connections and the Kafka writer. Call it
 // after Run has returned.
 func (r *Relay) Close() error {
