@@ -168,6 +168,7 @@ func (k *byKey) backOff(failed, sent int) bool { return failed > 0 && failed == 
 // (dropping expired ones; their rows are behind the cursor). Call it before
 // the cursor picks where to start: an expiring lane moves the cursor back.
 func (k *byKey) holdBack(f *claimFilter, now time.Time) {
+	f.buckets = slices.Clone(k.mine) // read by the stats loop too
 	perTopic := map[string]int{}
 	for l, until := range k.blocked {
 		if now.After(until) {

@@ -515,3 +515,32 @@ func TestAcknowledgedRowsAreMarkedWhenThePublishRunsLong(t *testing.T) {
 		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NOT NULL`) == 30
 	}, 60*time.Second, 200*time.Millisecond, "every acknowledged row is marked")
 }
+
+// With partition-key ordering a replica's readiness counts only the rows of
+// its own buckets: a row another replica holds is no work it leaves undone.
+// Before, every replica but the one holding the row found it waiting, and
+// once it had published nothing for the stall timeout it was not ready.
+func TestPartitionKeyReplicaIsNotStalledByAnothersHeldRow(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	cfg := f.Config()
+	cfg.Ordering = relay.OrderingPartitionKey
+	cfg.StallTimeout = 5 * time.Second
+	a, b := outboxtest.Start(t, cfg), outboxtest.Start(t, cfg)
+	owned := func(x *outboxtest.Running) float64 {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_ordering_buckets_owned")
+	}
+	require.Eventually(t, func() bool { return owned(a) == 32 && owned(b) == 32 }, 15*time.Second, 20*time.Millisecond)
+	// Malformed headers: held as invalid by whichever replica owns its key.
+	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, headers)
+		VALUES (gen_random_uuid(), 'Order', 'x', 'E', '{}', 'k', '[1, 2]')`)
+	f.Insert(20, 5, "E")
+	f.WaitDrained(1, 30*time.Second)
+	for end := time.Now().Add(cfg.StallTimeout + 5*time.Second); time.Now().Before(end); <-time.After(100 * time.Millisecond) {
+		for _, x := range []*outboxtest.Running{a, b} {
+			if err := x.R.Ready(); err != nil {
+				require.NotContains(t, err.Error(), "stalled", "a replica is stalled by a row it does not own")
+			}
+		}
+	}
+}

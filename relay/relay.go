@@ -86,6 +86,9 @@ type claimFilter struct {
 	keys, keyTypes []string
 	// largest is the largest record any topic takes (largestRecord).
 	largest int
+	// buckets are the key-hash buckets this replica claims from
+	// (partition-key mode; nil: every row).
+	buckets []int32
 }
 
 // connect opens a session of its own (not the pool's) with the pool's

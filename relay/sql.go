@@ -73,8 +73,10 @@ type SQL struct {
 	// OldestAge is the age in seconds of the oldest unpublished row, 0 when none.
 	OldestAge string
 	// OldestWaiting is the age in seconds of the oldest row of event types
-	// $1, leaving out ids $2 and the (key, type) pairs $3 and $4: what a
-	// claim could take. 0 when none.
+	// $1, leaving out ids $2 and the (key, type) pairs $3 and $4, in the
+	// key-hash buckets $5 (NULL: any): what a claim could take. 0 when none.
+	// With partition-key ordering a replica counts only its own buckets: a
+	// row another replica holds is no work this one leaves undone.
 	OldestWaiting string
 
 	// The held table (outbox.HeldDDL): the rows the relays hold back.
@@ -329,6 +331,7 @@ SELECT count(*), COALESCE(max(id), 0) FROM gone`,
 			` WHERE published_at IS NULL AND ` + validCreatedAt + ` ORDER BY id LIMIT 1), 0)`,
 		OldestWaiting: `SELECT COALESCE((SELECT extract(epoch FROM now() - created_at)::float8 FROM ` + q +
 			` WHERE published_at IS NULL AND ` + validCreatedAt + ` AND event_type = ANY($1) AND id <> ALL($2) AND NOT ` + waitingPair("$3", "$4") + `
+			  AND ($5::int[] IS NULL OR ` + bucketSQL + ` = ANY($5))
 			  ORDER BY id LIMIT 1), 0)`,
 		HeldExists: `SELECT to_regclass(` + outbox.QuoteLiteral(h) + `) IS NOT NULL`,
 		CreateHeld: outbox.HeldDDL(t),

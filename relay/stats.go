@@ -126,7 +126,7 @@ func (r *Relay) refreshBacklog(ctx context.Context) {
 		r.setDBErr(nil)
 	}
 	if f := r.filter.Load(); f != nil {
-		if err := tx.QueryRow(ctx, r.sql.OldestWaiting, f.types, f.held, f.keys, f.keyTypes).Scan(&age); err == nil {
+		if err := tx.QueryRow(ctx, r.sql.OldestWaiting, f.types, f.held, f.keys, f.keyTypes, f.buckets).Scan(&age); err == nil {
 			r.health.setOldestWaiting(time.Duration(age * float64(time.Second)))
 		}
 	}
