@@ -39,7 +39,9 @@ type inFlight struct {
 // after the previous one ended, so rows reach Kafka in id order per replica.
 func (r *Relay) Run(ctx context.Context) error {
 	statsDone := make(chan struct{})
-	r.refreshHeld(ctx) // before the first claim: a restarted relay does not retry its holds early
+	hctx, cancel := context.WithTimeout(ctx, statsTimeout)
+	r.refreshHeld(hctx) // before the first claim: a restarted relay does not retry its holds early
+	cancel()
 	go func() { defer close(statsDone); r.statsLoop(ctx) }()
 	defer func() { <-statsDone }()
 	if r.cfg.KeepPublishedFor > 0 || r.shape.byCreatedAt { // a pruner may have left partitions detached (restoreDetached)

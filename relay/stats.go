@@ -27,8 +27,13 @@ func (r *Relay) statsLoop(ctx context.Context) {
 	}
 }
 
+// statsTimeout bounds one refresh of the stats, and the held table's
+// first read at start-up: a database that does not answer (a network
+// that drops packets) does not hold the loop up past it.
+const statsTimeout = 4 * time.Second
+
 func (r *Relay) refreshStats(ctx context.Context) {
-	ctx, cancel := context.WithTimeout(ctx, 4*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, statsTimeout)
 	defer cancel()
 	r.refreshKafka(ctx)
 	r.refreshBacklog(ctx)
