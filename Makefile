@@ -176,6 +176,9 @@ bench-linger: deps-postgres deps-kafka ## Adaptive polling's wait after a partia
 	go run ./test/bench -scenarios linger-cost -rates 1000 -reps 5 -latency-duration 20s -out-md bench/linger.md -out-json bench/linger-results.json $(BENCH_FLAGS)
 
 .PHONY: bench-relay
+bench-ordering: deps-postgres deps-kafka ## Both orderings side by side: ceiling, drain at batch 50 and 500, 1, 2 and 4 replicas (writes bench/ordering.md and bench/ordering-results.json).
+	go run ./test/bench -scenarios claim-ceiling,drain,replica-scaling -orderings none,partition-key -out-md bench/ordering.md -out-json bench/ordering-results.json $(BENCH_FLAGS)
+
 bench-relay: deps-postgres deps-kafka ## The relay alone: ceiling, drain at batch 50 and 500, the naive claim shape (writes bench/relay.md and bench/relay-results.json).
 	go run ./test/bench -scenarios claim-ceiling,drain,naive-per-row -orderings none -out-md bench/relay.md -out-json bench/relay-results.json $(BENCH_FLAGS)
 
