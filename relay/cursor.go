@@ -18,15 +18,22 @@ import "time"
 // it, followed by K's next row (its writer waited on the aggregate's lock),
 // would go out after that next row. There every claim starts at or before
 // the safe floor instead: the cursor as of the newest claim all of whose
-// concurrent transactions have ended, which a snapshot taken after each
-// claim tells (snapshot). A row with an id at or below a claim's cursor that
-// the claim did not see was written by a transaction running then, below
-// the snapshot's xmax; once the oldest running transaction (xmin) is past
-// that xmax, all such rows are committed or gone. The writer must hold a
-// transaction id when it takes the row's id: a lock on the aggregate (which
-// the order of concurrent writers of one key already asks for) or an earlier
-// write does. The cost: while a transaction stays open anywhere on the
-// server, claims walk the index entries of every row published since.
+// concurrent transactions have ended. A row with an id at or below a
+// claim's cursor that the claim did not see was written by a transaction
+// running then, which took its id before the claim's own (the claim's
+// transaction takes one when it locks its first row, after its snapshot):
+// the mark's bound. Once the oldest transaction still running (xmin), read
+// before a later claim's statement, is at or past that bound, every such
+// row was committed (or gone) before that later claim looked, and the
+// later claim, starting at the old floor, saw it; the claims after it may
+// start at the mark's cursor (settle). A snapshot's xmax is no such bound:
+// it is one past the latest transaction that ended, and one that took its
+// id before may still run. The writer must hold a transaction id when it
+// takes the row's id: a row lock on the aggregate (which the order of
+// concurrent writers of one key already asks for) or an earlier write
+// does; an advisory lock does not. The cost: while a transaction stays
+// open anywhere on the server, claims walk the index entries of every row
+// published since.
 type cursor struct {
 	pos        int64 // highest id this replica claimed
 	floorMark  int64 // pos at the previous floor scan
@@ -40,10 +47,10 @@ type cursor struct {
 	marks []claimMark // claims not yet safe, oldest first
 }
 
-// claimMark is the cursor after a claim and the xmax of a snapshot taken
-// after it: every transaction that could hold a row at or below pos that
-// the claim did not see has an id below xmax.
-type claimMark struct{ pos, xmax int64 }
+// claimMark is the cursor after a claim and the claim's own transaction
+// id: every transaction that could hold a row at or below pos that the
+// claim did not see has an id below bound.
+type claimMark struct{ pos, bound int64 }
 
 // maxClaimMarks bounds the marks kept while a long transaction holds xmin
 // back: past it, pairs merge into their later mark, which only delays the
@@ -103,28 +110,32 @@ func (c *cursor) settled(rows []row, done func(id int64) bool) {
 	}
 }
 
-// wantsSnapshot reports whether a snapshot after the claim would move or
-// record anything: with the guard, after a claim that moved the cursor or
-// while claims wait to be safe.
-func (c *cursor) wantsSnapshot() bool {
-	return c.guard && (c.pos > c.safe || len(c.marks) > 0)
+// wantsXmin reports whether the next claim should read the oldest running
+// transaction before its statement: with the guard, while claims wait to
+// be safe.
+func (c *cursor) wantsXmin() bool { return c.guard && len(c.marks) > 0 }
+
+// wantsBound reports whether the claim just made moved the cursor past
+// every mark, and so needs its transaction id recorded (record).
+func (c *cursor) wantsBound() bool {
+	n := len(c.marks)
+	return c.guard && c.pos > c.safe && (n == 0 || c.marks[n-1].pos < c.pos)
 }
 
-// snapshot settles the claims whose concurrent transactions have all
-// ended (their xmax at or below xmin) and records the claim just made
-// (the cursor now) with xmax.
-func (c *cursor) snapshot(xmin, xmax int64) {
+// settle, after a claim, lets the claims after it start at the cursor of
+// every mark whose bound xmin (read before that claim's statement, so the
+// claim saw what those transactions wrote) is at or past.
+func (c *cursor) settle(xmin int64) {
 	i := 0
-	for ; i < len(c.marks) && c.marks[i].xmax <= xmin; i++ {
+	for ; i < len(c.marks) && c.marks[i].bound <= xmin; i++ {
 		c.safe = max(c.safe, c.marks[i].pos)
 	}
 	c.marks = c.marks[i:]
-	if c.pos <= c.safe {
-		return
-	}
-	if n := len(c.marks); n > 0 && c.marks[n-1].pos >= c.pos {
-		return // an earlier claim already covers it, with an older xmax
-	}
+}
+
+// record notes the claim just made (the cursor now) with its transaction's
+// id.
+func (c *cursor) record(bound int64) {
 	if len(c.marks) >= maxClaimMarks {
 		kept := c.marks[:0]
 		for j := 1; j < len(c.marks); j += 2 {
@@ -132,7 +143,7 @@ func (c *cursor) snapshot(xmin, xmax int64) {
 		}
 		c.marks = kept
 	}
-	c.marks = append(c.marks, claimMark{pos: c.pos, xmax: xmax})
+	c.marks = append(c.marks, claimMark{pos: c.pos, bound: bound})
 }
 
 // rescanSoon makes the next claim scan the index from the start (rows

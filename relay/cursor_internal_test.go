@@ -8,42 +8,55 @@ import (
 )
 
 // With the guard, claims start at the safe floor: the cursor of the newest
-// claim whose snapshot's xmax the oldest running transaction has passed.
+// claim whose transaction id the oldest running transaction, read before a
+// later claim's statement, has reached.
 func TestGuardedCursorStartsAtTheSafeFloor(t *testing.T) {
 	t.Parallel()
 	now := time.Now()
 	c := cursor{guard: true, fullRescan: time.Hour, nextFull: now.Add(time.Hour), nextFloor: now.Add(time.Hour)}
-	claim := func(last int64, xmin, xmax int64) {
+	// claim runs one claim: xmin read before it (-1: none read), then its
+	// rows up to last, then its transaction id when the cursor moved.
+	claim := func(xmin, last, xid int64) int64 {
+		require.Equal(t, xmin >= 0, c.wantsXmin(), "an xmin is read while claims wait to be safe")
+		from := c.from(now)
 		c.claimed([]row{{id: last}}, true)
-		require.True(t, c.wantsSnapshot())
-		c.snapshot(xmin, xmax)
+		if xmin >= 0 {
+			c.settle(xmin)
+		}
+		if c.wantsBound() {
+			c.record(xid)
+		}
+		return from
 	}
-	claim(10, 100, 105) // transactions 100..104 may hold rows at or below 10
-	require.Equal(t, int64(0), c.from(now), "not safe yet")
-	claim(20, 103, 110)
-	require.Equal(t, int64(0), c.from(now), "103 and 104 may still run")
-	claim(30, 105, 112)
-	require.Equal(t, int64(10), c.from(now), "all before 105 ended: rows up to 10 are committed or gone")
-	claim(40, 112, 115)
-	require.Equal(t, int64(30), c.from(now))
-	require.Equal(t, []claimMark{{40, 115}}, c.marks)
-	c.snapshot(115, 116) // an empty claim: nothing new to record
-	require.Equal(t, int64(40), c.from(now))
-	require.False(t, c.wantsSnapshot(), "nothing to settle, no snapshot")
+	require.Equal(t, int64(0), claim(-1, 10, 100))
+	require.Equal(t, int64(0), claim(99, 20, 105), "transaction 99 may hold a row at or below 10")
+	require.Equal(t, int64(0), claim(100, 30, 110), "the claim's own id reached: the next claim may start at 10")
+	require.Equal(t, int64(10), claim(104, 40, 115))
+	require.Equal(t, int64(10), claim(105, 40, 0), "a claim that did not move the cursor records nothing")
+	require.Equal(t, int64(20), c.from(now))
+	require.Equal(t, []claimMark{{30, 110}, {40, 115}}, c.marks)
+	c.settle(200)
+	require.Equal(t, int64(40), c.from(now), "every claim's transaction has ended")
+	require.False(t, c.wantsXmin(), "nothing waits: no read")
 
 	// A transaction that stays open: the marks merge past the bound and
 	// the floor stays.
 	for i := range 3 * maxClaimMarks {
-		claim(int64(41+i), 116, int64(200+i))
+		xmin := int64(150)
+		if i == 0 {
+			xmin = -1 // nothing waits yet
+		}
+		claim(xmin, int64(41+i), int64(300+i))
 		require.LessOrEqual(t, len(c.marks), maxClaimMarks)
 	}
 	require.Equal(t, int64(40), c.from(now))
-	c.snapshot(int64(200+3*maxClaimMarks), int64(201+3*maxClaimMarks))
+	c.settle(int64(300 + 3*maxClaimMarks))
 	require.Equal(t, c.pos, c.from(now), "once it ends, the floor is the cursor")
 
 	// Without the guard the cursor alone decides.
 	u := cursor{fullRescan: time.Hour, nextFull: now.Add(time.Hour), nextFloor: now.Add(time.Hour)}
 	u.claimed([]row{{id: 50}}, true)
-	require.False(t, u.wantsSnapshot())
+	require.False(t, u.wantsXmin())
+	require.False(t, u.wantsBound())
 	require.Equal(t, int64(50), u.from(now))
 }

@@ -227,6 +227,14 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 		f.held = r.held.ids()
 	}
 	r.filter.Store(&f)
+	xmin := int64(-1) // not read
+	if r.cur.wantsXmin() {
+		if err := tx.QueryRow(bctx, sqlOldestRunning).Scan(&xmin); err != nil {
+			tx.Rollback(bctx) //nolint:errcheck // the read's error is the one to report
+			cancel()
+			return nil, r.dbFailed(fmt.Errorf("read the oldest running transaction before a claim from %s: %w", r.table, err))
+		}
+	}
 	rows, locked, err := r.claim(bctx, tx, r.cur.from(start), f)
 	if err != nil {
 		tx.Rollback(bctx) //nolint:errcheck // the claim's error is the one to report
@@ -238,14 +246,17 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	cut := len(rows) < locked
 	full := locked == r.cfg.BatchSize || cut
 	r.cur.claimed(rows, full)
-	if r.cur.wantsSnapshot() {
-		var xmin, xmax int64
-		if err := tx.QueryRow(bctx, sqlSnapshotBounds).Scan(&xmin, &xmax); err != nil {
-			tx.Rollback(bctx) //nolint:errcheck // the snapshot's error is the one to report
+	if xmin >= 0 {
+		r.cur.settle(xmin)
+	}
+	if r.cur.wantsBound() {
+		var bound int64
+		if err := tx.QueryRow(bctx, sqlClaimXid).Scan(&bound); err != nil {
+			tx.Rollback(bctx) //nolint:errcheck // the read's error is the one to report
 			cancel()
-			return nil, r.dbFailed(fmt.Errorf("read the snapshot after a claim from %s: %w", r.table, err))
+			return nil, r.dbFailed(fmt.Errorf("read the transaction id of a claim from %s: %w", r.table, err))
 		}
-		r.cur.snapshot(xmin, xmax)
+		r.cur.record(bound)
 	}
 	if len(rows) == 0 {
 		defer cancel()

@@ -6,10 +6,12 @@ import "github.com/jackc/pgx/v5"
 // for every table (a table comes in as its quoted name, a lock as its
 // class and key). TestSessionStatementsPrepare prepares every one.
 const (
-	// sqlSnapshotBounds: the oldest transaction still running (xmin) and
-	// the first not yet started (xmax) in a snapshot taken now, as full
-	// 64-bit ids (cursor.snapshot).
-	sqlSnapshotBounds = `SELECT pg_snapshot_xmin(s)::text::bigint, pg_snapshot_xmax(s)::text::bigint FROM pg_current_snapshot() s`
+	// sqlOldestRunning: the oldest transaction still running (a snapshot's
+	// xmin) as a full 64-bit id (cursor.settle).
+	sqlOldestRunning = `SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint`
+	// sqlClaimXid: the claim transaction's id, taken when it locked its
+	// first row, or now if it locked none (cursor.record).
+	sqlClaimXid = `SELECT COALESCE(pg_current_xact_id_if_assigned(), pg_current_xact_id())::text::bigint`
 	// sqlTableOID is the oid of the table whose quoted name is $1, NULL
 	// when it does not exist; lock classes derive from it.
 	sqlTableOID = `SELECT to_regclass($1)::oid`
@@ -88,5 +90,5 @@ var sessionStatements = map[string]string{
 	"sqlColumns": sqlColumns, "sqlHasUnpublishedIndex": sqlHasUnpublishedIndex, "sqlIsPartitioned": sqlIsPartitioned,
 	"sqlServerVersion": sqlServerVersion, "sqlSetSession": sqlSetSession, "sqlBoundWaits": sqlBoundWaits, "sqlUnboundWaits": sqlUnboundWaits, "sqlBitmapScansOn": sqlBitmapScansOn,
 	"sqlLockShared": sqlLockShared, "sqlTryLock": sqlTryLock, "sqlUnlock": sqlUnlock,
-	"sqlLockHolders": sqlLockHolders, "sqlFreeLocks": sqlFreeLocks, "sqlSnapshotBounds": sqlSnapshotBounds,
+	"sqlLockHolders": sqlLockHolders, "sqlFreeLocks": sqlFreeLocks, "sqlOldestRunning": sqlOldestRunning, "sqlClaimXid": sqlClaimXid,
 }
