@@ -60,3 +60,14 @@ func TestGuardedCursorStartsAtTheSafeFloor(t *testing.T) {
 	require.False(t, u.wantsBound())
 	require.Equal(t, int64(50), u.from(now))
 }
+
+// A topic back from its backoff while another went down between two
+// claims is a type back: its rows may lie behind the cursor. Before, only a
+// larger count of available types made the next claim rescan.
+func TestTypesBack(t *testing.T) {
+	t.Parallel()
+	require.True(t, typesBack([]string{"A"}, []string{"B"}), "one back, one down")
+	require.True(t, typesBack([]string{"A"}, []string{"A", "B"}))
+	require.False(t, typesBack([]string{"A", "B"}, []string{"A"}))
+	require.False(t, typesBack([]string{"A", "B"}, []string{"A", "B"}))
+}

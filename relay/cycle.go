@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -189,6 +190,13 @@ func (r *Relay) mergeHeld() {
 	}
 }
 
+// typesBack reports whether now holds a type that prev did not: its topic
+// is back, and its rows may lie behind the cursor. Counting them would miss
+// one topic coming back while another went down.
+func typesBack(prev, now []string) bool {
+	return !slices.Equal(prev, now) && slices.ContainsFunc(now, func(et string) bool { return !slices.Contains(prev, et) })
+}
+
 // claimAndPublish runs the first half of a batch: claim and publish. It
 // returns nil when there was nothing to claim.
 func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
@@ -217,10 +225,10 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	}
 	// Never NULL arrays: id <> ALL(NULL) matches no row.
 	f := claimFilter{types: r.availableTypes(start), held: []int64{}, keys: []string{}, keyTypes: []string{}, largest: r.largestRecord()}
-	if len(f.types) > r.available {
+	if typesBack(r.available, f.types) {
 		r.cur.rescanSoon() // a topic back from its backoff: its rows may lie behind the cursor
 	}
-	r.available = len(f.types)
+	r.available = f.types
 	if r.lanes != nil {
 		r.lanes.holdBack(&f, start) // before the cursor: an expired lane moves it back; the lanes keep held rows out
 	} else {

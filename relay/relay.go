@@ -57,9 +57,10 @@ type Relay struct {
 	member  *member
 	cur     cursor
 	held    *heldRows
-	// available is how many mapped types the last claim took: when more
-	// are available again, their rows may lie behind the cursor.
-	available int
+	// available are the mapped types the last claim took: the rows of a
+	// type available again may lie behind the cursor. A count would miss
+	// one topic coming back while another went down.
+	available []string
 
 	// Shared with the stats loop and the probes.
 	topics     *topicState
