@@ -1469,7 +1469,7 @@ func (r *Relay) publishClaimed(bctx context.Context, cancel context.CancelFunc, 
 	}
 	b := &inFlight{ctx: bctx, cancel: cancel, tx: tx, start: start, rows: rows, cut: len(rows) < locked,
 		big: payloadBytes(rows) > bigBatchBytes, done: make(chan error, 1)}
-	pctx, pcancel := publishing(bctx, r.cfg, start)
+	pctx, pcancel := publishing(bctx)
 	b.published, b.retry, b.perr = r.publish(pctx, rows)
 	pcancel()
 	if len(b.retry) == 0 {

@@ -225,7 +225,7 @@ func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRo
 	}
 	var published []int64
 	if len(send) > 0 {
-		pctx, pcancel := publishing(bctx, r.cfg, start)
+		pctx, pcancel := publishing(bctx)
 		published, retry, perr = r.publish(pctx, send)
 		pcancel()
 		if len(retry) == 0 {

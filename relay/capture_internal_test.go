@@ -185,6 +185,15 @@ func TestIdleStreamIsNoFailingStream(t *testing.T) {
 	require.NoError(t, r.Check(ctx))
 	r.capture.failingLimit = 2 * time.Second
 	logs := runLogged(t, r, pool)
+	// streams waits for the relay's nth streaming session: an active slot
+	// may still be being made, which waits for every transaction open on
+	// the server (the other tests'), and ending that is a failure to
+	// stream, not the end of a session that streamed.
+	streams := func(n int) {
+		require.Eventually(t, func() bool {
+			return strings.Count(logs.String(), "streaming the table's inserts") >= n
+		}, 60*time.Second, 20*time.Millisecond, "session %d streams", n)
+	}
 	endWalsender := func() {
 		require.Eventually(t, func() bool {
 			var n int
@@ -193,10 +202,12 @@ func TestIdleStreamIsNoFailingStream(t *testing.T) {
 			return n == 1
 		}, 20*time.Second, 20*time.Millisecond, "a relay streams from the slot")
 	}
+	streams(1)
 	endWalsender()
 	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "streaming failed; streaming again") }, 10*time.Second, 20*time.Millisecond)
-	<-time.After(500 * time.Millisecond) // streaming again
+	streams(2)
 	endWalsender()
+	streams(3)
 	<-time.After(3 * time.Second) // a healthy session, longer than the failing limit
 	endWalsender()
 	<-time.After(time.Second)

@@ -283,7 +283,7 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	if b.big {
 		releaseMemory() // the claim's read buffers, before the publish builds its request
 	}
-	pctx, pcancel := publishing(bctx, r.cfg, start)
+	pctx, pcancel := publishing(bctx)
 	b.published, _, b.perr = r.publish(pctx, rows)
 	pcancel()
 	b.holds, b.unhold = r.held.take(), r.held.forget(b.published)

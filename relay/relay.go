@@ -234,15 +234,19 @@ func batchDeadline(cfg Config) time.Duration { return cfg.PublishTimeout + 15*ti
 // put-back) and commit.
 const markReserve = 5 * time.Second
 
-// publishing is ctx for a batch's publish, begun at start: it ends
-// markReserve before the batch's deadline, whatever rounds, halvings or
-// dead-letter writes (each up to --publish-timeout) it still had to make.
-// What Kafka acknowledged by then is marked; the rest is claimed again.
-// Before, a publish that spent the whole deadline (rounds waiting on a hung
-// partition) left the mark none: the batch rolled back, acknowledged rows
-// and all, and went out again, for ever.
-func publishing(ctx context.Context, cfg Config, start time.Time) (context.Context, context.CancelFunc) {
-	return context.WithDeadline(ctx, start.Add(batchDeadline(cfg)-markReserve))
+// publishing is the context of a batch's publish, within the batch's
+// bctx: it ends markReserve before bctx's deadline, whatever rounds,
+// halvings or dead-letter writes (each up to --publish-timeout) it still
+// had to make. What Kafka acknowledged by then is marked; the rest is
+// claimed again. Before, a publish that spent the whole deadline (rounds
+// waiting on a hung partition) left the mark none: the batch rolled back,
+// acknowledged rows and all, and went out again, for ever.
+func publishing(bctx context.Context) (context.Context, context.CancelFunc) {
+	deadline, ok := bctx.Deadline()
+	if !ok {
+		return context.WithCancel(bctx)
+	}
+	return context.WithDeadline(bctx, deadline.Add(-markReserve))
 }
 
 // Close releases the database connections and the Kafka writer. Call it
