@@ -115,7 +115,10 @@ type backlogQuery struct {
 	withHeld bool
 	topics   map[string]string
 	byKey    bool   // PartitionKey ordering
-	slot     string // the replication slot to read (LogicalReplication capture); "" for none
+	slot     string // the replication slot to read; "" for none
+	// slotRequired: the relay streams, so a failure to read its slot fails
+	// the reading; a polling relay's reading goes on without the slot.
+	slotRequired bool
 }
 
 // key identifies the question q asks with bound: readers asking the same
@@ -126,7 +129,7 @@ func (q backlogQuery) key(bound int64) string {
 		pairs = append(pairs, et+"="+t)
 	}
 	slices.Sort(pairs)
-	return fmt.Sprintf("%s|%v|%v|%d|%s|%s", q.table, q.withHeld, q.byKey, bound, strings.Join(pairs, ","), q.slot)
+	return fmt.Sprintf("%s|%v|%v|%d|%s|%s|%v", q.table, q.withHeld, q.byKey, bound, strings.Join(pairs, ","), q.slot, q.slotRequired)
 }
 
 // args are BacklogSQL's arguments after the bound.
@@ -244,7 +247,10 @@ func observeBacklog(ctx context.Context, db queryRower, q backlogQuery, bound in
 	if q.slot != "" {
 		rows.Close()
 		if s.slot, err = observeSlot(ctx, db, q.slot); err != nil {
-			return s, err
+			if q.slotRequired || ctx.Err() != nil {
+				return s, err
+			}
+			s.slot = nil // a polling relay's backlog does not hang on a slot it does not use
 		}
 	}
 	return s, nil

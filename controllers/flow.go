@@ -86,6 +86,7 @@ type flowTarget struct {
 	interval  time.Duration
 	topics    map[string]outboxv1alpha1.TopicName // the topic map, to tell held rows from pending ones
 	byKey     bool                                // PartitionKey ordering
+	streams   bool                                // LogicalReplication capture: its slot must be read
 }
 
 // relayFlow is one OutboxRelay's observer and what it saw.
@@ -166,7 +167,7 @@ func (o *FlowObserver) Observe(key types.NamespacedName, target flowTarget) flow
 		f.target, f.latest, f.lastErr, f.counters = target, nil, "", nil
 		o.startLocked(key, f)
 	default:
-		f.target.interval, f.target.dsnSecret = target.interval, target.dsnSecret
+		f.target.interval, f.target.dsnSecret, f.target.streams = target.interval, target.dsnSecret, target.streams
 		f.target.topics, f.target.byKey = target.topics, target.byKey
 	}
 	return flowView{sample: f.latest, lastErr: f.lastErr, authFailed: f.authFailed}
@@ -299,7 +300,7 @@ func (o *FlowObserver) query(key types.NamespacedName, done chan struct{}, withH
 		// Poll relays' too: a slot left by logical replication (a switch
 		// to Poll, a relay deleted) holds back the database's WAL with no
 		// relay to give it up (backlogStatus).
-		q.slot = o.slotName(f.target)
+		q.slot, q.slotRequired = o.slotName(f.target), f.target.streams
 		q.topics = make(map[string]string, len(f.target.topics))
 		for et, t := range f.target.topics {
 			q.topics[et] = string(t)

@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 	"github.com/outbox-relay/outbox-operator/dbauth"
@@ -178,6 +179,8 @@ func TestTokenLoginsAreOptIn(t *testing.T) {
 	relay := unitRelay()
 	relay.Spec.Database = &outboxv1alpha1.DatabaseSpec{Auth: &outboxv1alpha1.DatabaseAuth{Method: outboxv1alpha1.DatabaseAuthAzureAD}}
 	relay.Spec.Backlog = &outboxv1alpha1.BacklogSpec{Interval: "50ms"}
+	// A reading from before an upgrade that turned the reads off.
+	relay.Status.Backlog = &outboxv1alpha1.BacklogStatus{Pending: 7, ObservedAt: metav1.Now()}
 	key := types.NamespacedName{Namespace: relay.Namespace, Name: relay.Name}
 	in := secretInputs{DSN: "postgres://relay@attacker.example:5432/orders?sslmode=require"}
 
@@ -192,12 +195,18 @@ func TestTokenLoginsAreOptIn(t *testing.T) {
 	running := &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Generation: 2}, Status: appsv1.DeploymentStatus{
 		ObservedGeneration: 2, Replicas: 1, UpdatedReplicas: 1, ReadyReplicas: 1, AvailableReplicas: 1}}
 	relay.Status = computeStatus(relay, running, nil, obs)
+	require.Nil(t, relay.Status.Backlog, "no earlier reading stands in for the backlog")
 	lag := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging)
 	require.Equal(t, metav1.ConditionUnknown, lag.Status)
 	require.Equal(t, outboxv1alpha1.ReasonBacklogNotRead, lag.Reason)
 	require.Contains(t, lag.Message, "--database-token-logins")
 	health, msg := argoHealth(t, relay)
 	require.Equal(t, "Healthy", health, msg)
+	// Autoscaled to zero, it would never run again: nothing reads its backlog.
+	auto := relay.DeepCopy()
+	auto.Spec.Autoscaling = &outboxv1alpha1.AutoscalingSpec{MinReplicas: ptr.To[int32](0), MaxReplicas: 3, PendingPerReplica: ptr.To[int64](100)}
+	idle := &appsv1.Deployment{Spec: appsv1.DeploymentSpec{Replicas: ptr.To[int32](0)}}
+	require.Equal(t, int32(1), r.decideReplicas(key, auto, obs, idle), "one replica runs while the backlog is not read")
 
 	r.DatabaseTokenLogins = true
 	r.observe(key, relay, in, nil)

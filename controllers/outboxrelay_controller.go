@@ -208,7 +208,7 @@ func (r *OutboxRelayReconciler) observe(key types.NamespacedName, relay *outboxv
 		return observation{notRead: tokenLoginsOff}
 	}
 	view := r.Flow.Observe(key, flowTarget{dsn: in.DSN, tls: in.DatabaseTLS, auth: auth, dsnSecret: relay.Spec.DSNSecretRef.Name, table: table, interval: interval,
-		topics: relay.Spec.Topics, byKey: relay.Spec.Ordering == outboxv1alpha1.OrderingPartitionKey})
+		topics: relay.Spec.Topics, byKey: relay.Spec.Ordering == outboxv1alpha1.OrderingPartitionKey, streams: streams(relay)})
 	if view.authFailed { // the Secret may hold a new password: read it again
 		r.secrets.stale(types.NamespacedName{Namespace: relay.Namespace, Name: relay.Spec.DSNSecretRef.Name}, secretRetryInterval)
 	}
@@ -231,9 +231,11 @@ func (r *OutboxRelayReconciler) decideReplicas(key types.NamespacedName, relay *
 	if current != nil && current.Spec.Replicas != nil {
 		running = *current.Spec.Replicas
 	}
-	rec := recommendReplicas(as, obs.backlog, max(running, 0), obs.err != "")
-	if running < 0 || r.Flow == nil {
-		return rec
+	// A backlog not read (failing, or by choice) gives no reason to run
+	// none: with no pod running, no events would flow and nothing would tell.
+	rec := recommendReplicas(as, obs.backlog, max(running, 0), obs.err != "" || obs.notRead != "")
+	if running < 0 || r.Flow == nil || obs.notRead != "" {
+		return rec // nothing to stabilize against (a relay not read is not observed)
 	}
 	lo, hi := autoscaleBounds(as)
 	return min(max(r.Flow.recommend(key, time.Now(), rec, running, scaleDownWindow(as)), lo), hi)

@@ -476,7 +476,7 @@ func testInvalidSpec(t *testing.T, c client.Client) {
 	// spelt in a way the API's rule does not catch.
 	relay, secret := minimalRelay(ns, "badmount")
 	relay.Spec.Template = &outboxv1alpha1.RelayPodTemplate{
-		Pod: &outboxv1alpha1.RelayPodSpec{Volumes: []outboxv1alpha1.RelayVolume{{Name: "bin", EmptyDir: &corev1.EmptyDirVolumeSource{}}}},
+		Pod:       &outboxv1alpha1.RelayPodSpec{Volumes: []outboxv1alpha1.RelayVolume{{Name: "bin", EmptyDir: &corev1.EmptyDirVolumeSource{}}}},
 		Container: &outboxv1alpha1.RelayContainerSpec{VolumeMounts: []corev1.VolumeMount{{Name: "bin", MountPath: "//relay"}}},
 	}
 	create(t, c, secret, relay)

@@ -212,8 +212,11 @@ func computeStatus(relay *outboxv1alpha1.OutboxRelay, deploy *appsv1.Deployment,
 	st := *relay.Status.DeepCopy()
 	desired := desiredReplicas(relay)
 	st.DesiredReplicas = desired
-	if obs.backlog != nil {
+	switch {
+	case obs.backlog != nil:
 		st.Backlog = withObservedAt(relay.Status.Backlog, obs.backlog)
+	case obs.notRead != "":
+		st.Backlog = nil // an earlier reading (before an upgrade) would stand in status and the gauges for good
 	}
 	st.ObservedGeneration = relay.Generation
 	st.Selector = metav1.FormatLabelSelector(&metav1.LabelSelector{MatchLabels: selectorLabels(relay)})
