@@ -43,7 +43,7 @@ type cursor struct {
 	fullRescan time.Duration
 
 	guard bool        // partition-key ordering: claims start at or before safe
-	safe  int64       // every row at or below it was committed or gone at the last snapshot
+	safe  int64       // every row at or below it was committed or gone before a claim from an older floor looked
 	marks []claimMark // claims not yet safe, oldest first
 }
 
