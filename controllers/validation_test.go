@@ -3,13 +3,16 @@ package controllers
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 	"github.com/outbox-relay/outbox-operator/relayconfig"
@@ -192,6 +195,27 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		{"SASL without credentials", func(s map[string]any) { kafka(s)["sasl"] = map[string]any{"mechanism": "PLAIN"} }, []string{"spec.kafka.sasl.credentialsSecretRef"}},
 		{"TLS secret name invalid", func(s map[string]any) { kafka(s)["tls"] = map[string]any{"secretRef": map[string]any{"name": "-tls"}} }, []string{"spec.kafka.tls.secretRef.name"}},
 		{"imagePullPolicy unknown", func(s map[string]any) { s["imagePullPolicy"] = "Sometimes" }, []string{"spec.imagePullPolicy"}},
+		{"cloudEventsSource with a space", func(s map[string]any) { s["cloudEventsSource"] = "/outbox/my orders" }, []string{"spec.cloudEventsSource"}},
+		{"cloudEventsSource with a broken escape", func(s map[string]any) { s["cloudEventsSource"] = "/outbox/%zz" }, []string{"spec.cloudEventsSource"}},
+		{"cloudEventsSource with a colon but no scheme", func(s map[string]any) { s["cloudEventsSource"] = "1orders:outbox" },
+			[]string{"spec.cloudEventsSource", "needs a scheme before it"}},
+		{"cloudEventsSource with a port that is not a number", func(s map[string]any) { s["cloudEventsSource"] = "https://orders.example:https/outbox" },
+			[]string{"spec.cloudEventsSource", "[user@]host[:port]"}},
+		{"OAUTHBEARER endpoint without a host", func(s map[string]any) {
+			kafka(s)["tls"] = map[string]any{}
+			kafka(s)["sasl"] = map[string]any{"mechanism": "OAUTHBEARER", "credentialsSecretRef": map[string]any{"name": "c"},
+				"oauth": map[string]any{"tokenEndpoint": "https:///token"}}
+		}, []string{"spec.kafka.sasl.oauth.tokenEndpoint", "an https URL with a host"}},
+		{"serviceAccountName not a name", func(s map[string]any) {
+			s["template"] = map[string]any{"pod": map[string]any{"serviceAccountName": "Orders_Relay"}}
+		}, []string{"spec.template.pod.serviceAccountName"}},
+		{"priorityClassName not a name", func(s map[string]any) { s["priorityClassName"] = "High Priority" }, []string{"spec.priorityClassName"}},
+		{"a request above its limit", func(s map[string]any) {
+			s["resources"] = map[string]any{"requests": map[string]any{"memory": "512Mi", "cpu": "100m"}, "limits": map[string]any{"memory": "256Mi"}}
+		}, []string{"spec.resources", "a request exceeds its limit"}},
+		{"retained WAL above 1Pi", func(s map[string]any) {
+			s["capture"] = map[string]any{"mode": "LogicalReplication", "maxRetainedWAL": "2Pi"}
+		}, []string{"spec.capture.maxRetainedWAL", "at most 1Pi"}},
 		{"several fields at once", func(s map[string]any) {
 			s["batchSize"] = int64(0)
 			s["table"] = "x y"
@@ -321,6 +345,36 @@ func TestAPIServerAcceptsEdgeCases(t *testing.T) {
 			kafka(s)["tls"] = map[string]any{}
 			kafka(s)["sasl"] = map[string]any{"mechanism": "AWS_MSK_IAM", "aws": map[string]any{"region": "eu-west-1"}}
 		}},
+		{"cloudEventsSource as a URN", func(s map[string]any) {
+			s["cloudEventsSource"] = "urn:outbox:orders"
+		}},
+		{"cloudEventsSource as a URL with user, port, query and fragment", func(s map[string]any) {
+			s["cloudEventsSource"] = "https://relay@orders.example:8443/outbox/%C3%A9?table=outbox#v1"
+		}},
+		{"cloudEventsSource as a relative path", func(s map[string]any) { s["cloudEventsSource"] = "outbox/orders" }},
+		{"OAUTHBEARER endpoint with a port", func(s map[string]any) {
+			kafka(s)["tls"] = map[string]any{}
+			kafka(s)["sasl"] = map[string]any{"mechanism": "OAUTHBEARER", "credentialsSecretRef": map[string]any{"name": "c"},
+				"oauth": map[string]any{"tokenEndpoint": "https://idp.example:8443/oauth2/token"}}
+		}},
+		{"OAUTHBEARER endpoint on the IPv6 loopback", func(s map[string]any) {
+			kafka(s)["tls"] = map[string]any{}
+			kafka(s)["sasl"] = map[string]any{"mechanism": "OAUTHBEARER", "credentialsSecretRef": map[string]any{"name": "c"},
+				"oauth": map[string]any{"tokenEndpoint": "http://[::1]:8080/token"}}
+		}},
+		{"serviceAccountName and priorityClassName with dots", func(s map[string]any) {
+			s["template"] = map[string]any{"pod": map[string]any{"serviceAccountName": "orders.relay-1"}}
+			s["priorityClassName"] = "system-cluster-critical"
+		}},
+		{"requests equal to limits, a request without a limit, numbers", func(s map[string]any) {
+			s["resources"] = map[string]any{"requests": map[string]any{"memory": "256Mi", "cpu": int64(1)}, "limits": map[string]any{"memory": "0.25Gi"}}
+		}},
+		{"template env name with dots and dashes", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"env": []any{map[string]any{"name": "app.config-1", "value": "x"}}}}
+		}},
+		{"retained WAL of 1Pi", func(s map[string]any) {
+			s["capture"] = map[string]any{"mode": "LogicalReplication", "maxRetainedWAL": "1Pi"}
+		}},
 		{"dsnSecretRef with a dotted name and custom key", func(s map[string]any) {
 			s["dsnSecretRef"] = map[string]any{"name": "orders.db-credentials", "key": "DATABASE_URL"}
 		}},
@@ -406,4 +460,57 @@ func TestAPIServerRefusesLeavingWriterDeletesInOneStep(t *testing.T) {
 	require.NoError(t, c.Update(ctx, u))
 	u.Object["spec"].(map[string]any)["capture"] = map[string]any{"mode": "Poll"}
 	require.NoError(t, c.Update(ctx, u))
+}
+
+// TestAPIServerAndRelayAgreeOnURLs applies seeded random URI-like strings
+// as spec.cloudEventsSource and spec.kafka.sasl.oauth.tokenEndpoint (dry
+// run) and compares the API server's verdict with the relay's own check.
+// The API server must never admit a value the relay refuses: such a relay
+// would be accepted at apply time and fail only at reconcile. For the
+// source the verdicts must be equal, since the relay applies the CRD's
+// rules itself.
+func TestAPIServerAndRelayAgreeOnURLs(t *testing.T) {
+	c := adminClient(t)
+	ns := newNamespace(t, c)
+	seed := time.Now().UnixNano()
+	t.Logf("seed %d", seed)
+	rnd := rand.New(rand.NewPCG(uint64(seed), 0))
+	pieces := []string{"https://", "http://", "//", "urn:", "localhost", "127.0.0.1", "[::1]", "[", "]", ":", ":8080", "/", "?", "#",
+		"@", "%", "%2F", "%zz", "a", "B", "1", ".", "-", "_", "~", "!", "'", "(", "*", "+", ",", ";", "=", " ", "é", "orders.example"}
+	random := func() string {
+		var b strings.Builder
+		for n := 1 + rnd.IntN(6); n > 0; n-- {
+			b.WriteString(pieces[rnd.IntN(len(pieces))])
+		}
+		return b.String()
+	}
+	apiAdmits := func(t *testing.T, i int, edit func(spec map[string]any)) bool {
+		err := c.Create(context.Background(), manifest(ns, fmt.Sprintf("url-%d", i), edit), client.DryRunAll)
+		if err != nil && !apierrors.IsInvalid(err) {
+			require.NoError(t, err)
+		}
+		return err == nil
+	}
+	var admitted, refused, sources int
+	for i := range 150 {
+		src := random()
+		api := apiAdmits(t, i, func(s map[string]any) { s["cloudEventsSource"] = src })
+		if api {
+			sources++
+		}
+		relayErr := relayconfig.CheckCloudEventsSource(src)
+		require.Equal(t, relayErr == nil, api, "spec.cloudEventsSource %q: the API server admits it: %v; the relay: %v", src, api, relayErr)
+		endpoint := []string{"https://", "http://", ""}[rnd.IntN(3)] + random()
+		if api := apiAdmits(t, i, func(s map[string]any) {
+			kafka(s)["tls"] = map[string]any{}
+			kafka(s)["sasl"] = map[string]any{"mechanism": "OAUTHBEARER", "credentialsSecretRef": map[string]any{"name": "c"},
+				"oauth": map[string]any{"tokenEndpoint": endpoint}}
+		}); api {
+			admitted++
+			require.NoError(t, relayconfig.CheckTokenEndpoint(endpoint), "spec.kafka.sasl.oauth.tokenEndpoint %q: the API server admits it, the relay does not", endpoint)
+		} else {
+			refused++
+		}
+	}
+	t.Logf("sources admitted %d of 150; token endpoints admitted %d, refused %d", sources, admitted, refused)
 }

@@ -241,6 +241,11 @@ const DefaultMaxRetainedWAL = 4 << 30
 // back less would be given up on an ordinary burst.
 const MinMaxRetainedWAL = 64 << 20
 
+// MaxMaxRetainedWAL is the most --max-retained-wal: 1 PiB, past any disk a
+// PostgreSQL server keeps its WAL on, so a larger value is a typo (and the
+// operator reads a quantity past int64, such as 100Ei, as int64's maximum).
+const MaxMaxRetainedWAL = 1 << 50
+
 // DatabaseAuth is how the relay logs in to PostgreSQL.
 type DatabaseAuth string
 
@@ -1086,8 +1091,14 @@ func CheckCloudEventsSource(src string) error {
 	if len(src) > MaxCloudEventsSourceLength {
 		return fmt.Errorf("%d characters, at most %d", len(src), MaxCloudEventsSourceLength)
 	}
-	if strings.TrimSpace(src) != src || strings.ContainsAny(src, " \t\r\n") {
-		return fmt.Errorf("%q is not a URI-reference (no spaces)", src)
+	if !cloudEventsSourceRE.MatchString(src) {
+		return fmt.Errorf("%q is not a URI-reference: only letters, digits, %s and %%XX escapes", src, "-._~:/?#[]@!$&'()*+,;=")
+	}
+	if !uriSchemeRE.MatchString(src) && uriColonFirstRE.MatchString(src) {
+		return fmt.Errorf("%q is not a URI-reference: a ':' before the first '/' needs a scheme before it (letters, digits, +-.) or it reads as one", src)
+	}
+	if uriAuthorityStartRE.MatchString(src) && !uriAuthorityRE.MatchString(src) {
+		return fmt.Errorf("%q is not a URI-reference: after // comes [user@]host[:port], with a host of letters, digits and -._~", src)
 	}
 	if _, err := url.Parse(src); err != nil {
 		return fmt.Errorf("%q is not a URI-reference: %v", src, err)
@@ -1284,6 +1295,32 @@ func CheckTokenEndpoint(endpoint string) error {
 	return fmt.Errorf("%q is not an https URL", endpoint)
 }
 
+// The rules of --cloudevents-source, a URI-reference (RFC 3986). The CRD
+// states each of them, and CheckCloudEventsSource applies them and then
+// Go's URL parser, so whatever the API server admits, the relay does too.
+const (
+	// CloudEventsSourcePattern admits a URI's characters: unreserved,
+	// reserved, and %XX escapes.
+	CloudEventsSourcePattern = `^([A-Za-z0-9._~:/?#\[\]@!$&'()*+,;=-]|%[0-9A-Fa-f]{2})+$`
+	// URISchemePattern matches a reference that starts with a scheme.
+	URISchemePattern = `^[A-Za-z][A-Za-z0-9+.-]*:`
+	// URIColonFirstPattern matches a ':' in the first segment; without a
+	// scheme before it, that would read as one.
+	URIColonFirstPattern = `^[^/?#]*:`
+	// URIAuthorityStartPattern matches a reference with an authority (//).
+	URIAuthorityStartPattern = `^([A-Za-z][A-Za-z0-9+.-]*:)?//`
+	// URIAuthorityPattern is the authority the relay admits: [user@]host[:port].
+	URIAuthorityPattern = `^([A-Za-z][A-Za-z0-9+.-]*:)?//([A-Za-z0-9._~:-]*@)?[A-Za-z0-9._~-]*(:[0-9]*)?([/?#]|$)`
+)
+
+var (
+	cloudEventsSourceRE = regexp.MustCompile(CloudEventsSourcePattern)
+	uriSchemeRE         = regexp.MustCompile(URISchemePattern)
+	uriColonFirstRE     = regexp.MustCompile(URIColonFirstPattern)
+	uriAuthorityStartRE = regexp.MustCompile(URIAuthorityStartPattern)
+	uriAuthorityRE      = regexp.MustCompile(URIAuthorityPattern)
+)
+
 // PartitionColumnPattern is the rule for a partition column's name: a plain
 // lower-case PostgreSQL identifier, which never needs quoting.
 const PartitionColumnPattern = `^[a-z_][a-z0-9_]{0,62}$`
@@ -1307,10 +1344,13 @@ func CheckPartitionColumn(c string) error {
 	return nil
 }
 
-// CheckMaxRetainedWAL accepts at least MinMaxRetainedWAL bytes.
+// CheckMaxRetainedWAL accepts MinMaxRetainedWAL..MaxMaxRetainedWAL bytes.
 func CheckMaxRetainedWAL(n int64) error {
 	if n < MinMaxRetainedWAL {
 		return fmt.Errorf("%d is less than %d (64 MiB)", n, MinMaxRetainedWAL)
+	}
+	if n > MaxMaxRetainedWAL {
+		return fmt.Errorf("%d is more than %d (1 PiB)", n, MaxMaxRetainedWAL)
 	}
 	return nil
 }

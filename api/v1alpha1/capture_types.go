@@ -36,8 +36,9 @@ type CaptureSpec struct {
 
 	// MaxRetainedWAL is the most WAL the slot may hold back (while Kafka
 	// is down, say) before the relay drops it and polls, so PostgreSQL's
-	// disk never fills for the relay's sake; at least 64Mi. Default: 4Gi.
+	// disk never fills for the relay's sake; 64Mi to 1Pi. Default: 4Gi.
 	// +kubebuilder:validation:XValidation:rule="quantity(string(self)).compareTo(quantity('64Mi')) >= 0",message="spec.capture.maxRetainedWAL must be at least 64Mi"
+	// +kubebuilder:validation:XValidation:rule="quantity(string(self)).compareTo(quantity('1Pi')) <= 0",message="spec.capture.maxRetainedWAL must be at most 1Pi"
 	// +optional
 	MaxRetainedWAL *resource.Quantity `json:"maxRetainedWAL,omitempty"`
 

@@ -10,6 +10,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/yaml"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
@@ -184,6 +186,24 @@ func TestCRDMatchesRelayContract(t *testing.T) {
 	require.Equal(t, []string{string(outboxv1alpha1.OrderingNone), string(outboxv1alpha1.OrderingPartitionKey)}, ordering.Enum)
 	require.Len(t, ordering.Enum, len(relayconfig.Orderings), "one API ordering per relay ordering")
 	defaultOf(t, ordering, outboxv1alpha1.OrderingNone)
+
+	source := spec.at(t, "cloudEventsSource")
+	require.Equal(t, relayconfig.CloudEventsSourcePattern, source.Pattern, "spec.cloudEventsSource pattern")
+	number(t, relayconfig.MaxCloudEventsSourceLength, ptr.To(float64(*source.MaxLength)), "spec.cloudEventsSource maxLength")
+	require.Contains(t, source.rules(), fmt.Sprintf("self.matches(r'%s') || !self.matches(r'%s')",
+		relayconfig.URISchemePattern, relayconfig.URIColonFirstPattern), "spec.cloudEventsSource first-segment rule")
+	require.Contains(t, source.rules(), fmt.Sprintf("!self.matches(r'%s') || self.matches(r'%s')",
+		relayconfig.URIAuthorityStartPattern, relayconfig.URIAuthorityPattern), "spec.cloudEventsSource authority rule")
+
+	wal := spec.at(t, "capture.maxRetainedWAL")
+	for _, bound := range []struct {
+		op    string
+		bytes int64
+	}{{">=", relayconfig.MinMaxRetainedWAL}, {"<=", relayconfig.MaxMaxRetainedWAL}} {
+		q := resource.NewQuantity(bound.bytes, resource.BinarySI)
+		require.Contains(t, wal.rules(), fmt.Sprintf("quantity(string(self)).compareTo(quantity('%s')) %s 0", q, bound.op),
+			"spec.capture.maxRetainedWAL bound %s %d", bound.op, bound.bytes)
+	}
 
 	defaultOf(t, spec.at(t, "dsnSecretRef.key"), outboxv1alpha1.DefaultDSNKey)
 	defaultOf(t, spec.at(t, "kafka.sasl.credentialsSecretRef.usernameKey"), outboxv1alpha1.DefaultSASLUsernameKey)

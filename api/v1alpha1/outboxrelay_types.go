@@ -383,7 +383,7 @@ type KafkaOAuth struct {
 	// and secret come from credentialsSecretRef. A token is reused until
 	// shortly before it expires.
 	// +kubebuilder:validation:MaxLength=2048
-	// +kubebuilder:validation:XValidation:rule="self.startsWith('https://') || self.matches('^http://(localhost|127[.]0[.]0[.]1)([:/]|$)') || self.startsWith('http://[::1]:') || self.startsWith('http://[::1]/')",message="an https URL, or http to the pod's loopback address: the client secret never crosses the network in clear text"
+	// +kubebuilder:validation:XValidation:rule="self.matches(r'^([A-Za-z0-9._~:/?#\\[\\]@!$&()*+,;=-]|%[0-9A-Fa-f]{2})+$') && self.matches(r'^(https://([A-Za-z0-9._~:-]*@)?([A-Za-z0-9._~-]+|\\[[0-9A-Fa-f:.]+\\])|http://(localhost|127[.]0[.]0[.]1|\\[::1\\]))(:[0-9]*)?([/?#]|$)')",message="an https URL with a host, or http to the pod's loopback address: the client secret never crosses the network in clear text"
 	// +optional
 	TokenEndpoint string `json:"tokenEndpoint,omitempty"`
 
@@ -618,6 +618,9 @@ type OutboxRelaySpec struct {
 	// CloudEventsSource is ce_source in the CloudEvents format, a URI-reference.
 	// Default: /outbox/<table>.
 	// +kubebuilder:validation:MaxLength=1024
+	// +kubebuilder:validation:Pattern=`^([A-Za-z0-9._~:/?#\[\]@!$&'()*+,;=-]|%[0-9A-Fa-f]{2})+$`
+	// +kubebuilder:validation:XValidation:rule="self.matches(r'^[A-Za-z][A-Za-z0-9+.-]*:') || !self.matches(r'^[^/?#]*:')",message="not a URI-reference: a ':' before the first '/' needs a scheme before it (letters, digits, +-.) or it reads as one"
+	// +kubebuilder:validation:XValidation:rule="!self.matches(r'^([A-Za-z][A-Za-z0-9+.-]*:)?//') || self.matches(r'^([A-Za-z][A-Za-z0-9+.-]*:)?//([A-Za-z0-9._~:-]*@)?[A-Za-z0-9._~-]*(:[0-9]*)?([/?#]|$)')",message="not a URI-reference: after // comes [user@]host[:port], with a host of letters, digits and -._~"
 	// +optional
 	CloudEventsSource string `json:"cloudEventsSource,omitempty"`
 
@@ -677,7 +680,9 @@ type OutboxRelaySpec struct {
 
 	// Resources of the relay container. Default: requests of 50m CPU and
 	// 64Mi memory, and a memory limit sized from maxBatchBytes and
-	// maxInFlight (docs/operator.md gives the rule).
+	// maxInFlight (docs/operator.md gives the rule). A request of cpu,
+	// memory or ephemeral-storage may not exceed its limit.
+	// +kubebuilder:validation:XValidation:rule="(!has(self.requests) || !has(self.limits) || !('cpu' in self.requests) || !('cpu' in self.limits) || quantity(string(self.requests['cpu'])).compareTo(quantity(string(self.limits['cpu']))) <= 0) && (!has(self.requests) || !has(self.limits) || !('memory' in self.requests) || !('memory' in self.limits) || quantity(string(self.requests['memory'])).compareTo(quantity(string(self.limits['memory']))) <= 0) && (!has(self.requests) || !has(self.limits) || !('ephemeral-storage' in self.requests) || !('ephemeral-storage' in self.limits) || quantity(string(self.requests['ephemeral-storage'])).compareTo(quantity(string(self.limits['ephemeral-storage']))) <= 0)",message="a request exceeds its limit: requests of cpu, memory and ephemeral-storage must be at most their limits"
 	// +optional
 	Resources *corev1.ResourceRequirements `json:"resources,omitempty"`
 
@@ -696,6 +701,7 @@ type OutboxRelaySpec struct {
 
 	// PriorityClassName of the relay pods.
 	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
 	// +optional
 	PriorityClassName string `json:"priorityClassName,omitempty"`
 

@@ -52,6 +52,7 @@ type RelayPodSpec struct {
 	// cloud identity: IRSA, GKE or Azure workload identity). Default: the
 	// namespace's default account.
 	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
 	// +optional
 	ServiceAccountName string `json:"serviceAccountName,omitempty"`
 	// AutomountServiceAccountToken mounts the service account's token into
