@@ -265,11 +265,21 @@ func build(objs []object, samples []byte, version, image string) (map[string][]b
 				"strategy": "deployment",
 				"spec": map[string]any{
 					"deployments": []any{map[string]any{"name": name(deploy), "label": deploy["metadata"].(map[string]any)["labels"], "spec": spec}},
+					// OLM grants clusterPermissions cluster-wide whatever the
+					// install mode, and permissions in each target namespace
+					// (cluster-wide only for AllNamespaces): the manager's
+					// rules, which let it read Secrets, are permissions, so
+					// a namespaced install cannot read a Secret elsewhere.
+					// Only the metrics authentication, which reads nothing,
+					// is cluster-wide.
 					"clusterPermissions": []any{map[string]any{
 						"serviceAccountName": name(sa),
-						"rules":              append(append([]any{}, managerRole["rules"].([]any)...), metricsAuth["rules"].([]any)...),
+						"rules":              metricsAuth["rules"],
 					}},
-					"permissions": []any{map[string]any{"serviceAccountName": name(sa), "rules": leader["rules"]}},
+					"permissions": []any{map[string]any{
+						"serviceAccountName": name(sa),
+						"rules":              append(append([]any{}, managerRole["rules"].([]any)...), leader["rules"].([]any)...),
+					}},
 				},
 			},
 		},

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -78,6 +79,28 @@ func TestBundleValidates(t *testing.T) {
 		}
 	}
 	require.Equal(t, "metadata.annotations['olm.targetNamespaces']", watch)
+
+	// OLM grants clusterPermissions cluster-wide in every install mode: the
+	// manager's reads of Secrets and ConfigMaps, and its writes, must be
+	// permissions, which OLM scopes to the target namespaces.
+	strategy := csv.Spec.InstallStrategy.StrategySpec
+	for _, p := range strategy.ClusterPermissions {
+		for _, rule := range p.Rules {
+			for _, res := range rule.Resources {
+				require.Contains(t, []string{"tokenreviews", "subjectaccessreviews"}, res,
+					"clusterPermissions grant %v on %s cluster-wide in every install mode", rule.Verbs, res)
+			}
+		}
+	}
+	var readsSecrets bool
+	for _, p := range strategy.Permissions {
+		for _, rule := range p.Rules {
+			if slices.Contains(rule.Resources, "secrets") && slices.Contains(rule.Verbs, "get") {
+				readsSecrets = true
+			}
+		}
+	}
+	require.True(t, readsSecrets, "the manager reads the DSN Secrets of the target namespaces: permissions must grant get on secrets")
 
 	annotations, err := os.ReadFile(filepath.Join(dir, "metadata", "annotations.yaml"))
 	require.NoError(t, err)
