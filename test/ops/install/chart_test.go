@@ -354,7 +354,7 @@ func TestChartRefusesBadValues(t *testing.T) {
 		{`{replicaCount: 2, leaderElection: {enabled: false}}`, "/replicaCount"},
 		{`{watchNamespaces: [Shop]}`, "/watchNamespaces/0"},
 		{`{watchNamespaces: shop}`, "/watchNamespaces"},
-		{`{relay: {allowedImages: [registry.example/relays]}}`, "/relay/allowedImages/0"},
+		{`{relay: {allowedImages: ["a/,b/"]}}`, "/relay/allowedImages/0"},
 		{`{resources: {limits: {memory: lots}}}`, "/resources/limits/memory"},
 		{`{extraArgs: [-v]}`, "/extraArgs/0"},
 		{`{metrics: {port: 8081}}`, "/metrics/port"},

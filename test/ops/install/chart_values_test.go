@@ -59,6 +59,12 @@ var chartCases = []chartCase{
 	}},
 	{name: "existing service account without a name", values: `{serviceAccount: {create: false}}`,
 		err: "serviceAccount.name is required when serviceAccount.create is false"},
+	{name: "any relay image", values: `{relay: {allowedImages: ["*"]}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
+		require.Contains(t, container(t, find(t, objs, "Deployment", "outbox-outbox-operator"))["args"], "--allowed-relay-images=*")
+	}},
+	{name: "relay images by whole parts", values: `{relay: {allowedImages: [registry.example/relays, "ghcr.io/acme/"]}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
+		require.Contains(t, container(t, find(t, objs, "Deployment", "outbox-outbox-operator"))["args"], "--allowed-relay-images=registry.example/relays,ghcr.io/acme/")
+	}},
 	{name: "no RBAC", values: `{rbac: {create: false}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
 		none(t, objs, "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")
 	}},
