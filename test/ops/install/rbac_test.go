@@ -11,6 +11,12 @@ import (
 // secretGrants lists, for every Role and ClusterRole in objs, the verbs a
 // rule grants on Secrets (core group, "secrets" or "*").
 func secretGrants(t *testing.T, objs []*unstructured.Unstructured) map[string][]string {
+	return grantsOn(t, objs, "", "secrets")
+}
+
+// grantsOn lists, for every Role and ClusterRole in objs, the verbs a rule
+// grants on resource of group (or "*").
+func grantsOn(t *testing.T, objs []*unstructured.Unstructured, group, resource string) map[string][]string {
 	t.Helper()
 	grants := map[string][]string{}
 	for _, o := range objs {
@@ -26,8 +32,8 @@ func secretGrants(t *testing.T, objs []*unstructured.Unstructured) map[string][]
 				return v
 			}
 			groups, resources := strs("apiGroups"), strs("resources")
-			if (slices.Contains(groups, "") || slices.Contains(groups, "*")) &&
-				(slices.Contains(resources, "secrets") || slices.Contains(resources, "*")) {
+			if (slices.Contains(groups, group) || slices.Contains(groups, "*")) &&
+				(slices.Contains(resources, resource) || slices.Contains(resources, "*")) {
 				name := o.GetKind() + "/" + o.GetName()
 				grants[name] = append(grants[name], strs("verbs")...)
 			}
@@ -55,6 +61,26 @@ func TestRenderedRBACNeverListsOrWatchesSecrets(t *testing.T) {
 			for _, v := range verbs {
 				require.Equal(t, "get", v, "%s: %s grants %q on Secrets; get is all the operator needs", install, role, v)
 			}
+		}
+	}
+}
+
+// The manager's leader election takes a Lease lock, which gets, creates
+// and updates its Lease: no install grants more on Leases, so the
+// manager's service account cannot delete another program's Lease in its
+// namespace.
+func TestRenderedRBACGrantsOnLeasesOnlyWhatALeaseLockUses(t *testing.T) {
+	t.Parallel()
+	renders := map[string][]*unstructured.Unstructured{
+		"config/default":    decode(t, kubectl(t, nil, "kustomize", "config/default")),
+		"config/namespaced": decode(t, kubectl(t, nil, "kustomize", "config/namespaced")),
+	}
+	renders["chart"], _ = mustRender(t, nil)
+	for install, objs := range renders {
+		grants := grantsOn(t, objs, "coordination.k8s.io", "leases")
+		require.NotEmpty(t, grants, "%s: leader election needs its Lease", install)
+		for role, verbs := range grants {
+			require.ElementsMatch(t, []string{"get", "create", "update"}, verbs, "%s: %s", install, role)
 		}
 	}
 }
