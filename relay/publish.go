@@ -716,9 +716,21 @@ func (r *Relay) deadLetter(ctx context.Context, x row, cause error) bool {
 		r.log.Error("row fits neither its topic nor the dead-letter topic; it is held", "id", x.id, "event_id", x.eventID, "err", err)
 		return false
 	}
-	ok := false
+	// The dead-letter topic's window of timestamps is its own: a row its
+	// topic takes by age can be too old for it. Such a record goes out
+	// stamped with the publish time, as restamp does on the row's topic;
+	// else it would be refused at every retry while the row grows older.
+	if r.cfg.RecordTimestamp == RecordTimestampCreatedAt && r.topics.tooOld(m.Topic, x.createdAt, time.Now()) {
+		m.Time = time.Time{}
+	}
+	var out outcome
 	var dlErr error
-	r.write(ctx, []kafka.Message{m}, func(_ int, o outcome, err error) { ok, dlErr = o == acked, err })
+	r.write(ctx, []kafka.Message{m}, func(_ int, o outcome, err error) { out, dlErr = o, err })
+	if out == staleTime && !m.Time.IsZero() { // the window is not read yet, or changed
+		m.Time = time.Time{}
+		r.write(ctx, []kafka.Message{m}, func(_ int, o outcome, err error) { out, dlErr = o, err })
+	}
+	ok := out == acked
 	if !ok {
 		r.log.Error("dead-letter publish failed", "id", x.id, "event_id", x.eventID, "err", dlErr)
 		return false

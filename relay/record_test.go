@@ -373,3 +373,34 @@ func (l *lockedBuffer) String() string {
 	defer l.mu.Unlock()
 	return l.b.String()
 }
+
+// A row too large for its topic goes to the dead-letter topic, whose window
+// of timestamps is its own: a row its topic takes by age (no limit there)
+// can be too old for the dead-letter topic. It goes out stamped with the
+// publish time, not held for ever while it grows older.
+func TestDeadLetterTopicsTimestampWindowIsItsOwn(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	cfg := f.Config()
+	cfg.Topics = map[string]string{"E": f.NewTopic("small", 1, "max.message.bytes", "2000")}
+	cfg.DeadLetterTopic = f.NewTopic("dlq-lasthour", 1, "message.timestamp.before.max.ms", "3600000")
+	ids := map[string]bool{}
+	for _, age := range []string{"2 days", "5 minutes"} {
+		id := outbox.NewEventID()
+		ids[id] = true
+		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
+			VALUES ($1, 'Order', 'a', 'E', jsonb_build_object('big', repeat('x', 5000)), 'a', now() - $2::interval)`, id, age)
+	}
+	before := time.Now()
+	x := outboxtest.Start(t, cfg)
+	f.WaitDrained(0, 30*time.Second)
+	for _, m := range testenv.Broker().Consume(t, cfg.DeadLetterTopic, len(ids), 30*time.Second) {
+		id := header(m, relay.HeaderEventID)
+		require.True(t, ids[id], "an unknown record %q", id)
+		delete(ids, id)
+		require.Greater(t, m.Time, before.Add(-time.Hour), "a record the dead-letter topic took is in its window")
+	}
+	require.Empty(t, ids, "every row dead-lettered once")
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox_held`), "nothing held")
+	require.Equal(t, 2.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
+}
