@@ -305,6 +305,39 @@ func TestPartitionPrunerFinishesInterruptedDetaches(t *testing.T) {
 	outboxtest.RequireExactlyOnce(t, unpublished, counts)
 }
 
+// A longer retention than the one a pruner detached under, or a DEFAULT
+// partition made since, does not strand what it left: each table is
+// settled whatever its age, here attached again (none is old enough to
+// drop), and the row waiting there is published. (Before, the pass passed
+// them by, and the row was in no partition, neither claimed nor counted.)
+func TestPartitionsADetachLeftAreSettledUnderALongerRetention(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name       string
+		defaultToo bool
+	}{{"longer retention", false}, {"and a DEFAULT partition", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			f := outboxtest.NewFixture(t, 1, "E")
+			unpublished := interruptedDetaches(t, f)
+			if tc.defaultToo {
+				f.Exec(`CREATE TABLE outbox_default PARTITION OF outbox DEFAULT`)
+			}
+			cfg := f.Config()
+			cfg.KeepPublishedFor = 30 * 24 * time.Hour
+			x := run(t, cfg, nil)
+			require.Eventually(t, func() bool {
+				return attached(t, f, "outbox_d2") && attached(t, f, "outbox_d3") && attached(t, f, "outbox_d4")
+			}, 30*time.Second, 50*time.Millisecond, "every table a pruner left is a partition again")
+			f.WaitDrained(0, 30*time.Second)
+			require.Equal(t, 171, f.Count(`SELECT count(*) FROM outbox`), "nothing dropped")
+			require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_pruned_partitions_total"))
+			counts, _ := outboxtest.Deliveries(t, 1, f.Topics["E"])
+			outboxtest.RequireExactlyOnce(t, unpublished, counts)
+		})
+	}
+}
+
 // With retention off nothing drops what a pruner detached, or began to,
 // and did not drop: the relay attaches every such table again, published
 // rows and all, and publishes what waits there. (Before, those rows were

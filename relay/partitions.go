@@ -103,14 +103,20 @@ func (pr *pruner) prunePartitions(ctx context.Context, conn *pgx.Conn, parent ui
 	if err != nil {
 		return err
 	}
+	// What a pruner detached, or began to, and did not drop is settled
+	// first, whatever its age: under a longer retention than the one it
+	// was detached under, or beside a DEFAULT partition made since, the
+	// pass below would pass it by, and its rows, an unpublished one too,
+	// would stay in no partition of the table, neither claimed nor counted.
+	errs := []error{pr.settleMarked(ctx, conn, parent, parts, false)}
+	parts = slices.DeleteFunc(parts, marked)
 	if slices.ContainsFunc(parts, func(p partition) bool { return p.isDef }) {
 		if !pr.warnedDefault {
 			pr.warnedDefault = true
 			pr.log.Warn("the table has a DEFAULT partition; partitions cannot be detached concurrently beside one, so none is dropped while it exists")
 		}
-		return nil
+		return errors.Join(errs...)
 	}
-	var errs []error
 	for _, p := range parts {
 		if ctx.Err() != nil {
 			return nil
@@ -191,16 +197,27 @@ func (pr *pruner) restoreDetached(ctx context.Context, conn *pgx.Conn, parent ui
 	if err != nil {
 		return err
 	}
+	return pr.settleMarked(ctx, conn, parent, parts, true)
+}
+
+// marked reports whether p is a table a pruner detached, or began to
+// detach, and did not drop (its detachedMark).
+func marked(p partition) bool { return p.pending && p.marked && p.leaf }
+
+// settleMarked finishes the detach of every marked table of parts, then
+// drops it if it is old and all its rows are published, and attaches it
+// again otherwise (always, with keepAll).
+func (pr *pruner) settleMarked(ctx context.Context, conn *pgx.Conn, parent uint32, parts []partition, keepAll bool) error {
 	var errs []error
 	for _, p := range parts {
-		if !p.pending || !p.marked || !p.leaf || ctx.Err() != nil {
+		if !marked(p) || ctx.Err() != nil {
 			continue
 		}
 		if err := pr.detach(ctx, conn, parent, p); err != nil { // finishes a pending detach
 			errs = append(errs, err)
 			continue
 		}
-		errs = append(errs, pr.settleDetached(ctx, conn, p, true))
+		errs = append(errs, pr.settleDetached(ctx, conn, p, keepAll || !p.old))
 	}
 	return errors.Join(errs...)
 }
@@ -246,7 +263,7 @@ func (pr *pruner) settleDetached(ctx context.Context, conn *pgx.Conn, p partitio
 			return fmt.Errorf("attach %s again (it holds %d unpublished rows): %w", p.name, unpublished, err)
 		}
 		if keep {
-			pr.log.Warn("attached again a partition a pruner had detached and not dropped: retention is off",
+			pr.log.Warn("attached again a partition a pruner had detached and not dropped: retention is off, or keeps it longer now",
 				"partition", p.name, "rows", rows, "unpublished", unpublished)
 			return nil
 		}
