@@ -298,7 +298,7 @@ const (
 	MinPruneBatchSize       = 10
 	MaxPruneBatchSize       = 100000
 	DefaultPrunePause       = 100 * time.Millisecond
-	MinPrunePause           = time.Duration(0)
+	MinPrunePause           = time.Millisecond // 0 would read as "the default"
 	MaxPrunePause           = time.Minute
 	DefaultStallTimeout     = 2 * time.Minute
 	MinStallTimeout         = 5 * time.Second

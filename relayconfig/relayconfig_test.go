@@ -196,6 +196,7 @@ func TestParseNamesFlagAndValue(t *testing.T) {
 		`--compression: "brotli" is not one of none, gzip, snappy, lz4, zstd`:                                                          {"--compression=brotli"},
 		`--cloudevents-source: "/a b" is not a URI-reference`:                                                                          {"--cloudevents-source=/a b"},
 		`--cloudevents-source: "%zz" is not a URI-reference`:                                                                           {"--cloudevents-source=%zz"},
+		`--prune-pause: 0s is outside 1ms..1m0s`:                                                                                       {"--prune-pause=0s"},
 		`--database-auth: "kerberos" is not one of password, aws-rds-iam, gcp-cloudsql-iam, azure-ad`:                                  {"--database-auth=kerberos"},
 		`--database-auth-aws-region: applies only to --database-auth=aws-rds-iam`:                                                      {"--database-auth=azure-ad", "--database-auth-aws-region=eu-west-1"},
 		`--kafka-sasl-mechanism: OAUTHBEARER sends a bearer token in clear text; it needs --kafka-tls`:                                 {"--kafka-sasl-mechanism=OAUTHBEARER", "--kafka-sasl-oauth-token-file=/t"},
