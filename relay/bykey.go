@@ -160,6 +160,16 @@ func (k *byKey) released(key, eventType string) {
 	delete(k.blocked, k.laneOf(row{partitionKey: key, eventType: eventType}))
 }
 
+// heldUntil blocks the lane of a row of key and event type held until
+// then by another replica, or before this one restarted: its key's later
+// rows wait behind it, and it is not tried before its retry time.
+func (k *byKey) heldUntil(key, eventType string, until time.Time) {
+	l := k.laneOf(row{partitionKey: key, eventType: eventType})
+	if prev, ok := k.blocked[l]; !ok || until.After(prev) {
+		k.blocked[l] = until
+	}
+}
+
 // backOff: only when Kafka failed everything; otherwise only the failed
 // lanes wait and the rest flows.
 func (k *byKey) backOff(failed, sent int) bool { return failed > 0 && failed == sent }

@@ -182,11 +182,25 @@ func (r *Relay) mergeHeld() {
 	if s == nil {
 		return
 	}
-	for _, h := range r.held.merge(*s) {
+	early, learned := r.held.merge(*s)
+	for _, h := range early {
 		if r.lanes != nil {
 			r.lanes.released(h.key, h.eventType)
 		}
 		r.cur.rescanSoon() // rows released elsewhere (redrive) are behind the cursor
+	}
+	if r.lanes != nil {
+		for _, h := range learned {
+			r.lanes.heldUntil(h.key, h.eventType, h.until) // its key's later rows wait behind it
+		}
+	}
+	r.heldMetrics() // the reload may have dropped holds (published, redriven) with no batch to follow
+}
+
+// heldMetrics sets outbox_relay_rows_held for the reasons this replica keeps.
+func (r *Relay) heldMetrics() {
+	for _, reason := range []string{HeldInvalidRow, HeldTooLarge, HeldRefused} {
+		r.m.held.WithLabelValues(reason).Set(float64(r.held.count(reason)))
 	}
 }
 
@@ -357,9 +371,7 @@ func createdBounds(rows []row) (oldest, newest time.Time) {
 // batchMetrics records a settled batch of rows begun at start: the held
 // rows by reason, and the batch's count, size and duration.
 func (r *Relay) batchMetrics(start time.Time, rows int) {
-	for _, reason := range []string{HeldInvalidRow, HeldTooLarge, HeldRefused} {
-		r.m.held.WithLabelValues(reason).Set(float64(r.held.count(reason)))
-	}
+	r.heldMetrics()
 	r.m.batches.Inc()
 	r.m.batchSize.Observe(float64(rows))
 	r.m.batchDuration.Observe(time.Since(start).Seconds())

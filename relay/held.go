@@ -61,8 +61,9 @@ type heldRows struct {
 type heldRow struct {
 	reason string
 	until  time.Time
-	// key and eventType of a row held here (empty for one loaded from the
-	// table), so an early release frees its lane in partition-key mode.
+	// key and eventType of the row (loaded from the table only in
+	// partition-key mode), so its hold blocks its lane, and an early
+	// release frees it.
 	key, eventType string
 	// at is when this replica's hold became durable (its batch committed
 	// the record): a reload read before then may not see it yet and leaves
@@ -87,6 +88,10 @@ type heldRecord struct {
 type heldSnapshot struct {
 	at   time.Time
 	rows map[int64]heldRow
+	// complete: the reload read every record; else only those tried again
+	// soonest, up to last (heldCacheRows), and says nothing of the others.
+	complete bool
+	last     time.Time
 }
 
 func newHeldRows() *heldRows {
@@ -188,12 +193,13 @@ func (h *heldRows) forget(ids []int64) []int64 {
 
 // merge takes in a reload of the held table: what other replicas held, and
 // what `relay redrive` released or the sweep removed. A row this replica
-// held after the reload was read stays as it is. It returns the rows this
-// replica held that the reload releases early.
-func (h *heldRows) merge(s heldSnapshot) []heldRow {
-	var early []heldRow
+// held after the reload was read stays as it is, and so does one a reload
+// cut short (heldCacheRows) did not reach. It returns the rows this
+// replica held that the reload releases early, and the rows it learns of
+// that wait (held elsewhere, or before a restart).
+func (h *heldRows) merge(s heldSnapshot) (early, learned []heldRow) {
 	for id, r := range h.rows {
-		if _, ok := s.rows[id]; !ok && !r.uncommitted && !r.at.After(s.at) {
+		if _, ok := s.rows[id]; !ok && !r.uncommitted && !r.at.After(s.at) && (s.complete || r.until.Before(s.last)) {
 			delete(h.rows, id)
 			if !r.released {
 				early = append(early, r)
@@ -211,11 +217,16 @@ func (h *heldRows) merge(s heldSnapshot) []heldRow {
 			if ok && !r.released && !n.until.After(s.at) && r.until.After(s.at) {
 				early = append(early, r) // redriven
 			}
-			n.key, n.eventType = r.key, r.eventType
+			if ok && (r.key != "" || r.eventType != "") {
+				n.key, n.eventType = r.key, r.eventType
+			}
+			if !ok && n.until.After(s.at) {
+				learned = append(learned, n)
+			}
 			h.rows[id] = n // release marks it when its time has come
 		}
 	}
-	return early
+	return early, learned
 }
 
 // count is how many rows are held for reason.

@@ -25,7 +25,7 @@ func TestReloadDoesNotReleaseAHoldItCannotSeeYet(t *testing.T) {
 	h.hold(log, row{id: 7, eventType: "E"}, HeldTooLarge, time.Now().Add(time.Hour), errors.New("too large"))
 	holds := h.take()
 
-	empty := func(at time.Time) heldSnapshot { return heldSnapshot{at: at, rows: map[int64]heldRow{}} }
+	empty := func(at time.Time) heldSnapshot { return heldSnapshot{at: at, rows: map[int64]heldRow{}, complete: true} }
 	h.merge(empty(time.Now())) // read while the batch commits
 	require.True(t, h.isHeld(7), "a reload cannot release a hold whose record is not committed")
 
@@ -36,6 +36,30 @@ func TestReloadDoesNotReleaseAHoldItCannotSeeYet(t *testing.T) {
 
 	h.merge(empty(time.Now().Add(time.Second))) // read after the commit, without the record: redriven or swept
 	require.False(t, h.isHeld(7))
+}
+
+// A reload cut short at heldCacheRows holds the records tried again
+// soonest: a hold of this replica due later than the last of them is not
+// in it, and is not released by it (before, such rows were claimed, sent
+// again and held again at every reload, about every 5 s). One due before
+// the last is released: its record is gone.
+func TestReloadCutShortReleasesOnlyWhatItReached(t *testing.T) {
+	t.Parallel()
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	h := newHeldRows()
+	h.recorded = true
+	now := time.Now()
+	h.hold(log, row{id: 7, eventType: "E"}, HeldRefused, now.Add(time.Hour), errors.New("refused"))
+	h.hold(log, row{id: 8, eventType: "E"}, HeldRefused, now.Add(time.Minute), errors.New("refused"))
+	h.committed(h.take(), now)
+	cut := heldSnapshot{at: now.Add(time.Second), rows: map[int64]heldRow{9: {reason: HeldRefused, until: now.Add(30 * time.Minute)}},
+		last: now.Add(30 * time.Minute)}
+	early, learned := h.merge(cut)
+	require.True(t, h.isHeld(7), "a hold past the reload's last is not in it and stays")
+	require.False(t, h.isHeld(8), "a hold before the reload's last, not in it, was redriven or swept")
+	require.Len(t, early, 1)
+	require.True(t, h.isHeld(9))
+	require.Len(t, learned, 1, "a row held elsewhere is learned, to block its lane")
 }
 
 // A long error is cut to heldErrorBytes at a character's edge: half a

@@ -118,12 +118,16 @@ func TestRedriveReleasesAHeldLaneInOrder(t *testing.T) {
 	cfg.HeldRetryInterval = time.Hour
 	x := run(t, cfg, nil)
 	f.WaitDrained(6, 30*time.Second)
+	require.Eventually(t, func() bool { return f.Count(`SELECT count(*) FROM outbox_held WHERE id = 1 AND attempts = 1`) == 1 },
+		10*time.Second, 20*time.Millisecond)
 	x.Stop(t)
 	run(t, cfg, nil) // a restart does not let the lane flow past its held row
 	require.Never(t, func() bool {
 		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NOT NULL AND partition_key = 'k'`) > 0
-	}, 3*time.Second, 50*time.Millisecond, "the key's rows wait behind its held row")
+	}, 8*time.Second, 50*time.Millisecond, "the key's rows wait behind its held row")
 	require.Equal(t, 6, f.Unpublished())
+	require.Equal(t, 1, f.Count(`SELECT attempts FROM outbox_held WHERE id = 1`),
+		"a restarted relay does not try a held row before its retry time")
 
 	f.Exec(`UPDATE outbox SET payload = '{"small":true}' WHERE id = 1`)
 	n, err := relay.Redrive(ctx, f.Pool, outbox.Table{Name: "outbox"}, relay.HeldFilter{Reasons: []string{relay.HeldTooLarge}})
@@ -132,4 +136,25 @@ func TestRedriveReleasesAHeldLaneInOrder(t *testing.T) {
 	f.WaitDrained(0, 20*time.Second)
 	require.Zero(t, f.Count(`SELECT count(*) FROM outbox o WHERE partition_key = 'k' AND id > 1
 		AND published_at < (SELECT published_at FROM outbox WHERE id = 1)`), "the held row went first")
+}
+
+// outbox_relay_rows_held follows the held table on an idle replica too: a
+// row a DBA fixed (published, its record deleted) leaves the gauge at the
+// next reload, with no batch to follow (before, it stayed, and the alert on
+// it kept firing).
+func TestRowsHeldGaugeFollowsTheHeldTableWhileIdle(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	f.Topics["E"] = f.NewTopic("small", 1, "max.message.bytes", "2000")
+	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', 'big', 'E', jsonb_build_object('pad', repeat('y', 5000)), 'k')`)
+	cfg := f.Config()
+	cfg.HeldRetryInterval = time.Hour
+	x := run(t, cfg, nil)
+	held := func() float64 { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTooLarge) }
+	require.Eventually(t, func() bool { return held() == 1 }, 20*time.Second, 20*time.Millisecond)
+	f.Exec(`UPDATE outbox SET published_at = now() WHERE id = 1`)
+	f.Exec(`DELETE FROM outbox_held WHERE id = 1`)
+	require.Eventually(t, func() bool { return held() == 0 }, 20*time.Second, 50*time.Millisecond,
+		"the next reload of the held table drops the row from the gauge")
 }

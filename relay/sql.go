@@ -94,6 +94,10 @@ type SQL struct {
 	// LoadHeld reads up to $1 held rows, those tried again soonest first:
 	// id, reason and the seconds until their retry (0 when due).
 	LoadHeld string
+	// LoadHeldLanes is LoadHeld with each row's partition key and event
+	// type (empty when the row is gone): in partition-key mode a row held
+	// by another replica, or before a restart, blocks its lane.
+	LoadHeldLanes string
 	// SweepHeld removes the records whose outbox row is published or gone
 	// (published by a replica that did not know it was held, fixed and
 	// published, or deleted by hand).
@@ -342,6 +346,11 @@ SELECT count(*), COALESCE(max(id), 0) FROM gone`,
         attempts = h.attempts + 1, last_attempt = now(), retry_at = EXCLUDED.retry_at`,
 		Unhold:   `DELETE FROM ` + h + ` WHERE id = ANY($1)`,
 		LoadHeld: `SELECT id, reason, GREATEST(extract(epoch FROM retry_at - now()), 0)::float8 FROM ` + h + ` ORDER BY retry_at LIMIT $1`,
+		LoadHeldLanes: `SELECT h.id, h.reason, GREATEST(extract(epoch FROM h.retry_at - now()), 0)::float8,
+       COALESCE(o.partition_key, ''), COALESCE(o.event_type, '')
+    FROM (SELECT id, reason, retry_at FROM ` + h + ` ORDER BY retry_at LIMIT $1) h
+    LEFT JOIN ` + q + ` o ON o.id = h.id
+    ORDER BY h.retry_at`,
 		SweepHeld: `DELETE FROM ` + h + ` h WHERE NOT EXISTS (
     SELECT 1 FROM ` + q + ` o WHERE o.id = h.id AND o.published_at IS NULL)`,
 		ListHeld: `SELECT id, event_id, event_type, reason, error, attempts, first_attempt, last_attempt, retry_at

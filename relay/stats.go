@@ -155,7 +155,12 @@ func (r *Relay) refreshHeld(ctx context.Context) {
 	}
 	r.heldRefreshes++
 	at := time.Now()
-	rows, err := r.pool.Query(ctx, r.sql.LoadHeld, heldCacheRows)
+	lanes := r.lanes != nil
+	load := r.sql.LoadHeld
+	if lanes {
+		load = r.sql.LoadHeldLanes
+	}
+	rows, err := r.pool.Query(ctx, load, heldCacheRows)
 	if err != nil {
 		if ctx.Err() == nil {
 			r.log.Warn("could not read the held table", "table", r.table.HeldTable().String(), "err", err)
@@ -165,16 +170,23 @@ func (r *Relay) refreshHeld(ctx context.Context) {
 	snap := heldSnapshot{at: at, rows: map[int64]heldRow{}}
 	for rows.Next() {
 		var id int64
-		var reason string
+		var h heldRow
 		var wait float64
-		if err := rows.Scan(&id, &reason, &wait); err != nil {
+		dest := []any{&id, &h.reason, &wait}
+		if lanes {
+			dest = append(dest, &h.key, &h.eventType)
+		}
+		if err := rows.Scan(dest...); err != nil {
 			rows.Close()
 			return
 		}
-		snap.rows[id] = heldRow{reason: reason, until: at.Add(time.Duration(wait * float64(time.Second)))}
+		h.until = at.Add(time.Duration(wait * float64(time.Second)))
+		snap.rows[id] = h
+		snap.last = h.until
 	}
 	if rows.Err() != nil {
 		return
 	}
+	snap.complete = len(snap.rows) < heldCacheRows
 	r.heldSnap.Store(&snap)
 }

@@ -22,7 +22,7 @@ const heldTimeout = 30 * time.Second
 
 // runHeld lists the held rows (`relay held`), or releases them (`relay
 // redrive`). Both take --dsn and --table from RELAY_DSN and RELAY_TABLE when
-// not given, so `kubectl exec deploy/<name>-relay -- relay held` works.
+// not given, so `kubectl exec deploy/<name>-relay -- /relay held` works.
 func runHeld(args []string, redrive bool, stdout, stderr io.Writer) int {
 	cmd := "relay held"
 	if redrive {
