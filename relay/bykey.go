@@ -34,6 +34,12 @@ type byKey struct {
 	fairShare   int
 	nextBalance time.Time
 	blocked     map[lane]time.Time // lanes whose next row cannot be published yet
+	// heldElsewhere are lanes of rows held by another replica, or before a
+	// restart (read from the held table), with the key's bucket: only
+	// those of this replica's buckets are left out of its claims, so a
+	// bucket taken over later is blocked at once, and a claim does not
+	// carry the pairs of every replica's holds.
+	heldElsewhere map[lane]heldLane
 	laneBackoff map[lane]time.Duration
 	firstStop   map[lane]int    // per batch: the index of each lane's first stopped row
 	gauged      map[string]bool // topics with a blocked-keys series
@@ -63,7 +69,7 @@ type byKeyDeps struct {
 }
 
 func newByKey(d byKeyDeps) *byKey {
-	return &byKey{byKeyDeps: d, blocked: map[lane]time.Time{}, laneBackoff: map[lane]time.Duration{}, firstStop: map[lane]int{}, gauged: map[string]bool{}}
+	return &byKey{byKeyDeps: d, blocked: map[lane]time.Time{}, heldElsewhere: map[lane]heldLane{}, laneBackoff: map[lane]time.Duration{}, firstStop: map[lane]int{}, gauged: map[string]bool{}}
 }
 
 // laneOf is x's lane.
@@ -157,16 +163,25 @@ func (k *byKey) sent(x row) { delete(k.laneBackoff, k.laneOf(x)) }
 // released says that a held row of key and event type was released
 // before its retry time (`relay redrive`): its lane may be claimed at once.
 func (k *byKey) released(key, eventType string) {
-	delete(k.blocked, k.laneOf(row{partitionKey: key, eventType: eventType}))
+	l := k.laneOf(row{partitionKey: key, eventType: eventType})
+	delete(k.blocked, l)
+	delete(k.heldElsewhere, l)
 }
 
-// heldUntil blocks the lane of a row of key and event type held until
-// then by another replica, or before this one restarted: its key's later
-// rows wait behind it, and it is not tried before its retry time.
-func (k *byKey) heldUntil(key, eventType string, until time.Time) {
+// heldLane is a lane held elsewhere until a time, in a key bucket.
+type heldLane struct {
+	until  time.Time
+	bucket int32
+}
+
+// heldUntil blocks the lane of a row of key and event type, in bucket,
+// held until then by another replica, or before this one restarted, while
+// the bucket is this replica's: its key's later rows wait behind it, and
+// it is not tried before its retry time.
+func (k *byKey) heldUntil(key, eventType string, bucket int32, until time.Time) {
 	l := k.laneOf(row{partitionKey: key, eventType: eventType})
-	if prev, ok := k.blocked[l]; !ok || until.After(prev) {
-		k.blocked[l] = until
+	if prev, ok := k.heldElsewhere[l]; !ok || until.After(prev.until) {
+		k.heldElsewhere[l] = heldLane{until: until, bucket: bucket}
 	}
 }
 
@@ -184,6 +199,20 @@ func (k *byKey) holdBack(f *claimFilter, now time.Time) {
 		if now.After(until) {
 			delete(k.blocked, l)
 			k.cur.rescanSoon()
+			continue
+		}
+		perTopic[l.topic]++
+		for _, et := range k.types(l) {
+			f.keys, f.keyTypes = append(f.keys, l.key), append(f.keyTypes, et)
+		}
+	}
+	for l, h := range k.heldElsewhere {
+		if now.After(h.until) {
+			delete(k.heldElsewhere, l)
+			k.cur.rescanSoon()
+			continue
+		}
+		if _, dup := k.blocked[l]; dup || !slices.Contains(k.mine, h.bucket) {
 			continue
 		}
 		perTopic[l.topic]++

@@ -191,7 +191,7 @@ func (r *Relay) mergeHeld() {
 	}
 	if r.lanes != nil {
 		for _, h := range learned {
-			r.lanes.heldUntil(h.key, h.eventType, h.until) // its key's later rows wait behind it
+			r.lanes.heldUntil(h.key, h.eventType, h.bucket, h.until) // its key's later rows wait behind it
 		}
 	}
 	r.heldMetrics() // the reload may have dropped holds (published, redriven) with no batch to follow

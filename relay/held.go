@@ -65,6 +65,7 @@ type heldRow struct {
 	// partition-key mode), so its hold blocks its lane, and an early
 	// release frees it.
 	key, eventType string
+	bucket         int32 // the key's bucket (partition-key mode, loaded from the table)
 	// at is when this replica's hold became durable (its batch committed
 	// the record): a reload read before then may not see it yet and leaves
 	// it as it is.

@@ -94,9 +94,10 @@ type SQL struct {
 	// LoadHeld reads up to $1 held rows, those tried again soonest first:
 	// id, reason and the seconds until their retry (0 when due).
 	LoadHeld string
-	// LoadHeldLanes is LoadHeld with each row's partition key and event
-	// type (empty when the row is gone): in partition-key mode a row held
-	// by another replica, or before a restart, blocks its lane.
+	// LoadHeldLanes is LoadHeld with each row's partition key, event type
+	// (empty when the row is gone) and key bucket (as bucketSQL): in
+	// partition-key mode a row held by another replica, or before a
+	// restart, blocks its lane in the replica that owns its bucket.
 	LoadHeldLanes string
 	// SweepHeld removes the records whose outbox row is published or gone
 	// (published by a replica that did not know it was held, fixed and
@@ -347,7 +348,7 @@ SELECT count(*), COALESCE(max(id), 0) FROM gone`,
 		Unhold:   `DELETE FROM ` + h + ` WHERE id = ANY($1)`,
 		LoadHeld: `SELECT id, reason, GREATEST(extract(epoch FROM retry_at - now()), 0)::float8 FROM ` + h + ` ORDER BY retry_at LIMIT $1`,
 		LoadHeldLanes: `SELECT h.id, h.reason, GREATEST(extract(epoch FROM h.retry_at - now()), 0)::float8,
-       COALESCE(o.partition_key, ''), COALESCE(o.event_type, '')
+       COALESCE(o.partition_key, ''), COALESCE(o.event_type, ''), ` + bucketSQL + `::int4
     FROM (SELECT id, reason, retry_at FROM ` + h + ` ORDER BY retry_at LIMIT $1) h
     LEFT JOIN ` + q + ` o ON o.id = h.id
     ORDER BY h.retry_at`,
