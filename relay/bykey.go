@@ -40,9 +40,9 @@ type byKey struct {
 	// bucket taken over later is blocked at once, and a claim does not
 	// carry the pairs of every replica's holds.
 	heldElsewhere map[lane]heldLane
-	laneBackoff map[lane]time.Duration
-	firstStop   map[lane]int    // per batch: the index of each lane's first stopped row
-	gauged      map[string]bool // topics with a blocked-keys series
+	laneBackoff   map[lane]time.Duration
+	firstStop     map[lane]int    // per batch: the index of each lane's first stopped row
+	gauged        map[string]bool // topics with a blocked-keys series
 }
 
 // lane is the unit of order in partition-key mode: a partition key on one

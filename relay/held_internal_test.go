@@ -25,7 +25,9 @@ func TestReloadDoesNotReleaseAHoldItCannotSeeYet(t *testing.T) {
 	h.hold(log, row{id: 7, eventType: "E"}, HeldTooLarge, time.Now().Add(time.Hour), errors.New("too large"))
 	holds := h.take()
 
-	empty := func(at time.Time) heldSnapshot { return heldSnapshot{at: at, rows: map[int64]heldRow{}, complete: true} }
+	empty := func(at time.Time) heldSnapshot {
+		return heldSnapshot{at: at, rows: map[int64]heldRow{}, complete: true}
+	}
 	h.merge(empty(time.Now())) // read while the batch commits
 	require.True(t, h.isHeld(7), "a reload cannot release a hold whose record is not committed")
 

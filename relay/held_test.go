@@ -151,7 +151,9 @@ func TestRowsHeldGaugeFollowsTheHeldTableWhileIdle(t *testing.T) {
 	cfg := f.Config()
 	cfg.HeldRetryInterval = time.Hour
 	x := run(t, cfg, nil)
-	held := func() float64 { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTooLarge) }
+	held := func() float64 {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTooLarge)
+	}
 	require.Eventually(t, func() bool { return held() == 1 }, 20*time.Second, 20*time.Millisecond)
 	f.Exec(`UPDATE outbox SET published_at = now() WHERE id = 1`)
 	f.Exec(`DELETE FROM outbox_held WHERE id = 1`)

@@ -364,19 +364,28 @@ func (r *Relay) Check(ctx context.Context) error {
 	r.setKafkaErr(nil)
 	r.topics.setPartitions(md)
 	exists := map[string]bool{}
+	why := map[string]string{} // the broker's error for a topic it answered about
 	for _, t := range md.Topics {
 		if t.Error == nil {
 			exists[t.Name] = true
+		} else if !errors.Is(t.Error, kafka.UnknownTopicOrPartition) {
+			why[t.Name] = t.Error.Error() // not authorized to see it, say: not "does not exist"
 		}
+	}
+	problem := func(t string) string {
+		if w, ok := why[t]; ok {
+			return "cannot be used: the broker says " + w
+		}
+		return "does not exist in Kafka"
 	}
 	var missing []error
 	for _, et := range r.types {
 		if t := r.cfg.Topics[et]; !exists[t] {
-			missing = append(missing, fmt.Errorf("topic %q (for event type %q) does not exist in Kafka", t, et))
+			missing = append(missing, fmt.Errorf("topic %q (for event type %q) %s", t, et, problem(t)))
 		}
 	}
 	if r.cfg.DeadLetterTopic != "" && !exists[r.cfg.DeadLetterTopic] {
-		missing = append(missing, fmt.Errorf("dead-letter topic %q does not exist in Kafka", r.cfg.DeadLetterTopic))
+		missing = append(missing, fmt.Errorf("dead-letter topic %q %s", r.cfg.DeadLetterTopic, problem(r.cfg.DeadLetterTopic)))
 	}
 	if err := errors.Join(missing...); err != nil {
 		return err
