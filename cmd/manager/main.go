@@ -38,6 +38,9 @@ type config struct {
 	metricsAddr, probeAddr  string
 	printVersion            bool
 	metricsSecure           bool
+	// metricsCertDir holds tls.crt and tls.key for /metrics; empty: a
+	// self-signed certificate made at start.
+	metricsCertDir string
 	leaderElect             bool
 	leaderElectionNamespace string
 	relayImage              string
@@ -67,6 +70,9 @@ func parseConfig(args []string, getenv func(string) string) (config, error) {
 		"Serve /metrics over HTTPS to clients the API server authenticates (TokenReview) and authorizes\n"+
 			"(SubjectAccessReview: get on the /metrics URL, the outbox-operator-metrics-reader ClusterRole);\n"+
 			"false serves plain HTTP to anyone who can reach the port.")
+	fs.StringVar(&cfg.metricsCertDir, "metrics-cert-dir", "",
+		"Directory holding tls.crt and tls.key (a cert-manager Secret mounted there) that /metrics serves with\n"+
+			"--metrics-secure; empty: a self-signed certificate made at start, which Prometheus cannot verify.")
 	fs.StringVar(&cfg.probeAddr, "health-probe-bind-address", ":8081",
 		"Address the /healthz and /readyz endpoints bind to.")
 	fs.BoolVar(&cfg.leaderElect, "leader-elect", false,
@@ -106,6 +112,9 @@ func parseConfig(args []string, getenv func(string) string) (config, error) {
 	}
 	if cfg.connsPerDatabase < 1 || cfg.connsPerDatabase > 100 {
 		return cfg, fmt.Errorf("--backlog-connections-per-database: %d is outside 1..100", cfg.connsPerDatabase)
+	}
+	if cfg.metricsCertDir != "" && !cfg.metricsSecure {
+		return cfg, errors.New("--metrics-cert-dir: serves HTTPS, which --metrics-secure=false turns off")
 	}
 	if cfg.relayImage == "" {
 		return cfg, errors.New("--relay-image (or RELAY_IMAGE) must not be empty")
@@ -150,13 +159,16 @@ func managerOptions(cfg config, scheme *runtime.Scheme) ctrl.Options {
 }
 
 // metricsOptions serve /metrics at cfg.metricsAddr; with cfg.metricsSecure
-// over HTTPS (a self-signed certificate unless one is mounted), to clients
-// the API server authenticates and authorizes.
+// over HTTPS (the certificate in cfg.metricsCertDir, or a self-signed one),
+// to clients the API server authenticates and authorizes.
 func metricsOptions(cfg config) metricsserver.Options {
 	o := metricsserver.Options{BindAddress: cfg.metricsAddr}
 	if cfg.metricsSecure {
 		o.SecureServing = true
 		o.FilterProvider = filters.WithAuthenticationAndAuthorization
+		if cfg.metricsCertDir != "" {
+			o.CertDir, o.CertName, o.KeyName = cfg.metricsCertDir, "tls.crt", "tls.key"
+		}
 	}
 	return o
 }

@@ -3,8 +3,10 @@ package main
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"reflect"
@@ -128,8 +130,12 @@ func TestManagerRuns(t *testing.T) {
 	require.NoError(t, err)
 	probePort, err := testenv.FreePort()
 	require.NoError(t, err)
+	certDir := t.TempDir() // as a cert-manager Secret mounted there holds it
+	caPEM, err := testenv.WriteTLSPair(certDir, []net.IP{net.IPv4(127, 0, 0, 1)})
+	require.NoError(t, err)
 	cfg, err := parseConfig([]string{
 		fmt.Sprintf("--metrics-bind-address=127.0.0.1:%d", metricsPort),
+		"--metrics-cert-dir=" + certDir,
 		fmt.Sprintf("--health-probe-bind-address=127.0.0.1:%d", probePort),
 		"--leader-elect", "--leader-election-namespace=default",
 		"--relay-image=reg/relay:test",
@@ -186,6 +192,13 @@ func TestManagerRuns(t *testing.T) {
 	metricsURL := fmt.Sprintf("https://127.0.0.1:%d/metrics", metricsPort)
 	code, _ := getTLS(metricsURL, "")
 	require.Equal(t, http.StatusUnauthorized, code, "no token")
+	roots := x509.NewCertPool()
+	require.True(t, roots.AppendCertsFromPEM(caPEM))
+	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12}}}
+	resp, err := hc.Get(metricsURL)
+	require.NoError(t, err, "/metrics serves the certificate of --metrics-cert-dir, which a client verifies")
+	require.NoError(t, resp.Body.Close())
+	require.Equal(t, http.StatusUnauthorized, resp.StatusCode)
 	stranger := serviceAccountToken(ctx, t, c, "default", "stranger")
 	code, _ = getTLS(metricsURL, stranger)
 	require.Equal(t, http.StatusForbidden, code, "a service account without the metrics-reader rule")

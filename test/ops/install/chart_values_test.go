@@ -59,6 +59,18 @@ var chartCases = []chartCase{
 	}},
 	{name: "existing service account without a name", values: `{serviceAccount: {create: false}}`,
 		err: "serviceAccount.name is required when serviceAccount.create is false"},
+	{name: "metrics certificate from a Secret", values: `{metrics: {certSecret: manager-metrics-tls}, extraVolumes: [{name: x, emptyDir: {}}], extraVolumeMounts: [{name: x, mountPath: /x}]}`,
+		check: func(t *testing.T, objs []*unstructured.Unstructured) {
+			c := container(t, find(t, objs, "Deployment", "outbox-outbox-operator"))
+			require.Contains(t, c["args"], "--metrics-cert-dir=/etc/outbox-operator/metrics-cert")
+			require.Contains(t, c["volumeMounts"], map[string]any{"name": "metrics-cert", "mountPath": "/etc/outbox-operator/metrics-cert", "readOnly": true})
+			require.Len(t, c["volumeMounts"], 2, "the extra mount too")
+			vols := podSpec(t, objs)["volumes"].([]any)
+			require.Contains(t, vols, map[string]any{"name": "metrics-cert", "secret": map[string]any{"secretName": "manager-metrics-tls"}})
+			require.Len(t, vols, 2, "the extra volume too")
+		}},
+	{name: "metrics certificate without HTTPS", values: `{metrics: {certSecret: manager-metrics-tls, secure: false}}`,
+		err: "metrics.certSecret is the certificate of HTTPS"},
 	{name: "any relay image", values: `{relay: {allowedImages: ["*"]}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
 		require.Contains(t, container(t, find(t, objs, "Deployment", "outbox-outbox-operator"))["args"], "--allowed-relay-images=*")
 	}},
