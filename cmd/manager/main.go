@@ -35,12 +35,12 @@ func defaultRelayImage() string { return "ghcr.io/outbox-relay/outbox-operator:"
 
 // config is what the flags and environment say.
 type config struct {
-	metricsAddr, probeAddr  string
-	printVersion            bool
-	metricsSecure           bool
+	metricsAddr, probeAddr string
+	printVersion           bool
+	metricsSecure          bool
 	// metricsCertDir holds tls.crt and tls.key for /metrics; empty: a
 	// self-signed certificate made at start.
-	metricsCertDir string
+	metricsCertDir          string
 	leaderElect             bool
 	leaderElectionNamespace string
 	relayImage              string
