@@ -71,7 +71,8 @@ fmt: ## Run gofmt on the code.
 PORTABLE_PKGS = ./api/... ./outbox/... ./relay/... ./relayconfig/... ./dbauth/... ./kafkaauth/... ./version/... ./controllers/... ./examples/... ./cmd/manager ./cmd/relay
 
 .PHONY: vet
-vet: ## Run go vet, and build the packages applications import and both binaries for macOS too.
+vet: ## Run go vet and a gofmt check, and build the packages applications import and both binaries for macOS too.
+	@unformatted="$$(gofmt -l $$(git ls-files '*.go'))"; if [ -n "$$unformatted" ]; then echo "not gofmt'ed (make fmt): $$unformatted"; exit 1; fi
 	go vet ./...
 	GOOS=darwin go build $(PORTABLE_PKGS)
 
