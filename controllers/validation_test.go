@@ -491,16 +491,21 @@ func TestAPIServerAndRelayAgreeOnURLs(t *testing.T) {
 		}
 		return err == nil
 	}
+	// Values that once told them apart come first, then random ones.
+	fixed := []string{"https://[1]:8080#orders.example", "https://[1.2.3.4]/token", "https://[fffff::]/", "https://[:8080]",
+		"http://127.0.0.1://%zz%%2F", "https://https://%zzhttp://[::1].localhost"}
 	var admitted, refused, sources int
-	for i := range 150 {
-		src := random()
+	for i := range 150 + len(fixed) {
+		src, endpoint := random(), []string{"https://", "http://", ""}[rnd.IntN(3)]+random()
+		if i < len(fixed) {
+			src, endpoint = fixed[i], fixed[i]
+		}
 		api := apiAdmits(t, i, func(s map[string]any) { s["cloudEventsSource"] = src })
 		if api {
 			sources++
 		}
 		relayErr := relayconfig.CheckCloudEventsSource(src)
 		require.Equal(t, relayErr == nil, api, "spec.cloudEventsSource %q: the API server admits it: %v; the relay: %v", src, api, relayErr)
-		endpoint := []string{"https://", "http://", ""}[rnd.IntN(3)] + random()
 		if api := apiAdmits(t, i, func(s map[string]any) {
 			kafka(s)["tls"] = map[string]any{}
 			kafka(s)["sasl"] = map[string]any{"mechanism": "OAUTHBEARER", "credentialsSecretRef": map[string]any{"name": "c"},
@@ -512,5 +517,5 @@ func TestAPIServerAndRelayAgreeOnURLs(t *testing.T) {
 			refused++
 		}
 	}
-	t.Logf("sources admitted %d of 150; token endpoints admitted %d, refused %d", sources, admitted, refused)
+	t.Logf("sources admitted %d of %d; token endpoints admitted %d, refused %d", sources, 150+len(fixed), admitted, refused)
 }

@@ -66,6 +66,10 @@ type heldRow struct {
 	// release frees it.
 	key, eventType string
 	bucket         int32 // the key's bucket (partition-key mode, loaded from the table)
+	// waiting: the row is unpublished (partition-key mode, loaded from the
+	// table): a record of a row published or gone, which the sweep has not
+	// removed yet, blocks no lane.
+	waiting bool
 	// at is when this replica's hold became durable (its batch committed
 	// the record): a reload read before then may not see it yet and leaves
 	// it as it is.
@@ -221,7 +225,10 @@ func (h *heldRows) merge(s heldSnapshot) (early, learned []heldRow) {
 			if ok && (r.key != "" || r.eventType != "") {
 				n.key, n.eventType = r.key, r.eventType
 			}
-			if !ok && n.until.After(s.at) {
+			// Learned: a wait this replica did not know of, or knew with an
+			// earlier end (released here, held again elsewhere), of a row
+			// still unpublished: its lane waits until then.
+			if n.waiting && n.until.After(s.at) && (!ok || r.released || n.until.After(r.until)) {
 				learned = append(learned, n)
 			}
 			h.rows[id] = n // release marks it when its time has come

@@ -54,7 +54,7 @@ func TestReloadCutShortReleasesOnlyWhatItReached(t *testing.T) {
 	h.hold(log, row{id: 7, eventType: "E"}, HeldRefused, now.Add(time.Hour), errors.New("refused"))
 	h.hold(log, row{id: 8, eventType: "E"}, HeldRefused, now.Add(time.Minute), errors.New("refused"))
 	h.committed(h.take(), now)
-	cut := heldSnapshot{at: now.Add(time.Second), rows: map[int64]heldRow{9: {reason: HeldRefused, until: now.Add(30 * time.Minute)}},
+	cut := heldSnapshot{at: now.Add(time.Second), rows: map[int64]heldRow{9: {reason: HeldRefused, until: now.Add(30 * time.Minute), waiting: true}},
 		last: now.Add(30 * time.Minute)}
 	early, learned := h.merge(cut)
 	require.True(t, h.isHeld(7), "a hold past the reload's last is not in it and stays")
@@ -62,6 +62,35 @@ func TestReloadCutShortReleasesOnlyWhatItReached(t *testing.T) {
 	require.Len(t, early, 1)
 	require.True(t, h.isHeld(9))
 	require.Len(t, learned, 1, "a row held elsewhere is learned, to block its lane")
+}
+
+// In partition-key mode a row another replica holds blocks its lane here
+// until its retry time, each time that time moves on: once released here
+// and held again there, or held longer, it is learned again (else a
+// replica taking its bucket over would try it at once). A record of a row
+// already published blocks nothing.
+func TestReloadLearnsEveryLaterWaitOfAnUnpublishedRow(t *testing.T) {
+	t.Parallel()
+	now := time.Now()
+	h := newHeldRows()
+	h.recorded = true
+	held := func(until time.Time, waiting bool) heldRow {
+		return heldRow{reason: HeldRefused, until: until, key: "k", eventType: "E", bucket: 3, waiting: waiting}
+	}
+	snap := func(at time.Time, r heldRow) heldSnapshot {
+		return heldSnapshot{at: at, rows: map[int64]heldRow{7: r}, complete: true}
+	}
+	_, learned := h.merge(snap(now, held(now.Add(time.Minute), true)))
+	require.Len(t, learned, 1, "new")
+	h.releaseIDs(now.Add(61 * time.Second))
+	_, learned = h.merge(snap(now.Add(62*time.Second), held(now.Add(time.Hour), true)))
+	require.Len(t, learned, 1, "released here, held again elsewhere")
+	_, learned = h.merge(snap(now.Add(63*time.Second), held(now.Add(2*time.Hour), true)))
+	require.Len(t, learned, 1, "held longer")
+	_, learned = h.merge(snap(now.Add(64*time.Second), held(now.Add(2*time.Hour), true)))
+	require.Empty(t, learned, "the same wait again")
+	_, learned = h.merge(snap(now.Add(65*time.Second), held(now.Add(3*time.Hour), false)))
+	require.Empty(t, learned, "a record of a row published since blocks nothing")
 }
 
 // A long error is cut to heldErrorBytes at a character's edge: half a

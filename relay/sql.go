@@ -95,7 +95,8 @@ type SQL struct {
 	// id, reason and the seconds until their retry (0 when due).
 	LoadHeld string
 	// LoadHeldLanes is LoadHeld with each row's partition key, event type
-	// (empty when the row is gone) and key bucket (as bucketSQL): in
+	// (empty when the row is gone), key bucket (as bucketSQL) and whether
+	// it is still unpublished: in
 	// partition-key mode a row held by another replica, or before a
 	// restart, blocks its lane in the replica that owns its bucket.
 	LoadHeldLanes string
@@ -348,7 +349,8 @@ SELECT count(*), COALESCE(max(id), 0) FROM gone`,
 		Unhold:   `DELETE FROM ` + h + ` WHERE id = ANY($1)`,
 		LoadHeld: `SELECT id, reason, GREATEST(extract(epoch FROM retry_at - now()), 0)::float8 FROM ` + h + ` ORDER BY retry_at LIMIT $1`,
 		LoadHeldLanes: `SELECT h.id, h.reason, GREATEST(extract(epoch FROM h.retry_at - now()), 0)::float8,
-       COALESCE(o.partition_key, ''), COALESCE(o.event_type, ''), ` + bucketSQL + `::int4
+       COALESCE(o.partition_key, ''), COALESCE(o.event_type, ''), ` + bucketSQL + `::int4,
+       o.id IS NOT NULL AND o.published_at IS NULL
     FROM (SELECT id, reason, retry_at FROM ` + h + ` ORDER BY retry_at LIMIT $1) h
     LEFT JOIN ` + q + ` o ON o.id = h.id
     ORDER BY h.retry_at`,

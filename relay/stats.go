@@ -174,7 +174,7 @@ func (r *Relay) refreshHeld(ctx context.Context) {
 		var wait float64
 		dest := []any{&id, &h.reason, &wait}
 		if lanes {
-			dest = append(dest, &h.key, &h.eventType, &h.bucket)
+			dest = append(dest, &h.key, &h.eventType, &h.bucket, &h.waiting)
 		}
 		if err := rows.Scan(dest...); err != nil {
 			rows.Close()

@@ -383,7 +383,7 @@ type KafkaOAuth struct {
 	// and secret come from credentialsSecretRef. A token is reused until
 	// shortly before it expires.
 	// +kubebuilder:validation:MaxLength=2048
-	// +kubebuilder:validation:XValidation:rule="self.matches(r'^([A-Za-z0-9._~:/?#\\[\\]@!$&()*+,;=-]|%[0-9A-Fa-f]{2})+$') && self.matches(r'^(https://([A-Za-z0-9._~:-]*@)?([A-Za-z0-9._~-]+|\\[[0-9A-Fa-f:.]+\\])|http://(localhost|127[.]0[.]0[.]1|\\[::1\\]))(:[0-9]*)?([/?#]|$)')",message="an https URL with a host, or http to the pod's loopback address: the client secret never crosses the network in clear text"
+	// +kubebuilder:validation:XValidation:rule="self.matches(r'^([A-Za-z0-9._~:/?#\\[\\]@!$&()*+,;=-]|%[0-9A-Fa-f]{2})+$') && self.matches(r'^(https://([A-Za-z0-9._~:-]*@)?[A-Za-z0-9._~-]+|http://(localhost|127[.]0[.]0[.]1|\\[::1\\]))(:[0-9]*)?([/?#]|$)')",message="an https URL with a host name, or http to the pod's loopback address: the client secret never crosses the network in clear text"
 	// +optional
 	TokenEndpoint string `json:"tokenEndpoint,omitempty"`
 
