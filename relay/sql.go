@@ -96,9 +96,9 @@ type SQL struct {
 	LoadHeld string
 	// LoadHeldLanes is LoadHeld with each row's partition key, event type
 	// (empty when the row is gone), key bucket (as bucketSQL) and whether
-	// it is still unpublished: in
-	// partition-key mode a row held by another replica, or before a
-	// restart, blocks its lane in the replica that owns its bucket.
+	// it is still unpublished: in partition-key mode a row held by another
+	// replica, or before a restart, blocks its lane in the replica that
+	// owns its bucket.
 	LoadHeldLanes string
 	// SweepHeld removes the records whose outbox row is published or gone
 	// (published by a replica that did not know it was held, fixed and
