@@ -8,6 +8,7 @@ package relay
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -98,6 +99,38 @@ func (r *Relay) connect(ctx context.Context) (*pgx.Conn, error) {
 	return r.cfg.DatabaseTokens.Connect(ctx, r.pool.Config().ConnConfig)
 }
 
+// applyDatabaseLogin makes cc connect over t (verifying the server's host
+// name, with no plain-text fallback) when t is set, and refuses a cc that
+// would send tokens' password in plain text.
+func applyDatabaseLogin(cc *pgx.ConnConfig, t *tls.Config, tokens *dbauth.Source) error {
+	if t != nil {
+		t = t.Clone()
+		if t.ServerName == "" {
+			t.ServerName = cc.Host
+		}
+		cc.TLSConfig, cc.Fallbacks = t, nil
+	}
+	if tokens != nil {
+		return dbauth.RequireTLS(&cc.Config)
+	}
+	return nil
+}
+
+// Connect opens one session to dsn as a relay with Config.DatabaseTLS t and
+// Config.DatabaseTokens tokens (either may be nil) connects: for the
+// commands that work on the table beside the relays (ListHeld, Redrive).
+func Connect(ctx context.Context, dsn string, t *tls.Config, tokens *dbauth.Source) (*pgx.Conn, error) {
+	cc, err := pgx.ParseConfig(dsn)
+	if err != nil {
+		return nil, fmt.Errorf("dsn: %w", err)
+	}
+	if err := applyDatabaseLogin(cc, t, tokens); err != nil {
+		return nil, err
+	}
+	cc.RuntimeParams["application_name"] = "outbox-relay-cli"
+	return tokens.Connect(ctx, cc)
+}
+
 // New validates cfg and prepares a relay. It connects lazily: Check and Run
 // open the connections.
 func New(cfg Config) (*Relay, error) {
@@ -119,17 +152,10 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 	if err != nil {
 		return nil, fmt.Errorf("dsn: %w", err)
 	}
-	if cfg.DatabaseTLS != nil {
-		t := cfg.DatabaseTLS.Clone()
-		if t.ServerName == "" {
-			t.ServerName = pcfg.ConnConfig.Host
-		}
-		pcfg.ConnConfig.TLSConfig, pcfg.ConnConfig.Fallbacks = t, nil
+	if err := applyDatabaseLogin(pcfg.ConnConfig, cfg.DatabaseTLS, cfg.DatabaseTokens); err != nil {
+		return nil, err
 	}
 	if cfg.DatabaseTokens != nil {
-		if err := dbauth.RequireTLS(&pcfg.ConnConfig.Config); err != nil {
-			return nil, err
-		}
 		pcfg.BeforeConnect = cfg.DatabaseTokens.BeforeConnect
 	}
 	rp := pcfg.ConnConfig.RuntimeParams

@@ -467,17 +467,7 @@ type Command struct {
 	KafkaTLS    bool
 	// Kafka TLS files: CA bundle, client certificate and key (PEM).
 	KafkaTLSCAFile, KafkaTLSCertFile, KafkaTLSKeyFile string
-	// PostgreSQL TLS files: with a CA bundle the relay connects over TLS
-	// and verifies the server's certificate and host name (verify-full),
-	// whatever the DSN's sslmode; a client certificate and key (PEM) are
-	// presented when given.
-	DatabaseCAFile, DatabaseCertFile, DatabaseKeyFile string
-	// DatabaseAuth is how the relay logs in to PostgreSQL: the DSN's
-	// password or a token of the pod's cloud identity. Default password.
-	DatabaseAuth DatabaseAuth
-	// DatabaseAuthAWSRegion is the region of aws-rds-iam tokens (default:
-	// AWS_REGION, which EKS sets with a pod identity).
-	DatabaseAuthAWSRegion string
+	DatabaseLogin
 	// KafkaSASLMechanism is empty (no SASL) or one of SASLMechanisms.
 	KafkaSASLMechanism string
 	// SASL credentials (with OAUTHBEARER's token endpoint: the client id
@@ -490,9 +480,51 @@ type Command struct {
 	KafkaSASLAWSRegion string
 }
 
+// DatabaseLogin is how a process connects to PostgreSQL beyond its DSN:
+// the relay's and `relay held`'s and `relay redrive`'s, one set of flags.
+type DatabaseLogin struct {
+	// PostgreSQL TLS files: with a CA bundle the process connects over TLS
+	// and verifies the server's certificate and host name (verify-full),
+	// whatever the DSN's sslmode; a client certificate and key (PEM) are
+	// presented when given.
+	DatabaseCAFile, DatabaseCertFile, DatabaseKeyFile string
+	// DatabaseAuth is how the process logs in: the DSN's password or a
+	// token of the pod's cloud identity. Default password.
+	DatabaseAuth DatabaseAuth
+	// DatabaseAuthAWSRegion is the region of aws-rds-iam tokens (default:
+	// AWS_REGION, which EKS sets with a pod identity).
+	DatabaseAuthAWSRegion string
+}
+
+// register adds the --database-* flags to fs, d's default first.
+func (d *DatabaseLogin) register(fs *flag.FlagSet) {
+	fs.StringVar(&d.DatabaseCAFile, FlagDatabaseCAFile, "", "PEM CA bundle: connect to PostgreSQL over TLS and verify its certificate and host name (verify-full), whatever the DSN's sslmode")
+	fs.StringVar(&d.DatabaseCertFile, FlagDatabaseCertFile, "", "PEM client certificate presented to PostgreSQL (with --"+FlagDatabaseCAFile+")")
+	fs.StringVar(&d.DatabaseKeyFile, FlagDatabaseKeyFile, "", "PEM client key presented to PostgreSQL")
+	d.DatabaseAuth = DatabaseAuthPassword
+	fs.Func(FlagDatabaseAuth, "how to log in to PostgreSQL: "+joinValues(DatabaseAuths)+" (a token of the pod's cloud identity as the password; needs TLS) (default password)", func(v string) error { d.DatabaseAuth = DatabaseAuth(v); return nil })
+	fs.StringVar(&d.DatabaseAuthAWSRegion, FlagDatabaseAuthAWSRegion, "", "AWS region of aws-rds-iam tokens (default AWS_REGION)")
+}
+
+// validate checks the --database-* flags, naming each bad one.
+func (d DatabaseLogin) validate() []error {
+	var errs []error
+	if (d.DatabaseCertFile == "") != (d.DatabaseKeyFile == "") {
+		errs = append(errs, fieldErr(FlagDatabaseCertFile, fmt.Errorf("goes together with --%s", FlagDatabaseKeyFile)))
+	}
+	if d.DatabaseCertFile != "" && d.DatabaseCAFile == "" {
+		errs = append(errs, fieldErr(FlagDatabaseCertFile, fmt.Errorf("needs --%s: a client certificate is presented only over a verified connection", FlagDatabaseCAFile)))
+	}
+	errs = append(errs, fieldErr(FlagDatabaseAuth, oneOf(cmp.Or(d.DatabaseAuth, DatabaseAuthPassword), DatabaseAuths)))
+	if d.DatabaseAuthAWSRegion != "" && d.DatabaseAuth != DatabaseAuthAWSRDSIAM {
+		errs = append(errs, fieldErr(FlagDatabaseAuthAWSRegion, fmt.Errorf("applies only to --%s=%s", FlagDatabaseAuth, DatabaseAuthAWSRDSIAM)))
+	}
+	return errs
+}
+
 // Defaults are the settings of a relay command given no flags.
 func Defaults() Command {
-	return Command{Settings: Settings{}.WithDefaults(), MetricsAddr: DefaultMetricsAddr, LogFormat: DefaultLogFormat, DatabaseAuth: DatabaseAuthPassword}
+	return Command{Settings: Settings{}.WithDefaults(), MetricsAddr: DefaultMetricsAddr, LogFormat: DefaultLogFormat, DatabaseLogin: DatabaseLogin{DatabaseAuth: DatabaseAuthPassword}}
 }
 
 // Args is the command line that gives a relay s, in a fixed order so a pod
@@ -647,6 +679,9 @@ func ParseSchema(args []string, usage io.Writer) (SchemaSettings, error) {
 type HeldSettings struct {
 	DSN   string
 	Table string
+	// DatabaseLogin: the relay's --database-* flags, so the subcommands
+	// reach a database the relay reaches through TLS or a cloud login.
+	DatabaseLogin
 	// IDs, Reasons and Types select held rows: any that matches.
 	IDs     []int64
 	Reasons []string
@@ -677,6 +712,7 @@ func ParseHeld(args []string, redrive bool, lookupEnv func(string) (string, bool
 	fs.SetOutput(io.Discard)
 	fs.StringVar(&s.DSN, FlagDSN, "", "PostgreSQL connection string (default "+EnvDSN+")")
 	fs.StringVar(&s.Table, FlagTable, DefaultTable, "outbox table, NAME or SCHEMA.NAME")
+	s.DatabaseLogin.register(fs)
 	fs.Func(FlagID, "a held row's id (repeatable, or comma-separated)", func(v string) error {
 		for _, p := range strings.Split(v, ",") {
 			id, err := strconv.ParseInt(strings.TrimSpace(p), 10, 64)
@@ -737,6 +773,7 @@ func ParseHeld(args []string, redrive bool, lookupEnv func(string) (string, bool
 	if s.Output != "text" && s.Output != "json" {
 		errs = append(errs, fmt.Errorf("--%s: %q is not one of text, json", FlagOutput, s.Output))
 	}
+	errs = append(errs, s.DatabaseLogin.validate()...)
 	if redrive && !s.All && len(s.IDs)+len(s.Reasons)+len(s.Types) == 0 {
 		errs = append(errs, fmt.Errorf("select the rows to release with --%s, --%s or --%s, or --%s", FlagID, FlagReason, FlagType, FlagAll))
 	}
@@ -794,12 +831,7 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.StringVar(&s.KafkaTLSCAFile, FlagKafkaTLSCAFile, "", "PEM CA bundle to verify the brokers (default: system roots)")
 	fs.StringVar(&s.KafkaTLSCertFile, FlagKafkaTLSCertFile, "", "PEM client certificate for mutual TLS")
 	fs.StringVar(&s.KafkaTLSKeyFile, FlagKafkaTLSKeyFile, "", "PEM client key for mutual TLS")
-	fs.StringVar(&s.DatabaseCAFile, FlagDatabaseCAFile, "", "PEM CA bundle: connect to PostgreSQL over TLS and verify its certificate and host name (verify-full), whatever the DSN's sslmode")
-	fs.StringVar(&s.DatabaseCertFile, FlagDatabaseCertFile, "", "PEM client certificate presented to PostgreSQL (with --"+FlagDatabaseCAFile+")")
-	fs.StringVar(&s.DatabaseKeyFile, FlagDatabaseKeyFile, "", "PEM client key presented to PostgreSQL")
-	s.DatabaseAuth = DatabaseAuthPassword
-	fs.Func(FlagDatabaseAuth, "how to log in to PostgreSQL: "+joinValues(DatabaseAuths)+" (a token of the pod's cloud identity as the password; needs TLS) (default password)", func(v string) error { s.DatabaseAuth = DatabaseAuth(v); return nil })
-	fs.StringVar(&s.DatabaseAuthAWSRegion, FlagDatabaseAuthAWSRegion, "", "AWS region of aws-rds-iam tokens (default AWS_REGION)")
+	s.DatabaseLogin.register(fs)
 	fs.StringVar(&s.KafkaSASLMechanism, FlagKafkaSASLMech, "", "SASL mechanism: "+strings.Join(SASLMechanisms, ", ")+" (PLAIN and SCRAM: credentials from "+EnvSASLUsername+" and "+EnvSASLPassword+")")
 	fs.StringVar(&s.KafkaSASLOAuthTokenFile, FlagKafkaSASLOAuthTokenFile, "", "OAUTHBEARER: file holding the token, read for each new connection")
 	fs.StringVar(&s.KafkaSASLOAuthTokenEndpoint, FlagKafkaSASLOAuthTokenEndpoint, "", "OAUTHBEARER: OAuth 2.0 token endpoint (client credentials grant; client id and secret from "+EnvSASLUsername+" and "+EnvSASLPassword+")")
@@ -854,16 +886,7 @@ func (s Command) validateProcess() error {
 	if (s.KafkaTLSCertFile == "") != (s.KafkaTLSKeyFile == "") {
 		errs = append(errs, fieldErr(FlagKafkaTLSCertFile, fmt.Errorf("goes together with --%s", FlagKafkaTLSKeyFile)))
 	}
-	if (s.DatabaseCertFile == "") != (s.DatabaseKeyFile == "") {
-		errs = append(errs, fieldErr(FlagDatabaseCertFile, fmt.Errorf("goes together with --%s", FlagDatabaseKeyFile)))
-	}
-	if s.DatabaseCertFile != "" && s.DatabaseCAFile == "" {
-		errs = append(errs, fieldErr(FlagDatabaseCertFile, fmt.Errorf("needs --%s: a client certificate is presented only over a verified connection", FlagDatabaseCAFile)))
-	}
-	errs = append(errs, fieldErr(FlagDatabaseAuth, oneOf(cmp.Or(s.DatabaseAuth, DatabaseAuthPassword), DatabaseAuths)))
-	if s.DatabaseAuthAWSRegion != "" && s.DatabaseAuth != DatabaseAuthAWSRDSIAM {
-		errs = append(errs, fieldErr(FlagDatabaseAuthAWSRegion, fmt.Errorf("applies only to --%s=%s", FlagDatabaseAuth, DatabaseAuthAWSRDSIAM)))
-	}
+	errs = append(errs, s.DatabaseLogin.validate()...)
 	if m := s.KafkaSASLMechanism; m != "" {
 		switch {
 		case !slices.Contains(SASLMechanisms, m):

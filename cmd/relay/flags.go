@@ -50,17 +50,8 @@ func parseFlags(args []string, lookupEnv func(string) (string, bool), stderr io.
 			return nil, err
 		}
 	}
-	if s.DatabaseCAFile != "" {
-		if cfg.DatabaseTLS, err = tlsConfig(s.DatabaseCAFile, s.DatabaseCertFile, s.DatabaseKeyFile, relayconfig.FlagDatabaseCAFile, relayconfig.FlagDatabaseCertFile, relayconfig.FlagDatabaseKeyFile); err != nil {
-			return nil, err
-		}
-	}
-	provider, err := dbauth.New(context.Background(), s.DatabaseAuth, s.DatabaseAuthAWSRegion)
-	if err != nil {
-		return nil, fmt.Errorf("--%s: %w", relayconfig.FlagDatabaseAuth, err)
-	}
-	if provider != nil {
-		cfg.DatabaseTokens = dbauth.NewSource(provider)
+	if cfg.DatabaseTLS, cfg.DatabaseTokens, err = databaseLogin(s.DatabaseLogin); err != nil {
+		return nil, err
 	}
 	if s.KafkaSASLMechanism != "" {
 		if cfg.SASL, err = saslMechanism(s); err != nil {
@@ -82,6 +73,26 @@ func parseFlags(args []string, lookupEnv func(string) (string, bool), stderr io.
 }
 
 // tlsConfig reads the PEM files of a TLS client; the flag names name them in errors.
+// databaseLogin reads the files of the --database-* flags and makes the
+// token source of --database-auth: nil, nil for a plain DSN login.
+func databaseLogin(d relayconfig.DatabaseLogin) (*tls.Config, *dbauth.Source, error) {
+	var t *tls.Config
+	if d.DatabaseCAFile != "" {
+		var err error
+		if t, err = tlsConfig(d.DatabaseCAFile, d.DatabaseCertFile, d.DatabaseKeyFile, relayconfig.FlagDatabaseCAFile, relayconfig.FlagDatabaseCertFile, relayconfig.FlagDatabaseKeyFile); err != nil {
+			return nil, nil, err
+		}
+	}
+	provider, err := dbauth.New(context.Background(), d.DatabaseAuth, d.DatabaseAuthAWSRegion)
+	if err != nil {
+		return nil, nil, fmt.Errorf("--%s: %w", relayconfig.FlagDatabaseAuth, err)
+	}
+	if provider == nil {
+		return t, nil, nil
+	}
+	return t, dbauth.NewSource(provider), nil
+}
+
 func tlsConfig(caFile, certFile, keyFile, caFlag, certFlag, keyFlag string) (*tls.Config, error) {
 	t := &tls.Config{MinVersion: tls.VersionTLS12}
 	if caFile != "" {

@@ -10,8 +10,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relay"
 	"github.com/outbox-relay/outbox-operator/relayconfig"
@@ -36,10 +34,15 @@ func runHeld(args []string, redrive bool, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "%s: %v\n", cmd, err)
 		return 2
 	}
-	t, _ := outbox.ParseTable(s.Table) // ParseHeld checked it
+	table, _ := outbox.ParseTable(s.Table) // ParseHeld checked it
 	ctx, cancel := context.WithTimeout(context.Background(), heldTimeout)
 	defer cancel()
-	conn, err := pgx.Connect(ctx, s.DSN)
+	t, tokens, err := databaseLogin(s.DatabaseLogin)
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", cmd, err)
+		return 2
+	}
+	conn, err := relay.Connect(ctx, s.DSN, t, tokens)
 	if err != nil {
 		fmt.Fprintf(stderr, "%s: connect to PostgreSQL: %v\n", cmd, err)
 		return 1
@@ -47,18 +50,18 @@ func runHeld(args []string, redrive bool, stdout, stderr io.Writer) int {
 	defer conn.Close(context.Background())
 	f := relay.HeldFilter{IDs: s.IDs, Reasons: s.Reasons, Types: s.Types, All: s.All}
 	if redrive {
-		n, err := relay.Redrive(ctx, conn, t, f)
+		n, err := relay.Redrive(ctx, conn, table, f)
 		if err != nil {
 			fmt.Fprintf(stderr, "%s: %v\n", cmd, err)
 			return 1
 		}
-		fmt.Fprintf(stdout, "released %d held rows of %s; the relays try them again within seconds\n", n, t)
+		fmt.Fprintf(stdout, "released %d held rows of %s; the relays try them again within seconds\n", n, table)
 		return 0
 	}
 	if f.Empty() {
 		f.All = true
 	}
-	rows, err := relay.ListHeld(ctx, conn, t, f, s.Limit)
+	rows, err := relay.ListHeld(ctx, conn, table, f, s.Limit)
 	if err != nil {
 		fmt.Fprintf(stderr, "%s: %v\n", cmd, err)
 		return 1

@@ -2,6 +2,7 @@ package main_test
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
@@ -318,6 +319,64 @@ func TestHeldAndRedriveSubcommands(t *testing.T) {
 	require.Contains(t, out, `flag -reason: "lost" is not one of invalid_row, too_large, refused`)
 	out, _ = cmd("redrive")
 	require.Contains(t, out, "select the rows to release with --id, --reason or --type, or --all")
+}
+
+// `relay held` and `relay redrive` connect as the relay does: with the
+// relay's --database-tls-* flags they reach a PostgreSQL that admits the
+// role only over TLS, verifying its certificate although the DSN says
+// sslmode=disable; without them, or with another CA, they are refused.
+func TestHeldAndRedriveTakeTheDatabaseFlags(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg, ca, err := testenv.StartPostgresTLS(t.TempDir())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pg.Close() })
+	_, err = pg.CreateDatabase(ctx, "held")
+	require.NoError(t, err)
+	require.NoError(t, pg.Exec(ctx, "held", outbox.SchemaDDL(outbox.Table{Name: "outbox"})+`
+		CREATE ROLE relay_tls LOGIN PASSWORD 'secret';
+		GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO relay_tls;
+		INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', '1', 'E', '{}', '1');
+		INSERT INTO outbox_held (id, event_id, event_type, reason, error, retry_at)
+		SELECT id, event_id::text, event_type, 'refused', 'INVALID_RECORD', now() + interval '1 hour' FROM outbox;`))
+	require.NoError(t, pg.RequirePassword("relay_tls"))
+	dir := t.TempDir()
+	caFile, otherFile := dir+"/ca.crt", dir+"/other.crt"
+	require.NoError(t, os.WriteFile(caFile, ca.PEM, 0o600))
+	other, err := testenv.NewCA("someone-else")
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(otherFile, other.PEM, 0o600))
+	env := append(os.Environ(), fmt.Sprintf("%s=postgres://relay_tls:secret@127.0.0.1:%d/held?sslmode=disable", relayconfig.EnvDSN, pg.Port))
+	cmd := func(args ...string) (string, error) {
+		c := exec.Command(outboxtest.RelayBinary(t), args...)
+		c.Env = env
+		out, err := c.CombinedOutput()
+		return string(out), err
+	}
+	tlsFlag := "--" + relayconfig.FlagDatabaseCAFile
+
+	var out string
+	require.Eventually(t, func() bool { // the reload that turns TLS on completes asynchronously
+		out, err = cmd("held", tlsFlag, caFile)
+		return err == nil
+	}, 10*time.Second, 100*time.Millisecond, "over TLS: %s", out)
+	require.Regexp(t, `(?m)^1\s+\S+\s+E\s+refused\s+1\s`, out)
+
+	out, err = cmd("held")
+	require.Error(t, err, "plain text is rejected for the role: %s", out)
+	require.Contains(t, out, "connect to PostgreSQL")
+	out, err = cmd("held", tlsFlag, otherFile)
+	require.Error(t, err, out)
+	require.True(t, strings.Contains(out, "certificate signed by unknown authority") || strings.Contains(out, "certificate is not trusted"), out)
+	out, err = cmd("redrive", "--all", "--"+relayconfig.FlagDatabaseCertFile, caFile, tlsFlag, caFile)
+	require.Error(t, err, out)
+	require.Equal(t, 2, err.(*exec.ExitError).ExitCode(), out)
+	require.Contains(t, out, "--"+relayconfig.FlagDatabaseCertFile+": goes together with --"+relayconfig.FlagDatabaseKeyFile)
+
+	out, err = cmd("redrive", "--all", tlsFlag, caFile)
+	require.NoError(t, err, out)
+	require.Contains(t, out, "released 1 held rows of outbox")
 }
 
 // The binary authenticates with OAUTHBEARER from its flags: TLS to the
