@@ -48,6 +48,9 @@ func (r *OutboxRelayReconciler) ensureChildren(ctx context.Context, relay *outbo
 	desired := relayDeployment(relay, r.images(), s, in, current)
 	deploy, err := ensure(ctx, r.Client, r.APIReader, relay, desired, &appsv1.Deployment{},
 		func(cur, want *appsv1.Deployment) bool { return *cur.Spec.Replicas != *want.Spec.Replicas },
+		func(d *appsv1.Deployment) any {
+			return []any{d.Spec.Template, d.Spec.Strategy.Type, d.Spec.RevisionHistoryLimit}
+		},
 		func(cur, want *appsv1.Deployment) {
 			cur.Spec.Replicas = want.Spec.Replicas
 			cur.Spec.RevisionHistoryLimit = want.Spec.RevisionHistoryLimit
@@ -68,6 +71,7 @@ func (r *OutboxRelayReconciler) ensureChildren(ctx context.Context, relay *outbo
 		return nil, prob, err
 	}
 	_, err = ensure(ctx, r.Client, r.APIReader, relay, relayService(relay), &corev1.Service{}, nil,
+		func(s *corev1.Service) any { return []any{s.Spec.Type, s.Spec.Selector, s.Spec.Ports} },
 		func(cur, want *corev1.Service) {
 			cur.Spec.Type = want.Spec.Type
 			cur.Spec.Selector = want.Spec.Selector
@@ -87,6 +91,7 @@ func (r *OutboxRelayReconciler) ensureChildren(ctx context.Context, relay *outbo
 func (r *OutboxRelayReconciler) ensurePDB(ctx context.Context, relay *outboxv1alpha1.OutboxRelay) error {
 	if want := relayPDB(relay); want != nil {
 		_, err := ensure(ctx, r.Client, r.APIReader, relay, want, &policyv1.PodDisruptionBudget{}, nil,
+			func(p *policyv1.PodDisruptionBudget) any { return p.Spec },
 			func(cur, want *policyv1.PodDisruptionBudget) { cur.Spec = want.Spec })
 		return err
 	}
@@ -154,15 +159,18 @@ func childProblem(err error) (*problem, error) {
 
 // ensure creates want (controlled by relay), or patches the existing object
 // when its spec-hash annotation differs from want's, it lacks one of want's
-// labels, or drifted says it changed underneath us. merge copies the fields
-// the operator owns from want into the existing object; fields the API
-// server defaulted stay, so an unchanged relay causes no write at all. c's
+// labels, drifted says it changed underneath us, or the fields owned picks
+// out no longer hash to its live-hash annotation (someone edited them by
+// hand). merge copies the fields the operator owns from want into the
+// existing object; fields the API server defaulted stay, so an unchanged
+// relay causes no write at all. After a write that changed the owned
+// fields, ensure records their hash as stored (recordLive). c's
 // cache holds only objects with the operator's label (childSelector): when
 // the create finds the name taken, ensure reads the object from the API
 // server with uncached (a child that lost its label gets it back; another
 // owner's object is a conflict).
 func ensure[T client.Object](ctx context.Context, c client.Client, uncached client.Reader, relay *outboxv1alpha1.OutboxRelay,
-	want, cur T, drifted func(cur, want T) bool, merge func(cur, want T)) (T, error) {
+	want, cur T, drifted func(cur, want T) bool, owned func(T) any, merge func(cur, want T)) (T, error) {
 	kind := fmt.Sprintf("%T", want)[1:]
 	key := client.ObjectKeyFromObject(want)
 	err := c.Get(ctx, key, cur)
@@ -172,7 +180,7 @@ func ensure[T client.Object](ctx context.Context, c client.Client, uncached clie
 		}
 		err = c.Create(ctx, want)
 		if err == nil {
-			return want, nil
+			return want, recordLive(ctx, c, want, owned, kind)
 		}
 		if !apierrors.IsAlreadyExists(err) {
 			return want, fmt.Errorf("create %s %s: %w", kind, want.GetName(), err)
@@ -186,7 +194,8 @@ func ensure[T client.Object](ctx context.Context, c client.Client, uncached clie
 		return cur, &conflictError{fmt.Sprintf("%s %s exists and is not controlled by this OutboxRelay", kind, cur.GetName())}
 	}
 	if cur.GetAnnotations()[specHashAnnotation] == want.GetAnnotations()[specHashAnnotation] &&
-		hasLabels(cur, want) && (drifted == nil || !drifted(cur, want)) {
+		hasLabels(cur, want) && (drifted == nil || !drifted(cur, want)) &&
+		(owned == nil || cur.GetAnnotations()[liveHashAnnotation] == hashOf(owned(cur))) {
 		return cur, nil
 	}
 	patch := client.MergeFromWithOptions(cur.DeepCopyObject().(client.Object), client.MergeFromWithOptimisticLock{})
@@ -205,5 +214,30 @@ func ensure[T client.Object](ctx context.Context, c client.Client, uncached clie
 	if err := c.Patch(ctx, cur, patch); err != nil {
 		return cur, fmt.Errorf("patch %s %s: %w", kind, cur.GetName(), err)
 	}
-	return cur, nil
+	return cur, recordLive(ctx, c, cur, owned, kind)
+}
+
+// recordLive sets obj's live-hash annotation to the hash of its owned fields
+// as the API server returned them from the operator's write, unless it
+// already holds it. The optimistic lock keeps it from recording an edit
+// made since: that edit is then seen, and undone, at the next pass.
+func recordLive[T client.Object](ctx context.Context, c client.Client, obj T, owned func(T) any, kind string) error {
+	if owned == nil {
+		return nil
+	}
+	live := hashOf(owned(obj))
+	if obj.GetAnnotations()[liveHashAnnotation] == live {
+		return nil
+	}
+	patch := client.MergeFromWithOptions(obj.DeepCopyObject().(client.Object), client.MergeFromWithOptimisticLock{})
+	annotations := maps.Clone(obj.GetAnnotations())
+	if annotations == nil {
+		annotations = map[string]string{}
+	}
+	annotations[liveHashAnnotation] = live
+	obj.SetAnnotations(annotations)
+	if err := c.Patch(ctx, obj, patch); err != nil {
+		return fmt.Errorf("record the live hash of %s %s: %w", kind, obj.GetName(), err)
+	}
+	return nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"slices"
 	"sync"
 	"testing"
@@ -15,6 +16,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	eventsv1 "k8s.io/api/events/v1"
 	policyv1 "k8s.io/api/policy/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -256,7 +258,53 @@ func testSpecChanges(t *testing.T, c client.Client, r *OutboxRelayReconciler) {
 	d := &appsv1.Deployment{}
 	require.NoError(t, c.Get(ctx, childKey(relay), d))
 	update(t, c, d, func(d *appsv1.Deployment) { d.Spec.Replicas = ptr.To[int32](7) })
-	waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return *d.Spec.Replicas == 3 })
+	want := waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return *d.Spec.Replicas == 3 })
+
+	// Hand edits of what the operator owns are put back, whatever field
+	// they touch: the pod template, the Service's selector.
+	update(t, c, d, func(d *appsv1.Deployment) {
+		ctr := &d.Spec.Template.Spec.Containers[0]
+		ctr.Image = "registry.example/someone-else:1"
+		ctr.Env = append(ctr.Env, corev1.EnvVar{Name: "RELAY_BATCH_SIZE", Value: "1"})
+		d.Spec.Template.Spec.HostNetwork = true
+	})
+	waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool {
+		return equality.Semantic.DeepEqual(d.Spec.Template, want.Spec.Template)
+	})
+	svc := &corev1.Service{}
+	require.NoError(t, c.Get(ctx, childKey(relay), svc))
+	wantSelector := maps.Clone(svc.Spec.Selector)
+	update(t, c, svc, func(s *corev1.Service) { s.Spec.Selector = map[string]string{"app": "someone-else"} })
+	require.Eventually(t, func() bool {
+		return c.Get(ctx, childKey(relay), svc) == nil && maps.Equal(svc.Spec.Selector, wantSelector)
+	}, eventually, tick, "the Service's selector is put back")
+
+	// kubectl rollout restart's stamp stays, and the operator settles: no
+	// write once it has seen the stamp.
+	update(t, c, d, func(d *appsv1.Deployment) {
+		d.Spec.Template.Annotations[restartedAtAnnotation] = "2026-12-04T10:00:00Z"
+	})
+	require.Eventually(t, func() bool {
+		rvs := resourceVersions(t, c, relay)
+		_, err := r.Reconcile(ctx, req)
+		return err == nil && slices.Equal(rvs, resourceVersions(t, c, relay))
+	}, eventually, tick)
+	require.NoError(t, c.Get(ctx, childKey(relay), d))
+	require.Equal(t, "2026-12-04T10:00:00Z", d.Spec.Template.Annotations[restartedAtAnnotation])
+	counted.writes = nil
+	for range 3 {
+		_, err := quiet.Reconcile(ctx, req)
+		require.NoError(t, err)
+	}
+	require.Empty(t, counted.writes, "a no-op reconcile after a restart sent writes")
+
+	// A child written by a release before the live hash gets one, with no
+	// change of its pod template: the pods do not roll.
+	require.NoError(t, c.Get(ctx, childKey(relay), d))
+	template := d.Spec.Template.DeepCopy()
+	update(t, c, d, func(d *appsv1.Deployment) { delete(d.Annotations, liveHashAnnotation) })
+	d = waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return d.Annotations[liveHashAnnotation] != "" })
+	require.True(t, equality.Semantic.DeepEqual(*template, d.Spec.Template), "recording the live hash changed the pod template")
 }
 
 func testScaleSubresource(t *testing.T, c client.Client) {

@@ -144,7 +144,7 @@ func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *out
 		}
 	}
 	r.podMonitors.Delete(key)
-	_, err := ensure(ctx, r.Client, r.APIReader, relay, want, newPodMonitor(), nil,
+	_, err := ensure(ctx, r.Client, r.APIReader, relay, want, newPodMonitor(), nil, nil,
 		func(cur, want *unstructured.Unstructured) { cur.Object["spec"] = want.Object["spec"] })
 	var conflict *conflictError
 	switch {
