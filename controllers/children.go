@@ -236,31 +236,44 @@ func containerTemplate(t *outboxv1alpha1.RelayPodTemplate) *outboxv1alpha1.Relay
 	return t.Container
 }
 
-// templateOrdering is the --ordering the relay container of d runs with.
-func templateOrdering(d *appsv1.Deployment) relayconfig.Ordering {
+// mode is what no two replicas of one table may differ in: how they claim
+// (--ordering) and how they find new rows (--capture). Replicas of two
+// orderings would interleave a key's rows; a streaming relay and a polling
+// one publish the same rows in two orders.
+type mode struct {
+	ordering relayconfig.Ordering
+	capture  relayconfig.Capture
+}
+
+// templateMode is the mode the relay container of d runs with.
+func templateMode(d *appsv1.Deployment) mode {
+	m := mode{ordering: relayconfig.DefaultOrdering, capture: relayconfig.CapturePoll}
 	for _, c := range d.Spec.Template.Spec.Containers {
 		if c.Name != containerName {
 			continue
 		}
-		for _, a := range slices.Backward(c.Args) { // the last one wins, as in flag parsing
+		for _, a := range c.Args { // the last one wins, as in flag parsing
 			if v, ok := strings.CutPrefix(a, "--"+relayconfig.FlagOrdering+"="); ok {
-				return relayconfig.Ordering(v)
+				m.ordering = relayconfig.Ordering(v)
+			}
+			if v, ok := strings.CutPrefix(a, "--"+relayconfig.FlagCapture+"="); ok {
+				m.capture = relayconfig.Capture(v)
 			}
 		}
 	}
-	return relayconfig.DefaultOrdering
+	return m
 }
 
-// rolloutStrategy is Recreate while the relay switches ordering mode, so
-// that no replica of the old mode runs beside one of the new: from the
-// rollout that changes --ordering until that rollout has replaced every
+// rolloutStrategy is Recreate while the relay switches mode (ordering or
+// capture), so that no replica of the old mode runs beside one of the new:
+// from the rollout that changes it until that rollout has replaced every
 // pod. Otherwise it is RollingUpdate (the API server's 25% surge and
 // unavailability). current is the Deployment as it runs, nil when none.
-func rolloutStrategy(current *appsv1.Deployment, ordering relayconfig.Ordering) appsv1.DeploymentStrategy {
+func rolloutStrategy(current *appsv1.Deployment, m mode) appsv1.DeploymentStrategy {
 	recreate := appsv1.DeploymentStrategy{Type: appsv1.RecreateDeploymentStrategyType}
 	switch {
 	case current == nil:
-	case templateOrdering(current) != ordering:
+	case templateMode(current) != m:
 		return recreate
 	case current.Spec.Strategy.Type == appsv1.RecreateDeploymentStrategyType &&
 		!rolledOut(current, ptr.Deref(current.Spec.Replicas, 1)):
@@ -382,7 +395,7 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, settings rel
 		Spec: appsv1.DeploymentSpec{
 			Replicas:             ptr.To(desiredReplicas(relay)),
 			Selector:             &metav1.LabelSelector{MatchLabels: selectorLabels(relay)},
-			Strategy:             rolloutStrategy(current, settings.Ordering),
+			Strategy:             rolloutStrategy(current, mode{ordering: settings.Ordering, capture: settings.Capture}),
 			RevisionHistoryLimit: ptr.To[int32](3),
 			Template: corev1.PodTemplateSpec{
 				ObjectMeta: metav1.ObjectMeta{Labels: podLabels, Annotations: podAnnotations},

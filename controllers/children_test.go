@@ -162,9 +162,9 @@ func TestConfigHashFollowsConfigAndSecretVersions(t *testing.T) {
 	require.NotEqual(t, d1.Annotations[specHashAnnotation], build(t, relay, secretInputs{}).Annotations[specHashAnnotation])
 }
 
-// TestRolloutStrategyOnOrderingSwitch: a change of --ordering rolls out with
-// Recreate, kept until that rollout has replaced every pod; anything else
-// rolls out with RollingUpdate.
+// TestRolloutStrategyOnOrderingSwitch: a change of --ordering or --capture
+// rolls out with Recreate, kept until that rollout has replaced every pod;
+// anything else rolls out with RollingUpdate.
 func TestRolloutStrategyOnOrderingSwitch(t *testing.T) {
 	t.Parallel()
 	relay := unitRelay()
@@ -203,11 +203,27 @@ func TestRolloutStrategyOnOrderingSwitch(t *testing.T) {
 	require.Equal(t, appsv1.RollingUpdateDeploymentStrategyType, strategy(toPartitionKey, switching), "back to RollingUpdate once done")
 	require.Equal(t, appsv1.RecreateDeploymentStrategyType, strategy(toNone, switching), "PartitionKey -> None")
 
-	// A template without --ordering runs the relay's default, none.
+	// A template without --ordering or --capture runs the relay's defaults.
 	bare := running.DeepCopy()
 	bare.Spec.Template.Spec.Containers[0].Args = nil
-	require.Equal(t, relayconfig.OrderingNone, templateOrdering(bare))
+	require.Equal(t, mode{ordering: relayconfig.OrderingNone, capture: relayconfig.CapturePoll}, templateMode(bare))
 	require.Equal(t, appsv1.RecreateDeploymentStrategyType, strategy(toPartitionKey, bare))
+	require.Equal(t, appsv1.RollingUpdateDeploymentStrategyType, strategy(nil, bare))
+
+	// A switch of capture mode, either way, rolls out with Recreate too: a
+	// streaming replica beside a polling one publishes rows in two orders.
+	toStreaming := func(r *outboxv1alpha1.OutboxRelay) {
+		r.Spec.Capture = &outboxv1alpha1.CaptureSpec{Mode: outboxv1alpha1.CaptureLogicalReplication}
+	}
+	require.Equal(t, appsv1.RecreateDeploymentStrategyType, strategy(toStreaming, running), "Poll -> LogicalReplication")
+	streaming, err := buildDeployment(func() *outboxv1alpha1.OutboxRelay { r := unitRelay(); toStreaming(r); return r }(),
+		testImages, secretInputs{}, running)
+	require.NoError(t, err)
+	require.Equal(t, relayconfig.CaptureLogicalReplication, templateMode(streaming).capture)
+	streaming.Generation = 5
+	streaming.Status = appsv1.DeploymentStatus{ObservedGeneration: 5, Replicas: 1, UpdatedReplicas: 1, AvailableReplicas: 1}
+	require.Equal(t, appsv1.RollingUpdateDeploymentStrategyType, strategy(toStreaming, streaming), "streaming, rolled out")
+	require.Equal(t, appsv1.RecreateDeploymentStrategyType, strategy(nil, streaming), "LogicalReplication -> Poll")
 }
 
 func TestOrderingsCoverTheAPI(t *testing.T) {
