@@ -32,13 +32,13 @@ func autoscaleBounds(as *outboxv1alpha1.AutoscalingSpec) (lo, hi int32) {
 
 // recommendReplicas is the count the backlog asks for, before
 // stabilization: the most any target asks for (pendingPerReplica: one
-// replica per that many waiting rows; oldestAge: the running count times
-// oldest age / target, as a HorizontalPodAutoscaler scales on a ratio), at
-// least one while a row waits, within the bounds. Without a reading it keeps
-// the running count. When the last read failed (unreadable), at least one
+// replica per that many waiting rows; oldestAge: base, the count that ran
+// when b was read, times oldest age / target, as a HorizontalPodAutoscaler
+// scales on a ratio), at least one while a row waits, within the bounds.
+// Without a reading it keeps the running count. When the last read failed (unreadable), at least one
 // replica, whatever an earlier reading said: an operator that cannot see the
 // table must not keep a relay at zero on a stale "nothing waits".
-func recommendReplicas(as *outboxv1alpha1.AutoscalingSpec, b *outboxv1alpha1.BacklogStatus, running int32, unreadable bool) int32 {
+func recommendReplicas(as *outboxv1alpha1.AutoscalingSpec, b *outboxv1alpha1.BacklogStatus, running, base int32, unreadable bool) int32 {
 	lo, hi := autoscaleBounds(as)
 	if unreadable {
 		lo = max(lo, 1)
@@ -52,7 +52,7 @@ func recommendReplicas(as *outboxv1alpha1.AutoscalingSpec, b *outboxv1alpha1.Bac
 	}
 	if target, err := time.ParseDuration(as.OldestAge); err == nil && target > 0 && b.Pending > 0 {
 		ratio := b.OldestAge.Seconds() / target.Seconds()
-		want = max(want, clampInt32(int64(math.Ceil(float64(max(running, 1))*ratio))))
+		want = max(want, clampInt32(int64(math.Ceil(float64(max(base, 1))*ratio))))
 	}
 	if b.Pending > 0 {
 		want = max(want, 1)

@@ -40,7 +40,7 @@ func TestRecommendReplicas(t *testing.T) {
 		"both: the higher, within the max": {both, backlog(2500, 40*time.Second), 2, 6, false},
 		"both: the min":                    {both, backlog(0, 0), 4, 2, false},
 	} {
-		require.Equal(t, tc.want, recommendReplicas(tc.as, tc.b, tc.running, tc.unreadable), name)
+		require.Equal(t, tc.want, recommendReplicas(tc.as, tc.b, tc.running, tc.running, tc.unreadable), name)
 	}
 }
 

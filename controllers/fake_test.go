@@ -3,6 +3,7 @@ package controllers
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	appsv1 "k8s.io/api/apps/v1"
@@ -16,6 +17,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 // fakeDSN is the DSN of fakeRelay's Secret; nothing listens there.
@@ -79,4 +82,48 @@ func TestRolloutRestartStampSurvivesAScale(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, c.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, d))
 	require.Equal(t, "2026-12-03T11:00:00Z", d.Spec.Template.Annotations[restartedAtAnnotation], "the spec's stamp wins")
+}
+
+// An oldestAge target multiplies the replicas that ran when the reading
+// was taken, once per reading: the reconcile that the replicas' own write
+// triggers, over the same reading, asks for the same count. Before, each
+// pass multiplied the count the last one wrote, and one reading of 15 s
+// against 10 s climbed 2, 3, 5, 8, 12, 18, 20.
+func TestOldestAgeScalesOncePerReading(t *testing.T) {
+	t.Parallel()
+	c, r, relay := fakeRelay(t, interceptor.Funcs{}, func(o *outboxv1alpha1.OutboxRelay) {
+		o.Spec.Replicas = nil
+		o.Spec.Autoscaling = &outboxv1alpha1.AutoscalingSpec{MaxReplicas: 20, OldestAge: "10s"}
+	})
+	ctx := context.Background()
+	key := client.ObjectKeyFromObject(relay)
+	table, err := outbox.ParseTable("outbox")
+	require.NoError(t, err)
+	reading := func() *backlogSample {
+		return &backlogSample{at: time.Now(), read: 5, groups: []typeCount{{eventType: ptr.To("A"), n: 5, age: 15}}}
+	}
+	r.Flow.relays[key] = &relayFlow{target: flowTarget{dsn: fakeDSN, auth: dbAuth{method: relayconfig.DatabaseAuthPassword}, table: table,
+		interval: 15 * time.Second}, latest: reading()}
+	replicas := func() int32 {
+		d := &appsv1.Deployment{}
+		require.NoError(t, c.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, d))
+		return *d.Spec.Replicas
+	}
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key}) // creates the Deployment: 1 × 1.5
+	require.NoError(t, err)
+	first := replicas()
+	for range 8 {
+		_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+		require.NoError(t, err)
+	}
+	require.EqualValues(t, 2, replicas(), "one reading of 15 s against 10 s with %d running", first)
+
+	r.Flow.mu.Lock()
+	r.Flow.relays[key].latest = reading() // the next reading: still 15 s, now with 2 running
+	r.Flow.mu.Unlock()
+	for range 8 {
+		_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+		require.NoError(t, err)
+	}
+	require.EqualValues(t, 3, replicas())
 }

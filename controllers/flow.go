@@ -105,6 +105,10 @@ type relayFlow struct {
 	// stabilization window keeps the running count).
 	recs  []recommendation
 	since time.Time
+	// based is the reading ratioBase last saw, and base the replicas that
+	// ran when a reconcile first used it.
+	based *backlogSample
+	base  int32
 }
 
 type counterReading struct {
@@ -359,6 +363,24 @@ func (o *FlowObserver) recommend(key types.NamespacedName, now time.Time, rec, c
 	}
 	f.recs = append(keep, recommendation{at: now, replicas: rec})
 	return stabilized(f.recs, rec, current, now.Sub(f.since) < window)
+}
+
+// ratioBase is the replica count a ratio target (oldestAge) multiplies for
+// the latest reading: running as it was when a reconcile first used that
+// reading. Every write of the replicas triggers a reconcile over the same
+// reading; multiplying the count just written again would climb to
+// maxReplicas on one reading.
+func (o *FlowObserver) ratioBase(key types.NamespacedName, running int32) int32 {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	f := o.relays[key]
+	if f == nil || f.latest == nil {
+		return running
+	}
+	if f.based != f.latest {
+		f.based, f.base = f.latest, running
+	}
+	return f.base
 }
 
 // record stores one read (or its failure) and returns the interval to the

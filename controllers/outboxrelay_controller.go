@@ -233,7 +233,11 @@ func (r *OutboxRelayReconciler) decideReplicas(key types.NamespacedName, relay *
 	}
 	// A backlog not read (failing, or by choice) gives no reason to run
 	// none: with no pod running, no events would flow and nothing would tell.
-	rec := recommendReplicas(as, obs.backlog, max(running, 0), obs.err != "" || obs.notRead != "")
+	base := max(running, 0)
+	if r.Flow != nil && obs.backlog != nil {
+		base = r.Flow.ratioBase(key, base)
+	}
+	rec := recommendReplicas(as, obs.backlog, max(running, 0), base, obs.err != "" || obs.notRead != "")
 	if running < 0 || r.Flow == nil || obs.notRead != "" {
 		return rec // nothing to stabilize against (a relay not read is not observed)
 	}
