@@ -248,6 +248,31 @@ func (r *Relay) readSlotSnapshot(ctx context.Context, name string) (*slotSnapsho
 	return &snap, nil
 }
 
+// checkReplicaIdentity refuses a table (or leaf partition) whose deletes
+// the stream cannot follow. With no replica identity PostgreSQL refuses
+// every delete on a table whose publication publishes deletes: the
+// writers' with writer deletes, the relay's marks with --on-publish
+// delete, the pruner's. With one that leaves the id out (an index on
+// event_id), a row its writer deleted cannot be told from one it kept:
+// the relay would claim it from the table, find it gone, and move the slot
+// past an event that reached no topic.
+func (r *Relay) checkReplicaIdentity(ctx context.Context, oid uint32) error {
+	var rel, ident string
+	err := r.pool.QueryRow(ctx, sqlReplicaIdentityWithoutID, oid).Scan(&rel, &ident)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("read the replica identity of %s: %w", r.table, err)
+	}
+	what := map[string]string{"n": "is NOTHING", "d": "is DEFAULT, and its primary key has no id", "i": "is an index without id"}[ident]
+	if what == "" {
+		what = fmt.Sprintf("is %q", ident)
+	}
+	return fmt.Errorf("--%s %s: the replica identity of %s %s, so a delete in the stream does not say which row it deleted (and with none PostgreSQL refuses every delete once the publication publishes them); as the table's owner, run: ALTER TABLE %s REPLICA IDENTITY FULL (or DEFAULT, with a primary key on id)",
+		relayconfig.FlagCapture, CaptureLogicalReplication, rel, what, rel)
+}
+
 // checkCapture verifies what logical replication needs and names the fix
 // of what is missing: wal_level, the role's replication privilege, and
 // the publication of the table, which it creates when it may.
@@ -325,6 +350,9 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 		} else {
 			r.log.Info("the publication publishes deletes now", "publication", pub)
 		}
+	}
+	if err := r.checkReplicaIdentity(ctx, oid); err != nil {
+		return err
 	}
 	if r.cfg.WriterDeletes {
 		var generated []string

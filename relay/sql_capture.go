@@ -28,6 +28,20 @@ const (
 		WHERE p.pubname = $1 AND pr.prrelid = to_regclass($2)), to_regclass($2)::oid,
 		COALESCE((SELECT pubdelete FROM pg_publication WHERE pubname = $1), false),
 		COALESCE((SELECT pubviaroot FROM pg_publication WHERE pubname = $1), false)`
+	// sqlReplicaIdentityWithoutID: the first of the table $1 or, when it is
+	// partitioned, its leaf partitions (their own identity keys a delete on
+	// them; pg_partition_tree lists none of a plain table) whose replica
+	// identity gives a deleted row's old key without its id, and that
+	// identity (relreplident: n nothing, d the primary key, i an index);
+	// no row when every one carries the id. A delete's key is what the
+	// stream sees of a row its writer deleted.
+	sqlReplicaIdentityWithoutID = `SELECT c.oid::regclass::text, c.relreplident::text FROM pg_class c
+		WHERE (c.oid = $1 OR c.oid IN (SELECT relid FROM pg_partition_tree($1::oid::regclass) WHERE isleaf))
+		  AND c.relkind <> 'p' AND c.relreplident <> 'f' AND NOT EXISTS (
+			SELECT 1 FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
+			WHERE i.indrelid = c.oid AND a.attname = 'id'
+			  AND CASE c.relreplident WHEN 'd' THEN i.indisprimary WHEN 'i' THEN i.indisreplident ELSE false END)
+		ORDER BY c.oid LIMIT 1`
 	// sqlNameTaken: the other table the publication $1 publishes, and the
 	// database of another database's slot named $1 (NULL when none): slot
 	// names are the cluster's, and two tables whose names differ only in
