@@ -609,6 +609,52 @@ func (r *Relay) makeSlot(ctx context.Context, conn *pgconn.PgConn) (pglogrepl.Cr
 	return pglogrepl.CreateReplicationSlot(ctx, conn, r.capture.slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{SnapshotAction: "EXPORT_SNAPSHOT"})
 }
 
+// slotWaitPolls is how long making the slot may take before the relay
+// polls meanwhile.
+const slotWaitPolls = time.Second
+
+// makeSlotPolling makes the slot on conn (makeSlot) and, once that has
+// taken slotWaitPolls, polls the table until it is made: behind a long
+// transaction, making it can take as long as that runs, and no other
+// replica publishes meanwhile (conn holds the capture lock). The fallback
+// from a slot that held back too much WAL comes here: the transaction that
+// pinned the WAL is likely still open. The sweep before the slot skips
+// what polling published; the stream's claims skip rows marked published.
+func (r *Relay) makeSlotPolling(ctx context.Context, conn *pgconn.PgConn) (pglogrepl.CreateReplicationSlotResult, error) {
+	type result struct {
+		made pglogrepl.CreateReplicationSlotResult
+		err  error
+	}
+	madeCh := make(chan result, 1)
+	go func() {
+		made, err := r.makeSlot(ctx, conn)
+		madeCh <- result{made, err}
+	}()
+	select {
+	case res := <-madeCh:
+		return res.made, res.err
+	case <-time.After(slotWaitPolls):
+	}
+	r.log.Info("polling while the replication slot is made", "slot", r.capture.slot)
+	r.m.captureFallback.Set(1)
+	var res *result
+	r.poll(ctx, func() bool {
+		select {
+		case got := <-madeCh:
+			res = &got
+			return true
+		default:
+			return false
+		}
+	})
+	r.m.captureFallback.Set(0)
+	if res == nil { // ctx ended: making the slot ends with it
+		got := <-madeCh
+		res = &got
+	}
+	return res.made, res.err
+}
+
 // stream takes the slot (making it when missing), sweeps what it does not
 // carry, and publishes what the stream delivers until an error, the slot
 // is given up, or ctx ends.
@@ -635,7 +681,7 @@ func (r *Relay) stream(ctx context.Context) error {
 			return err
 		}
 		var made pglogrepl.CreateReplicationSlotResult
-		made, err = r.makeSlot(ctx, conn)
+		made, err = r.makeSlotPolling(ctx, conn)
 		switch {
 		case pgCode(err) == "42710": // another replica made it: that one sweeps before it
 		case err != nil:

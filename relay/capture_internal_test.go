@@ -87,7 +87,10 @@ func captureRelay(t *testing.T) (*Relay, *pgxpool.Pool) {
 // Making a slot waits until every transaction that had taken an id has
 // ended, anywhere on the server: behind a long one the relay waits, and
 // /healthz must not call that wait a wedged loop (the pod would be
-// restarted for a wait that is not its own, and wait again).
+// restarted for a wait that is not its own, and wait again). Meanwhile it
+// polls: it holds the capture lock, so no other replica publishes, and
+// before, rows committed during the wait waited as long as the transaction
+// ran (0 of 5 published after 15 s).
 func TestMakingASlotBehindALongTransactionIsNoWedge(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -109,9 +112,19 @@ func TestMakingASlotBehindALongTransactionIsNoWedge(t *testing.T) {
 	})
 	require.Never(t, func() bool { return r.Live() != nil }, 5*time.Second, 50*time.Millisecond, "/healthz passes while the slot waits")
 	require.Zero(t, testutil.ToFloat64(r.m.captureStreaming), "the slot still waits for the transaction")
+	_, err = pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		SELECT gen_random_uuid(), 'O', 'a', 'E', '{}', 'a' FROM generate_series(1, 5)`)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		var n int
+		return pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE published_at IS NOT NULL`).Scan(&n) == nil && n == 5
+	}, 10*time.Second, 50*time.Millisecond, "rows committed while the slot waits are polled")
+	require.Equal(t, 1.0, testutil.ToFloat64(r.m.captureFallback), "polling in the stream's stead says so")
+	require.Zero(t, testutil.ToFloat64(r.m.captureStreaming), "the slot still waits for the transaction")
 	require.NoError(t, old.Commit(ctx))
 	require.Eventually(t, func() bool { return testutil.ToFloat64(r.m.captureStreaming) == 1 }, 10*time.Second, 20*time.Millisecond,
 		"the relay streams once the transaction ended")
+	require.Zero(t, testutil.ToFloat64(r.m.captureFallback))
 }
 
 // A sweep of many batches is a loop that moves: /healthz passes through
