@@ -194,9 +194,9 @@ func parseSlotSnapshot(line string) (*slotSnapshot, error) {
 // noteBeforeSlot keeps snap on the publication until sweepBeforeSlot has
 // published its rows. Only the publication's owner may; a relay that may
 // not says what that risks, and goes on.
-func (r *Relay) noteBeforeSlot(ctx context.Context, snap *slotSnapshot) {
+func (r *Relay) noteBeforeSlot(ctx context.Context, db snapshotDB, snap *slotSnapshot) {
 	pub := r.capture.publication
-	_, err := r.pool.Exec(ctx, sqlSetNote(pub, beforeSlotNote, snap.note()))
+	_, err := db.Exec(ctx, sqlSetNote(pub, beforeSlotNote, snap.note()))
 	r.capture.beforeSlotNoted = err == nil
 	if err != nil {
 		r.log.Warn("the relay may not keep the slot's snapshot on the publication: should this replica stop before it has published the rows committed before the slot, the replica that streams next would publish some of them after later rows of their keys; make the relay's role the publication's owner",
@@ -232,11 +232,18 @@ func (r *Relay) readBeforeSlot(ctx context.Context) error {
 	return nil
 }
 
+// snapshotDB is where the slot's snapshot is read and noted: a session of
+// its own while polling may hold the pool's connections.
+type snapshotDB interface {
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
 // readSlotSnapshot imports the snapshot name a slot's creation exported
 // (valid until the creating connection's next command).
-func (r *Relay) readSlotSnapshot(ctx context.Context, name string) (*slotSnapshot, error) {
+func (r *Relay) readSlotSnapshot(ctx context.Context, db snapshotDB, name string) (*slotSnapshot, error) {
 	var snap slotSnapshot
-	err := pgx.BeginTxFunc(ctx, r.pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+	err := pgx.BeginTxFunc(ctx, db, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `SET TRANSACTION SNAPSHOT `+outbox.QuoteLiteral(name)); err != nil {
 			return err
 		}
@@ -610,49 +617,51 @@ func (r *Relay) makeSlot(ctx context.Context, conn *pgconn.PgConn) (pglogrepl.Cr
 }
 
 // slotWaitPolls is how long making the slot may take before the relay
-// polls meanwhile.
-const slotWaitPolls = time.Second
+// polls meanwhile: long enough that a slot not held back by a long
+// transaction is made first (polling's own transactions, each open for
+// one batch, are among those making it waits for).
+const slotWaitPolls = slotWaitLogged
 
-// makeSlotPolling makes the slot on conn (makeSlot) and, once that has
-// taken slotWaitPolls, polls the table until it is made: behind a long
-// transaction, making it can take as long as that runs, and no other
-// replica publishes meanwhile (conn holds the capture lock). The fallback
-// from a slot that held back too much WAL comes here: the transaction that
-// pinned the WAL is likely still open. The sweep before the slot skips
-// what polling published; the stream's claims skip rows marked published.
-func (r *Relay) makeSlotPolling(ctx context.Context, conn *pgconn.PgConn) (pglogrepl.CreateReplicationSlotResult, error) {
-	type result struct {
-		made pglogrepl.CreateReplicationSlotResult
-		err  error
-	}
-	madeCh := make(chan result, 1)
+// makeSlotPolling makes the slot on conn (makeSlot), calls made with it as
+// soon as it exists, and, once making it has taken slotWaitPolls, polls
+// the table until then: behind a long transaction, making it can take as
+// long as that runs, and no other replica publishes meanwhile (conn holds
+// the capture lock). The fallback from a slot that held back too much WAL
+// comes here: the transaction that pinned the WAL is likely still open.
+// The sweep before the slot skips what polling published; the stream's
+// claims skip rows marked published. made runs beside a poll batch, on the
+// pool; conn is left for the slot's snapshot until the caller streams.
+func (r *Relay) makeSlotPolling(ctx context.Context, conn *pgconn.PgConn, made func(pglogrepl.CreateReplicationSlotResult)) error {
+	done := make(chan error, 1)
 	go func() {
-		made, err := r.makeSlot(ctx, conn)
-		madeCh <- result{made, err}
+		res, err := r.makeSlot(ctx, conn)
+		if err == nil {
+			made(res)
+		}
+		done <- err
 	}()
 	select {
-	case res := <-madeCh:
-		return res.made, res.err
+	case err := <-done:
+		return err
 	case <-time.After(slotWaitPolls):
 	}
 	r.log.Info("polling while the replication slot is made", "slot", r.capture.slot)
 	r.m.captureFallback.Set(1)
-	var res *result
+	defer r.m.captureFallback.Set(0)
+	var err error
+	finished := false
 	r.poll(ctx, func() bool {
 		select {
-		case got := <-madeCh:
-			res = &got
-			return true
+		case err = <-done:
+			finished = true
 		default:
-			return false
 		}
+		return finished
 	})
-	r.m.captureFallback.Set(0)
-	if res == nil { // ctx ended: making the slot ends with it
-		got := <-madeCh
-		res = &got
+	if !finished { // ctx ended: making the slot ends with it
+		err = <-done
 	}
-	return res.made, res.err
+	return err
 }
 
 // stream takes the slot (making it when missing), sweeps what it does not
@@ -680,20 +689,34 @@ func (r *Relay) stream(ctx context.Context) error {
 		if err := r.tryCaptureLock(ctx, conn); err != nil {
 			return err
 		}
-		var made pglogrepl.CreateReplicationSlotResult
-		made, err = r.makeSlotPolling(ctx, conn)
+		var before *slotSnapshot
+		var snapErr error
+		err = r.makeSlotPolling(ctx, conn, func(made pglogrepl.CreateReplicationSlotResult) {
+			// At once, while polling may still finish a batch (on a
+			// session of its own: the batch may hold the pool's
+			// connections until its publish ends): a replica that stops
+			// now leaves the snapshot for the next one.
+			db, err := r.connect(ctx)
+			if err != nil {
+				snapErr = fmt.Errorf("connect to read the snapshot of slot %s: %w", c.slot, err)
+				return
+			}
+			defer db.Close(context.WithoutCancel(ctx))
+			if before, snapErr = r.readSlotSnapshot(ctx, db, made.SnapshotName); snapErr == nil {
+				r.noteBeforeSlot(ctx, db, before)
+			}
+		})
 		switch {
 		case pgCode(err) == "42710": // another replica made it: that one sweeps before it
 		case err != nil:
 			return fmt.Errorf("create replication slot %s: %w", c.slot, err)
+		case snapErr != nil:
+			// Never streamed from, so the writers never deleted for it:
+			// made again, it loses nothing.
+			r.dropSlot(ctx, c.slot)
+			return snapErr
 		default:
-			if c.beforeSlot, err = r.readSlotSnapshot(ctx, made.SnapshotName); err != nil {
-				// Never streamed from, so the writers never deleted for it:
-				// made again, it loses nothing.
-				r.dropSlot(ctx, c.slot)
-				return err
-			}
-			r.noteBeforeSlot(ctx, c.beforeSlot)
+			c.beforeSlot = before
 			madeHere = true
 			r.log.Info("created the replication slot", "slot", c.slot)
 		}
@@ -939,6 +962,8 @@ type streamState struct {
 	nextAsk time.Time
 
 	nextSweep, nextStatus, nextCheck, nextFilter time.Time
+	// nextAlive is when keepAlive next looks for the replication session.
+	nextAlive time.Time
 	// statusEvery is how often the position is reported when nothing
 	// else makes it (statusInterval, or a third of a shorter
 	// wal_sender_timeout).
@@ -1246,11 +1271,34 @@ func (s *streamState) settle(ctx context.Context) error {
 // keepAlive reports the position when it is due while the loop does
 // something other than read the stream: a sweep through a backlog can
 // outlast wal_sender_timeout, after which the server ends a session that
-// said nothing. A failure shows at the stream's next read.
-func (s *streamState) keepAlive(ctx context.Context) {
-	if !time.Now().Before(s.nextStatus) {
-		_ = s.sendStatus(ctx)
+// said nothing. It also fails, ending the work in hand, once the
+// replication session is gone (a failed report, a closed connection, or,
+// looked at once a second, no such backend on the server: terminated,
+// or ended by wal_sender_timeout): the capture lock went with it, so
+// another replica may be streaming the same rows already, and this one
+// must not go on through a large transaction or a sweep beside it.
+func (s *streamState) keepAlive(ctx context.Context) error {
+	if s.conn.IsClosed() {
+		return errors.New("the replication session is closed")
 	}
+	now := time.Now()
+	if !now.Before(s.nextStatus) {
+		if err := s.sendStatus(ctx); err != nil {
+			return err
+		}
+	}
+	if now.Before(s.nextAlive) {
+		return nil
+	}
+	s.nextAlive = now.Add(captureLockCheck)
+	var live bool
+	if err := s.r.pool.QueryRow(ctx, sqlBackendLive, int32(s.conn.PID())).Scan(&live); err != nil {
+		return fmt.Errorf("look for the replication session: %w", err)
+	}
+	if !live {
+		return fmt.Errorf("the replication session (backend %d) has ended, and the capture lock with it", s.conn.PID())
+	}
+	return nil
 }
 
 // statusEvery is how often a stream reports its position unasked:
@@ -1291,7 +1339,7 @@ func (s *streamState) sendStatusAsking(ctx context.Context, ask bool) error {
 // commit run beside the next batch's claim and publish (its publish starts
 // after the previous one ended, so the stream's order holds); it returns
 // once every batch committed. It calls alive before each batch (keepAlive).
-func (r *Relay) publishStreamed(ctx context.Context, ids, xids []int64, alive func(context.Context)) error {
+func (r *Relay) publishStreamed(ctx context.Context, ids, xids []int64, alive func(context.Context) error) error {
 	last, err := r.publishStreamedFrom(ctx, ids, xids, nil, alive)
 	if last != nil {
 		err = firstErr(err, r.finish(last))
@@ -1303,7 +1351,7 @@ func (r *Relay) publishStreamed(ctx context.Context, ids, xids []int64, alive fu
 // commit may still run: it waits for it before its first claim's publish
 // is settled, and returns its own last batch with its commit running
 // (nil when none), for the caller to finish.
-func (r *Relay) publishStreamedFrom(ctx context.Context, ids, xids []int64, carry *inFlight, alive func(context.Context)) (*inFlight, error) {
+func (r *Relay) publishStreamedFrom(ctx context.Context, ids, xids []int64, carry *inFlight, alive func(context.Context) error) (*inFlight, error) {
 	pending := carry
 	settle := func(err error) error {
 		if pending != nil {
@@ -1313,7 +1361,10 @@ func (r *Relay) publishStreamedFrom(ctx context.Context, ids, xids []int64, carr
 		return err
 	}
 	for len(ids) > 0 {
-		alive(ctx) // a large transaction's rows can take longer than wal_sender_timeout
+		// A large transaction's rows can take longer than wal_sender_timeout.
+		if err := alive(ctx); err != nil {
+			return nil, settle(err)
+		}
 		// Each chunk is a batch of the loop, bounded by batchDeadline: a
 		// sweep or a transaction of many batches is a loop that moves.
 		r.health.iteration(time.Now())
@@ -1361,7 +1412,7 @@ const streamRetryLimit = time.Minute
 
 // retryStreamed commits batch b, then publishes again the rows it did not
 // get out (b.retry) before anything else (retryIDs).
-func (r *Relay) retryStreamed(ctx context.Context, b *inFlight, alive func(context.Context)) error {
+func (r *Relay) retryStreamed(ctx context.Context, b *inFlight, alive func(context.Context) error) error {
 	ids, perr := b.retry, b.perr
 	b.done <- r.markAndCommit(b)
 	if err := r.finish(b); err != nil && err != perr { //nolint:errorlint // finish returns perr itself
@@ -1379,7 +1430,7 @@ func (r *Relay) retryStreamed(ctx context.Context, b *inFlight, alive func(conte
 // to the sweep, as in any batch (publish). Past streamRetryLimit it leaves
 // the rest to the sweep too, and retries nothing in place until a batch
 // goes out whole again. The error is the database's or ctx's.
-func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive func(context.Context)) error {
+func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive func(context.Context) error) error {
 	if r.capture.retryGivenUp {
 		return nil
 	}
@@ -1400,13 +1451,17 @@ func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive fun
 		if backoff > 0 {
 			d := jitter(backoff)
 			r.health.idleUntil(now.Add(d))
-			alive(ctx)
+			if err := alive(ctx); err != nil {
+				return err
+			}
 			if sleep(ctx, d); ctx.Err() != nil {
 				return ctx.Err()
 			}
 		}
 		backoff = min(max(2*backoff, 100*time.Millisecond), r.cfg.MaxBackoff)
-		alive(ctx)
+		if err := alive(ctx); err != nil {
+			return err
+		}
 		b, err := r.claimStreamed(ctx, ids, nil)
 		if err != nil {
 			return err
@@ -1691,7 +1746,7 @@ func (r *Relay) sweepIDs(ctx context.Context, from int64, horizon string, before
 // sweepRetry when this one failed (the database; Kafka's failures it
 // retries in place, retryIDs): the rows it could not publish wait in the
 // table, and no stream delivers them.
-func (r *Relay) sweepBehind(ctx context.Context, alive func(context.Context), f *sweepFence) (next time.Time) {
+func (r *Relay) sweepBehind(ctx context.Context, alive func(context.Context) error, f *sweepFence) (next time.Time) {
 	if err := r.sweepBefore(ctx, alive, f.horizon, nil, f.ids); err != nil {
 		return r.sweepFailed(err)
 	}
@@ -1712,7 +1767,7 @@ func (r *Relay) sweepBehind(ctx context.Context, alive func(context.Context), f 
 // whose maker stopped before its first sweep ended. When it fails, the
 // stream does not start: rows it then delivered would go out before these
 // older ones.
-func (r *Relay) sweepBeforeSlot(ctx context.Context, alive func(context.Context)) error {
+func (r *Relay) sweepBeforeSlot(ctx context.Context, alive func(context.Context) error) error {
 	var horizon *string
 	if err := r.pool.QueryRow(ctx, sqlSlotHorizon, r.capture.slot).Scan(&horizon); err != nil {
 		return fmt.Errorf("read the catalog horizon of slot %s: %w", r.capture.slot, err)
@@ -1748,9 +1803,11 @@ func (r *Relay) sweepBeforeSlot(ctx context.Context, alive func(context.Context)
 // sweepBefore publishes, by id, the unpublished rows that transactions
 // before horizon wrote, or that before sees (when not nil), from ids (the
 // first of them, SQL.SweepIDs) on.
-func (r *Relay) sweepBefore(ctx context.Context, alive func(context.Context), horizon string, before *slotSnapshot, ids []int64) error {
+func (r *Relay) sweepBefore(ctx context.Context, alive func(context.Context) error, horizon string, before *slotSnapshot, ids []int64) error {
 	for len(ids) > 0 && ctx.Err() == nil {
-		alive(ctx)
+		if err := alive(ctx); err != nil {
+			return err
+		}
 		if err := r.publishStreamed(ctx, ids, nil, alive); err != nil {
 			return err
 		}

@@ -172,7 +172,9 @@ func parseTimestamptz(s string) (time.Time, bool) {
 // then, duplicates).
 func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) error {
 	for len(rows) > 0 {
-		s.keepAlive(ctx) // a large transaction's rows can take longer than wal_sender_timeout
+		if err := s.keepAlive(ctx); err != nil { // a large transaction's rows can take longer than wal_sender_timeout
+			return err
+		}
 		if !rows[0].deleted {
 			n := 1
 			for n < len(rows) && !rows[n].deleted {

@@ -161,6 +161,50 @@ func TestLongSweepIsNoWedge(t *testing.T) {
 	require.Greater(t, time.Since(started), 2500*time.Millisecond, "the sweep outlasted the wedged limit")
 }
 
+// A replica whose replication session ends mid-transaction stops
+// publishing it within about a second: the capture lock went with the
+// session, and another replica may stream the same rows already. Before,
+// it went on through the whole transaction (here 1,000 rows, about 5 s),
+// the dead session showing only at the stream's next read; a new session
+// streamed only once every row was out.
+func TestEndedReplicationSessionStopsTheTransactionInHand(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	r, pool := captureRelay(t)
+	r.cfg.BatchSize = 10
+	w := &kafka.Writer{Addr: kafka.TCP(testenv.Broker().Addr()), RequiredAcks: kafka.RequireAll, BatchTimeout: time.Millisecond}
+	t.Cleanup(func() { w.Close() })
+	r.writer = pausingWriter{w: w, pause: 50 * time.Millisecond}
+	require.NoError(t, r.Check(ctx))
+	runLogged(t, r, pool)
+	require.Eventually(t, func() bool { return testutil.ToFloat64(r.m.captureStreaming) == 1 }, 20*time.Second, 20*time.Millisecond)
+	walsender := func() int {
+		var pid int
+		_ = pool.QueryRow(ctx, `SELECT COALESCE(max(active_pid), 0) FROM pg_replication_slots WHERE slot_name = $1`, r.capture.slot).Scan(&pid)
+		return pid
+	}
+	first := walsender()
+	require.NotZero(t, first)
+	_, err := pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		SELECT gen_random_uuid(), 'O', 'a', 'E', '{}', 'a' FROM generate_series(1, 1000)`) // one transaction
+	require.NoError(t, err)
+	published := func() int {
+		var n int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE published_at IS NOT NULL`).Scan(&n))
+		return n
+	}
+	require.Eventually(t, func() bool { return published() >= 50 }, 20*time.Second, 10*time.Millisecond)
+	_, err = pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, first)
+	require.NoError(t, err)
+	var next int
+	require.Eventually(t, func() bool {
+		next = walsender()
+		return next != 0 && next != first
+	}, 20*time.Second, 10*time.Millisecond, "a new session streams")
+	require.Less(t, published(), 1000, "the new session streams before the old one went through the transaction")
+	require.Eventually(t, func() bool { return published() == 1000 }, 30*time.Second, 20*time.Millisecond)
+}
+
 // A stream that starts and then fails, every time, is a stream failing:
 // past the failing limit the relay polls between its attempts, and its
 // backoff grows. Before, any stream that got as far as starting counted

@@ -654,6 +654,11 @@ func TestLogicalReplicationSweepsRowsFromBeforeTheSlotFirst(t *testing.T) {
 					case <-time.After(30 * time.Second):
 						t.Fatal("the replica that made the slot never began to publish the rows from before it")
 					}
+					// It polls while the slot waits, and notes the slot's
+					// snapshot as soon as the slot is made.
+					require.Eventually(t, func() bool {
+						return f.Count(`SELECT count(*) FROM pg_publication WHERE pubname = $1 AND obj_description(oid, 'pg_publication') LIKE '%snapshot%'`, tableSlot(t, f)) == 1
+					}, 10*time.Second, 10*time.Millisecond, "the maker notes the slot's snapshot")
 					require.NoError(t, maker.Close())
 				}
 				for range 100 { // the key's later rows, one transaction each, while the relay starts streaming
@@ -671,11 +676,11 @@ func TestLogicalReplicationSweepsRowsFromBeforeTheSlotFirst(t *testing.T) {
 					require.Equal(t, want[i], order[i], "the key's rows in commit order: row %d of %d is out of place", i+1, len(want))
 				}
 				require.NotContains(t, logs.String(), "streaming failed", "the stream that made the slot streams from it")
+				logged := "created the replication slot"
 				if makerStops {
-					require.Contains(t, logs.String(), "the rows committed before the slot was made are not all published yet")
-				} else {
-					require.Contains(t, logs.String(), "created the replication slot")
+					logged = "the rows committed before the slot was made are not all published yet"
 				}
+				require.Eventually(t, func() bool { return strings.Contains(logs.String(), logged) }, 10*time.Second, 10*time.Millisecond, logged)
 				require.Eventually(t, func() bool {
 					return f.Count(`SELECT count(*) FROM pg_publication WHERE COALESCE(obj_description(oid, 'pg_publication'), '') LIKE '%snapshot%'`) == 0
 				}, 10*time.Second, 10*time.Millisecond, "once the rows are out, the publication no longer keeps the snapshot")

@@ -42,6 +42,9 @@ const (
 			WHERE i.indrelid = c.oid AND a.attname = 'id'
 			  AND CASE c.relreplident WHEN 'd' THEN i.indisprimary WHEN 'i' THEN i.indisreplident ELSE false END)
 		ORDER BY c.oid LIMIT 1`
+	// sqlBackendLive: whether the server still runs backend $1 (a
+	// replication session, whose session locks end with it).
+	sqlBackendLive = `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)`
 	// sqlNameTaken: the other table the publication $1 publishes, and the
 	// database of another database's slot named $1 (NULL when none): slot
 	// names are the cluster's, and two tables whose names differ only in
