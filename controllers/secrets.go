@@ -39,6 +39,12 @@ import (
 // default: the longest a Secret's change takes to reach the relays' pods.
 const DefaultSecretRefreshInterval = 5 * time.Minute
 
+// secretHistoryRetention is how long an entry no relay asks for (its relay
+// paused, or gone) keeps at which version each key's value last changed:
+// read again within it, a Secret whose metadata was written meanwhile rolls
+// no pod. Its values are dropped long before (secretCache.get).
+const secretHistoryRetention = 7 * 24 * time.Hour
+
 // secretCache keeps what the reconciler needs of the referenced Secrets.
 type secretCache struct {
 	// refresh is how long an entry is used before the Secret is read again;
@@ -54,7 +60,9 @@ type secretCache struct {
 	entries map[types.NamespacedName]*secretEntry
 }
 
-// secretEntry is what the operator keeps of one Secret.
+// secretEntry is what the operator keeps of one Secret. Its fields are
+// fixed once it is in the cache, except used and reread, which only the
+// cache touches, under its lock.
 type secretEntry struct {
 	uid     types.UID
 	version string
@@ -68,6 +76,12 @@ type secretEntry struct {
 	values      map[string]string            // the values of the keys the backlog reads connect with (DSN, TLS material)
 	read        time.Time
 	expires     time.Time
+	// used is when a get last returned the entry: an entry is dropped when
+	// no relay has asked for it in a while, however long ago it was read.
+	used time.Time
+	// reread makes the next get read the Secret (stale): the entry stays,
+	// so that read still knows at which version each key last changed.
+	reread bool
 }
 
 // dataVersion names the data of the keys a relay's pods read from the
@@ -122,13 +136,14 @@ func (c *secretCache) get(ctx context.Context, reader client.Reader, key types.N
 	now := time.Now()
 	c.mu.Lock()
 	e := c.entries[key]
-	if e != nil && now.Before(e.expires) {
+	if e != nil && !e.reread && now.Before(e.expires) {
 		// A key the Secret lacked is read again by the reconcile that
 		// comes back for it, secretRetryInterval later (readings of the
 		// backlog in between use the entry): a user who adds it sees the
 		// relay start then, not at the entry's refresh.
 		missing := value != "" && !e.keys[value]
 		if _, kept := e.values[value]; value == "" || kept || (missing && now.Sub(e.read) < secretRetryInterval/2) {
+			e.used = now
 			c.mu.Unlock()
 			return e, nil
 		}
@@ -145,7 +160,7 @@ func (c *secretCache) get(ctx context.Context, reader client.Reader, key types.N
 		return nil, err
 	}
 	n := &secretEntry{uid: uid, version: version, keys: map[string]bool{}, values: map[string]string{},
-		keyVersions: make(map[string]string, len(data)), sums: make(map[string][sha256.Size]byte, len(data)), read: now,
+		keyVersions: make(map[string]string, len(data)), sums: make(map[string][sha256.Size]byte, len(data)), read: now, used: now,
 		expires: now.Add(c.refresh + time.Duration(rand.Int64N(int64(c.refresh)/5+1)))}
 	for k, v := range data {
 		n.keys[k] = true
@@ -167,9 +182,20 @@ func (c *secretCache) get(ctx context.Context, reader client.Reader, key types.N
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.entries[key] = n
-	for k, e := range c.entries { // Secrets no relay asked for in a while (the relay is gone)
-		if now.Sub(e.expires) > c.refresh {
+	// Secrets no relay asked for in a while (the relay is paused, or gone):
+	// their values (a DSN) are not kept past two refresh intervals, when the
+	// entry is due anyway; at which version each key last changed is kept
+	// for secretHistoryRetention, so a resumed relay rolls only if a value
+	// it reads changed. Entries are replaced, not changed: callers read
+	// their values without the lock.
+	for k, e := range c.entries {
+		switch idle := now.Sub(e.used); {
+		case idle > max(secretHistoryRetention, 2*c.refresh):
 			delete(c.entries, k)
+		case idle > 2*c.refresh && len(e.values) > 0:
+			kept := *e
+			kept.values = nil
+			c.entries[k] = &kept
 		}
 	}
 	return n, nil
@@ -177,12 +203,13 @@ func (c *secretCache) get(ctx context.Context, reader client.Reader, key types.N
 
 // stale makes the next get of key read the Secret, if its entry was read
 // more than minAge ago (so a DSN that keeps failing is not read at every
-// backlog read).
+// backlog read). The entry is kept until then, with its key versions: were
+// it dropped, that read would take every key as changed and roll the pods.
 func (c *secretCache) stale(key types.NamespacedName, minAge time.Duration) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if e := c.entries[key]; e != nil && time.Since(e.read) > minAge {
-		e.expires = time.Time{}
+		e.reread = true
 	}
 }
 

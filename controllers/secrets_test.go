@@ -6,14 +6,17 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 )
 
 // countingReader serves one Secret and counts the reads.
@@ -172,4 +175,86 @@ func TestConfigMapCacheReadsOnce(t *testing.T) {
 		require.Equal(t, "7", e.version)
 	}
 	require.Equal(t, 1, r.reads)
+}
+
+// A failed login marks the DSN Secret's entry to be read again; reads of
+// other Secrets in between (other relays) keep it, so the read that
+// follows still knows at which version each key's value last changed: a
+// write of the Secret's annotations does not roll the relay. Before, the
+// mark dropped the entry at the next read of any Secret, and the relay
+// rolled.
+func TestStaleSecretKeepsItsKeyVersions(t *testing.T) {
+	t.Parallel()
+	c, r, relay := fakeRelay(t, interceptor.Funcs{}, nil)
+	ctx := context.Background()
+	key := client.ObjectKeyFromObject(relay)
+	dsn := types.NamespacedName{Namespace: relay.Namespace, Name: relay.Spec.DSNSecretRef.Name}
+	other := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: relay.Namespace, Name: "other"}, Data: map[string][]byte{"dsn": []byte("x")}}
+	require.NoError(t, c.Create(ctx, other))
+	configHash := func() string {
+		d := &appsv1.Deployment{}
+		require.NoError(t, c.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, d))
+		return d.Spec.Template.Annotations[configHashAnnotation]
+	}
+	_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	before := configHash()
+	require.NotEmpty(t, before)
+
+	s := &corev1.Secret{}
+	require.NoError(t, c.Get(ctx, dsn, s))
+	s.Annotations = map[string]string{"team": "orders"} // a metadata-only write
+	require.NoError(t, c.Update(ctx, s))
+	// The operator's login fails, then another relay's Secret is read.
+	r.secrets.stale(dsn, 0)
+	_, err = r.secrets.get(ctx, c, client.ObjectKeyFromObject(other), "")
+	require.NoError(t, err)
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.Equal(t, before, configHash(), "a write of the DSN Secret's annotations rolls no pod")
+}
+
+// An entry no relay asks for (its relay paused, or gone) no longer keeps
+// its values past the refresh, but keeps at which version each key's value
+// last changed: a relay resumed after a while, whose Secret's annotations
+// were written meanwhile, does not roll.
+func TestIdleSecretEntryKeepsItsKeyVersions(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	r := &countingReader{secret: &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "dsn", UID: "u1", ResourceVersion: "1"},
+		Data: map[string][]byte{"dsn": []byte("postgres://a")}}}
+	other := &countingReader{secret: &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "other", UID: "u2", ResourceVersion: "1"}}}
+	c := newSecretCache(time.Minute, nil)
+	k := types.NamespacedName{Namespace: "ns", Name: "dsn"}
+	_, err := c.get(ctx, r, k, "dsn")
+	require.NoError(t, err)
+	c.mu.Lock()
+	idle := *c.entries[k] // paused for an hour
+	idle.read, idle.used, idle.expires = idle.read.Add(-time.Hour), idle.used.Add(-time.Hour), idle.expires.Add(-time.Hour)
+	c.entries[k] = &idle
+	c.mu.Unlock()
+	_, err = c.get(ctx, other, types.NamespacedName{Namespace: "ns", Name: "other"}, "")
+	require.NoError(t, err)
+	c.mu.Lock()
+	require.NotNil(t, c.entries[k], "its versions are kept")
+	require.Empty(t, c.entries[k].values, "its values are not")
+	c.mu.Unlock()
+
+	r.secret.ResourceVersion, r.secret.Annotations = "2", map[string]string{"team": "orders"}
+	e, err := c.get(ctx, r, k, "dsn")
+	require.NoError(t, err)
+	require.Equal(t, 2, r.reads, "read again")
+	require.Equal(t, "postgres://a", e.values["dsn"])
+	require.Equal(t, "u1/dsn@1", e.dataVersion([]string{"dsn"}), "its pods do not roll")
+
+	c.mu.Lock()
+	gone := *c.entries[k]
+	gone.used = gone.used.Add(-secretHistoryRetention - time.Minute)
+	c.entries[k] = &gone
+	c.mu.Unlock()
+	_, err = c.get(ctx, other, types.NamespacedName{Namespace: "ns", Name: "third"}, "")
+	require.NoError(t, err)
+	c.mu.Lock()
+	require.Nil(t, c.entries[k], "forgotten once no relay asked for it in secretHistoryRetention")
+	c.mu.Unlock()
 }
