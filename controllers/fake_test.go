@@ -127,3 +127,43 @@ func TestOldestAgeScalesOncePerReading(t *testing.T) {
 	}
 	require.EqualValues(t, 3, replicas())
 }
+
+// A relay that no backlog reading wakes (no observer here) comes back when
+// its Secret's entry is due, however much of the fifth it was stretched
+// by: the pass it asked for reads a rotated DSN and rolls the pods. Before,
+// it came back after exactly the refresh interval, found the entry still
+// valid, and the rotation waited for the next interval.
+func TestRequeueReadsRotatedSecretWhenDue(t *testing.T) {
+	t.Parallel()
+	c, r, relay := fakeRelay(t, interceptor.Funcs{}, nil)
+	r.Flow = nil
+	r.secrets = newSecretCache(time.Second, nil)
+	ctx := context.Background()
+	key := client.ObjectKeyFromObject(relay)
+	dsn := types.NamespacedName{Namespace: relay.Namespace, Name: relay.Spec.DSNSecretRef.Name}
+	configHash := func() string {
+		d := &appsv1.Deployment{}
+		require.NoError(t, c.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, d))
+		return d.Spec.Template.Annotations[configHashAnnotation]
+	}
+	_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	before := configHash()
+	r.secrets.mu.Lock()
+	stretched := *r.secrets.entries[dsn] // the most of the fifth
+	stretched.expires = stretched.read.Add(r.secrets.refresh * 6 / 5)
+	r.secrets.entries[dsn] = &stretched
+	r.secrets.mu.Unlock()
+	res, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.Positive(t, res.RequeueAfter)
+
+	s := &corev1.Secret{}
+	require.NoError(t, c.Get(ctx, dsn, s))
+	s.Data["dsn"] = []byte(fakeDSN + "?rotated")
+	require.NoError(t, c.Update(ctx, s))
+	<-time.After(res.RequeueAfter)
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.NotEqual(t, before, configHash(), "the rotation rolls the pods at the pass the relay asked for")
+}

@@ -30,6 +30,11 @@ import (
 // again.
 const secretRetryInterval = 30 * time.Second
 
+// secretDueMargin is how long after its first Secret entry expires a relay
+// is looked at again: the pass must find the entry expired, or a rotation
+// waits a whole refresh interval more.
+const secretDueMargin = time.Second
+
 // OutboxRelayReconciler turns an OutboxRelay into a relay Deployment, a
 // metrics Service and (with more than one replica) a PodDisruptionBudget.
 type OutboxRelayReconciler struct {
@@ -141,9 +146,15 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 	if prob != nil && prob.requeue {
 		return ctrl.Result{RequeueAfter: min(secretRetryInterval, r.secrets.refresh)}, nil
 	}
-	// Without backlog readings to wake it, look again when the Secrets are
-	// due to be read again, so their changes still reach the pods.
-	return ctrl.Result{RequeueAfter: r.secrets.refresh}, nil
+	// Without backlog readings to wake it, look again when the first of
+	// its Secrets is due to be read again, so their changes still reach the
+	// pods within the refresh interval and its fifth. Not after the refresh
+	// interval itself: an entry is stretched by up to a fifth, and a pass
+	// before its expiry reads nothing.
+	if in.Due.IsZero() {
+		return ctrl.Result{RequeueAfter: r.secrets.refresh}, nil
+	}
+	return ctrl.Result{RequeueAfter: max(time.Until(in.Due), 0) + secretDueMargin}, nil
 }
 
 // paused reports a relay whose reconciliation is disabled: only the

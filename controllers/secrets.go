@@ -236,6 +236,9 @@ type secretInputs struct {
 	// DatabaseTLS is spec.database.tls's CA and client certificate, for
 	// the backlog observer; nil without it.
 	DatabaseTLS *dbTLS
+	// Due is when the first of the entries read expires (zero when none
+	// was read): a pass after it reads that Secret again.
+	Due time.Time
 }
 
 // readSecrets reads every referenced Secret through the cache and checks
@@ -257,6 +260,7 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 			return nil, nil, fmt.Errorf("get Secret %s: %w", name, err)
 		}
 		entries[name], read[name] = e, append(read[name], podReads...)
+		in.Due = earliest(in.Due, e.expires)
 		return e, nil, nil
 	}
 	needKeys := func(field, name string, e *secretEntry, keys ...string) *problem {
@@ -321,6 +325,7 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 					message: fmt.Sprintf("ConfigMap %s has no key %q (spec.database.tls.ca.configMapRef.key)", ref.Name, key)}, nil
 			}
 			versions["configmap/"+ref.Name] = "configmap/" + ref.Name + "/" + cm.dataVersion([]string{key})
+			in.Due = earliest(in.Due, cm.expires)
 			t.ca = []byte(cm.values[key])
 		}
 		if ref := db.TLS.ClientCertSecretRef; ref != nil {
@@ -362,6 +367,14 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 	}
 	in.Versions = strings.Join(parts, ",")
 	return in, nil, nil
+}
+
+// earliest is the earlier of two times, a zero one not counting.
+func earliest(a, b time.Time) time.Time {
+	if a.IsZero() || b.Before(a) {
+		return b
+	}
+	return a
 }
 
 // referencedSecrets are the names of the Secrets a relay references, sorted.
