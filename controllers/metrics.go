@@ -116,6 +116,16 @@ func (m *Metrics) set(key types.NamespacedName, relay *outboxv1alpha1.OutboxRela
 			m.slotRetained.DeleteLabelValues(ns, name)
 			m.slotMaxRetained.DeleteLabelValues(ns, name)
 		}
+	} else {
+		// No backlog in status: none read yet, or cleared because the
+		// backlog is no longer read (by choice); a last reading must not
+		// stand in the gauges either. Looked up by their labels, as this
+		// runs at every pass of such a relay; only the held rows' reasons
+		// need a scan.
+		for _, v := range []*prometheus.GaugeVec{m.backlog, m.oldestAge, m.slotRetained, m.slotMaxRetained} {
+			v.DeleteLabelValues(ns, name)
+		}
+		drop(key, m.held)
 	}
 }
 
@@ -124,8 +134,14 @@ func (m *Metrics) delete(key types.NamespacedName) {
 	if m == nil {
 		return
 	}
+	drop(key, m.backlog, m.oldestAge, m.held, m.desired, m.ready, m.lagging, m.slotRetained, m.slotMaxRetained)
+}
+
+// drop deletes a relay's series of each gauge, whatever their other labels
+// (the held rows' reason).
+func drop(key types.NamespacedName, gauges ...*prometheus.GaugeVec) {
 	match := prometheus.Labels{"namespace": key.Namespace, "name": key.Name}
-	for _, v := range []*prometheus.GaugeVec{m.backlog, m.oldestAge, m.held, m.desired, m.ready, m.lagging, m.slotRetained, m.slotMaxRetained} {
+	for _, v := range gauges {
 		v.DeletePartialMatch(match)
 	}
 }
