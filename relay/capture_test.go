@@ -638,6 +638,10 @@ func TestLogicalReplicationSweepsRowsFromBeforeTheSlotFirst(t *testing.T) {
 				if makerStops {
 					makerCfg := cfg
 					makerCfg.Logger = slog.New(slog.NewTextHandler(&lockedBuffer{}, nil))
+					// Polling while the slot waits (on a busy test server)
+					// holds a batch open on its stuck broker, and the slot
+					// waits for that batch too: let each give up soon.
+					makerCfg.PublishTimeout = relayconfig.MinPublishTimeout
 					maker, err = outboxtest.RunRelay(makerCfg, stuck)
 					require.NoError(t, err)
 					t.Cleanup(func() { _ = maker.Close() })
@@ -658,7 +662,7 @@ func TestLogicalReplicationSweepsRowsFromBeforeTheSlotFirst(t *testing.T) {
 					// snapshot as soon as the slot is made.
 					require.Eventually(t, func() bool {
 						return f.Count(`SELECT count(*) FROM pg_publication WHERE pubname = $1 AND obj_description(oid, 'pg_publication') LIKE '%snapshot%'`, tableSlot(t, f)) == 1
-					}, 10*time.Second, 10*time.Millisecond, "the maker notes the slot's snapshot")
+					}, 30*time.Second, 10*time.Millisecond, "the maker notes the slot's snapshot")
 					require.NoError(t, maker.Close())
 				}
 				for range 100 { // the key's later rows, one transaction each, while the relay starts streaming
