@@ -629,8 +629,9 @@ const slotWaitPolls = slotWaitLogged
 // the capture lock). The fallback from a slot that held back too much WAL
 // comes here: the transaction that pinned the WAL is likely still open.
 // The sweep before the slot skips what polling published; the stream's
-// claims skip rows marked published. made runs beside a poll batch, on the
-// pool; conn is left for the slot's snapshot until the caller streams.
+// claims skip rows marked published. made may run beside a poll batch, so
+// it uses a session of its own; conn is left for the slot's snapshot until
+// the caller streams.
 func (r *Relay) makeSlotPolling(ctx context.Context, conn *pgconn.PgConn, made func(pglogrepl.CreateReplicationSlotResult)) error {
 	done := make(chan error, 1)
 	go func() {
