@@ -98,6 +98,9 @@ type relayFlow struct {
 	latest     *backlogSample // last successful read
 	lastErr    string         // the last read's failure, "" when it succeeded
 	authFailed bool           // the last read failed to authenticate
+	// retargeted: the target changed (DSN, TLS, login, table) and no read
+	// of the new one has succeeded yet.
+	retargeted bool
 	// counters are the recent (time, updated rows) readings for the rate.
 	counters []counterReading
 	// recs are the autoscaler's recent recommendations; since is when the
@@ -121,6 +124,9 @@ type flowView struct {
 	sample     *backlogSample // nil before the first successful read
 	lastErr    string
 	authFailed bool // the DSN did not authenticate: its Secret may have changed
+	// retargeted: what status says of the backlog was read from another
+	// target (relayFlow.retargeted).
+	retargeted bool
 }
 
 // Start implements manager.Runnable: observers run until ctx ends.
@@ -168,13 +174,13 @@ func (o *FlowObserver) Observe(key types.NamespacedName, target flowTarget) flow
 		o.startLocked(key, f)
 	case f.target.dsn != target.dsn || f.target.tls.digest() != target.tls.digest() || f.target.auth != target.auth || f.target.table != target.table:
 		o.stopLocked(f)
-		f.target, f.latest, f.lastErr, f.counters = target, nil, "", nil
+		f.target, f.latest, f.lastErr, f.counters, f.retargeted = target, nil, "", nil, true
 		o.startLocked(key, f)
 	default:
 		f.target.interval, f.target.dsnSecret, f.target.streams = target.interval, target.dsnSecret, target.streams
 		f.target.topics, f.target.byKey = target.topics, target.byKey
 	}
-	return flowView{sample: f.latest, lastErr: f.lastErr, authFailed: f.authFailed}
+	return flowView{sample: f.latest, lastErr: f.lastErr, authFailed: f.authFailed, retargeted: f.retargeted}
 }
 
 // Forget stops key's observer and closes its pool: the OutboxRelay is gone,
@@ -397,7 +403,7 @@ func (o *FlowObserver) record(key types.NamespacedName, done chan struct{}, s *b
 		f.lastErr = errMsg
 		return f.target.interval
 	}
-	f.lastErr = ""
+	f.lastErr, f.retargeted = "", false
 	if s.tracked {
 		f.counters = appendReading(f.counters, counterReading{at: s.at, updates: s.updates})
 		s.perMinute = perMinute(f.counters)
@@ -409,7 +415,11 @@ func (o *FlowObserver) record(key types.NamespacedName, done chan struct{}, s *b
 		if prev := f.latest; prev != nil && prev.slot != nil && prev.slot.InactiveSince != nil {
 			since = *prev.slot.InactiveSince
 		}
+		// A copy: a shared reading hands every relay the same slot, which
+		// their reconciles read without the lock.
+		sl = sl.DeepCopy()
 		sl.InactiveSince = &since
+		s.slot = sl
 	}
 	f.latest = s
 	return f.target.interval

@@ -223,7 +223,7 @@ func (r *OutboxRelayReconciler) observe(key types.NamespacedName, relay *outboxv
 	if view.authFailed { // the Secret may hold a new password: read it again
 		r.secrets.stale(types.NamespacedName{Namespace: relay.Namespace, Name: relay.Spec.DSNSecretRef.Name}, secretRetryInterval)
 	}
-	obs := observation{err: view.lastErr}
+	obs := observation{err: view.lastErr, retargeted: view.retargeted}
 	if view.sample != nil {
 		obs.backlog = backlogStatus(relay, view.sample)
 	}

@@ -105,8 +105,9 @@ func TestSecretCacheReadsOncePerChange(t *testing.T) {
 }
 
 // A status whose backlog numbers moved only a little (an older oldest row,
-// a tenth of the pending rows or of the rate, or a few rows) is not
-// rewritten within statusRefresh; anything else is.
+// a tenth of the pending rows, of the rate or of a count of held rows, or a
+// few rows) is not rewritten within statusRefresh; anything else is (held
+// rows that appear or are all gone, too).
 func TestSettledStatusWaitsForSmallMoves(t *testing.T) {
 	t.Parallel()
 	now := time.Now()
@@ -127,6 +128,13 @@ func TestSettledStatusWaitsForSmallMoves(t *testing.T) {
 	}
 	require.True(t, settled(old, moved(func(*outboxv1alpha1.OutboxRelayStatus) {}), now), "only the age")
 	require.True(t, settled(old, moved(func(n *outboxv1alpha1.OutboxRelayStatus) { n.Backlog.Pending = 109 }), now))
+	// Held rows that keep growing a little: unroutable rows of a busy type.
+	held := *old.DeepCopy()
+	held.Backlog.Held.Unroutable = 1000
+	require.True(t, settled(held, moved(func(n *outboxv1alpha1.OutboxRelayStatus) { n.Backlog.Held.Unroutable = 1003 }), now),
+		"held rows that grew a little")
+	require.False(t, settled(held, moved(func(n *outboxv1alpha1.OutboxRelayStatus) { n.Backlog.Held.Unroutable = 0 }), now),
+		"held rows all gone")
 	// A busy relay that keeps up: a few rows waiting at one reading, none at the next.
 	for _, pending := range [][2]int64{{0, 12}, {7, 0}, {3, backlogSmallMove}} {
 		busy := *old.DeepCopy()

@@ -29,6 +29,9 @@ type observation struct {
 	err     string
 	// notRead says why the operator does not read the backlog by choice.
 	notRead string
+	// retargeted: the spec now names another table or database, not read
+	// yet; status.backlog is the old one's.
+	retargeted bool
 }
 
 // tokenLoginsOff is Lagging's message for a relay whose backlog the
@@ -70,7 +73,7 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 		// than the threshold: one failed read (a timeout, most likely when
 		// the database is overloaded) must not call a stalled relay Ready
 		// until the next reading says it is stalled again.
-		if prev := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging); prev != nil &&
+		if prev := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging); prev != nil && !obs.retargeted &&
 			prev.Status == metav1.ConditionTrue && relay.Status.Backlog != nil && now.Sub(relay.Status.Backlog.ObservedAt.Time) < threshold {
 			last, _, _ := strings.Cut(prev.Message, readingFailed)
 			return verdict{metav1.ConditionTrue, prev.Reason, last + readingFailed + obs.err}
@@ -173,16 +176,25 @@ func settled(old, new outboxv1alpha1.OutboxRelayStatus, now time.Time) bool {
 // every reading.
 const backlogSmallMove = 50
 
-// backlogClose reports whether b moved only a little from a: the same held
-// rows, and pending rows and publish rate each within a tenth or
-// backlogSmallMove, whatever the age of the oldest row.
+// backlogClose reports whether b moved only a little from a: pending rows,
+// publish rate and each count of held rows within a tenth or
+// backlogSmallMove, whatever the age of the oldest row. Held rows that
+// appear or are all gone are no small move; a count that grows steadily
+// (unroutable rows of a busy type, rows blocked behind one key) is, or
+// such a relay would patch its status at every reading.
 func backlogClose(a, b outboxv1alpha1.BacklogStatus) bool {
 	near := func(x, y int64) bool {
 		d := x - y
 		d = max(d, -d)
 		return d <= backlogSmallMove || 10*d <= max(x, y)
 	}
-	if a.Estimated != b.Estimated || a.Held != b.Held || !near(a.Pending, b.Pending) ||
+	heldNear := func(x, y int64) bool { return (x == 0) == (y == 0) && near(x, y) }
+	ha, hb := a.Held, b.Held
+	if !heldNear(ha.Unroutable, hb.Unroutable) || !heldNear(ha.Invalid, hb.Invalid) || !heldNear(ha.TooLarge, hb.TooLarge) ||
+		!heldNear(ha.Refused, hb.Refused) || !heldNear(ha.Blocked, hb.Blocked) {
+		return false
+	}
+	if a.Estimated != b.Estimated || !near(a.Pending, b.Pending) ||
 		(a.PublishedPerMinute == nil) != (b.PublishedPerMinute == nil) {
 		return false
 	}
@@ -217,6 +229,8 @@ func computeStatus(relay *outboxv1alpha1.OutboxRelay, deploy *appsv1.Deployment,
 		st.Backlog = withObservedAt(relay.Status.Backlog, obs.backlog)
 	case obs.notRead != "":
 		st.Backlog = nil // an earlier reading (before an upgrade) would stand in status and the gauges for good
+	case obs.retargeted:
+		st.Backlog = nil // the old table's numbers, or the old database's
 	}
 	st.ObservedGeneration = relay.Generation
 	st.Selector = metav1.FormatLabelSelector(&metav1.LabelSelector{MatchLabels: selectorLabels(relay)})

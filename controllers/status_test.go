@@ -5,11 +5,14 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
+	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 // One failed reading does not turn a relay found lagging into one whose
@@ -66,6 +69,20 @@ func TestNotStreamingOnlyPastTheThreshold(t *testing.T) {
 	require.Nil(t, read(3*time.Minute, true).InactiveSince)
 	require.Equal(t, start.Add(4*time.Minute), read(4*time.Minute, false).InactiveSince.Time, "a new run")
 
+	// A reading shared by two relays: each has its own run, and recording
+	// one's changes nothing the other holds (their reconciles read it
+	// without the lock).
+	other := types.NamespacedName{Namespace: "shop", Name: "refunds"}
+	otherDone := make(chan struct{})
+	o.relays[other] = &relayFlow{done: otherDone, target: flowTarget{interval: 15 * time.Second}}
+	shared := backlogSample{at: start.Add(5 * time.Minute), slot: &outboxv1alpha1.SlotStatus{Name: "s", Exists: true}}
+	mine, theirs := shared, shared
+	o.record(key, done, &mine, "", false)
+	o.record(other, otherDone, &theirs, "", false)
+	require.Equal(t, start.Add(4*time.Minute), mine.slot.InactiveSince.Time, "this relay's run")
+	require.Equal(t, start.Add(5*time.Minute), theirs.slot.InactiveSince.Time, "the other relay's run began with this reading")
+	require.Nil(t, shared.slot.InactiveSince, "the shared reading is left as it was read")
+
 	relay := unitRelay()
 	relay.Spec.Capture = &outboxv1alpha1.CaptureSpec{Mode: outboxv1alpha1.CaptureLogicalReplication, WriterDeletes: true}
 	now := time.Now()
@@ -113,4 +130,45 @@ func TestLaggingHasHysteresis(t *testing.T) {
 		v := lagging(relay(tc.lagging), obs(tc.age), 1, now)
 		require.Equal(t, tc.want, v.status, "lagging before: %v, oldest row %s: %s", tc.lagging, tc.age, v.message)
 	}
+}
+
+// A relay whose spec now names another table (or database) shows nothing
+// of the old one's backlog: not in status, not as a reason to stay
+// Lagging, until the new one is read. Before, a new table that could not
+// be read yet (not created) kept the old table's numbers in status and
+// the gauges, under the new generation.
+func TestRetargetedRelayDropsTheOldBacklog(t *testing.T) {
+	t.Parallel()
+	key := types.NamespacedName{Namespace: "shop", Name: "orders"}
+	o := NewFlowObserver()
+	orders, err := outbox.ParseTable("orders_outbox")
+	require.NoError(t, err)
+	refunds, err := outbox.ParseTable("refunds_outbox")
+	require.NoError(t, err)
+	target := flowTarget{dsn: fakeDSN, auth: dbAuth{method: relayconfig.DatabaseAuthPassword}, table: orders, interval: 15 * time.Second}
+	o.Observe(key, target)
+	o.record(key, o.relays[key].done, &backlogSample{at: time.Now()}, "", false)
+	require.False(t, o.Observe(key, target).retargeted)
+
+	target.table = refunds
+	view := o.Observe(key, target)
+	require.True(t, view.retargeted)
+	require.Nil(t, view.sample)
+	o.record(key, o.relays[key].done, &backlogSample{}, `relation "refunds_outbox" does not exist`, false)
+	view = o.Observe(key, target)
+	require.True(t, view.retargeted, "until a read of the new table succeeds")
+
+	relay := unitRelay()
+	relay.Status.Backlog = &outboxv1alpha1.BacklogStatus{Pending: 500, OldestAge: metav1.Duration{Duration: 5 * time.Minute},
+		ObservedAt: metav1.NewTime(time.Now().Add(-5 * time.Second))}
+	relay.Status.Conditions = []metav1.Condition{{Type: outboxv1alpha1.ConditionLagging, Status: metav1.ConditionTrue,
+		Reason: outboxv1alpha1.ReasonFallingBehind, Message: "oldest waiting row 5m0s old"}}
+	st := computeStatus(relay, nil, nil, observation{err: view.lastErr, retargeted: view.retargeted})
+	require.Nil(t, st.Backlog, "the old table's backlog")
+	lagging := meta.FindStatusCondition(st.Conditions, outboxv1alpha1.ConditionLagging)
+	require.Equal(t, metav1.ConditionUnknown, lagging.Status, lagging.Message)
+	require.Equal(t, outboxv1alpha1.ReasonBacklogUnavailable, lagging.Reason)
+
+	o.record(key, o.relays[key].done, &backlogSample{at: time.Now()}, "", false)
+	require.False(t, o.Observe(key, target).retargeted)
 }
