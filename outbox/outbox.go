@@ -169,6 +169,8 @@ func WriterDeletesLock(slot string) string {
 // that starts never waits for the writers' transactions. It runs in each
 // writer's transaction, so it reads no session's activity: a read of
 // pg_stat_activity, even of one session, copies every session's entry.
+// A Writer also requires its table to be the one the slot's publication
+// publishes (DeletesOnStore says whether both hold).
 func DeleteOnStoreCondition(slotParam string) string {
 	key := WriterDeletesLock(slotParam + `::text`)
 	return `EXISTS (SELECT 1 FROM pg_replication_slots s
@@ -176,9 +178,22 @@ func DeleteOnStoreCondition(slotParam string) string {
       AND CASE WHEN pg_try_advisory_lock_shared(` + key + `) THEN NOT pg_advisory_unlock_shared(` + key + `) ELSE true END`
 }
 
+// deleteOnStoreFor is the condition under which a writer with
+// WithDeleteOnStore deletes its row of table t: DeleteOnStoreCondition,
+// and t is the table the slot's publication (named as the slot) publishes.
+// A table dropped and made again, or swapped in by a rename, while a relay
+// streams is in no publication: its rows are in no stream, so the writer
+// keeps them for the relays to claim.
+func deleteOnStoreFor(slotParam string, t Table) string {
+	return DeleteOnStoreCondition(slotParam) + `
+      AND EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+        WHERE p.pubname = ` + slotParam + `::text AND pr.prrelid = to_regclass(` + QuoteLiteral(t.Quoted()) + `))`
+}
+
 // DeletesOnStore reports whether a writer with WithDeleteOnStore, connected
 // as db is, would delete the rows it stores in table now
-// (DeleteOnStoreCondition on the table's slot in the connected database). A
+// (DeleteOnStoreCondition on the table's slot in the connected database,
+// and table is the one its publication publishes). A
 // relay's replication session connects before it takes the slot, so a test
 // or a readiness check that waits for writer deletes waits on this, not on
 // the session.
@@ -190,7 +205,7 @@ func DeletesOnStore(ctx context.Context, db interface {
 		return false, err
 	}
 	var on bool
-	err := db.QueryRow(ctx, `SELECT `+DeleteOnStoreCondition("$1"), SlotName(database, table)).Scan(&on)
+	err := db.QueryRow(ctx, `SELECT `+deleteOnStoreFor("$1", table), SlotName(database, table)).Scan(&on)
 	return on, err
 }
 
@@ -264,7 +279,7 @@ SELECT event_id, $2, $3, $4, $5, $6, $7::jsonb FROM id`, insertArgs: 8,
 		w.notify = t.NotifyChannel()
 	}
 	if w.deleteStored != "" {
-		w.deleteStored = `DELETE FROM ` + q + ` WHERE event_id = $1 AND ` + DeleteOnStoreCondition("$2")
+		w.deleteStored = `DELETE FROM ` + q + ` WHERE event_id = $1 AND ` + deleteOnStoreFor("$2", t)
 	}
 	return w, nil
 }

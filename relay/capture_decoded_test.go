@@ -723,3 +723,25 @@ func TestWriterDeletesPutsBackAcrossAColumnAdded(t *testing.T) {
 	}, 20*time.Second, 50*time.Millisecond, "the rows are back in the table, the new column at its default")
 	requireSlotConfirmedPastNow(t, f)
 }
+
+// A table swapped in by a rename while a relay with writer deletes streams
+// is in no publication, so its rows are in no stream: the writers keep
+// them in the table for the relays to claim. Before, the writers' test
+// looked only at the slot and its lock, and deleted every row stored in
+// the new table: events in no table and no stream.
+func TestWriterDeletesKeepRowsOfATableSwappedIn(t *testing.T) {
+	t.Parallel()
+	f, cfg, store := writerDeletesFixture(t, "E")
+	startStreaming(t, cfg)
+	waitDeletesOnStore(t, f, 10*time.Second)
+	storeEach(store, 2)
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox`), "deleted on store while the relay streams")
+
+	f.Exec(`CREATE TABLE outbox_new (LIKE outbox INCLUDING ALL)`)
+	f.Exec(`ALTER TABLE outbox RENAME TO outbox_old; ALTER TABLE outbox_new RENAME TO outbox`)
+	on, err := outbox.DeletesOnStore(context.Background(), f.Pool, outbox.Table{Name: "outbox"})
+	require.NoError(t, err)
+	require.False(t, on, "the new table is in no publication")
+	storeEach(store, 5)
+	require.Equal(t, 5, f.Count(`SELECT count(*) FROM outbox`), "kept: the stream does not carry them")
+}
