@@ -219,8 +219,11 @@ func ensure[T client.Object](ctx context.Context, c client.Client, uncached clie
 
 // recordLive sets obj's live-hash annotation to the hash of its owned fields
 // as the API server returned them from the operator's write, unless it
-// already holds it. The optimistic lock keeps it from recording an edit
-// made since: that edit is then seen, and undone, at the next pass.
+// already holds it. It takes no optimistic lock: the Deployment controller
+// writes the object at once (its revision, its status), and a lock would
+// make this patch fail at nearly every write. It needs none: the hash is
+// of what the operator wrote, so an edit of those fields made since does
+// not match it, and the next pass undoes the edit.
 func recordLive[T client.Object](ctx context.Context, c client.Client, obj T, owned func(T) any, kind string) error {
 	if owned == nil {
 		return nil
@@ -229,7 +232,7 @@ func recordLive[T client.Object](ctx context.Context, c client.Client, obj T, ow
 	if obj.GetAnnotations()[liveHashAnnotation] == live {
 		return nil
 	}
-	patch := client.MergeFromWithOptions(obj.DeepCopyObject().(client.Object), client.MergeFromWithOptimisticLock{})
+	patch := client.MergeFrom(obj.DeepCopyObject().(client.Object))
 	annotations := maps.Clone(obj.GetAnnotations())
 	if annotations == nil {
 		annotations = map[string]string{}

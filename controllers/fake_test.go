@@ -167,3 +167,69 @@ func TestRequeueReadsRotatedSecretWhenDue(t *testing.T) {
 	require.NoError(t, err)
 	require.NotEqual(t, before, configHash(), "the rotation rolls the pods at the pass the relay asked for")
 }
+
+// The Deployment controller writes a Deployment the moment the operator
+// has (its revision, its status): recording the live hash must not fail
+// for it. Before, that write took an optimistic lock, conflicted, and
+// failed the pass, which skipped the Service, the PDB and the status.
+func TestLiveHashIsRecordedBesideTheDeploymentController(t *testing.T) {
+	t.Parallel()
+	var controllerWrites int
+	funcs := interceptor.Funcs{
+		Create: func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.CreateOption) error {
+			if err := c.Create(ctx, obj, opts...); err != nil {
+				return err
+			}
+			return deploymentControllerWrites(ctx, c, obj, &controllerWrites)
+		},
+		Patch: func(ctx context.Context, c client.WithWatch, obj client.Object, patch client.Patch, opts ...client.PatchOption) error {
+			if err := c.Patch(ctx, obj, patch, opts...); err != nil {
+				return err
+			}
+			return deploymentControllerWrites(ctx, c, obj, &controllerWrites)
+		},
+	}
+	c, r, relay := fakeRelay(t, funcs, nil)
+	ctx := context.Background()
+	key := client.ObjectKeyFromObject(relay)
+	_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	d := &appsv1.Deployment{}
+	require.NoError(t, c.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, d))
+	require.NotEmpty(t, d.Annotations[liveHashAnnotation])
+	require.NoError(t, c.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, &corev1.Service{}),
+		"the pass went on to the Service")
+
+	require.NoError(t, c.Get(ctx, key, relay))
+	relay.Spec.BatchSize = ptr.To[int32](77)
+	require.NoError(t, c.Update(ctx, relay))
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.NoError(t, c.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, d))
+	require.Contains(t, d.Spec.Template.Spec.Containers[0].Args, "--batch-size=77")
+	require.Equal(t, hashOf([]any{d.Spec.Template, d.Spec.Strategy.Type, d.Spec.RevisionHistoryLimit}), d.Annotations[liveHashAnnotation])
+	require.Positive(t, controllerWrites)
+}
+
+// deploymentControllerWrites stands in for the Deployment controller: after
+// a write of a Deployment's spec, it stamps the revision, a write of its
+// own that moves the resourceVersion.
+func deploymentControllerWrites(ctx context.Context, c client.WithWatch, obj client.Object, writes *int) error {
+	d, ok := obj.(*appsv1.Deployment)
+	if !ok {
+		return nil
+	}
+	cur := &appsv1.Deployment{}
+	if err := c.Get(ctx, client.ObjectKeyFromObject(d), cur); err != nil {
+		return err
+	}
+	if cur.Annotations["deployment.kubernetes.io/revision"] == cur.Annotations[specHashAnnotation] {
+		return nil // this write was the annotation's own
+	}
+	if cur.Annotations == nil {
+		cur.Annotations = map[string]string{}
+	}
+	cur.Annotations["deployment.kubernetes.io/revision"] = cur.Annotations[specHashAnnotation]
+	*writes++
+	return c.Update(ctx, cur)
+}

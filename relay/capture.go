@@ -137,6 +137,10 @@ type captureState struct {
 	// noted in when beforeSlotNoted.
 	beforeSlot      *slotSnapshot
 	beforeSlotNoted bool
+	// streamPID is the server's process id of the replication session
+	// last started, as the session itself reads it (a pooler or proxy in
+	// front can hand the client another at connect); 0 when unknown.
+	streamPID int32
 }
 
 // slotSnapshot is the snapshot a slot's creation exports: the
@@ -255,17 +259,21 @@ func (r *Relay) readSlotSnapshot(ctx context.Context, db snapshotDB, name string
 	return &snap, nil
 }
 
-// checkReplicaIdentity refuses a table (or leaf partition) whose deletes
-// the stream cannot follow. With no replica identity PostgreSQL refuses
-// every delete on a table whose publication publishes deletes: the
-// writers' with writer deletes, the relay's marks with --on-publish
-// delete, the pruner's. With one that leaves the id out (an index on
-// event_id), a row its writer deleted cannot be told from one it kept:
-// the relay would claim it from the table, find it gone, and move the slot
-// past an event that reached no topic.
+// checkReplicaIdentity checks that the table's deletes (or each leaf
+// partition's) say which row they deleted. With no replica identity
+// PostgreSQL refuses every delete on a table whose publication publishes
+// deletes: the writers' with writer deletes, the relay's with
+// --on-publish delete, the pruner's; a relay that makes any of them
+// refuses to start. With one that leaves the id out (an index on
+// event_id), a row its writer deleted under writer deletes cannot be told
+// from one it kept: the relay would claim it from the table, find it
+// gone, and move the slot past an event that reached no topic; a relay
+// with writer deletes refuses to start. Other relays warn: nothing they
+// do needs it, and a table that worked with it before keeps working.
 func (r *Relay) checkReplicaIdentity(ctx context.Context, oid uint32) error {
 	var rel, ident string
-	err := r.pool.QueryRow(ctx, sqlReplicaIdentityWithoutID, oid).Scan(&rel, &ident)
+	var keyless bool
+	err := r.pool.QueryRow(ctx, sqlReplicaIdentityWithoutID, oid).Scan(&rel, &ident, &keyless)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil
 	}
@@ -273,11 +281,25 @@ func (r *Relay) checkReplicaIdentity(ctx context.Context, oid uint32) error {
 		return fmt.Errorf("read the replica identity of %s: %w", r.table, err)
 	}
 	what := map[string]string{"n": "is NOTHING", "d": "is DEFAULT, and its primary key has no id", "i": "is an index without id"}[ident]
+	if keyless && ident == "d" {
+		what = "is DEFAULT, and it has no primary key"
+	}
 	if what == "" {
 		what = fmt.Sprintf("is %q", ident)
 	}
-	return fmt.Errorf("--%s %s: the replica identity of %s %s, so a delete in the stream does not say which row it deleted (and with none PostgreSQL refuses every delete once the publication publishes them); as the table's owner, run: ALTER TABLE %s REPLICA IDENTITY FULL (or DEFAULT, with a primary key on id)",
-		relayconfig.FlagCapture, CaptureLogicalReplication, rel, what, rel)
+	fix := fmt.Sprintf("ALTER TABLE %s REPLICA IDENTITY FULL (or DEFAULT, with a primary key on id)", rel)
+	deletes := r.cfg.WriterDeletes || r.cfg.OnPublish == OnPublishDelete || r.cfg.KeepPublishedFor > 0
+	switch {
+	case keyless && deletes:
+		return fmt.Errorf("--%s %s: the replica identity of %s %s, so PostgreSQL refuses every delete on it once the publication publishes deletes (the relay deletes rows with --%s, --%s=%s or --%s); as the table's owner, run: %s",
+			relayconfig.FlagCapture, CaptureLogicalReplication, rel, what, relayconfig.FlagWriterDeletes, relayconfig.FlagOnPublish, OnPublishDelete, relayconfig.FlagKeepPublishedFor, fix)
+	case r.cfg.WriterDeletes:
+		return fmt.Errorf("--%s: the replica identity of %s %s, so a writer's delete in the stream does not say which row it deleted, and the relay would take a row its writer deleted for one it kept; as the table's owner, run: %s",
+			relayconfig.FlagWriterDeletes, rel, what, fix)
+	}
+	r.log.Warn("the replica identity of the table does not key a delete by id: writer deletes would need it, and with none PostgreSQL refuses the table's deletes once they are published",
+		"relation", rel, "replica_identity", what, "fix", fix)
+	return nil
 }
 
 // checkCapture verifies what logical replication needs and names the fix
@@ -545,6 +567,12 @@ func (r *Relay) replicationConn(ctx context.Context) (*pgconn.PgConn, error) {
 func (r *Relay) startReplication(ctx context.Context, conn *pgconn.PgConn, opts pglogrepl.StartReplicationOptions) error {
 	if err := r.tryCaptureLock(ctx, conn); err != nil {
 		return err
+	}
+	r.capture.streamPID = 0
+	if res, err := conn.Exec(ctx, `SELECT pg_backend_pid()`).ReadAll(); err == nil && len(res) == 1 && len(res[0].Rows) == 1 {
+		if pid, err := strconv.ParseInt(string(res[0].Rows[0][0]), 10, 32); err == nil {
+			r.capture.streamPID = int32(pid)
+		}
 	}
 	if r.cfg.WriterDeletes {
 		if err := lockWriterDeletes(ctx, conn, r.capture.slot); err != nil {
@@ -1292,12 +1320,16 @@ func (s *streamState) keepAlive(ctx context.Context) error {
 		return nil
 	}
 	s.nextAlive = now.Add(captureLockCheck)
+	pid := s.r.capture.streamPID
+	if pid == 0 {
+		return nil // not known: the stream's next read tells
+	}
 	var live bool
-	if err := s.r.pool.QueryRow(ctx, sqlBackendLive, int32(s.conn.PID())).Scan(&live); err != nil {
+	if err := s.r.pool.QueryRow(ctx, sqlBackendLive, pid).Scan(&live); err != nil {
 		return fmt.Errorf("look for the replication session: %w", err)
 	}
 	if !live {
-		return fmt.Errorf("the replication session (backend %d) has ended, and the capture lock with it", s.conn.PID())
+		return fmt.Errorf("the replication session (backend %d) has ended, and the capture lock with it", pid)
 	}
 	return nil
 }

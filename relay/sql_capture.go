@@ -32,10 +32,14 @@ const (
 	// partitioned, its leaf partitions (their own identity keys a delete on
 	// them; pg_partition_tree lists none of a plain table) whose replica
 	// identity gives a deleted row's old key without its id, and that
-	// identity (relreplident: n nothing, d the primary key, i an index);
-	// no row when every one carries the id. A delete's key is what the
-	// stream sees of a row its writer deleted.
-	sqlReplicaIdentityWithoutID = `SELECT c.oid::regclass::text, c.relreplident::text FROM pg_class c
+	// identity (relreplident: n nothing, d the primary key, i an index),
+	// and whether it has no key at all (nothing, or the primary key of a
+	// table without one: PostgreSQL then refuses its deletes once they
+	// are published); no row when every one carries the id. A delete's key
+	// is what the stream sees of a row its writer deleted.
+	sqlReplicaIdentityWithoutID = `SELECT c.oid::regclass::text, c.relreplident::text,
+		c.relreplident = 'n' OR (c.relreplident = 'd' AND NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary))
+		FROM pg_class c
 		WHERE (c.oid = $1 OR c.oid IN (SELECT relid FROM pg_partition_tree($1::oid::regclass) WHERE isleaf))
 		  AND c.relkind <> 'p' AND c.relreplident <> 'f' AND NOT EXISTS (
 			SELECT 1 FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)

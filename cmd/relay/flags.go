@@ -72,7 +72,6 @@ func parseFlags(args []string, lookupEnv func(string) (string, bool), stderr io.
 	return &options{relay: r, settings: s.Settings, registry: reg, metricsAddr: s.MetricsAddr, logger: logger, tracing: tp}, nil
 }
 
-// tlsConfig reads the PEM files of a TLS client; the flag names name them in errors.
 // databaseLogin reads the files of the --database-* flags and makes the
 // token source of --database-auth: nil, nil for a plain DSN login.
 func databaseLogin(d relayconfig.DatabaseLogin) (*tls.Config, *dbauth.Source, error) {
@@ -93,6 +92,7 @@ func databaseLogin(d relayconfig.DatabaseLogin) (*tls.Config, *dbauth.Source, er
 	return t, dbauth.NewSource(provider), nil
 }
 
+// tlsConfig reads the PEM files of a TLS client; the flag names name them in errors.
 func tlsConfig(caFile, certFile, keyFile, caFlag, certFlag, keyFlag string) (*tls.Config, error) {
 	t := &tls.Config{MinVersion: tls.VersionTLS12}
 	if caFile != "" {
