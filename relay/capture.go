@@ -1402,7 +1402,7 @@ func (r *Relay) publishStreamedFrom(ctx context.Context, ids, xids []int64, carr
 		// sweep or a transaction of many batches is a loop that moves.
 		r.health.iteration(time.Now())
 		chunk := ids[:min(len(ids), r.cfg.BatchSize)]
-		b, err := r.claimStreamed(ctx, chunk, xids)
+		b, err := r.claimStreamed(ctx, chunk, xids, alive)
 		if err = settle(err); err != nil {
 			if b != nil {
 				b.done <- r.markAndCommit(b)
@@ -1495,7 +1495,7 @@ func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive fun
 		if err := alive(ctx); err != nil {
 			return err
 		}
-		b, err := r.claimStreamed(ctx, ids, nil)
+		b, err := r.claimStreamed(ctx, ids, nil, alive)
 		if err != nil {
 			return err
 		}
@@ -1522,11 +1522,11 @@ func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive fun
 // transaction stays in progress for every session until then; a claim then
 // leaves its rows to a sweep, after later rows of their keys. Past the
 // limit it returns, and they are.
-func (r *Relay) waitVisible(ctx context.Context, xids []int64, start time.Time) error {
+func (r *Relay) waitVisible(ctx context.Context, xids []int64, start time.Time, alive func(context.Context) error) error {
 	for waited := false; ; waited = true {
 		var invisible int
 		if err := r.pool.QueryRow(ctx, sqlInvisible, xids).Scan(&invisible); err != nil {
-			return fmt.Errorf("read whether the stream's transactions are visible: %w", err)
+			return r.dbFailed(fmt.Errorf("read whether the stream's transactions are visible: %w", err))
 		}
 		switch {
 		case invisible == 0:
@@ -1539,6 +1539,11 @@ func (r *Relay) waitVisible(ctx context.Context, xids []int64, start time.Time) 
 			r.log.Info("waiting for transactions the stream delivered to become visible (synchronous replication?)", "transactions", invisible)
 		}
 		r.health.iteration(time.Now())
+		// The wait can outlast wal_sender_timeout: report the position,
+		// and stop if the session has ended meanwhile.
+		if err := alive(ctx); err != nil {
+			return err
+		}
 		sleep(ctx, visibleRetry)
 	}
 }
@@ -1555,7 +1560,7 @@ const visibleRetry = 5 * time.Millisecond
 // up to lockWait for rows another transaction has locked (another
 // relay's batch, during a switch from polling, or an application's): a
 // row it skipped would go out with a sweep, after later rows of its key.
-func (r *Relay) claimStreamed(ctx context.Context, ids, xids []int64) (*inFlight, error) {
+func (r *Relay) claimStreamed(ctx context.Context, ids, xids []int64, alive func(context.Context) error) (*inFlight, error) {
 	start := time.Now()
 	f := claimFilter{types: r.availableTypes(start), held: r.held.ids(), largest: r.largestRecord()}
 	claim := r.sql.ClaimIDs
@@ -1588,12 +1593,12 @@ func (r *Relay) claimStreamed(ctx context.Context, ids, xids []int64) (*inFlight
 		if err == nil && len(xids) > 0 && locked < len(ids) {
 			tx.Rollback(bctx) //nolint:errcheck // claimed again once they are visible
 			cancel()
-			err = r.waitVisible(ctx, xids, start)
+			err = r.waitVisible(ctx, xids, start, alive)
 			if err == nil {
 				xids, claim = nil, r.sql.ClaimIDsWaiting // once: the claim after the wait sees them all
 				continue
 			}
-			return nil, r.dbFailed(err)
+			return nil, err
 		}
 		if code := pgCode(err); waiting && (code == "55P03" || code == "57014" || code == "40P01") { // lock_not_available, query_canceled, deadlock_detected
 			tx.Rollback(bctx) //nolint:errcheck // claimed again, without waiting

@@ -567,6 +567,10 @@ func TestLogicalReplicationWaitsForACommitToBeVisible(t *testing.T) {
 	require.NoError(t, err)
 	_, err = admin.Exec(ctx, `SELECT pg_reload_conf()`)
 	require.NoError(t, err)
+	// The wait below outlasts it: the relay reports its position while it
+	// waits, so the server keeps the session (before, it ended it).
+	_, err = admin.Exec(ctx, `ALTER DATABASE syncrep SET wal_sender_timeout = '2s'`)
+	require.NoError(t, err)
 
 	f := outboxtest.NewFixture(t, 1, "E")
 	cfg := f.Config()
@@ -593,10 +597,15 @@ func TestLogicalReplicationWaitsForACommitToBeVisible(t *testing.T) {
 		var waiting bool
 		return admin.QueryRow(ctx, `SELECT wait_event = 'SyncRep' FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&waiting) == nil && waiting
 	}, 10*time.Second, 10*time.Millisecond, "the first row's commit waits for the standby")
+	var walsender int
+	require.NoError(t, admin.QueryRow(ctx, `SELECT active_pid FROM pg_replication_slots WHERE active`).Scan(&walsender))
 	_, err = admin.Exec(ctx, insert, second) // committed, and visible, at once
 	require.NoError(t, err)
-	require.Never(t, func() bool { return x.Published() > 0 }, time.Second, 10*time.Millisecond,
+	require.Never(t, func() bool { return x.Published() > 0 }, 5*time.Second, 10*time.Millisecond,
 		"the second row, visible, waits for the first, streamed before it but not visible yet")
+	var still int
+	require.NoError(t, admin.QueryRow(ctx, `SELECT COALESCE(max(active_pid), 0) FROM pg_replication_slots`).Scan(&still))
+	require.Equal(t, walsender, still, "the replication session outlived wal_sender_timeout while the relay waited")
 	_, err = admin.Exec(ctx, `SELECT pg_cancel_backend($1)`, pid)
 	require.NoError(t, err)
 	require.NoError(t, <-committed, "committed locally once the wait is cancelled")
