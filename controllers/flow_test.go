@@ -324,7 +324,10 @@ func testObserverLifecycle(t *testing.T, c client.Client, r *OutboxRelayReconcil
 	require.Equal(t, 0.0, series()["outbox_operator_lagging"])
 
 	update(t, c, secret, func(s *corev1.Secret) { s.Data["dsn"] = []byte(dsn2) })
-	waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool { return o.Status.Backlog.Pending == 9 })
+	// Until the new database is read, status shows no backlog rather than the old one's.
+	waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return o.Status.Backlog != nil && o.Status.Backlog.Pending == 9
+	})
 	require.Eventually(t, func() bool { return operatorSessions(db) == 0 }, eventually, tick, "the old DSN's connection is closed")
 	require.Equal(t, 1, operatorSessions(db2))
 
