@@ -35,12 +35,14 @@ const (
 	// specHashAnnotation on a child holds the hash of the spec the operator
 	// last wrote; an equal hash means there is nothing to update.
 	specHashAnnotation = "outbox.dev/spec-hash"
-	// liveHashAnnotation on a child holds the hash of the fields the
-	// operator owns as the API server stored them after its last write
-	// (defaults and admission webhooks' changes included): a live hash that
-	// differs means someone else changed them, and the operator puts them
-	// back.
-	liveHashAnnotation = "outbox.dev/live-hash"
+	// liveHashLabel on a child holds the hash of the fields the operator
+	// owns as the API server stored them after its last write (defaults
+	// and admission webhooks' changes included): a live hash that differs
+	// means someone else changed them, and the operator puts them back. A
+	// label, not an annotation: a write of a Deployment's annotations
+	// bumps its generation, which shows as a rollout until the Deployment
+	// controller has looked; a write of its labels does not.
+	liveHashLabel = "outbox.dev/live-hash"
 	// restartedAtAnnotation is what kubectl rollout restart stamps on a
 	// Deployment's pod template; the operator keeps it (ensureChildren).
 	restartedAtAnnotation = "kubectl.kubernetes.io/restartedAt"

@@ -160,7 +160,7 @@ func childProblem(err error) (*problem, error) {
 // ensure creates want (controlled by relay), or patches the existing object
 // when its spec-hash annotation differs from want's, it lacks one of want's
 // labels, drifted says it changed underneath us, or the fields owned picks
-// out no longer hash to its live-hash annotation (someone edited them by
+// out no longer hash to its live-hash label (someone edited them by
 // hand). merge copies the fields the operator owns from want into the
 // existing object; fields the API server defaulted stay, so an unchanged
 // relay causes no write at all. After a write that changed the owned
@@ -195,7 +195,7 @@ func ensure[T client.Object](ctx context.Context, c client.Client, uncached clie
 	}
 	if cur.GetAnnotations()[specHashAnnotation] == want.GetAnnotations()[specHashAnnotation] &&
 		hasLabels(cur, want) && (drifted == nil || !drifted(cur, want)) &&
-		(owned == nil || cur.GetAnnotations()[liveHashAnnotation] == hashOf(owned(cur))) {
+		(owned == nil || cur.GetLabels()[liveHashLabel] == hashOf(owned(cur))) {
 		return cur, nil
 	}
 	patch := client.MergeFromWithOptions(cur.DeepCopyObject().(client.Object), client.MergeFromWithOptimisticLock{})
@@ -217,7 +217,7 @@ func ensure[T client.Object](ctx context.Context, c client.Client, uncached clie
 	return cur, recordLive(ctx, c, cur, owned, kind)
 }
 
-// recordLive sets obj's live-hash annotation to the hash of its owned fields
+// recordLive sets obj's live-hash label to the hash of its owned fields
 // as the API server returned them from the operator's write, unless it
 // already holds it. It takes no optimistic lock: the Deployment controller
 // writes the object at once (its revision, its status), and a lock would
@@ -229,16 +229,16 @@ func recordLive[T client.Object](ctx context.Context, c client.Client, obj T, ow
 		return nil
 	}
 	live := hashOf(owned(obj))
-	if obj.GetAnnotations()[liveHashAnnotation] == live {
+	if obj.GetLabels()[liveHashLabel] == live {
 		return nil
 	}
 	patch := client.MergeFrom(obj.DeepCopyObject().(client.Object))
-	annotations := maps.Clone(obj.GetAnnotations())
-	if annotations == nil {
-		annotations = map[string]string{}
+	labels := maps.Clone(obj.GetLabels())
+	if labels == nil {
+		labels = map[string]string{}
 	}
-	annotations[liveHashAnnotation] = live
-	obj.SetAnnotations(annotations)
+	labels[liveHashLabel] = live
+	obj.SetLabels(labels)
 	if err := c.Patch(ctx, obj, patch); err != nil {
 		return fmt.Errorf("record the live hash of %s %s: %w", kind, obj.GetName(), err)
 	}

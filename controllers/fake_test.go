@@ -196,7 +196,7 @@ func TestLiveHashIsRecordedBesideTheDeploymentController(t *testing.T) {
 	require.NoError(t, err)
 	d := &appsv1.Deployment{}
 	require.NoError(t, c.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, d))
-	require.NotEmpty(t, d.Annotations[liveHashAnnotation])
+	require.NotEmpty(t, d.Labels[liveHashLabel])
 	require.NoError(t, c.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, &corev1.Service{}),
 		"the pass went on to the Service")
 
@@ -207,7 +207,7 @@ func TestLiveHashIsRecordedBesideTheDeploymentController(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, c.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, d))
 	require.Contains(t, d.Spec.Template.Spec.Containers[0].Args, "--batch-size=77")
-	require.Equal(t, hashOf([]any{d.Spec.Template, d.Spec.Strategy.Type, d.Spec.RevisionHistoryLimit}), d.Annotations[liveHashAnnotation])
+	require.Equal(t, hashOf([]any{d.Spec.Template, d.Spec.Strategy.Type, d.Spec.RevisionHistoryLimit}), d.Labels[liveHashLabel])
 	require.Positive(t, controllerWrites)
 }
 

@@ -304,10 +304,14 @@ func testSpecChanges(t *testing.T, c client.Client, r *OutboxRelayReconciler) {
 	// A child written by a release before the live hash gets one, with no
 	// change of its pod template: the pods do not roll.
 	require.NoError(t, c.Get(ctx, childKey(relay), d))
-	template := d.Spec.Template.DeepCopy()
-	update(t, c, d, func(d *appsv1.Deployment) { delete(d.Annotations, liveHashAnnotation) })
-	d = waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return d.Annotations[liveHashAnnotation] != "" })
+	template, generation := d.Spec.Template.DeepCopy(), d.Generation
+	update(t, c, d, func(d *appsv1.Deployment) { delete(d.Labels, liveHashLabel) })
+	d = waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return d.Labels[liveHashLabel] != "" })
 	require.True(t, equality.Semantic.DeepEqual(*template, d.Spec.Template), "recording the live hash changed the pod template")
+	// A label: a write of a Deployment's annotations would bump its
+	// generation, which shows as a rollout until the Deployment controller
+	// has looked.
+	require.Equal(t, generation, d.Generation, "recording the live hash moved the Deployment's generation")
 }
 
 func testScaleSubresource(t *testing.T, c client.Client) {
