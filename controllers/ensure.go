@@ -48,9 +48,7 @@ func (r *OutboxRelayReconciler) ensureChildren(ctx context.Context, relay *outbo
 	desired := relayDeployment(relay, r.images(), s, in, current)
 	deploy, err := ensure(ctx, r.Client, r.APIReader, relay, desired, &appsv1.Deployment{},
 		func(cur, want *appsv1.Deployment) bool { return *cur.Spec.Replicas != *want.Spec.Replicas },
-		func(d *appsv1.Deployment) any {
-			return []any{d.Spec.Template, d.Spec.Strategy.Type, d.Spec.RevisionHistoryLimit}
-		},
+		deploymentOwned,
 		func(cur, want *appsv1.Deployment) {
 			cur.Spec.Replicas = want.Spec.Replicas
 			cur.Spec.RevisionHistoryLimit = want.Spec.RevisionHistoryLimit
@@ -84,6 +82,12 @@ func (r *OutboxRelayReconciler) ensureChildren(ctx context.Context, relay *outbo
 		return nil, prob, err
 	}
 	return deploy, nil, nil
+}
+
+// deploymentOwned is what of a Deployment the operator owns beyond its
+// replicas: what its live hash covers.
+func deploymentOwned(d *appsv1.Deployment) any {
+	return []any{d.Spec.Template, d.Spec.Strategy.Type, d.Spec.RevisionHistoryLimit}
 }
 
 // ensurePDB writes the PodDisruptionBudget, or deletes the one this relay

@@ -50,6 +50,14 @@ func fakeRelay(t *testing.T, funcs interceptor.Funcs, edit func(*outboxv1alpha1.
 	return c, r, relay
 }
 
+// fakeDeployment is relay's Deployment as c has it.
+func fakeDeployment(t *testing.T, c client.Client, relay *outboxv1alpha1.OutboxRelay) *appsv1.Deployment {
+	t.Helper()
+	d := &appsv1.Deployment{}
+	require.NoError(t, c.Get(context.Background(), types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, d))
+	return d
+}
+
 // kubectl rollout restart stamps the Deployment's pod template; the next
 // change the operator writes (a scale, here) keeps the stamp, so the pods
 // roll once, not again at the scale.
@@ -104,11 +112,7 @@ func TestOldestAgeScalesOncePerReading(t *testing.T) {
 	}
 	r.Flow.relays[key] = &relayFlow{target: flowTarget{dsn: fakeDSN, auth: dbAuth{method: relayconfig.DatabaseAuthPassword}, table: table,
 		interval: 15 * time.Second}, latest: reading()}
-	replicas := func() int32 {
-		d := &appsv1.Deployment{}
-		require.NoError(t, c.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, d))
-		return *d.Spec.Replicas
-	}
+	replicas := func() int32 { return *fakeDeployment(t, c, relay).Spec.Replicas }
 	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key}) // creates the Deployment: 1 × 1.5
 	require.NoError(t, err)
 	first := replicas()
@@ -141,11 +145,7 @@ func TestRequeueReadsRotatedSecretWhenDue(t *testing.T) {
 	ctx := context.Background()
 	key := client.ObjectKeyFromObject(relay)
 	dsn := types.NamespacedName{Namespace: relay.Namespace, Name: relay.Spec.DSNSecretRef.Name}
-	configHash := func() string {
-		d := &appsv1.Deployment{}
-		require.NoError(t, c.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, d))
-		return d.Spec.Template.Annotations[configHashAnnotation]
-	}
+	configHash := func() string { return fakeDeployment(t, c, relay).Spec.Template.Annotations[configHashAnnotation] }
 	_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
 	require.NoError(t, err)
 	before := configHash()
@@ -194,8 +194,7 @@ func TestLiveHashIsRecordedBesideTheDeploymentController(t *testing.T) {
 	key := client.ObjectKeyFromObject(relay)
 	_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
 	require.NoError(t, err)
-	d := &appsv1.Deployment{}
-	require.NoError(t, c.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, d))
+	d := fakeDeployment(t, c, relay)
 	require.NotEmpty(t, d.Labels[liveHashLabel])
 	require.NoError(t, c.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, &corev1.Service{}),
 		"the pass went on to the Service")
@@ -205,9 +204,9 @@ func TestLiveHashIsRecordedBesideTheDeploymentController(t *testing.T) {
 	require.NoError(t, c.Update(ctx, relay))
 	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
 	require.NoError(t, err)
-	require.NoError(t, c.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, d))
+	d = fakeDeployment(t, c, relay)
 	require.Contains(t, d.Spec.Template.Spec.Containers[0].Args, "--batch-size=77")
-	require.Equal(t, hashOf([]any{d.Spec.Template, d.Spec.Strategy.Type, d.Spec.RevisionHistoryLimit}), d.Labels[liveHashLabel])
+	require.Equal(t, hashOf(deploymentOwned(d)), d.Labels[liveHashLabel])
 	require.Positive(t, controllerWrites)
 }
 

@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -199,11 +198,7 @@ func TestStaleSecretKeepsItsKeyVersions(t *testing.T) {
 	dsn := types.NamespacedName{Namespace: relay.Namespace, Name: relay.Spec.DSNSecretRef.Name}
 	other := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: relay.Namespace, Name: "other"}, Data: map[string][]byte{"dsn": []byte("x")}}
 	require.NoError(t, c.Create(ctx, other))
-	configHash := func() string {
-		d := &appsv1.Deployment{}
-		require.NoError(t, c.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, d))
-		return d.Spec.Template.Annotations[configHashAnnotation]
-	}
+	configHash := func() string { return fakeDeployment(t, c, relay).Spec.Template.Annotations[configHashAnnotation] }
 	_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
 	require.NoError(t, err)
 	before := configHash()

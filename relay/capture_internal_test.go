@@ -137,10 +137,7 @@ func TestLongSweepIsNoWedge(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	r, pool := captureRelay(t)
-	r.cfg.BatchSize = 10
-	w := &kafka.Writer{Addr: kafka.TCP(testenv.Broker().Addr()), RequiredAcks: kafka.RequireAll, BatchTimeout: time.Millisecond}
-	t.Cleanup(func() { w.Close() })
-	r.writer = pausingWriter{w: w, pause: 50 * time.Millisecond}
+	slowBatches(t, r)
 	_, err := pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 		SELECT gen_random_uuid(), 'O', 'a', 'E', '{}', 'a' FROM generate_series(1, 600)`) // before the slot: swept
 	require.NoError(t, err)
@@ -171,10 +168,7 @@ func TestEndedReplicationSessionStopsTheTransactionInHand(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	r, pool := captureRelay(t)
-	r.cfg.BatchSize = 10
-	w := &kafka.Writer{Addr: kafka.TCP(testenv.Broker().Addr()), RequiredAcks: kafka.RequireAll, BatchTimeout: time.Millisecond}
-	t.Cleanup(func() { w.Close() })
-	r.writer = pausingWriter{w: w, pause: 50 * time.Millisecond}
+	slowBatches(t, r)
 	require.NoError(t, r.Check(ctx))
 	runLogged(t, r, pool)
 	require.Eventually(t, func() bool { return testutil.ToFloat64(r.m.captureStreaming) == 1 }, 20*time.Second, 20*time.Millisecond)
@@ -307,6 +301,15 @@ func (s *syncBuffer) String() string {
 }
 
 // pausingWriter pauses before each publish: a slow broker.
+// slowBatches makes r publish in batches of 10, each taking 50 ms or more:
+// a sweep or a large transaction takes seconds.
+func slowBatches(t *testing.T, r *Relay) {
+	r.cfg.BatchSize = 10
+	w := &kafka.Writer{Addr: kafka.TCP(testenv.Broker().Addr()), RequiredAcks: kafka.RequireAll, BatchTimeout: time.Millisecond}
+	t.Cleanup(func() { w.Close() })
+	r.writer = pausingWriter{w: w, pause: 50 * time.Millisecond}
+}
+
 type pausingWriter struct {
 	w     MessageWriter
 	pause time.Duration
