@@ -1003,6 +1003,20 @@ type streamState struct {
 
 // handle processes one message of the replication protocol.
 func (s *streamState) handle(ctx context.Context, msg pgproto3.BackendMessage) error {
+	if err := s.handleMessage(ctx, msg); err != nil {
+		return err
+	}
+	if len(s.pending) == 0 && !s.inTx {
+		// Nothing waits to be published: the stream is idle, as an empty
+		// claim is. A busy server keeps its reads from timing out (each
+		// write elsewhere brings a keepalive), so the message says so too.
+		s.r.health.batchDone(time.Now(), 0, 0)
+	}
+	return nil
+}
+
+// handleMessage reads one message of the stream.
+func (s *streamState) handleMessage(ctx context.Context, msg pgproto3.BackendMessage) error {
 	switch msg := msg.(type) {
 	case *pgproto3.ErrorResponse:
 		return fmt.Errorf("replication: %w", pgconn.ErrorResponseToPgError(msg))

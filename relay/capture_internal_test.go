@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/segmentio/kafka-go"
@@ -606,4 +607,31 @@ func TestStreamKeepsTheRowsItsTransactionDeletes(t *testing.T) {
 	feed(append([]byte{'C'}, make([]byte, 25)...))
 	require.Equal(t, []int64{10, 11, 12, 13, 14}, s.pending)
 	require.Zero(t, cap(s.txRaw), "released")
+}
+
+// An idle stream on a busy server is not a stall. While other tables
+// write, the server sends keepalives many times a second, so the stream's
+// reads time out only when its own slot check or status report is due
+// (every 5 s and 10 s): a stream that counted only a read that timed out
+// as idle reported no_progress past a stall timeout that short, with
+// nothing to publish. Each message that leaves nothing waiting counts.
+func TestIdleStreamOnABusyServerIsNotAStall(t *testing.T) {
+	t0 := time.Now().Add(-time.Minute)
+	r := &Relay{health: newHealth(5*time.Second, time.Hour, t0)}
+	r.health.batchDone(t0, 1, 0) // a row claimed and not published, a minute ago
+	s := &streamState{r: r}
+	keepalive := &pgproto3.CopyData{Data: append([]byte{pglogrepl.PrimaryKeepaliveMessageByteID}, make([]byte, 17)...)}
+
+	s.pending = []int64{1}
+	require.NoError(t, s.handle(context.Background(), keepalive))
+	require.Contains(t, r.health.stalls(time.Now()), StallNoProgress, "a row waits: the stall stays")
+
+	s.pending = nil
+	s.inTx = true
+	require.NoError(t, s.handle(context.Background(), keepalive))
+	require.Contains(t, r.health.stalls(time.Now()), StallNoProgress, "a transaction is being read: the stall stays")
+
+	s.inTx = false
+	require.NoError(t, s.handle(context.Background(), keepalive))
+	require.Empty(t, r.health.stalls(time.Now()), "nothing waits: the stream is idle")
 }

@@ -317,10 +317,7 @@ func TestLogicalReplicationHoldingARowIsNotAStall(t *testing.T) {
 	ctx := context.Background()
 	f, cfg := captureFixture(t, 1, "E")
 	f.Exec(`ALTER TABLE outbox ADD COLUMN IF NOT EXISTS headers jsonb`)
-	// Not the shortest: on a loaded machine (the whole suite on two cores)
-	// the stream's first seconds once went 5 s without a finished batch,
-	// which is the no-progress stall, not what this test is about.
-	cfg.StallTimeout = 10 * time.Second
+	cfg.StallTimeout = relayconfig.MinStallTimeout
 	x := startStreaming(t, cfg)
 	_, err := f.Pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, headers)
 		VALUES (gen_random_uuid(), 'Order', 'o1', 'E', '{}', 'o1', '[1]')`)
