@@ -456,41 +456,11 @@ func (r *Relay) sendRounds(ctx context.Context, b *batch, msgs []kafka.Message, 
 // round of its own for its topic, after the records before it.
 func (r *Relay) overBudget(m kafka.Message) bool { return recordSize(m) > r.topics.budget(m.Topic) }
 
-// send writes the admitted records in one call. When that call fails as a
-// whole because of one topic (kafka-go resolves every topic before sending
-// anything, so one unknown or forbidden topic fails them all), each topic
-// is sent on its own, so the others still go out.
+// send writes the admitted records (write makes a call of each topic's
+// partition, so one unknown or forbidden topic fails only its own).
 func (r *Relay) send(ctx context.Context, b *batch, msgs []kafka.Message, idx []int) {
 	defer r.recheckUnknown(ctx, b, idx)
-	var whole error
-	r.write(ctx, msgs, func(j int, o outcome, err error) {
-		b.out[idx[j]], b.errs[idx[j]] = o, err
-		if j == 0 && o == topicDown {
-			whole = err
-		}
-	})
-	if whole == nil || !allSame(b, idx, topicDown) || len(topicsOf(msgs)) < 2 {
-		return
-	}
-	for _, topic := range topicsOf(msgs) {
-		var tm []kafka.Message
-		var ti []int
-		for j, m := range msgs {
-			if i := idx[j]; m.Topic == topic {
-				if r.laneStopped(b, b.rows[i], i) {
-					b.out[i] = skipped // an older row of its key on this topic did not go out
-					continue
-				}
-				tm, ti = append(tm, m), append(ti, i)
-			}
-		}
-		r.write(ctx, tm, func(j int, o outcome, err error) { b.out[ti[j]], b.errs[ti[j]] = o, err })
-		for _, i := range ti {
-			if b.out[i] != acked {
-				r.stopLane(b, b.rows[i], i, time.Time{})
-			}
-		}
-	}
+	r.write(ctx, msgs, func(j int, o outcome, err error) { b.out[idx[j]], b.errs[idx[j]] = o, err })
 }
 
 // restamp sends row i of b again stamped with the publish time: its topic
@@ -516,9 +486,12 @@ func (r *Relay) restamp(ctx context.Context, b *batch, i int) {
 }
 
 // recheckUnknown asks the broker about each topic a write called unknown:
-// the writer's cached metadata can lag behind a topic that was just
-// created, and such a topic is only slow, not unavailable (a transient
-// failure, retried at once).
+// the writers know topics from the transport's cached metadata, which can
+// lag behind a topic that was just created, and such a topic is only
+// slow, not unavailable (a transient failure, retried at once). kafka-go
+// answers a metadata request from that cache too, so the recheck first
+// drops the transport's connection pools, and with them the cache: the
+// answer is the broker's, and the writers' next calls see it.
 func (r *Relay) recheckUnknown(ctx context.Context, b *batch, idx []int) {
 	exists := map[string]bool{}
 	for _, i := range idx {
@@ -528,6 +501,9 @@ func (r *Relay) recheckUnknown(ctx context.Context, b *batch, idx []int) {
 		topic := r.cfg.Topics[b.rows[i].eventType]
 		known, checked := exists[topic]
 		if !checked {
+			if len(exists) == 0 && r.transport != nil {
+				r.transport.CloseIdleConnections() // calls in flight keep theirs until they end
+			}
 			md, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: []string{topic}})
 			known = err == nil && len(md.Topics) == 1 && md.Topics[0].Error == nil && len(md.Topics[0].Partitions) > 0
 			exists[topic] = known
@@ -536,28 +512,6 @@ func (r *Relay) recheckUnknown(ctx context.Context, b *batch, idx []int) {
 			b.out[i] = transient
 		}
 	}
-}
-
-func allSame(b *batch, idx []int, o outcome) bool {
-	for _, i := range idx {
-		if b.out[i] != o {
-			return false
-		}
-	}
-	return true
-}
-
-// topicsOf lists the distinct topics of msgs in order of first appearance.
-func topicsOf(msgs []kafka.Message) []string {
-	var ts []string
-	seen := map[string]bool{}
-	for _, m := range msgs {
-		if !seen[m.Topic] {
-			seen[m.Topic] = true
-			ts = append(ts, m.Topic)
-		}
-	}
-	return ts
 }
 
 // topicsFailing leaves out of the claims, for a backoff, each topic whose
@@ -601,51 +555,67 @@ func (r *Relay) topicFailed(topic string, x row, err error, now time.Time) {
 	}
 }
 
-// write sends msgs and reports each message's outcome. Messages whose
-// topics take batches of the same size go in one call of the writer for
-// that size, which splits each partition's share to fit; the calls of
-// different writers run at once.
+// write sends msgs and reports each message's outcome. Each partition's
+// share goes in a call of its own, and the calls run at once: a call whose
+// context ends reports only that (kafka-go returns the context's error,
+// not what each partition's broker answered), so one hung partition would
+// fail every record beside it, and they would go out again at each retry
+// (TestHungPartitionLeavesTheOthersAcknowledged). A call holds one topic,
+// so one unknown or forbidden topic fails only its own records.
+// A partition's share goes through the writer for its topic's batch
+// size, which splits it to fit.
 func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int, outcome, error)) {
 	if len(msgs) == 0 {
 		return
 	}
 	pctx, cancel := context.WithTimeout(ctx, r.cfg.PublishTimeout)
 	defer cancel()
-	if r.writer != nil { // injected
-		r.writeWith(pctx, r.writer, msgs, report)
-		return
+	type call struct {
+		kind      writerKind
+		topic     string
+		partition int
 	}
-	groups := map[writerKind][]int{} // indexes into msgs
-	var kinds []writerKind
+	groups := map[call][]int{} // indexes into msgs
+	var calls []call
+	partitions := map[string][]int{}
 	for j, m := range msgs {
-		k := writerKind{batchBytes: r.topics.budget(m.Topic), compressed: r.topics.compressed}
-		if r.overBudget(m) {
-			// Admitted because it fits alone (topicState.tooLarge): a
-			// writer whose batches hold one such record at most. It goes
-			// in a round of its own for its topic (sendRounds), so no
-			// key's order turns.
-			// Uncompressed: its size is then the one it was admitted by.
-			k = writerKind{batchBytes: r.topics.limit(m.Topic)}
+		c := call{topic: m.Topic, partition: r.partitionOf(m, partitions)}
+		if r.writer == nil { // not injected
+			c.kind = writerKind{batchBytes: r.topics.budget(m.Topic), compressed: r.topics.compressed}
+			if r.overBudget(m) {
+				// Admitted because it fits alone (topicState.tooLarge): a
+				// writer whose batches hold one such record at most. It goes
+				// in a round of its own for its topic (sendRounds), so no
+				// key's order turns.
+				// Uncompressed: its size is then the one it was admitted by.
+				c.kind = writerKind{batchBytes: r.topics.limit(m.Topic)}
+			}
 		}
-		if _, ok := groups[k]; !ok {
-			kinds = append(kinds, k)
+		if _, ok := groups[c]; !ok {
+			calls = append(calls, c)
 		}
-		groups[k] = append(groups[k], j)
+		groups[c] = append(groups[c], j)
 	}
-	if len(kinds) == 1 {
-		r.writeWith(pctx, r.writerFor(kinds[0]), msgs, report)
+	writer := func(c call) MessageWriter {
+		if r.writer != nil {
+			return r.writer
+		}
+		return r.writerFor(c.kind)
+	}
+	if len(calls) == 1 {
+		r.writeWith(pctx, writer(calls[0]), msgs, report)
 		return
 	}
 	var mu sync.Mutex
 	var wg sync.WaitGroup
-	for _, k := range kinds {
-		idx := groups[k]
+	for _, c := range calls {
+		idx := groups[c]
 		part := make([]kafka.Message, len(idx))
 		for n, j := range idx {
 			part[n] = msgs[j]
 		}
 		wg.Go(func() {
-			r.writeWith(pctx, r.writerFor(k), part, func(n int, o outcome, err error) {
+			r.writeWith(pctx, writer(c), part, func(n int, o outcome, err error) {
 				mu.Lock()
 				defer mu.Unlock()
 				report(idx[n], o, err)
@@ -653,6 +623,26 @@ func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int
 		})
 	}
 	wg.Wait()
+}
+
+// partitionOf is the partition the writers' balancer sends m to, by its
+// topic's partition count as last read (lists keeps each topic's list of
+// partitions for the call); -1 while that count is not known.
+func (r *Relay) partitionOf(m kafka.Message, lists map[string][]int) int {
+	ps, ok := lists[m.Topic]
+	if !ok {
+		if n, known := r.topics.partitionCount(m.Topic); known {
+			ps = make([]int, n)
+			for p := range ps {
+				ps[p] = p
+			}
+		}
+		lists[m.Topic] = ps
+	}
+	if len(ps) == 0 {
+		return -1
+	}
+	return r.balancer.Balance(m, ps...)
 }
 
 // writeWith sends msgs in one call of w and reports each message's outcome.

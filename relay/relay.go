@@ -46,7 +46,14 @@ type Relay struct {
 	newWriter func(writerKind) *kafka.Writer
 	wmu       sync.Mutex
 	writers   map[writerKind]*kafka.Writer
-	client    *kafka.Client
+	// balancer chooses each record's partition, for the writers and for
+	// the relay's split of a publish by partition (write): Murmur2 of the
+	// key, what Java clients pick, unless the row chose its partition.
+	balancer kafka.Balancer
+	client   *kafka.Client
+	// transport is the writers' and client's: kafka-go answers metadata
+	// requests from its cache, up to its MetadataTTL old.
+	transport *kafka.Transport
 	m         *metrics
 	log       *slog.Logger
 	types     []string     // mapped event types, sorted
@@ -194,6 +201,7 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 		pool:       pool,
 		writer:     w,
 		client:     &kafka.Client{Addr: kafka.TCP(cfg.Brokers...), Timeout: 10 * time.Second, Transport: transport},
+		transport:  transport,
 		m:          newMetrics(cfg.Registerer),
 		log:        cfg.Logger.With("table", table.String()),
 		member:     &member{mode: cfg.Ordering},
@@ -208,6 +216,7 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 		r.tracer = cfg.TracerProvider.Tracer(tracerName)
 	}
 	r.writers = map[writerKind]*kafka.Writer{}
+	r.balancer = explicitBalancer{hash: &kafka.Murmur2Balancer{}}
 	r.newWriter = func(k writerKind) *kafka.Writer {
 		codec := kafka.Compression(0)
 		if k.compressed {
@@ -215,7 +224,7 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 		}
 		return &kafka.Writer{
 			Addr:         kafka.TCP(cfg.Brokers...),
-			Balancer:     explicitBalancer{hash: &kafka.Murmur2Balancer{}}, // Murmur2: what Java clients pick for a key
+			Balancer:     r.balancer,
 			RequiredAcks: kafka.RequireAll,
 			// The writer batches per partition and a partial batch waits
 			// BatchTimeout; the relay hands over whole batches, so send at once.

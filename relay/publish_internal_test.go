@@ -1,0 +1,130 @@
+package relay
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/segmentio/kafka-go"
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
+)
+
+// keysOn returns n keys that the writers' balancer puts on partition p of
+// a topic of two.
+func keysOn(p, n int) []string {
+	var keys []string
+	for i := 0; len(keys) < n; i++ {
+		k := fmt.Sprintf("k%d", i)
+		if (&kafka.Murmur2Balancer{}).Balance(kafka.Message{Key: []byte(k)}, 0, 1) == p {
+			keys = append(keys, k)
+		}
+	}
+	return keys
+}
+
+// kfakeRelay is a relay of cfg's settings on the fake cluster c, with no
+// database, which has not read its topics yet.
+func kfakeRelay(t *testing.T, c *kfake.Cluster, cfg Config) *Relay {
+	t.Helper()
+	cfg.DSN, cfg.Brokers = "postgres://u@127.0.0.1:1/db", c.ListenAddrs()
+	r, err := New(cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { r.Close() })
+	return r
+}
+
+// One partition's leader taking longer than the publish timeout fails only
+// that partition's records: the rows Kafka acknowledged on the other
+// partition are published. Before, kafka-go's call for the whole batch
+// returned the context's error alone, every row went out again at each
+// retry, and none was marked for as long as the leader hung (0 of 5 here).
+func TestHungPartitionLeavesTheOthersAcknowledged(t *testing.T) {
+	for _, mode := range []Ordering{OrderingNone, OrderingPartitionKey} {
+		t.Run(string(mode), func(t *testing.T) {
+			c, err := kfake.NewCluster(kfake.NumBrokers(2), kfake.SeedTopics(2, "t"))
+			require.NoError(t, err)
+			defer c.Close()
+			require.NoError(t, c.MoveTopicPartition("t", 0, 0))
+			require.NoError(t, c.MoveTopicPartition("t", 1, 1))
+			hung := make(chan struct{})
+			defer close(hung)
+			c.ControlKey(int16(kmsg.Produce), func(kmsg.Request) (kmsg.Response, error, bool) {
+				c.KeepControl()
+				if c.CurrentNode() == 0 { // partition 0's leader answers only once the test ends
+					c.SleepControl(func() { <-hung })
+				}
+				return nil, nil, false
+			})
+			r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, PublishTimeout: time.Second, Ordering: mode}})
+			r.refreshKafka(context.Background()) // the topic's partitions, as Check reads them
+			var rows []row
+			var healthy []int64
+			for i, k := range append(keysOn(1, 5), keysOn(0, 1)...) { // the hung partition's key last
+				id := int64(i + 1)
+				rows = append(rows, row{id: id, eventID: fmt.Sprint(id), eventType: "E", partitionKey: k, payload: []byte(`{}`), createdAt: time.Now()})
+				if i < 5 {
+					healthy = append(healthy, id)
+				}
+			}
+			published, _, _ := r.publish(context.Background(), rows)
+			require.ElementsMatch(t, healthy, published, "the rows Kafka acknowledged on partition 1")
+		})
+	}
+}
+
+// A topic that does not exist fails only its own rows, also when the
+// others go through two writers (topics of different record limits).
+// Before, kafka-go failed the whole call of the writer the missing topic
+// shared with y, and y's row failed with it.
+func TestMissingTopicFailsOnlyItsOwnRows(t *testing.T) {
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "y", "z"))
+	require.NoError(t, err)
+	defer c.Close()
+	// Its topics not read yet, as when x goes after the relay read them:
+	// the relay does not know x is gone.
+	r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"X": "x", "Y": "y", "Z": "z"}, PublishTimeout: 2 * time.Second}})
+	r.topics.maxBytes["z"] = 2 << 20 // z takes larger records than x and y: a writer of its own
+	ev := func(id int64, eventType string) row {
+		return row{id: id, eventID: fmt.Sprint(id), eventType: eventType, partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now()}
+	}
+	published, _, _ := r.publish(context.Background(), []row{ev(1, "Y"), ev(2, "Z")}) // the writers know y and z
+	require.ElementsMatch(t, []int64{1, 2}, published)
+	published, _, _ = r.publish(context.Background(), []row{ev(3, "X"), ev(4, "Y"), ev(5, "Z")})
+	require.ElementsMatch(t, []int64{4, 5}, published, "y's and z's rows go out; only x's wait")
+}
+
+// A topic created after the writers read the topics' metadata is only
+// slow: its row fails transiently, not as a topic that is not there, and
+// goes out at the next try. Before, the recheck asked the writers' own
+// cached metadata, which still called the topic unknown: its rows were
+// held as topic_unavailable and it was set aside, for up to a minute.
+func TestTopicCreatedAfterTheWritersLookedIsNotDown(t *testing.T) {
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "t"))
+	require.NoError(t, err)
+	defer c.Close()
+	r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t", "F": "t2"}, PublishTimeout: 2 * time.Second}})
+	ev := func(id int64, eventType string) row {
+		return row{id: id, eventID: fmt.Sprint(id), eventType: eventType, partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now()}
+	}
+	published, _, _ := r.publish(context.Background(), []row{ev(1, "E")})
+	require.Equal(t, []int64{1}, published)
+	cl, err := kgo.NewClient(kgo.SeedBrokers(c.ListenAddrs()...))
+	require.NoError(t, err)
+	defer cl.Close()
+	_, err = kadm.NewClient(cl).CreateTopic(context.Background(), 1, 1, nil, "t2")
+	require.NoError(t, err)
+
+	published, _, _ = r.publish(context.Background(), []row{ev(2, "F")})
+	require.Empty(t, published, "the writers' metadata is from before t2")
+	require.NotContains(t, r.topics.downTopics(), "t2", "the broker knows t2: not a topic down")
+	require.Eventually(t, func() bool { // once the topic's backoff after a failure is over
+		published, _, _ = r.publish(context.Background(), []row{ev(2, "F")})
+		return slices.Equal(published, []int64{2})
+	}, 10*time.Second, 100*time.Millisecond, "a later try sees t2")
+}
