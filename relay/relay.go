@@ -30,6 +30,8 @@ import (
 )
 
 // MessageWriter is the part of *kafka.Writer the relay uses; tests inject faults through it.
+// The relay calls it from several goroutines at once: a call for each
+// topic partition's share of a publish.
 type MessageWriter interface {
 	WriteMessages(ctx context.Context, msgs ...kafka.Message) error
 }
