@@ -176,10 +176,11 @@ bench-capture: deps-postgres deps-kafka ## Polling, polling with the wake-up and
 bench-linger: deps-postgres deps-kafka ## Adaptive polling's wait after a partial claim, the default, 10 ms and 20 ms, against a relay polling every 200 ms at 1,000 events/s in five rounds: p50, p99, relay CPU and claim transactions per 1k events, ratios per round (writes bench/linger.md and bench/linger-results.json).
 	go run ./test/bench -scenarios linger-cost -rates 1000 -reps 5 -latency-duration 20s -out-md bench/linger.md -out-json bench/linger-results.json $(BENCH_FLAGS)
 
-.PHONY: bench-relay
+.PHONY: bench-ordering
 bench-ordering: deps-postgres deps-kafka ## Both orderings side by side: ceiling, drain at batch 50 and 500, 1, 2 and 4 replicas (writes bench/ordering.md and bench/ordering-results.json).
 	go run ./test/bench -scenarios claim-ceiling,drain,replica-scaling -orderings none,partition-key -out-md bench/ordering.md -out-json bench/ordering-results.json $(BENCH_FLAGS)
 
+.PHONY: bench-relay
 bench-relay: deps-postgres deps-kafka ## The relay alone: ceiling, drain at batch 50 and 500, the naive claim shape (writes bench/relay.md and bench/relay-results.json).
 	go run ./test/bench -scenarios claim-ceiling,drain,naive-per-row -orderings none -out-md bench/relay.md -out-json bench/relay-results.json $(BENCH_FLAGS)
 
@@ -203,8 +204,14 @@ deps-postgres: ## Link the machine's PostgreSQL server binaries into bin/ (apt-g
 .PHONY: deps-kafka
 deps-kafka: $(KAFKA_LIBS)/.complete ## Fetch the Kafka $(KAFKA_VERSION) broker jars through mvn (needs a JDK 17+).
 $(KAFKA_LIBS)/.complete: hack/kafka/pom.xml
-	@command -v java >/dev/null || { echo ">> installing a JDK"; $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q openjdk-17-jre-headless; }
-	@command -v mvn >/dev/null || { echo ">> installing maven"; $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q maven; }
+	@missing=""; \
+	command -v java >/dev/null || missing="$$missing openjdk-17-jre-headless"; \
+	command -v mvn >/dev/null || missing="$$missing maven"; \
+	if [ -n "$$missing" ]; then \
+		echo ">> installing Debian's$$missing"; \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -q; \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
 	@echo ">> fetching Kafka $(KAFKA_VERSION) jars from Maven Central"
 	rm -rf $(KAFKA_LIBS)
 	mvn -q -B -f hack/kafka/pom.xml dependency:copy-dependencies -Dkafka.version=$(KAFKA_VERSION) -DoutputDirectory=$(KAFKA_LIBS)
