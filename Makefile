@@ -28,8 +28,9 @@ CONTROLLER_GEN := $(LOCALBIN)/tools/controller-gen-$(CONTROLLER_TOOLS_VERSION)/c
 KUBECTL := $(KUBE_ASSETS)/kubectl
 PROMTOOL := $(LOCALBIN)/tools/promtool-$(PROMETHEUS_VERSION)/promtool
 CHART := charts/outbox-operator
-# The image dist/install.yaml pins (make installer IMG=...).
-IMG ?= ghcr.io/outbox-relay/outbox-operator:v0.1.0
+# The image dist/install.yaml pins (make installer IMG=...): no default, as
+# a release's image would run an older operator than this tree's CRD.
+IMG ?=
 DIST ?= $(CURDIR)/dist
 
 # What tests and tools find the dependencies through (test/testenv).
@@ -139,7 +140,8 @@ chart-sync: ## Copy the CRD, the RBAC rules, the alerts and the dashboard from c
 # RELAY_IMAGE is an env value, which kustomize's image setter leaves alone:
 # one substitution pins the manager's image and the default relay image.
 .PHONY: installer
-installer: deps-kube ## Write dist/install.yaml: what `kubectl apply -k config/default` applies, with the image pinned to IMG.
+installer: deps-kube ## Write dist/install.yaml: what `kubectl apply -k config/default` applies, with the image pinned to IMG (an image built from this tree).
+	@test -n "$(IMG)" || { echo "make installer IMG=<an operator image built from this tree> (a release's install.yaml comes with the release: docs/release.md)"; exit 2; }
 	mkdir -p $(DIST)
 	$(KUBECTL) kustomize config/default | sed 's|ghcr.io/outbox-relay/outbox-operator:latest|$(IMG)|g' > $(DIST)/install.yaml
 	@echo ">> wrote $(DIST)/install.yaml ($(IMG))"

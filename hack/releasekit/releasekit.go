@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"os/exec"
 	"regexp"
+	"strings"
 )
 
 // OperatorRepo is the operator image's repository.
@@ -23,10 +24,15 @@ const Placeholder = OperatorRepo + ":latest"
 // pre-release, no leading "v" (image tags and appVersion add it).
 var versionRE = regexp.MustCompile(`^(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)(-[0-9A-Za-z.-]+)?$`)
 
-// CheckVersion applies the release version rule.
+// CheckVersion applies the release version rule. A version ending in -dev
+// is the tree's between releases (charts/outbox-operator/Chart.yaml), never
+// a release's: the chart renders without an image set only when it is not.
 func CheckVersion(v string) error {
 	if !versionRE.MatchString(v) {
 		return fmt.Errorf("-version %q is not MAJOR.MINOR.PATCH[-PRERELEASE] (without a leading v)", v)
+	}
+	if strings.HasSuffix(v, "-dev") {
+		return fmt.Errorf("-version %q is a development version (-dev), not a release's", v)
 	}
 	return nil
 }

@@ -34,3 +34,15 @@ func TestReleasesRecordTheirCommits(t *testing.T) {
 	}
 	require.Equal(t, Releases[len(Releases)-1], Latest())
 }
+
+// A release version is MAJOR.MINOR.PATCH with an optional pre-release, and
+// never the tree's development version (-dev), whose chart would refuse to
+// render with its default image.
+func TestCheckVersion(t *testing.T) {
+	for _, v := range []string{"0.2.0", "1.10.3", "0.2.0-rc.1"} {
+		require.NoError(t, CheckVersion(v), v)
+	}
+	for _, v := range []string{"v0.2.0", "0.2", "0.2.0-dev", "01.2.3"} {
+		require.Error(t, CheckVersion(v), v)
+	}
+}

@@ -5,6 +5,7 @@ go 1.26.7
 replace github.com/outbox-relay/outbox-operator => ../..
 
 require (
+	github.com/Masterminds/semver/v3 v3.5.0
 	github.com/jackc/pgx/v5 v5.12.0
 	github.com/operator-framework/api v0.35.0
 	github.com/outbox-relay/outbox-operator v0.0.0-00010101000000-000000000000
@@ -36,7 +37,6 @@ require (
 	github.com/BurntSushi/toml v1.6.0 // indirect
 	github.com/MakeNowJust/heredoc v1.0.0 // indirect
 	github.com/Masterminds/goutils v1.1.1 // indirect
-	github.com/Masterminds/semver/v3 v3.5.0 // indirect
 	github.com/Masterminds/sprig/v3 v3.3.0 // indirect
 	github.com/Masterminds/squirrel v1.5.4 // indirect
 	github.com/ProtonMail/go-crypto v1.4.1 // indirect

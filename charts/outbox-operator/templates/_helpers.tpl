@@ -42,12 +42,22 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: manager
 {{- end }}
 
-{{/* The operator image: repository@digest, or repository:tag (tag defaults to appVersion). */}}
+{{/*
+The operator image: repository@digest, or repository:tag (tag defaults to
+appVersion). A development chart (appVersion ending in -dev: the chart of a
+source checkout, which `make release` stamps with the release's version) has
+no released image of its own, and an older release ignores the fields its
+CRD added: it renders only with image.tag or image.digest.
+*/}}
 {{- define "outbox-operator.image" -}}
 {{- if .Values.image.digest }}
 {{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else if .Values.image.tag }}
+{{- printf "%s:%s" .Values.image.repository .Values.image.tag }}
+{{- else if hasSuffix "-dev" .Chart.AppVersion }}
+{{- fail (printf "this chart is a development version (%s, from a source checkout): no released operator image matches its CRD, and an older one ignores the fields it added. Set image.tag or image.digest to an operator image built from the same commit (make images), or install a released chart" .Chart.Version) }}
 {{- else }}
-{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- printf "%s:%s" .Values.image.repository .Chart.AppVersion }}
 {{- end }}
 {{- end }}
 

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/Masterminds/semver/v3"
 	"github.com/stretchr/testify/require"
 	"helm.sh/helm/v3/pkg/action"
 	"helm.sh/helm/v3/pkg/chart"
@@ -20,6 +21,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/yaml"
 
+	"github.com/outbox-relay/outbox-operator/hack/releasekit"
 	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
@@ -27,11 +29,34 @@ const releaseNamespace = "outbox-system"
 
 func chartDir() string { return repo("charts", "outbox-operator") }
 
-func loadChart(t *testing.T) *chart.Chart {
+// loadDevChart is the chart as the tree holds it: between releases a
+// development version (x.y.z-dev), which renders only with an image set.
+func loadDevChart(t *testing.T) *chart.Chart {
 	t.Helper()
 	c, err := loader.Load(chartDir())
 	require.NoError(t, err)
 	return c
+}
+
+// loadChart is the chart as `make release` packages it from this tree:
+// version and appVersion stamped with the release's version (the tree's,
+// without -dev), so the image defaults to the release's own tag.
+func loadChart(t *testing.T) *chart.Chart {
+	t.Helper()
+	c := loadDevChart(t)
+	v := strings.TrimSuffix(c.Metadata.Version, "-dev")
+	c.Metadata.Version, c.Metadata.AppVersion = v, "v"+v
+	return c
+}
+
+// releaseChartDir writes loadChart's chart into a folder, for what takes
+// a chart's path (helm lint).
+func releaseChartDir(t *testing.T) string {
+	t.Helper()
+	dir := t.TempDir()
+	c := loadChart(t)
+	require.NoError(t, chartutil.SaveDir(c, dir))
+	return filepath.Join(dir, c.Name())
 }
 
 // values parses a YAML values document.
@@ -47,12 +72,18 @@ func values(t *testing.T, doc string) map[string]any {
 // Prometheus Operator's API.
 func render(t *testing.T, vals map[string]any) ([]*unstructured.Unstructured, string, error) {
 	t.Helper()
+	return renderChart(t, loadChart(t), vals)
+}
+
+// renderChart is render of chart c.
+func renderChart(t *testing.T, c *chart.Chart, vals map[string]any) ([]*unstructured.Unstructured, string, error) {
+	t.Helper()
 	inst := action.NewInstall(&action.Configuration{})
 	inst.DryRun, inst.ClientOnly, inst.IncludeCRDs = true, true, true
 	inst.ReleaseName, inst.Namespace = "outbox", releaseNamespace
 	inst.KubeVersion = &chartutil.KubeVersion{Version: "v1.37.2", Major: "1", Minor: "37"}
 	inst.APIVersions = chartutil.VersionSet{"monitoring.coreos.com/v1"}
-	rel, err := inst.Run(loadChart(t), vals)
+	rel, err := inst.Run(c, vals)
 	if err != nil {
 		return nil, "", err
 	}
@@ -122,20 +153,71 @@ monitoring:
   grafanaDashboard: {enabled: true}
 `
 
-// TestChartLints runs Helm's linter, strict, with the default and the
-// non-default values.
+// TestChartLints runs Helm's linter, strict, on the chart as released
+// with the default and the non-default values, and on the tree's chart
+// with an image tag.
 func TestChartLints(t *testing.T) {
 	t.Parallel()
-	for name, vals := range map[string]map[string]any{"default": nil, "non-default": values(t, nonDefault)} {
+	released := releaseChartDir(t)
+	for name, tc := range map[string]struct {
+		dir  string
+		vals map[string]any
+	}{
+		"default":             {released, nil},
+		"non-default":         {released, values(t, nonDefault)},
+		"development, tagged": {chartDir(), values(t, `{image: {tag: v9.9.9}}`)},
+		"development, digest": {chartDir(), values(t, `{image: {digest: "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"}}`)},
+	} {
 		lint := action.NewLint()
 		lint.Strict = true
 		lint.Namespace = releaseNamespace
-		res := lint.Run([]string{chartDir()}, vals)
+		res := lint.Run([]string{tc.dir}, tc.vals)
 		require.Empty(t, res.Errors, name)
 		for _, m := range res.Messages {
 			require.Less(t, m.Severity, support.WarningSev, "%s: %s", name, m)
 		}
 	}
+}
+
+// TestChartDefaultImageIsItsOwnRelease: the chart never pairs its CRD with
+// an operator of another release. Its version and appVersion name one
+// release, newer than every recorded one (hack/releasekit). A development
+// chart (x.y.z-dev, the tree between releases) refuses to render without
+// image.tag or image.digest, naming both; released (as `make release`
+// stamps it), it runs the image of its own version.
+func TestChartDefaultImageIsItsOwnRelease(t *testing.T) {
+	t.Parallel()
+	dev := loadDevChart(t)
+	require.Equal(t, "v"+dev.Metadata.Version, dev.Metadata.AppVersion, "Chart.yaml: appVersion is v<version>")
+	version, err := semver.StrictNewVersion(dev.Metadata.Version)
+	require.NoError(t, err, "Chart.yaml version")
+	latest := releasekit.Latest()
+	require.True(t, version.GreaterThan(semver.MustParse(latest.Version)),
+		"Chart.yaml version %s is not newer than the latest release %s: between releases it is the next one's, with -dev (docs/release.md)", version, latest.Version)
+
+	if strings.HasSuffix(dev.Metadata.Version, "-dev") {
+		_, _, err := renderChart(t, dev, nil)
+		require.Error(t, err, "a development chart rendered with its default image")
+		require.ErrorContains(t, err, "development version ("+dev.Metadata.Version)
+		require.ErrorContains(t, err, "image.tag or image.digest")
+		for _, tc := range []struct{ values, image string }{
+			{`{image: {tag: v9.9.9}}`, "ghcr.io/outbox-relay/outbox-operator:v9.9.9"},
+			{`{image: {digest: "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"}}`,
+				"ghcr.io/outbox-relay/outbox-operator@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"},
+		} {
+			objs, _, err := renderChart(t, dev, values(t, tc.values))
+			require.NoError(t, err, tc.values)
+			c := container(t, find(t, objs, "Deployment", ""))
+			require.Equal(t, tc.image, c["image"], tc.values)
+			require.Equal(t, tc.image, env(t, c)["RELAY_IMAGE"], tc.values)
+		}
+	}
+
+	released := loadChart(t)
+	require.NotContains(t, released.Metadata.AppVersion, "-dev")
+	objs, _, err := renderChart(t, released, nil)
+	require.NoError(t, err)
+	require.Equal(t, "ghcr.io/outbox-relay/outbox-operator:"+released.Metadata.AppVersion, container(t, find(t, objs, "Deployment", ""))["image"])
 }
 
 func container(t *testing.T, deploy *unstructured.Unstructured) map[string]any {
@@ -172,7 +254,7 @@ func TestChartDefaultMirrorsConfigDefault(t *testing.T) {
 	for _, field := range []string{"command", "args", "ports", "livenessProbe", "readinessProbe", "resources", "securityContext"} {
 		require.Equal(t, kc[field], cc[field], "container %s", field)
 	}
-	require.Equal(t, "ghcr.io/outbox-relay/outbox-operator:"+loadChart(t).Metadata.AppVersion, cc["image"], "the image defaults to the chart's appVersion")
+	require.Equal(t, "ghcr.io/outbox-relay/outbox-operator:"+loadChart(t).Metadata.AppVersion, cc["image"], "released, the image defaults to the chart's appVersion")
 	ce, ke := env(t, cc), env(t, kc)
 	require.Equal(t, ke["WATCH_NAMESPACE"], ce["WATCH_NAMESPACE"])
 	require.Equal(t, cc["image"], ce["RELAY_IMAGE"], "the relay image defaults to the operator's")

@@ -6,7 +6,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"regexp"
 	"strings"
 	"testing"
 
@@ -75,13 +74,21 @@ func TestMonitoringKustomizations(t *testing.T) {
 	}
 }
 
-// TestReleaseVersionsAgree: the image make installer pins by default and the
-// chart's appVersion (the image tag the chart installs) are the same release.
-func TestReleaseVersionsAgree(t *testing.T) {
+// TestInstallerNeedsAnImage: `make installer` has no default image (a
+// release's would run an older operator than this tree's CRD); without IMG
+// it fails, saying so, and writes nothing.
+func TestInstallerNeedsAnImage(t *testing.T) {
 	t.Parallel()
-	mk, err := os.ReadFile(repo("Makefile"))
-	require.NoError(t, err)
-	m := regexp.MustCompile(`(?m)^IMG \?= ghcr\.io/outbox-relay/outbox-operator:(\S+)$`).FindSubmatch(mk)
-	require.NotNil(t, m, "the Makefile sets IMG ?= ghcr.io/outbox-relay/outbox-operator:<tag>")
-	require.Equal(t, loadChart(t).Metadata.AppVersion, string(m[1]))
+	dist := t.TempDir()
+	cmd := exec.Command("make", "-s", "--no-print-directory", "installer", "DIST="+dist)
+	cmd.Dir = testenv.RepoRoot()
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "IMG=") {
+			cmd.Env = append(cmd.Env, kv)
+		}
+	}
+	out, err := cmd.CombinedOutput()
+	require.Error(t, err, "%s", out)
+	require.Contains(t, string(out), "make installer IMG=")
+	require.NoFileExists(t, filepath.Join(dist, "install.yaml"))
 }
