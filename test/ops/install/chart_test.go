@@ -360,17 +360,23 @@ func TestChartNonDefaultValues(t *testing.T) {
 }
 
 // TestChartMetricsOff: metrics.enabled=false turns the endpoint off and
-// drops the port (and the PodMonitor, even when asked for).
+// drops the port and the metrics Service; asking for a ServiceMonitor or
+// PodMonitor with it fails, naming both values, instead of rendering none.
 func TestChartMetricsOff(t *testing.T) {
 	t.Parallel()
-	objs, _ := mustRender(t, values(t, `{metrics: {enabled: false}, monitoring: {podMonitor: {enabled: true}}}`))
+	objs, _ := mustRender(t, values(t, `{metrics: {enabled: false}}`))
 	c := container(t, find(t, objs, "Deployment", ""))
 	require.Contains(t, c["args"], "--metrics-bind-address=0")
 	for _, p := range c["ports"].([]any) {
 		require.NotEqual(t, "metrics", p.(map[string]any)["name"])
 	}
 	for _, o := range objs {
-		require.NotEqual(t, "PodMonitor", o.GetKind())
+		require.NotContains(t, []string{"Service", "ServiceMonitor", "PodMonitor"}, o.GetKind())
+	}
+	for _, monitor := range []string{"serviceMonitor", "podMonitor"} {
+		_, _, err := render(t, values(t, `{metrics: {enabled: false, secure: false}, monitoring: {`+monitor+`: {enabled: true}}}`))
+		require.Error(t, err, monitor)
+		require.ErrorContains(t, err, "monitoring."+monitor+".enabled=true needs metrics.enabled=true")
 	}
 }
 
