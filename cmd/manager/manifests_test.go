@@ -12,6 +12,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 	appsv1 "k8s.io/api/apps/v1"
+	authenticationv1 "k8s.io/api/authentication/v1"
+	authorizationv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -87,7 +89,11 @@ func TestDeployManifestsApply(t *testing.T) {
 // TestNamespacedOverlayIsEnough renders config/namespaced, applies it, and
 // runs the manager as that overlay's service account (impersonated): with
 // nothing but the overlay's Roles in one namespace it reconciles an
-// OutboxRelay there, and it cannot read a Secret anywhere else.
+// OutboxRelay there, and it cannot read a Secret anywhere else. Its one
+// cluster-wide grant is the metrics authentication (it may create
+// TokenReviews and SubjectAccessReviews, so --metrics-secure can check who
+// scrapes); the metrics-reader and aggregated roles are there, as in
+// config/default.
 func TestNamespacedOverlayIsEnough(t *testing.T) {
 	const ns, sa = "outbox-relays", "outbox-operator-controller-manager"
 	ctx := context.Background()
@@ -99,10 +105,32 @@ func TestNamespacedOverlayIsEnough(t *testing.T) {
 	require.NoError(t, admin.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}))
 
 	rendered := kubectl(t, nil, "kustomize", "config/namespaced")
-	for _, kind := range []string{"kind: ClusterRole\n", "kind: ClusterRoleBinding\n", "kind: Namespace\n"} {
-		require.NotContains(t, string(rendered), kind, "the overlay grants nothing cluster-wide and leaves the namespace alone")
-	}
+	require.NotContains(t, string(rendered), "kind: Namespace\n", "the overlay leaves the namespace alone")
 	kubectl(t, rendered, "apply", "--server-side", "--force-conflicts", "-f", "-")
+	crbs := &rbacv1.ClusterRoleBindingList{}
+	require.NoError(t, admin.List(ctx, crbs))
+	var clusterWide []string
+	for _, b := range crbs.Items {
+		for _, s := range b.Subjects {
+			if s.Kind == rbacv1.ServiceAccountKind && s.Namespace == ns && s.Name == sa {
+				clusterWide = append(clusterWide, b.Name+" -> "+b.RoleRef.Name)
+			}
+		}
+	}
+	require.Equal(t, []string{"outbox-operator-metrics-auth-rolebinding -> outbox-operator-metrics-auth-role"}, clusterWide,
+		"the manager's one cluster-wide grant is the metrics authentication")
+	for name, aggregate := range map[string]string{
+		"outbox-operator-metrics-auth-role":  "",
+		"outbox-operator-metrics-reader":     "",
+		"outbox-operator-outboxrelay-editor": "rbac.authorization.k8s.io/aggregate-to-edit",
+		"outbox-operator-outboxrelay-viewer": "rbac.authorization.k8s.io/aggregate-to-view",
+	} {
+		role := &rbacv1.ClusterRole{}
+		require.NoError(t, admin.Get(ctx, client.ObjectKey{Name: name}, role), name)
+		if aggregate != "" {
+			require.Equal(t, "true", role.Labels[aggregate], "%s: %s", name, aggregate)
+		}
+	}
 	d := &appsv1.Deployment{}
 	require.NoError(t, admin.Get(ctx, client.ObjectKey{Namespace: ns, Name: sa}, d))
 	watch := ""
@@ -122,6 +150,12 @@ func TestNamespacedOverlayIsEnough(t *testing.T) {
 	require.NoError(t, err)
 	err = saClient.Get(ctx, client.ObjectKey{Namespace: "default", Name: "any"}, &corev1.Secret{})
 	require.True(t, apierrors.IsForbidden(err), "a Secret outside the namespace: want Forbidden, got %v", err)
+	// What --metrics-secure asks of the API server for every scrape.
+	require.NoError(t, saClient.Create(ctx, &authenticationv1.TokenReview{Spec: authenticationv1.TokenReviewSpec{Token: "a-scraper-token"}}),
+		"the manager checks a scraper's token")
+	require.NoError(t, saClient.Create(ctx, &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{
+		User: "system:serviceaccount:monitoring:prometheus", NonResourceAttributes: &authorizationv1.NonResourceAttributes{Path: "/metrics", Verb: "get"},
+	}}), "the manager checks a scraper's permission")
 
 	cfg, err := parseConfig([]string{"--metrics-bind-address=0", "--health-probe-bind-address=0",
 		"--leader-elect", "--leader-election-namespace=" + ns, "--relay-image=reg/relay:test"},
