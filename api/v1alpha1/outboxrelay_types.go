@@ -862,7 +862,7 @@ type OutboxRelayStatus struct {
 // +kubebuilder:printcolumn:name="Desired",type=integer,JSONPath=`.status.desiredReplicas`,priority=1,description="Replicas the operator asks for"
 // +kubebuilder:printcolumn:name="Table",type=string,JSONPath=`.spec.table`,priority=1
 // +kubebuilder:printcolumn:name="Topics",type=integer,JSONPath=`.status.topicCount`,priority=1,description="Number of mapped event types"
-// +kubebuilder:printcolumn:name="Status",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`,priority=1,description="The Ready condition"
+// +kubebuilder:printcolumn:name="Status",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`,description="The Ready condition"
 // +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].reason`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 // +kubebuilder:validation:XValidation:rule="size(self.metadata.name) <= 57 && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",message="metadata.name must be a DNS label of at most 57 characters starting with a letter (children are named <name>-relay)"
