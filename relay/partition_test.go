@@ -468,3 +468,31 @@ func detachTimedOut(t *testing.T, f *outboxtest.Fixture, name string) {
 	require.NoError(t, reader.Commit(ctx))
 	require.Equal(t, 1, f.Count(`SELECT count(*) FROM pg_inherits WHERE inhrelid = $1::regclass AND inhdetachpending`, name))
 }
+
+// Bounds of '-infinity' and 'infinity', legal for a timestamptz range
+// partition, read as MINVALUE and MAXVALUE: the pruner drops the old
+// partitions beside them and deletes the event ids of the dropped ranges.
+// (Before, reading such a bound failed every pass, and nothing was dropped.)
+func TestPartitionRetentionReadsInfiniteBounds(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	today := partitioned(t, f)
+	addDay(f, "outbox_d2", today.Add(-48*time.Hour))
+	lit := func(t time.Time) string { return t.UTC().Format("'2006-01-02 15:04:05+00'") }
+	f.Exec(`CREATE TABLE outbox_past PARTITION OF outbox FOR VALUES FROM ('-infinity') TO (` + lit(today.Add(-48*time.Hour)) + `)`)
+	f.Exec(`CREATE TABLE outbox_future PARTITION OF outbox FOR VALUES FROM (` + lit(today.Add(72*time.Hour)) + `) TO ('infinity')`)
+	insertAt(f, 50, 5, today.Add(-36*time.Hour), true, "E")
+	insertAt(f, 10, 5, today.Add(-100*time.Hour), true, "E")
+	cfg := f.Config()
+	cfg.KeepPublishedFor = time.Minute
+	cfg.PrunePause = time.Millisecond
+	x := run(t, cfg, nil)
+	require.Eventually(t, func() bool {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_pruned_partitions_total") == 2
+	}, 30*time.Second, 50*time.Millisecond, "the old partitions are dropped")
+	require.Zero(t, f.Count(`SELECT count(*) FROM pg_class WHERE relname IN ('outbox_d2', 'outbox_past')`))
+	require.True(t, attached(t, f, "outbox_future"), "a partition up to 'infinity' is never old")
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox_event_ids WHERE created_at < $1`, today) == 0
+	}, 10*time.Second, 50*time.Millisecond, "the event ids of the dropped ranges are deleted")
+}

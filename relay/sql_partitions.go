@@ -24,11 +24,15 @@ var sqlPartitions = `
 		  AND c.relkind = 'r' AND NOT c.relispartition`
 
 // boundsSQL reads a range partition's bounds from its bound expression
-// (NULL for MINVALUE and MAXVALUE); a timestamptz literal reads back in the
-// session that printed it.
+// (NULL for MINVALUE and MAXVALUE, and for '-infinity' and 'infinity',
+// which no time.Time holds and which bound the range as they do); a
+// timestamptz literal reads back in the session that printed it.
 func boundsSQL(expr string) string {
-	return `(regexp_match(` + expr + `, 'FROM \(''([^'']*)''\)'))[1]::timestamptz,
-       (regexp_match(` + expr + `, 'TO \(''([^'']*)''\)'))[1]::timestamptz`
+	finite := func(re string) string {
+		return `(SELECT CASE WHEN isfinite(b) THEN b END FROM (SELECT (regexp_match(` + expr + `, '` + re + `'))[1]::timestamptz AS b) AS x)`
+	}
+	return finite(`FROM \(''([^'']*)''\)`) + `,
+       ` + finite(`TO \(''([^'']*)''\)`)
 }
 
 const (
