@@ -496,3 +496,59 @@ func TestPartitionRetentionReadsInfiniteBounds(t *testing.T) {
 		return f.Count(`SELECT count(*) FROM outbox_event_ids WHERE created_at < $1`, today) == 0
 	}, 10*time.Second, 50*time.Millisecond, "the event ids of the dropped ranges are deleted")
 }
+
+// With writer deletes the table stays empty, so an old partition holds no
+// unpublished row though its events may still be in the slot only (the
+// stream lags: Kafka is down). The pruner keeps it until the slot has
+// confirmed past every transaction that could have written into it: a row
+// of it the stream must put back (its type is unmapped) then finds its
+// partition, and the rows behind it go out. (Before, the partition was
+// dropped, the put-back failed for ever, and nothing behind it went out.)
+func TestPartitionRetentionWaitsForTheSlot(t *testing.T) {
+	t.Parallel()
+	f, cfg, _ := writerDeletesFixture(t, "E")
+	today := partitioned(t, f)
+	addDay(f, "outbox_d2", today.Add(-48*time.Hour))
+	startStreaming(t, cfg).Stop(t) // makes the slot
+	waitSlotIdle(t, f)
+	f.Exec(`BEGIN;
+		INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', 'o1', 'E', '{"n": 1}', 'o1');
+		DELETE FROM outbox WHERE event_type = 'E';
+		COMMIT`)
+	f.Exec(`BEGIN;
+		INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
+		VALUES (gen_random_uuid(), 'Order', 'o2', 'Unmapped', '{"n": 2}', 'o2', ` +
+		today.Add(-36*time.Hour).UTC().Format("'2006-01-02 15:04:05+00'") + `);
+		DELETE FROM outbox WHERE event_type = 'Unmapped';
+		COMMIT`)
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox`))
+
+	cfg.KeepPublishedFor = time.Minute
+	cfg.PrunePause = time.Millisecond
+	var logs lockedBuffer
+	cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	x := run(t, cfg, stuckWriter{}) // Kafka is down: the stream stays before o1
+	require.Eventually(t, func() bool {
+		return strings.Contains(logs.String(), "waits for the replication slot") ||
+			f.Count(`SELECT count(*) FROM pg_class WHERE relname = 'outbox_d2'`) == 0
+	}, 30*time.Second, 50*time.Millisecond, "the pruner looks at d2")
+	require.True(t, attached(t, f, "outbox_d2"), "d2 is kept while the slot holds rows that may belong to it:\n%s", &logs)
+	x.Stop(t)
+	waitSlotIdle(t, f)
+
+	f.Exec(`BEGIN;
+		INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', 'o3', 'E', '{"n": 3}', 'o3');
+		DELETE FROM outbox WHERE event_type = 'E';
+		COMMIT`)
+	cfg.Logger = nil
+	run(t, cfg, nil) // Kafka is back
+	msgs := testenv.Broker().Consume(t, f.Topics["E"], 2, 60*time.Second)
+	require.Len(t, msgs, 2)
+	require.Equal(t, []string{"o1", "o3"}, []string{string(msgs[0].Key), string(msgs[1].Key)})
+	requireSlotConfirmedPastNow(t, f)
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox_d2 WHERE event_type = 'Unmapped' AND published_at IS NULL`),
+		"the unmapped row is back in its partition, which stays")
+	require.True(t, attached(t, f, "outbox_d2"))
+}

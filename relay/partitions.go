@@ -117,6 +117,11 @@ func (pr *pruner) prunePartitions(ctx context.Context, conn *pgx.Conn, parent ui
 		}
 		return errors.Join(errs...)
 	}
+	slot, err := pr.slotName(ctx, conn)
+	if err != nil {
+		return errors.Join(append(errs, err)...)
+	}
+	fences := map[string]*dropFence{}
 	for _, p := range parts {
 		if ctx.Err() != nil {
 			return nil
@@ -125,6 +130,14 @@ func (pr *pruner) prunePartitions(ctx context.Context, conn *pgx.Conn, parent ui
 			continue
 		}
 		if !p.pending {
+			ready, err := pr.fenced(ctx, conn, p, slot, fences)
+			if err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			if !ready {
+				continue
+			}
 			var waiting bool
 			if err := conn.QueryRow(ctx, sqlPartitionWaits(p.name)).Scan(&waiting); err != nil {
 				errs = append(errs, fmt.Errorf("look for unpublished rows in %s: %w", p.name, err))
@@ -146,10 +159,87 @@ func (pr *pruner) prunePartitions(ctx context.Context, conn *pgx.Conn, parent ui
 		pr.m.pruneDuration.Observe(time.Since(start).Seconds())
 		sleep(ctx, pr.cfg.PrunePause)
 	}
+	if ctx.Err() == nil {
+		pr.fences = fences // those of partitions gone, or detached, are forgotten
+	}
 	if pr.shape.eventIDs && ctx.Err() == nil {
 		errs = append(errs, pr.pruneEventIDs(ctx, conn, parent))
 	}
 	return errors.Join(errs...)
+}
+
+// dropFence is what an old partition waits for before it is detached
+// (fenced).
+type dropFence struct {
+	running []string // transactions that may have begun before its range ended, still running
+	lsn     string   // the WAL's position once they had ended; "" until then
+	logged  bool     // the wait was logged
+}
+
+// partitionKey names a partition and its range for the pruner's fences.
+func partitionKey(p partition) string { return p.name + " " + p.bound }
+
+// slotName is the name of the table's replication slot (outbox.SlotName),
+// which may exist or not.
+func (pr *pruner) slotName(ctx context.Context, conn *pgx.Conn) (string, error) {
+	var db string
+	if err := conn.QueryRow(ctx, `SELECT current_database()`).Scan(&db); err != nil {
+		return "", fmt.Errorf("read the database's name: %w", err)
+	}
+	return outbox.SlotName(db, pr.table), nil
+}
+
+// fenced reports whether old partition p may be detached now: once every
+// transaction that may have begun before its range ended has ended (a
+// writer's row takes its transaction's start as created_at, so until then
+// a row could still be committed into it, after the check for unpublished
+// rows: a detach pending hides such a row from the claims), and, while
+// the table's replication slot exists, once the slot has confirmed past
+// the WAL's position read after they had ended. A row the stream has not
+// confirmed may be in no table (its writer deleted it: writer deletes)
+// and yet need to be put back into p (its type is unmapped, its topic is
+// down, …); a p dropped before would leave it no partition to go to. What
+// p waits for is noted the first time it is old, and kept across passes
+// in next.
+func (pr *pruner) fenced(ctx context.Context, conn *pgx.Conn, p partition, slot string, next map[string]*dropFence) (bool, error) {
+	key := partitionKey(p)
+	f := pr.fences[key]
+	if f == nil {
+		f = &dropFence{}
+		if err := conn.QueryRow(ctx, sqlRunningBefore, p.hi).Scan(&f.running); err != nil {
+			return false, fmt.Errorf("list the transactions that may write into %s: %w", p.name, err)
+		}
+	}
+	next[key] = f
+	if len(f.running) > 0 {
+		if err := conn.QueryRow(ctx, sqlStillRunning, f.running).Scan(&f.running); err != nil {
+			return false, fmt.Errorf("list the transactions that may write into %s: %w", p.name, err)
+		}
+		if len(f.running) > 0 {
+			if !f.logged {
+				f.logged = true
+				pr.log.Info("a partition old enough to drop waits for the transactions that may have begun before its range ended",
+					"partition", p.name, "transactions", f.running)
+			}
+			return false, nil
+		}
+	}
+	if f.lsn == "" {
+		if err := conn.QueryRow(ctx, sqlWALInsert).Scan(&f.lsn); err != nil {
+			return false, fmt.Errorf("read the WAL's position: %w", err)
+		}
+		f.logged = false
+	}
+	var past bool
+	if err := conn.QueryRow(ctx, sqlSlotPast, slot, f.lsn).Scan(&past); err != nil {
+		return false, fmt.Errorf("read the position of replication slot %s: %w", slot, err)
+	}
+	if !past && !f.logged {
+		f.logged = true
+		pr.log.Info("a partition old enough to drop waits for the replication slot to confirm past every transaction that may have written into it",
+			"partition", p.name, "slot", slot, "lsn", f.lsn)
+	}
+	return past, nil
 }
 
 // detach takes p out of the table: marks it (detachedMark), then DETACH …

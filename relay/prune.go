@@ -35,6 +35,9 @@ type pruner struct {
 	log     *slog.Logger
 
 	warnedDefault bool // the DEFAULT partition that stops partition drops was logged
+	// fences are what each old partition waits for before it is detached
+	// (fenced), by partitionKey; those of partitions gone are forgotten.
+	fences map[string]*dropFence
 }
 
 // newPruner is r's pruner, once Check has read the table.

@@ -44,6 +44,31 @@ const (
 	sqlIsPending = `SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = $1::regclass`
 	// sqlLongStatements lets one transaction's statements run for 10 minutes.
 	sqlLongStatements = `SET LOCAL statement_timeout = '10min'`
+	// sqlRunningBefore: the transactions of this database, other than this
+	// session's, that may have begun before $1: their virtual transaction
+	// ids (each transaction holds a lock on its own from its start until it
+	// ends, in pg_locks, which every role may read), and the prepared ones
+	// ('prepared ' and their id). A session whose pg_stat_activity row the
+	// role may not read (another role's, without pg_read_all_stats) shows no
+	// xact_start and counts as one that may have.
+	sqlRunningBefore = `SELECT COALESCE(array_agg(v), '{}') FROM (
+		SELECT l.virtualxid AS v FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+		WHERE l.locktype = 'virtualxid' AND l.mode = 'ExclusiveLock' AND l.granted AND l.pid <> pg_backend_pid()
+		  AND a.datid = (SELECT oid FROM pg_database WHERE datname = current_database())
+		  AND (a.xact_start IS NULL OR a.xact_start < $1)
+		UNION ALL
+		SELECT 'prepared ' || transaction::text FROM pg_prepared_xacts WHERE database = current_database()) t`
+	// sqlStillRunning: those of the transactions $1 (sqlRunningBefore) that
+	// have not ended.
+	sqlStillRunning = `SELECT COALESCE(array_agg(v), '{}') FROM unnest($1::text[]) v
+		WHERE v IN (SELECT virtualxid FROM pg_locks WHERE locktype = 'virtualxid' AND mode = 'ExclusiveLock' AND granted
+			UNION ALL SELECT 'prepared ' || transaction::text FROM pg_prepared_xacts)`
+	// sqlWALInsert: the WAL's insert position.
+	sqlWALInsert = `SELECT pg_current_wal_insert_lsn()::text`
+	// sqlSlotPast: whether the logical slot $1 of this database has no
+	// position left to confirm before $2, or does not exist.
+	sqlSlotPast = `SELECT COALESCE((SELECT COALESCE(confirmed_flush_lsn >= $2::pg_lsn, false) FROM pg_replication_slots
+		WHERE slot_name = $1 AND database = current_database()), true)`
 )
 
 // sqlPartitionWaits: partition p itself holds an unpublished row.

@@ -57,6 +57,7 @@ func TestPartitionStatementsPrepare(t *testing.T) {
 		"sqlDetach": sqlDetach(q, part, "CONCURRENTLY"), "sqlDetachFinalize": sqlDetach(q, part, "FINALIZE"),
 		"sqlAttach": sqlAttach(q, part, bound), "sqlLockAlone": sqlLockAlone(part), "sqlCountRows": sqlCountRows(part),
 		"sqlDrop": sqlDrop(part), "sqlDeleteEventIDs": sqlDeleteEventIDs(table.EventIDsTable().Quoted()),
+		"sqlRunningBefore": sqlRunningBefore, "sqlStillRunning": sqlStillRunning, "sqlWALInsert": sqlWALInsert, "sqlSlotPast": sqlSlotPast,
 	}
 	for name, stmt := range stmts {
 		_, err := conn.Prepare(ctx, name, stmt)
