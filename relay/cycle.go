@@ -320,8 +320,18 @@ func (r *Relay) markAndCommit(b *inFlight) error {
 			oldest, newest := createdBounds(b.rows)
 			args = append(args, oldest, newest)
 		}
-		if _, err := b.tx.Exec(b.ctx, stmt, args...); err != nil {
+		tag, err := b.tx.Exec(b.ctx, stmt, args...)
+		if err != nil {
 			return fmt.Errorf("mark %d rows published in %s: %w", len(b.published), r.table, err)
+		}
+		// Every published row is locked by the batch's transaction, so the
+		// mark reaches each one, unless a partition of the table went
+		// pending detach since the claim (the mark's new snapshot leaves it
+		// out): then the batch fails, and its rows are claimed again, rather
+		// than commit as if they were marked.
+		if n := tag.RowsAffected(); n != int64(len(b.published)) {
+			return fmt.Errorf("mark rows published in %s: %d rows published, but the mark changed %d (a partition detached since the claim?); the batch is rolled back and its rows are claimed again",
+				r.table, len(b.published), n)
 		}
 	}
 	if err := r.recordHolds(b); err != nil {

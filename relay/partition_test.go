@@ -5,9 +5,11 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
@@ -551,4 +553,118 @@ func TestPartitionRetentionWaitsForTheSlot(t *testing.T) {
 	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox_d2 WHERE event_type = 'Unmapped' AND published_at IS NULL`),
 		"the unmapped row is back in its partition, which stays")
 	require.True(t, attached(t, f, "outbox_d2"))
+}
+
+// gatedWriter holds its first write until open is closed, and closes
+// entered when that write begins.
+type gatedWriter struct {
+	w       relay.MessageWriter
+	once    sync.Once
+	entered chan struct{}
+	open    chan struct{}
+}
+
+func (g *gatedWriter) WriteMessages(ctx context.Context, msgs ...kafka.Message) error {
+	first := false
+	g.once.Do(func() { first = true; close(g.entered) })
+	if first {
+		select {
+		case <-g.open:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return g.w.WriteMessages(ctx, msgs...)
+}
+
+// A row is committed into an old partition after the pruner looked for
+// unpublished rows in it, and a claim locks it before the detach begins
+// and marks it after: the detach pending hides the partition from the
+// mark. A writer whose transaction began before the partition's range
+// ended is waited for before the partition is looked at, so its row is
+// published once and the partition kept until then (before, the mark
+// updated nothing, the partition was attached again, and the row was
+// published twice). A writer that sets created_at itself is not; the
+// mark that updates fewer rows than were published fails its batch,
+// which says so, rather than committing as if it had marked them.
+func TestPartitionDetachDoesNotHideARowFromItsMark(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name        string
+		beganBefore bool
+	}{{"writer began before the range ended", true}, {"writer set created_at", false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			const keep = time.Minute
+			f := outboxtest.NewFixture(t, 1, "E")
+			partitioned(t, f)
+			f.Exec(`DO $$ DECLARE p regclass; BEGIN
+				FOR p IN SELECT inhrelid::regclass FROM pg_inherits WHERE inhparent = 'outbox'::regclass LOOP
+					EXECUTE 'DROP TABLE ' || p; END LOOP; END $$`)
+			// The old partition's range ends 2 s from now, or ended before
+			// the retention (a minute, the least) began.
+			var end time.Time
+			require.NoError(t, f.Pool.QueryRow(ctx, `SELECT now() + CASE WHEN $1 THEN interval '2 s' ELSE interval '-62 s' END`, tc.beganBefore).Scan(&end))
+			lit := func(t time.Time) string { return t.UTC().Format("'2006-01-02 15:04:05.999999+00'") }
+			f.Exec(`CREATE TABLE outbox_old PARTITION OF outbox FOR VALUES FROM (` + lit(end.Add(-24*time.Hour)) + `) TO (` + lit(end) + `)`)
+			f.Exec(`CREATE TABLE outbox_new PARTITION OF outbox FOR VALUES FROM (` + lit(end) + `) TO (` + lit(end.Add(72*time.Hour)) + `)`)
+			insert := `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+				VALUES (gen_random_uuid(), 'Order', 'late', 'E', '{}', 'late') RETURNING event_id::text`
+			if !tc.beganBefore {
+				insert = `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
+					VALUES (gen_random_uuid(), 'Order', 'late', 'E', '{}', 'late', ` + lit(end.Add(-time.Second)) + `) RETURNING event_id::text`
+			}
+			writer, err := f.Pool.Begin(ctx)
+			require.NoError(t, err)
+			defer writer.Rollback(ctx)
+			var late string
+			require.NoError(t, writer.QueryRow(ctx, insert).Scan(&late))
+			<-time.After(time.Until(end.Add(keep)) + time.Second) // the partition is old
+			// A transaction that began after the range ended holds the
+			// pruner between its look for unpublished rows and the detach.
+			lock, err := f.Pool.Begin(ctx)
+			require.NoError(t, err)
+			defer lock.Rollback(ctx)
+			_, err = lock.Exec(ctx, `LOCK TABLE outbox_old IN SHARE UPDATE EXCLUSIVE MODE`)
+			require.NoError(t, err)
+
+			cfg := f.Config()
+			cfg.KeepPublishedFor = keep
+			var logs lockedBuffer
+			cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+			w := &gatedWriter{w: newKafkaWriter(t), entered: make(chan struct{}), open: make(chan struct{})}
+			run(t, cfg, w)
+			require.Eventually(t, func() bool {
+				return f.Count(`SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND backend_xid IS NULL
+					AND (query LIKE 'COMMENT ON TABLE%' OR query LIKE 'ALTER TABLE%DETACH%')`) > 0 ||
+					strings.Contains(logs.String(), "waits for the transactions that may have begun before its range ended")
+			}, 30*time.Second, 20*time.Millisecond, "the pruner looked at the partition")
+			require.NoError(t, writer.Commit(ctx))
+			select {
+			case <-w.entered: // a claim holds the row, publishing it
+			case <-time.After(30 * time.Second):
+				t.Fatal("the row is claimed")
+			}
+			require.NoError(t, lock.Rollback(ctx))
+			pending := func() bool {
+				return f.Count(`SELECT count(*) FROM pg_inherits WHERE inhrelid = 'outbox_old'::regclass AND inhdetachpending`) == 1
+			}
+			for deadline := time.Now().Add(3 * time.Second); !pending() && time.Now().Before(deadline); {
+				<-time.After(20 * time.Millisecond) // the detach begins, if it is to
+			}
+			close(w.open)
+			require.Eventually(t, func() bool {
+				return f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1::uuid AND published_at IS NOT NULL`, late) == 1
+			}, 60*time.Second, 50*time.Millisecond, "the row is published")
+			got, err := testenv.Broker().ConsumeErr(f.Topics["E"], 1, 20*time.Second, 3*time.Second)
+			require.NoError(t, err)
+			if tc.beganBefore {
+				require.Len(t, got, 1, "published once:\n%s", &logs)
+				require.NotContains(t, logs.String(), "attached it again")
+			} else {
+				require.Contains(t, logs.String(), "rows published, but the mark changed", "the batch whose mark missed its row failed")
+			}
+		})
+	}
 }
