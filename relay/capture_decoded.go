@@ -400,7 +400,7 @@ func (r *Relay) insertStreamed(ctx context.Context, tx pgx.Tx, rows []streamedRo
 		for i, x := range rows[:n] {
 			records[i] = x.record(layout)
 		}
-		if _, err := tx.Exec(ctx, sqlInsertRecords(r.table, cols), records); err != nil {
+		if err := r.insertRecords(ctx, tx, sqlInsertRecords(r.table, cols), records, rows[:n]); err != nil {
 			return err
 		}
 		rows = rows[n:]

@@ -745,3 +745,43 @@ func TestWriterDeletesKeepRowsOfATableSwappedIn(t *testing.T) {
 	storeEach(store, 5)
 	require.Equal(t, 5, f.Count(`SELECT count(*) FROM outbox`), "kept: the stream does not carry them")
 }
+
+// A row the stream must put back whose partition was dropped (by hand, or
+// by a partition manager) gets a partition again: the relay attaches one
+// over the stretch between the partitions around its created_at, puts the
+// row back there, and the rows behind it go out. (Before, the put-back
+// failed at every retry, and nothing behind it was published.)
+func TestWriterDeletesPutsARowBackWhosePartitionWasDropped(t *testing.T) {
+	t.Parallel()
+	f, cfg, _ := writerDeletesFixture(t, "E")
+	today := partitioned(t, f)
+	addDay(f, "outbox_d2", today.Add(-48*time.Hour))
+	addDay(f, "outbox_d3", today.Add(-72*time.Hour))
+	startStreaming(t, cfg).Stop(t) // makes the slot
+	waitSlotIdle(t, f)
+	write := func(key, eventType, createdAt string) {
+		f.Exec(`BEGIN;
+			INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
+			VALUES (gen_random_uuid(), 'Order', '` + key + `', '` + eventType + `', '{}', '` + key + `', ` + createdAt + `);
+			DELETE FROM outbox WHERE partition_key = '` + key + `';
+			COMMIT`)
+	}
+	write("o1", "E", "now()")
+	write("o2", "Unmapped", today.Add(-36*time.Hour).UTC().Format("'2006-01-02 15:04:05+00'"))
+	write("o3", "E", "now()")
+	f.Exec(`DROP TABLE outbox_d2`)
+	var logs lockedBuffer
+	cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	run(t, cfg, nil)
+	msgs, err := testenv.Broker().ConsumeErr(f.Topics["E"], 2, 30*time.Second, time.Second)
+	require.NoError(t, err)
+	require.Len(t, msgs, 2, "the rows around the one put back go out:\n%s", &logs)
+	require.Equal(t, []string{"o1", "o3"}, []string{string(msgs[0].Key), string(msgs[1].Key)})
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE partition_key = 'o2' AND published_at IS NULL`), "the row is back")
+	var bound string
+	require.NoError(t, f.Pool.QueryRow(context.Background(), `SELECT pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+		WHERE i.inhparent = 'outbox'::regclass AND c.oid = (SELECT tableoid FROM outbox WHERE partition_key = 'o2')`).Scan(&bound))
+	lit := func(t time.Time) string { return t.UTC().Format("'2006-01-02 15:04:05+00'") }
+	require.Equal(t, "FOR VALUES FROM ("+lit(today.Add(-48*time.Hour))+") TO ("+lit(today)+")", bound, "the partition spans the stretch no partition covered")
+	requireSlotConfirmedPastNow(t, f)
+}

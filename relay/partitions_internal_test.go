@@ -34,3 +34,30 @@ func TestUncoveredStretches(t *testing.T) {
 		require.Equal(t, c.want, uncovered(c.parts, *c.cut), c.name)
 	}
 }
+
+// gapAround finds the stretch no partition covers around a time: between
+// the partitions before and after it, unbounded where there is none, and
+// nothing where a partition (or a DEFAULT one) covers it.
+func TestGapAround(t *testing.T) {
+	t.Parallel()
+	day := func(d int) *time.Time { x := time.Date(2025, 1, d, 0, 0, 0, 0, time.UTC); return &x }
+	p := func(lo, hi *time.Time) partition { return partition{lo: lo, hi: hi} }
+	parts := []partition{p(day(1), day(2)), p(day(2), day(3)), p(day(5), day(6)), p(day(8), nil)}
+	for _, c := range []struct {
+		name   string
+		parts  []partition
+		at     *time.Time
+		lo, hi *time.Time
+		ok     bool
+	}{
+		{"a hole", parts, day(4), day(3), day(5), true},
+		{"below every partition", parts, day(0), nil, day(1), true},
+		{"covered", parts, day(2), nil, nil, false},
+		{"covered up to MAXVALUE", parts, day(9), nil, nil, false},
+		{"above every partition", parts[:3], day(7), day(6), nil, true},
+		{"a DEFAULT partition", append(parts[:3:3], partition{isDef: true}), day(4), nil, nil, false},
+	} {
+		lo, hi, ok := gapAround(c.parts, *c.at)
+		require.Equal(t, []any{c.lo, c.hi, c.ok}, []any{lo, hi, ok}, c.name)
+	}
+}
