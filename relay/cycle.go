@@ -329,9 +329,9 @@ func (r *Relay) markAndCommit(b *inFlight) error {
 		// pending detach since the claim (the mark's new snapshot leaves it
 		// out): then the batch fails, and its rows are claimed again, rather
 		// than commit as if they were marked.
-		if n := tag.RowsAffected(); n != int64(len(b.published)) {
+		if n, want := tag.RowsAffected(), distinct(b.published); n < want {
 			return fmt.Errorf("mark rows published in %s: %d rows published, but the mark changed %d (a partition detached since the claim?); the batch is rolled back and its rows are claimed again",
-				r.table, len(b.published), n)
+				r.table, want, n)
 		}
 	}
 	if err := r.recordHolds(b); err != nil {
@@ -419,4 +419,13 @@ func (r *Relay) finish(b *inFlight) error {
 	}
 	r.health.batchDone(b.start, len(b.rows), len(b.published))
 	return nil
+}
+
+// distinct counts the distinct ids among ids.
+func distinct(ids []int64) int64 {
+	seen := make(map[int64]struct{}, len(ids))
+	for _, id := range ids {
+		seen[id] = struct{}{}
+	}
+	return int64(len(seen))
 }
