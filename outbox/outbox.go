@@ -66,9 +66,11 @@ type Writer struct {
 	shapeSQL                                   string
 	table, eventIDs, addPartitions             string // quoted
 	notify                                     string // channel to notify on commit; "" for none
-	deleteStored                               string // the statement deleting the stored entry (WithDeleteOnStore); "" to keep it
-	parsed                                     Table
-	shapes                                     shapeCache
+	// The statements deleting the stored entry (WithDeleteOnStore) from a
+	// plain and from a partitioned table; "" to keep it.
+	deleteStored, deleteStoredParted string
+	parsed                           Table
+	shapes                           shapeCache
 }
 
 // statements store an entry into one shape of table. Their arguments are,
@@ -77,9 +79,12 @@ type Writer struct {
 // propagator's fields (left out of comparisons: the trace context differs
 // between two tries of one handler); each statement takes the first n.
 type statements struct {
-	// insert stores the entry, or nothing when its event id is stored already.
+	// insert stores the entry, or nothing when its event id is stored
+	// already. With returning, it returns the stored row's id and
+	// created_at (the row's key in a partitioned table).
 	insert     string
 	insertArgs int
+	returning  bool
 	// same reports whether the event stored under the id is the entry.
 	same     string
 	sameArgs int
@@ -279,7 +284,19 @@ SELECT event_id, $2, $3, $4, $5, $6, $7::jsonb FROM id`, insertArgs: 8,
 		w.notify = t.NotifyChannel()
 	}
 	if w.deleteStored != "" {
-		w.deleteStored = `DELETE FROM ` + q + ` WHERE event_id = $1 AND ` + deleteOnStoreFor("$2", t)
+		cond := deleteOnStoreFor("$2", t)
+		// A plain table's event_id is unique (the insert's ON CONFLICT
+		// needs the index), so the row is found by it. A partitioned
+		// table has no index on event_id: the row is found by its primary
+		// key (id, created_at), which the insert returns, so that only the
+		// partition holding it is scanned (by index) and locked.
+		w.deleteStored = `DELETE FROM ` + q + ` WHERE event_id = $1 AND ` + cond
+		w.deleteStoredParted = `DELETE FROM ` + q + ` WHERE id = $3 AND created_at = $4 AND event_id = $1 AND ` + cond
+		for _, st := range []*statements{&w.parted, &w.partedHeaders} {
+			st.insert += `
+RETURNING id, created_at`
+			st.returning = true
+		}
 	}
 	return w, nil
 }
@@ -355,7 +372,22 @@ func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 		st = w.plainHeaders
 	}
 	args := []any{e.EventID, e.AggregateType, e.AggregateID, e.EventType, e.Payload, e.PartitionKey, stored, prop.Fields()}
-	tag, err := tx.Exec(ctx, st.insert, args[:st.insertArgs]...)
+	var (
+		inserted  bool
+		id        int64     // with st.returning
+		createdAt time.Time // with st.returning
+	)
+	if st.returning {
+		err = tx.QueryRow(ctx, st.insert, args[:st.insertArgs]...).Scan(&id, &createdAt)
+		inserted = err == nil
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = nil
+		}
+	} else {
+		var tag pgconn.CommandTag
+		tag, err = tx.Exec(ctx, st.insert, args[:st.insertArgs]...)
+		inserted = err == nil && tag.RowsAffected() == 1
+	}
 	if err != nil {
 		var pgErr *pgconn.PgError
 		switch {
@@ -367,9 +399,20 @@ func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 		}
 		return fmt.Errorf("outbox store %s: %w", e.EventID, err)
 	}
-	if tag.RowsAffected() == 1 {
+	if inserted {
 		if w.deleteStored != "" {
-			if _, err := tx.Exec(ctx, w.deleteStored, e.EventID, SlotName(shape.database, w.parsed)); err != nil {
+			slot := SlotName(shape.database, w.parsed)
+			var err error
+			if st.returning {
+				// Sent with its values in the text, so it is planned with
+				// them each time: a prepared statement's generic plan,
+				// which the statement cache uses from the sixth run on,
+				// locks every partition.
+				_, err = tx.Exec(ctx, w.deleteStoredParted, pgx.QueryExecModeSimpleProtocol, e.EventID, slot, id, createdAt)
+			} else {
+				_, err = tx.Exec(ctx, w.deleteStored, e.EventID, slot)
+			}
+			if err != nil {
 				return fmt.Errorf("outbox store %s: delete after insert: %w", e.EventID, err)
 			}
 		}

@@ -2,7 +2,9 @@ package outbox_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -242,4 +244,105 @@ func TestAddPartitionsFunction(t *testing.T) {
 	require.Zero(t, made, "partitions that exist are left alone")
 	require.NoError(t, writer.Commit(ctx))
 	require.Equal(t, 1, f.Count(`SELECT count(*) FROM p_day.outbox`))
+}
+
+// scannedRelations are the outbox's relations (its partitions) a JSON plan
+// (EXPLAIN (FORMAT JSON)) reads, each with the node type that reads it; the
+// catalogs the delete condition reads are left out.
+func scannedRelations(t *testing.T, plan string) map[string]string {
+	t.Helper()
+	var doc []struct{ Plan map[string]any }
+	require.NoError(t, json.Unmarshal([]byte(plan), &doc), plan)
+	require.Len(t, doc, 1)
+	got := map[string]string{}
+	var walk func(n map[string]any)
+	walk = func(n map[string]any) {
+		if rel, ok := n["Relation Name"].(string); ok && n["Node Type"] != "ModifyTable" && strings.HasPrefix(rel, "outbox") {
+			got[rel] = n["Node Type"].(string)
+		}
+		children, _ := n["Plans"].([]any)
+		for _, c := range children {
+			walk(c.(map[string]any))
+		}
+	}
+	walk(doc[0].Plan)
+	return got
+}
+
+// A writer with WithDeleteOnStore deletes its row through an index: on a
+// partitioned outbox (which has no index on event_id) by the primary key in
+// the one partition that holds the row, which is also the only partition it
+// locks, so it waits for no lock on another one; on a plain outbox by the
+// unique index on event_id. The statement is the one Store sends, with its
+// arguments, on tables of 1,000 analyzed rows a partition.
+func TestDeleteOnStoreDeletesByIndexInOnePartition(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, partitioned := range []bool{false, true} {
+		t.Run(fmt.Sprintf("partitioned=%v", partitioned), func(t *testing.T) {
+			t.Parallel()
+			f := outboxtest.NewFixture(t, 1)
+			today := "outbox"
+			if partitioned {
+				f.Exec(`DROP TABLE outbox`)
+				f.Exec(outbox.PartitionedSchemaDDL(outbox.Table{Name: "outbox"}, outbox.PartitionDay, 1))
+				f.Exec(`CREATE TABLE outbox_yesterday PARTITION OF outbox FOR VALUES
+					FROM (date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' - interval '1 day')
+					TO (date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC')`)
+				require.NoError(t, f.Pool.QueryRow(ctx, `SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+					WHERE i.inhparent = 'outbox'::regclass AND c.relname <> 'outbox_yesterday' ORDER BY 1 LIMIT 1`).Scan(&today))
+				for _, day := range []string{"-1", "0", "1"} {
+					f.Exec(`WITH r AS (
+						INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
+						SELECT gen_random_uuid(), 'Order', 'o', 'E', '{}', 'o', now() + $1::int * interval '1 day'
+						FROM generate_series(1, 1000)
+						RETURNING event_id, created_at)
+						INSERT INTO outbox_event_ids SELECT event_id, created_at, '\x00' FROM r`, day)
+				}
+			} else {
+				f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+					SELECT gen_random_uuid(), 'Order', 'o', 'E', '{}', 'o' FROM generate_series(1, 3000)`)
+			}
+			f.Exec(`ANALYZE`)
+			w, err := outbox.NewWriter("outbox", outbox.WithDeleteOnStore())
+			require.NoError(t, err)
+
+			var plans []string
+			require.NoError(t, pgx.BeginFunc(ctx, f.Pool, func(tx pgx.Tx) error {
+				return w.Store(ctx, &hookTx{Tx: tx, before: func(ctx context.Context, sql string, args []any) {
+					if isDelete(sql) {
+						var plan string
+						require.NoError(t, tx.QueryRow(ctx, `EXPLAIN (FORMAT JSON) `+sql, args...).Scan(&plan))
+						plans = append(plans, plan)
+					}
+				}}, entry())
+			}))
+			require.Len(t, plans, 1, "one delete")
+			scanned := scannedRelations(t, plans[0])
+			require.Len(t, scanned, 1, "one relation read: %s", plans[0])
+			require.Contains(t, []string{"Index Scan", "Index Only Scan"}, scanned[today], "read by index: %s", plans[0])
+
+			if !partitioned {
+				return
+			}
+			// Another partition locked: stores go on, on one connection
+			// past the statement cache's first plans.
+			other, err := f.Pool.Begin(ctx)
+			require.NoError(t, err)
+			defer other.Rollback(ctx)
+			_, err = other.Exec(ctx, `LOCK TABLE outbox_yesterday IN ACCESS EXCLUSIVE MODE`)
+			require.NoError(t, err)
+			conn, err := f.Pool.Acquire(ctx)
+			require.NoError(t, err)
+			defer conn.Release()
+			for i := range 10 {
+				require.NoError(t, pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+					if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '2s'`); err != nil {
+						return err
+					}
+					return w.Store(ctx, tx, entry())
+				}), "store %d", i)
+			}
+		})
+	}
 }
