@@ -457,19 +457,26 @@ func (w *Writer) shape(ctx context.Context, tx pgx.Tx) (tableShape, error) {
 		key = fmt.Sprintf("%s:%d/%s", cfg.Host, cfg.Port, cfg.Database)
 	}
 	w.shapes.mu.Lock()
-	defer w.shapes.mu.Unlock()
 	st := w.shapes.db[key]
+	w.shapes.mu.Unlock()
 	if !st.checked.IsZero() && time.Since(st.checked) < time.Minute {
 		return st, nil
 	}
+	// Read without the lock: the read runs in the caller's transaction,
+	// and a slow one must hold up no other caller. Callers that find the
+	// shape stale at once each read it.
 	if err := tx.QueryRow(ctx, w.shapeSQL, w.table, w.eventIDs).Scan(&st.database, &st.partitioned, &st.headers, &st.eventIDs); err != nil {
 		return tableShape{}, fmt.Errorf("read the shape of %s: %w", w.table, err)
 	}
 	st.checked = time.Now()
+	w.shapes.mu.Lock()
+	defer w.shapes.mu.Unlock()
 	if w.shapes.db == nil {
 		w.shapes.db = map[string]tableShape{}
 	}
-	w.shapes.db[key] = st
+	if w.shapes.db[key].checked.Before(st.checked) {
+		w.shapes.db[key] = st
+	}
 	return st, nil
 }
 

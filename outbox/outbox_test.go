@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -187,4 +188,47 @@ func TestQuoteLiteralRoundTrips(t *testing.T) {
 		require.NoError(t, f.Pool.QueryRow(context.Background(), `SELECT `+outbox.QuoteLiteral(s)).Scan(&got), s)
 		require.Equal(t, s, got)
 	}
+}
+
+// A Writer reads its table's shape in the caller's transaction; while one
+// caller's read is slow, the Writer's other callers store meanwhile, in
+// their own transactions, instead of waiting for it.
+func TestSlowShapeReadHoldsUpNoOtherStore(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	ctx := context.Background()
+	w := mustWriter(t)
+
+	slow, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer slow.Rollback(ctx)
+	reading, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	slowTx := &hookTx{Tx: slow, before: func(ctx context.Context, sql string, _ []any) {
+		if strings.Contains(sql, "current_database()") {
+			once.Do(func() { close(reading) })
+			<-release
+		}
+	}}
+	slowDone := make(chan error, 1)
+	go func() { slowDone <- w.Store(ctx, slowTx, entry()) }()
+	<-reading
+
+	otherCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	otherDone := make(chan error, 1)
+	go func() {
+		otherDone <- pgx.BeginFunc(otherCtx, f.Pool, func(tx pgx.Tx) error { return w.Store(otherCtx, tx, entry()) })
+	}()
+	select {
+	case err = <-otherDone:
+	case <-otherCtx.Done():
+		err = otherCtx.Err()
+	}
+	close(release)
+	slowErr := <-slowDone
+	require.NoError(t, err, "another store while one reads the shape")
+	require.NoError(t, slowErr)
+	require.NoError(t, slow.Commit(ctx))
+	require.Equal(t, 2, f.Count(`SELECT count(*) FROM outbox`))
 }
