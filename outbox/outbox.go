@@ -35,7 +35,12 @@ type Entry struct {
 	AggregateType string
 	AggregateID   string
 	EventType     string
-	// Payload is JSON (the column is jsonb).
+	// Payload is JSON, stored as given in a payload column of type jsonb
+	// (the DDL's), json, text or bytea. A retried store compares it as
+	// JSON (key order and spacing do not matter) with a jsonb or json
+	// column, and with a text column of a partitioned table, which then
+	// needs JSON; byte for byte with a bytea column and a plain table's
+	// text column, which take any bytes.
 	Payload []byte
 	// PartitionKey is the Kafka record key; usually the aggregate id, so one
 	// aggregate's events land on one partition.
@@ -60,18 +65,53 @@ var ErrEventIDConflict = errors.New("outbox: event id already stored with differ
 
 // Writer stores entries into one outbox table.
 type Writer struct {
-	// One set of statements per table shape: with or without the headers
-	// column, plain or partitioned.
-	plain, plainHeaders, parted, partedHeaders statements
-	shapeSQL                                   string
-	table, eventIDs, addPartitions             string // quoted
-	notify                                     string // channel to notify on commit; "" for none
+	// The statements of each type of payload column the writer takes
+	// (payloadTypes), by the type's name.
+	byPayload                      map[string]*storeStatements
+	shapeSQL                       string
+	table, eventIDs, addPartitions string // quoted
+	notify                         string // channel to notify on commit; "" for none
 	// The statements deleting the stored entry (WithDeleteOnStore) from a
 	// plain and from a partitioned table; "" to keep it.
 	deleteStored, deleteStoredParted string
 	parsed                           Table
 	shapes                           shapeCache
 }
+
+// storeStatements are one set of statements per table shape: with or
+// without the headers column, plain or partitioned.
+type storeStatements struct {
+	plain, plainHeaders, parted, partedHeaders statements
+}
+
+// payloadSQL is how the statements take the payload ($5) for one type of
+// payload column.
+type payloadSQL struct {
+	// same compares the stored payload with $5 on a plain table.
+	same string
+	// value is $5 as a partitioned table's row takes it.
+	value string
+	// digest is $5 as it goes into the digest (digestSQL). A type compared
+	// as JSON takes it as jsonb, as the DDL's jsonb column always has, so
+	// the digests of the ids stored already stay valid.
+	digest string
+}
+
+// payloadTypes are the types of payload column the writer stores into,
+// those the relay reads (Columns). json and jsonb compare as JSON. text
+// compares byte for byte on a plain table, as its = does, and as JSON on a
+// partitioned one, as its digest always has. bytea compares byte for byte.
+// A value cast from text keeps the payload as given: a json column keeps
+// its spelling.
+var payloadTypes = map[string]payloadSQL{
+	"jsonb": {same: `payload = $5`, value: `$5`, digest: `$5::jsonb`},
+	"json":  {same: `payload::jsonb = $5::jsonb`, value: `$5::text::json`, digest: `$5::text::jsonb`},
+	"text":  {same: `payload = $5`, value: `$5::text`, digest: `$5::text::jsonb`},
+	"bytea": {same: `payload = $5`, value: `$5::bytea`, digest: `encode($5::bytea, 'hex')`},
+}
+
+// payloadTypeNames are the names of payloadTypes, for messages.
+const payloadTypeNames = "jsonb, json, text or bytea"
 
 // statements store an entry into one shape of table. Their arguments are,
 // in this order, the entry's event id, aggregate type, aggregate id, event
@@ -92,8 +132,9 @@ type statements struct {
 
 // shapeCache remembers, per database, the shape of the table: whether it
 // has the headers column (a table made before the column existed keeps
-// working for entries without headers), whether it is partitioned, and
-// whether its event-id table exists. It is read again after a minute, so
+// working for entries without headers), whether it is partitioned,
+// whether its event-id table exists, and the type of its payload column
+// (payloadTypes). It is read again after a minute, so
 // adding the column or replacing the table takes effect without a restart.
 type shapeCache struct {
 	mu sync.Mutex
@@ -102,6 +143,7 @@ type shapeCache struct {
 
 type tableShape struct {
 	database    string // current_database()
+	payload     string // the payload column's type; "" when the table or the column is missing
 	headers     bool
 	partitioned bool
 	eventIDs    bool // Table.EventIDsTable exists
@@ -223,59 +265,20 @@ func NewWriter(table string, opts ...WriterOption) (*Writer, error) {
 	}
 	q, ids := t.Quoted(), t.EventIDsTable().Quoted()
 	w := &Writer{
-		plain: statements{
-			insert: `INSERT INTO ` + q + `
-    (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
-VALUES ($1, $2, $3, $4, $5, $6)
-ON CONFLICT (event_id) DO NOTHING`, insertArgs: 6,
-			same: `SELECT EXISTS (SELECT 1 FROM ` + q + `
-    WHERE event_id = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND event_type = $4
-      AND payload = $5 AND partition_key = $6)`, sameArgs: 6,
-		},
-		plainHeaders: statements{
-			insert: `INSERT INTO ` + q + `
-    (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, headers)
-VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb)
-ON CONFLICT (event_id) DO NOTHING`, insertArgs: 7,
-			same: `SELECT EXISTS (SELECT 1 FROM ` + q + `
-    WHERE event_id = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND event_type = $4
-      AND payload = $5 AND partition_key = $6
-      AND COALESCE(headers, '{}'::jsonb) - $8::text[] = COALESCE($7::jsonb, '{}'::jsonb) - $8::text[])`, sameArgs: 8,
-		},
-		// A partitioned table cannot have a unique index on event_id
-		// alone (it must include the partition key), so the event id goes
-		// into the event-id table first, in the same statement: its primary
-		// key makes a second store of the id wait for the first and then do
-		// nothing, whatever created_at each has. The row is inserted only
-		// when the id was new.
-		parted: statements{
-			insert: `WITH id AS (
-    INSERT INTO ` + ids + ` (event_id, created_at, digest) VALUES ($1, now(), ` + digestSQL(false) + `)
-    ON CONFLICT (event_id) DO NOTHING
-    RETURNING event_id)
-INSERT INTO ` + q + `
-    (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
-SELECT event_id, $2, $3, $4, $5, $6 FROM id`, insertArgs: 6,
-			same: `SELECT COALESCE((SELECT digest = ` + digestSQL(false) + ` FROM ` + ids + ` WHERE event_id = $1), false)`, sameArgs: 6,
-		},
-		partedHeaders: statements{
-			insert: `WITH id AS (
-    INSERT INTO ` + ids + ` (event_id, created_at, digest) VALUES ($1, now(), ` + digestSQL(true) + `)
-    ON CONFLICT (event_id) DO NOTHING
-    RETURNING event_id)
-INSERT INTO ` + q + `
-    (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, headers)
-SELECT event_id, $2, $3, $4, $5, $6, $7::jsonb FROM id`, insertArgs: 8,
-			same: `SELECT COALESCE((SELECT digest = ` + digestSQL(true) + ` FROM ` + ids + ` WHERE event_id = $1), false)`, sameArgs: 8,
-		},
+		byPayload: map[string]*storeStatements{},
 		shapeSQL: `SELECT current_database(), COALESCE((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false),
     EXISTS (SELECT 1 FROM pg_attribute
         WHERE attrelid = to_regclass($1) AND attname = 'headers' AND attnum > 0 AND NOT attisdropped),
-    to_regclass($2) IS NOT NULL`,
+    to_regclass($2) IS NOT NULL,
+    COALESCE((SELECT format_type(atttypid, NULL) FROM pg_attribute
+        WHERE attrelid = to_regclass($1) AND attname = 'payload' AND attnum > 0 AND NOT attisdropped), '')`,
 		table:         q,
 		parsed:        t,
 		eventIDs:      ids,
 		addPartitions: t.AddPartitionsFunction().Quoted(),
+	}
+	for typ, p := range payloadTypes {
+		w.byPayload[typ] = newStoreStatements(q, ids, p)
 	}
 	for _, opt := range opts {
 		opt(w)
@@ -292,13 +295,68 @@ SELECT event_id, $2, $3, $4, $5, $6, $7::jsonb FROM id`, insertArgs: 8,
 		// partition holding it is scanned (by index) and locked.
 		w.deleteStored = `DELETE FROM ` + q + ` WHERE event_id = $1 AND ` + cond
 		w.deleteStoredParted = `DELETE FROM ` + q + ` WHERE id = $3 AND created_at = $4 AND event_id = $1 AND ` + cond
-		for _, st := range []*statements{&w.parted, &w.partedHeaders} {
-			st.insert += `
+		for _, sts := range w.byPayload {
+			for _, st := range []*statements{&sts.parted, &sts.partedHeaders} {
+				st.insert += `
 RETURNING id, created_at`
-			st.returning = true
+				st.returning = true
+			}
 		}
 	}
 	return w, nil
+}
+
+// newStoreStatements are the statements that store into table q (with
+// event-id table ids when partitioned) whose payload column takes the
+// payload as p says.
+func newStoreStatements(q, ids string, p payloadSQL) *storeStatements {
+	return &storeStatements{
+		plain: statements{
+			insert: `INSERT INTO ` + q + `
+    (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+VALUES ($1, $2, $3, $4, $5, $6)
+ON CONFLICT (event_id) DO NOTHING`, insertArgs: 6,
+			same: `SELECT EXISTS (SELECT 1 FROM ` + q + `
+    WHERE event_id = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND event_type = $4
+      AND ` + p.same + ` AND partition_key = $6)`, sameArgs: 6,
+		},
+		plainHeaders: statements{
+			insert: `INSERT INTO ` + q + `
+    (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, headers)
+VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb)
+ON CONFLICT (event_id) DO NOTHING`, insertArgs: 7,
+			same: `SELECT EXISTS (SELECT 1 FROM ` + q + `
+    WHERE event_id = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND event_type = $4
+      AND ` + p.same + ` AND partition_key = $6
+      AND COALESCE(headers, '{}'::jsonb) - $8::text[] = COALESCE($7::jsonb, '{}'::jsonb) - $8::text[])`, sameArgs: 8,
+		},
+		// A partitioned table cannot have a unique index on event_id
+		// alone (it must include the partition key), so the event id goes
+		// into the event-id table first, in the same statement: its primary
+		// key makes a second store of the id wait for the first and then do
+		// nothing, whatever created_at each has. The row is inserted only
+		// when the id was new.
+		parted: statements{
+			insert: `WITH id AS (
+    INSERT INTO ` + ids + ` (event_id, created_at, digest) VALUES ($1, now(), ` + digestSQL(p.digest, false) + `)
+    ON CONFLICT (event_id) DO NOTHING
+    RETURNING event_id)
+INSERT INTO ` + q + `
+    (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+SELECT event_id, $2, $3, $4, ` + p.value + `, $6 FROM id`, insertArgs: 6,
+			same: `SELECT COALESCE((SELECT digest = ` + digestSQL(p.digest, false) + ` FROM ` + ids + ` WHERE event_id = $1), false)`, sameArgs: 6,
+		},
+		partedHeaders: statements{
+			insert: `WITH id AS (
+    INSERT INTO ` + ids + ` (event_id, created_at, digest) VALUES ($1, now(), ` + digestSQL(p.digest, true) + `)
+    ON CONFLICT (event_id) DO NOTHING
+    RETURNING event_id)
+INSERT INTO ` + q + `
+    (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, headers)
+SELECT event_id, $2, $3, $4, ` + p.value + `, $6, $7::jsonb FROM id`, insertArgs: 8,
+			same: `SELECT COALESCE((SELECT digest = ` + digestSQL(p.digest, true) + ` FROM ` + ids + ` WHERE event_id = $1), false)`, sameArgs: 8,
+		},
+	}
 }
 
 var defaultWriter = must(NewWriter(DefaultTable))
@@ -341,6 +399,14 @@ func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 	if err != nil {
 		return fmt.Errorf("outbox store %s: %w", e.EventID, err)
 	}
+	sts := w.byPayload[shape.payload]
+	switch {
+	case sts == nil && shape.payload != "":
+		return fmt.Errorf("outbox store %s: column payload of %s has type %s; the writer stores into %s",
+			e.EventID, w.table, shape.payload, payloadTypeNames)
+	case sts == nil: // no table or no column: the insert says so
+		sts = w.byPayload["jsonb"]
+	}
 	if shape.partitioned && !shape.eventIDs {
 		return fmt.Errorf("outbox store %s: table %s is partitioned and %s, which keeps event_id unique across its partitions, does not exist; create it with the DDL that `relay schema --partitioned` prints",
 			e.EventID, w.table, w.eventIDs)
@@ -362,14 +428,14 @@ func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 		// A table made before the headers column: the event is stored
 		// without its trace context rather than not at all.
 	}
-	st := w.plain
+	st := sts.plain
 	switch {
 	case shape.partitioned && shape.headers:
-		st = w.partedHeaders
+		st = sts.partedHeaders
 	case shape.partitioned:
-		st = w.parted
+		st = sts.parted
 	case shape.headers:
-		st = w.plainHeaders
+		st = sts.plainHeaders
 	}
 	args := []any{e.EventID, e.AggregateType, e.AggregateID, e.EventType, e.Payload, e.PartitionKey, stored, prop.Fields()}
 	var (
@@ -438,15 +504,15 @@ func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 // entry to compare a later store with: a SHA-256 of the statements'
 // arguments $2 to $6 and, with headers, of the headers without the
 // propagator's fields ($7, $8), laid out as a JSON array (so no two
-// different entries read alike). The payload goes in as jsonb, so it
-// compares as the plain table's jsonb column does (key order and spacing
-// do not matter).
-func digestSQL(headers bool) string {
+// different entries read alike). The payload goes in as payload says
+// (payloadSQL.digest): as jsonb, it compares as the plain table's jsonb
+// column does (key order and spacing do not matter).
+func digestSQL(payload string, headers bool) string {
 	h := `'{}'::jsonb`
 	if headers {
 		h = `COALESCE($7::jsonb, '{}'::jsonb) - $8::text[]`
 	}
-	return `sha256(convert_to(jsonb_build_array($2::text, $3::text, $4::text, $5::jsonb, $6::text, ` + h + `)::text, 'UTF8'))`
+	return `sha256(convert_to(jsonb_build_array($2::text, $3::text, $4::text, ` + payload + `, $6::text, ` + h + `)::text, 'UTF8'))`
 }
 
 // shape reads the table's shape, or remembers it (see shapeCache).
@@ -465,7 +531,7 @@ func (w *Writer) shape(ctx context.Context, tx pgx.Tx) (tableShape, error) {
 	// Read without the lock: the read runs in the caller's transaction,
 	// and a slow one must hold up no other caller. Callers that find the
 	// shape stale at once each read it.
-	if err := tx.QueryRow(ctx, w.shapeSQL, w.table, w.eventIDs).Scan(&st.database, &st.partitioned, &st.headers, &st.eventIDs); err != nil {
+	if err := tx.QueryRow(ctx, w.shapeSQL, w.table, w.eventIDs).Scan(&st.database, &st.partitioned, &st.headers, &st.eventIDs, &st.payload); err != nil {
 		return tableShape{}, fmt.Errorf("read the shape of %s: %w", w.table, err)
 	}
 	st.checked = time.Now()

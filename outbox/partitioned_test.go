@@ -346,3 +346,56 @@ func TestDeleteOnStoreDeletesByIndexInOnePartition(t *testing.T) {
 		})
 	}
 }
+
+// The writer takes every payload column type the relay reads (jsonb, json,
+// text, bytea), on a plain and on a partitioned table: it stores the
+// payload as given (jsonb as JSON), a retried store is a no-op and
+// another payload under the id is ErrEventIDConflict. json compares as
+// JSON, as jsonb does, and so does text on a partitioned table (as its
+// digest always has); bytea, and text on a plain table, byte for byte.
+// Another type is refused, named.
+func TestStoreWithEachPayloadColumnType(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	ctx := context.Background()
+	using := map[string]string{"jsonb": "payload", "json": "payload::json", "text": "payload::text", "bytea": "convert_to(payload::text, 'UTF8')"}
+	for _, partitioned := range []bool{false, true} {
+		for _, typ := range []string{"jsonb", "json", "text", "bytea"} {
+			table := outbox.Table{Schema: fmt.Sprintf("%s_%v", typ, partitioned), Name: "outbox"}
+			if partitioned {
+				f.Exec(outbox.PartitionedSchemaDDL(table, outbox.PartitionDay, 1))
+			} else {
+				f.Exec(outbox.SchemaDDL(table))
+			}
+			f.Exec(fmt.Sprintf(`ALTER TABLE %s ALTER COLUMN payload TYPE %s USING %s`, table.Quoted(), typ, using[typ]))
+			w, err := outbox.NewWriter(table.String())
+			require.NoError(t, err)
+			e := entry()
+			e.Payload = []byte(`{"a": 1,  "b": [2]}`)
+			require.NoError(t, storeWith(t, f, w, e), table)
+			require.NoError(t, storeWith(t, f, w, e), "%s: a retried store is a no-op", table)
+			respelled := e
+			respelled.Payload = []byte(`{"b":[2],"a":1}`)
+			if typ == "json" || typ == "jsonb" || typ == "text" && partitioned {
+				require.NoError(t, storeWith(t, f, w, respelled), "%s: the same JSON", table)
+			} else {
+				require.ErrorIs(t, storeWith(t, f, w, respelled), outbox.ErrEventIDConflict, "%s: other bytes", table)
+			}
+			other := e
+			other.Payload = []byte(`{"a": 2}`)
+			require.ErrorIs(t, storeWith(t, f, w, other), outbox.ErrEventIDConflict, table)
+			require.Equal(t, 1, f.Count(`SELECT count(*) FROM `+table.Quoted()), table)
+			if typ != "jsonb" {
+				var stored []byte
+				require.NoError(t, f.Pool.QueryRow(ctx, fmt.Sprintf(`SELECT %s FROM %s`,
+					map[bool]string{true: "payload", false: "convert_to(payload::text, 'UTF8')"}[typ == "bytea"], table.Quoted())).Scan(&stored))
+				require.Equal(t, string(e.Payload), string(stored), "%s: stored as given", table)
+			}
+		}
+	}
+	f.Exec(`ALTER TABLE "text_false".outbox ALTER COLUMN payload TYPE varchar`)
+	w, err := outbox.NewWriter("text_false.outbox")
+	require.NoError(t, err)
+	require.ErrorContains(t, storeWith(t, f, w, entry()),
+		`column payload of "text_false"."outbox" has type character varying; the writer stores into jsonb, json, text or bytea`)
+}
