@@ -496,7 +496,7 @@ func (e *e2e) burst(t *testing.T, interval time.Duration) {
 	require.NoError(t, tx.Commit(ctx))
 	start := time.Now()
 
-	// What a user watching `kubectl get obr` sees: NAME READY BACKLOG LAG AGE.
+	// What a user watching `kubectl get obr` sees: NAME READY BACKLOG LAG STATUS AGE.
 	var seen []string
 	var sawBacklog, sawThree, scaledUpIn time.Duration
 	ok := assertEventually(3*time.Minute, func() bool {
@@ -505,7 +505,7 @@ func (e *e2e) burst(t *testing.T, interval time.Duration) {
 			return false
 		}
 		f := strings.Fields(string(out))
-		if len(f) != 5 {
+		if len(f) != 6 {
 			t.Logf("kubectl get obr: %q", out)
 			return false
 		}
