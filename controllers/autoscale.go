@@ -15,9 +15,6 @@ import (
 // backlog and the replicas running. The observer keeps the recommendation
 // history the scale-down stabilization needs.
 
-// defaultScaleDownStabilization is spec.autoscaling.scaleDownStabilization's default.
-const defaultScaleDownStabilization = 5 * time.Minute
-
 // recommendation is one count the autoscaler asked for.
 type recommendation struct {
 	at       time.Time
@@ -26,7 +23,7 @@ type recommendation struct {
 
 // autoscaleBounds are minReplicas and maxReplicas with their defaults.
 func autoscaleBounds(as *outboxv1alpha1.AutoscalingSpec) (lo, hi int32) {
-	lo, hi = ptr.Deref(as.MinReplicas, 1), as.MaxReplicas
+	lo, hi = ptr.Deref(as.MinReplicas, outboxv1alpha1.DefaultMinReplicas), as.MaxReplicas
 	return lo, max(hi, lo)
 }
 
@@ -83,7 +80,7 @@ func scaleDownWindow(as *outboxv1alpha1.AutoscalingSpec) time.Duration {
 	if d, err := time.ParseDuration(as.ScaleDownStabilization); err == nil && d >= 0 {
 		return d
 	}
-	return defaultScaleDownStabilization
+	return outboxv1alpha1.DefaultScaleDownStabilization
 }
 
 // scaleMessage says why the autoscaler changed the count, for the event:

@@ -11,7 +11,7 @@ import (
 
 // DefaultBacklogInterval is how often the operator reads an OutboxRelay's
 // backlog when spec.backlog.interval is not set.
-const DefaultBacklogInterval = defaultBacklogInterval
+const DefaultBacklogInterval = outboxv1alpha1.DefaultBacklogInterval
 
 // BacklogProbe reads an outbox table's backlog exactly as an OutboxRelay's
 // observer does — its session settings, its statement, its bound — so that
@@ -23,7 +23,7 @@ type BacklogProbe struct {
 
 // NewBacklogProbe opens the observer's one-connection pool on dsn.
 func NewBacklogProbe(ctx context.Context, dsn string, table outbox.Table) (*BacklogProbe, error) {
-	pool, err := newBacklogPool(ctx, flowTarget{dsn: dsn, table: table, interval: defaultBacklogInterval})
+	pool, err := newBacklogPool(ctx, flowTarget{dsn: dsn, table: table, interval: outboxv1alpha1.DefaultBacklogInterval})
 	if err != nil {
 		return nil, err
 	}

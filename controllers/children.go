@@ -106,7 +106,7 @@ func desiredReplicas(relay *outboxv1alpha1.OutboxRelay) int32 {
 	case relay.Spec.Autoscaling != nil:
 		return relay.Status.DesiredReplicas
 	}
-	return ptr.Deref(relay.Spec.Replicas, 1)
+	return ptr.Deref(relay.Spec.Replicas, outboxv1alpha1.DefaultReplicas)
 }
 
 // relayEnv carries the secrets: the DSN and the SASL credentials, each from a

@@ -33,9 +33,6 @@ import (
 // latest sample, so a slow or unreachable database never holds up the
 // reconcile queue, nor the observers of other databases.
 
-// defaultBacklogInterval is spec.backlog.interval's default.
-const defaultBacklogInterval = 15 * time.Second
-
 // rateWindow is the span the publish rate is measured over.
 const rateWindow = time.Minute
 
@@ -396,7 +393,7 @@ func (o *FlowObserver) record(key types.NamespacedName, done chan struct{}, s *b
 	defer o.mu.Unlock()
 	f := o.relays[key]
 	if f == nil || f.done != done {
-		return defaultBacklogInterval
+		return outboxv1alpha1.DefaultBacklogInterval
 	}
 	f.authFailed = authFailed
 	if errMsg != "" {

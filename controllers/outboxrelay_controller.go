@@ -207,7 +207,7 @@ func (r *OutboxRelayReconciler) observe(key types.NamespacedName, relay *outboxv
 		r.Flow.Forget(key)
 		return observation{}
 	}
-	interval := defaultBacklogInterval
+	interval := outboxv1alpha1.DefaultBacklogInterval
 	if b := relay.Spec.Backlog; b != nil {
 		if d, err := time.ParseDuration(b.Interval); err == nil && d > 0 {
 			interval = d

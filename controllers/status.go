@@ -39,15 +39,12 @@ type observation struct {
 // operator's own cloud identity to a host the OutboxRelay names.
 const tokenLoginsOff = "the operator does not read the backlog of a relay with spec.database.auth: it would log in with a token of its own cloud identity at the host the DSN names, which whoever may create an OutboxRelay chooses; the manager's --database-token-logins allows it. The relay pods' metrics show the backlog"
 
-// defaultLagThreshold is spec.lagThreshold's default.
-const defaultLagThreshold = time.Minute
-
 // lagThreshold is spec.lagThreshold.
 func lagThreshold(relay *outboxv1alpha1.OutboxRelay) time.Duration {
 	if d, err := time.ParseDuration(relay.Spec.LagThreshold); err == nil && d > 0 {
 		return d
 	}
-	return defaultLagThreshold
+	return outboxv1alpha1.DefaultLagThreshold
 }
 
 // readingFailed joins a lagging relay's last reading and the latest

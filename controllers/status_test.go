@@ -38,7 +38,7 @@ func TestLaggingOutlivesAFailedReading(t *testing.T) {
 	again.Status.Conditions[0].Message = v.message
 	require.Equal(t, v, lagging(again, failed, 1, now), "a second failure does not grow the message")
 
-	v = lagging(relay(metav1.ConditionTrue, outboxv1alpha1.ReasonNotPublishing, defaultLagThreshold), failed, 1, now)
+	v = lagging(relay(metav1.ConditionTrue, outboxv1alpha1.ReasonNotPublishing, outboxv1alpha1.DefaultLagThreshold), failed, 1, now)
 	require.Equal(t, verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonBacklogUnavailable, failed.err}, v, "its last reading is as old as the threshold")
 
 	v = lagging(relay(metav1.ConditionFalse, outboxv1alpha1.ReasonFlowing, 20*time.Second), failed, 1, now)
@@ -92,7 +92,7 @@ func TestNotStreamingOnlyPastTheThreshold(t *testing.T) {
 	}
 	v := lagging(relay, obs(10*time.Second), 0, now)
 	require.Equal(t, metav1.ConditionFalse, v.status, "unread for 10 s: %s", v.message)
-	v = lagging(relay, obs(defaultLagThreshold+time.Second), 0, now)
+	v = lagging(relay, obs(outboxv1alpha1.DefaultLagThreshold+time.Second), 0, now)
 	require.Equal(t, metav1.ConditionTrue, v.status)
 	require.Equal(t, outboxv1alpha1.ReasonNotStreaming, v.reason)
 }

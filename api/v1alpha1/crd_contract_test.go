@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -208,4 +209,21 @@ func TestCRDMatchesRelayContract(t *testing.T) {
 	defaultOf(t, spec.at(t, "dsnSecretRef.key"), outboxv1alpha1.DefaultDSNKey)
 	defaultOf(t, spec.at(t, "kafka.sasl.credentialsSecretRef.usernameKey"), outboxv1alpha1.DefaultSASLUsernameKey)
 	defaultOf(t, spec.at(t, "kafka.sasl.credentialsSecretRef.passwordKey"), outboxv1alpha1.DefaultSASLPasswordKey)
+
+	// The defaults the operator reads itself.
+	defaultOf(t, spec.at(t, "replicas"), outboxv1alpha1.DefaultReplicas)
+	defaultOf(t, spec.at(t, "autoscaling.minReplicas"), outboxv1alpha1.DefaultMinReplicas)
+	durationDefaultOf(t, spec.at(t, "autoscaling.scaleDownStabilization"), outboxv1alpha1.DefaultScaleDownStabilization)
+	durationDefaultOf(t, spec.at(t, "backlog.interval"), outboxv1alpha1.DefaultBacklogInterval)
+	durationDefaultOf(t, spec.at(t, "lagThreshold"), outboxv1alpha1.DefaultLagThreshold)
+}
+
+// durationDefaultOf requires s's default to be a duration string of want.
+func durationDefaultOf(t *testing.T, s *schema, want time.Duration) {
+	t.Helper()
+	var text string
+	require.NoError(t, json.Unmarshal(s.Default, &text), "default %s", s.Default)
+	got, err := time.ParseDuration(text)
+	require.NoError(t, err)
+	require.Equal(t, want, got, "default %q", text)
 }

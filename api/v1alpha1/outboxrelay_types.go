@@ -1,6 +1,8 @@
 package v1alpha1
 
 import (
+	"time"
+
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
@@ -130,6 +132,24 @@ const (
 	DefaultSASLUsernameKey = "username"
 	// DefaultSASLPasswordKey is the default of credentialsSecretRef.passwordKey.
 	DefaultSASLPasswordKey = "password"
+)
+
+// Defaults of the fields the operator itself reads. As above, the
+// `+kubebuilder:default` markers repeat them as literals, a test compares
+// the generated CRD's defaults with these, and the operator falls back to
+// them for objects that never went through the API server.
+const (
+	// DefaultReplicas is the default of spec.replicas.
+	DefaultReplicas int32 = 1
+	// DefaultMinReplicas is the default of spec.autoscaling.minReplicas.
+	DefaultMinReplicas int32 = 1
+	// DefaultScaleDownStabilization is the default of
+	// spec.autoscaling.scaleDownStabilization.
+	DefaultScaleDownStabilization = 5 * time.Minute
+	// DefaultBacklogInterval is the default of spec.backlog.interval.
+	DefaultBacklogInterval = 15 * time.Second
+	// DefaultLagThreshold is the default of spec.lagThreshold.
+	DefaultLagThreshold = time.Minute
 )
 
 // OrderingMode says which ordering guarantee the relay gives.
