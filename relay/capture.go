@@ -1006,11 +1006,13 @@ func (s *streamState) handle(ctx context.Context, msg pgproto3.BackendMessage) e
 	if err := s.handleMessage(ctx, msg); err != nil {
 		return err
 	}
-	if len(s.pending) == 0 && !s.inTx {
+	if len(s.pending) == 0 && !s.inTx && s.carry == nil && len(s.restore) == 0 {
 		// Nothing waits to be published: the stream is idle, as an empty
 		// claim is. A busy server keeps its reads from timing out (each
-		// write elsewhere brings a keepalive), so the message says so too.
-		s.r.health.batchDone(time.Now(), 0, 0)
+		// write elsewhere brings a keepalive), so the message says so too;
+		// a batch failing meanwhile (a flush the stream replays) stays
+		// failing until one completes.
+		s.r.health.idle(time.Now())
 	}
 	return nil
 }

@@ -634,4 +634,10 @@ func TestIdleStreamOnABusyServerIsNotAStall(t *testing.T) {
 	s.inTx = false
 	require.NoError(t, s.handle(context.Background(), keepalive))
 	require.Empty(t, r.health.stalls(time.Now()), "nothing waits: the stream is idle")
+
+	// A failing batch (a flush the stream replays) stays failing: an idle
+	// message between its tries is no batch completed.
+	r.health.batchFailed(t0, errors.New("put back: refused"))
+	require.NoError(t, s.handle(context.Background(), keepalive))
+	require.Contains(t, r.health.stalls(time.Now()), StallBatchFailing, "the failure stays")
 }

@@ -74,6 +74,14 @@ func (h *health) batchDone(now time.Time, claimed, published int) {
 	}
 }
 
+// idle records that there is nothing to claim or publish now: progress,
+// as an empty claim is, which leaves a failure in progress as it is.
+func (h *health) idle(now time.Time) {
+	h.mu.Lock()
+	h.lastProgress = now
+	h.mu.Unlock()
+}
+
 func (h *health) batchFailed(now time.Time, err error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()

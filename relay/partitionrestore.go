@@ -15,10 +15,13 @@ import (
 )
 
 // noPartition reports whether err is the server's refusal of a row whose
-// partition key no partition of the table covers.
+// partition key no partition of the table covers: a check_violation from
+// the routine that routes a row to its partition (the message itself is
+// translated under another lc_messages).
 func noPartition(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "23514" && strings.HasPrefix(pgErr.Message, "no partition of relation")
+	return errors.As(err, &pgErr) && pgErr.Code == "23514" &&
+		(pgErr.Routine == "ExecFindPartition" || strings.HasPrefix(pgErr.Message, "no partition of relation"))
 }
 
 // insertRecords runs the put-back's insert stmt of records (the text forms

@@ -490,8 +490,9 @@ func (r *Relay) restamp(ctx context.Context, b *batch, i int) {
 // lag behind a topic that was just created, and such a topic is only
 // slow, not unavailable (a transient failure, retried at once). kafka-go
 // answers a metadata request from that cache too, so the recheck first
-// drops the transport's connection pools, and with them the cache: the
-// answer is the broker's, and the writers' next calls see it.
+// drops the transport's connection pools, and with them the cache
+// (freshMetadata): the answer is the broker's, and the writers' next calls
+// see it.
 func (r *Relay) recheckUnknown(ctx context.Context, b *batch, idx []int) {
 	exists := map[string]bool{}
 	for _, i := range idx {
@@ -501,8 +502,8 @@ func (r *Relay) recheckUnknown(ctx context.Context, b *batch, idx []int) {
 		topic := r.cfg.Topics[b.rows[i].eventType]
 		known, checked := exists[topic]
 		if !checked {
-			if len(exists) == 0 && r.transport != nil {
-				r.transport.CloseIdleConnections() // calls in flight keep theirs until they end
+			if len(exists) == 0 {
+				r.freshMetadata()
 			}
 			md, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: []string{topic}})
 			known = err == nil && len(md.Topics) == 1 && md.Topics[0].Error == nil && len(md.Topics[0].Partitions) > 0
@@ -512,6 +513,27 @@ func (r *Relay) recheckUnknown(ctx context.Context, b *batch, idx []int) {
 			b.out[i] = transient
 		}
 	}
+}
+
+// metadataResetEvery is the least time between two drops of the
+// transport's connection pools (freshMetadata): while leaders move, every
+// batch can see a partition unknown, and each drop reconnects to every
+// broker (a TLS and SASL handshake each).
+const metadataResetEvery = 5 * time.Second
+
+// freshMetadata drops the transport's connection pools, and so its cached
+// metadata, unless it did less than metadataResetEvery ago. Calls in
+// flight keep their pools until they end.
+func (r *Relay) freshMetadata() {
+	if r.transport == nil {
+		return
+	}
+	now := time.Now()
+	if last := r.metadataReset.Load(); last != nil && now.Sub(*last) < metadataResetEvery {
+		return
+	}
+	r.metadataReset.Store(&now)
+	r.transport.CloseIdleConnections()
 }
 
 // topicsFailing leaves out of the claims, for a backoff, each topic whose

@@ -56,10 +56,12 @@ type Relay struct {
 	// transport is the writers' and client's: kafka-go answers metadata
 	// requests from its cache, up to its MetadataTTL old.
 	transport *kafka.Transport
-	m         *metrics
-	log       *slog.Logger
-	types     []string     // mapped event types, sorted
-	tracer    trace.Tracer // nil when tracing is off
+	// metadataReset is when freshMetadata last dropped its pools.
+	metadataReset atomic.Pointer[time.Time]
+	m             *metrics
+	log           *slog.Logger
+	types         []string     // mapped event types, sorted
+	tracer        trace.Tracer // nil when tracing is off
 
 	// Loop state, owned by Run's goroutine.
 	claimer claimer // the ordering mode's claim
