@@ -43,6 +43,14 @@ export PROMTOOL
 
 GO_TEST_FLAGS ?= -count=1 -timeout 25m
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# APT_INSTALL is a recipe's shell step that installs the Debian packages
+# the shell variable missing names, if any, after updating apt's lists (a
+# fresh image has none).
+APT_INSTALL = if [ -n "$$missing" ]; then \
+		echo ">> installing Debian's$$missing"; \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -q; \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
 
 ##@ General
 
@@ -193,11 +201,9 @@ deps: deps-postgres deps-kafka deps-kube deps-node $(CONTROLLER_GEN) ## Provide 
 
 .PHONY: deps-postgres
 deps-postgres: ## Link the machine's PostgreSQL server binaries into bin/ (apt-get installs them when absent).
-	@if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then \
-		echo ">> installing Debian's postgresql package"; \
-		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -q; \
-		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql; \
-	fi
+	@missing=""; \
+	ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || missing=" postgresql"; \
+	$(APT_INSTALL)
 	@pgbin=$$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1); \
 	mkdir -p $(LOCALBIN)/postgresql; \
 	ln -sfn "$$pgbin" $(PG_LINK); \
@@ -209,11 +215,7 @@ $(KAFKA_LIBS)/.complete: hack/kafka/pom.xml
 	@missing=""; \
 	command -v java >/dev/null || missing="$$missing openjdk-17-jre-headless"; \
 	command -v mvn >/dev/null || missing="$$missing maven"; \
-	if [ -n "$$missing" ]; then \
-		echo ">> installing Debian's$$missing"; \
-		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -q; \
-		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
-	fi
+	$(APT_INSTALL)
 	@echo ">> fetching Kafka $(KAFKA_VERSION) jars from Maven Central"
 	rm -rf $(KAFKA_LIBS)
 	mvn -q -B -f hack/kafka/pom.xml dependency:copy-dependencies -Dkafka.version=$(KAFKA_VERSION) -DoutputDirectory=$(KAFKA_LIBS)
@@ -232,11 +234,7 @@ deps-node: $(NODE_ASSETS)/containerd ## Build kubelet, kube-controller-manager, 
 	[ -x /usr/lib/cni/bridge ] || missing="$$missing containernetworking-plugins"; \
 	command -v iptables >/dev/null || missing="$$missing iptables"; \
 	command -v ip >/dev/null || missing="$$missing iproute2"; \
-	if [ -n "$$missing" ]; then \
-		echo ">> installing Debian's$$missing"; \
-		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -q; \
-		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
-	fi
+	$(APT_INSTALL)
 $(NODE_ASSETS)/containerd: hack/build-node.sh hack/kube-module.sh
 	hack/build-node.sh $(KUBE_VERSION) $(CONTAINERD_VERSION) $(NODE_ASSETS)
 	touch $@
