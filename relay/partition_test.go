@@ -650,8 +650,14 @@ func TestPartitionDetachDoesNotHideARowFromItsMark(t *testing.T) {
 			pending := func() bool {
 				return f.Count(`SELECT count(*) FROM pg_inherits WHERE inhrelid = 'outbox_old'::regclass AND inhdetachpending`) == 1
 			}
-			for deadline := time.Now().Add(3 * time.Second); !pending() && time.Now().Before(deadline); {
-				<-time.After(20 * time.Millisecond) // the detach begins, if it is to
+			if tc.beganBefore {
+				for deadline := time.Now().Add(3 * time.Second); !pending() && time.Now().Before(deadline); {
+					<-time.After(20 * time.Millisecond) // the detach would begin now, were it not held
+				}
+			} else {
+				// Nothing holds the detach: it goes pending while the claim
+				// holds the row (on a loaded machine, more than 3 s later).
+				require.Eventually(t, pending, 30*time.Second, 20*time.Millisecond, "the detach begins while the row is claimed")
 			}
 			close(w.open)
 			require.Eventually(t, func() bool {
