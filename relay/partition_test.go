@@ -633,7 +633,16 @@ func TestPartitionDetachDoesNotHideARowFromItsMark(t *testing.T) {
 			cfg.KeepPublishedFor = keep
 			var logs lockedBuffer
 			cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
-			w := &gatedWriter{w: newKafkaWriter(t), entered: make(chan struct{}), open: make(chan struct{})}
+			// The writer knows the test's new topic before the relay runs: a
+			// first publish that failed on it would leave the row to the
+			// pruner's look after the detach, not to the mark.
+			kw := newKafkaWriter(t)
+			kw.Transport = &kafka.Transport{}
+			require.Eventually(t, func() bool {
+				md, err := (&kafka.Client{Addr: kw.Addr, Transport: kw.Transport}).Metadata(ctx, &kafka.MetadataRequest{Topics: []string{f.Topics["E"]}})
+				return err == nil && len(md.Topics) == 1 && md.Topics[0].Error == nil && len(md.Topics[0].Partitions) > 0
+			}, 30*time.Second, 100*time.Millisecond, "the writer knows the topic")
+			w := &gatedWriter{w: kw, entered: make(chan struct{}), open: make(chan struct{})}
 			run(t, cfg, w)
 			require.Eventually(t, func() bool {
 				return f.Count(`SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND backend_xid IS NULL
