@@ -84,18 +84,24 @@ func (t Table) suffixed(suffix string) string {
 	return n + suffix
 }
 
+// Suffixed is the table of the same schema named as the table with
+// suffix, the name cut so the whole fits PostgreSQL's 63 bytes.
+func (t Table) Suffixed(suffix string) Table {
+	return Table{Schema: t.Schema, Name: t.suffixed(suffix)}
+}
+
 // EventIDsTable is the table that keeps event_id unique across the
 // partitions of a partitioned outbox (PartitionedSchemaDDL): "<name>_event_ids",
 // in the outbox's schema.
 func (t Table) EventIDsTable() Table {
-	return Table{Schema: t.Schema, Name: t.suffixed("_event_ids")}
+	return t.Suffixed("_event_ids")
 }
 
 // HeldTable is the table where relays record the rows they hold back (too
 // large, refused by Kafka, invalid): "<name>_held", in the outbox's schema
 // (HeldDDL).
 func (t Table) HeldTable() Table {
-	return Table{Schema: t.Schema, Name: t.suffixed("_held")}
+	return t.Suffixed("_held")
 }
 
 // The reasons a relay records a row in the held table under (HeldDDL's
@@ -143,7 +149,7 @@ func HeldDDL(t Table) string {
 // AddPartitionsFunction is the function PartitionedSchemaDDL defines to
 // create a partitioned outbox's next partitions: "<name>_add_partitions".
 func (t Table) AddPartitionsFunction() Table {
-	return Table{Schema: t.Schema, Name: t.suffixed("_add_partitions")}
+	return t.Suffixed("_add_partitions")
 }
 
 // NotifyChannel is the channel a writer with WithNotify notifies and a

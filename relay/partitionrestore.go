@@ -99,12 +99,7 @@ func (r *Relay) restorePartitions(ctx context.Context, rows []streamedRow) (int,
 		if !ok || hi == nil || hi.After(now) {
 			continue
 		}
-		name := r.table.Name
-		suffix := "_restored_" + at.UTC().Format("20060102150405")
-		if len(name)+len(suffix) > 63 {
-			name = name[:63-len(suffix)]
-		}
-		part := outbox.Table{Schema: nsp, Name: name + suffix}.Quoted()
+		part := outbox.Table{Schema: nsp, Name: r.table.Name}.Suffixed("_restored_" + at.UTC().Format("20060102150405")).Quoted()
 		from := "MINVALUE"
 		if lo != nil {
 			from = outbox.QuoteLiteral(lo.UTC().Format("2006-01-02 15:04:05.999999+00"))
