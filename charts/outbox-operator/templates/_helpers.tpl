@@ -70,3 +70,34 @@ CRD added: it renders only with image.tag or image.digest.
 {{- define "outbox-operator.rulesOf" -}}
 {{- (.root.Files.Get (printf "files/%s.yaml" .file) | fromYaml).rules | toYaml }}
 {{- end }}
+
+{{/* The metrics Service's name. */}}
+{{- define "outbox-operator.metricsService" -}}
+{{- printf "%s-metrics" (include "outbox-operator.fullname" .) }}
+{{- end }}
+
+{{/*
+Whether Prometheus scrapes /metrics without verifying its certificate: only
+when monitoring.serviceMonitor.tlsConfig asks for it (insecureSkipVerify: true).
+*/}}
+{{- define "outbox-operator.metricsInsecure" -}}
+{{- if (.Values.monitoring.serviceMonitor.tlsConfig | default dict).insecureSkipVerify }}true{{ end }}
+{{- end }}
+
+{{/*
+Whether the chart issues the certificate /metrics serves: the ServiceMonitor
+scrapes over HTTPS and verifies it, and metrics.certSecret names none.
+*/}}
+{{- define "outbox-operator.metricsCertIssued" -}}
+{{- $sm := .Values.monitoring.serviceMonitor }}
+{{- if and $sm.enabled .Values.metrics.enabled .Values.metrics.secure (not .Values.metrics.certSecret) (not (include "outbox-operator.metricsInsecure" .)) }}true{{ end }}
+{{- end }}
+
+{{/* The Secret whose certificate /metrics serves: metrics.certSecret, the chart's own, or none (self-signed at start). */}}
+{{- define "outbox-operator.metricsCertSecret" -}}
+{{- if .Values.metrics.certSecret }}
+{{- .Values.metrics.certSecret }}
+{{- else if include "outbox-operator.metricsCertIssued" . }}
+{{- printf "%s-metrics-cert" (include "outbox-operator.fullname" .) }}
+{{- end }}
+{{- end }}

@@ -14,6 +14,7 @@ import (
 	"helm.sh/helm/v3/pkg/chart/loader"
 	"helm.sh/helm/v3/pkg/chartutil"
 	"helm.sh/helm/v3/pkg/lint/support"
+	"helm.sh/helm/v3/pkg/release"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -78,16 +79,21 @@ func render(t *testing.T, vals map[string]any) ([]*unstructured.Unstructured, st
 // renderChart is render of chart c.
 func renderChart(t *testing.T, c *chart.Chart, vals map[string]any) ([]*unstructured.Unstructured, string, error) {
 	t.Helper()
+	rel, err := dryRun(c, vals)
+	if err != nil {
+		return nil, "", err
+	}
+	return decode(t, []byte(rel.Manifest)), rel.Manifest, nil
+}
+
+// dryRun is the release render makes of chart c, with its notes.
+func dryRun(c *chart.Chart, vals map[string]any) (*release.Release, error) {
 	inst := action.NewInstall(&action.Configuration{})
 	inst.DryRun, inst.ClientOnly, inst.IncludeCRDs = true, true, true
 	inst.ReleaseName, inst.Namespace = "outbox", releaseNamespace
 	inst.KubeVersion = &chartutil.KubeVersion{Version: "v1.37.2", Major: "1", Minor: "37"}
 	inst.APIVersions = chartutil.VersionSet{"monitoring.coreos.com/v1"}
-	rel, err := inst.Run(c, vals)
-	if err != nil {
-		return nil, "", err
-	}
-	return decode(t, []byte(rel.Manifest)), rel.Manifest, nil
+	return inst.Run(c, vals)
 }
 
 func mustRender(t *testing.T, vals map[string]any) ([]*unstructured.Unstructured, string) {

@@ -1,6 +1,11 @@
 package install
 
 import (
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/base64"
+	"encoding/pem"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -37,7 +42,11 @@ var chartCases = []chartCase{
 		require.Equal(t, "true", editor.GetLabels()["rbac.authorization.k8s.io/aggregate-to-edit"])
 		viewer := find(t, objs, "ClusterRole", "outbox-outbox-operator-outboxrelay-viewer")
 		require.Equal(t, "true", viewer.GetLabels()["rbac.authorization.k8s.io/aggregate-to-view"])
-		none(t, objs, "PodDisruptionBudget", "ServiceMonitor", "PodMonitor")
+		none(t, objs, "PodDisruptionBudget", "ServiceMonitor", "PodMonitor", "Secret")
+		require.NotContains(t, c["args"], "--metrics-cert-dir=/etc/outbox-operator/metrics-cert", "as config/default: no certificate without a ServiceMonitor")
+		for _, o := range objs {
+			require.NotContains(t, fmt.Sprint(o.Object), "insecureSkipVerify", "%s/%s", o.GetKind(), o.GetName())
+		}
 	}},
 	{name: "fullnameOverride", values: `{fullnameOverride: relays}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
 		for _, o := range objs {
@@ -104,15 +113,51 @@ var chartCases = []chartCase{
 		err: "monitoring.podMonitor scrapes plain HTTP: with metrics.secure (the default) use monitoring.serviceMonitor"},
 	{name: "ServiceMonitor and readers", values: `{monitoring: {serviceMonitor: {enabled: true, labels: {release: prometheus}}},
 	  metrics: {readers: [{name: prometheus-k8s, namespace: monitoring}]}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
-		sm := find(t, objs, "ServiceMonitor", "outbox-outbox-operator")
-		ep := sm.Object["spec"].(map[string]any)["endpoints"].([]any)[0].(map[string]any)
+		ep := serviceMonitorEndpoint(t, objs)
 		require.Equal(t, "https", ep["scheme"])
 		require.Equal(t, "/var/run/secrets/kubernetes.io/serviceaccount/token", ep["bearerTokenFile"])
 		require.Equal(t, true, ep["honorLabels"])
 		readers := find(t, objs, "ClusterRoleBinding", "outbox-outbox-operator-metrics-reader")
 		require.Equal(t, "prometheus-k8s", subject(t, readers, 0)["name"])
 		require.Equal(t, "monitoring", subject(t, readers, 0)["namespace"])
+		// By default Prometheus verifies the certificate the chart issues.
+		require.Equal(t, map[string]any{
+			"ca":         map[string]any{"secret": map[string]any{"name": "outbox-outbox-operator-metrics-cert", "key": "ca.crt"}},
+			"serverName": "outbox-outbox-operator-metrics.outbox-system.svc",
+		}, ep["tlsConfig"])
+		requireServesVerifiably(t, objs, "outbox-outbox-operator-metrics-cert")
 	}},
+	{name: "ServiceMonitor verifying metrics.certSecret", values: `{metrics: {certSecret: manager-metrics-tls}, monitoring: {serviceMonitor: {enabled: true}}}`,
+		check: func(t *testing.T, objs []*unstructured.Unstructured) {
+			none(t, objs, "Secret")
+			require.Equal(t, map[string]any{
+				"ca":         map[string]any{"secret": map[string]any{"name": "manager-metrics-tls", "key": "ca.crt"}},
+				"serverName": "outbox-outbox-operator-metrics.outbox-system.svc",
+			}, serviceMonitorEndpoint(t, objs)["tlsConfig"])
+			require.Contains(t, podSpec(t, objs)["volumes"], map[string]any{"name": "metrics-cert", "secret": map[string]any{"secretName": "manager-metrics-tls"}})
+		}},
+	{name: "ServiceMonitor with TLS fields of its own", values: `{metrics: {certSecret: manager-metrics-tls},
+	  monitoring: {serviceMonitor: {enabled: true, tlsConfig: {ca: {configMap: {name: corp-ca, key: ca.pem}}, serverName: metrics.example}}}}`,
+		check: func(t *testing.T, objs []*unstructured.Unstructured) {
+			require.Equal(t, map[string]any{
+				"ca":         map[string]any{"configMap": map[string]any{"name": "corp-ca", "key": "ca.pem"}},
+				"serverName": "metrics.example",
+			}, serviceMonitorEndpoint(t, objs)["tlsConfig"], "each field set replaces the chart's, whole")
+		}},
+	{name: "ServiceMonitor without verifying, opted in", values: `{monitoring: {serviceMonitor: {enabled: true, tlsConfig: {insecureSkipVerify: true}}}}`,
+		check: func(t *testing.T, objs []*unstructured.Unstructured) {
+			require.Equal(t, map[string]any{"insecureSkipVerify": true}, serviceMonitorEndpoint(t, objs)["tlsConfig"])
+			none(t, objs, "Secret")
+			require.NotContains(t, container(t, find(t, objs, "Deployment", ""))["args"], "--metrics-cert-dir=/etc/outbox-operator/metrics-cert",
+				"no certificate is issued that nothing verifies")
+		}},
+	{name: "ServiceMonitor over plain HTTP", values: `{metrics: {secure: false}, monitoring: {serviceMonitor: {enabled: true}}}`,
+		check: func(t *testing.T, objs []*unstructured.Unstructured) {
+			ep := serviceMonitorEndpoint(t, objs)
+			require.NotContains(t, ep, "tlsConfig")
+			require.NotContains(t, ep, "scheme")
+			none(t, objs, "Secret")
+		}},
 	{name: "OpenShift restricted-v2", values: `{podSecurityContext: {runAsUser: null, runAsGroup: null}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
 		sc := podSpec(t, objs)["securityContext"].(map[string]any)
 		require.NotContains(t, sc, "runAsUser", "the platform assigns the user")
@@ -174,4 +219,54 @@ func none(t *testing.T, objs []*unstructured.Unstructured, kinds ...string) {
 			require.NotEqual(t, k, o.GetKind()+"/"+o.GetName())
 		}
 	}
+}
+
+// serviceMonitorEndpoint is the one endpoint of the chart's ServiceMonitor.
+func serviceMonitorEndpoint(t *testing.T, objs []*unstructured.Unstructured) map[string]any {
+	t.Helper()
+	eps, _, err := unstructured.NestedSlice(find(t, objs, "ServiceMonitor", "outbox-outbox-operator").Object, "spec", "endpoints")
+	require.NoError(t, err)
+	require.Len(t, eps, 1)
+	return eps[0].(map[string]any)
+}
+
+// requireServesVerifiably checks that the manager serves the certificate of
+// the Secret secret that the chart renders, and that a client holding the
+// ServiceMonitor's CA and server name verifies it.
+func requireServesVerifiably(t *testing.T, objs []*unstructured.Unstructured, secret string) {
+	t.Helper()
+	c := container(t, find(t, objs, "Deployment", "outbox-outbox-operator"))
+	require.Contains(t, c["args"], "--metrics-cert-dir=/etc/outbox-operator/metrics-cert")
+	require.Contains(t, c["volumeMounts"], map[string]any{"name": "metrics-cert", "mountPath": "/etc/outbox-operator/metrics-cert", "readOnly": true})
+	require.Contains(t, podSpec(t, objs)["volumes"], map[string]any{"name": "metrics-cert", "secret": map[string]any{"secretName": secret}})
+
+	s := find(t, objs, "Secret", secret)
+	require.Equal(t, "kubernetes.io/tls", s.Object["type"])
+	data := map[string][]byte{}
+	for k, v := range s.Object["data"].(map[string]any) {
+		b, err := base64.StdEncoding.DecodeString(v.(string))
+		require.NoError(t, err, k)
+		data[k] = b
+	}
+	tlsConfig := serviceMonitorEndpoint(t, objs)["tlsConfig"].(map[string]any)
+	ca := tlsConfig["ca"].(map[string]any)["secret"].(map[string]any)
+	require.Equal(t, secret, ca["name"])
+	require.Contains(t, data, ca["key"])
+	requireVerifies(t, data["tls.crt"], data["tls.key"], data[ca["key"].(string)], tlsConfig["serverName"].(string))
+}
+
+// requireVerifies: certPEM and keyPEM are a pair, and a client that trusts
+// only caPEM accepts certPEM for serverName.
+func requireVerifies(t *testing.T, certPEM, keyPEM, caPEM []byte, serverName string) {
+	t.Helper()
+	_, err := tls.X509KeyPair(certPEM, keyPEM)
+	require.NoError(t, err, "tls.crt and tls.key are a pair")
+	roots := x509.NewCertPool()
+	require.True(t, roots.AppendCertsFromPEM(caPEM), "ca.crt holds a certificate")
+	block, _ := pem.Decode(certPEM)
+	require.NotNil(t, block)
+	cert, err := x509.ParseCertificate(block.Bytes)
+	require.NoError(t, err)
+	_, err = cert.Verify(x509.VerifyOptions{Roots: roots, DNSName: serverName, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}})
+	require.NoError(t, err, "a client trusting ca.crt verifies the served certificate as %s", serverName)
 }
