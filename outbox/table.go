@@ -123,10 +123,11 @@ var HeldReasons = []string{HeldInvalidRow, HeldTooLarge, HeldRefused}
 
 // HeldDDL is the DDL of t's held table: one row per outbox row a relay
 // holds back, with the reason, the last error, when it was first and last
-// tried, how often, and when it is tried next. Relays create it themselves
-// when it is missing and their role may; `relay held` lists it and
-// `relay redrive` sets retry_at to now. A row leaves it once its outbox
-// row is published (or dead-lettered).
+// tried, how often, when it is tried next, and when it was last redriven.
+// Relays create it themselves when it is missing and their role may;
+// `relay held` lists it and `relay redrive` sets retry_at and redriven_at
+// to now. A row leaves it once its outbox row is published (or
+// dead-lettered).
 func HeldDDL(t Table) string {
 	reasons := make([]string, len(HeldReasons))
 	for i, r := range HeldReasons {
@@ -141,9 +142,22 @@ func HeldDDL(t Table) string {
     attempts      integer     NOT NULL DEFAULT 1,
     first_attempt timestamptz NOT NULL DEFAULT now(),
     last_attempt  timestamptz NOT NULL DEFAULT now(),
-    retry_at      timestamptz NOT NULL
+    retry_at      timestamptz NOT NULL,
+    %s
 );
-`, t.HeldTable().Quoted(), strings.Join(reasons, ", "))
+`, t.HeldTable().Quoted(), strings.Join(reasons, ", "), heldRedrivenAt)
+}
+
+// heldRedrivenAt is the held table's redriven_at column: when `relay
+// redrive` last released the row. A batch that began before then and holds
+// the row again leaves its retry_at as the redrive set it: the batch's
+// attempt may predate the fix the redrive follows.
+const heldRedrivenAt = `redriven_at   timestamptz`
+
+// HeldRedrivenAtDDL adds redriven_at to t's held table made before the
+// column existed; relays run it at start-up when their role may.
+func HeldRedrivenAtDDL(t Table) string {
+	return `ALTER TABLE ` + t.HeldTable().Quoted() + ` ADD COLUMN IF NOT EXISTS ` + heldRedrivenAt
 }
 
 // AddPartitionsFunction is the function PartitionedSchemaDDL defines to

@@ -352,7 +352,11 @@ func (r *Relay) recordHolds(b *inFlight) error {
 		for i, h := range b.holds {
 			ids[i], eventIDs[i], types[i], reasons[i], errs[i] = h.id, h.eventID, h.eventType, h.reason, h.err
 		}
-		if _, err := b.tx.Exec(b.ctx, r.sql.Hold, ids, eventIDs, types, reasons, errs, r.cfg.HeldRetryInterval.Seconds()); err != nil {
+		args := []any{ids, eventIDs, types, reasons, errs, r.cfg.HeldRetryInterval.Seconds()}
+		if r.sql.HoldKeepsRedrives {
+			args = append(args, time.Since(b.start).Seconds())
+		}
+		if _, err := b.tx.Exec(b.ctx, r.sql.Hold, args...); err != nil {
 			return fmt.Errorf("record %d held rows in %s: %w", n, r.table.HeldTable(), err)
 		}
 	}

@@ -2,9 +2,14 @@ package relay_test
 
 import (
 	"context"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
@@ -76,6 +81,112 @@ func TestHeldRowsAreRecordedSurviveRestartsAndRedrive(t *testing.T) {
 	require.Eventually(t, func() bool {
 		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTooLarge) == 0
 	}, 10*time.Second, 50*time.Millisecond)
+}
+
+// A `relay redrive` issued while a batch tries the row (its cause fixed
+// meanwhile) stands when that batch fails and holds the row again: the
+// batch's try may have come before the fix. The interleaving is fixed by
+// the writer, which holds the batch's publish until the redrive is in.
+// (Before, the batch's hold, committed after the redrive, set the retry an
+// interval ahead again, and the redrive was lost.)
+func TestRedriveWhileABatchTriesTheRowStands(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := outboxtest.NewFixture(t, 1, "E")
+	f.Insert(1, 1, "E")
+	table := outbox.Table{Name: "outbox"}
+	refused := func(msgs []kafka.Message) error {
+		werrs := make(kafka.WriteErrors, len(msgs))
+		for i := range werrs {
+			werrs[i] = kafka.InvalidRecord
+		}
+		return werrs
+	}
+	var calls atomic.Int32
+	entered, open := make(chan struct{}), make(chan struct{})
+	w := writerFunc(func(ctx context.Context, msgs ...kafka.Message) error {
+		switch calls.Add(1) {
+		case 1:
+			return refused(msgs)
+		case 2: // the try the redrive races: it began before the fix
+			close(entered)
+			select {
+			case <-open:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+			return refused(msgs)
+		}
+		return nil // the cause is fixed
+	})
+	cfg := f.Config()
+	cfg.HeldRetryInterval = time.Hour
+	run(t, cfg, w)
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox_held WHERE id = 1 AND reason = 'refused' AND attempts = 1`) == 1
+	}, 20*time.Second, 20*time.Millisecond, "the row is held")
+
+	n, err := relay.Redrive(ctx, f.Pool, table, relay.HeldFilter{IDs: []int64{1}})
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	select {
+	case <-entered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the redriven row is tried again")
+	}
+	n, err = relay.Redrive(ctx, f.Pool, table, relay.HeldFilter{IDs: []int64{1}}) // the cause is fixed meanwhile
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	close(open)
+	require.Eventually(t, func() bool { return f.Unpublished() == 0 }, 30*time.Second, 20*time.Millisecond,
+		"the second redrive stands, and the row goes out within seconds, not after HeldRetryInterval: %d tries", calls.Load())
+	require.Equal(t, int32(3), calls.Load())
+	require.Eventually(t, func() bool { return f.Count(`SELECT count(*) FROM outbox_held`) == 0 }, 10*time.Second, 20*time.Millisecond)
+}
+
+// A held table made before redriven_at existed keeps working: `relay
+// redrive` releases its rows, a relay whose role may not alter the table
+// says so and records its holds as before, and a relay that may adds the
+// column at start-up.
+func TestHeldTableFromBeforeRedrivenAt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := outboxtest.NewFixture(t, 1)
+	f.Topics["E"] = f.NewTopic("small", 1, "max.message.bytes", "2000")
+	f.Exec(`ALTER TABLE outbox_held DROP COLUMN redriven_at`)
+	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', 'big', 'E', jsonb_build_object('pad', repeat('y', 5000)), 'big')`)
+	role := fmt.Sprintf("held_%d", time.Now().UnixNano()%1e9)
+	f.Exec(`CREATE ROLE ` + role + ` LOGIN; GRANT SELECT, UPDATE ON outbox TO ` + role +
+		`; GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_held TO ` + role)
+	t.Cleanup(func() { _, _ = f.Pool.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE `+role) })
+	redrivenAt := func() int {
+		return f.Count(`SELECT count(*) FROM pg_attribute WHERE attrelid = 'outbox_held'::regclass AND attname = 'redriven_at' AND NOT attisdropped`)
+	}
+
+	cfg := f.Config()
+	cfg.HeldRetryInterval = time.Hour
+	cfg.DSN = strings.Replace(f.DSN, "postgres@", role+"@", 1) // the test cluster trusts local connections
+	var logs lockedBuffer
+	cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	x := run(t, cfg, nil)
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox_held WHERE id = 1 AND attempts = 1`) == 1
+	}, 20*time.Second, 20*time.Millisecond, "the hold is recorded")
+	require.Contains(t, logs.String(), "cannot add redriven_at to the held table")
+	require.Contains(t, logs.String(), "ADD COLUMN IF NOT EXISTS redriven_at", "the log gives the fix")
+	require.Zero(t, redrivenAt())
+	n, err := relay.Redrive(ctx, f.Pool, outbox.Table{Name: "outbox"}, relay.HeldFilter{IDs: []int64{1}})
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox_held WHERE id = 1 AND attempts = 2`) == 1
+	}, 20*time.Second, 20*time.Millisecond, "the redrive released the row, and it was tried again")
+	x.Stop(t)
+
+	cfg.DSN, cfg.Logger = f.DSN, nil // the table's owner
+	run(t, cfg, nil)
+	require.Equal(t, 1, redrivenAt(), "added at start-up")
 }
 
 // A record another replica left for a row that was published since (or

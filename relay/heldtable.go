@@ -44,7 +44,7 @@ func (f HeldFilter) args() []any {
 
 // heldConn is what ListHeld and Redrive need of a connection or pool.
 type heldConn interface {
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	querier
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 }
 
@@ -69,11 +69,20 @@ func ListHeld(ctx context.Context, conn heldConn, t outbox.Table, f HeldFilter, 
 
 // Redrive releases the held rows f selects: they are tried again at once,
 // by every replica within statsInterval (when it next reads the held
-// table). A row that fails again is held again, one attempt more. It
-// returns how many rows it released.
+// table). A row that fails again is held again, one attempt more; a batch
+// that was trying it when Redrive ran leaves it released (where the held
+// table has redriven_at). It returns how many rows it released.
 func Redrive(ctx context.Context, conn heldConn, t outbox.Table, f HeldFilter) (int64, error) {
 	h := t.HeldTable()
-	tag, err := conn.Exec(ctx, NewSQL(t).Redrive, f.args()...)
+	var opts []SQLOption
+	redrivenAt, err := hasColumn(ctx, conn, h, "redriven_at")
+	if err != nil {
+		return 0, err
+	}
+	if redrivenAt {
+		opts = append(opts, WithHeldRedrivenAt())
+	}
+	tag, err := conn.Exec(ctx, NewSQL(t, opts...).Redrive, f.args()...)
 	if err != nil {
 		return 0, fmt.Errorf("release rows of %s: %w", h, err)
 	}

@@ -388,13 +388,17 @@ func (r *Relay) Check(ctx context.Context) error {
 		}
 	}
 	r.shape = shape
+	recorded, redrivenAt := r.ensureHeldTable(ctx)
+	if redrivenAt {
+		opts = append(opts, WithHeldRedrivenAt())
+	}
 	r.useSQL(NewSQL(r.table, opts...))
 	if r.cfg.Capture == CaptureLogicalReplication {
 		if err := r.checkCapture(ctx); err != nil {
 			return err
 		}
 	}
-	r.held.recorded = r.ensureHeldTable(ctx)
+	r.held.recorded = recorded
 	md, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: r.allTopics()})
 	if err != nil {
 		r.setKafkaErr(err)
@@ -435,26 +439,55 @@ func (r *Relay) Check(ctx context.Context) error {
 	return nil
 }
 
-// ensureHeldTable creates the held table when it is missing and reports
-// whether it exists. A relay whose role may not create it keeps its holds in
-// memory only, as it says in its log: they are forgotten on restart and
-// invisible to the operator and to `relay held`.
-func (r *Relay) ensureHeldTable(ctx context.Context) bool {
-	var exists bool
-	if err := r.pool.QueryRow(ctx, r.sql.HeldExists).Scan(&exists); err == nil && exists {
-		return true
+// ensureHeldTable creates the held table when it is missing, adds
+// redriven_at to one made before that column existed, and reports whether
+// the table exists and has the column. A relay whose role may not create it
+// keeps its holds in memory only, as it says in its log: they are forgotten
+// on restart and invisible to the operator and to `relay held`.
+func (r *Relay) ensureHeldTable(ctx context.Context) (exists, redrivenAt bool) {
+	held := r.table.HeldTable()
+	heldExists := func() bool {
+		var ok bool
+		return r.pool.QueryRow(ctx, r.sql.HeldExists).Scan(&ok) == nil && ok
 	}
-	if _, err := r.pool.Exec(ctx, r.sql.CreateHeld); err != nil {
-		var exists bool // another replica may have created it meanwhile
-		if err := r.pool.QueryRow(ctx, r.sql.HeldExists).Scan(&exists); err == nil && exists {
-			return true
+	hasRedrivenAt := func() bool {
+		ok, err := hasColumn(ctx, r.pool, held, "redriven_at")
+		return err == nil && ok
+	}
+	if !heldExists() {
+		_, err := r.pool.Exec(ctx, r.sql.CreateHeld)
+		if err == nil {
+			r.log.Info("created the held table, where held rows are recorded", "table", held.String())
+			return true, true
 		}
-		r.log.Error("cannot create the held table; rows held back are kept in memory only (forgotten on restart, not in the OutboxRelay's status nor in `relay held`)",
-			"table", r.table.HeldTable().String(), "err", err, "fix", "create it with the DDL from `relay schema`")
-		return false
+		if !heldExists() { // else another replica created it meanwhile
+			r.log.Error("cannot create the held table; rows held back are kept in memory only (forgotten on restart, not in the OutboxRelay's status nor in `relay held`)",
+				"table", held.String(), "err", err, "fix", "create it with the DDL from `relay schema`")
+			return false, false
+		}
 	}
-	r.log.Info("created the held table, where held rows are recorded", "table", r.table.HeldTable().String())
-	return true
+	if hasRedrivenAt() {
+		return true, true
+	}
+	// ADD COLUMN waits for the other replicas' reads and holds of the table
+	// and queues theirs behind it: bounded, as the pruner's DDL is.
+	err := pgx.BeginFunc(ctx, r.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, sqlBoundWaits, strconv.FormatInt(pruneLockTimeout.Milliseconds(), 10)); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, r.sql.AddHeldRedrivenAt)
+		return err
+	})
+	if err != nil {
+		if hasRedrivenAt() { // another replica added it meanwhile
+			return true, true
+		}
+		r.log.Warn("cannot add redriven_at to the held table; a batch that holds a row again may undo a `relay redrive` issued while it ran",
+			"table", held.String(), "err", err, "fix", r.sql.AddHeldRedrivenAt)
+		return true, false
+	}
+	r.log.Info("added redriven_at to the held table", "table", held.String())
+	return true, true
 }
 
 // checkPartitioned refuses retention on a partitioned table it cannot drop

@@ -87,8 +87,17 @@ type SQL struct {
 	CreateHeld string
 	// Hold records holds: $1 ids, $2 event ids, $3 event types, $4 reasons,
 	// $5 errors, $6 the seconds until the rows are tried again. A row held
-	// before counts one more attempt.
+	// before counts one more attempt. With HoldKeepsRedrives, $7 is how
+	// many seconds ago the batch began.
 	Hold string
+	// HoldKeepsRedrives: built WithHeldRedrivenAt; Hold takes the batch's
+	// age ($7) and leaves a row's retry time as a redrive written after
+	// the batch began set it (the batch may have tried the row before the
+	// fix the redrive follows; overwritten, the redrive would be lost).
+	HoldKeepsRedrives bool
+	// AddHeldRedrivenAt adds redriven_at to a held table made before it
+	// existed.
+	AddHeldRedrivenAt string
 	// Unhold removes the records of the published rows $1.
 	Unhold string
 	// LoadHeld reads up to $1 held rows, those tried again soonest first:
@@ -107,7 +116,8 @@ type SQL struct {
 	// ListHeld reads up to $5 records that a HeldFilter ($1 ids, $2
 	// reasons, $3 event types, $4 all) selects, in id order.
 	ListHeld string
-	// Redrive makes the records a HeldFilter selects due at once.
+	// Redrive makes the records a HeldFilter selects due at once (and,
+	// built WithHeldRedrivenAt, records when in redriven_at).
 	Redrive string
 }
 
@@ -133,6 +143,7 @@ type sqlOptions struct {
 	headers, partitioned bool
 	partitionColumn      string
 	byteaPayload         bool
+	heldRedrivenAt       bool
 }
 
 // WithHeadersColumn makes the claims read the table's optional headers
@@ -155,6 +166,11 @@ func WithPartitionColumn(column string) SQLOption {
 // WithPartitions builds Mark and Delete for a partitioned table: they take
 // the batch's created_at bounds besides the ids.
 func WithPartitions() SQLOption { return func(o *sqlOptions) { o.partitioned = true } }
+
+// WithHeldRedrivenAt says the held table has its redriven_at column (a
+// held table made before it existed has not): Redrive records when it ran,
+// and a Hold of a batch that began before then keeps the redrive.
+func WithHeldRedrivenAt() SQLOption { return func(o *sqlOptions) { o.heldRedrivenAt = true } }
 
 // claimColumns is what a claim returns per row. No column can fail the scan:
 // NULLs come back as empty values, a created_at that Go's time cannot carry
@@ -296,8 +312,18 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
 	if o.partitioned {
 		bounds = ` AND created_at BETWEEN $2 AND $3`
 	}
+	retryAt, redrive := `EXCLUDED.retry_at`, `retry_at = now()`
+	if o.heldRedrivenAt {
+		// The batch began $7 seconds before this statement reached the
+		// server: measured by the relay and dated by the server's clock,
+		// which the redrive's date comes from too, on every replica.
+		retryAt = `CASE WHEN h.redriven_at > statement_timestamp() - $7::float8 * interval '1 second'
+            THEN h.retry_at ELSE EXCLUDED.retry_at END`
+		redrive += `, redriven_at = statement_timestamp()`
+	}
 	return SQL{
-		Partitioned: o.partitioned,
+		Partitioned:       o.partitioned,
+		HoldKeepsRedrives: o.heldRedrivenAt,
 		Claim: budgeted(`SELECT `+cols+`
     FROM `+q+`
     WHERE published_at IS NULL AND id > $1 AND event_type = ANY($2) AND id <> ALL($3)
@@ -339,13 +365,14 @@ SELECT count(*), COALESCE(max(id), 0) FROM gone`,
 			` WHERE published_at IS NULL AND ` + validCreatedAt + ` AND event_type = ANY($1) AND id <> ALL($2) AND NOT ` + waitingPair("$3", "$4") + `
 			  AND ($5::int[] IS NULL OR ` + bucketSQL + ` = ANY($5))
 			  ORDER BY id LIMIT 1), 0)`,
-		HeldExists: `SELECT to_regclass(` + outbox.QuoteLiteral(h) + `) IS NOT NULL`,
-		CreateHeld: outbox.HeldDDL(t),
+		HeldExists:        `SELECT to_regclass(` + outbox.QuoteLiteral(h) + `) IS NOT NULL`,
+		CreateHeld:        outbox.HeldDDL(t),
+		AddHeldRedrivenAt: outbox.HeldRedrivenAtDDL(t),
 		Hold: `INSERT INTO ` + h + ` AS h (id, event_id, event_type, reason, error, retry_at)
     SELECT id, event_id, event_type, reason, error, now() + $6::float8 * interval '1 second'
     FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[]) AS n(id, event_id, event_type, reason, error)
     ON CONFLICT (id) DO UPDATE SET reason = EXCLUDED.reason, error = EXCLUDED.error,
-        attempts = h.attempts + 1, last_attempt = now(), retry_at = EXCLUDED.retry_at`,
+        attempts = h.attempts + 1, last_attempt = now(), retry_at = ` + retryAt,
 		Unhold:   `DELETE FROM ` + h + ` WHERE id = ANY($1)`,
 		LoadHeld: `SELECT id, reason, GREATEST(extract(epoch FROM retry_at - now()), 0)::float8 FROM ` + h + ` ORDER BY retry_at LIMIT $1`,
 		LoadHeldLanes: `SELECT h.id, h.reason, GREATEST(extract(epoch FROM h.retry_at - now()), 0)::float8,
@@ -358,6 +385,6 @@ SELECT count(*), COALESCE(max(id), 0) FROM gone`,
     SELECT 1 FROM ` + q + ` o WHERE o.id = h.id AND o.published_at IS NULL)`,
 		ListHeld: `SELECT id, event_id, event_type, reason, error, attempts, first_attempt, last_attempt, retry_at
     FROM ` + h + ` WHERE ` + heldWhere + ` ORDER BY id LIMIT $5`,
-		Redrive: `UPDATE ` + h + ` SET retry_at = now() WHERE ` + heldWhere,
+		Redrive: `UPDATE ` + h + ` SET ` + redrive + ` WHERE ` + heldWhere,
 	}
 }

@@ -16,8 +16,9 @@ import (
 
 // Every statement of relay.SQL prepares (parsed, and every table, column
 // and parameter type resolved) against the shipped DDL, plain and
-// partitioned, with and without the optional headers column: a schema
-// change that breaks one fails here, not in a relay pod.
+// partitioned, with and without the optional headers column, and with a
+// held table made before its redriven_at column: a schema change that
+// breaks one fails here, not in a relay pod.
 func TestEveryStatementPreparesOnTheShippedDDL(t *testing.T) {
 	t.Parallel()
 	table := outbox.Table{Schema: "app", Name: "outbox"}
@@ -26,13 +27,16 @@ func TestEveryStatementPreparesOnTheShippedDDL(t *testing.T) {
 		ddl  string
 		opts []relay.SQLOption
 	}{
-		{"plain", outbox.SchemaDDL(table), []relay.SQLOption{relay.WithHeadersColumn()}},
-		{"plain without headers", outbox.SchemaDDL(table) + `ALTER TABLE app.outbox DROP COLUMN headers;`, nil},
+		{"plain", outbox.SchemaDDL(table), []relay.SQLOption{relay.WithHeadersColumn(), relay.WithHeldRedrivenAt()}},
+		{"plain without headers", outbox.SchemaDDL(table) + `ALTER TABLE app.outbox DROP COLUMN headers;`, []relay.SQLOption{relay.WithHeldRedrivenAt()}},
 		{"plain with a partition column", outbox.SchemaDDL(table) + `ALTER TABLE app.outbox ADD COLUMN kafka_partition smallint;`,
-			[]relay.SQLOption{relay.WithHeadersColumn(), relay.WithPartitionColumn("kafka_partition")}},
-		{"partitioned", outbox.PartitionedSchemaDDL(table, outbox.PartitionDay, 1), []relay.SQLOption{relay.WithHeadersColumn(), relay.WithPartitions()}},
+			[]relay.SQLOption{relay.WithHeadersColumn(), relay.WithPartitionColumn("kafka_partition"), relay.WithHeldRedrivenAt()}},
+		{"partitioned", outbox.PartitionedSchemaDDL(table, outbox.PartitionDay, 1),
+			[]relay.SQLOption{relay.WithHeadersColumn(), relay.WithPartitions(), relay.WithHeldRedrivenAt()}},
 		{"bytea payload", outbox.SchemaDDL(table) + `ALTER TABLE app.outbox ALTER COLUMN payload TYPE bytea USING convert_to(payload::text, 'UTF8');`,
-			[]relay.SQLOption{relay.WithHeadersColumn(), relay.WithByteaPayload()}},
+			[]relay.SQLOption{relay.WithHeadersColumn(), relay.WithByteaPayload(), relay.WithHeldRedrivenAt()}},
+		{"held table from before redriven_at", outbox.SchemaDDL(table) + `ALTER TABLE app.outbox_held DROP COLUMN redriven_at;`,
+			[]relay.SQLOption{relay.WithHeadersColumn()}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
