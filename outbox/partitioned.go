@@ -47,10 +47,12 @@ func (p PartitionPeriod) nameLength() int {
 	}
 }
 
-// queueTableSettings are the storage parameters of a queue table whose
+// QueueTableSettings are the storage parameters of a queue table whose
 // every row is inserted, updated once and later deleted: vacuum early and
-// often so dead index entries do not pile up.
-const queueTableSettings = `autovacuum_vacuum_scale_factor = 0.01,
+// often so dead index entries do not pile up. The plain table gets them
+// (SchemaDDL), and so does every partition of a partitioned one, whether
+// the partitions function (PartitionedSchemaDDL) or the relay makes it.
+const QueueTableSettings = `autovacuum_vacuum_scale_factor = 0.01,
     autovacuum_vacuum_threshold = 1000,
     autovacuum_vacuum_insert_scale_factor = 0.01,
     autovacuum_analyze_scale_factor = 0.02,
@@ -150,7 +152,7 @@ SELECT %[1]s(%[4]d);
 -- whose range ended longer ago than that and whose rows are all published,
 -- and deletes the event ids of the ranges it dropped.
 `, fn.Quoted(), QuoteLiteral(q), unit, ahead, QuoteLiteral(t.Name[:min(len(t.Name), 63-2-period.nameLength())]+"_p"),
-		fn.Name, period.nameFormat(), strings.ReplaceAll(queueTableSettings, "\n    ", " "))
+		fn.Name, period.nameFormat(), strings.ReplaceAll(QueueTableSettings, "\n    ", " "))
 	return b.String()
 }
 

@@ -245,12 +245,7 @@ CREATE INDEX IF NOT EXISTS %[2]s
 -- because the column is in the index predicate) and later deleted:
 -- vacuum early and often so dead index entries do not pile up.
 ALTER TABLE %[1]s SET (
-    autovacuum_vacuum_scale_factor = 0.01,
-    autovacuum_vacuum_threshold = 1000,
-    autovacuum_vacuum_insert_scale_factor = 0.01,
-    autovacuum_analyze_scale_factor = 0.02,
-    autovacuum_vacuum_cost_delay = 0,
-    fillfactor = 90
+    `+QueueTableSettings+`
 );
 
 -- Prune published rows periodically (e.g. from pg_cron), in small batches:

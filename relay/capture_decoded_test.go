@@ -748,9 +748,11 @@ func TestWriterDeletesKeepRowsOfATableSwappedIn(t *testing.T) {
 
 // A row the stream must put back whose partition was dropped (by hand, or
 // by a partition manager) gets a partition again: the relay attaches one
-// over the stretch between the partitions around its created_at, puts the
-// row back there, and the rows behind it go out. (Before, the put-back
-// failed at every retry, and nothing behind it was published.)
+// over the stretch between the partitions around its created_at, with the
+// storage settings of every partition the DDL's partitions function makes,
+// puts the row back there, and the rows behind it go out. (Before, the
+// put-back failed at every retry, and nothing behind it was published; and
+// the partition came without the autovacuum settings of a queue table.)
 func TestWriterDeletesPutsARowBackWhosePartitionWasDropped(t *testing.T) {
 	t.Parallel()
 	f, cfg, _ := writerDeletesFixture(t, "E")
@@ -783,5 +785,12 @@ func TestWriterDeletesPutsARowBackWhosePartitionWasDropped(t *testing.T) {
 		WHERE i.inhparent = 'outbox'::regclass AND c.oid = (SELECT tableoid FROM outbox WHERE partition_key = 'o2')`).Scan(&bound))
 	lit := func(t time.Time) string { return t.UTC().Format("'2006-01-02 15:04:05+00'") }
 	require.Equal(t, "FOR VALUES FROM ("+lit(today.Add(-48*time.Hour))+") TO ("+lit(today)+")", bound, "the partition spans the stretch no partition covered")
+	var restored, made []string
+	require.NoError(t, f.Pool.QueryRow(context.Background(), `SELECT reloptions FROM pg_class
+		WHERE oid = (SELECT tableoid FROM outbox WHERE partition_key = 'o2')`).Scan(&restored))
+	require.NoError(t, f.Pool.QueryRow(context.Background(), `SELECT reloptions FROM pg_class WHERE oid = $1::regclass`,
+		"outbox_p"+today.UTC().Format("20060102")).Scan(&made))
+	require.NotEmpty(t, made)
+	require.Equal(t, made, restored, "the partition has the autovacuum settings of those the partitions function makes")
 	requireSlotConfirmedPastNow(t, f)
 }

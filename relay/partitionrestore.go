@@ -60,7 +60,8 @@ func (r *Relay) insertRecords(ctx context.Context, tx pgx.Tx, stmt string, recor
 
 // restorePartitions attaches, for each of rows whose created_at no
 // partition of the table covers, a partition over the stretch between the
-// partitions around it, and returns how many it attached. It makes none
+// partitions around it, made as the partitions function of the shipped DDL
+// makes one (outbox.QueueTableSettings), and returns how many it attached. It makes none
 // for a stretch that ends after now (writers and the partitions function
 // would go there) or that has no partition after it, and none where a
 // table a pruner detached and has not dropped covers the row (the pruner
@@ -109,7 +110,8 @@ func (r *Relay) restorePartitions(ctx context.Context, rows []streamedRow) (int,
 			if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '10s'`); err != nil {
 				return err
 			}
-			if _, err := tx.Exec(ctx, `CREATE TABLE `+part+` (LIKE `+r.table.Quoted()+` INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING STORAGE)`); err != nil {
+			if _, err := tx.Exec(ctx, `CREATE TABLE `+part+` (LIKE `+r.table.Quoted()+` INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING STORAGE)
+				WITH (`+outbox.QueueTableSettings+`)`); err != nil {
 				return err
 			}
 			_, err := tx.Exec(ctx, sqlAttach(r.table.Quoted(), part, bound))
