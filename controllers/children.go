@@ -387,8 +387,12 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, settings rel
 		podSpec.Volumes = append(podSpec.Volumes, v.Volume())
 	}
 	c := &podSpec.Containers[0]
-	c.Env = append(c.Env, containerTemplate(tmpl).Env...)
-	c.EnvFrom = slices.Clone(containerTemplate(tmpl).EnvFrom)
+	for _, e := range containerTemplate(tmpl).Env {
+		c.Env = append(c.Env, e.EnvVar())
+	}
+	for _, e := range containerTemplate(tmpl).EnvFrom {
+		c.EnvFrom = append(c.EnvFrom, e.EnvFromSource())
+	}
 	c.VolumeMounts = append(c.VolumeMounts, containerTemplate(tmpl).VolumeMounts...)
 
 	d := &appsv1.Deployment{

@@ -484,8 +484,8 @@ func TestRelayDeploymentTemplate(t *testing.T) {
 			TopologySpreadConstraints: []corev1.TopologySpreadConstraint{{MaxSkew: 1, TopologyKey: "topology.kubernetes.io/zone", WhenUnsatisfiable: corev1.ScheduleAnyway}},
 		},
 		Container: &outboxv1alpha1.RelayContainerSpec{
-			Env:          []corev1.EnvVar{{Name: "AWS_REGION", Value: "eu-west-1"}},
-			EnvFrom:      []corev1.EnvFromSource{{ConfigMapRef: &corev1.ConfigMapEnvSource{LocalObjectReference: corev1.LocalObjectReference{Name: "proxy"}}}},
+			Env:          []outboxv1alpha1.RelayEnvVar{{Name: "AWS_REGION", Value: "eu-west-1"}},
+			EnvFrom:      []outboxv1alpha1.RelayEnvFromSource{{ConfigMapRef: &corev1.ConfigMapEnvSource{LocalObjectReference: corev1.LocalObjectReference{Name: "proxy"}}}},
 			VolumeMounts: []corev1.VolumeMount{{Name: "pg-ca", MountPath: "/etc/pg-ca", ReadOnly: true}},
 			SecurityContext: &corev1.SecurityContext{ReadOnlyRootFilesystem: ptr.To(false),
 				// A capability added keeps the default's drop of all the others.

@@ -551,19 +551,20 @@ func testInvalidSpec(t *testing.T, c client.Client) {
 	require.Equal(t, "orders", d.Spec.Template.Labels["team"])
 
 	// The API server refusing the Deployment built from the spec (an
-	// environment variable's name with '=', which no CEL rule of the CRD
-	// can afford to check) is an invalid spec too, not a retry loop.
-	relay2, secret2 := minimalRelay(ns, "badenv")
-	relay2.Spec.Template = &outboxv1alpha1.RelayPodTemplate{Container: &outboxv1alpha1.RelayContainerSpec{
-		Env: []corev1.EnvVar{{Name: "A=B", Value: "1"}},
-	}}
+	// absolute subPath, which neither the CRD nor the operator checks) is
+	// an invalid spec too, not a retry loop.
+	relay2, secret2 := minimalRelay(ns, "badsubpath")
+	relay2.Spec.Template = &outboxv1alpha1.RelayPodTemplate{
+		Pod:       &outboxv1alpha1.RelayPodSpec{Volumes: []outboxv1alpha1.RelayVolume{{Name: "cache", EmptyDir: &corev1.EmptyDirVolumeSource{}}}},
+		Container: &outboxv1alpha1.RelayContainerSpec{VolumeMounts: []corev1.VolumeMount{{Name: "cache", MountPath: "/var/cache/relay", SubPath: "/abs"}}},
+	}
 	create(t, c, secret2, relay2)
 	relay2 = waitRelay(t, c, key(relay2), func(o *outboxv1alpha1.OutboxRelay) bool {
 		return readyReason(o) == outboxv1alpha1.ReasonInvalidSpec
 	})
 	msg := meta.FindStatusCondition(relay2.Status.Conditions, outboxv1alpha1.ConditionReady).Message
-	require.Contains(t, msg, "env[")
-	require.Contains(t, msg, "A=B")
+	require.Contains(t, msg, "subPath")
+	require.Contains(t, msg, "/abs")
 }
 
 func testKafkaTLSAndSASL(t *testing.T, c client.Client) {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path"
+	"regexp"
 	"slices"
 	"strings"
 	"time"
@@ -398,6 +399,7 @@ func checkSpec(relay *outboxv1alpha1.OutboxRelay, img images) (relayconfig.Comma
 			errs = append(errs, fmt.Sprintf("spec.template.container.volumeMounts: %q is %s, the relay's own", m.MountPath, p))
 		}
 	}
+	errs = append(errs, checkEnvNames(containerTemplate(spec.Template))...)
 	switch {
 	case spec.Image == "" && img.fallback == "":
 		errs = append(errs, "spec.image is empty and the operator has no default relay image")
@@ -419,6 +421,32 @@ func checkSpec(relay *outboxv1alpha1.OutboxRelay, img images) (relayconfig.Comma
 		return s, nil
 	}
 	return s, errors.New(strings.Join(errs, "; "))
+}
+
+// envName and envPrefix are the patterns of the CRD's env names and
+// envFrom prefixes.
+var (
+	envName   = regexp.MustCompile(outboxv1alpha1.EnvNamePattern)
+	envPrefix = regexp.MustCompile(outboxv1alpha1.EnvPrefixPattern)
+)
+
+// checkEnvNames refuses the template's environment variable names and
+// envFrom prefixes that the API server would refuse in the relay's
+// Deployment. The CRD refuses them too; an OutboxRelay stored before it did
+// is reported here, naming its own field rather than the Deployment's.
+func checkEnvNames(c *outboxv1alpha1.RelayContainerSpec) []string {
+	var errs []string
+	for i, e := range c.Env {
+		if !envName.MatchString(e.Name) {
+			errs = append(errs, fmt.Sprintf("spec.template.container.env[%d].name: %q is not an environment variable name: printable ASCII characters other than '='", i, e.Name))
+		}
+	}
+	for i, e := range c.EnvFrom {
+		if !envPrefix.MatchString(e.Prefix) {
+			errs = append(errs, fmt.Sprintf("spec.template.container.envFrom[%d].prefix: %q is not an environment variable name prefix: printable ASCII characters other than '='", i, e.Prefix))
+		}
+	}
+	return errs
 }
 
 // enumValues lists an API enum's values (the keys of its mapping), sorted.

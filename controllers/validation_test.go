@@ -4,13 +4,16 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -60,6 +63,17 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		{"template env sets the relay's own", func(s map[string]any) {
 			s["template"] = map[string]any{"container": map[string]any{"env": []any{map[string]any{"name": "RELAY_BATCH_SIZE", "value": "1"}}}}
 		}, []string{"spec.template.container.env", "RELAY_* variables are the relay's own"}},
+		{"template env name with =", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"env": []any{
+				map[string]any{"name": "APP_MODE", "value": "1"}, map[string]any{"name": "JAVA_OPTS=-Xmx1g", "value": "1"}}}}
+		}, []string{`spec.template.container.env[1].name: Invalid value: "JAVA_OPTS=-Xmx1g"`}},
+		{"template env name empty", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"env": []any{map[string]any{"name": "", "value": "1"}}}}
+		}, []string{`spec.template.container.env[0].name: Invalid value: ""`}},
+		{"template envFrom prefix with =", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"envFrom": []any{
+				map[string]any{"prefix": "CFG=", "configMapRef": map[string]any{"name": "app"}}}}}
+		}, []string{`spec.template.container.envFrom[0].prefix: Invalid value: "CFG="`}},
 		{"OAUTHBEARER without TLS", func(s map[string]any) {
 			kafka(s)["sasl"] = map[string]any{"mechanism": "OAUTHBEARER", "oauth": map[string]any{"tokenFile": "/t"}}
 		}, []string{"spec.kafka.sasl.mechanism", "OAUTHBEARER sends a bearer token in clear text"}},
@@ -372,6 +386,12 @@ func TestAPIServerAcceptsEdgeCases(t *testing.T) {
 		{"template env name with dots and dashes", func(s map[string]any) {
 			s["template"] = map[string]any{"container": map[string]any{"env": []any{map[string]any{"name": "app.config-1", "value": "x"}}}}
 		}},
+		{"template env names of every printable ASCII character but =", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{
+				"env":     []any{map[string]any{"name": "1st var:~!<>?", "value": "x"}, map[string]any{"name": " ", "value": "y"}},
+				"envFrom": []any{map[string]any{"prefix": "cfg.", "configMapRef": map[string]any{"name": "app"}}, map[string]any{"prefix": "", "secretRef": map[string]any{"name": "app"}}},
+			}}
+		}},
 		{"retained WAL of 1Pi", func(s map[string]any) {
 			s["capture"] = map[string]any{"mode": "LogicalReplication", "maxRetainedWAL": "1Pi"}
 		}},
@@ -518,4 +538,79 @@ func TestAPIServerAndRelayAgreeOnURLs(t *testing.T) {
 		}
 	}
 	t.Logf("sources admitted %d of %d; token endpoints admitted %d, refused %d", sources, 150+len(fixed), admitted, refused)
+}
+
+// TestEnvNamesAgreeWithThePodRule: for environment variable names and
+// envFrom prefixes on both sides of the rule, the CRD, the operator's own
+// check and the API server's verdict on a relay Deployment holding them all
+// agree, so an OutboxRelay the API server takes never becomes a Deployment
+// it refuses.
+func TestEnvNamesAgreeWithThePodRule(t *testing.T) {
+	c := adminClient(t)
+	ns := newNamespace(t, c)
+	for i, tc := range []struct {
+		name   string
+		prefix bool // an envFrom prefix, not an env name
+		accept bool
+	}{
+		{"APP_MODE", false, true},
+		{"app.config-1", false, true},
+		{"1st var:~", false, true},
+		{" ", false, true},
+		{"A=B", false, false},
+		{"=", false, false},
+		{"", false, false},
+		{"A\tB", false, false},
+		{"A\x7fB", false, false},
+		{"é", false, false},
+		{"CFG_", true, true},
+		{"cfg. ~", true, true},
+		{"CFG=", true, false},
+		{"\tCFG", true, false},
+	} {
+		t.Run(fmt.Sprintf("%q prefix=%v", tc.name, tc.prefix), func(t *testing.T) {
+			t.Parallel()
+			container := map[string]any{"env": []any{map[string]any{"name": tc.name, "value": "1"}}}
+			if tc.prefix {
+				container = map[string]any{"envFrom": []any{map[string]any{"prefix": tc.name, "configMapRef": map[string]any{"name": "app"}}}}
+			}
+			u := manifest(ns, fmt.Sprintf("envname-%d", i), func(s map[string]any) {
+				s["template"] = map[string]any{"container": container}
+			})
+			relay := &outboxv1alpha1.OutboxRelay{}
+			require.NoError(t, runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, relay))
+
+			crdErr := c.Create(context.Background(), u, client.DryRunAll)
+			operatorErr := validateSpec(relay, testImages)
+
+			// The Deployment the operator builds, with the name put back
+			// where its check would have stopped it.
+			valid := relay.DeepCopy()
+			valid.Spec.Template.Container = &outboxv1alpha1.RelayContainerSpec{}
+			d, err := buildDeployment(valid, testImages, secretInputs{}, nil)
+			require.NoError(t, err)
+			ct := &d.Spec.Template.Spec.Containers[0]
+			if tc.prefix {
+				ct.EnvFrom = append(ct.EnvFrom, corev1.EnvFromSource{Prefix: tc.name, ConfigMapRef: &corev1.ConfigMapEnvSource{LocalObjectReference: corev1.LocalObjectReference{Name: "app"}}})
+			} else {
+				ct.Env = append(ct.Env, corev1.EnvVar{Name: tc.name, Value: "1"})
+			}
+			d.Namespace = ns
+			podErr := c.Create(context.Background(), d, client.DryRunAll)
+
+			require.Equal(t, tc.accept, podErr == nil, "API server on the Deployment: %v", podErr)
+			require.Equal(t, tc.accept, crdErr == nil, "API server on the OutboxRelay: %v", crdErr)
+			require.Equal(t, tc.accept, operatorErr == nil, "operator: %v", operatorErr)
+			if !tc.accept {
+				field := "spec.template.container.env[0].name"
+				if tc.prefix {
+					field = "spec.template.container.envFrom[0].prefix"
+				}
+				for _, err := range []error{crdErr, operatorErr} {
+					require.ErrorContains(t, err, field)
+					require.ErrorContains(t, err, strconv.Quote(tc.name))
+				}
+			}
+		})
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/yaml"
 
@@ -210,6 +212,11 @@ func TestCRDMatchesRelayContract(t *testing.T) {
 	defaultOf(t, spec.at(t, "kafka.sasl.credentialsSecretRef.usernameKey"), outboxv1alpha1.DefaultSASLUsernameKey)
 	defaultOf(t, spec.at(t, "kafka.sasl.credentialsSecretRef.passwordKey"), outboxv1alpha1.DefaultSASLPasswordKey)
 
+	// Environment variable names and envFrom prefixes: the patterns the
+	// operator checks (TestEnvNamePatternIsTheAPIServers ties them to the pod rule).
+	require.Equal(t, outboxv1alpha1.EnvNamePattern, spec.at(t, "template.container.env.[].name").Pattern, "spec.template.container.env[].name pattern")
+	require.Equal(t, outboxv1alpha1.EnvPrefixPattern, spec.at(t, "template.container.envFrom.[].prefix").Pattern, "spec.template.container.envFrom[].prefix pattern")
+
 	// The defaults the operator reads itself.
 	defaultOf(t, spec.at(t, "replicas"), outboxv1alpha1.DefaultReplicas)
 	defaultOf(t, spec.at(t, "autoscaling.minReplicas"), outboxv1alpha1.DefaultMinReplicas)
@@ -226,4 +233,23 @@ func durationDefaultOf(t *testing.T, s *schema, want time.Duration) {
 	got, err := time.ParseDuration(text)
 	require.NoError(t, err)
 	require.Equal(t, want, got, "default %q", text)
+}
+
+// TestEnvNamePatternIsTheAPIServers: EnvNamePattern admits exactly the
+// names the API server admits in a pod's environment (its relaxed rule, the
+// only one from Kubernetes 1.34 on), and EnvPrefixPattern exactly its
+// envFrom prefixes (the same, or none): every ASCII character alone, in a
+// name and at its ends, and some that are not ASCII.
+func TestEnvNamePatternIsTheAPIServers(t *testing.T) {
+	t.Parallel()
+	name, prefix := regexp.MustCompile(outboxv1alpha1.EnvNamePattern), regexp.MustCompile(outboxv1alpha1.EnvPrefixPattern)
+	values := []string{"", "A_B", "a.b-c", "1st", " ", "my var:~", "A=", "=A", "é", "A\u00a0B", "\U0001F600"}
+	for r := rune(0); r <= 0x80; r++ {
+		values = append(values, string(r), "A"+string(r)+"B", string(r)+"A", "A"+string(r))
+	}
+	for _, v := range values {
+		k8s := validation.IsRelaxedEnvVarName(v)
+		require.Equal(t, len(k8s) == 0, name.MatchString(v), "name %q: the API server says %v", v, k8s)
+		require.Equal(t, len(k8s) == 0 || v == "", prefix.MatchString(v), "prefix %q: the API server says %v", v, k8s)
+	}
 }

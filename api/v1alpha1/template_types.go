@@ -15,6 +15,17 @@ const (
 	ReservedMountDir = "/etc/relay"
 )
 
+// EnvNamePattern is what the API server accepts as the name of a pod's
+// environment variable: printable ASCII characters other than '='
+// (Kubernetes' relaxed rule, the only one from 1.34 on). RelayEnvVar's
+// marker spells it out; the operator checks it again on OutboxRelays
+// stored before the CRD did.
+const EnvNamePattern = `^[ -<>-~]+$`
+
+// EnvPrefixPattern is EnvNamePattern for an envFrom prefix, which may also
+// be empty (no prefix).
+const EnvPrefixPattern = `^[ -<>-~]*$`
+
 // RelayPodTemplate customizes the relay pods and their container beyond
 // what the operator sets, as Strimzi's template and the Debezium operator's
 // runtime do. What the relay owns (its RELAY_* environment, its volumes,
@@ -89,14 +100,14 @@ type RelayContainerSpec struct {
 	// +listType=map
 	// +listMapKey=name
 	// +optional
-	Env []corev1.EnvVar `json:"env,omitempty"`
+	Env []RelayEnvVar `json:"env,omitempty"`
 	// EnvFrom adds the variables of ConfigMaps and Secrets. The relay's own
 	// variables (env) win over them, and its settings are arguments: it
 	// reads no setting from a RELAY_* variable.
 	// +kubebuilder:validation:MaxItems=16
 	// +listType=atomic
 	// +optional
-	EnvFrom []corev1.EnvFromSource `json:"envFrom,omitempty"`
+	EnvFrom []RelayEnvFromSource `json:"envFrom,omitempty"`
 	// VolumeMounts of the volumes in spec.template.pod.volumes; /etc/relay
 	// holds the relay's own mounts, and /relay is the relay's binary (a
 	// mount over it would run another program with the relay's Secrets,
@@ -112,6 +123,53 @@ type RelayContainerSpec struct {
 	// each field set here wins, the others keep the operator's value.
 	// +optional
 	SecurityContext *corev1.SecurityContext `json:"securityContext,omitempty"`
+}
+
+// The relay's own types for env and envFrom carry a pattern on the name and
+// the prefix: a CEL rule over corev1's types could not afford to match a
+// string of unbounded length in each of 64 items (the API server refuses
+// such a CRD), and corev1's fields take no marker.
+
+// RelayEnvVar is an environment variable of the relay container, as a pod's,
+// with a name the API server accepts in a pod.
+type RelayEnvVar struct {
+	// Name of the variable: printable ASCII characters other than '='.
+	// +kubebuilder:validation:Pattern=`^[ -<>-~]+$`
+	Name string `json:"name"`
+	// Value of the variable; $(VAR) expands as in a pod's env. Default "".
+	// +optional
+	Value string `json:"value,omitempty"`
+	// ValueFrom takes the value from a field of the pod, a resource of the
+	// container, or a key of a ConfigMap or Secret; not with value.
+	// +optional
+	ValueFrom *corev1.EnvVarSource `json:"valueFrom,omitempty"`
+}
+
+// EnvVar is e as a container's environment variable.
+func (e RelayEnvVar) EnvVar() corev1.EnvVar {
+	return corev1.EnvVar{Name: e.Name, Value: e.Value, ValueFrom: e.ValueFrom}
+}
+
+// RelayEnvFromSource adds the keys of a ConfigMap or Secret to the relay
+// container's environment, as a pod's envFrom, with a prefix the API server
+// accepts in a pod.
+type RelayEnvFromSource struct {
+	// Prefix put before each key to make the variable's name: printable
+	// ASCII characters other than '='.
+	// +kubebuilder:validation:Pattern=`^[ -<>-~]*$`
+	// +optional
+	Prefix string `json:"prefix,omitempty"`
+	// ConfigMapRef names the ConfigMap to take the variables from.
+	// +optional
+	ConfigMapRef *corev1.ConfigMapEnvSource `json:"configMapRef,omitempty"`
+	// SecretRef names the Secret to take the variables from.
+	// +optional
+	SecretRef *corev1.SecretEnvSource `json:"secretRef,omitempty"`
+}
+
+// EnvFromSource is e as a container's envFrom source.
+func (e RelayEnvFromSource) EnvFromSource() corev1.EnvFromSource {
+	return corev1.EnvFromSource{Prefix: e.Prefix, ConfigMapRef: e.ConfigMapRef, SecretRef: e.SecretRef}
 }
 
 // RelayVolume is a volume of the relay pods: the kinds a relay needs (a CA
