@@ -72,8 +72,13 @@ type Stack struct {
 	isClosed bool
 }
 
-// Start brings the stack up. On error, what was started is stopped.
+// Start brings the stack up. On error, what was started is stopped. A
+// machine that cannot run the node (CheckHost) is refused before anything
+// starts.
 func Start(ctx context.Context, opts Options) (s *Stack, err error) {
+	if err := CheckHost(); err != nil {
+		return nil, err
+	}
 	if opts.Log == nil {
 		opts.Log = slog.New(slog.DiscardHandler)
 	}
