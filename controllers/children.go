@@ -51,6 +51,11 @@ const (
 	// every Secret it references, never their data, so a rotated DSN or
 	// credential rolls the pods.
 	configHashAnnotation = "outbox.dev/config-hash"
+	// secretVersionsAnnotation on the Deployment records, for each key the
+	// pods read from a Secret, the version in the config hash and a keyed
+	// digest of its value (secretRecord), so that a restarted operator
+	// knows which values the pods were started with.
+	secretVersionsAnnotation = "outbox.dev/secret-versions"
 
 	// containerName is the relay container's name.
 	containerName = "relay"
@@ -410,6 +415,9 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, settings rel
 		},
 	}
 	d.Annotations[specHashAnnotation] = hashOf(d.Spec)
+	if in.Record != nil {
+		d.Annotations[secretVersionsAnnotation] = in.Record.String()
+	}
 	return d
 }
 

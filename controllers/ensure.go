@@ -24,13 +24,14 @@ import (
 
 // inputs builds and checks the relay's settings and reads the referenced
 // Secrets: what the children are built from, or the problem that keeps
-// them from being built.
-func (r *OutboxRelayReconciler) inputs(ctx context.Context, relay *outboxv1alpha1.OutboxRelay) (relayconfig.Command, secretInputs, *problem, error) {
+// them from being built. current is the relay's Deployment as it runs (nil
+// when none), whose record of the Secrets' data readSecrets starts from.
+func (r *OutboxRelayReconciler) inputs(ctx context.Context, relay *outboxv1alpha1.OutboxRelay, current *appsv1.Deployment) (relayconfig.Command, secretInputs, *problem, error) {
 	s, err := checkSpec(relay, r.images())
 	if err != nil {
 		return s, secretInputs{}, &problem{reason: outboxv1alpha1.ReasonInvalidSpec, message: err.Error()}, nil
 	}
-	in, prob, err := r.readSecrets(ctx, relay)
+	in, prob, err := r.readSecrets(ctx, relay, recordOf(current))
 	kafkaFiles(&s, in)
 	return s, in, prob, err
 }
@@ -47,7 +48,12 @@ func (r *OutboxRelayReconciler) images() images {
 func (r *OutboxRelayReconciler) ensureChildren(ctx context.Context, relay *outboxv1alpha1.OutboxRelay, s relayconfig.Command, in secretInputs, current *appsv1.Deployment) (*appsv1.Deployment, *problem, error) {
 	desired := relayDeployment(relay, r.images(), s, in, current)
 	deploy, err := ensure(ctx, r.Client, r.APIReader, relay, desired, &appsv1.Deployment{},
-		func(cur, want *appsv1.Deployment) bool { return *cur.Spec.Replicas != *want.Spec.Replicas },
+		func(cur, want *appsv1.Deployment) bool {
+			// The record of the Secrets' data is written also when the
+			// template stays (a Deployment an earlier operator wrote).
+			rec, ok := want.Annotations[secretVersionsAnnotation]
+			return *cur.Spec.Replicas != *want.Spec.Replicas || (ok && cur.Annotations[secretVersionsAnnotation] != rec)
+		},
 		deploymentOwned,
 		func(cur, want *appsv1.Deployment) {
 			cur.Spec.Replicas = want.Spec.Replicas

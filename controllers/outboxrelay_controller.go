@@ -56,6 +56,13 @@ type OutboxRelayReconciler struct {
 	// longest a change of it takes to roll the relay's pods
 	// (DefaultSecretRefreshInterval when zero).
 	SecretRefreshInterval time.Duration
+	// DigestKeySecret is the Secret, in the operator's own namespace, that
+	// keeps the key of the digests the relays' Deployments record of the
+	// values their pods read (digestKey): the operator fills it when it is
+	// empty. Zero: the key lives as long as the process, and a restart
+	// rolls, once, each relay one of whose Secrets was written (a label
+	// will do) since its pods last rolled.
+	DigestKeySecret types.NamespacedName
 	// Flow reads the relays' backlogs; nil reads none (no Lagging, and
 	// autoscaled relays keep their running count).
 	Flow *FlowObserver
@@ -71,6 +78,7 @@ type OutboxRelayReconciler struct {
 
 	secrets    *secretCache // made by SetupWithManager
 	configMaps *secretCache // the referenced ConfigMaps, kept as the Secrets are
+	digest     *digestKey   // keys the digests of both, read from DigestKeySecret
 	// podMonitors are the PodMonitors written or found as wanted lately
 	// (ensurePodMonitor), by relay: types.NamespacedName to podMonitorSeen.
 	podMonitors sync.Map
@@ -79,7 +87,9 @@ type OutboxRelayReconciler struct {
 // Least privilege: status is only patched; finalizers/update lets the owner
 // references block the owner's deletion. Secrets: get only, of the Secrets
 // an OutboxRelay references (secrets.go): no list or watch, so the install
-// can read no Secret it is not pointed at and list none.
+// can read no Secret it is not pointed at and list none. The digest key
+// Secret (DigestKeySecret) is granted apart, get and update of that one
+// Secret in the operator's namespace (config/rbac/digest_key_role.yaml).
 //
 // +kubebuilder:rbac:groups=outbox.dev,resources=outboxrelays,verbs=get;list;watch
 // +kubebuilder:rbac:groups=outbox.dev,resources=outboxrelays/status,verbs=patch
@@ -114,7 +124,7 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 	if err != nil {
 		return ctrl.Result{}, err
 	}
-	settings, in, prob, err := r.inputs(ctx, relay)
+	settings, in, prob, err := r.inputs(ctx, relay, current)
 	if err != nil {
 		return ctrl.Result{}, err
 	}
@@ -263,8 +273,10 @@ func (r *OutboxRelayReconciler) SetupWithManager(ctx context.Context, mgr ctrl.M
 	if r.APIReader == nil {
 		r.APIReader = mgr.GetAPIReader()
 	}
+	r.digest = &digestKey{secret: r.DigestKeySecret, reader: r.APIReader, writer: r.Client}
 	r.secrets = newSecretCache(r.SecretRefreshInterval, r.Metrics.secretRead)
 	r.configMaps = newConfigMapCache(r.SecretRefreshInterval)
+	r.secrets.digest, r.configMaps.digest = r.digest, r.digest
 	b := ctrl.NewControllerManagedBy(mgr).
 		For(&outboxv1alpha1.OutboxRelay{}, builder.WithPredicates(predicate.Or(predicate.GenerationChangedPredicate{}, reconcileToggled))).
 		Owns(&appsv1.Deployment{}).

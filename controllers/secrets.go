@@ -3,7 +3,7 @@ package controllers
 import (
 	"cmp"
 	"context"
-	"crypto/sha256"
+	"encoding/json"
 	"fmt"
 	"maps"
 	"math/rand/v2"
@@ -12,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
@@ -29,7 +30,8 @@ import (
 // keeps of it, for a refresh interval, its UID, resourceVersion and key
 // names, and the value of a key only when the connection that reads a
 // relay's backlog needs it (the DSN; spec.database.tls's CA and client
-// certificate). Referenced ConfigMaps (a CA bundle) are kept the same way. So a backlog read, which
+// certificate), and a keyed digest of each value (digestKey). Referenced
+// ConfigMaps (a CA bundle) are kept the same way. So a backlog read, which
 // wakes the reconciler, costs no Secret read; a Secret is read again when
 // its refresh interval is over (rotation rolls the pods within it), when a
 // relay asks for a key or value not kept, and when the DSN stops
@@ -53,6 +55,10 @@ type secretCache struct {
 	refresh time.Duration
 	// reads counts the GETs, for the operator's metric (nil: not counted).
 	reads func()
+	// kind names what the cache keeps (Secret, ConfigMap) in the digests.
+	kind string
+	// digest keys the digests of the values; SetupWithManager sets it.
+	digest *digestKey
 	// fetch reads one object: its UID, resourceVersion and data.
 	fetch func(ctx context.Context, reader client.Reader, key types.NamespacedName) (types.UID, string, map[string]string, error)
 
@@ -71,9 +77,9 @@ type secretEntry struct {
 	// of the metadata alone (a label, an annotation) or of other keys
 	// leaves a key's version as it was.
 	keyVersions map[string]string
-	sums        map[string][sha256.Size]byte // each key's value's digest, in memory only: to tell a write of a key's value
-	keys        map[string]bool              // the names of its keys
-	values      map[string]string            // the values of the keys the backlog reads connect with (DSN, TLS material)
+	digests     map[string]string // each key's value's keyed digest (digestKey.sum): to tell a write of a key's value
+	keys        map[string]bool   // the names of its keys
+	values      map[string]string // the values of the keys the backlog reads connect with (DSN, TLS material)
 	read        time.Time
 	expires     time.Time
 	// used is when a get last returned the entry: an entry is dropped when
@@ -86,20 +92,98 @@ type secretEntry struct {
 
 // dataVersion names the data of the keys a relay's pods read from the
 // entry: its UID and each key with the version at which its value last
-// changed ("-" for a key it lacks). It moves only when one of those
-// values changes (or the object is re-created), so a write of anything
-// else in a Secret shared with the application rolls no relay pod.
-func (e *secretEntry) dataVersion(keys []string) string {
+// changed ("-" for a key it lacks; keyVersion). It moves only when one of
+// those values changes (or the object is re-created), so a write of
+// anything else in a Secret shared with the application rolls no relay
+// pod. recorded is what the relay's Deployment records of this object
+// (nil: nothing).
+func (e *secretEntry) dataVersion(keys []string, recorded map[string]recordedKey) string {
 	keys = slices.Compact(slices.Sorted(slices.Values(keys)))
 	parts := make([]string, len(keys))
 	for i, k := range keys {
-		parts[i] = k + "@" + cmp.Or(e.keyVersions[k], "-")
+		parts[i] = k + "@" + e.keyVersion(k, recorded)
 	}
 	return string(e.uid) + "/" + strings.Join(parts, ";")
 }
 
+// keyVersion is the version at which key's value last changed: the one the
+// relay's Deployment recorded with the value's digest while the value keeps
+// that digest (what a restarted operator knows), else the one at which this
+// process saw it change; "-" when the entry lacks the key.
+func (e *secretEntry) keyVersion(key string, recorded map[string]recordedKey) string {
+	if !e.keys[key] {
+		return "-"
+	}
+	if r, ok := recorded[key]; ok && r.Digest == e.digests[key] && r.Version != "" {
+		return r.Version
+	}
+	return e.keyVersions[key]
+}
+
+// record is what the relay's Deployment is to record of the keys its pods
+// read from the entry: each present key's version (keyVersion) and digest.
+func (e *secretEntry) record(keys []string, recorded map[string]recordedKey) map[string]recordedKey {
+	out := map[string]recordedKey{}
+	for _, k := range keys {
+		if e.keys[k] {
+			out[k] = recordedKey{Version: e.keyVersion(k, recorded), Digest: e.digests[k]}
+		}
+	}
+	return out
+}
+
+// secretRecord is what a relay's Deployment records, in its annotation
+// secretVersionsAnnotation (not in the pod template, whose every change
+// rolls the pods), of the data its pod template was built from: by object
+// (a Secret's name, or configmap/<name>) and by key the pods read, the
+// version that went into the config hash and the keyed digest of the value
+// it stood for. It is how an operator that restarted (an upgrade, a node
+// drain, a new leader), whose cache starts empty, knows at which version
+// each value last changed: a value whose digest is the recorded one keeps
+// the recorded version, so a write of a Secret's labels, annotations or
+// other keys made before or during the restart rolls no pod; a value
+// changed while the operator was down has another digest, takes the
+// Secret's current version, and rolls the pods. The pod template keeps
+// only the hash of the versions, as before the record existed, so a
+// Deployment written by an earlier operator keeps its template when the
+// versions are unchanged.
+//
+// Why digests and not only versions: a resourceVersion moves with every
+// write of the object, so versions alone cannot tell a new value from a
+// new label once the operator has forgotten the old value. Why keyed
+// (digestKey): anyone who can read Deployments can read the record.
+type secretRecord map[string]map[string]recordedKey
+
+// recordedKey is one key of a secretRecord.
+type recordedKey struct {
+	Version string `json:"version"`
+	Digest  string `json:"digest"`
+}
+
+// recordOf is the secretRecord d carries; nil when d is nil or carries
+// none (or one that does not parse: it is then written anew).
+func recordOf(d *appsv1.Deployment) secretRecord {
+	if d == nil {
+		return nil
+	}
+	var rec secretRecord
+	if json.Unmarshal([]byte(d.Annotations[secretVersionsAnnotation]), &rec) != nil {
+		return nil
+	}
+	return rec
+}
+
+// String is the annotation's value (JSON, keys sorted).
+func (r secretRecord) String() string {
+	b, err := json.Marshal(r)
+	if err != nil {
+		panic(fmt.Sprintf("marshal a secret record: %v", err)) // maps of strings always marshal
+	}
+	return string(b)
+}
+
 func newSecretCache(refresh time.Duration, reads func()) *secretCache {
-	return &secretCache{refresh: cmp.Or(refresh, DefaultSecretRefreshInterval), reads: reads,
+	return &secretCache{refresh: cmp.Or(refresh, DefaultSecretRefreshInterval), reads: reads, kind: "Secret",
 		entries: map[types.NamespacedName]*secretEntry{},
 		fetch: func(ctx context.Context, reader client.Reader, key types.NamespacedName) (types.UID, string, map[string]string, error) {
 			s := &corev1.Secret{}
@@ -118,7 +202,7 @@ func newSecretCache(refresh time.Duration, reads func()) *secretCache {
 // ConfigMaps (a CA bundle) the same way, so a backlog reading costs no
 // ConfigMap read either.
 func newConfigMapCache(refresh time.Duration) *secretCache {
-	return &secretCache{refresh: cmp.Or(refresh, DefaultSecretRefreshInterval),
+	return &secretCache{refresh: cmp.Or(refresh, DefaultSecretRefreshInterval), kind: "ConfigMap",
 		entries: map[types.NamespacedName]*secretEntry{},
 		fetch: func(ctx context.Context, reader client.Reader, key types.NamespacedName) (types.UID, string, map[string]string, error) {
 			cm := &corev1.ConfigMap{}
@@ -160,13 +244,13 @@ func (c *secretCache) get(ctx context.Context, reader client.Reader, key types.N
 		return nil, err
 	}
 	n := &secretEntry{uid: uid, version: version, keys: map[string]bool{}, values: map[string]string{},
-		keyVersions: make(map[string]string, len(data)), sums: make(map[string][sha256.Size]byte, len(data)), read: now, used: now,
+		keyVersions: make(map[string]string, len(data)), digests: make(map[string]string, len(data)), read: now, used: now,
 		expires: now.Add(c.refresh + time.Duration(rand.Int64N(int64(c.refresh)/5+1)))}
 	for k, v := range data {
 		n.keys[k] = true
-		n.sums[k] = sha256.Sum256([]byte(v))
+		n.digests[k] = c.digest.sum(c.kind, key, uid, k, v)
 		n.keyVersions[k] = version
-		if e != nil && e.uid == uid && e.sums[k] == n.sums[k] && e.keys[k] {
+		if e != nil && e.uid == uid && e.digests[k] == n.digests[k] && e.keys[k] {
 			n.keyVersions[k] = e.keyVersions[k]
 		}
 	}
@@ -228,6 +312,10 @@ type secretInputs struct {
 	// other keys does not, and nothing in the pod template is derived
 	// from a Secret's data.
 	Versions string
+	// Record is what the Deployment is to record of Versions (secretRecord);
+	// nil when the digest key is not kept, as digests taken with a key that
+	// dies with the process tell a restarted operator nothing.
+	Record secretRecord
 	// TLSCA and TLSClientCert say which files the TLS Secret provides.
 	TLSCA, TLSClientCert bool
 	// DSN is the DSN itself, which the backlog observer connects with. It
@@ -242,11 +330,16 @@ type secretInputs struct {
 }
 
 // readSecrets reads every referenced Secret through the cache and checks
-// that the keys the pods need exist. A missing Secret or key is a problem
-// to wait on; any other error is transient.
-func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1alpha1.OutboxRelay) (secretInputs, *problem, error) {
+// that the keys the pods need exist. recorded is what the relay's
+// Deployment records (nil: none). A missing Secret or key is a problem to
+// wait on; any other error is transient.
+func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1alpha1.OutboxRelay, recorded secretRecord) (secretInputs, *problem, error) {
 	var in secretInputs
-	versions := map[string]string{}
+	kept, err := r.digest.load(ctx) // before any read: the cache's digests need the key
+	if err != nil {
+		return in, nil, err
+	}
+	versions, record := map[string]string{}, secretRecord{}
 	// read are the keys the pods read from each Secret: only a change of
 	// their values rolls the pods.
 	entries, read := map[string]*secretEntry{}, map[string][]string{}
@@ -324,7 +417,9 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 				return in, &problem{reason: outboxv1alpha1.ReasonSecretKeyMissing, requeue: true,
 					message: fmt.Sprintf("ConfigMap %s has no key %q (spec.database.tls.ca.configMapRef.key)", ref.Name, key)}, nil
 			}
-			versions["configmap/"+ref.Name] = "configmap/" + ref.Name + "/" + cm.dataVersion([]string{key})
+			name := "configmap/" + ref.Name // as referencedSecrets names it
+			versions[name] = name + "/" + cm.dataVersion([]string{key}, recorded[name])
+			record[name] = cm.record([]string{key}, recorded[name])
 			in.Due = earliest(in.Due, cm.expires)
 			t.ca = []byte(cm.values[key])
 		}
@@ -358,7 +453,8 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 		}
 	}
 	for name, e := range entries {
-		versions[name] = name + "/" + e.dataVersion(read[name])
+		versions[name] = name + "/" + e.dataVersion(read[name], recorded[name])
+		record[name] = e.record(read[name], recorded[name])
 	}
 	names := referencedSecrets(relay)
 	parts := make([]string, len(names))
@@ -366,6 +462,9 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 		parts[i] = versions[name]
 	}
 	in.Versions = strings.Join(parts, ",")
+	if kept {
+		in.Record = record
+	}
 	return in, nil, nil
 }
 

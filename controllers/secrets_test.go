@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -13,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/fake"
 	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
@@ -83,16 +85,16 @@ func TestSecretCacheReadsOncePerChange(t *testing.T) {
 	e, _ = c.get(ctx, r, k, "dsn")
 	require.Equal(t, 5, r.reads, "read again once the refresh interval (and its jitter) is over")
 	require.Equal(t, "3", e.version)
-	require.Equal(t, "u1/dsn@1", e.dataVersion([]string{"dsn"}), "new versions of the same data: its pods do not roll")
+	require.Equal(t, "u1/dsn@1", e.dataVersion([]string{"dsn"}, nil), "new versions of the same data: its pods do not roll")
 	c.stale(k, 0)
 	r.secret.ResourceVersion, r.secret.Data["other"] = "4", []byte("postgres://c")
 	e, _ = c.get(ctx, r, k, "dsn")
-	require.Equal(t, "u1/dsn@1", e.dataVersion([]string{"dsn"}), "new data in a key the pods do not read: they do not roll")
-	require.Equal(t, "u1/dsn@1;other@4;tls.crt@-", e.dataVersion([]string{"other", "tls.crt", "dsn", "other"}), "new data")
+	require.Equal(t, "u1/dsn@1", e.dataVersion([]string{"dsn"}, nil), "new data in a key the pods do not read: they do not roll")
+	require.Equal(t, "u1/dsn@1;other@4;tls.crt@-", e.dataVersion([]string{"other", "tls.crt", "dsn", "other"}, nil), "new data")
 	c.stale(k, 0)
 	r.secret.ResourceVersion, r.secret.Data["dsn"] = "5", []byte("postgres://d")
 	e, _ = c.get(ctx, r, k, "dsn")
-	require.Equal(t, "u1/dsn@5", e.dataVersion([]string{"dsn"}), "a rotated DSN")
+	require.Equal(t, "u1/dsn@5", e.dataVersion([]string{"dsn"}, nil), "a rotated DSN")
 
 	r.secret = nil
 	c.stale(k, 0)
@@ -248,7 +250,7 @@ func TestIdleSecretEntryKeepsItsKeyVersions(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 2, r.reads, "read again")
 	require.Equal(t, "postgres://a", e.values["dsn"])
-	require.Equal(t, "u1/dsn@1", e.dataVersion([]string{"dsn"}), "its pods do not roll")
+	require.Equal(t, "u1/dsn@1", e.dataVersion([]string{"dsn"}, nil), "its pods do not roll")
 
 	c.mu.Lock()
 	gone := *c.entries[k]
@@ -260,4 +262,186 @@ func TestIdleSecretEntryKeepsItsKeyVersions(t *testing.T) {
 	c.mu.Lock()
 	require.Nil(t, c.entries[k], "forgotten once no relay asked for it in secretHistoryRetention")
 	c.mu.Unlock()
+}
+
+// An entry read for the first time (a restarted operator's) takes the
+// versions its relay's Deployment recorded for the values whose digests it
+// recorded, and the Secret's current version for a value with another
+// digest; what it records carries the digests of the values as they are.
+func TestRecordedVersionsOutliveTheCache(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	k := types.NamespacedName{Namespace: "ns", Name: "creds"}
+	r := &countingReader{secret: &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: k.Name, UID: "u1", ResourceVersion: "3"},
+		Data: map[string][]byte{"user": []byte("relay"), "password": []byte("hunter2")}}}
+	key := &digestKey{key: randomKey(), kept: true}
+	first := newSecretCache(time.Minute, nil)
+	first.digest = key
+	e, err := first.get(ctx, r, k, "")
+	require.NoError(t, err)
+	keys := []string{"password", "user", "tls.crt"}
+	recorded := e.record(keys, nil)
+	require.Equal(t, map[string]recordedKey{"password": {Version: "3", Digest: e.digests["password"]}, "user": {Version: "3", Digest: e.digests["user"]}},
+		recorded, "present keys only")
+	require.NotContains(t, secretRecord{k.Name: recorded}.String(), "hunter2")
+
+	// The operator restarts; meanwhile the Secret got a label, then a new password.
+	r.secret.ResourceVersion, r.secret.Labels = "8", map[string]string{"synced": "now"}
+	r.secret.ResourceVersion, r.secret.Data["password"] = "9", []byte("hunter3")
+	restarted := newSecretCache(time.Minute, nil)
+	restarted.digest = key
+	e, err = restarted.get(ctx, r, k, "")
+	require.NoError(t, err)
+	require.Equal(t, "u1/password@9;tls.crt@-;user@3", e.dataVersion(keys, recorded), "the password's version moves, the user's stays")
+	require.Equal(t, "u1/password@9;tls.crt@-;user@9", e.dataVersion(keys, nil), "without a record, every value's version is the one first read")
+	again := e.record(keys, recorded)
+	require.Equal(t, "3", again["user"].Version)
+	require.Equal(t, "9", again["password"].Version)
+	require.Equal(t, "u1/password@9;tls.crt@-;user@3", e.dataVersion(keys, again), "the new record names the same versions")
+
+	other := newSecretCache(time.Minute, nil)
+	other.digest = &digestKey{key: randomKey()}
+	e, err = other.get(ctx, r, k, "")
+	require.NoError(t, err)
+	require.Equal(t, "u1/password@9;tls.crt@-;user@9", e.dataVersion(keys, again), "digests taken with another key match nothing")
+}
+
+// The digest key is made once, by whichever manager finds its Secret
+// empty; another manager (the next leader, a restart) reads the same key.
+// Two that fill it at once agree on the one written first. Without the
+// Secret (or the right to it) the key is the process's own and kept is
+// false, so nothing is recorded with it.
+func TestDigestKeyIsKeptInItsSecret(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	name := types.NamespacedName{Namespace: "outbox-system", Name: "outbox-operator-digest-key"}
+	var updates int
+	var racer *digestKey
+	c := fake.NewClientBuilder().WithScheme(newScheme(t)).
+		WithObjects(&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: name.Namespace, Name: name.Name}}).
+		WithInterceptorFuncs(interceptor.Funcs{Update: func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.UpdateOption) error {
+			updates++
+			if updates == 1 { // another manager fills it between this one's read and write
+				_, err := racer.load(ctx)
+				require.NoError(t, err)
+			}
+			return c.Update(ctx, obj, opts...)
+		}}).Build()
+	racer = &digestKey{secret: name, reader: c, writer: c}
+	d := &digestKey{secret: name, reader: c, writer: c}
+	kept, err := d.load(ctx)
+	require.NoError(t, err)
+	require.True(t, kept)
+	require.Equal(t, 2, updates, "its write (which conflicted) and the racer's; none after")
+	s := &corev1.Secret{}
+	require.NoError(t, c.Get(ctx, name, s))
+	require.Len(t, s.Data[DigestKeyField], digestKeyBytes)
+	require.Equal(t, s.Data[DigestKeyField], d.key, "the key written first")
+	require.Equal(t, racer.key, d.key)
+
+	next := &digestKey{secret: name, reader: c, writer: c}
+	kept, err = next.load(ctx)
+	require.NoError(t, err)
+	require.True(t, kept)
+	require.Equal(t, 2, updates, "a filled Secret is only read")
+	obj := types.NamespacedName{Namespace: "shop", Name: "dsn"}
+	require.Equal(t, d.sum("Secret", obj, "u1", "dsn", "pw"), next.sum("Secret", obj, "u1", "dsn", "pw"))
+	require.NotEqual(t, d.sum("Secret", obj, "u1", "dsn", "pw"), d.sum("Secret", obj, "u2", "dsn", "pw"), "a re-created Secret")
+	require.NotEqual(t, d.sum("Secret", obj, "u1", "dsn", "pw"), d.sum("Secret", obj, "u1", "password", "pw"), "another key")
+
+	missing := &digestKey{secret: types.NamespacedName{Namespace: "outbox-system", Name: "gone"}, reader: c, writer: c}
+	kept, err = missing.load(ctx)
+	require.NoError(t, err)
+	require.False(t, kept)
+	require.Len(t, missing.key, digestKeyBytes)
+	require.NotEqual(t, d.sum("Secret", obj, "u1", "dsn", "pw"), missing.sum("Secret", obj, "u1", "dsn", "pw"))
+	kept, err = (&digestKey{}).load(ctx)
+	require.NoError(t, err)
+	require.False(t, kept, "no Secret named")
+}
+
+// TestOperatorRestart stops the operator and starts another (a new
+// reconciler and cache over the same API server and digest key, as after
+// an upgrade, a node drain or a change of leader) and checks what the
+// second does to a relay the first rolled out.
+func TestOperatorRestart(t *testing.T) {
+	c := adminClient(t)
+	ctx := context.Background()
+	// restart runs a relay under one manager until its Deployment is
+	// written, stops it, calls meanwhile, and starts another manager,
+	// which has reconciled the relay once when restart returns.
+	restart := func(t *testing.T, firstKey, keySecret types.NamespacedName, meanwhile func(*corev1.Secret)) (before *appsv1.Deployment, r *OutboxRelayReconciler, relay *outboxv1alpha1.OutboxRelay, secret *corev1.Secret) {
+		ns := newNamespace(t, c)
+		_, _, stop := runManager(t, testManager{namespaces: []string{ns}, digestKey: firstKey})
+		relay, secret = minimalRelay(ns, "restarted")
+		create(t, c, secret, relay)
+		waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return d.Labels[liveHashLabel] != "" })
+		stop()
+		before = &appsv1.Deployment{} // as the first manager left it
+		require.NoError(t, c.Get(ctx, childKey(relay), before))
+		update(t, c, secret, meanwhile)
+		r, _, _ = runManager(t, testManager{namespaces: []string{ns}, digestKey: keySecret})
+		_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key(relay)})
+		require.NoError(t, err)
+		return before, r, relay, secret
+	}
+	deployment := func(t *testing.T, relay *outboxv1alpha1.OutboxRelay) *appsv1.Deployment {
+		d := &appsv1.Deployment{}
+		require.NoError(t, c.Get(ctx, childKey(relay), d))
+		return d
+	}
+
+	t.Run("MetadataWriteRollsNothing", func(t *testing.T) {
+		keySecret := newDigestKeySecret(t)
+		// What External Secrets, Sealed Secrets or a Vault injector write at
+		// every sync, and a key the relay does not read.
+		before, _, relay, _ := restart(t, keySecret, keySecret, func(s *corev1.Secret) {
+			s.Labels = map[string]string{"reconcile.external-secrets.io/managed": "true"}
+			s.Annotations = map[string]string{"reconcile.external-secrets.io/data-hash": "9f86d081"}
+			s.Data["app-password"] = []byte("hunter2")
+		})
+		require.Contains(t, before.Annotations, secretVersionsAnnotation, "the first operator recorded what the pods read")
+		after := deployment(t, relay)
+		require.Equal(t, configHash(before), configHash(after))
+		require.Equal(t, before.Spec.Template, after.Spec.Template, "the restarted operator keeps the pods")
+		require.Equal(t, before.ResourceVersion, after.ResourceVersion, "and writes nothing")
+
+		s := &corev1.Secret{}
+		require.NoError(t, c.Get(ctx, keySecret, s))
+		require.Len(t, s.Data[DigestKeyField], digestKeyBytes, "the first operator filled the digest key's Secret")
+	})
+
+	t.Run("ValueChangedWhileDownRolls", func(t *testing.T) {
+		keySecret := newDigestKeySecret(t)
+		before, r, relay, secret := restart(t, keySecret, keySecret, func(s *corev1.Secret) {
+			s.Labels = map[string]string{"team": "orders"}
+			s.Data["dsn"] = []byte("postgres://relay@db-2/restarted")
+		})
+		after := deployment(t, relay)
+		require.NotEqual(t, configHash(before), configHash(after), "the DSN changed while no operator ran: the pods roll")
+		require.Equal(t, secret.ResourceVersion, recordOf(after)[secret.Name]["dsn"].Version, "at the version that changed it")
+		_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key(relay)})
+		require.NoError(t, err)
+		require.Equal(t, after.ResourceVersion, deployment(t, relay).ResourceVersion, "once")
+	})
+
+	// A Deployment an operator without the record wrote (the previous
+	// release; here one whose digest key is not kept) keeps its template
+	// when its Secret was not written since, and gains the record; after a
+	// write of the Secret's metadata it rolls once (docs/operator.md).
+	t.Run("UpgradeKeepsTheTemplate", func(t *testing.T) {
+		keySecret := newDigestKeySecret(t)
+		before, _, relay, _ := restart(t, types.NamespacedName{}, keySecret, func(*corev1.Secret) {})
+		require.NotContains(t, before.Annotations, secretVersionsAnnotation, "nothing recorded without a kept key")
+		after := deployment(t, relay)
+		require.Equal(t, before.Spec.Template, after.Spec.Template, "an upgrade over an unwritten Secret rolls nothing")
+		require.Contains(t, after.Annotations, secretVersionsAnnotation, "and records what the pods read")
+
+		before, r, relay, _ := restart(t, types.NamespacedName{}, keySecret, func(s *corev1.Secret) { s.Labels = map[string]string{"team": "orders"} })
+		after = deployment(t, relay)
+		require.NotEqual(t, configHash(before), configHash(after), "nothing tells a label from a value the pods never saw: one roll")
+		_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key(relay)})
+		require.NoError(t, err)
+		require.Equal(t, after.ResourceVersion, deployment(t, relay).ResourceVersion, "only one")
+	})
 }

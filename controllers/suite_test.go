@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -18,10 +19,12 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/config"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
@@ -87,20 +90,43 @@ func newNamespace(t testing.TB, c client.Client) string {
 // startManager runs the reconciler in a manager, as cmd/manager does, until
 // the test ends. It returns the reconciler, so tests can drive extra passes,
 // and the manager, whose cache tests look into. Images under allowedPrefix
-// pass the image allow-list.
+// pass the image allow-list. Its digest key is kept in a Secret of a
+// namespace of its own, as an install keeps it.
 func startManager(t *testing.T) (*OutboxRelayReconciler, ctrl.Manager) {
+	r, mgr, _ := runManager(t, testManager{digestKey: newDigestKeySecret(t)})
+	return r, mgr
+}
+
+// testManager is what the managers of tests differ in.
+type testManager struct {
+	// namespaces the manager watches; none: every namespace.
+	namespaces []string
+	// digestKey is the reconciler's DigestKeySecret.
+	digestKey types.NamespacedName
+}
+
+// runManager runs a manager as startManager does, until stop (which waits
+// for it to end, and may be called again) or the test ends.
+func runManager(t *testing.T, tm testManager) (r *OutboxRelayReconciler, mgr ctrl.Manager, stop func()) {
 	ctx, cancel := context.WithCancel(context.Background())
-	mgr, err := ctrl.NewManager(testenv.Kube().Config, ManagerOptions(ctrl.Options{
+	opts := ctrl.Options{
 		Scheme:                 newScheme(t),
 		Metrics:                metricsserver.Options{BindAddress: "0"},
 		HealthProbeBindAddress: "0",
 		// -count=N runs TestController again in the same process.
 		Controller: config.Controller{SkipNameValidation: ptr.To(true)},
-	}))
+	}
+	for _, ns := range tm.namespaces {
+		if opts.Cache.DefaultNamespaces == nil {
+			opts.Cache.DefaultNamespaces = map[string]cache.Config{}
+		}
+		opts.Cache.DefaultNamespaces[ns] = cache.Config{}
+	}
+	mgr, err := ctrl.NewManager(testenv.Kube().Config, ManagerOptions(opts))
 	require.NoError(t, err)
 	metrics, err := NewMetrics(prometheus.NewRegistry())
 	require.NoError(t, err)
-	r := &OutboxRelayReconciler{
+	r = &OutboxRelayReconciler{
 		Client:        mgr.GetClient(),
 		Recorder:      mgr.GetEventRecorder("outbox-operator"),
 		RelayImage:    testImage,
@@ -111,16 +137,30 @@ func startManager(t *testing.T) (*OutboxRelayReconciler, ctrl.Manager) {
 		DatabaseTokenLogins: true,
 		// Secrets are read again this often: how soon a rotation rolls the pods.
 		SecretRefreshInterval: testSecretRefresh,
+		DigestKeySecret:       tm.digestKey,
 	}
 	require.NoError(t, r.SetupWithManager(ctx, mgr))
 	done := make(chan error, 1)
 	go func() { done <- mgr.Start(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		require.NoError(t, <-done)
-	})
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			require.NoError(t, <-done)
+		})
+	}
+	t.Cleanup(stop)
 	require.True(t, mgr.GetCache().WaitForCacheSync(ctx), "manager cache sync")
-	return r, mgr
+	return r, mgr, stop
+}
+
+// newDigestKeySecret creates the empty Secret an install creates for the
+// operator's digest key, in a namespace of its own.
+func newDigestKeySecret(t *testing.T) types.NamespacedName {
+	c := adminClient(t)
+	s := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: newNamespace(t, c), Name: "digest-key"}}
+	require.NoError(t, c.Create(context.Background(), s))
+	return client.ObjectKeyFromObject(s)
 }
 
 // readSamples decodes every manifest under config/samples, moved into ns.

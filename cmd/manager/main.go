@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -56,11 +57,15 @@ type config struct {
 	// databaseTokenLogins lets backlog reads log in with the operator's
 	// own cloud identity.
 	databaseTokenLogins bool
-	zap                 zap.Options
+	// digestKeySecret keeps the key of the digests recorded on the relays'
+	// Deployments; zero: none (the key lives as long as the process).
+	digestKeySecret types.NamespacedName
+	zap             zap.Options
 }
 
-// parseConfig reads the flags, with RELAY_IMAGE and WATCH_NAMESPACE from the
-// environment (a flag wins over RELAY_IMAGE).
+// parseConfig reads the flags, with RELAY_IMAGE, DIGEST_KEY_SECRET,
+// POD_NAMESPACE and WATCH_NAMESPACE from the environment (a flag wins over
+// RELAY_IMAGE and DIGEST_KEY_SECRET).
 func parseConfig(args []string, getenv func(string) string) (config, error) {
 	var cfg config
 	fs := flag.NewFlagSet("manager", flag.ContinueOnError)
@@ -98,6 +103,13 @@ func parseConfig(args []string, getenv func(string) string) (config, error) {
 		"Read the backlog of OutboxRelays with spec.database.auth by logging in with the operator's own cloud identity.\n"+
 			"Whoever may create an OutboxRelay names the host it logs in at, and with sslmode=require or a CA of their\n"+
 			"own could receive that identity's token: enable only where all of them are trusted with its database access.")
+	var digestKey string
+	fs.StringVar(&digestKey, "digest-key-secret", getenv("DIGEST_KEY_SECRET"),
+		"Secret (NAME in the pod's namespace, env POD_NAMESPACE, or NAMESPACE/NAME) that keeps the key of the digests the\n"+
+			"operator records on relay Deployments of the Secret values their pods read, so that a restarted operator rolls\n"+
+			"only relays whose values changed; the operator fills it when it is empty, and needs get and update on it.\n"+
+			"Empty: a key of the process's own, and a restart rolls, once, each relay one of whose Secrets was written\n"+
+			"since its pods last rolled (env DIGEST_KEY_SECRET).")
 	fs.BoolVar(&cfg.printVersion, "version", false, "Print the version and exit.")
 	cfg.zap = zap.Options{Development: false} // JSON logs
 	cfg.zap.BindFlags(fs)
@@ -118,6 +130,16 @@ func parseConfig(args []string, getenv func(string) string) (config, error) {
 	}
 	if cfg.relayImage == "" {
 		return cfg, errors.New("--relay-image (or RELAY_IMAGE) must not be empty")
+	}
+	if digestKey != "" {
+		ns, name, ok := strings.Cut(digestKey, "/")
+		if !ok {
+			ns, name = getenv("POD_NAMESPACE"), digestKey
+		}
+		if ns == "" || name == "" || strings.Contains(name, "/") {
+			return cfg, fmt.Errorf("--digest-key-secret: %q is not NAME (with POD_NAMESPACE set) or NAMESPACE/NAME", digestKey)
+		}
+		cfg.digestKeySecret = types.NamespacedName{Namespace: ns, Name: name}
 	}
 	cfg.allowedImages = splitList(allowed)
 	cfg.namespaces = splitList(getenv("WATCH_NAMESPACE"))
@@ -210,6 +232,7 @@ func run(ctx context.Context, cfg config, restCfg *rest.Config, tweaks ...func(*
 		DatabaseTokenLogins: cfg.databaseTokenLogins,
 
 		SecretRefreshInterval: cfg.secretRefresh,
+		DigestKeySecret:       cfg.digestKeySecret,
 	}
 	if err := r.SetupWithManager(ctx, mgr); err != nil {
 		return fmt.Errorf("set up the OutboxRelay controller: %w", err)
@@ -227,7 +250,8 @@ func run(ctx context.Context, cfg config, restCfg *rest.Config, tweaks ...func(*
 		return err
 	}
 	ctrl.Log.Info("starting manager", "version", version.Version, "relayImage", cfg.relayImage,
-		"allowedRelayImages", cfg.allowedImages, "namespaces", cfg.namespaces, "leaderElect", cfg.leaderElect)
+		"allowedRelayImages", cfg.allowedImages, "namespaces", cfg.namespaces, "leaderElect", cfg.leaderElect,
+		"digestKeySecret", cfg.digestKeySecret.String())
 	return mgr.Start(ctx)
 }
 

@@ -21,6 +21,7 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -82,6 +83,20 @@ func TestParseConfig(t *testing.T) {
 	require.True(t, cfg.databaseTokenLogins)
 	_, err = parseConfig([]string{"--backlog-connections-per-database=0"}, env(nil))
 	require.ErrorContains(t, err, "--backlog-connections-per-database: 0 is outside 1..100")
+
+	// The digest key's Secret: by name in the pod's namespace, as the
+	// installs set it, or namespace/name; none by default.
+	require.Zero(t, cfg.digestKeySecret)
+	cfg, err = parseConfig(nil, env(map[string]string{"DIGEST_KEY_SECRET": "outbox-operator-digest-key", "POD_NAMESPACE": "outbox-system"}))
+	require.NoError(t, err)
+	require.Equal(t, types.NamespacedName{Namespace: "outbox-system", Name: "outbox-operator-digest-key"}, cfg.digestKeySecret)
+	cfg, err = parseConfig([]string{"--digest-key-secret=ops/key"}, env(map[string]string{"DIGEST_KEY_SECRET": "x", "POD_NAMESPACE": "outbox-system"}))
+	require.NoError(t, err)
+	require.Equal(t, types.NamespacedName{Namespace: "ops", Name: "key"}, cfg.digestKeySecret, "the flag wins")
+	for _, bad := range []string{"key", "/key", "ops/", "a/b/c"} {
+		_, err = parseConfig([]string{"--digest-key-secret=" + bad}, env(nil))
+		require.ErrorContains(t, err, "--digest-key-secret: ", bad)
+	}
 
 	// Secrets: never read through a cache, so no informer can hold them.
 	opts = managerOptions(cfg, runtime.NewScheme())
