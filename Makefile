@@ -141,7 +141,7 @@ bundle: deps-kube ## Write the OLM bundle of release VERSION=x.y.z into bundle/ 
 .PHONY: chart-sync
 chart-sync: ## Copy the CRD, the RBAC rules, the alerts and the dashboard from config/ into the Helm chart.
 	cp config/crd/bases/*.yaml $(CHART)/files/crds/
-	cp config/rbac/role.yaml config/rbac/leader_election_role.yaml config/rbac/metrics_auth_role.yaml config/rbac/metrics_reader_role.yaml \
+	cp config/rbac/role.yaml config/rbac/leader_election_role.yaml config/rbac/digest_key_role.yaml config/rbac/metrics_auth_role.yaml config/rbac/metrics_reader_role.yaml \
 		config/rbac/outboxrelay_editor_role.yaml config/rbac/outboxrelay_viewer_role.yaml config/prometheus/prometheusrule.yaml \
 		config/grafana/outbox-operator-dashboard.json $(CHART)/files/
 

@@ -91,7 +91,8 @@ func TestDeployManifestsApply(t *testing.T) {
 // TestNamespacedOverlayIsEnough renders config/namespaced, applies it, and
 // runs the manager as that overlay's service account (impersonated): with
 // nothing but the overlay's Roles in one namespace it reconciles an
-// OutboxRelay there, and it cannot read a Secret anywhere else. Its one
+// OutboxRelay there and fills its digest key, and it cannot read a Secret
+// anywhere else. Its one
 // cluster-wide grant is the metrics authentication (it may create
 // TokenReviews and SubjectAccessReviews, so --metrics-secure can check who
 // scrapes); the metrics-reader and aggregated roles are there, as in
@@ -135,13 +136,17 @@ func TestNamespacedOverlayIsEnough(t *testing.T) {
 	}
 	d := &appsv1.Deployment{}
 	require.NoError(t, admin.Get(ctx, client.ObjectKey{Namespace: ns, Name: sa}, d))
-	watch := ""
+	watch, digestKey := "", ""
 	for _, e := range d.Spec.Template.Spec.Containers[0].Env {
-		if e.Name == "WATCH_NAMESPACE" {
+		switch e.Name {
+		case "WATCH_NAMESPACE":
 			watch = e.Value
+		case "DIGEST_KEY_SECRET":
+			digestKey = e.Value
 		}
 	}
 	require.Equal(t, ns, watch)
+	require.Equal(t, "outbox-operator-digest-key", digestKey, "the overlay names its digest key's Secret")
 	binding := &rbacv1.RoleBinding{}
 	require.NoError(t, admin.Get(ctx, client.ObjectKey{Namespace: ns, Name: "outbox-operator-manager-rolebinding"}, binding))
 	require.Equal(t, "Role", binding.RoleRef.Kind)
@@ -161,7 +166,7 @@ func TestNamespacedOverlayIsEnough(t *testing.T) {
 
 	cfg, err := parseConfig([]string{"--metrics-bind-address=0", "--health-probe-bind-address=0",
 		"--leader-elect", "--leader-election-namespace=" + ns, "--relay-image=reg/relay:test"},
-		env(map[string]string{"WATCH_NAMESPACE": watch}))
+		env(map[string]string{"WATCH_NAMESPACE": watch, "DIGEST_KEY_SECRET": digestKey, "POD_NAMESPACE": ns}))
 	require.NoError(t, err)
 	runCtx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
@@ -184,6 +189,9 @@ func TestNamespacedOverlayIsEnough(t *testing.T) {
 	require.Eventually(t, func() bool {
 		return admin.Get(ctx, client.ObjectKey{Namespace: ns, Name: "orders-relay"}, &appsv1.Deployment{}) == nil
 	}, 60*time.Second, 100*time.Millisecond, "the manager, with the overlay's Role only, creates the relay Deployment")
+	key := &corev1.Secret{}
+	require.NoError(t, admin.Get(ctx, client.ObjectKey{Namespace: ns, Name: digestKey}, key))
+	require.Len(t, key.Data["key"], 32, "and fills its digest key's Secret")
 	require.Eventually(t, func() bool {
 		relay := &outboxv1alpha1.OutboxRelay{}
 		if admin.Get(ctx, client.ObjectKey{Namespace: ns, Name: "orders"}, relay) != nil {

@@ -24,6 +24,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 
 	"sigs.k8s.io/yaml"
@@ -169,10 +170,16 @@ func build(objs []object, samples []byte, version, image string) (map[string][]b
 	if err != nil {
 		return nil, err
 	}
+	digestKey, err := find(objs, "Role", "digest-key-role")
+	if err != nil {
+		return nil, err
+	}
 	errs := []error{add("manifests/outbox.dev_outboxrelays.yaml", crd)}
 	// What OLM installs beside the operator, as config/default does.
 	for _, extra := range []struct{ kind, suffix, file string }{
 		{"Service", "controller-manager-metrics", "outbox-operator-metrics_v1_service.yaml"},
+		// Created empty; the manager fills it with its digest key.
+		{"Secret", "digest-key", "outbox-operator-digest-key_v1_secret.yaml"},
 		{"ClusterRole", "metrics-reader", "outbox-operator-metrics-reader_rbac.authorization.k8s.io_v1_clusterrole.yaml"},
 		{"ClusterRole", "outboxrelay-editor", "outbox-operator-outboxrelay-editor_rbac.authorization.k8s.io_v1_clusterrole.yaml"},
 		{"ClusterRole", "outboxrelay-viewer", "outbox-operator-outboxrelay-viewer_rbac.authorization.k8s.io_v1_clusterrole.yaml"},
@@ -278,7 +285,7 @@ func build(objs []object, samples []byte, version, image string) (map[string][]b
 					}},
 					"permissions": []any{map[string]any{
 						"serviceAccountName": name(sa),
-						"rules":              append(append([]any{}, managerRole["rules"].([]any)...), leader["rules"].([]any)...),
+						"rules":              slices.Concat(managerRole["rules"].([]any), leader["rules"].([]any), digestKey["rules"].([]any)),
 					}},
 				},
 			},

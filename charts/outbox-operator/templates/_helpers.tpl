@@ -71,6 +71,11 @@ CRD added: it renders only with image.tag or image.digest.
 {{- (.root.Files.Get (printf "files/%s.yaml" .file) | fromYaml).rules | toYaml }}
 {{- end }}
 
+{{/* The Secret keeping the manager's digest key (config/manager/digest_key.yaml). */}}
+{{- define "outbox-operator.digestKeySecret" -}}
+{{- printf "%s-digest-key" (include "outbox-operator.fullname" .) }}
+{{- end }}
+
 {{/* The metrics Service's name. */}}
 {{- define "outbox-operator.metricsService" -}}
 {{- printf "%s-metrics" (include "outbox-operator.fullname" .) }}

@@ -112,6 +112,7 @@ func TestChartCopiesAreIdentical(t *testing.T) {
 	pairs := map[string]string{
 		"files/role.yaml":                      "config/rbac/role.yaml",
 		"files/leader_election_role.yaml":      "config/rbac/leader_election_role.yaml",
+		"files/digest_key_role.yaml":           "config/rbac/digest_key_role.yaml",
 		"files/prometheusrule.yaml":            "config/prometheus/prometheusrule.yaml",
 		"files/outbox-operator-dashboard.json": "config/grafana/outbox-operator-dashboard.json",
 		"files/metrics_auth_role.yaml":         "config/rbac/metrics_auth_role.yaml",
@@ -286,7 +287,24 @@ func TestChartDefaultMirrorsConfigDefault(t *testing.T) {
 			}
 		}
 	}
-	require.Equal(t, find(t, kustomized, "Role", "").Object["rules"], find(t, objs, "Role", "").Object["rules"], "leader election")
+	require.Equal(t, find(t, kustomized, "Role", "outbox-operator-leader-election-role").Object["rules"],
+		find(t, objs, "Role", "outbox-outbox-operator-leader-election").Object["rules"], "leader election")
+	// The digest key: the same empty Secret, named in the manager's
+	// environment, and the same rule on it alone.
+	kustKey, chartKey := find(t, kustomized, "Secret", "outbox-operator-digest-key"), find(t, objs, "Secret", "outbox-outbox-operator-digest-key")
+	require.Equal(t, kustKey.GetName(), ke["DIGEST_KEY_SECRET"])
+	require.Equal(t, chartKey.GetName(), ce["DIGEST_KEY_SECRET"])
+	require.Equal(t, chartKey.GetNamespace(), releaseNamespace)
+	keyRules := func(role *unstructured.Unstructured, secret string) any {
+		rules, _, err := unstructured.NestedSlice(role.Object, "rules")
+		require.NoError(t, err)
+		require.Len(t, rules, 1)
+		require.Equal(t, []any{secret}, rules[0].(map[string]any)["resourceNames"], role.GetName())
+		delete(rules[0].(map[string]any), "resourceNames")
+		return rules
+	}
+	require.Equal(t, keyRules(find(t, kustomized, "Role", "outbox-operator-digest-key-role"), kustKey.GetName()),
+		keyRules(find(t, objs, "Role", "outbox-outbox-operator-digest-key"), chartKey.GetName()), "the digest key")
 	svc := find(t, objs, "Service", "outbox-outbox-operator-metrics")
 	require.Equal(t, find(t, kustomized, "Service", "").Object["spec"].(map[string]any)["ports"], svc.Object["spec"].(map[string]any)["ports"], "the metrics Service")
 	crb := find(t, objs, "ClusterRoleBinding", "outbox-outbox-operator-manager")
@@ -432,6 +450,14 @@ func TestNamespacedChartConfines(t *testing.T) {
 	require.True(t, apierrors.IsForbidden(err), "a Secret elsewhere: want Forbidden, got %v", err)
 	err = c.List(ctx, &corev1.SecretList{})
 	require.True(t, apierrors.IsForbidden(err), "Secrets of every namespace: want Forbidden, got %v", err)
+	// In its own namespace, which it does not watch: its digest key's
+	// Secret, which it may fill, and no other.
+	key := &corev1.Secret{}
+	require.NoError(t, c.Get(ctx, client.ObjectKey{Namespace: releaseNamespace, Name: "confined-outbox-operator-digest-key"}, key))
+	key.Data = map[string][]byte{"key": []byte("0123456789abcdef0123456789abcdef")}
+	require.NoError(t, c.Update(ctx, key), "the manager fills its digest key")
+	err = c.Get(ctx, client.ObjectKey{Namespace: releaseNamespace, Name: "any"}, &corev1.Secret{})
+	require.True(t, apierrors.IsForbidden(err), "another Secret of the release namespace: want Forbidden, got %v", err)
 }
 
 // TestChartRefusesBadValues: values.schema.json makes Helm refuse values
@@ -460,6 +486,7 @@ func TestChartRefusesBadValues(t *testing.T) {
 		{`{crds: {keep: "yes"}}`, "/crds/keep"},
 		{`{rbac: {create: 0}}`, "/rbac/create"},
 		{`{extraEnv: [{name: WATCH_NAMESPACE, value: x}]}`, "/extraEnv/0/name"},
+		{`{extraEnv: [{name: DIGEST_KEY_SECRET, value: x}]}`, "/extraEnv/0/name"},
 		{`{metrics: {readers: [{name: prometheus}]}}`, "/metrics/readers/0"},
 		{`{podDisruptionBudget: {minAvailable: half}}`, "/podDisruptionBudget/minAvailable"},
 		{`{podLabels: {app.kubernetes.io/name: other}}`, "invalid propertyName 'app.kubernetes.io/name'"},

@@ -42,7 +42,8 @@ var chartCases = []chartCase{
 		require.Equal(t, "true", editor.GetLabels()["rbac.authorization.k8s.io/aggregate-to-edit"])
 		viewer := find(t, objs, "ClusterRole", "outbox-outbox-operator-outboxrelay-viewer")
 		require.Equal(t, "true", viewer.GetLabels()["rbac.authorization.k8s.io/aggregate-to-view"])
-		none(t, objs, "PodDisruptionBudget", "ServiceMonitor", "PodMonitor", "Secret")
+		none(t, objs, "PodDisruptionBudget", "ServiceMonitor", "PodMonitor", "Secret/outbox-outbox-operator-metrics-cert")
+		find(t, objs, "Secret", "outbox-outbox-operator-digest-key") // the manager's digest key, made empty
 		require.NotContains(t, c["args"], "--metrics-cert-dir=/etc/outbox-operator/metrics-cert", "as config/default: no certificate without a ServiceMonitor")
 		for _, o := range objs {
 			require.NotContains(t, fmt.Sprint(o.Object), "insecureSkipVerify", "%s/%s", o.GetKind(), o.GetName())
@@ -129,7 +130,7 @@ var chartCases = []chartCase{
 	}},
 	{name: "ServiceMonitor verifying metrics.certSecret", values: `{metrics: {certSecret: manager-metrics-tls}, monitoring: {serviceMonitor: {enabled: true}}}`,
 		check: func(t *testing.T, objs []*unstructured.Unstructured) {
-			none(t, objs, "Secret")
+			none(t, objs, "Secret/outbox-outbox-operator-metrics-cert")
 			require.Equal(t, map[string]any{
 				"ca":         map[string]any{"secret": map[string]any{"name": "manager-metrics-tls", "key": "ca.crt"}},
 				"serverName": "outbox-outbox-operator-metrics.outbox-system.svc",
@@ -147,7 +148,7 @@ var chartCases = []chartCase{
 	{name: "ServiceMonitor without verifying, opted in", values: `{monitoring: {serviceMonitor: {enabled: true, tlsConfig: {insecureSkipVerify: true}}}}`,
 		check: func(t *testing.T, objs []*unstructured.Unstructured) {
 			require.Equal(t, map[string]any{"insecureSkipVerify": true}, serviceMonitorEndpoint(t, objs)["tlsConfig"])
-			none(t, objs, "Secret")
+			none(t, objs, "Secret/outbox-outbox-operator-metrics-cert")
 			require.NotContains(t, container(t, find(t, objs, "Deployment", ""))["args"], "--metrics-cert-dir=/etc/outbox-operator/metrics-cert",
 				"no certificate is issued that nothing verifies")
 		}},
@@ -156,7 +157,7 @@ var chartCases = []chartCase{
 			ep := serviceMonitorEndpoint(t, objs)
 			require.NotContains(t, ep, "tlsConfig")
 			require.NotContains(t, ep, "scheme")
-			none(t, objs, "Secret")
+			none(t, objs, "Secret/outbox-outbox-operator-metrics-cert")
 		}},
 	{name: "OpenShift restricted-v2", values: `{podSecurityContext: {runAsUser: null, runAsGroup: null}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
 		sc := podSpec(t, objs)["securityContext"].(map[string]any)

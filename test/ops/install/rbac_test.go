@@ -45,7 +45,9 @@ func grantsOn(t *testing.T, objs []*unstructured.Unstructured, group, resource s
 // No install this repository ships (config/default, config/namespaced, the
 // chart with its defaults and with watchNamespaces) may list or watch
 // Secrets, anywhere: the operator gets only the Secrets an OutboxRelay
-// names. A rule that grants more fails here, whatever file it comes from.
+// names, and gets and updates one more, its digest key's, which the same
+// install creates in the manager's namespace (a Role naming that Secret
+// alone). A rule that grants more fails here, whatever file it comes from.
 func TestRenderedRBACNeverListsOrWatchesSecrets(t *testing.T) {
 	t.Parallel()
 	renders := map[string][]*unstructured.Unstructured{
@@ -59,9 +61,34 @@ func TestRenderedRBACNeverListsOrWatchesSecrets(t *testing.T) {
 		require.NotEmpty(t, grants, "%s: the operator reads the Secrets it is pointed at", install)
 		for role, verbs := range grants {
 			for _, v := range verbs {
-				require.Equal(t, "get", v, "%s: %s grants %q on Secrets; get is all the operator needs", install, role, v)
+				if v != "get" {
+					require.Equal(t, "update", v, "%s: %s grants %q on Secrets; get is all the operator needs, and update of its digest key", install, role, v)
+				}
 			}
 		}
+		var digestKeyRules int
+		for _, o := range objs {
+			rules, _, _ := unstructured.NestedSlice(o.Object, "rules")
+			for _, r := range rules {
+				verbs, _, _ := unstructured.NestedStringSlice(r.(map[string]any), "verbs")
+				if !slices.Contains(verbs, "update") {
+					continue
+				}
+				resources, _, _ := unstructured.NestedStringSlice(r.(map[string]any), "resources")
+				if !slices.Contains(resources, "secrets") && !slices.Contains(resources, "*") {
+					continue
+				}
+				digestKeyRules++
+				require.Equal(t, "Role", o.GetKind(), "%s: %s: update on Secrets in one namespace only", install, o.GetName())
+				names, _, _ := unstructured.NestedStringSlice(r.(map[string]any), "resourceNames")
+				require.Len(t, names, 1, "%s: %s: update on one named Secret only", install, o.GetName())
+				secret := find(t, objs, "Secret", names[0])
+				require.Equal(t, secret.GetNamespace(), o.GetNamespace(), "%s: %s: the Secret it names is the install's own", install, o.GetName())
+				require.Empty(t, secret.Object["data"], "%s: the install creates the digest key's Secret empty", install)
+				require.Equal(t, find(t, objs, "Deployment", "").GetNamespace(), o.GetNamespace(), "%s: in the manager's namespace", install)
+			}
+		}
+		require.Equal(t, 1, digestKeyRules, "%s: one rule updates a Secret: the digest key's", install)
 	}
 }
 

@@ -28,7 +28,8 @@ import (
 // runs the manager binary with the arguments and environment of the chart's
 // Deployment, as the chart's service account (impersonated): with nothing
 // but the chart's RBAC it takes the leader Lease, builds an OutboxRelay's
-// relay Deployment and its PodMonitor, and writes its status.
+// relay Deployment and its PodMonitor, writes its status and fills its
+// digest key.
 func TestChartRunsTheManager(t *testing.T) {
 	const ns, sa = "team-run", "run-outbox-operator"
 	installMonitoringCRDs(t)
@@ -47,8 +48,9 @@ func TestChartRunsTheManager(t *testing.T) {
 	args = append(args, "--metrics-bind-address=0", "--leader-election-namespace="+releaseNamespace) // out of cluster
 	environ := os.Environ()
 	for name, value := range env(t, c) {
-		environ = append(environ, name+"="+value)
+		environ = append(environ, name+"="+strings.ReplaceAll(value, "outbox-outbox-operator", sa))
 	}
+	environ = append(environ, "POD_NAMESPACE="+releaseNamespace) // what the downward API gives it in the cluster
 
 	dir := t.TempDir()
 	kc, err := clientcmd.Load(testenv.Kube().Env.KubeConfig)
@@ -102,4 +104,7 @@ func TestChartRunsTheManager(t *testing.T) {
 		c := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionMonitoring)
 		return c != nil && c.Status == metav1.ConditionTrue
 	}, wait, tick, "and writes the status")
+	key := &corev1.Secret{}
+	require.NoError(t, admin.Get(ctx, client.ObjectKey{Namespace: releaseNamespace, Name: sa + "-digest-key"}, key))
+	require.Len(t, key.Data["key"], 32, "and fills its digest key's Secret")
 }
