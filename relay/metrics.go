@@ -23,6 +23,9 @@ type metrics struct {
 	// partitioned table.
 	prunedPartitions prometheus.Counter
 	pruneDuration    prometheus.Histogram
+	// partitionDropDelay is, per reason, how long the drop of an old
+	// partition waiting for it is past its time (dropDelays).
+	partitionDropDelay *prometheus.GaugeVec
 	// restamped counts rows acknowledged with the publish time because
 	// their topic takes no record with their created_at (restamp, tooOld).
 	restamped prometheus.Counter
@@ -128,6 +131,9 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			"Partitions of a partitioned outbox this replica detached and dropped: their range ended more than --keep-published-for ago and all their rows were published."),
 		pruneDuration: f.histogram("outbox_relay_prune_duration_seconds",
 			"Duration of one prune step: a transaction of at most --prune-batch-size rows, or on a partitioned table the detach and drop of one partition.", 0.0005, 16),
+		partitionDropDelay: f.gaugeVec("outbox_relay_partition_drop_delay_seconds",
+			"How long ago the drop of the old partition waiting longest became due (its range ended more than --keep-published-for ago), by what it waits for: transactions (a transaction that may have begun before its range ended is still open, idle in transaction, say, or prepared) or slot (the table's replication slot has not confirmed past them). 0 when no drop waits. Set by each replica at its own retention passes (take the max across pods).",
+			"reason", dropWaitReasons),
 		captureStreaming: f.gauge("outbox_relay_capture_streaming",
 			"1 while this replica streams the table's inserts from the replication slot (--capture logical-replication); the other replicas wait as standbys."),
 		captureFallback: f.gauge("outbox_relay_capture_fallback",

@@ -536,6 +536,9 @@ func TestPartitionRetentionWaitsForTheSlot(t *testing.T) {
 			f.Count(`SELECT count(*) FROM pg_class WHERE relname = 'outbox_d2'`) == 0
 	}, 30*time.Second, 50*time.Millisecond, "the pruner looks at d2")
 	require.True(t, attached(t, f, "outbox_d2"), "d2 is kept while the slot holds rows that may belong to it:\n%s", &logs)
+	require.Eventually(t, func() bool {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_partition_drop_delay_seconds", "reason", "slot") > 24*3600-60
+	}, 30*time.Second, 50*time.Millisecond, "the gauge says how long d2's drop is overdue, and why")
 	x.Stop(t)
 	waitSlotIdle(t, f)
 
@@ -553,6 +556,55 @@ func TestPartitionRetentionWaitsForTheSlot(t *testing.T) {
 	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox_d2 WHERE event_type = 'Unmapped' AND published_at IS NULL`),
 		"the unmapped row is back in its partition, which stays")
 	require.True(t, attached(t, f, "outbox_d2"))
+}
+
+// A partition old enough to drop waits for a transaction that began before
+// its range ended (here one left idle in transaction), and
+// outbox_relay_partition_drop_delay_seconds{reason="transactions"} says
+// for how long its drop is overdue, so an alert can tell; once the
+// transaction ends the partition is dropped and the gauge is 0 again.
+// (Before, only a log line, written once, said so.)
+func TestPartitionDropHeldByATransactionIsMeasured(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	const keep = time.Minute
+	f := outboxtest.NewFixture(t, 1, "E")
+	partitioned(t, f)
+	f.Exec(`DO $$ DECLARE p regclass; BEGIN
+		FOR p IN SELECT inhrelid::regclass FROM pg_inherits WHERE inhparent = 'outbox'::regclass LOOP
+			EXECUTE 'DROP TABLE ' || p; END LOOP; END $$`)
+	var end time.Time // the old partition's range ends 2 s from now
+	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT now() + interval '2 s'`).Scan(&end))
+	lit := func(t time.Time) string { return t.UTC().Format("'2006-01-02 15:04:05.999999+00'") }
+	f.Exec(`CREATE TABLE outbox_old PARTITION OF outbox FOR VALUES FROM (` + lit(end.Add(-24*time.Hour)) + `) TO (` + lit(end) + `)`)
+	f.Exec(`CREATE TABLE outbox_new PARTITION OF outbox FOR VALUES FROM (` + lit(end) + `) TO (` + lit(end.Add(72*time.Hour)) + `)`)
+	idle, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer idle.Rollback(ctx) //nolint:errcheck // ended below
+	_, err = idle.Exec(ctx, `SELECT 1`)
+	require.NoError(t, err)
+
+	cfg := f.Config()
+	cfg.KeepPublishedFor = keep
+	x := run(t, cfg, nil)
+	delay := func(reason string) float64 {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_partition_drop_delay_seconds", "reason", reason)
+	}
+	require.Zero(t, delay("transactions"))
+	var first float64
+	require.Eventually(t, func() bool { first = delay("transactions"); return first > 0 },
+		keep+time.Minute, 100*time.Millisecond, "once the partition is old, its drop waits for the open transaction")
+	require.True(t, attached(t, f, "outbox_old"))
+	require.Zero(t, delay("slot"), "the table has no slot")
+	require.Eventually(t, func() bool { return delay("transactions") > first }, 30*time.Second, 100*time.Millisecond,
+		"the delay grows while the transaction stays open")
+	require.True(t, attached(t, f, "outbox_old"))
+
+	require.NoError(t, idle.Rollback(ctx))
+	require.Eventually(t, func() bool {
+		return delay("transactions") == 0 && outboxtest.MetricValue(t, x.Reg, "outbox_relay_pruned_partitions_total") == 1
+	}, 40*time.Second, 100*time.Millisecond, "the transaction ended: the partition is dropped, and nothing waits")
+	require.Zero(t, f.Count(`SELECT count(*) FROM pg_class WHERE relname = 'outbox_old'`))
 }
 
 // gatedWriter holds its first write until open is closed, and closes

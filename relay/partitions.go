@@ -99,7 +99,7 @@ func compareLow(a, b *time.Time) int {
 // using the table instead of locking them out (it cannot run inside a
 // transaction block, and not beside a DEFAULT partition).
 func (pr *pruner) prunePartitions(ctx context.Context, conn *pgx.Conn, parent uint32) error {
-	parts, _, err := pr.partitions(ctx, conn, parent)
+	parts, cut, err := pr.partitions(ctx, conn, parent)
 	if err != nil {
 		return err
 	}
@@ -115,6 +115,7 @@ func (pr *pruner) prunePartitions(ctx context.Context, conn *pgx.Conn, parent ui
 			pr.warnedDefault = true
 			pr.log.Warn("the table has a DEFAULT partition; partitions cannot be detached concurrently beside one, so none is dropped while it exists")
 		}
+		pr.dropDelays(nil)
 		return errors.Join(errs...)
 	}
 	slot, err := pr.slotName(ctx, conn)
@@ -122,6 +123,7 @@ func (pr *pruner) prunePartitions(ctx context.Context, conn *pgx.Conn, parent ui
 		return errors.Join(append(errs, err)...)
 	}
 	fences := map[string]*dropFence{}
+	delays := map[string]time.Duration{} // by what the drop waits for, the longest past its time
 	for _, p := range parts {
 		if ctx.Err() != nil {
 			return nil
@@ -130,12 +132,13 @@ func (pr *pruner) prunePartitions(ctx context.Context, conn *pgx.Conn, parent ui
 			continue
 		}
 		if !p.pending {
-			ready, err := pr.fenced(ctx, conn, p, slot, fences)
+			waits, err := pr.fenced(ctx, conn, p, slot, fences)
 			if err != nil {
 				errs = append(errs, err)
 				continue
 			}
-			if !ready {
+			if waits != "" {
+				delays[waits] = max(delays[waits], cut.Sub(*p.hi)) // old: p.hi is set
 				continue
 			}
 			var waiting bool
@@ -161,11 +164,37 @@ func (pr *pruner) prunePartitions(ctx context.Context, conn *pgx.Conn, parent ui
 	}
 	if ctx.Err() == nil {
 		pr.fences = fences // those of partitions gone, or detached, are forgotten
+		pr.dropDelays(delays)
 	}
 	if pr.shape.eventIDs && ctx.Err() == nil {
 		errs = append(errs, pr.pruneEventIDs(ctx, conn, parent))
 	}
 	return errors.Join(errs...)
+}
+
+// What an old partition's drop waits for (fenced), in
+// outbox_relay_partition_drop_delay_seconds{reason}.
+const (
+	// dropWaitTransactions: a transaction that may have begun before the
+	// partition's range ended is still open (or prepared).
+	dropWaitTransactions = "transactions"
+	// dropWaitSlot: the table's replication slot has not confirmed past the
+	// WAL's position once those transactions had ended.
+	dropWaitSlot = "slot"
+)
+
+// dropWaitReasons are every reason, for the gauge's series.
+var dropWaitReasons = []string{dropWaitTransactions, dropWaitSlot}
+
+// dropDelays sets outbox_relay_partition_drop_delay_seconds from a pass:
+// per reason, how long ago the drop of the partition waiting longest for it
+// became due (its range end plus KeepPublishedFor), 0 when none waits. It
+// is derived from the table's ranges and the server's clock, not from this
+// replica's memory, so it reads the same whichever replica prunes.
+func (pr *pruner) dropDelays(delays map[string]time.Duration) {
+	for _, reason := range dropWaitReasons {
+		pr.m.partitionDropDelay.WithLabelValues(reason).Set(delays[reason].Seconds())
+	}
 }
 
 // dropFence is what an old partition waits for before it is detached
@@ -189,7 +218,8 @@ func (pr *pruner) slotName(ctx context.Context, conn *pgx.Conn) (string, error) 
 	return outbox.SlotName(db, pr.table), nil
 }
 
-// fenced reports whether old partition p may be detached now: once every
+// fenced reports what old partition p waits for (dropWaitTransactions,
+// dropWaitSlot), or "" when it may be detached now: once every
 // transaction that may have begun before its range ended has ended (a
 // writer's row takes its transaction's start as created_at, so until then
 // a row could still be committed into it, after the check for unpublished
@@ -201,19 +231,19 @@ func (pr *pruner) slotName(ctx context.Context, conn *pgx.Conn) (string, error) 
 // down, …); a p dropped before would leave it no partition to go to. What
 // p waits for is noted the first time it is old, and kept across passes
 // in next.
-func (pr *pruner) fenced(ctx context.Context, conn *pgx.Conn, p partition, slot string, next map[string]*dropFence) (bool, error) {
+func (pr *pruner) fenced(ctx context.Context, conn *pgx.Conn, p partition, slot string, next map[string]*dropFence) (string, error) {
 	key := partitionKey(p)
 	f := pr.fences[key]
 	if f == nil {
 		f = &dropFence{}
 		if err := conn.QueryRow(ctx, sqlRunningBefore, p.hi).Scan(&f.running); err != nil {
-			return false, fmt.Errorf("list the transactions that may write into %s: %w", p.name, err)
+			return "", fmt.Errorf("list the transactions that may write into %s: %w", p.name, err)
 		}
 	}
 	next[key] = f
 	if len(f.running) > 0 {
 		if err := conn.QueryRow(ctx, sqlStillRunning, f.running).Scan(&f.running); err != nil {
-			return false, fmt.Errorf("list the transactions that may write into %s: %w", p.name, err)
+			return "", fmt.Errorf("list the transactions that may write into %s: %w", p.name, err)
 		}
 		if len(f.running) > 0 {
 			if !f.logged {
@@ -221,25 +251,28 @@ func (pr *pruner) fenced(ctx context.Context, conn *pgx.Conn, p partition, slot 
 				pr.log.Info("a partition old enough to drop waits for the transactions that may have begun before its range ended",
 					"partition", p.name, "transactions", f.running)
 			}
-			return false, nil
+			return dropWaitTransactions, nil
 		}
 	}
 	if f.lsn == "" {
 		if err := conn.QueryRow(ctx, sqlWALInsert).Scan(&f.lsn); err != nil {
-			return false, fmt.Errorf("read the WAL's position: %w", err)
+			return "", fmt.Errorf("read the WAL's position: %w", err)
 		}
 		f.logged = false
 	}
 	var past bool
 	if err := conn.QueryRow(ctx, sqlSlotPast, slot, f.lsn).Scan(&past); err != nil {
-		return false, fmt.Errorf("read the position of replication slot %s: %w", slot, err)
+		return "", fmt.Errorf("read the position of replication slot %s: %w", slot, err)
 	}
-	if !past && !f.logged {
+	if past {
+		return "", nil
+	}
+	if !f.logged {
 		f.logged = true
 		pr.log.Info("a partition old enough to drop waits for the replication slot to confirm past every transaction that may have written into it",
 			"partition", p.name, "slot", slot, "lsn", f.lsn)
 	}
-	return past, nil
+	return dropWaitSlot, nil
 }
 
 // detach takes p out of the table: marks it (detachedMark), then DETACH …
