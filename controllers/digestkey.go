@@ -16,11 +16,11 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 )
 
-// DigestKeyField is the data key of the digest key Secret that holds the key.
-const DigestKeyField = "key"
+// digestKeyField is the data key of the digest key Secret that holds the key.
+const digestKeyField = "key"
 
-// digestKeyBytes is the size of the key the operator makes: SHA-256's block
-// is longer, its output as long.
+// digestKeyBytes is the size of the key the operator makes: as long as
+// SHA-256's output.
 const digestKeyBytes = 32
 
 // digestKey keys the digests the operator takes of the values a relay's
@@ -93,14 +93,14 @@ func (d *digestKey) read(ctx context.Context) ([]byte, error) {
 		if err = d.reader.Get(ctx, d.secret, s); err != nil {
 			return nil, err
 		}
-		if k := s.Data[DigestKeyField]; len(k) > 0 {
+		if k := s.Data[digestKeyField]; len(k) > 0 {
 			return k, nil
 		}
 		k := randomKey()
 		if s.Data == nil {
 			s.Data = map[string][]byte{}
 		}
-		s.Data[DigestKeyField] = k
+		s.Data[digestKeyField] = k
 		if err = d.writer.Update(ctx, s); err == nil {
 			return k, nil
 		}

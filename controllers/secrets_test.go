@@ -335,8 +335,8 @@ func TestDigestKeyIsKeptInItsSecret(t *testing.T) {
 	require.Equal(t, 2, updates, "its write (which conflicted) and the racer's; none after")
 	s := &corev1.Secret{}
 	require.NoError(t, c.Get(ctx, name, s))
-	require.Len(t, s.Data[DigestKeyField], digestKeyBytes)
-	require.Equal(t, s.Data[DigestKeyField], d.key, "the key written first")
+	require.Len(t, s.Data[digestKeyField], digestKeyBytes)
+	require.Equal(t, s.Data[digestKeyField], d.key, "the key written first")
 	require.Equal(t, racer.key, d.key)
 
 	next := &digestKey{secret: name, reader: c, writer: c}
@@ -408,7 +408,7 @@ func TestOperatorRestart(t *testing.T) {
 
 		s := &corev1.Secret{}
 		require.NoError(t, c.Get(ctx, keySecret, s))
-		require.Len(t, s.Data[DigestKeyField], digestKeyBytes, "the first operator filled the digest key's Secret")
+		require.Len(t, s.Data[digestKeyField], digestKeyBytes, "the first operator filled the digest key's Secret")
 	})
 
 	t.Run("ValueChangedWhileDownRolls", func(t *testing.T) {
