@@ -30,6 +30,23 @@ func partitioned(t *testing.T, f *outboxtest.Fixture) time.Time {
 	return today
 }
 
+// oldAndNewPartitions makes f's outbox partitioned with two partitions
+// only: outbox_old, the day up to end (in from now, by the server's
+// clock), and outbox_new, the three days from end. It returns end.
+func oldAndNewPartitions(t *testing.T, f *outboxtest.Fixture, in time.Duration) time.Time {
+	t.Helper()
+	partitioned(t, f)
+	f.Exec(`DO $$ DECLARE p regclass; BEGIN
+		FOR p IN SELECT inhrelid::regclass FROM pg_inherits WHERE inhparent = 'outbox'::regclass LOOP
+			EXECUTE 'DROP TABLE ' || p; END LOOP; END $$`)
+	var end time.Time
+	require.NoError(t, f.Pool.QueryRow(context.Background(), `SELECT now() + $1::float8 * interval '1 second'`, in.Seconds()).Scan(&end))
+	lit := func(t time.Time) string { return t.UTC().Format("'2006-01-02 15:04:05.999999+00'") }
+	f.Exec(`CREATE TABLE outbox_old PARTITION OF outbox FOR VALUES FROM (` + lit(end.Add(-24*time.Hour)) + `) TO (` + lit(end) + `)`)
+	f.Exec(`CREATE TABLE outbox_new PARTITION OF outbox FOR VALUES FROM (` + lit(end) + `) TO (` + lit(end.Add(72*time.Hour)) + `)`)
+	return end
+}
+
 // addDay attaches the partition name for the day that starts at from.
 func addDay(f *outboxtest.Fixture, name string, from time.Time) {
 	lit := func(t time.Time) string { return t.UTC().Format("'2006-01-02 15:04:05+00'") }
@@ -569,15 +586,7 @@ func TestPartitionDropHeldByATransactionIsMeasured(t *testing.T) {
 	ctx := context.Background()
 	const keep = time.Minute
 	f := outboxtest.NewFixture(t, 1, "E")
-	partitioned(t, f)
-	f.Exec(`DO $$ DECLARE p regclass; BEGIN
-		FOR p IN SELECT inhrelid::regclass FROM pg_inherits WHERE inhparent = 'outbox'::regclass LOOP
-			EXECUTE 'DROP TABLE ' || p; END LOOP; END $$`)
-	var end time.Time // the old partition's range ends 2 s from now
-	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT now() + interval '2 s'`).Scan(&end))
-	lit := func(t time.Time) string { return t.UTC().Format("'2006-01-02 15:04:05.999999+00'") }
-	f.Exec(`CREATE TABLE outbox_old PARTITION OF outbox FOR VALUES FROM (` + lit(end.Add(-24*time.Hour)) + `) TO (` + lit(end) + `)`)
-	f.Exec(`CREATE TABLE outbox_new PARTITION OF outbox FOR VALUES FROM (` + lit(end) + `) TO (` + lit(end.Add(72*time.Hour)) + `)`)
+	oldAndNewPartitions(t, f, 2*time.Second)
 	idle, err := f.Pool.Begin(ctx)
 	require.NoError(t, err)
 	defer idle.Rollback(ctx) //nolint:errcheck // ended below
@@ -650,17 +659,14 @@ func TestPartitionDetachDoesNotHideARowFromItsMark(t *testing.T) {
 			ctx := context.Background()
 			const keep = time.Minute
 			f := outboxtest.NewFixture(t, 1, "E")
-			partitioned(t, f)
-			f.Exec(`DO $$ DECLARE p regclass; BEGIN
-				FOR p IN SELECT inhrelid::regclass FROM pg_inherits WHERE inhparent = 'outbox'::regclass LOOP
-					EXECUTE 'DROP TABLE ' || p; END LOOP; END $$`)
 			// The old partition's range ends 2 s from now, or ended before
 			// the retention (a minute, the least) began.
-			var end time.Time
-			require.NoError(t, f.Pool.QueryRow(ctx, `SELECT now() + CASE WHEN $1 THEN interval '2 s' ELSE interval '-62 s' END`, tc.beganBefore).Scan(&end))
+			in := 2 * time.Second
+			if !tc.beganBefore {
+				in = -62 * time.Second
+			}
+			end := oldAndNewPartitions(t, f, in)
 			lit := func(t time.Time) string { return t.UTC().Format("'2006-01-02 15:04:05.999999+00'") }
-			f.Exec(`CREATE TABLE outbox_old PARTITION OF outbox FOR VALUES FROM (` + lit(end.Add(-24*time.Hour)) + `) TO (` + lit(end) + `)`)
-			f.Exec(`CREATE TABLE outbox_new PARTITION OF outbox FOR VALUES FROM (` + lit(end) + `) TO (` + lit(end.Add(72*time.Hour)) + `)`)
 			insert := `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 				VALUES (gen_random_uuid(), 'Order', 'late', 'E', '{}', 'late') RETURNING event_id::text`
 			if !tc.beganBefore {
