@@ -586,12 +586,15 @@ func TestPartitionDropHeldByATransactionIsMeasured(t *testing.T) {
 	ctx := context.Background()
 	const keep = time.Minute
 	f := outboxtest.NewFixture(t, 1, "E")
-	oldAndNewPartitions(t, f, 2*time.Second)
+	// Begun before the partitions are made, so it began before the old
+	// one's range ends however long the DDL takes; it locks nothing the
+	// DDL waits for.
 	idle, err := f.Pool.Begin(ctx)
 	require.NoError(t, err)
 	defer idle.Rollback(ctx) //nolint:errcheck // ended below
 	_, err = idle.Exec(ctx, `SELECT 1`)
 	require.NoError(t, err)
+	oldAndNewPartitions(t, f, 2*time.Second)
 
 	cfg := f.Config()
 	cfg.KeepPublishedFor = keep

@@ -190,7 +190,8 @@ var dropWaitReasons = []string{dropWaitTransactions, dropWaitSlot}
 // per reason, how long ago the drop of the partition waiting longest for it
 // became due (its range end plus KeepPublishedFor), 0 when none waits. It
 // is derived from the table's ranges and the server's clock, not from this
-// replica's memory, so it reads the same whichever replica prunes.
+// replica's memory, so it reads the same whichever replica prunes; a
+// replica that does not prune at a pass reports 0 (prune).
 func (pr *pruner) dropDelays(delays map[string]time.Duration) {
 	for _, reason := range dropWaitReasons {
 		pr.m.partitionDropDelay.WithLabelValues(reason).Set(delays[reason].Seconds())

@@ -91,7 +91,10 @@ func (pr *pruner) prune(ctx context.Context) error {
 		return fmt.Errorf("take the prune lock of %s: %w", pr.table, err)
 	}
 	if !mine {
-		return nil // another replica prunes
+		// Another replica prunes and reports the delays; this one's last
+		// reading would outlast what it measured.
+		pr.dropDelays(nil)
+		return nil
 	}
 	if pr.shape.partitioned {
 		// Detaching and attaching partitions: every lock wait is bounded.

@@ -17,7 +17,8 @@ const (
 
 // EnvNamePattern is what the API server accepts as the name of a pod's
 // environment variable: printable ASCII characters other than '='
-// (Kubernetes' relaxed rule, the only one from 1.34 on). RelayEnvVar's
+// (Kubernetes' relaxed rule: on by default from 1.32, the only one from
+// 1.34 on; 1.30 and 1.31 take fewer names). RelayEnvVar's
 // marker spells it out; the operator checks it again on OutboxRelays
 // stored before the CRD did.
 const EnvNamePattern = `^[ -<>-~]+$`
