@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"slices"
 	"sync"
 	"time"
@@ -128,7 +129,7 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 
 	published = make([]int64, 0, len(rows))
 	var transientErr error
-	failed := 0
+	failed, aside := 0, 0
 	for i, x := range rows {
 		if b.out[i] == staleTime {
 			r.restamp(ctx, b, i)
@@ -152,6 +153,9 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 			r.m.publishErrors.WithLabelValues("transient").Inc()
 			failed++
 			transientErr = b.errs[i]
+			if r.capture == nil && errors.As(b.errs[i], new(*partitionAsideError)) {
+				aside++ // not sent: no reason to slow the others' rows down
+			}
 			if r.lanes != nil {
 				r.lanes.failed(x, i, now)
 			} else {
@@ -187,7 +191,12 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 	}
 	if transientErr != nil {
 		r.setKafkaErr(transientErr)
-		if r.claimer.backOff(failed, len(msgs)) {
+		// A polling loop backs off for records Kafka failed, not for those
+		// of a partition set aside, which were not sent: while others flow,
+		// they wait for their partition's backoff, and once they are all
+		// a batch holds, their topic is left out of the claims
+		// (topicsFailing) or their keys are blocked (partition-key mode).
+		if r.claimer.backOff(failed-aside, len(msgs)-aside) {
 			return published, retry, fmt.Errorf("publish to Kafka: %w", transientErr)
 		}
 		return published, retry, nil // only some keys failed; they wait, the rest flows
@@ -585,23 +594,28 @@ func (r *Relay) topicFailed(topic string, x row, err error, now time.Time) {
 // (TestHungPartitionLeavesTheOthersAcknowledged). A call holds one topic,
 // so one unknown or forbidden topic fails only its own records.
 // A partition's share goes through the writer for its topic's batch
-// size, which splits it to fit.
+// size, which splits it to fit. A partition whose call ran out the
+// publish timeout is set aside for a backoff (settle): its records fail
+// at once, as transient, instead of making every batch that holds one
+// wait the timeout out again.
 func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int, outcome, error)) {
 	if len(msgs) == 0 {
 		return
 	}
+	now := time.Now()
 	pctx, cancel := context.WithTimeout(ctx, r.cfg.PublishTimeout)
 	defer cancel()
-	type call struct {
-		kind      writerKind
-		topic     string
-		partition int
-	}
-	groups := map[call][]int{} // indexes into msgs
-	var calls []call
+	groups := map[writeCall][]int{} // indexes into msgs
+	var calls []writeCall
 	partitions := map[string][]int{}
 	for j, m := range msgs {
-		c := call{topic: m.Topic, partition: r.partitionOf(m, partitions)}
+		c := writeCall{topicPartition: topicPartition{topic: m.Topic, partition: r.partitionOf(m, partitions)}}
+		if c.partition >= 0 {
+			if err := r.topics.asideError(c.topicPartition, now); err != nil {
+				report(j, transient, err)
+				continue
+			}
+		}
 		if r.writer == nil { // not injected
 			c.kind = writerKind{batchBytes: r.topics.budget(m.Topic), compressed: r.topics.compressed}
 			if r.overBudget(m) {
@@ -618,14 +632,14 @@ func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int
 		}
 		groups[c] = append(groups[c], j)
 	}
-	writer := func(c call) MessageWriter {
+	writer := func(c writeCall) MessageWriter {
 		if r.writer != nil {
 			return r.writer
 		}
 		return r.writerFor(c.kind)
 	}
-	if len(calls) == 1 {
-		r.writeWith(pctx, writer(calls[0]), msgs, report)
+	if len(calls) == 1 && len(groups[calls[0]]) == len(msgs) {
+		r.settle(ctx, calls[0], r.writeWith(pctx, writer(calls[0]), msgs, report), now)
 		return
 	}
 	var mu sync.Mutex
@@ -637,14 +651,58 @@ func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int
 			part[n] = msgs[j]
 		}
 		wg.Go(func() {
-			r.writeWith(pctx, writer(c), part, func(n int, o outcome, err error) {
+			err := r.writeWith(pctx, writer(c), part, func(n int, o outcome, err error) {
 				mu.Lock()
 				defer mu.Unlock()
 				report(idx[n], o, err)
 			})
+			r.settle(ctx, c, err, now)
 		})
 	}
 	wg.Wait()
+}
+
+// writeCall is one call of write: a topic partition's share, through one
+// writer.
+type writeCall struct {
+	topicPartition
+	kind writerKind
+}
+
+// settle records what call c, begun at start, says of its partition's
+// leader (its partition known): a call that ran out the publish timeout
+// while ctx did not end sets the partition aside, doubling the backoff
+// each time up to HeldRetryInterval, and drops the cached metadata (the
+// leader may have moved); a call that ended before it, however it ended,
+// clears it.
+func (r *Relay) settle(ctx context.Context, c writeCall, err error, start time.Time) {
+	if c.partition < 0 {
+		return
+	}
+	if !timedOut(err) || ctx.Err() != nil {
+		if r.topics.clearAside(c.topicPartition) {
+			r.log.Info("the partition answers again", "topic", c.topic, "partition", c.partition)
+		}
+		return
+	}
+	if r.topics.setAside(c.topicPartition, err, time.Now(), r.cfg.PublishTimeout, r.cfg.HeldRetryInterval) {
+		r.log.Warn("the partition's leader did not answer within the publish timeout; its records wait and it is tried again, while the other partitions' records flow",
+			"topic", c.topic, "partition", c.partition, "waited", time.Since(start).Round(time.Millisecond), "err", err)
+	}
+	r.freshMetadata()
+}
+
+// timedOut reports whether a write ended because its time ran out, with
+// no answer from the broker: the context's deadline (kafka-go returns it
+// alone, for the whole call) or a network timeout, for the call or for
+// each of its records.
+func timedOut(err error) bool {
+	var werrs kafka.WriteErrors
+	if errors.As(err, &werrs) {
+		return len(werrs) > 0 && werrs.Count() == len(werrs) && !slices.ContainsFunc(werrs, func(e error) bool { return !timedOut(e) })
+	}
+	var ne net.Error
+	return errors.Is(err, context.DeadlineExceeded) || errors.As(err, &ne) && ne.Timeout()
 }
 
 // partitionOf is the partition the writers' balancer sends m to, by its
@@ -667,8 +725,9 @@ func (r *Relay) partitionOf(m kafka.Message, lists map[string][]int) int {
 	return r.balancer.Balance(m, ps...)
 }
 
-// writeWith sends msgs in one call of w and reports each message's outcome.
-func (r *Relay) writeWith(ctx context.Context, w MessageWriter, msgs []kafka.Message, report func(int, outcome, error)) {
+// writeWith sends msgs in one call of w, reports each message's outcome,
+// and returns the call's error.
+func (r *Relay) writeWith(ctx context.Context, w MessageWriter, msgs []kafka.Message, report func(int, outcome, error)) error {
 	err := w.WriteMessages(ctx, msgs...)
 	var werrs kafka.WriteErrors
 	switch {
@@ -709,6 +768,7 @@ func (r *Relay) writeWith(ctx context.Context, w MessageWriter, msgs []kafka.Mes
 			report(j, transient, err)
 		}
 	}
+	return err
 }
 
 // deadLetter publishes a refused row, payload and all, to the dead-letter

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -44,6 +45,10 @@ func kfakeRelay(t *testing.T, c *kfake.Cluster, cfg Config) *Relay {
 // partition are published. Before, kafka-go's call for the whole batch
 // returned the context's error alone, every row went out again at each
 // retry, and none was marked for as long as the leader hung (0 of 5 here).
+// The partition is then set aside: the next batches send it nothing, so
+// they do not wait the timeout out again, and a polling loop does not back
+// off for its rows; once its backoff ends it is tried again. Before, each
+// batch that held one of its rows waited the whole timeout.
 func TestHungPartitionLeavesTheOthersAcknowledged(t *testing.T) {
 	for _, mode := range []Ordering{OrderingNone, OrderingPartitionKey} {
 		t.Run(string(mode), func(t *testing.T) {
@@ -54,26 +59,49 @@ func TestHungPartitionLeavesTheOthersAcknowledged(t *testing.T) {
 			require.NoError(t, c.MoveTopicPartition("t", 1, 1))
 			hung := make(chan struct{})
 			defer close(hung)
+			var toHung atomic.Int64 // produce requests partition 0's leader got
 			c.ControlKey(int16(kmsg.Produce), func(kmsg.Request) (kmsg.Response, error, bool) {
 				c.KeepControl()
 				if c.CurrentNode() == 0 { // partition 0's leader answers only once the test ends
+					toHung.Add(1)
 					c.SleepControl(func() { <-hung })
 				}
 				return nil, nil, false
 			})
 			r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, PublishTimeout: time.Second, Ordering: mode}})
 			r.refreshKafka(context.Background()) // the topic's partitions, as Check reads them
-			var rows []row
-			var healthy []int64
-			for i, k := range append(keysOn(1, 5), keysOn(0, 1)...) { // the hung partition's key last
-				id := int64(i + 1)
-				rows = append(rows, row{id: id, eventID: fmt.Sprint(id), eventType: "E", partitionKey: k, payload: []byte(`{}`), createdAt: time.Now()})
-				if i < 5 {
-					healthy = append(healthy, id)
+			next := int64(0)
+			batch := func() (rows []row, healthy []int64) {
+				keys := append(keysOn(1, 5), keysOn(0, 1)...) // the hung partition's key last
+				for i, k := range keys {
+					next++
+					rows = append(rows, row{id: next, eventID: fmt.Sprint(next), eventType: "E", partitionKey: k, payload: []byte(`{}`), createdAt: time.Now()})
+					if i < len(keys)-1 {
+						healthy = append(healthy, next)
+					}
 				}
+				return rows, healthy
 			}
+			rows, healthy := batch()
 			published, _, _ := r.publish(context.Background(), rows)
 			require.ElementsMatch(t, healthy, published, "the rows Kafka acknowledged on partition 1")
+			sent := toHung.Load()
+			require.Positive(t, sent)
+			aside := topicPartition{topic: "t", partition: 0}
+			require.Error(t, r.topics.asideError(aside, time.Now()), "partition 0 is set aside")
+
+			rows, healthy = batch()
+			published, _, err = r.publish(context.Background(), rows)
+			require.ElementsMatch(t, healthy, published, "the other partition's rows flow")
+			require.NoError(t, err, "no backoff for the rows of a partition set aside")
+			require.Equal(t, sent, toHung.Load(), "nothing was sent to the partition set aside")
+
+			r.topics.aside[aside].until = time.Now() // its backoff is over
+			rows, healthy = batch()
+			published, _, _ = r.publish(context.Background(), rows)
+			require.ElementsMatch(t, healthy, published)
+			require.Greater(t, toHung.Load(), sent, "tried again once its backoff ended")
+			require.Equal(t, 2*time.Second, r.topics.aside[aside].backoff, "set aside again, for twice as long")
 		})
 	}
 }

@@ -33,7 +33,33 @@ type topicState struct {
 	oldest     map[string]time.Duration
 	partitions map[string]int // partition counts, from the latest metadata
 	compressed bool           // the writer compresses record batches
+	// aside are the partitions whose leader did not answer a write within
+	// the publish timeout (Relay.write): their records are not sent until
+	// the backoff ends, so that each batch does not wait the timeout out.
+	aside map[topicPartition]*topicOutage
 }
+
+// topicPartition names one partition of a topic.
+type topicPartition struct {
+	topic     string
+	partition int
+}
+
+// partitionAsideError is the error of a record that was not sent because
+// its partition is set aside (topicState.setAside): a transient failure,
+// as the timeout that set the partition aside was.
+type partitionAsideError struct {
+	topicPartition
+	until time.Time
+	cause error
+}
+
+func (e *partitionAsideError) Error() string {
+	return fmt.Sprintf("partition %d of topic %s did not answer within the publish timeout; its records wait until %s, then it is tried again: %v",
+		e.partition, e.topic, e.until.Format(time.RFC3339), e.cause)
+}
+
+func (e *partitionAsideError) Unwrap() error { return e.cause }
 
 // outages are topics the relay leaves out for now, with why and until when.
 type outages map[string]*topicOutage
@@ -70,7 +96,45 @@ type topicOutage struct {
 
 func newTopicState(compressed bool) *topicState {
 	return &topicState{down: outages{}, failing: outages{}, maxBytes: map[string]int{}, oldest: map[string]time.Duration{},
-		partitions: map[string]int{}, compressed: compressed}
+		partitions: map[string]int{}, compressed: compressed, aside: map[topicPartition]*topicOutage{}}
+}
+
+// setAside sets p aside after a write to it timed out, for first the
+// first time and twice as long each time it times out again, up to limit.
+// It reports whether p was not aside before.
+func (s *topicState) setAside(p topicPartition, err error, now time.Time, first, limit time.Duration) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	d, was := s.aside[p]
+	if !was {
+		d = &topicOutage{backoff: first / 2}
+		s.aside[p] = d
+	}
+	d.backoff = min(2*d.backoff, max(limit, first))
+	d.until = now.Add(jitter(d.backoff))
+	d.err = err
+	return !was
+}
+
+// asideError is the error to report for a record of p while p is aside
+// at now; nil when it is not.
+func (s *topicState) asideError(p topicPartition, now time.Time) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if d, ok := s.aside[p]; ok && now.Before(d.until) {
+		return &partitionAsideError{topicPartition: p, until: d.until, cause: d.err}
+	}
+	return nil
+}
+
+// clearAside clears p once a write to it ended within the timeout. It
+// reports whether p was aside.
+func (s *topicState) clearAside(p topicPartition) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, ok := s.aside[p]
+	delete(s.aside, p)
+	return ok
 }
 
 // available reports whether rows of topic may be sent now.
