@@ -642,6 +642,21 @@ func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int
 		r.settle(ctx, calls[0], r.writeWith(pctx, writer(calls[0]), msgs, report), now)
 		return
 	}
+	// A writer batches the records of calls that meet in one partition,
+	// and the calls of two partitions can meet in one when the writer's
+	// partition count is newer than the relay's (partitions were just
+	// added): a record alone in its call is then not known to be alone in
+	// its record batch, and a verdict on its batch is none on it. It goes
+	// again in a write of its own (isolate), never to the dead-letter
+	// topic on a refusal that may have been another record's.
+	type writerTopic struct {
+		kind  writerKind
+		topic string
+	}
+	callsOf := map[writerTopic]int{}
+	for _, c := range calls {
+		callsOf[writerTopic{c.kind, c.topic}]++
+	}
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	for _, c := range calls {
@@ -650,8 +665,12 @@ func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int
 		for n, j := range idx {
 			part[n] = msgs[j]
 		}
+		shared := callsOf[writerTopic{c.kind, c.topic}] > 1
 		wg.Go(func() {
 			err := r.writeWith(pctx, writer(c), part, func(n int, o outcome, err error) {
+				if shared && (o == permanent || o == staleTime) {
+					o = refusedWith
+				}
 				mu.Lock()
 				defer mu.Unlock()
 				report(idx[n], o, err)

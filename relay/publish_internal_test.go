@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -104,6 +105,101 @@ func TestHungPartitionLeavesTheOthersAcknowledged(t *testing.T) {
 			require.Equal(t, 2*time.Second, r.topics.aside[aside].backoff, "set aside again, for twice as long")
 		})
 	}
+}
+
+// A record alone in its call is not dead-lettered on its batch's refusal
+// while other calls of the same writer and topic ran beside it: when the
+// writer's partition count is newer than the relay's (partitions were just
+// added), two of the relay's partitions can be one of the writer's, and the
+// writer puts the two calls' records in one record batch, refused as a
+// whole for the other record. Here the relay knows two partitions, and the
+// writer answers the first two calls as one batch. Before, both records
+// were refused alone in their calls, and the valid one was dead-lettered.
+func TestARecordInAMergedBatchIsNotDeadLetteredForAnother(t *testing.T) {
+	for _, mode := range []Ordering{OrderingNone, OrderingPartitionKey} {
+		t.Run(string(mode), func(t *testing.T) {
+			c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "t", "dlq"))
+			require.NoError(t, err)
+			defer c.Close()
+			r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, DeadLetterTopic: "dlq",
+				PublishTimeout: 5 * time.Second, Ordering: mode}})
+			w := &mergingWriter{met: make(chan struct{})}
+			r.writer = w
+			r.topics.partitions["t"] = 2 // what the relay last read; the writer's batch is one
+			rows := []row{
+				{id: 1, eventID: "valid", eventType: "E", partitionKey: keysOn(0, 1)[0], payload: []byte(`{}`), createdAt: time.Now()},
+				{id: 2, eventID: "poison", eventType: "E", partitionKey: keysOn(1, 1)[0], payload: []byte(`{}`), createdAt: time.Now()},
+			}
+			published, _, err := r.publish(context.Background(), rows)
+			require.NoError(t, err)
+			require.ElementsMatch(t, []int64{1, 2}, published, "one published, one dead-lettered")
+			require.Equal(t, []string{"poison"}, w.deadLettered(), "only the record its topic refuses alone")
+		})
+	}
+}
+
+// mergingWriter answers its first two calls as one record batch: both are
+// refused when either carries the record whose event id is "poison", as a
+// partition's batch is. It answers every later call alone, and takes
+// every record for the dead-letter topic dlq.
+type mergingWriter struct {
+	mu    sync.Mutex
+	calls int
+	batch []kafka.Message // the first two calls' records
+	met   chan struct{}   // closed once both came
+	dead  []string        // event ids written to dlq
+}
+
+func (w *mergingWriter) WriteMessages(ctx context.Context, msgs ...kafka.Message) error {
+	if msgs[0].Topic == "dlq" {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		for _, m := range msgs {
+			w.dead = append(w.dead, eventIDOf(m))
+		}
+		return nil
+	}
+	w.mu.Lock()
+	w.calls++
+	batch := msgs
+	if w.calls <= 2 {
+		w.batch = append(w.batch, msgs...)
+		if w.calls == 2 {
+			close(w.met)
+		}
+		w.mu.Unlock()
+		select {
+		case <-w.met:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		w.mu.Lock()
+		batch = w.batch
+	}
+	w.mu.Unlock()
+	if !slices.ContainsFunc(batch, func(m kafka.Message) bool { return eventIDOf(m) == "poison" }) {
+		return nil
+	}
+	errs := make(kafka.WriteErrors, len(msgs))
+	for i := range errs {
+		errs[i] = kafka.InvalidRecord
+	}
+	return errs
+}
+
+func (w *mergingWriter) deadLettered() []string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return slices.Clone(w.dead)
+}
+
+func eventIDOf(m kafka.Message) string {
+	for _, h := range m.Headers {
+		if h.Key == HeaderEventID {
+			return string(h.Value)
+		}
+	}
+	return ""
 }
 
 // A topic that does not exist fails only its own rows, also when the
