@@ -184,6 +184,17 @@ func TestHeldTableFromBeforeRedrivenAt(t *testing.T) {
 	}, 20*time.Second, 20*time.Millisecond, "the redrive released the row, and it was tried again")
 	x.Stop(t)
 
+	// Check runs again while a dependency cannot be reached: the ALTER,
+	// whose lock would queue the other replicas' holds, is tried once.
+	var again lockedBuffer
+	cfg.Logger = slog.New(slog.NewTextHandler(&again, nil))
+	r, err := relay.New(cfg)
+	require.NoError(t, err)
+	defer r.Close()
+	require.NoError(t, r.Check(ctx))
+	require.NoError(t, r.Check(ctx))
+	require.Equal(t, 1, strings.Count(again.String(), "cannot add redriven_at to the held table"), "tried once per process")
+
 	cfg.DSN, cfg.Logger = f.DSN, nil // the table's owner
 	run(t, cfg, nil)
 	require.Equal(t, 1, redrivenAt(), "added at start-up")

@@ -56,6 +56,9 @@ type Relay struct {
 	// transport is the writers' and client's: kafka-go answers metadata
 	// requests from its cache, up to its MetadataTTL old.
 	transport *kafka.Transport
+	// heldAlterTried: this process tried to add redriven_at to the held
+	// table (ensureHeldTable), which it does once.
+	heldAlterTried bool
 	// metadataReset is when freshMetadata last dropped its pools.
 	metadataReset atomic.Pointer[time.Time]
 	m             *metrics
@@ -469,6 +472,12 @@ func (r *Relay) ensureHeldTable(ctx context.Context) (exists, redrivenAt bool) {
 	if hasRedrivenAt() {
 		return true, true
 	}
+	if r.heldAlterTried {
+		// Check runs again while Kafka or the database cannot be reached:
+		// each try would queue the other replicas' holds behind its lock.
+		return true, false
+	}
+	r.heldAlterTried = true
 	// ADD COLUMN waits for the other replicas' reads and holds of the table
 	// and queues theirs behind it: bounded, as the pruner's DDL is.
 	err := pgx.BeginFunc(ctx, r.pool, func(tx pgx.Tx) error {
