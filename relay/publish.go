@@ -690,15 +690,16 @@ type writeCall struct {
 
 // settle records what call c, begun at start, says of its partition's
 // leader (its partition known): a call that ran out the publish timeout
-// while ctx did not end sets the partition aside, doubling the backoff
-// each time up to HeldRetryInterval, and drops the cached metadata (the
-// leader may have moved); a call that ended before it, however it ended,
-// clears it.
+// sets the partition aside, doubling the backoff each time up to
+// HeldRetryInterval, and drops the cached metadata (the leader may have
+// moved); a call that ended before it, however it ended, clears it. A
+// call cut short by ctx's own end (the batch's deadline, a shutdown) says
+// nothing of the leader.
 func (r *Relay) settle(ctx context.Context, c writeCall, err error, start time.Time) {
-	if c.partition < 0 {
+	if c.partition < 0 || ctx.Err() != nil {
 		return
 	}
-	if !timedOut(err) || ctx.Err() != nil {
+	if !timedOut(err) {
 		if r.topics.clearAside(c.topicPartition) {
 			r.log.Info("the partition answers again", "topic", c.topic, "partition", c.partition)
 		}

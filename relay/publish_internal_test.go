@@ -103,6 +103,15 @@ func TestHungPartitionLeavesTheOthersAcknowledged(t *testing.T) {
 			require.ElementsMatch(t, healthy, published)
 			require.Greater(t, toHung.Load(), sent, "tried again once its backoff ended")
 			require.Equal(t, 2*time.Second, r.topics.aside[aside].backoff, "set aside again, for twice as long")
+
+			// A call cut short by the batch's own end says nothing of the leader.
+			r.topics.aside[aside].until = time.Now()
+			short, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+			defer cancel()
+			rows, _ = batch()
+			_, _, _ = r.publish(short, rows)
+			require.Contains(t, r.topics.aside, aside, "still set aside")
+			require.Equal(t, 2*time.Second, r.topics.aside[aside].backoff, "for as long as before")
 		})
 	}
 }
