@@ -619,6 +619,25 @@ func TestPartitionDropHeldByATransactionIsMeasured(t *testing.T) {
 	require.Zero(t, f.Count(`SELECT count(*) FROM pg_class WHERE relname = 'outbox_old'`))
 }
 
+// Beside a DEFAULT partition no partition is dropped (none can be
+// detached concurrently): the drop-delay gauge says how long the oldest
+// one is overdue, with reason default_partition, so the alert on it fires.
+// Before, the gauge read 0 for such a table, however old its partitions.
+func TestPartitionDropBesideADefaultPartitionIsMeasured(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	oldAndNewPartitions(t, f, -2*time.Hour) // the old partition's range ended two hours ago
+	f.Exec(`CREATE TABLE outbox_default PARTITION OF outbox DEFAULT`)
+	cfg := f.Config()
+	cfg.KeepPublishedFor = time.Minute
+	x := run(t, cfg, nil)
+	require.Eventually(t, func() bool {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_partition_drop_delay_seconds", "reason", "default_partition") > time.Hour.Seconds()
+	}, 30*time.Second, 100*time.Millisecond, "its drop is over an hour overdue")
+	require.True(t, attached(t, f, "outbox_old"), "and it is not dropped")
+	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_partition_drop_delay_seconds", "reason", "transactions"))
+}
+
 // gatedWriter holds its first write until open is closed, and closes
 // entered when that write begins.
 type gatedWriter struct {

@@ -115,7 +115,13 @@ func (pr *pruner) prunePartitions(ctx context.Context, conn *pgx.Conn, parent ui
 			pr.warnedDefault = true
 			pr.log.Warn("the table has a DEFAULT partition; partitions cannot be detached concurrently beside one, so none is dropped while it exists")
 		}
-		pr.dropDelays(nil)
+		delays := map[string]time.Duration{}
+		for _, p := range parts {
+			if p.old && p.leaf && !p.isDef && p.hi != nil {
+				delays[dropWaitDefault] = max(delays[dropWaitDefault], cut.Sub(*p.hi))
+			}
+		}
+		pr.dropDelays(delays)
 		return errors.Join(errs...)
 	}
 	slot, err := pr.slotName(ctx, conn)
@@ -181,10 +187,13 @@ const (
 	// dropWaitSlot: the table's replication slot has not confirmed past the
 	// WAL's position once those transactions had ended.
 	dropWaitSlot = "slot"
+	// dropWaitDefault: the table has a DEFAULT partition, beside which no
+	// partition can be detached concurrently, so none is dropped.
+	dropWaitDefault = "default_partition"
 )
 
 // dropWaitReasons are every reason, for the gauge's series.
-var dropWaitReasons = []string{dropWaitTransactions, dropWaitSlot}
+var dropWaitReasons = []string{dropWaitTransactions, dropWaitSlot, dropWaitDefault}
 
 // dropDelays sets outbox_relay_partition_drop_delay_seconds from a pass:
 // per reason, how long ago the drop of the partition waiting longest for it
