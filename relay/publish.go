@@ -153,7 +153,7 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 			r.m.publishErrors.WithLabelValues("transient").Inc()
 			failed++
 			transientErr = b.errs[i]
-			if r.capture == nil && errors.As(b.errs[i], new(*partitionAsideError)) {
+			if r.lanes == nil && r.capture == nil && errors.As(b.errs[i], new(*partitionAsideError)) {
 				aside++ // not sent: no reason to slow the others' rows down
 			}
 			if r.lanes != nil {
@@ -191,11 +191,13 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 	}
 	if transientErr != nil {
 		r.setKafkaErr(transientErr)
-		// A polling loop backs off for records Kafka failed, not for those
-		// of a partition set aside, which were not sent: while others flow,
-		// they wait for their partition's backoff, and once they are all
-		// a batch holds, their topic is left out of the claims
-		// (topicsFailing) or their keys are blocked (partition-key mode).
+		// Polling with no ordering backs off for records Kafka failed, not
+		// for those of a partition set aside, which were not sent: while
+		// others flow, they wait for their partition's backoff, and once
+		// they are all a batch holds, their topic is left out of the claims
+		// (topicsFailing). Partition-key mode backs off only when nothing
+		// went out, aside or not: the next claim, of other keys, could be
+		// all aside again.
 		if r.claimer.backOff(failed-aside, len(msgs)-aside) {
 			return published, retry, fmt.Errorf("publish to Kafka: %w", transientErr)
 		}
@@ -693,8 +695,8 @@ type writeCall struct {
 // sets the partition aside, doubling the backoff each time up to
 // HeldRetryInterval, and drops the cached metadata (the leader may have
 // moved); a call that ended before it, however it ended, clears it. A
-// call cut short by ctx's own end (the batch's deadline, a shutdown) says
-// nothing of the leader.
+// call cut short by ctx's own end (the batch's deadline) says nothing of
+// the leader.
 func (r *Relay) settle(ctx context.Context, c writeCall, err error, start time.Time) {
 	if c.partition < 0 || ctx.Err() != nil {
 		return
@@ -715,11 +717,15 @@ func (r *Relay) settle(ctx context.Context, c writeCall, err error, start time.T
 // timedOut reports whether a write ended because its time ran out, with
 // no answer from the broker: the context's deadline (kafka-go returns it
 // alone, for the whole call) or a network timeout, for the call or for
-// each of its records.
+// each of its records. A broker's answer (a kafka.Error, REQUEST_TIMED_OUT
+// among them) is one.
 func timedOut(err error) bool {
 	var werrs kafka.WriteErrors
 	if errors.As(err, &werrs) {
 		return len(werrs) > 0 && werrs.Count() == len(werrs) && !slices.ContainsFunc(werrs, func(e error) bool { return !timedOut(e) })
+	}
+	if errors.As(err, new(kafka.Error)) {
+		return false
 	}
 	var ne net.Error
 	return errors.Is(err, context.DeadlineExceeded) || errors.As(err, &ne) && ne.Timeout()

@@ -1,11 +1,14 @@
 package relay
 
 import (
+	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"net"
+	"os"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -60,55 +63,96 @@ func TestHungPartitionLeavesTheOthersAcknowledged(t *testing.T) {
 			require.NoError(t, c.MoveTopicPartition("t", 1, 1))
 			hung := make(chan struct{})
 			defer close(hung)
-			var toHung atomic.Int64 // produce requests partition 0's leader got
-			c.ControlKey(int16(kmsg.Produce), func(kmsg.Request) (kmsg.Response, error, bool) {
+			var mu sync.Mutex
+			var toHung [][]byte // the record batches partition 0's leader got
+			c.ControlKey(int16(kmsg.Produce), func(req kmsg.Request) (kmsg.Response, error, bool) {
 				c.KeepControl()
 				if c.CurrentNode() == 0 { // partition 0's leader answers only once the test ends
-					toHung.Add(1)
+					mu.Lock()
+					for _, t := range req.(*kmsg.ProduceRequest).Topics {
+						for _, p := range t.Partitions {
+							toHung = append(toHung, p.Records)
+						}
+					}
+					mu.Unlock()
 					c.SleepControl(func() { <-hung })
 				}
 				return nil, nil, false
 			})
+			// reached reports whether the leader got the record of the event
+			// (uncompressed: its headers are in the batch as they are). The
+			// writer may send a record again after its call ended, so what
+			// each batch sends is told by its own event ids.
+			reached := func(eventID string) bool {
+				mu.Lock()
+				defer mu.Unlock()
+				return slices.ContainsFunc(toHung, func(b []byte) bool { return bytes.Contains(b, []byte(eventID)) })
+			}
 			r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, PublishTimeout: time.Second, Ordering: mode}})
 			r.refreshKafka(context.Background()) // the topic's partitions, as Check reads them
-			next := int64(0)
-			batch := func() (rows []row, healthy []int64) {
-				keys := append(keysOn(1, 5), keysOn(0, 1)...) // the hung partition's key last
+			next, batches := int64(0), 0
+			// batch returns rows on partition 1 and, last, one on partition
+			// 0, of a key of its own (a key whose row failed waits in
+			// partition-key mode), with that one's event id.
+			batch := func() (rows []row, healthy []int64, hungID string) {
+				batches++
+				keys := append(keysOn(1, 5), keysOn(0, batches)[batches-1])
 				for i, k := range keys {
 					next++
-					rows = append(rows, row{id: next, eventID: fmt.Sprint(next), eventType: "E", partitionKey: k, payload: []byte(`{}`), createdAt: time.Now()})
+					id := fmt.Sprintf("event-%03d", next)
+					rows = append(rows, row{id: next, eventID: id, eventType: "E", partitionKey: k, payload: []byte(`{}`), createdAt: time.Now()})
 					if i < len(keys)-1 {
 						healthy = append(healthy, next)
+					} else {
+						hungID = id
 					}
 				}
-				return rows, healthy
+				return rows, healthy, hungID
 			}
-			rows, healthy := batch()
+			rows, healthy, hungID := batch()
 			published, _, _ := r.publish(context.Background(), rows)
 			require.ElementsMatch(t, healthy, published, "the rows Kafka acknowledged on partition 1")
-			sent := toHung.Load()
-			require.Positive(t, sent)
+			require.True(t, reached(hungID))
 			aside := topicPartition{topic: "t", partition: 0}
 			require.Error(t, r.topics.asideError(aside, time.Now()), "partition 0 is set aside")
 
-			rows, healthy = batch()
+			r.topics.aside[aside].until = time.Now().Add(time.Hour) // however slow the machine, still aside
+			rows, healthy, hungID = batch()
 			published, _, err = r.publish(context.Background(), rows)
 			require.ElementsMatch(t, healthy, published, "the other partition's rows flow")
-			require.NoError(t, err, "no backoff for the rows of a partition set aside")
-			require.Equal(t, sent, toHung.Load(), "nothing was sent to the partition set aside")
+			if mode == OrderingNone {
+				require.NoError(t, err, "no backoff for the rows of a partition set aside")
+			}
+			require.False(t, reached(hungID), "nothing was sent to the partition set aside")
+
+			// A batch all aside does not make the loop claim again at once:
+			// partition-key mode backs off when nothing went out (the next
+			// claim, of other keys, could be all aside again); with no
+			// ordering its topic is left out of the claims for a backoff.
+			onlyHung := []row{rows[len(rows)-1]}
+			onlyHung[0].id, onlyHung[0].eventID, onlyHung[0].partitionKey = 1000, "event-only", keysOn(0, 10)[9]
+			_, _, err = r.publish(context.Background(), onlyHung)
+			if mode == OrderingPartitionKey {
+				require.Error(t, err, "backs off")
+			} else {
+				require.False(t, r.topics.available("t", time.Now()), "its topic is left out of the claims")
+				r.topics.clearFailing("t") // its backoff is over
+			}
 
 			r.topics.aside[aside].until = time.Now() // its backoff is over
-			rows, healthy = batch()
+			rows, healthy, _ = batch()
 			published, _, _ = r.publish(context.Background(), rows)
 			require.ElementsMatch(t, healthy, published)
-			require.Greater(t, toHung.Load(), sent, "tried again once its backoff ended")
-			require.Equal(t, 2*time.Second, r.topics.aside[aside].backoff, "set aside again, for twice as long")
+			// Only a call to it that ran out the timeout sets it aside again
+			// (its record may not reach the leader: the writer keeps a
+			// partition's batches in order, behind the first one's retries).
+			require.Equal(t, 2*time.Second, r.topics.aside[aside].backoff, "tried again once its backoff ended, and set aside for twice as long")
 
 			// A call cut short by the batch's own end says nothing of the leader.
 			r.topics.aside[aside].until = time.Now()
 			short, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 			defer cancel()
-			rows, _ = batch()
+			rows, _, _ = batch()
 			_, _, _ = r.publish(short, rows)
 			require.Contains(t, r.topics.aside, aside, "still set aside")
 			require.Equal(t, 2*time.Second, r.topics.aside[aside].backoff, "for as long as before")
@@ -260,4 +304,27 @@ func TestTopicCreatedAfterTheWritersLookedIsNotDown(t *testing.T) {
 		published, _, _ = r.publish(context.Background(), []row{ev(2, "F")})
 		return slices.Equal(published, []int64{2})
 	}, 10*time.Second, 100*time.Millisecond, "a later try sees t2")
+}
+
+// A write timed out when no answer came in time, for the call or for each
+// of its records; a broker's answer, REQUEST_TIMED_OUT among them (the
+// leader answered: its followers were slow), is none, and sets no
+// partition aside.
+func TestTimedOut(t *testing.T) {
+	for _, c := range []struct {
+		err  error
+		want bool
+	}{
+		{context.DeadlineExceeded, true},
+		{fmt.Errorf("write: %w", context.DeadlineExceeded), true},
+		{&net.OpError{Op: "read", Err: os.ErrDeadlineExceeded}, true},
+		{kafka.WriteErrors{context.DeadlineExceeded, context.DeadlineExceeded}, true},
+		{kafka.WriteErrors{context.DeadlineExceeded, nil}, false},
+		{kafka.WriteErrors{context.DeadlineExceeded, kafka.NotLeaderForPartition}, false},
+		{kafka.RequestTimedOut, false},
+		{kafka.WriteErrors{kafka.RequestTimedOut}, false},
+		{errors.New("connection refused"), false},
+	} {
+		require.Equal(t, c.want, timedOut(c.err), "%v", c.err)
+	}
 }

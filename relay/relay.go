@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/segmentio/kafka-go"
 	"go.opentelemetry.io/otel/trace"
@@ -56,8 +57,8 @@ type Relay struct {
 	// transport is the writers' and client's: kafka-go answers metadata
 	// requests from its cache, up to its MetadataTTL old.
 	transport *kafka.Transport
-	// heldAlterTried: this process tried to add redriven_at to the held
-	// table (ensureHeldTable), which it does once.
+	// heldAlterTried: the server answered this process's try to add
+	// redriven_at to the held table (ensureHeldTable), made once.
 	heldAlterTried bool
 	// metadataReset is when freshMetadata last dropped its pools.
 	metadataReset atomic.Pointer[time.Time]
@@ -477,7 +478,6 @@ func (r *Relay) ensureHeldTable(ctx context.Context) (exists, redrivenAt bool) {
 		// each try would queue the other replicas' holds behind its lock.
 		return true, false
 	}
-	r.heldAlterTried = true
 	// ADD COLUMN waits for the other replicas' reads and holds of the table
 	// and queues theirs behind it: bounded, as the pruner's DDL is.
 	err := pgx.BeginFunc(ctx, r.pool, func(tx pgx.Tx) error {
@@ -487,6 +487,9 @@ func (r *Relay) ensureHeldTable(ctx context.Context) (exists, redrivenAt bool) {
 		_, err := tx.Exec(ctx, r.sql.AddHeldRedrivenAt)
 		return err
 	})
+	// Tried once the server answered (not the owner, a lock wait that ran
+	// out): a lost connection is tried again at the next check.
+	r.heldAlterTried = err == nil || errors.As(err, new(*pgconn.PgError))
 	if err != nil {
 		if hasRedrivenAt() { // another replica added it meanwhile
 			return true, true
