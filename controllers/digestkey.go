@@ -8,6 +8,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"sync"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -34,11 +35,14 @@ const digestKeyBytes = 32
 // digests and recognizes the values the running pods were started with.
 //
 // Without that Secret (none named, missing, or not granted) the key is made
-// at random and lives as long as the process: the digests still tell a
-// change of a value from a write of a Secret's metadata in memory, but none
-// is recorded, so after a restart the first read of a Secret that was
-// written since a relay's pods last rolled rolls them once (as before this
-// key existed).
+// at random: the digests still tell a change of a value from a write of a
+// Secret's metadata in memory, but none is recorded, so after a restart the
+// first read of a Secret that was written since a relay's pods last rolled
+// rolls them once (as before this key existed). A Secret named but missing
+// or not granted is read again every digestKeyRetryInterval, so an install
+// that creates it, or grants it, after the operator started is taken up
+// without a restart; the key then changes once, and the digests taken with
+// the one before are compared with it (keyAt), so the change rolls no pod.
 type digestKey struct {
 	// secret is the Secret holding the key; zero: none.
 	secret types.NamespacedName
@@ -49,9 +53,20 @@ type digestKey struct {
 	mu   sync.Mutex
 	key  []byte
 	kept bool // key is secret's: digests taken with it outlive the process
+	// gen counts the changes of key (from the process's own to the
+	// Secret's); prev is the key before the last one.
+	gen  int
+	prev []byte
+	// nextTry is when the Secret is read again while key is the process's own.
+	nextTry time.Time
 }
 
-// load reads (or makes) the key, once: later calls return at once. kept
+// digestKeyRetryInterval is how often a digest key Secret that was missing
+// or not granted is read again.
+const digestKeyRetryInterval = time.Minute
+
+// load reads (or makes) the key: once when the Secret holds it, else again
+// every digestKeyRetryInterval; between reads it returns at once. kept
 // reports whether the key is the Secret's, so that digests taken with it
 // may be recorded. A nil digestKey keys with an empty key and keeps
 // nothing (the fake reconcilers of unit tests).
@@ -61,7 +76,8 @@ func (d *digestKey) load(ctx context.Context) (kept bool, err error) {
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.key != nil {
+	now := time.Now()
+	if d.key != nil && (d.kept || d.secret.Name == "" || now.Before(d.nextTry)) {
 		return d.kept, nil
 	}
 	if d.secret.Name == "" {
@@ -71,16 +87,25 @@ func (d *digestKey) load(ctx context.Context) (kept bool, err error) {
 	key, err := d.read(ctx)
 	switch {
 	case err == nil:
+		if d.key != nil {
+			ctrl.LoggerFrom(ctx).Info("the digest key's Secret can be read now: the digests recorded from now on outlive the process", "secret", d.secret.String())
+			d.prev, d.gen = d.key, d.gen+1
+		}
 		d.key, d.kept = key, true
+		return true, nil
+	case d.key != nil:
+		// Still missing, forbidden or unreachable: keep the process's key.
+		ctrl.LoggerFrom(ctx).V(1).Info("the digest key's Secret still cannot be read", "secret", d.secret.String(), "error", err.Error())
 	case apierrors.IsNotFound(err) || apierrors.IsForbidden(err):
 		// A configuration, not a passing failure: work without it.
-		ctrl.LoggerFrom(ctx).Error(err, "cannot keep the digest key: an operator restart will roll, once, the relays whose Secrets were written since their pods last rolled",
-			"secret", d.secret.String())
+		ctrl.LoggerFrom(ctx).Error(err, "cannot keep the digest key: an operator restart will roll, once, the relays whose Secrets were written since their pods last rolled; the Secret is read again",
+			"secret", d.secret.String(), "retryEvery", digestKeyRetryInterval)
 		d.key = randomKey()
 	default:
 		return false, fmt.Errorf("read the digest key from Secret %s: %w", d.secret, err)
 	}
-	return d.kept, nil
+	d.nextTry = now.Add(digestKeyRetryInterval)
+	return false, nil
 }
 
 // read returns the key the Secret holds, filling it with a new one when it
@@ -112,17 +137,49 @@ func (d *digestKey) read(ctx context.Context) ([]byte, error) {
 }
 
 // sum is the digest of the value of key in an object (a Secret or
-// ConfigMap, kind) with that UID: the object's identity is part of it, so
-// two Secrets holding one password have two digests, and a re-created
-// Secret's differ from the old one's. 128 bits: enough to tell values
-// apart, no more to publish.
+// ConfigMap, kind) with that UID, taken with the current key: the object's
+// identity is part of it, so two Secrets holding one password have two
+// digests, and a re-created Secret's differ from the old one's.
 func (d *digestKey) sum(kind string, obj types.NamespacedName, uid types.UID, key, value string) string {
-	var k []byte
-	if d != nil {
-		d.mu.Lock()
-		k = d.key
-		d.mu.Unlock()
+	k, _ := d.current()
+	return digestWith(k, kind, obj, uid, key, value)
+}
+
+// current is the key and its generation (how many times it changed).
+func (d *digestKey) current() ([]byte, int) {
+	if d == nil {
+		return nil, 0
 	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.key, d.gen
+}
+
+// sumAt is sum taken with the key of generation gen, which the process
+// still knows when it is the current one or the one before; "" (no
+// digest's) otherwise.
+func (d *digestKey) sumAt(gen int, kind string, obj types.NamespacedName, uid types.UID, key, value string) string {
+	if d == nil {
+		return digestWith(nil, kind, obj, uid, key, value)
+	}
+	d.mu.Lock()
+	var k []byte
+	switch gen {
+	case d.gen:
+		k = d.key
+	case d.gen - 1:
+		k = d.prev
+	default:
+		d.mu.Unlock()
+		return ""
+	}
+	d.mu.Unlock()
+	return digestWith(k, kind, obj, uid, key, value)
+}
+
+// digestWith is the HMAC-SHA256 of the value of key in obj, with k. 128
+// bits: enough to tell values apart, no more to publish.
+func digestWith(k []byte, kind string, obj types.NamespacedName, uid types.UID, key, value string) string {
 	m := hmac.New(sha256.New, k)
 	// Names, UIDs and data keys hold no NUL: the fields cannot run into each other.
 	fmt.Fprintf(m, "%s\x00%s\x00%s\x00%s\x00%s\x00", kind, obj.Namespace, obj.Name, uid, key)

@@ -78,6 +78,7 @@ type secretEntry struct {
 	// leaves a key's version as it was.
 	keyVersions map[string]string
 	digests     map[string]string // each key's value's keyed digest (digestKey.sum): to tell a write of a key's value
+	digestGen   int               // the generation of the digest key digests were taken with
 	keys        map[string]bool   // the names of its keys
 	values      map[string]string // the values of the keys the backlog reads connect with (DSN, TLS material)
 	read        time.Time
@@ -218,9 +219,13 @@ func newConfigMapCache(refresh time.Duration) *secretCache {
 // missing Secret is not kept: it is read again at the next reconcile.
 func (c *secretCache) get(ctx context.Context, reader client.Reader, key types.NamespacedName, value string) (*secretEntry, error) {
 	now := time.Now()
+	k0, gen := c.digest.current()
 	c.mu.Lock()
 	e := c.entries[key]
-	if e != nil && !e.reread && now.Before(e.expires) {
+	// An entry whose digests were taken with another key (the digest key
+	// changed since) is read again, so that what is recorded is taken
+	// with the key that outlives the process.
+	if e != nil && !e.reread && now.Before(e.expires) && e.digestGen == gen {
 		// A key the Secret lacked is read again by the reconcile that
 		// comes back for it, secretRetryInterval later (readings of the
 		// backlog in between use the entry): a user who adds it sees the
@@ -244,13 +249,20 @@ func (c *secretCache) get(ctx context.Context, reader client.Reader, key types.N
 		return nil, err
 	}
 	n := &secretEntry{uid: uid, version: version, keys: map[string]bool{}, values: map[string]string{},
-		keyVersions: make(map[string]string, len(data)), digests: make(map[string]string, len(data)), read: now, used: now,
+		keyVersions: make(map[string]string, len(data)), digests: make(map[string]string, len(data)), digestGen: gen, read: now, used: now,
 		expires: now.Add(c.refresh + time.Duration(rand.Int64N(int64(c.refresh)/5+1)))}
 	for k, v := range data {
 		n.keys[k] = true
-		n.digests[k] = c.digest.sum(c.kind, key, uid, k, v)
+		n.digests[k] = digestWith(k0, c.kind, key, uid, k, v)
 		n.keyVersions[k] = version
-		if e != nil && e.uid == uid && e.digests[k] == n.digests[k] && e.keys[k] {
+		if e == nil || e.uid != uid || !e.keys[k] {
+			continue
+		}
+		same := n.digests[k]
+		if e.digestGen != gen {
+			same = c.digest.sumAt(e.digestGen, c.kind, key, uid, k, v)
+		}
+		if e.digests[k] == same && same != "" {
 			n.keyVersions[k] = e.keyVersions[k]
 		}
 	}

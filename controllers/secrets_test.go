@@ -2,6 +2,7 @@ package controllers
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -358,6 +359,70 @@ func TestDigestKeyIsKeptInItsSecret(t *testing.T) {
 	kept, err = (&digestKey{}).load(ctx)
 	require.NoError(t, err)
 	require.False(t, kept, "no Secret named")
+}
+
+// A digest key Secret that is missing or not granted when the operator
+// starts is read again every digestKeyRetryInterval: once the install
+// creates it (or grants it), the operator keeps its key from then on,
+// without a restart. The key's change rolls no pod: the digests taken
+// with the process's own key are compared with that key, and a Secret
+// whose metadata was written meanwhile keeps the version at which its
+// value last changed. Before, the Secret was read once, at the first
+// reconcile, and the key stayed the process's own until a restart.
+func TestDigestKeyIsTakenUpOnceItCanBeRead(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	name := types.NamespacedName{Namespace: "outbox-system", Name: "outbox-operator-digest-key"}
+	forbidden := true
+	c := fake.NewClientBuilder().WithScheme(newScheme(t)).
+		WithInterceptorFuncs(interceptor.Funcs{Get: func(ctx context.Context, c client.WithWatch, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
+			if key == name && forbidden {
+				return apierrors.NewForbidden(schema.GroupResource{Resource: "secrets"}, key.Name, errors.New("no Role yet"))
+			}
+			return c.Get(ctx, key, obj, opts...)
+		}}).Build()
+	d := &digestKey{secret: name, reader: c, writer: c}
+	cache := newSecretCache(time.Hour, nil)
+	cache.digest = d
+	k := types.NamespacedName{Namespace: "shop", Name: "dsn"}
+	r := &countingReader{secret: &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: k.Name, UID: "u1", ResourceVersion: "1"},
+		Data: map[string][]byte{"dsn": []byte("postgres://a")}}}
+
+	kept, err := d.load(ctx)
+	require.NoError(t, err)
+	require.False(t, kept, "forbidden: the process's own key")
+	_, err = cache.get(ctx, r, k, "dsn")
+	require.NoError(t, err)
+
+	forbidden = false // the Role arrives, then the Secret
+	require.NoError(t, c.Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: name.Namespace, Name: name.Name}}))
+	r.secret.ResourceVersion, r.secret.Labels = "2", map[string]string{"synced": "now"} // a metadata-only write
+	kept, err = d.load(ctx)
+	require.NoError(t, err)
+	require.False(t, kept, "not read again before the retry interval")
+
+	d.mu.Lock()
+	d.nextTry = time.Now() // the retry interval is over
+	d.mu.Unlock()
+	kept, err = d.load(ctx)
+	require.NoError(t, err)
+	require.True(t, kept, "read again, filled and kept")
+	s := &corev1.Secret{}
+	require.NoError(t, c.Get(ctx, name, s))
+	require.Equal(t, s.Data[digestKeyField], d.key)
+
+	e, err := cache.get(ctx, r, k, "dsn")
+	require.NoError(t, err)
+	require.Equal(t, 2, r.reads, "an entry whose digests were taken with the old key is read again")
+	require.Equal(t, "u1/dsn@1", e.dataVersion([]string{"dsn"}, nil), "its pods do not roll")
+	require.Equal(t, digestWith(s.Data[digestKeyField], "Secret", k, "u1", "dsn", "postgres://a"), e.record([]string{"dsn"}, nil)["dsn"].Digest,
+		"what is recorded is taken with the kept key")
+
+	r.secret.ResourceVersion, r.secret.Data["dsn"] = "3", []byte("postgres://b")
+	cache.stale(k, 0)
+	e, err = cache.get(ctx, r, k, "dsn")
+	require.NoError(t, err)
+	require.Equal(t, "u1/dsn@3", e.dataVersion([]string{"dsn"}, nil), "a new value still rolls them")
 }
 
 // TestOperatorRestart stops the operator and starts another (a new
