@@ -694,17 +694,24 @@ type writeCall struct {
 // leader (its partition known): a call that ran out the publish timeout
 // sets the partition aside, doubling the backoff each time up to
 // HeldRetryInterval, and drops the cached metadata (the leader may have
-// moved); a call that ended before it, however it ended, clears it. A
-// call cut short by ctx's own end (the batch's deadline) says nothing of
-// the leader.
+// moved); a call that got a record acknowledged clears it. A call that
+// failed every record before the timeout leaves it as it was: a leader
+// that flaps between hanging and answering with an error (moving, or
+// short of replicas) keeps doubling its backoff, where clearing it made
+// every hang start again from the publish timeout. A call cut short by
+// ctx's own end (the batch's deadline) says nothing of the leader.
 func (r *Relay) settle(ctx context.Context, c writeCall, err error, start time.Time) {
 	if c.partition < 0 || ctx.Err() != nil {
 		return
 	}
-	if !timedOut(err) {
+	var werrs kafka.WriteErrors
+	if err == nil || errors.As(err, &werrs) && werrs.Count() < len(werrs) {
 		if r.topics.clearAside(c.topicPartition) {
 			r.log.Info("the partition answers again", "topic", c.topic, "partition", c.partition)
 		}
+		return
+	}
+	if !timedOut(err) {
 		return
 	}
 	if r.topics.setAside(c.topicPartition, err, time.Now(), r.cfg.PublishTimeout, r.cfg.HeldRetryInterval) {

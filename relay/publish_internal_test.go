@@ -160,6 +160,57 @@ func TestHungPartitionLeavesTheOthersAcknowledged(t *testing.T) {
 	}
 }
 
+// A leader that flaps between hanging and failing at once (a leader
+// moving, a partition short of replicas) keeps its set-aside backoff
+// growing: only a write that gets a record acknowledged clears it. Before,
+// any write that ended within the timeout cleared it, so each hang after a
+// quick error set the partition aside for the publish timeout again, and
+// every batch holding one of its rows waited that long.
+func TestFlappingLeaderKeepsDoublingItsBackoff(t *testing.T) {
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "t"))
+	require.NoError(t, err)
+	defer c.Close()
+	const timeout = time.Second // the shortest --publish-timeout
+	r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, PublishTimeout: timeout}})
+	w := &answerWriter{}
+	r.writer = w
+	r.topics.partitions["t"] = 1
+	p := topicPartition{topic: "t", partition: 0}
+	next := int64(0)
+	publish := func(answer func(ctx context.Context) error) {
+		w.answer = answer
+		next++
+		_, _, _ = r.publish(context.Background(), []row{{id: next, eventID: fmt.Sprintf("e%d", next), eventType: "E",
+			partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now()}})
+	}
+	hang := func(ctx context.Context) error { <-ctx.Done(); return ctx.Err() }
+	notLeader := func(context.Context) error { return kafka.WriteErrors{kafka.NotLeaderForPartition} }
+	ok := func(context.Context) error { return nil }
+	over := func() { r.topics.aside[p].until = time.Now() } // its backoff is over
+
+	publish(hang)
+	require.Equal(t, timeout, r.topics.aside[p].backoff, "set aside for the publish timeout")
+	over()
+	publish(notLeader)
+	require.Contains(t, r.topics.aside, p, "an error that comes at once leaves it as it was")
+	require.Equal(t, timeout, r.topics.aside[p].backoff)
+	r.topics.clearFailing("t") // the topic's own backoff for the failed record is over
+	publish(hang)
+	require.Equal(t, 2*timeout, r.topics.aside[p].backoff, "the next hang doubles the backoff")
+	over()
+	publish(ok)
+	require.NotContains(t, r.topics.aside, p, "a record acknowledged clears it")
+}
+
+// answerWriter answers every call with answer.
+type answerWriter struct {
+	answer func(ctx context.Context) error
+}
+
+func (w *answerWriter) WriteMessages(ctx context.Context, _ ...kafka.Message) error {
+	return w.answer(ctx)
+}
+
 // A record alone in its call is not dead-lettered on its batch's refusal
 // while other calls of the same writer and topic ran beside it: when the
 // writer's partition count is newer than the relay's (partitions were just
