@@ -159,6 +159,36 @@ func TestDeletedTopicHoldsOnlyItsRows(t *testing.T) {
 	})
 }
 
+// A mapped topic that is missing when the relay starts (deleted, or its ACL
+// revoked, before a pod restarted) holds only its own rows, as when it goes
+// while the relay runs, and a missing dead-letter topic holds nothing back:
+// the relay starts, the other topic's rows flow, and the missing topic's
+// rows go out once it exists. Before, the start-up check refused to start,
+// and the pod's crash loop stopped every topic's rows.
+func TestMissingTopicAtStartHoldsOnlyItsRows(t *testing.T) {
+	eachMode(t, 2, []string{"A"}, func(t *testing.T, f *outboxtest.Fixture, cfg relay.Config) {
+		const n = 2000
+		missing := testenv.Broker().TopicName(t, "b")
+		cfg.Topics = map[string]string{"A": f.Topics["A"], "B": missing}
+		cfg.DeadLetterTopic = testenv.Broker().TopicName(t, "dlt")
+		cfg.HeldRetryInterval = 2 * time.Second
+		f.Insert(n, 100, "A", "B")
+		x := run(t, cfg, nil)
+		require.Eventually(t, func() bool {
+			return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND event_type = 'A'`) == 0
+		}, 60*time.Second, 50*time.Millisecond, "the other topic drains")
+		require.Equal(t, n/2, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND event_type = 'B'`))
+		require.Eventually(t, func() bool {
+			return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTopicUnavailable) > 0
+		}, 15*time.Second, 100*time.Millisecond)
+
+		require.NoError(t, testenv.Broker().CreateTopicErr(missing, 2))
+		f.WaitDrained(0, 90*time.Second)
+		counts, _ := outboxtest.Deliveries(t, n/2, missing)
+		require.Len(t, counts, n/2, "every B row reached its topic once it existed")
+	})
+}
+
 // A record larger than its topic takes that does not fit the dead-letter
 // topic either is held (too_large), not sent without its payload.
 func TestTooLargeForDeadLetterTopicIsHeld(t *testing.T) {

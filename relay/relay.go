@@ -326,9 +326,9 @@ func (r *Relay) writerFor(k writerKind) *kafka.Writer {
 	return w
 }
 
-// Check verifies the table's columns and partial index, that every mapped
-// topic (and the dead-letter topic) exists in Kafka, and reads each topic's
-// largest record size from the broker.
+// Check verifies the table's columns and partial index, reads each topic's
+// partitions and largest record size from the broker, and leaves a mapped
+// topic that is missing or may not be used out of the claims, as down.
 func (r *Relay) Check(ctx context.Context) error {
 	// Until Run starts, the checks are the relay's loop: a relay waiting
 	// for its dependencies is not wedged, and /healthz passes.
@@ -425,17 +425,24 @@ func (r *Relay) Check(ctx context.Context) error {
 		}
 		return "does not exist in Kafka"
 	}
-	var missing []error
+	// A topic that is missing or may not be used holds only its own rows,
+	// as when it goes while the relay runs: they wait, counted as
+	// topic_unavailable, and the topic is tried again with backoff. Were it
+	// fatal here, one deleted topic, or one revoked ACL, would stop every
+	// topic's rows at the next restart of a pod, in a crash loop that a
+	// restart does not cure.
 	for _, et := range r.types {
 		if t := r.cfg.Topics[et]; !exists[t] {
-			missing = append(missing, fmt.Errorf("topic %q (for event type %q) %s", t, et, problem(t)))
+			err := fmt.Errorf("topic %q (for event type %q) %s", t, et, problem(t))
+			if r.topics.markDown(t, err, time.Now(), r.cfg.HeldRetryInterval) {
+				r.log.Error("a mapped topic cannot be used; its rows are held and it is tried again, while the other topics' rows flow",
+					"topic", t, "event_type", et, "reason", HeldTopicUnavailable, "err", err)
+			}
 		}
 	}
-	if r.cfg.DeadLetterTopic != "" && !exists[r.cfg.DeadLetterTopic] {
-		missing = append(missing, fmt.Errorf("dead-letter topic %q %s", r.cfg.DeadLetterTopic, problem(r.cfg.DeadLetterTopic)))
-	}
-	if err := errors.Join(missing...); err != nil {
-		return err
+	if t := r.cfg.DeadLetterTopic; t != "" && !exists[t] {
+		r.log.Error("the dead-letter topic cannot be used; rows Kafka refuses are held (refused) until it can",
+			"topic", t, "err", fmt.Errorf("dead-letter topic %q %s", t, problem(t)))
 	}
 	if err := r.topics.refreshLimits(ctx, r.client, r.allTopics(), r.cfg.HeldRetryInterval); err != nil {
 		r.log.Warn("could not read the topics' record size limits; assuming Kafka's default", "err", err, "bytes", defaultMaxRecordBytes)

@@ -53,7 +53,8 @@ func serve(ctx context.Context, o *options) error {
 		_ = srv.Shutdown(sctx)
 	}()
 
-	// Wait for PostgreSQL and Kafka; a missing table, index or topic is fatal.
+	// Wait for PostgreSQL and Kafka; a missing table or index is fatal (a
+	// missing topic holds only its own rows).
 	backoff := 250 * time.Millisecond
 	for {
 		err := r.Check(ctx)
