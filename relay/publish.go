@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/segmentio/kafka-go"
+	"github.com/segmentio/kafka-go/protocol"
 	"go.opentelemetry.io/otel/trace"
 )
 
@@ -786,6 +787,11 @@ func (r *Relay) writeWith(ctx context.Context, w MessageWriter, msgs []kafka.Mes
 				report(j, refusedWith, e)
 			case isPermanent(e):
 				report(j, permanent, e)
+			case errors.Is(e, protocol.ErrNoPartition):
+				// The writer's cached metadata lacks the partition its row
+				// chose (explicitBalancer): it learns it from fresh metadata.
+				r.freshMetadata()
+				report(j, transient, e)
 			default:
 				report(j, transient, e)
 			}

@@ -211,6 +211,49 @@ func (w *answerWriter) WriteMessages(ctx context.Context, _ ...kafka.Message) er
 	return w.answer(ctx)
 }
 
+// A row's partition column names a partition the relay knows but the
+// writer's cached metadata does not yet (partitions were just added): the
+// record is not sent elsewhere. It fails as transient, and goes to the
+// partition its row chose once the writer knows it. Before, the balancer
+// fell back to the key's hash, and the record was acknowledged on another
+// partition.
+func TestExplicitPartitionTheWriterDoesNotKnowYetIsNotSentElsewhere(t *testing.T) {
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(2, "t"))
+	require.NoError(t, err)
+	defer c.Close()
+	r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, PublishTimeout: 5 * time.Second}})
+	warm := row{id: 1, eventID: "warm", eventType: "E", partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now()}
+	published, _, err := r.publish(context.Background(), []row{warm}) // the writer caches two partitions
+	require.NoError(t, err)
+	require.Equal(t, []int64{1}, published)
+
+	cl, err := kgo.NewClient(kgo.SeedBrokers(c.ListenAddrs()...))
+	require.NoError(t, err)
+	defer cl.Close()
+	_, err = kadm.NewClient(cl).CreatePartitions(context.Background(), 1, "t")
+	require.NoError(t, err)
+	r.topics.partitions["t"] = 3 // the relay read the new count; the writer's cache is older
+	two := int64(2)
+	x := row{id: 2, eventID: "on-two", eventType: "E", partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now(), partition: &two}
+	published, _, _ = r.publish(context.Background(), []row{x})
+	require.Empty(t, published, "not acknowledged on a partition its row did not choose")
+
+	// The failure dropped the writer's cached metadata, which would
+	// otherwise serve for MetadataTTL (30 s).
+	require.Eventually(t, func() bool {
+		published, _, _ = r.publish(context.Background(), []row{x})
+		return len(published) == 1
+	}, 10*time.Second, 200*time.Millisecond, "published once the writer knows the partition")
+	ends, err := kadm.NewClient(cl).ListEndOffsets(context.Background(), "t")
+	require.NoError(t, err)
+	end, ok := ends.Lookup("t", 2)
+	require.True(t, ok)
+	require.Equal(t, int64(1), end.Offset, "on partition 2")
+	total := int64(0)
+	ends.Each(func(o kadm.ListedOffset) { total += o.Offset })
+	require.Equal(t, int64(2), total, "the warm-up record and this one, nothing elsewhere")
+}
+
 // A record alone in its call is not dead-lettered on its batch's refusal
 // while other calls of the same writer and topic ran beside it: when the
 // writer's partition count is newer than the relay's (partitions were just

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -423,11 +422,17 @@ type explicitPartition int
 
 // explicitBalancer sends a record whose row chose its partition there
 // (admit checked that the topic has it), and any other by hash's choice.
+// It sends it there even when the writer's partitions, from its own cached
+// metadata, lack it (partitions were just added, and the cache is older
+// than the relay's count): the write then fails for that record alone, as
+// transient, and it goes again once the writer knows the partition.
+// Choosing by hash instead would put it on another partition than its row
+// chose, and acknowledge it there.
 type explicitBalancer struct{ hash kafka.Balancer }
 
 // Balance implements kafka.Balancer.
 func (b explicitBalancer) Balance(msg kafka.Message, partitions ...int) int {
-	if p, ok := msg.WriterData.(explicitPartition); ok && slices.Contains(partitions, int(p)) {
+	if p, ok := msg.WriterData.(explicitPartition); ok {
 		return int(p)
 	}
 	return b.hash.Balance(msg, partitions...)
