@@ -26,6 +26,11 @@ import (
 	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
+// LeaderElectionID names the Lease the managers elect their leader with.
+// The installs grant get and update on this Lease alone
+// (config/rbac/leader_election_role.yaml).
+const LeaderElectionID = "outbox-operator.outbox.dev"
+
 // secretRetryInterval is how soon a relay waiting for a Secret is looked at
 // again.
 const secretRetryInterval = 30 * time.Second

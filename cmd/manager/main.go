@@ -165,7 +165,7 @@ func managerOptions(cfg config, scheme *runtime.Scheme) ctrl.Options {
 		Metrics:                 metricsOptions(cfg),
 		HealthProbeBindAddress:  cfg.probeAddr,
 		LeaderElection:          cfg.leaderElect,
-		LeaderElectionID:        "outbox-operator.outbox.dev",
+		LeaderElectionID:        controllers.LeaderElectionID,
 		LeaderElectionNamespace: cfg.leaderElectionNamespace,
 		// The manager exits right after it stops leading, so handing the lease
 		// over at once is safe and spares the next leader the lease timeout.

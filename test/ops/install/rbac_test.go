@@ -6,6 +6,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+
+	"github.com/outbox-relay/outbox-operator/controllers"
 )
 
 // secretGrants lists, for every Role and ClusterRole in objs, the verbs a
@@ -95,7 +97,9 @@ func TestRenderedRBACNeverListsOrWatchesSecrets(t *testing.T) {
 // The manager's leader election takes a Lease lock, which gets, creates
 // and updates its Lease: no install grants more on Leases, so the
 // manager's service account cannot delete another program's Lease in its
-// namespace.
+// namespace, and get and update name the manager's own Lease, so it cannot
+// take over another's either (an OLM install for all namespaces grants the
+// rules cluster-wide).
 func TestRenderedRBACGrantsOnLeasesOnlyWhatALeaseLockUses(t *testing.T) {
 	t.Parallel()
 	renders := map[string][]*unstructured.Unstructured{
@@ -108,6 +112,22 @@ func TestRenderedRBACGrantsOnLeasesOnlyWhatALeaseLockUses(t *testing.T) {
 		require.NotEmpty(t, grants, "%s: leader election needs its Lease", install)
 		for role, verbs := range grants {
 			require.ElementsMatch(t, []string{"get", "create", "update"}, verbs, "%s: %s", install, role)
+		}
+		for _, o := range objs {
+			if o.GetKind() != "Role" && o.GetKind() != "ClusterRole" {
+				continue
+			}
+			rules, _, _ := unstructured.NestedSlice(o.Object, "rules")
+			for _, r := range rules {
+				rule := r.(map[string]any)
+				resources, _, _ := unstructured.NestedStringSlice(rule, "resources")
+				verbs, _, _ := unstructured.NestedStringSlice(rule, "verbs")
+				if !slices.Contains(resources, "leases") || !slices.ContainsFunc(verbs, func(v string) bool { return v == "get" || v == "update" }) {
+					continue
+				}
+				names, _, _ := unstructured.NestedStringSlice(rule, "resourceNames")
+				require.Equal(t, []string{controllers.LeaderElectionID}, names, "%s: %s: get and update of the manager's own Lease only", install, o.GetName())
+			}
 		}
 	}
 }
