@@ -114,6 +114,10 @@ var errSlotGone = errors.New("the replication slot is gone")
 // mend: the relay polls between its attempts at once (runCapture).
 var errCannotStream = errors.New("cannot stream")
 
+// errReadAgain ends a stream that must read a transaction again, keeping
+// more of it (captureState.rereads): the relay streams again at once.
+var errReadAgain = errors.New("reading a transaction again")
+
 // captureState is what the streaming needs beyond the relay.
 type captureState struct {
 	slot, publication string
@@ -141,7 +145,31 @@ type captureState struct {
 	// last started, as the session itself reads it (a pooler or proxy in
 	// front can hand the client another at connect); 0 when unknown.
 	streamPID int32
+	// txTupleLimit bounds the memory the stream keeps of an open
+	// transaction's inserts without writer deletes (maxTxTuples).
+	txTupleLimit int
+	// rereads are the transactions, by their commit's position, that
+	// deleted rows they inserted past txTupleLimit, whose tuples the
+	// stream had not kept: each is read again, keeping those rows'
+	// tuples to put them back. They outlive the stream that found them,
+	// until the slot is confirmed past their commit.
+	rereads map[pglogrepl.LSN]*rereadTx
 }
+
+// rereadTx is a transaction the stream reads again: its id, and the ids
+// (sorted) of the rows it inserted and deleted whose tuples to keep.
+type rereadTx struct {
+	xid uint32
+	ids []int64
+}
+
+// maxTxTuples is how many bytes of an open transaction's inserts the
+// stream keeps, without writer deletes, in case the transaction deletes
+// them (restore). Past it the stream keeps only the ids, which the claim
+// needs: a transaction of any size streams in bounded memory, and one
+// that also deletes rows past it, which only a writer with writer deletes
+// does, is read again (rereads).
+const maxTxTuples = 8 << 20
 
 // slotSnapshot is the snapshot a slot's creation exports: the
 // transactions it sees had ended before the slot's first position, so the
@@ -400,7 +428,7 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 				relayconfig.FlagWriterDeletes, r.table, strings.Join(generated, ", "), relayconfig.FlagWriterDeletes)
 		}
 	}
-	r.capture = &captureState{slot: slot, publication: pub, role: role, oid: oid, failingLimit: streamFailingLimit}
+	r.capture = &captureState{slot: slot, publication: pub, role: role, oid: oid, failingLimit: streamFailingLimit, txTupleLimit: maxTxTuples}
 	r.m.slotMaxRetainedWAL.Set(float64(r.cfg.MaxRetainedWAL))
 	if r.cfg.WriterDeletes {
 		// Each stream marks it again; this says at start-up when the
@@ -431,6 +459,8 @@ func (r *Relay) runCapture(ctx context.Context) {
 		switch {
 		case ctx.Err() != nil:
 			return
+		case errors.Is(err, errReadAgain):
+			continue // it said why; nothing failed
 		case errors.Is(err, errSlotBusy):
 			backoff = 0
 			r.m.slotRetainedWAL.Set(0) // another replica streams, and reports it
@@ -952,9 +982,21 @@ type streamState struct {
 	txIDs   []int64 // ids inserted by the open transaction
 	// Without writer deletes: the open transaction's inserts, their
 	// tuples copied into txRaw (the stream's buffer is reused by the next
-	// message), in case the transaction deletes them (restore).
-	txIns []rawInsert
-	txRaw []byte
+	// message), in case the transaction deletes them (restore): those of
+	// the first txKept of txIDs, as long as they take no more than the
+	// capture's txTupleLimit (txBytes, and txFull once one did not fit),
+	// and past them only those of txKeep, the rows a transaction read
+	// again deletes (rereads). txDel are the ids the transaction deleted
+	// after its first insert, matched with its inserts at its commit.
+	txIns   []rawInsert
+	txRaw   []byte
+	txKept  int
+	txBytes int // what the kept prefix takes, against the limit
+	txFull  bool
+	txKeep  []int64
+	txDel   []int64
+	// txCommit is the position of the open transaction's commit.
+	txCommit pglogrepl.LSN
 	// tuple is the columns of the message decode reads, within it
 	// (tupleColumns), reused from message to message.
 	tuple [][]byte
@@ -1088,8 +1130,15 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 		}
 	case *pglogrepl.BeginMessage:
 		s.inTx, s.txIDs, s.txRows, s.txIns, s.txRaw = true, s.txIDs[:0], s.txRows[:0], s.txIns[:0], s.txRaw[:0]
-		s.txXid = m.Xid
+		s.txXid, s.txCommit = m.Xid, m.FinalLSN
+		s.txKept, s.txBytes, s.txFull, s.txKeep, s.txDel = 0, 0, false, nil, s.txDel[:0]
+		s.readAgain()
 	case *pglogrepl.CommitMessage:
+		if len(s.txDel) > 0 {
+			if err := s.matchDeleted(); err != nil {
+				return err
+			}
+		}
 		s.inTx, s.passed = false, max(s.passed, m.TransactionEndLSN)
 		if len(s.pending) == 0 && len(s.txIDs) > 0 {
 			s.pendSince = time.Now()
@@ -1111,9 +1160,12 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 				s.restore = append(s.restore, tupleText(x.id, x.names, cols))
 			}
 		}
-		s.txIDs, s.txRows, s.txIns = s.txIDs[:0], s.txRows[:0], s.txIns[:0]
+		s.txIDs, s.txRows, s.txIns, s.txDel = s.txIDs[:0], s.txRows[:0], s.txIns[:0], s.txDel[:0]
 		if cap(s.txRaw) > maxKeptTxRaw {
 			s.txRaw, s.tuple = nil, nil // a large transaction's, not kept while the stream is idle
+		}
+		if cap(s.txDel) > maxKeptTxRaw/8 { // 8 bytes an id
+			s.txDel = nil
 		}
 		s.pendLSN = m.TransactionEndLSN
 		if len(s.pending) == 0 && s.carry == nil {
@@ -1136,6 +1188,109 @@ type rawInsert struct {
 	from, to int
 	names    []string
 	deleted  bool // the transaction deleted the row
+}
+
+// rawInsertSize is what a rawInsert takes beside its tuple, counted
+// against the capture's txTupleLimit.
+const rawInsertSize = 64
+
+// readAgain looks up the transaction that begins among those to read
+// again (rereads), and forgets those the slot is confirmed past.
+func (s *streamState) readAgain() {
+	c := s.r.capture
+	if len(c.rereads) == 0 {
+		return
+	}
+	for at := range c.rereads {
+		if at < s.confirmed {
+			delete(c.rereads, at)
+		}
+	}
+	if x := c.rereads[s.txCommit]; x != nil && x.xid == s.txXid {
+		s.txKeep = x.ids
+		s.r.log.Info("reading again a transaction that deleted rows it inserted, keeping those rows to put them back",
+			"xid", s.txXid, "commit_lsn", s.txCommit, "rows", len(x.ids))
+	}
+}
+
+// keepInsert keeps an insert's tuple, without writer deletes, when the
+// open transaction's kept inserts stay within the capture's txTupleLimit,
+// or the transaction is read again for that row (txKeep). Past the limit
+// txRaw grows no further than it, so the memory held is the limit's.
+func (s *streamState) keepInsert(id int64, tuple []byte) {
+	keep := false
+	if !s.txFull {
+		if n := s.txBytes + len(tuple) + rawInsertSize; n <= s.r.capture.txTupleLimit {
+			keep, s.txBytes, s.txKept = true, n, len(s.txIDs)
+		} else {
+			s.txFull = true // the kept ones stay a prefix of txIDs
+		}
+	}
+	if !keep && s.txKeep != nil {
+		_, keep = slices.BinarySearch(s.txKeep, id)
+	}
+	if !keep {
+		return
+	}
+	if need := len(s.txRaw) + len(tuple); need > cap(s.txRaw) {
+		n := max(need, 2*cap(s.txRaw))
+		if need <= s.r.capture.txTupleLimit {
+			n = min(n, s.r.capture.txTupleLimit)
+		}
+		raw := make([]byte, len(s.txRaw), n)
+		copy(raw, s.txRaw)
+		s.txRaw = raw
+	}
+	s.txIns = append(s.txIns, rawInsert{id: id, from: len(s.txRaw), to: len(s.txRaw) + len(tuple), names: s.relNames})
+	s.txRaw = append(s.txRaw, tuple...)
+}
+
+// matchDeleted marks, at the commit, the kept inserts that the open
+// transaction deleted (txDel), to be restored. When it deleted a row whose
+// tuple was not kept (past the limit), the row could not be put back: the
+// stream ends, errReadAgain, and starts again where the slot was
+// confirmed, before this transaction, which it then reads again keeping
+// those rows' tuples (readAgain). The slot is confirmed past no more than
+// the transactions before it whose rows were published and committed, so
+// nothing is lost, and the rows the stream delivers again are found
+// published by their claim and skipped: each row goes out once, in commit
+// order.
+func (s *streamState) matchDeleted() error {
+	slices.Sort(s.txDel)
+	s.txDel = slices.Compact(s.txDel)
+	for i := range s.txIns {
+		if _, ok := slices.BinarySearch(s.txDel, s.txIns[i].id); ok {
+			s.txIns[i].deleted = true
+		}
+	}
+	var lost []int64
+	for _, id := range s.txIDs[s.txKept:] {
+		if _, ok := slices.BinarySearch(s.txDel, id); !ok {
+			continue
+		}
+		if _, kept := slices.BinarySearch(s.txKeep, id); !kept {
+			lost = append(lost, id)
+		}
+	}
+	if len(lost) == 0 {
+		return nil
+	}
+	c := s.r.capture
+	if c.rereads == nil {
+		c.rereads = map[pglogrepl.LSN]*rereadTx{}
+	}
+	x := c.rereads[s.txCommit]
+	if x == nil {
+		x = &rereadTx{xid: s.txXid}
+		c.rereads[s.txCommit] = x
+	}
+	x.ids = append(x.ids, lost...)
+	slices.Sort(x.ids)
+	x.ids = slices.Compact(x.ids)
+	s.r.log.Warn("a transaction larger than the stream keeps in memory deleted rows it inserted (a writer with writer deletes, while this relay runs without them), which must go back into the table; streaming again from the slot's confirmed position to read it again, keeping those rows",
+		"xid", s.txXid, "commit_lsn", s.txCommit, "rows", len(s.txIDs), "deleted", len(lost), "kept_bytes", c.txTupleLimit)
+	return fmt.Errorf("%w: transaction %d (commit %s) deleted %d rows it inserted past the %d bytes of its inserts the stream keeps",
+		errReadAgain, s.txXid, s.txCommit, len(lost), c.txTupleLimit)
 }
 
 // decodeRowChange reads an insert or a delete of the table: an insert's
@@ -1175,10 +1330,10 @@ func (s *streamState) decodeRowChange(data []byte) error {
 				s.txRows[i].deleted = true
 			}
 		}
-		for i := range s.txIns {
-			if s.txIns[i].id == id {
-				s.txIns[i].deleted = true
-			}
+		if s.cols == nil && len(s.txIDs) > 0 {
+			// Matched with the inserts at the commit (matchDeleted); a
+			// transaction that has inserted nothing deletes earlier rows.
+			s.txDel = append(s.txDel, id)
 		}
 		return nil
 	}
@@ -1199,9 +1354,7 @@ func (s *streamState) decodeRowChange(data []byte) error {
 		return fmt.Errorf("the stream's id %q: %w", cols[s.idCol], err)
 	}
 	s.txIDs = append(s.txIDs, id)
-	// Kept until the commit, in case the transaction deletes the row.
-	s.txIns = append(s.txIns, rawInsert{id: id, from: len(s.txRaw), to: len(s.txRaw) + len(tuple), names: s.relNames})
-	s.txRaw = append(s.txRaw, tuple...)
+	s.keepInsert(id, tuple) // until the commit, in case the transaction deletes the row
 	return nil
 }
 

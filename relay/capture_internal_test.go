@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -563,7 +564,8 @@ func TestTupleColumnsReadsEachKind(t *testing.T) {
 // is put back as the stream delivered it, even after the stream's buffer
 // has been reused by the messages after it.
 func TestStreamKeepsTheRowsItsTransactionDeletes(t *testing.T) {
-	s := &streamState{r: &Relay{cfg: Config{Settings: Settings{BatchSize: 100, MaxBatchBytes: 1 << 20}}}, rel: 7, idCol: 0, relNames: []string{"id", "payload", "note"}}
+	r := &Relay{cfg: Config{Settings: Settings{BatchSize: 100, MaxBatchBytes: 1 << 20}}, capture: &captureState{txTupleLimit: maxTxTuples}}
+	s := &streamState{r: r, rel: 7, idCol: 0, relNames: []string{"id", "payload", "note"}}
 	buf := make([]byte, 0, 256) // one buffer for every message, as pgconn's
 	feed := func(msg []byte) {
 		buf = append(buf[:0], msg...)
@@ -609,6 +611,97 @@ func TestStreamKeepsTheRowsItsTransactionDeletes(t *testing.T) {
 	require.Zero(t, cap(s.txRaw), "released")
 }
 
+// begin and commit are pgoutput's messages of a transaction's begin and
+// commit, for transaction xid whose commit is at lsn.
+func begin(lsn pglogrepl.LSN, xid uint32) []byte {
+	b := binary.BigEndian.AppendUint64([]byte{'B'}, uint64(lsn))
+	b = binary.BigEndian.AppendUint64(b, 0)
+	return binary.BigEndian.AppendUint32(b, xid)
+}
+
+func commit(lsn pglogrepl.LSN) []byte {
+	b := binary.BigEndian.AppendUint64([]byte{'C', 0}, uint64(lsn))
+	b = binary.BigEndian.AppendUint64(b, uint64(lsn)+8)
+	return binary.BigEndian.AppendUint64(b, 0)
+}
+
+// Without writer deletes the stream keeps a transaction's insert tuples,
+// in case it deletes the rows, only up to the capture's limit, and past it
+// only the ids, which is all the claim needs: a transaction of any size
+// streams in the limit's memory. Before, it kept every tuple until the
+// commit, so a bulk backfill needed its whole size in memory, and a pod
+// sized for batches was killed for it, again at each restart. A
+// transaction that deletes a row past the limit, whose tuple is gone, is
+// read again, keeping that row's tuple: the stream ends (errReadAgain),
+// and on the next reading the row is restored with the ones deleted
+// within the limit.
+func TestStreamKeepsATransactionsTuplesUpToTheLimit(t *testing.T) {
+	const limit = 4096
+	r := &Relay{cfg: Config{Settings: Settings{BatchSize: 1000, MaxBatchBytes: 1 << 30}}, capture: &captureState{txTupleLimit: limit},
+		log: slog.New(slog.DiscardHandler)}
+	s := &streamState{r: r, rel: 7, idCol: 0, relNames: []string{"id", "payload"}}
+	buf := make([]byte, 0, 512)
+	feed := func(msg []byte) error {
+		buf = append(buf[:0], msg...)
+		err := s.decode(context.Background(), buf)
+		clear(buf) // the next message's bytes
+		return err
+	}
+	insert := func(id int) []byte {
+		payload := fmt.Sprintf(`{"n": %d, "pad": %q}`, id, strings.Repeat("x", 200))
+		return append(binary.BigEndian.AppendUint32([]byte{'I'}, 7), append([]byte{'N'}, tupleData(str(fmt.Sprint(id)), str(payload))...)...)
+	}
+	del := func(id int) []byte {
+		return append(binary.BigEndian.AppendUint32([]byte{'D'}, 7), append([]byte{'K'}, tupleData(str(fmt.Sprint(id)), nil)...)...)
+	}
+	const rows = 200 // about 50 KiB of tuples
+	var want []int64
+	require.NoError(t, feed(begin(0x1000, 41)))
+	for id := 1; id <= rows; id++ {
+		require.NoError(t, feed(insert(id)))
+		want = append(want, int64(id))
+		require.LessOrEqual(t, cap(s.txRaw), limit, "the tuples kept stay within the limit (row %d)", id)
+	}
+	require.Less(t, len(s.txIns), rows/4, "only the first rows' tuples are kept")
+	require.NoError(t, feed(commit(0x1000)))
+	require.Equal(t, want, s.pending, "every row, in the order they came")
+	require.Empty(t, s.restore)
+
+	// A transaction deleting a row within the limit and two past it.
+	s.pending = s.pending[:0]
+	msgs := [][]byte{begin(0x2000, 42)}
+	for id := 1001; id <= 1000+rows; id++ {
+		msgs = append(msgs, insert(id))
+	}
+	msgs = append(msgs, del(1002), del(1150), del(7), del(1199), commit(0x2000)) // 7: a row of an earlier transaction
+	for _, m := range msgs[:len(msgs)-1] {
+		require.NoError(t, feed(m))
+	}
+	err := feed(msgs[len(msgs)-1])
+	require.ErrorIs(t, err, errReadAgain)
+	require.ErrorContains(t, err, "transaction 42 (commit 0/2000) deleted 2 rows it inserted past the 4096 bytes")
+	require.Equal(t, []int64{1150, 1199}, r.capture.rereads[0x2000].ids)
+
+	// The next stream starts before it and reads it again.
+	s = &streamState{r: r, rel: 7, idCol: 0, relNames: []string{"id", "payload"}}
+	for _, m := range msgs {
+		require.NoError(t, feed(m))
+	}
+	require.Len(t, s.pending, rows)
+	var restored []int64
+	for _, x := range s.restore {
+		restored = append(restored, x.id)
+	}
+	require.Equal(t, []int64{1002, 1150, 1199}, restored, "each row it deleted, to put back")
+	require.Equal(t, []*string{str("1150"), str(fmt.Sprintf(`{"n": 1150, "pad": %q}`, strings.Repeat("x", 200)))}, s.restore[1].text)
+	require.Less(t, cap(s.txRaw), 2*limit, "the limit's tuples and the two deleted rows'")
+	require.Contains(t, r.capture.rereads, pglogrepl.LSN(0x2000), "until the slot is confirmed past it")
+
+	s.confirmed = 0x2008
+	require.NoError(t, feed(begin(0x3000, 43)))
+	require.Empty(t, r.capture.rereads, "forgotten once confirmed past")
+}
+
 // An idle stream on a busy server is not a stall. While other tables
 // write, the server sends keepalives many times a second, so the stream's
 // reads time out only when its own slot check or status report is due
@@ -640,4 +733,100 @@ func TestIdleStreamOnABusyServerIsNotAStall(t *testing.T) {
 	r.health.batchFailed(t0, errors.New("put back: refused"))
 	require.NoError(t, s.handle(context.Background(), keepalive))
 	require.Contains(t, r.health.stalls(time.Now()), StallBatchFailing, "the failure stays")
+}
+
+// bigTxRelay is captureRelay streaming with a tuple limit of 4 KiB, about
+// a dozen of the rows storeBig writes, and what it logs.
+func bigTxRelay(t *testing.T) (*Relay, *pgxpool.Pool, *syncBuffer) {
+	t.Helper()
+	ctx := context.Background()
+	r, pool := captureRelay(t)
+	require.NoError(t, r.Check(ctx))
+	r.capture.txTupleLimit = 4096
+	logs := runLogged(t, r, pool)
+	require.Eventually(t, func() bool { return testutil.ToFloat64(r.m.captureStreaming) == 1 }, 30*time.Second, 20*time.Millisecond, "the relay streams")
+	return r, pool, logs
+}
+
+// storeBig stores n events in one transaction, deletes those of dels (by
+// their index) in it, as a writer with writer deletes does, runs before
+// its commit (unless nil), and returns the events' ids in the order they
+// were stored.
+func storeBig(t *testing.T, pool *pgxpool.Pool, n int, before func(), dels ...int) []string {
+	t.Helper()
+	ctx := context.Background()
+	ids := make([]string, n)
+	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		defer func() {
+			if before != nil {
+				before()
+			}
+		}()
+		for i := range ids {
+			ids[i] = outbox.NewEventID()
+			if _, err := tx.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+				VALUES ($1, 'O', 'a', 'E', $2, 'a')`, ids[i], fmt.Sprintf(`{"n": %d, "pad": %q}`, i, strings.Repeat("x", 200))); err != nil {
+				return err
+			}
+		}
+		for _, i := range dels {
+			if _, err := tx.Exec(ctx, `DELETE FROM outbox WHERE event_id = $1`, ids[i]); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	return ids
+}
+
+// consumedEventIDs are the event ids of topic's first n records, in the
+// topic's order.
+func consumedEventIDs(t *testing.T, topic string, n int) []string {
+	t.Helper()
+	var ids []string
+	for _, m := range testenv.Broker().Consume(t, topic, n, 30*time.Second) {
+		for _, h := range m.Headers {
+			if h.Key == HeaderEventID {
+				ids = append(ids, string(h.Value))
+			}
+		}
+	}
+	return ids
+}
+
+// A transaction whose inserts are far past the stream's tuple limit, with
+// no deletes, streams without reading it again: each row once, in commit
+// order, between the transactions around it.
+func TestStreamPublishesATransactionPastTheTupleLimit(t *testing.T) {
+	t.Parallel()
+	r, pool, logs := bigTxRelay(t)
+	want := storeBig(t, pool, 1, nil)
+	want = append(want, storeBig(t, pool, 300, nil)...)
+	want = append(want, storeBig(t, pool, 1, nil)...)
+	require.Equal(t, want, consumedEventIDs(t, r.cfg.Topics["E"], len(want)), "each row once, in commit order")
+	require.NotContains(t, logs.String(), "reading again")
+}
+
+// A transaction past the stream's tuple limit that deletes rows it
+// inserted, within the limit and past it, against a relay without writer
+// deletes: the rows past it, whose tuples the stream did not keep, are
+// read again from the slot, and every row, the deleted ones put back,
+// goes out once, in commit order, with the rows of the transactions
+// committed before it (one just before its commit, read with it) and
+// after it.
+func TestStreamReadsAgainATransactionDeletingRowsPastTheTupleLimit(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	r, pool, logs := bigTxRelay(t)
+	want := storeBig(t, pool, 2, nil)
+	var just []string
+	big := storeBig(t, pool, 300, func() { just = storeBig(t, pool, 2, nil) }, 3, 150, 151, 299)
+	want = append(append(want, just...), big...)
+	want = append(want, storeBig(t, pool, 1, nil)...)
+	require.Equal(t, want, consumedEventIDs(t, r.cfg.Topics["E"], len(want)), "each row once, in commit order")
+	require.Contains(t, logs.String(), "streaming again from the slot's confirmed position to read it again")
+	require.Contains(t, logs.String(), "reading again a transaction that deleted rows it inserted")
+	var n int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE published_at IS NOT NULL`).Scan(&n))
+	require.Equal(t, len(want), n, "the deleted rows are back in the table, published")
 }
