@@ -5,9 +5,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
@@ -231,4 +233,56 @@ func deploymentControllerWrites(ctx context.Context, c client.WithWatch, obj cli
 	cur.Annotations["deployment.kubernetes.io/revision"] = cur.Annotations[specHashAnnotation]
 	*writes++
 	return c.Update(ctx, cur)
+}
+
+// seedReading gives relay's observer (fakeRelay's target, not started) a
+// latest reading of 7 rows waiting, the oldest 15 s old, and a slot
+// holding back 1 MiB of WAL.
+func seedReading(t *testing.T, r *OutboxRelayReconciler, key types.NamespacedName) {
+	t.Helper()
+	table, err := outbox.ParseTable("outbox")
+	require.NoError(t, err)
+	r.Flow.mu.Lock()
+	defer r.Flow.mu.Unlock()
+	r.Flow.relays[key] = &relayFlow{target: flowTarget{dsn: fakeDSN, auth: dbAuth{method: relayconfig.DatabaseAuthPassword}, table: table,
+		interval: 15 * time.Second}, latest: &backlogSample{at: time.Now(), read: 7, groups: []typeCount{{eventType: ptr.To("A"), n: 7, age: 15}},
+		slot: &outboxv1alpha1.SlotStatus{Name: "outbox", Exists: true, RetainedWAL: ptr.To(resource.MustParse("1Mi"))}}}
+}
+
+// A paused relay is not observed: its backlog is not read (the observer
+// would wake passes that discard what it read, log in with a DSN the
+// operator is not to keep, and after a rotation the old one), and its
+// gauges go, as after a manager restart, rather than freeze at the last
+// pass's values. Resumed, it is observed and reported again.
+func TestPausedRelayIsNotObserved(t *testing.T) {
+	t.Parallel()
+	c, r, relay := fakeRelay(t, interceptor.Funcs{}, nil)
+	var err error
+	r.Metrics, err = NewMetrics(prometheus.NewRegistry())
+	require.NoError(t, err)
+	ctx := context.Background()
+	key := client.ObjectKeyFromObject(relay)
+	series := func() map[string]float64 { return relaySeries(t, r.Metrics, key.Namespace, key.Name) }
+	seedReading(t, r, key)
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.True(t, r.Flow.observing(key))
+	require.Equal(t, 7.0, series()["outbox_operator_backlog_rows"])
+
+	require.NoError(t, c.Get(ctx, key, relay))
+	relay.Annotations = map[string]string{outboxv1alpha1.ReconcileAnnotation: outboxv1alpha1.ReconcileDisabled}
+	require.NoError(t, c.Update(ctx, relay))
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.False(t, r.Flow.observing(key), "a paused relay's backlog is not read")
+	require.Empty(t, series(), "a paused relay has no gauges")
+
+	require.NoError(t, c.Get(ctx, key, relay))
+	delete(relay.Annotations, outboxv1alpha1.ReconcileAnnotation)
+	require.NoError(t, c.Update(ctx, relay))
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.True(t, r.Flow.observing(key), "resumed, it is observed again")
+	require.Equal(t, 1.0, series()["outbox_operator_desired_replicas"])
+	require.Equal(t, -1.0, series()["outbox_operator_lagging"], "not read yet since it resumed")
 }

@@ -400,7 +400,7 @@ func testBeforeFirstReading(t *testing.T, c client.Client) {
 // reason, for the held rows).
 func relaySeries(t *testing.T, m *Metrics, ns, name string) map[string]float64 {
 	reg := prometheus.NewPedanticRegistry()
-	for _, v := range []*prometheus.GaugeVec{m.backlog, m.oldestAge, m.held, m.desired, m.ready, m.lagging} {
+	for _, v := range []*prometheus.GaugeVec{m.backlog, m.oldestAge, m.held, m.desired, m.ready, m.lagging, m.slotRetained, m.slotMaxRetained} {
 		require.NoError(t, reg.Register(v))
 	}
 	families, err := reg.Gather()

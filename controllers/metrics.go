@@ -12,7 +12,8 @@ import (
 )
 
 // Metrics are the operator's gauges per OutboxRelay, labelled namespace and
-// name, as its status reports them. They are deleted with the OutboxRelay.
+// name, as its status reports them. They are deleted with the OutboxRelay,
+// and while its reconciliation is paused.
 type Metrics struct {
 	backlog, oldestAge, desired, ready, lagging *prometheus.GaugeVec
 	slotRetained, slotMaxRetained               *prometheus.GaugeVec

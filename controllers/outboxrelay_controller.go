@@ -121,6 +121,7 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 	}
 	original := relay.DeepCopy()
 	if relay.ReconciliationPaused() {
+		r.unobserve(req.NamespacedName)
 		return ctrl.Result{}, r.paused(ctx, relay, original)
 	}
 	meta.RemoveStatusCondition(&relay.Status.Conditions, outboxv1alpha1.ConditionReconciliationPaused)
@@ -203,11 +204,22 @@ var reconcileToggled = predicate.Funcs{
 
 // forget stops observing a relay that is gone and drops its metrics.
 func (r *OutboxRelayReconciler) forget(key types.NamespacedName) {
+	r.unobserve(key)
+	r.podMonitors.Delete(key)
+}
+
+// unobserve stops reading a relay's backlog and drops its gauges: the
+// relay is gone, or paused. A paused relay's readings would only wake
+// passes that discard them, keep its DSN in memory (and, after a rotation,
+// log in with the old password at every interval), and its gauges would
+// stand at the values of the last pass before the pause, an alert on them
+// firing for all of it; a manager started during the pause has neither.
+// Resumed, its next pass observes it again.
+func (r *OutboxRelayReconciler) unobserve(key types.NamespacedName) {
 	if r.Flow != nil {
 		r.Flow.Forget(key)
 	}
 	r.Metrics.delete(key)
-	r.podMonitors.Delete(key)
 }
 
 // observe makes sure the relay's backlog is being read and returns the
