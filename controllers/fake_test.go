@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -285,4 +286,47 @@ func TestPausedRelayIsNotObserved(t *testing.T) {
 	require.True(t, r.Flow.observing(key), "resumed, it is observed again")
 	require.Equal(t, 1.0, series()["outbox_operator_desired_replicas"])
 	require.Equal(t, -1.0, series()["outbox_operator_lagging"], "not read yet since it resumed")
+}
+
+// A relay with a problem (here its DSN Secret deleted) is not observed,
+// and the backlog last read goes from its status and gauges: nothing reads
+// it any more, and the slot's WAL may grow while the gauge an alert judges
+// stood at the last reading. Lagging says the backlog is not read.
+func TestProblemClearsTheBacklog(t *testing.T) {
+	t.Parallel()
+	c, r, relay := fakeRelay(t, interceptor.Funcs{}, func(o *outboxv1alpha1.OutboxRelay) {
+		o.Spec.Capture = &outboxv1alpha1.CaptureSpec{Mode: outboxv1alpha1.CaptureLogicalReplication}
+	})
+	var err error
+	r.Metrics, err = NewMetrics(prometheus.NewRegistry())
+	require.NoError(t, err)
+	ctx := context.Background()
+	key := client.ObjectKeyFromObject(relay)
+	series := func() map[string]float64 { return relaySeries(t, r.Metrics, key.Namespace, key.Name) }
+	seedReading(t, r, key)
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.NoError(t, c.Get(ctx, key, relay))
+	require.NotNil(t, relay.Status.Backlog)
+	require.Equal(t, 7.0, series()["outbox_operator_backlog_rows"])
+	require.Equal(t, float64(1<<20), series()["outbox_operator_slot_retained_wal_bytes"])
+
+	dsn := types.NamespacedName{Namespace: relay.Namespace, Name: relay.Spec.DSNSecretRef.Name}
+	require.NoError(t, c.Delete(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: dsn.Namespace, Name: dsn.Name}}))
+	r.secrets.stale(dsn, 0)
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.False(t, r.Flow.observing(key))
+	require.NoError(t, c.Get(ctx, key, relay))
+	require.Equal(t, outboxv1alpha1.ReasonSecretNotFound, meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady).Reason)
+	require.Nil(t, relay.Status.Backlog, "no backlog is read: the last reading does not stand in status")
+	lag := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging)
+	require.Equal(t, metav1.ConditionUnknown, lag.Status)
+	require.Contains(t, lag.Message, "the backlog is not read")
+	s := series()
+	for _, name := range []string{"outbox_operator_backlog_rows", "outbox_operator_oldest_waiting_age_seconds",
+		"outbox_operator_slot_retained_wal_bytes", "outbox_operator_slot_max_retained_wal_bytes", "outbox_operator_rows_held{too_large}"} {
+		require.NotContains(t, s, name, "nor in the gauges")
+	}
+	require.Equal(t, -1.0, s["outbox_operator_lagging"])
 }

@@ -228,6 +228,12 @@ func computeStatus(relay *outboxv1alpha1.OutboxRelay, deploy *appsv1.Deployment,
 		st.Backlog = nil // an earlier reading (before an upgrade) would stand in status and the gauges for good
 	case obs.retargeted:
 		st.Backlog = nil // the old table's numbers, or the old database's
+	case prob != nil:
+		// The problem stopped the observer (a Secret missing, a spec no pod
+		// is built from): the last reading would stand in status and the
+		// gauges, unchanged at every pass, until the problem is solved,
+		// while Lagging says the backlog is not read.
+		st.Backlog = nil
 	}
 	st.ObservedGeneration = relay.Generation
 	st.Selector = metav1.FormatLabelSelector(&metav1.LabelSelector{MatchLabels: selectorLabels(relay)})
