@@ -289,6 +289,26 @@ func rolloutStrategy(current *appsv1.Deployment, m mode) appsv1.DeploymentStrate
 	return appsv1.DeploymentStrategy{Type: appsv1.RollingUpdateDeploymentStrategyType}
 }
 
+// kafkaTLSItems are the keys of the Kafka TLS Secret the relay reads and
+// the Secret holds (in says which). Only they are mounted: such a Secret
+// may hold more (a Strimzi KafkaUser's holds user.p12 and user.password),
+// which no relay pod is to see. None: no volume, as a volume that lists no
+// keys mounts all of them.
+func kafkaTLSItems(in secretInputs) []corev1.KeyToPath {
+	var keys []string
+	if in.TLSCA {
+		keys = append(keys, outboxv1alpha1.DefaultCAKey)
+	}
+	if in.TLSClientCert {
+		keys = append(keys, corev1.TLSCertKey, corev1.TLSPrivateKeyKey)
+	}
+	items := make([]corev1.KeyToPath, 0, len(keys))
+	for _, k := range keys {
+		items = append(items, corev1.KeyToPath{Key: k, Path: k})
+	}
+	return items
+}
+
 // relayDeployment builds the desired relay Deployment from settings, the
 // relay's settings that checkSpec built and checked. in is what the
 // referenced Secrets provide; current is the Deployment as it runs (nil
@@ -368,11 +388,11 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, settings rel
 			SeccompProfile: &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault},
 		}, podTemplate(tmpl).SecurityContext),
 	}
-	if tls := spec.Kafka.TLS; tls != nil && tls.SecretRef != nil {
+	if items := kafkaTLSItems(in); spec.Kafka.TLS != nil && spec.Kafka.TLS.SecretRef != nil && len(items) > 0 {
 		podSpec.Volumes = []corev1.Volume{{
 			Name: "kafka-tls",
 			VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
-				SecretName: tls.SecretRef.Name, DefaultMode: ptr.To[int32](0o440),
+				SecretName: spec.Kafka.TLS.SecretRef.Name, Items: items, DefaultMode: ptr.To[int32](0o440),
 			}},
 		}}
 		podSpec.Containers[0].VolumeMounts = []corev1.VolumeMount{{

@@ -330,3 +330,50 @@ func TestProblemClearsTheBacklog(t *testing.T) {
 	}
 	require.Equal(t, -1.0, s["outbox_operator_lagging"])
 }
+
+// The Kafka TLS volume holds only the keys the relay reads, those the
+// Secret has: a Strimzi KafkaUser Secret also holds user.p12 and
+// user.password, which no relay pod needs. A Secret with none of them
+// mounts nothing, as an empty list of keys would mount them all.
+func TestKafkaTLSVolumeHoldsOnlyTheKeysRead(t *testing.T) {
+	t.Parallel()
+	for name, tc := range map[string]struct {
+		data map[string][]byte
+		want []corev1.KeyToPath // nil: no volume
+	}{
+		"CA and client certificate": {
+			data: map[string][]byte{"ca.crt": []byte("ca"), "tls.crt": []byte("c"), "tls.key": []byte("k"), "user.p12": []byte("p"), "user.password": []byte("pw")},
+			want: []corev1.KeyToPath{{Key: "ca.crt", Path: "ca.crt"}, {Key: "tls.crt", Path: "tls.crt"}, {Key: "tls.key", Path: "tls.key"}},
+		},
+		"CA only": {
+			data: map[string][]byte{"ca.crt": []byte("ca"), "ca.password": []byte("pw")},
+			want: []corev1.KeyToPath{{Key: "ca.crt", Path: "ca.crt"}},
+		},
+		"client certificate only": {
+			data: map[string][]byte{"tls.crt": []byte("c"), "tls.key": []byte("k"), "user.password": []byte("pw")},
+			want: []corev1.KeyToPath{{Key: "tls.crt", Path: "tls.crt"}, {Key: "tls.key", Path: "tls.key"}},
+		},
+		"none of them": {data: map[string][]byte{"user.password": []byte("pw")}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			c, r, relay := fakeRelay(t, interceptor.Funcs{}, func(o *outboxv1alpha1.OutboxRelay) {
+				o.Spec.Kafka.TLS = &outboxv1alpha1.KafkaTLS{SecretRef: &outboxv1alpha1.SecretReference{Name: "kafka-user"}}
+			})
+			ctx := context.Background()
+			require.NoError(t, c.Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: relay.Namespace, Name: "kafka-user"}, Data: tc.data}))
+			_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: client.ObjectKeyFromObject(relay)})
+			require.NoError(t, err)
+			pod := fakeDeployment(t, c, relay).Spec.Template.Spec
+			if tc.want == nil {
+				require.Empty(t, pod.Volumes)
+				require.Empty(t, pod.Containers[0].VolumeMounts)
+				return
+			}
+			require.Len(t, pod.Volumes, 1)
+			require.Equal(t, "kafka-user", pod.Volumes[0].Secret.SecretName)
+			require.Equal(t, tc.want, pod.Volumes[0].Secret.Items)
+			require.Equal(t, []corev1.VolumeMount{{Name: "kafka-tls", MountPath: "/etc/relay/tls", ReadOnly: true}}, pod.Containers[0].VolumeMounts)
+		})
+	}
+}
