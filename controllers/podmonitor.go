@@ -22,7 +22,8 @@ import (
 // Operator's API types would be a heavy dependency for one small object. It
 // is not watched either, because a watch on a kind the cluster does not
 // serve keeps the controller from starting; a PodMonitor deleted or edited
-// by hand is written again on the relay's next pass.
+// by hand is written again on the relay's first pass after
+// podMonitorRecheck.
 //
 // +kubebuilder:rbac:groups=monitoring.coreos.com,resources=podmonitors,verbs=get;create;patch;delete
 
@@ -96,6 +97,11 @@ func relayPodMonitor(relay *outboxv1alpha1.OutboxRelay) *unstructured.Unstructur
 	return u
 }
 
+// podMonitorOwned is what of a PodMonitor the operator owns: its spec,
+// whose live hash tells a hand edit of it (the spec-hash annotation only
+// tells a change of what the relay wants).
+func podMonitorOwned(u *unstructured.Unstructured) any { return u.Object["spec"] }
+
 // ensurePodMonitor writes the PodMonitor spec.monitoring.podMonitor asks
 // for, or deletes the one the relay owns when it no longer asks, and reports
 // it in the Monitoring condition. A cluster without the PodMonitor CRD, or a
@@ -144,7 +150,7 @@ func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *out
 		}
 	}
 	r.podMonitors.Delete(key)
-	_, err := ensure(ctx, r.Client, r.APIReader, relay, want, newPodMonitor(), nil, nil,
+	_, err := ensure(ctx, r.Client, r.APIReader, relay, want, newPodMonitor(), nil, podMonitorOwned,
 		func(cur, want *unstructured.Unstructured) { cur.Object["spec"] = want.Object["spec"] })
 	var conflict *conflictError
 	switch {

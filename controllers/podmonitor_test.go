@@ -118,6 +118,7 @@ func TestPodMonitorFollowsSpec(t *testing.T) {
 		c := monitoringCondition(t, admin, key)
 		return c != nil && c.Status == metav1.ConditionTrue && c.Reason == outboxv1alpha1.ReasonPodMonitorReady
 	}, eventually, tick)
+	require.NoError(t, admin.Get(ctx, pmKey, pm)) // as the pass left it: with its live hash
 
 	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
 	require.NoError(t, err)
@@ -292,7 +293,8 @@ func TestPodMonitorIsNotReadAtEveryPass(t *testing.T) {
 
 // fakeMonitoredRelay is fakeRelay with spec.monitoring.podMonitor, on a
 // client whose PodMonitor reads call read (its error is the read's; nil
-// reads none) and whose PodMonitor creates succeed without storing.
+// reads none) and whose PodMonitor creates (and the patch that records
+// their live hash) succeed without storing.
 func fakeMonitoredRelay(t *testing.T, read func() error) (client.Client, *OutboxRelayReconciler, *outboxv1alpha1.OutboxRelay) {
 	t.Helper()
 	return fakeRelay(t, interceptor.Funcs{
@@ -311,7 +313,63 @@ func fakeMonitoredRelay(t *testing.T, read func() error) (client.Client, *Outbox
 			}
 			return c.Create(ctx, obj, opts...)
 		},
+		Patch: func(ctx context.Context, c client.WithWatch, obj client.Object, patch client.Patch, opts ...client.PatchOption) error {
+			if u, ok := obj.(*unstructured.Unstructured); ok && u.GroupVersionKind() == podMonitorGVK {
+				return nil
+			}
+			return c.Patch(ctx, obj, patch, opts...)
+		},
 	}, func(relay *outboxv1alpha1.OutboxRelay) {
 		relay.Spec.Monitoring = &outboxv1alpha1.MonitoringSpec{PodMonitor: true}
 	})
+}
+
+// A PodMonitor whose spec was changed by hand is put right once
+// podMonitorRecheck has passed, and one left as written is not written
+// again.
+func TestPodMonitorEditedByHandIsRepaired(t *testing.T) {
+	t.Parallel()
+	c, r, relay := fakeRelay(t, interceptor.Funcs{}, func(o *outboxv1alpha1.OutboxRelay) {
+		o.Spec.Monitoring = &outboxv1alpha1.MonitoringSpec{PodMonitor: true}
+	})
+	ctx := context.Background()
+	key := client.ObjectKeyFromObject(relay)
+	pmKey := client.ObjectKey{Namespace: relay.Namespace, Name: childName(relay)}
+	recheck := func() {
+		v, ok := r.podMonitors.Load(key)
+		require.True(t, ok)
+		seen := v.(podMonitorSeen)
+		seen.at = seen.at.Add(-podMonitorRecheck)
+		r.podMonitors.Store(key, seen)
+		_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+		require.NoError(t, err)
+	}
+	_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	pm := newPodMonitor()
+	require.NoError(t, c.Get(ctx, pmKey, pm))
+	want := pm.Object["spec"]
+	require.Equal(t, relayPodMonitor(relay).Object["spec"], want)
+
+	recheck()
+	again := newPodMonitor()
+	require.NoError(t, c.Get(ctx, pmKey, again))
+	require.Equal(t, pm.GetResourceVersion(), again.GetResourceVersion(), "a PodMonitor left as written is not written again")
+
+	eps, _, _ := unstructured.NestedSlice(again.Object, "spec", "podMetricsEndpoints")
+	eps[0].(map[string]any)["path"] = "/other"
+	require.NoError(t, unstructured.SetNestedSlice(again.Object, eps, "spec", "podMetricsEndpoints"))
+	require.NoError(t, unstructured.SetNestedField(again.Object, "team", "spec", "jobLabel"))
+	require.NoError(t, c.Update(ctx, again))
+	edited := again.GetResourceVersion()
+
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.NoError(t, c.Get(ctx, pmKey, again))
+	require.Equal(t, edited, again.GetResourceVersion(), "within podMonitorRecheck the PodMonitor is not read")
+
+	recheck()
+	require.NoError(t, c.Get(ctx, pmKey, again))
+	require.Equal(t, want, again.Object["spec"], "the hand edit is undone")
+	require.Equal(t, metav1.ConditionTrue, monitoringCondition(t, c, key).Status)
 }
