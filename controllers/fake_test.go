@@ -288,6 +288,29 @@ func TestPausedRelayIsNotObserved(t *testing.T) {
 	require.Equal(t, -1.0, series()["outbox_operator_lagging"], "not read yet since it resumed")
 }
 
+// A relay whose children cannot be written (here a Deployment of its name
+// that it does not own) is still observed: Lagging says what the reading
+// says, not that the backlog is not read. Before, it said the backlog was
+// not read while status.backlog showed each new reading.
+func TestChildConflictKeepsTheReading(t *testing.T) {
+	t.Parallel()
+	c, r, relay := fakeRelay(t, interceptor.Funcs{}, nil)
+	ctx := context.Background()
+	key := client.ObjectKeyFromObject(relay)
+	theirs := &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Namespace: relay.Namespace, Name: childName(relay)}}
+	require.NoError(t, c.Create(ctx, theirs))
+	seedReading(t, r, key)
+	_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.NoError(t, c.Get(ctx, key, relay))
+	require.Equal(t, outboxv1alpha1.ReasonResourceConflict, meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady).Reason)
+	require.True(t, r.Flow.observing(key))
+	require.NotNil(t, relay.Status.Backlog)
+	require.EqualValues(t, 7, relay.Status.Backlog.Pending)
+	lag := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging)
+	require.NotContains(t, lag.Message, "not read", "the backlog is read: %s", lag.Message)
+}
+
 // A relay with a problem (here its DSN Secret deleted) is not observed,
 // and the backlog last read goes from its status and gauges: nothing reads
 // it any more, and the slot's WAL may grow while the gauge an alert judges

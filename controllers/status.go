@@ -246,7 +246,10 @@ func computeStatus(relay *outboxv1alpha1.OutboxRelay, deploy *appsv1.Deployment,
 
 	f := facts{relay: relay, deploy: deploy, obs: obs, desired: desired, ready: st.ReadyReplicas, rolledOut: rolledOut(deploy, desired)}
 	f.lag = lagging(relay, obs, st.ReadyReplicas, time.Now())
-	if prob != nil {
+	if prob != nil && obs.backlog == nil {
+		// A problem found before the backlog is read stops the reads; one
+		// found writing the children (a name conflict, a spec the API
+		// server refuses) leaves them going, and Lagging says what they say.
 		f.lag = verdict{metav1.ConditionUnknown, prob.reason, "the backlog is not read: " + prob.message}
 	}
 	// Lagging speaks for the flow of events: Ready does not claim all is well
