@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"slices"
@@ -151,10 +152,45 @@ func (k *byKey) failed(x row, i int, now time.Time) {
 	if k.stopped(x, i) {
 		return
 	}
-	l := k.laneOf(x)
+	k.stop(x, i, now.Add(jitter(k.backoff(k.laneOf(x)))))
+}
+
+// backoff is lane l's next wait: 100 ms, doubling each time, up to
+// maxBackoff, until a row of the lane is sent.
+func (k *byKey) backoff(l lane) time.Duration {
 	d := min(max(2*k.laneBackoff[l], 100*time.Millisecond), k.maxBackoff)
 	k.laneBackoff[l] = d
-	k.stop(x, i, now.Add(jitter(d)))
+	return d
+}
+
+// fence stops the lanes of the rows the claim could not lock because
+// another session holds them (fenced, in id order), each at its place
+// among the claimed rows (rows, in id order): the lane's claimed rows
+// after it are not sent in this batch, and the lane stays out of claims
+// for a backoff, as after a transient failure. Such a lock lasts as long
+// as the other session's transaction, whose end the relay cannot see: the
+// lane is tried again soon at first (100 ms), then less often, at most
+// maxBackoff apart, the longest its rows wait once the lock is gone; each
+// try is one claim, so a lock held for minutes costs a claim every
+// maxBackoff. It returns the rows of the lanes fenced afresh (not waiting
+// after a fence or a failure already), worth a log line.
+func (k *byKey) fence(rows, fenced []row, now time.Time) (afresh []row) {
+	done := map[lane]bool{}
+	for _, x := range fenced {
+		l := k.laneOf(x)
+		if done[l] {
+			continue // the lane's oldest fenced row stops it
+		}
+		done[l] = true
+		if k.laneBackoff[l] == 0 {
+			afresh = append(afresh, x)
+		}
+		// rows[i] is the first claimed row after it: a stop at i-1 stops
+		// the lane's rows from there on, none before it.
+		i, _ := slices.BinarySearchFunc(rows, x.id, func(y row, id int64) int { return cmp.Compare(y.id, id) })
+		k.stop(x, i-1, now.Add(jitter(k.backoff(l))))
+	}
+	return afresh
 }
 
 // sent records that row i was acknowledged: its lane's backoff starts over.

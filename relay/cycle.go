@@ -257,7 +257,7 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 			return nil, r.dbFailed(fmt.Errorf("read the oldest running transaction before a claim from %s: %w", r.table, err))
 		}
 	}
-	rows, locked, err := r.claim(bctx, tx, r.cur.from(start), f)
+	rows, fenced, locked, err := r.claim(bctx, tx, r.cur.from(start), f)
 	if err != nil {
 		tx.Rollback(bctx) //nolint:errcheck // the claim's error is the one to report
 		cancel()
@@ -266,7 +266,16 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	r.setDBErr(nil)
 	r.m.claimDuration.Observe(time.Since(start).Seconds())
 	cut := len(rows) < locked
-	full := locked == r.cfg.BatchSize || cut
+	// Rows another session holds locked filled the claim's limit too: more
+	// rows may follow them.
+	full := locked+len(fenced) == r.cfg.BatchSize || cut
+	if len(fenced) > 0 {
+		// Before the publish: their lanes' later rows in this batch stay.
+		for _, x := range r.lanes.fence(rows, fenced, start) {
+			r.log.Info("a row another session holds locked waits, and its key's later rows on its topic wait behind it; the relay tries it again after a backoff",
+				"id", x.id, "partition_key", x.partitionKey, "event_type", x.eventType)
+		}
+	}
 	r.cur.claimed(rows, full)
 	if xmin >= 0 {
 		r.cur.settle(xmin)

@@ -2,6 +2,7 @@ package relay_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"maps"
 	"slices"
@@ -602,5 +603,86 @@ func TestPartitionKeyReplicaIsNotStalledByAnothersHeldRow(t *testing.T) {
 				require.NotContains(t, err.Error(), "stalled", "a replica is stalled by a row it does not own")
 			}
 		}
+	}
+}
+
+// In partition-key mode a row that a session outside the relay holds
+// locked (an admin's SELECT ... FOR UPDATE, a foreign key's FOR KEY SHARE,
+// a transaction that updated it and is still open) holds back the later
+// rows of its key on its topic until the lock goes: the claim cannot take
+// it (SKIP LOCKED), and before, those later rows went out first. The
+// other keys flow meanwhile, the key's lane is left out of the claims for
+// a backoff instead of being claimed again at once, and once the lock goes
+// the key's rows go out in id order.
+func TestPartitionKeyRowLockedElsewhereHoldsItsKeysLaterRows(t *testing.T) {
+	t.Parallel()
+	for _, lock := range []struct{ name, sql string }{
+		{"select for update", `SELECT 1 FROM outbox WHERE id = $1 FOR UPDATE`},
+		{"foreign key share", `SELECT 1 FROM outbox WHERE id = $1 FOR KEY SHARE`},
+		{"open update", `UPDATE outbox SET payload = payload || '{"fixed": true}' WHERE id = $1`},
+	} {
+		t.Run(lock.name, func(t *testing.T) {
+			t.Parallel()
+			f := outboxtest.NewFixture(t, 1, "E")
+			ctx := context.Background()
+			insertK := func(n int) {
+				f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+					VALUES (gen_random_uuid(), 'Order', 'K', 'E', jsonb_build_object('n', $1::int), 'K')`, n)
+			}
+			insertK(1)
+			var first int64
+			require.NoError(t, f.Pool.QueryRow(ctx, `SELECT id FROM outbox WHERE partition_key = 'K'`).Scan(&first))
+			conn, err := pgx.Connect(ctx, f.DSN)
+			require.NoError(t, err)
+			defer conn.Close(ctx)
+			tx, err := conn.Begin(ctx)
+			require.NoError(t, err)
+			defer tx.Rollback(ctx) //nolint:errcheck // committed below
+			_, err = tx.Exec(ctx, lock.sql, first)
+			require.NoError(t, err)
+			f.Insert(60, 6, "E") // other keys, between K's rows
+			for n := 2; n <= 5; n++ {
+				insertK(n)
+			}
+			f.Insert(60, 6, "E")
+
+			cfg := f.Config()
+			cfg.Ordering = relay.OrderingPartitionKey
+			x := outboxtest.Start(t, cfg)
+			require.Eventually(t, func() bool {
+				return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND partition_key <> 'K'`) == 0
+			}, 30*time.Second, 20*time.Millisecond, "the other keys' rows flow")
+			unpublishedK := func() int {
+				return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND partition_key = 'K'`)
+			}
+			require.Equal(t, 5, unpublishedK(), "none of K's rows goes out while its oldest is locked")
+			require.Eventually(t, func() bool {
+				return outboxtest.MetricValue(t, x.Reg, "outbox_relay_ordering_blocked_keys", "topic", f.Topics["E"]) == 1
+			}, 10*time.Second, 20*time.Millisecond, "K's lane is held back")
+			batches := outboxtest.MetricValue(t, x.Reg, "outbox_relay_batches_total")
+			// A fixed window: the claims made in it are what is measured.
+			<-time.After(3 * time.Second)
+			// Each time the lane's backoff (100 ms doubling to MaxBackoff,
+			// 1 s here) runs out, one batch claims K's rows again and sends
+			// none: about 5 in 3 s. Claimed again at once, the lane made a
+			// batch every few milliseconds.
+			require.LessOrEqual(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_batches_total")-batches, 15.0,
+				"the held-back lane backs off")
+			require.Equal(t, 5, unpublishedK(), "none of K's rows goes out while its oldest is locked")
+
+			require.NoError(t, tx.Commit(ctx))
+			f.WaitDrained(0, 30*time.Second)
+			var order []int
+			seen := map[string]bool{}
+			for _, m := range testenv.Broker().Consume(t, f.Topics["E"], 125, 30*time.Second) {
+				if e := testenv.Header(m, relay.HeaderEventID); string(m.Key) == "K" && !seen[e] {
+					seen[e] = true
+					var v struct{ N int }
+					require.NoError(t, json.Unmarshal(m.Value, &v))
+					order = append(order, v.N)
+				}
+			}
+			require.Equal(t, []int{1, 2, 3, 4, 5}, order, "key K's rows on Kafka, in id order")
+		})
 	}
 }

@@ -666,36 +666,48 @@ func payloadBytes(rows []row) int {
 	return n
 }
 
-// claim runs the mode's claim and reads the rows, and how many rows it
-// locked (more than it returned when the byte budget cut it).
-func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, f claimFilter) ([]row, int, error) {
+// claim runs the mode's claim and reads the rows, how many rows it locked
+// (more than it returned when the byte budget cut it), and in
+// partition-key mode the rows it could not lock because another session
+// holds them (fenced, SQL.ClaimBuckets), in id order: their lanes wait.
+func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, f claimFilter) (rows, fenced []row, locked int, err error) {
 	rs, err := r.claimer.claim(ctx, tx, from, f)
 	if err != nil {
-		return nil, 0, fmt.Errorf("claim batch from %s: %w", r.table, err)
+		return nil, nil, 0, fmt.Errorf("claim batch from %s: %w", r.table, err)
 	}
-	return r.scanClaim(rs, f)
+	return r.scanClaim(rs, f, r.lanes != nil)
 }
 
-// scanClaim reads a claim's rows (SQL.Claim's result) and how many rows it locked.
-func (r *Relay) scanClaim(rs pgx.Rows, f claimFilter) ([]row, int, error) {
-	out := make([]row, 0, r.cfg.BatchSize)
-	var locked int
+// scanClaim reads a claim's rows (SQL.Claim's result) and how many rows it
+// locked. With fences the result has a last column, fenced
+// (SQL.ClaimBuckets), and the rows it flags come apart, in fenced.
+func (r *Relay) scanClaim(rs pgx.Rows, f claimFilter, fences bool) (rows, fenced []row, locked int, err error) {
+	rows = make([]row, 0, r.cfg.BatchSize)
 	for rs.Next() {
 		var x row
-		if err := rs.Scan(&x.id, &x.eventID, &x.eventType, &x.aggregateType, &x.aggregateID, &x.partitionKey,
-			&x.payload, &x.createdAt, &x.invalid, &x.headers, &x.size, &x.partition, &locked); err != nil {
+		var isFenced bool
+		dest := []any{&x.id, &x.eventID, &x.eventType, &x.aggregateType, &x.aggregateID, &x.partitionKey,
+			&x.payload, &x.createdAt, &x.invalid, &x.headers, &x.size, &x.partition, &locked}
+		if fences {
+			dest = append(dest, &isFenced)
+		}
+		if err := rs.Scan(dest...); err != nil {
 			rs.Close()
-			return nil, 0, fmt.Errorf("claim batch from %s: %w", r.table, err)
+			return nil, nil, 0, fmt.Errorf("claim batch from %s: %w", r.table, err)
+		}
+		if isFenced {
+			fenced = append(fenced, x)
+			continue
 		}
 		// Over the limit by its stored size, a row whose payload fits
 		// comes with it (budgetedBy).
 		x.oversize = x.size > int64(f.largest) && x.payload == nil
-		out = append(out, x)
+		rows = append(rows, x)
 	}
 	if err := rs.Err(); err != nil {
-		return nil, 0, fmt.Errorf("claim batch from %s: %w", r.table, err)
+		return nil, nil, 0, fmt.Errorf("claim batch from %s: %w", r.table, err)
 	}
-	return out, locked, nil
+	return rows, fenced, locked, nil
 }
 
 func (r *Relay) commit(ctx context.Context, tx pgx.Tx) error {

@@ -50,6 +50,13 @@ type SQL struct {
 	// id to start after, $2 ids to leave out, $3 and $4 the (partition key,
 	// event type) pairs to leave out, as two arrays, $5 the buckets, $6 the
 	// most rows, $7 the byte budget, $8 the largest record any topic takes.
+	// It reads its candidates first and then locks them by id, so it also
+	// returns the candidates another session holds locked (an open
+	// transaction that updated one, an admin's SELECT ... FOR UPDATE, a
+	// foreign key's FOR KEY SHARE), which SKIP LOCKED passes over: with
+	// only their id, partition key and event type, flagged in a last
+	// column, so the relay stops their lanes there and the key's later rows
+	// do not go out before them (claimFenced).
 	ClaimBuckets string
 	// Mark sets published_at on the rows whose ids are $1; on a
 	// partitioned table (Partitioned) whose created_at is also between $2
@@ -270,15 +277,66 @@ func budgeted(claim, budgetArg, largestArg, payload string) string {
 // or the stream's commit order).
 func budgetedBy(claim, budgetArg, largestArg, payload, order string) string {
 	return `WITH c AS (` + claim + `),
-o AS (SELECT c.*, CASE WHEN size > ` + largestArg + ` THEN ` + payload + ` > ` + largestArg + ` ELSE false END AS oversize FROM c)
+` + budgetedRows(budgetArg, largestArg, payload, order, "") + `
+ORDER BY ` + order
+}
+
+// budgetedRows is budgetedBy after its claim (c, the rows the claim
+// locked): the rows within the budget, not yet ordered, with the columns
+// extra last.
+func budgetedRows(budgetArg, largestArg, payload, order, extra string) string {
+	return `o AS (SELECT c.*, CASE WHEN size > ` + largestArg + ` THEN ` + payload + ` > ` + largestArg + ` ELSE false END AS oversize FROM c)
 SELECT id, event_id, event_type, aggregate_type, aggregate_id, partition_key,
        CASE WHEN oversize THEN NULL ELSE payload END, created_at, invalid,
-       CASE WHEN oversize THEN NULL ELSE headers END, size, kafka_partition, (SELECT count(*) FROM c) AS locked
+       CASE WHEN oversize THEN NULL ELSE headers END, size, kafka_partition, (SELECT count(*) FROM c) AS locked` + extra + `
 FROM (SELECT o.*, sum(CASE WHEN oversize THEN 0 ELSE size END) OVER (ORDER BY ` + order + `)
                - CASE WHEN oversize THEN 0 ELSE size END AS before
       FROM o) s
-WHERE before < ` + budgetArg + `
-ORDER BY ` + order
+WHERE before < ` + budgetArg
+}
+
+// claimFenced is ClaimBuckets: budgeted's claim of the rows of table q
+// that where selects, in id order, $6 at most, each with a last column,
+// fenced. SKIP LOCKED alone passes over a row another session holds
+// locked and goes on to the key's later rows, which would then go out
+// before it. So the claim reads its candidates without locking them
+// (cand), then locks them by id (l: one more index probe per candidate),
+// and returns those it could not lock (fenced true, with only their id,
+// partition key and event type) beside those it claimed (c), so that the
+// relay stops their lanes at their place in id order (byKey.fence).
+// A candidate that a transaction updated and committed between the read
+// and the lock is locked in its new version, and where is checked again
+// on that version (matches): one that no longer matches (published, or of
+// another key or type now) is left out, as a locking claim's recheck
+// leaves it out, not taken for a row locked elsewhere. One deleted
+// meanwhile comes back fenced, for that claim only. Only c counts in the
+// byte budget and in locked.
+func claimFenced(q, cols, where string, o sqlOptions) string {
+	bounds := ""
+	if o.partitioned {
+		// The candidates' created_at range prunes the partitions the lock
+		// probes: by id alone it would probe every one.
+		bounds = `
+      AND (created_at BETWEEN (SELECT min(created_at) FROM cand) AND (SELECT max(created_at) FROM cand) OR created_at IS NULL)`
+	}
+	return `WITH cand AS (
+    SELECT id, created_at, COALESCE(partition_key, '') AS partition_key, COALESCE(event_type, '') AS event_type
+    FROM ` + q + `
+    WHERE ` + where + `
+    ORDER BY id
+    LIMIT $6),
+l AS (
+    SELECT ` + cols + `,
+      ` + where + ` AS matches
+    FROM ` + q + `
+    WHERE id = ANY(ARRAY(SELECT id FROM cand))` + bounds + `
+    FOR UPDATE SKIP LOCKED),
+c AS (SELECT * FROM l WHERE matches),
+` + budgetedRows("$7", "$8", payloadLength(o), "id", ", false AS fenced") + `
+UNION ALL
+SELECT id, '', event_type, '', '', partition_key, NULL, 'epoch', '', NULL, 0, NULL, (SELECT count(*) FROM c), true
+FROM cand WHERE id NOT IN (SELECT id FROM l)
+ORDER BY id`
 }
 
 // claimIDs claims the rows of the ids a logical replication stream
@@ -330,13 +388,8 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
     ORDER BY id
     LIMIT $4
     FOR UPDATE SKIP LOCKED`, "$5", "$6", payloadLength(o)),
-		ClaimBuckets: budgeted(`SELECT `+cols+`
-    FROM `+q+`
-    WHERE published_at IS NULL AND id > $1 AND id <> ALL($2) AND NOT `+waitingPair("$3", "$4")+`
-      AND `+bucketSQL+` = ANY($5) AND (event_type IS NULL OR event_type = ANY($9))
-    ORDER BY id
-    LIMIT $6
-    FOR UPDATE SKIP LOCKED`, "$7", "$8", payloadLength(o)),
+		ClaimBuckets: claimFenced(q, cols, `published_at IS NULL AND id > $1 AND id <> ALL($2) AND NOT `+waitingPair("$3", "$4")+`
+      AND `+bucketSQL+` = ANY($5) AND (event_type IS NULL OR event_type = ANY($9))`, o),
 		ClaimIDs:        claimIDs(cols, q, o, "FOR UPDATE SKIP LOCKED"),
 		ClaimIDsWaiting: claimIDs(cols, q, o, "FOR UPDATE"),
 		// age(xmin) > age($2): xmin precedes $2 (age counts back from the
