@@ -380,7 +380,12 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 	if x.partition != nil {
 		n, known := r.topics.partitionCount(topic)
 		if !known {
-			r.stopLane(b, x, i, now.Add(r.cfg.MaxBackoff)) // its topic's metadata comes with the next refresh
+			// The brokers' metadata did not list its topic when the relay
+			// last read it (missing, or created since): as for a topic
+			// down, its rows wait a backoff until the next read. Left for
+			// the next batch, they were claimed again at once, batch after
+			// batch, until that read.
+			b.out[i], b.errs[i] = topicDown, fmt.Errorf("topic %s: its partitions are not known (the brokers' metadata did not list it when the relay last read it)", topic)
 			return kafka.Message{}, false
 		}
 		if p := *x.partition; p < 0 || p >= int64(n) {

@@ -254,6 +254,25 @@ func TestExplicitPartitionTheWriterDoesNotKnowYetIsNotSentElsewhere(t *testing.T
 	require.Equal(t, int64(2), total, "the warm-up record and this one, nothing elsewhere")
 }
 
+// A row whose partition column names a partition of a topic whose
+// partitions the relay has not read yet (the brokers did not list it: it
+// is missing, or was created since) waits as a row of a topic down: the
+// claims leave the topic out for a backoff. Before, the row was only left
+// for the next batch, which claimed it again at once, batch after batch,
+// until the next metadata read.
+func TestExplicitPartitionOfATopicNotReadYetWaitsABackoff(t *testing.T) {
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "t"))
+	require.NoError(t, err)
+	defer c.Close()
+	r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, PublishTimeout: 5 * time.Second}})
+	zero := int64(0)
+	published, _, _ := r.publish(context.Background(), []row{{id: 1, eventID: "e1", eventType: "E", partitionKey: "k",
+		payload: []byte(`{}`), createdAt: time.Now(), partition: &zero}})
+	require.Empty(t, published)
+	require.False(t, r.topics.available("t", time.Now()), "its topic is left out of the claims for a backoff")
+	require.Contains(t, r.topics.downTopics(), "t")
+}
+
 // A record alone in its call is not dead-lettered on its batch's refusal
 // while other calls of the same writer and topic ran beside it: when the
 // writer's partition count is newer than the relay's (partitions were just
