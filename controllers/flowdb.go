@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"golang.org/x/sync/semaphore"
 
 	"github.com/outbox-relay/outbox-operator/dbauth"
 )
@@ -33,14 +32,136 @@ const connIdleTime = time.Minute
 // database is the connections to one database, across its DSNs: at most
 // cap open, each kept for reuse by reads with the same DSN, and closed for
 // a read with another DSN when the cap is reached. Reads take a turn first
-// (sem), so there is always one to close then.
+// (turn), so there is always one to close then.
+//
+// A session costs the server a process, a login (TLS, SCRAM or a token)
+// and a cold catalog cache, where a reading on an open one costs a
+// statement. So turns go by DSN rather than first come first served: a
+// connection that comes back goes with the turn to the oldest read of its
+// DSN, and a read whose DSN's connection is busy waits for it rather than
+// close another DSN's; a read passed over maxPassedOver times takes the next
+// turn whatever it costs, so no DSN waits on the others for long.
 type database struct {
 	cap int
-	sem *semaphore.Weighted
 
-	mu   sync.Mutex
-	open int                   // connections open or being opened
-	idle map[string][]idleConn // by dsnKey
+	mu      sync.Mutex
+	reads   int                   // turns taken
+	running map[string]int        // turns taken, by dsnKey
+	queue   []*waiter             // reads waiting for a turn, oldest first
+	open    int                   // connections open or being opened
+	idle    map[string][]idleConn // by dsnKey
+}
+
+// maxPassedOver is how many later reads may take a turn before a waiting read.
+const maxPassedOver = 16
+
+// waiter is a read waiting for a turn.
+type waiter struct {
+	key    string
+	ready  chan struct{} // closed with the turn
+	idle   idleConn      // key's idle connection, handed over with the turn
+	passed int           // turns given to later reads meanwhile
+}
+
+func newDatabase(cap int) *database {
+	return &database{cap: cap, running: map[string]int{}, idle: map[string][]idleConn{}}
+}
+
+// turn waits for a turn to read with key's DSN, and returns the DSN's idle
+// connection that came with it, if any. A turn taken is given back with done.
+func (d *database) turn(ctx context.Context, key string) (*pgx.Conn, error) {
+	w := &waiter{key: key, ready: make(chan struct{})}
+	d.mu.Lock()
+	d.queue = append(d.queue, w)
+	d.passLocked()
+	d.mu.Unlock()
+	select {
+	case <-w.ready:
+		return w.idle.conn, nil
+	case <-ctx.Done():
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	select {
+	case <-w.ready: // the turn came as the wait ended: it goes to the next
+		if w.idle.conn != nil {
+			d.idle[key] = append(d.idle[key], w.idle)
+		}
+		d.doneLocked(key)
+	default:
+		for i, q := range d.queue {
+			if q == w {
+				d.queue = append(d.queue[:i], d.queue[i+1:]...)
+				break
+			}
+		}
+	}
+	return nil, ctx.Err()
+}
+
+// done gives back a turn taken for key's DSN, after its connection was put back.
+func (d *database) done(key string) {
+	d.mu.Lock()
+	d.doneLocked(key)
+	d.mu.Unlock()
+}
+
+func (d *database) doneLocked(key string) {
+	d.reads--
+	if d.running[key]--; d.running[key] == 0 {
+		delete(d.running, key)
+	}
+	d.passLocked()
+}
+
+// passLocked gives the free turns to the waiting reads (nextLocked), each
+// with its DSN's idle connection if there is one.
+func (d *database) passLocked() {
+	for d.reads < d.cap {
+		next := d.nextLocked()
+		if next < 0 {
+			return
+		}
+		w := d.queue[next]
+		for _, p := range d.queue[:next] {
+			p.passed++
+		}
+		d.queue = append(d.queue[:next], d.queue[next+1:]...)
+		if l := d.idle[w.key]; len(l) > 0 {
+			w.idle = l[len(l)-1]
+			d.idle[w.key] = l[:len(l)-1]
+		}
+		d.reads++
+		d.running[w.key]++
+		close(w.ready)
+	}
+}
+
+// nextLocked is the index in queue of the read to give a free turn to, -1
+// for none: the oldest passed over maxPassedOver times; else the oldest
+// whose DSN has an idle connection; else the oldest that can connect
+// without closing another DSN's connection, or whose DSN has no read
+// running (it closes an idle connection of another DSN). The others wait
+// for their DSN's connection in use, which comes to them next.
+func (d *database) nextLocked() int {
+	oldest := func(ok func(w *waiter) bool) int {
+		for i, w := range d.queue {
+			if ok(w) {
+				return i
+			}
+		}
+		return -1
+	}
+	for _, ok := range []func(w *waiter) bool{
+		func(w *waiter) bool { return w.passed >= maxPassedOver },
+		func(w *waiter) bool { return len(d.idle[w.key]) > 0 },
+		func(w *waiter) bool { return d.open < d.cap || d.running[w.key] == 0 },
+	} {
+		if i := oldest(ok); i >= 0 {
+			return i
+		}
+	}
+	return -1
 }
 
 type idleConn struct {
@@ -100,7 +221,7 @@ func (o *FlowObserver) acquire(dsn string, t *dbTLS, auth dbAuth) (*sharedDB, er
 	name := cfg.Host + ":" + strconv.Itoa(int(cfg.Port)) + "/" + cfg.Database
 	group := o.databases[name]
 	if group == nil {
-		group = &database{cap: n, sem: semaphore.NewWeighted(int64(n)), idle: map[string][]idleConn{}}
+		group = newDatabase(n)
 		o.databases[name] = group
 	}
 	db := &sharedDB{key: k, cfg: cfg, tokens: tokens, db: group, refs: 1, recent: map[string]recentRead{}}
@@ -160,13 +281,7 @@ func (d *database) conn(ctx context.Context, key string, cfg *pgx.ConnConfig, to
 	}
 	var victim *pgx.Conn
 	if d.open >= d.cap {
-		for k, l := range d.idle {
-			if len(l) > 0 {
-				victim = l[0].conn
-				d.idle[k] = l[1:]
-				break
-			}
-		}
+		victim = d.victimLocked()
 	}
 	if victim == nil && d.open >= d.cap {
 		d.mu.Unlock()
@@ -187,6 +302,32 @@ func (d *database) conn(ctx context.Context, key string, cfg *pgx.ConnConfig, to
 		return nil, err
 	}
 	return c, nil
+}
+
+// victimLocked takes the idle connection to close for another DSN's: the
+// longest idle of a DSN no read waits for, or else the longest idle; nil
+// when none is idle.
+func (d *database) victimLocked() *pgx.Conn {
+	waited := map[string]bool{}
+	for _, w := range d.queue {
+		waited[w.key] = true
+	}
+	var key string
+	var best idleConn
+	for k, l := range d.idle {
+		if len(l) == 0 {
+			continue
+		}
+		better := best.conn == nil || waited[key] && !waited[k] ||
+			waited[key] == waited[k] && l[0].since.Before(best.since)
+		if better {
+			key, best = k, l[0]
+		}
+	}
+	if best.conn != nil {
+		d.idle[key] = d.idle[key][1:]
+	}
+	return best.conn
 }
 
 // put keeps c for key's next read, or closes it when it is broken.
@@ -265,16 +406,19 @@ func (o *FlowObserver) read(ctx context.Context, db *sharedDB, q backlogQuery, b
 		// has its own deadline.
 		wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), max(2*fresh, backlogQueryTimeout))
 		defer cancel()
-		if err := db.db.sem.Acquire(wctx, 1); err != nil {
+		conn, err := db.db.turn(wctx, db.key)
+		if err != nil {
 			return backlogSample{}, fmt.Errorf("read the backlog of %s: %w", q.table, errNoTurn)
 		}
-		defer db.db.sem.Release(1)
+		defer db.db.done(db.key) // after put: the connection goes with the turn
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), backlogQueryTimeout+time.Second)
 		defer cancel()
 		o.queries.Add(1)
-		conn, err := db.db.conn(rctx, db.key, db.cfg, db.tokens)
-		if err != nil {
-			return backlogSample{}, fmt.Errorf("read the backlog of %s: %w", q.table, err)
+		if conn == nil {
+			conn, err = db.db.conn(rctx, db.key, db.cfg, db.tokens)
+			if err != nil {
+				return backlogSample{}, fmt.Errorf("read the backlog of %s: %w", q.table, err)
+			}
 		}
 		s, err := observeBacklog(rctx, conn, q, bound)
 		db.db.put(db.key, conn)

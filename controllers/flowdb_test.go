@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	appsv1 "k8s.io/api/apps/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -212,4 +213,57 @@ func TestTokenLoginsAreOptIn(t *testing.T) {
 	r.observe(key, relay, in, nil)
 	require.Eventually(t, func() bool { return calls.Load() > 0 }, 10*time.Second, 10*time.Millisecond,
 		"with --database-token-logins the backlog is read with the operator's identity")
+}
+
+// A read whose DSN has no connection is passed over by reads of a DSN that
+// has one idle (it goes with the turn), but by no more than maxPassedOver
+// of them: then it has the next turn, whatever it costs.
+func TestTurnsGoByDSNButStarveNone(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	d := newDatabase(1)
+	d.open = 1 // a's connection: the cap is reached
+	c, err := d.turn(ctx, "a")
+	require.NoError(t, err)
+	require.Nil(t, c, "no connection is idle yet")
+	queued := func(n int) func() bool {
+		return func() bool {
+			d.mu.Lock()
+			defer d.mu.Unlock()
+			return len(d.queue) == n
+		}
+	}
+	bTurn := make(chan struct{})
+	go func() {
+		if _, err := d.turn(ctx, "b"); err == nil {
+			close(bTurn)
+		}
+	}()
+	require.Eventually(t, queued(1), 5*time.Second, time.Millisecond)
+	conn := &pgx.Conn{} // stands for a's session; never used
+	for passed := 0; ; passed++ {
+		// Another read of a waits, and a's read ends with its connection kept.
+		aTurn := make(chan *pgx.Conn, 1)
+		go func() {
+			c, _ := d.turn(ctx, "a") // fails only when ctx ends
+			aTurn <- c
+		}()
+		require.Eventually(t, queued(2), 5*time.Second, time.Millisecond)
+		d.mu.Lock()
+		d.idle["a"] = append(d.idle["a"], idleConn{conn: conn, since: time.Now()})
+		d.mu.Unlock()
+		d.done("a")
+		select {
+		case c := <-aTurn:
+			require.Same(t, conn, c, "a's connection goes with the turn")
+			require.Less(t, passed, maxPassedOver, "b is passed over at most maxPassedOver times")
+		case <-bTurn:
+			require.Equal(t, maxPassedOver, passed, "b has the turn once passed over maxPassedOver times")
+			d.done("b")
+			require.Same(t, conn, <-aTurn, "the waiting read of a has the next turn, with a's connection")
+			return
+		case <-time.After(5 * time.Second):
+			t.Fatal("no read has the turn")
+		}
+	}
 }
