@@ -234,17 +234,15 @@ func (o *FlowObserver) run(ctx context.Context, key types.NamespacedName, target
 	// The first read comes at once (the status wants a backlog soon); the
 	// second after half to one and a half intervals, at random, so that
 	// observers started together (a manager start) spread over the
-	// interval; the later ones every interval, give or take a tenth.
-	timer := time.NewTimer(0)
+	// interval; the later ones every interval, give or take a tenth, or up
+	// to half an interval early (readingDue).
+	due, early := time.Now(), time.Duration(0)
 	reads := 0
-	defer timer.Stop()
 	lastLogged := ""
 	withHeld := false // the first read finds out whether the held table exists
 	for {
-		select {
-		case <-ctx.Done():
+		if !readingDue(ctx, db, due, early) {
 			return
-		case <-timer.C:
 		}
 		if db == nil && reads > 0 {
 			// Acquiring failed (a cloud identity's token source not ready
@@ -282,8 +280,42 @@ func (o *FlowObserver) run(ctx context.Context, key types.NamespacedName, target
 		if reads == 1 {
 			next = interval/2 + time.Duration(rand.Int64N(int64(interval)+1))
 		}
-		timer.Reset(next)
+		due, early = time.Now().Add(next), interval/2
 	}
+}
+
+// readingDue waits until due, or until a connection of db's DSN opens in the
+// last early before it, and reports whether ctx is still live then. Where
+// the DSNs on a database outnumber its connections, a DSN's connection is
+// closed for another's between its reads; a reading almost due is taken
+// with the one opened for another reading of its DSN rather than open one
+// later. After a reading taken together the observers' next ones are due
+// together, give or take a tenth of an interval, so each DSN's readings
+// soon come in one batch an interval, on one session. The cost is a
+// reading taken up to early before it is due, on a session already open.
+func readingDue(ctx context.Context, db *sharedDB, due time.Time, early time.Duration) bool {
+	var opened <-chan struct{}
+	if db != nil && early > 0 {
+		if wait := time.Until(due.Add(-early)); wait > 0 {
+			t := time.NewTimer(wait)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return false
+			case <-t.C:
+			}
+		}
+		opened = db.db.sessionOpened(db.key)
+	}
+	t := time.NewTimer(time.Until(due))
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+	case <-opened:
+	}
+	return true
 }
 
 // interval is key's reading interval as the reconciler last handed it over.

@@ -50,6 +50,9 @@ type database struct {
 	queue   []*waiter             // reads waiting for a turn, oldest first
 	open    int                   // connections open or being opened
 	idle    map[string][]idleConn // by dsnKey
+	// opened are closed when a connection of their dsnKey opens, for the
+	// observers whose reading is almost due to take it then (FlowObserver.run).
+	opened map[string]chan struct{}
 }
 
 // maxPassedOver is how many later reads may take a turn before a waiting read.
@@ -64,7 +67,7 @@ type waiter struct {
 }
 
 func newDatabase(cap int) *database {
-	return &database{cap: cap, running: map[string]int{}, idle: map[string][]idleConn{}}
+	return &database{cap: cap, running: map[string]int{}, idle: map[string][]idleConn{}, opened: map[string]chan struct{}{}}
 }
 
 // turn waits for a turn to read with key's DSN, and returns the DSN's idle
@@ -162,6 +165,18 @@ func (d *database) nextLocked() int {
 		}
 	}
 	return -1
+}
+
+// sessionOpened is closed when the next connection of key's DSN opens.
+func (d *database) sessionOpened(key string) <-chan struct{} {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	ch := d.opened[key]
+	if ch == nil {
+		ch = make(chan struct{})
+		d.opened[key] = ch
+	}
+	return ch
 }
 
 type idleConn struct {
@@ -295,11 +310,15 @@ func (d *database) conn(ctx context.Context, key string, cfg *pgx.ConnConfig, to
 		closeAndWait(victim) // its place passes to the new one
 	}
 	c, err := tokens.Connect(ctx, cfg)
+	d.mu.Lock()
+	defer d.mu.Unlock()
 	if err != nil {
-		d.mu.Lock()
 		d.open--
-		d.mu.Unlock()
 		return nil, err
+	}
+	if ch := d.opened[key]; ch != nil {
+		close(ch)
+		delete(d.opened, key)
 	}
 	return c, nil
 }
@@ -344,9 +363,13 @@ func (d *database) put(key string, c *pgx.Conn) {
 	d.mu.Unlock()
 }
 
-// closeIdle closes key's idle connections idle since before (all with a zero before).
+// closeIdle closes key's idle connections idle since before (all with a
+// zero before: the DSN's last reader is gone).
 func (d *database) closeIdle(key string, before time.Time) {
 	d.mu.Lock()
+	if before.IsZero() {
+		delete(d.opened, key)
+	}
 	var doomed []*pgx.Conn
 	keep := d.idle[key][:0]
 	for _, ic := range d.idle[key] {

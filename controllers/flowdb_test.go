@@ -215,6 +215,68 @@ func TestTokenLoginsAreOptIn(t *testing.T) {
 		"with --database-token-logins the backlog is read with the operator's identity")
 }
 
+// Eighty OutboxRelays on one database through ten DSNs (teams with users
+// of their own), two connections: a DSN's readings come together, and its
+// session serves them all before it is closed for another DSN's, so logins
+// (a process, TLS, SCRAM or a token, a cold catalog cache) stay a small
+// fraction of the statements. No relay goes without its readings meanwhile.
+func TestObserversReuseSessionsAcrossDSNs(t *testing.T) {
+	t.Parallel()
+	dsn, db := outboxDB(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	const dsns, perDSN = 10, 8
+	for i := range dsns * perDSN {
+		_, err := db.Exec(ctx, outbox.SchemaDDL(outbox.Table{Name: fmt.Sprintf("outbox_%d", i)}))
+		require.NoError(t, err)
+	}
+	sep := "?"
+	if strings.Contains(dsn, "?") {
+		sep = "&"
+	}
+	o := NewFlowObserver()
+	go func() { _ = o.Start(ctx) }()
+	interval := 500 * time.Millisecond
+	targets := map[types.NamespacedName]flowTarget{}
+	for i := range dsns * perDSN {
+		k := types.NamespacedName{Namespace: "ns", Name: fmt.Sprintf("r%d", i)}
+		targets[k] = flowTarget{dsn: dsn + sep + fmt.Sprintf("connect_timeout=%d", 5+i%dsns), dsnSecret: "dsn",
+			table: outbox.Table{Name: fmt.Sprintf("outbox_%d", i)}, interval: interval}
+		o.Observe(k, targets[k])
+	}
+	require.Eventually(t, func() bool {
+		for k, target := range targets {
+			if o.Observe(k, target).sample == nil {
+				return false
+			}
+		}
+		return true
+	}, 20*time.Second, 50*time.Millisecond, "every relay gets its backlog")
+
+	// The server counts the sessions opened in each database (PostgreSQL 14
+	// and later) when their backend reports its statistics, at its end at
+	// the latest: only the few open at the window's edges may be missed or
+	// counted in it late. The test's pool has its connection already.
+	sessions := func() int64 {
+		var n int64
+		require.NoError(t, db.QueryRow(ctx, `SELECT sessions FROM pg_stat_database WHERE datname = current_database()`).Scan(&n))
+		return n
+	}
+	began, before, statements := time.Now(), sessions(), o.queries.Load()
+	<-time.After(5 * time.Second) // a window of ten intervals, the readings' own pace
+	statements = o.queries.Load() - statements
+	opened := sessions() - before
+	t.Logf("%d backlog statements and %d new sessions in %s for %d relays over %d DSNs",
+		statements, opened, time.Since(began).Round(time.Millisecond), dsns*perDSN, dsns)
+	for k, target := range targets {
+		v := o.Observe(k, target)
+		require.Empty(t, v.lastErr, k.Name)
+		require.True(t, v.sample.at.After(began.Add(3*time.Second)), "%s has a recent reading, not one from %s", k.Name, v.sample.at)
+	}
+	require.Greater(t, statements, int64(dsns*perDSN*5), "the relays are read about every interval")
+	require.LessOrEqual(t, opened, statements/5, "sessions opened for the statements run")
+}
+
 // A read whose DSN has no connection is passed over by reads of a DSN that
 // has one idle (it goes with the turn), but by no more than maxPassedOver
 // of them: then it has the next turn, whatever it costs.
