@@ -41,7 +41,8 @@ import (
 // measures the time until every OutboxRelay is Ready, and then over a steady
 // window: the manager's RSS and CPU, the connections it holds to the
 // database, the API requests it makes by verb and resource (from the API
-// server's own metrics), and the database time its backlog reads cost.
+// server's own metrics), and the database time and the sessions (logins)
+// its backlog reads cost.
 func runFootprint(ctx context.Context, o *options, e *benchEnv, rep *report) error {
 	reps, err := repeat(&options{reps: min(o.reps, 1)}, func(int) (map[string]float64, error) { return operatorRun(ctx, o, e) })
 	if err != nil {
@@ -243,7 +244,8 @@ func operatorRun(ctx context.Context, o *options, e *benchEnv) (map[string]float
 		return nil, err
 	}
 	var activeBefore, activeAfter float64
-	if err := pool.QueryRow(ctx, `SELECT active_time FROM pg_stat_database WHERE datname = 'fleet'`).Scan(&activeBefore); err != nil {
+	var sessionsBefore, sessionsAfter int64
+	if err := pool.QueryRow(ctx, `SELECT active_time, sessions FROM pg_stat_database WHERE datname = 'fleet'`).Scan(&activeBefore, &sessionsBefore); err != nil {
 		return nil, err
 	}
 	cpu0, _ := cpuSeconds(mgr.Pid())
@@ -259,7 +261,7 @@ func operatorRun(ctx context.Context, o *options, e *benchEnv) (map[string]float
 	if err != nil {
 		return nil, err
 	}
-	if err := pool.QueryRow(ctx, `SELECT active_time FROM pg_stat_database WHERE datname = 'fleet'`).Scan(&activeAfter); err != nil {
+	if err := pool.QueryRow(ctx, `SELECT active_time, sessions FROM pg_stat_database WHERE datname = 'fleet'`).Scan(&activeAfter, &sessionsAfter); err != nil {
 		return nil, err
 	}
 	rss, hwm, err := memKiB(mgr.Pid())
@@ -286,6 +288,7 @@ func operatorRun(ctx context.Context, o *options, e *benchEnv) (map[string]float
 		"db_conns_peak":              float64(connsPeak.Load()),
 		"db_conns_steady":            float64(connsSteady.Load()),
 		"db_ms_per_s":                (activeAfter - activeBefore) / window,
+		"db_sessions_per_s":          float64(sessionsAfter-sessionsBefore) / window,
 		"secret_gets_per_s":          perS("GET", "secrets"),
 		"status_patches_per_s":       perS("PATCH", "outboxrelays/status"),
 		"deployment_writes_per_s":    perS("PATCH", "deployments") + perS("UPDATE", "deployments"),
@@ -293,8 +296,8 @@ func operatorRun(ctx context.Context, o *options, e *benchEnv) (map[string]float
 		"fleet_reads_per_s":          perS("GET", "outboxrelays") + perS("GET", "deployments") + perS("GET", "secrets"),
 		"secret_gets_long_run_per_s": float64(o.relays) / controllers.DefaultSecretRefreshInterval.Seconds(),
 	}
-	logf("fleet: Ready in %.1f s; steady: RSS %.1f MiB, %.0f millicores, %0.f connections (peak %.0f), %.2f ms/s of database time, %.2f Secret GETs/s, %.2f writes/s",
-		m["ready_s"], m["manager_rss_mib"], m["manager_steady_millicores"], m["db_conns_steady"], m["db_conns_peak"], m["db_ms_per_s"], m["secret_gets_per_s"], m["fleet_writes_per_s"])
+	logf("fleet: Ready in %.1f s; steady: RSS %.1f MiB, %.0f millicores, %0.f connections (peak %.0f), %.2f ms/s of database time, %.2f sessions opened/s, %.2f Secret GETs/s, %.2f writes/s",
+		m["ready_s"], m["manager_rss_mib"], m["manager_steady_millicores"], m["db_conns_steady"], m["db_conns_peak"], m["db_ms_per_s"], m["db_sessions_per_s"], m["secret_gets_per_s"], m["fleet_writes_per_s"])
 	return m, nil
 }
 
