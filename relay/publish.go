@@ -386,6 +386,7 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 			// the next batch, they were claimed again at once, batch after
 			// batch, until that read.
 			b.out[i], b.errs[i] = topicDown, fmt.Errorf("topic %s: its partitions are not known (the brokers' metadata did not list it when the relay last read it)", topic)
+			r.stopLane(b, x, i, time.Time{}) // before its key's later rows are sent
 			return kafka.Message{}, false
 		}
 		if p := *x.partition; p < 0 || p >= int64(n) {

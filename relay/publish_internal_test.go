@@ -273,6 +273,35 @@ func TestExplicitPartitionOfATopicNotReadYetWaitsABackoff(t *testing.T) {
 	require.Contains(t, r.topics.downTopics(), "t")
 }
 
+// A row that waits because its topic's partitions are not read yet holds
+// back its key's later rows in the batch, even those that name no
+// partition, in partition-key mode and with logical replication capture
+// (whose batches keep each key's order the same way). Without the lane's
+// stop, the later row went out first.
+func TestExplicitPartitionOfATopicNotReadYetHoldsItsKeysLaterRows(t *testing.T) {
+	for _, capture := range []bool{false, true} {
+		t.Run(fmt.Sprintf("capture=%v", capture), func(t *testing.T) {
+			c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "t"))
+			require.NoError(t, err)
+			defer c.Close()
+			cfg := Config{Settings: Settings{Topics: map[string]string{"E": "t"}, PublishTimeout: 5 * time.Second}}
+			if !capture {
+				cfg.Ordering = OrderingPartitionKey
+			}
+			r := kfakeRelay(t, c, cfg)
+			if capture {
+				r.capture = &captureState{}
+			}
+			zero := int64(0)
+			published, _, _ := r.publish(context.Background(), []row{
+				{id: 1, eventID: "e1", eventType: "E", partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now(), partition: &zero},
+				{id: 2, eventID: "e2", eventType: "E", partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now()},
+			})
+			require.Empty(t, published, "the later row of its key waits behind it")
+		})
+	}
+}
+
 // A record alone in its call is not dead-lettered on its batch's refusal
 // while other calls of the same writer and topic ran beside it: when the
 // writer's partition count is newer than the relay's (partitions were just
