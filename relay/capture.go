@@ -1751,7 +1751,7 @@ func (r *Relay) claimStreamed(ctx context.Context, ids, xids []int64, alive func
 			pos, lo := commitOrder(ids)
 			var rs pgx.Rows
 			if rs, err = tx.Query(bctx, claim, ids, f.types, f.held, r.cfg.MaxBatchBytes, f.largest, pos, lo); err == nil {
-				rows, _, locked, err = r.scanClaim(rs, f, false)
+				rows, _, locked, _, err = r.scanClaim(rs, f, false)
 			}
 		}
 		if waiting && err == nil {

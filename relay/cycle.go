@@ -257,7 +257,7 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 			return nil, r.dbFailed(fmt.Errorf("read the oldest running transaction before a claim from %s: %w", r.table, err))
 		}
 	}
-	rows, fenced, locked, err := r.claim(bctx, tx, r.cur.from(start), f)
+	rows, fenced, locked, limited, err := r.claim(bctx, tx, r.cur.from(start), f)
 	if err != nil {
 		tx.Rollback(bctx) //nolint:errcheck // the claim's error is the one to report
 		cancel()
@@ -266,9 +266,10 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	r.setDBErr(nil)
 	r.m.claimDuration.Observe(time.Since(start).Seconds())
 	cut := len(rows) < locked
-	// Rows another session holds locked filled the claim's limit too: more
-	// rows may follow them.
-	full := locked+len(fenced) == r.cfg.BatchSize || cut
+	// The claim's limit counts its candidates: those another session holds
+	// locked, and those a transaction changed while the claim ran so that
+	// they no longer match, filled it too, and more rows may follow them.
+	full := limited == r.cfg.BatchSize || cut
 	if len(fenced) > 0 {
 		// Before the publish: their lanes' later rows in this batch stay.
 		for _, x := range r.lanes.fence(rows, fenced, start) {

@@ -667,21 +667,24 @@ func payloadBytes(rows []row) int {
 }
 
 // claim runs the mode's claim and reads the rows, how many rows it locked
-// (more than it returned when the byte budget cut it), and in
+// (more than it returned when the byte budget cut it), how many its limit
+// counted (limited: the batch size when the claim was full), and in
 // partition-key mode the rows it could not lock because another session
 // holds them (fenced, SQL.ClaimBuckets), in id order: their lanes wait.
-func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, f claimFilter) (rows, fenced []row, locked int, err error) {
+func (r *Relay) claim(ctx context.Context, tx pgx.Tx, from int64, f claimFilter) (rows, fenced []row, locked, limited int, err error) {
 	rs, err := r.claimer.claim(ctx, tx, from, f)
 	if err != nil {
-		return nil, nil, 0, fmt.Errorf("claim batch from %s: %w", r.table, err)
+		return nil, nil, 0, 0, fmt.Errorf("claim batch from %s: %w", r.table, err)
 	}
 	return r.scanClaim(rs, f, r.lanes != nil)
 }
 
-// scanClaim reads a claim's rows (SQL.Claim's result) and how many rows it
-// locked. With fences the result has a last column, fenced
-// (SQL.ClaimBuckets), and the rows it flags come apart, in fenced.
-func (r *Relay) scanClaim(rs pgx.Rows, f claimFilter, fences bool) (rows, fenced []row, locked int, err error) {
+// scanClaim reads a claim's rows (SQL.Claim's result), how many rows it
+// locked and how many its limit counted. With fences the result has two
+// last columns, fenced and the candidates the limit counted
+// (SQL.ClaimBuckets), and the rows it flags come apart, in fenced;
+// without, the limit counted the rows locked.
+func (r *Relay) scanClaim(rs pgx.Rows, f claimFilter, fences bool) (rows, fenced []row, locked, limited int, err error) {
 	rows = make([]row, 0, r.cfg.BatchSize)
 	for rs.Next() {
 		var x row
@@ -689,11 +692,11 @@ func (r *Relay) scanClaim(rs pgx.Rows, f claimFilter, fences bool) (rows, fenced
 		dest := []any{&x.id, &x.eventID, &x.eventType, &x.aggregateType, &x.aggregateID, &x.partitionKey,
 			&x.payload, &x.createdAt, &x.invalid, &x.headers, &x.size, &x.partition, &locked}
 		if fences {
-			dest = append(dest, &isFenced)
+			dest = append(dest, &isFenced, &limited)
 		}
 		if err := rs.Scan(dest...); err != nil {
 			rs.Close()
-			return nil, nil, 0, fmt.Errorf("claim batch from %s: %w", r.table, err)
+			return nil, nil, 0, 0, fmt.Errorf("claim batch from %s: %w", r.table, err)
 		}
 		if isFenced {
 			fenced = append(fenced, x)
@@ -705,9 +708,12 @@ func (r *Relay) scanClaim(rs pgx.Rows, f claimFilter, fences bool) (rows, fenced
 		rows = append(rows, x)
 	}
 	if err := rs.Err(); err != nil {
-		return nil, nil, 0, fmt.Errorf("claim batch from %s: %w", r.table, err)
+		return nil, nil, 0, 0, fmt.Errorf("claim batch from %s: %w", r.table, err)
 	}
-	return rows, fenced, locked, nil
+	if !fences {
+		limited = locked
+	}
+	return rows, fenced, locked, limited, nil
 }
 
 func (r *Relay) commit(ctx context.Context, tx pgx.Tx) error {

@@ -54,9 +54,10 @@ type SQL struct {
 	// returns the candidates another session holds locked (an open
 	// transaction that updated one, an admin's SELECT ... FOR UPDATE, a
 	// foreign key's FOR KEY SHARE), which SKIP LOCKED passes over: with
-	// only their id, partition key and event type, flagged in a last
-	// column, so the relay stops their lanes there and the key's later rows
-	// do not go out before them (claimFenced).
+	// only their id, partition key and event type, flagged in a column
+	// after locked, so the relay stops their lanes there and the key's
+	// later rows do not go out before them; a last column counts the
+	// candidates its limit took (claimFenced).
 	ClaimBuckets string
 	// Mark sets published_at on the rows whose ids are $1; on a
 	// partitioned table (Partitioned) whose created_at is also between $2
@@ -309,8 +310,9 @@ WHERE before < ` + budgetArg
 // on that version (matches): one that no longer matches (published, or of
 // another key or type now) is left out, as a locking claim's recheck
 // leaves it out, not taken for a row locked elsewhere. One deleted
-// meanwhile comes back fenced, for that claim only. Only c counts in the
-// byte budget and in locked.
+// meanwhile comes back fenced. Only c counts in the byte budget and in
+// locked; every row carries, last, how many candidates the limit counted
+// (limited), which tells a full claim from a short one.
 func claimFenced(q, cols, where string, o sqlOptions) string {
 	bounds := ""
 	if o.partitioned {
@@ -332,9 +334,9 @@ l AS (
     WHERE id = ANY(ARRAY(SELECT id FROM cand))` + bounds + `
     FOR UPDATE SKIP LOCKED),
 c AS (SELECT * FROM l WHERE matches),
-` + budgetedRows("$7", "$8", payloadLength(o), "id", ", false AS fenced") + `
+` + budgetedRows("$7", "$8", payloadLength(o), "id", ", false AS fenced, (SELECT count(*) FROM cand) AS limited") + `
 UNION ALL
-SELECT id, '', event_type, '', '', partition_key, NULL, 'epoch', '', NULL, 0, NULL, (SELECT count(*) FROM c), true
+SELECT id, '', event_type, '', '', partition_key, NULL, 'epoch', '', NULL, 0, NULL, (SELECT count(*) FROM c), true, (SELECT count(*) FROM cand)
 FROM cand WHERE id NOT IN (SELECT id FROM l)
 ORDER BY id`
 }
