@@ -50,9 +50,12 @@ type digestKey struct {
 	reader client.Reader
 	writer client.Writer
 
-	mu   sync.Mutex
-	key  []byte
-	kept bool // key is secret's: digests taken with it outlive the process
+	// reading is held while the Secret is read: once the process has a
+	// key, a reconcile that finds a read going on does not wait for it.
+	reading sync.Mutex
+	mu      sync.Mutex
+	key     []byte
+	kept    bool // key is secret's: digests taken with it outlive the process
 	// gen counts the changes of key (from the process's own to the
 	// Secret's); prev is the key before the last one.
 	gen  int
@@ -75,16 +78,35 @@ func (d *digestKey) load(ctx context.Context) (kept bool, err error) {
 		return false, nil
 	}
 	d.mu.Lock()
-	defer d.mu.Unlock()
-	now := time.Now()
-	if d.key != nil && (d.kept || d.secret.Name == "" || now.Before(d.nextTry)) {
+	if d.key != nil && (d.kept || d.secret.Name == "" || time.Now().Before(d.nextTry)) {
+		defer d.mu.Unlock()
 		return d.kept, nil
 	}
 	if d.secret.Name == "" {
+		defer d.mu.Unlock()
 		d.key = randomKey()
 		return false, nil
 	}
-	key, err := d.read(ctx)
+	first := d.key == nil
+	d.mu.Unlock()
+	// The read is an API call: the reconciles that need the key meanwhile
+	// do not queue behind it, but the first ones, which have no key yet.
+	if first {
+		d.reading.Lock()
+	} else if !d.reading.TryLock() {
+		return false, nil
+	}
+	defer d.reading.Unlock()
+	d.mu.Lock()
+	if d.key != nil && (d.kept || time.Now().Before(d.nextTry)) {
+		defer d.mu.Unlock()
+		return d.kept, nil // read meanwhile by the one that held reading
+	}
+	d.mu.Unlock()
+	key, err := d.read(ctx) // secret, reader and writer are fixed: no lock needed
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	now := time.Now()
 	switch {
 	case err == nil:
 		if d.key != nil {
