@@ -163,13 +163,25 @@ func TestBadConfigurationIsRefused(t *testing.T) {
 	}
 }
 
-// A missing table or topic at start-up is fatal with a message naming it.
+// A missing table at start-up is fatal, with a message naming it.
 func TestStartupCheckFailureExits(t *testing.T) {
 	t.Parallel()
 	f := outboxtest.NewFixture(t, 1, "E")
-	p := outboxtest.StartRelayProcess(t, []string{"--brokers", testenv.Broker().Addr(), "--topic", "E=no.such.topic"}, f.Env()...)
+	p := outboxtest.StartRelayProcess(t, []string{"--brokers", testenv.Broker().Addr(), "--topic", "E=" + f.Topics["E"], "--table", "no_such_table"}, f.Env()...)
 	require.Equal(t, 1, p.Wait(t, 30*time.Second))
-	require.Contains(t, p.Output(), `topic \"no.such.topic\" (for event type \"E\") does not exist`)
+	require.Contains(t, p.Output(), "table no_such_table does not exist")
+}
+
+// A mapped topic missing at start-up is no failed check: the process runs,
+// names the topic, and publishes the other topics' rows.
+func TestMissingTopicAtStartDoesNotStopTheProcess(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	f.Insert(10, 2, "E")
+	p := outboxtest.StartRelayProcess(t, []string{"--brokers", testenv.Broker().Addr(), "--topic", "E=" + f.Topics["E"],
+		"--topic", "Missing=no.such.topic", "--poll-interval", "20ms"}, f.Env()...)
+	f.WaitDrained(0, 30*time.Second)
+	require.Contains(t, p.Output(), `topic \"no.such.topic\" (for event type \"Missing\") does not exist in Kafka`)
 }
 
 // Flags come from RELAY_* variables too, and --topics-file takes YAML.
