@@ -301,37 +301,45 @@ WHERE before < ` + budgetArg
 // fenced. SKIP LOCKED alone passes over a row another session holds
 // locked and goes on to the key's later rows, which would then go out
 // before it. So the claim reads its candidates without locking them
-// (cand), then locks them by id (l: one more index probe per candidate),
-// and returns those it could not lock (fenced true, with only their id,
-// partition key and event type) beside those it claimed (c), so that the
-// relay stops their lanes at their place in id order (byKey.fence).
-// A candidate that a transaction updated and committed between the read
-// and the lock is locked in its new version, and where is checked again
-// on that version (matches): one that no longer matches (published, or of
-// another key or type now) is left out, as a locking claim's recheck
-// leaves it out, not taken for a row locked elsewhere. One deleted
-// meanwhile comes back fenced. Only c counts in the byte budget and in
+// (cand), then locks them (l), and returns those it could not lock
+// (fenced true, with only their id, partition key and event type) beside
+// those it claimed (c), so that the relay stops their lanes at their place
+// in id order (byKey.fence). Only c counts in the byte budget and in
 // locked; every row carries, last, how many candidates the limit counted
 // (limited), which tells a full claim from a short one.
+//
+// On a plain table the lock finds each candidate by its ctid, the heap
+// address the read returned, with no index probe (a TID scan). A
+// candidate that a transaction updated and committed between the read and
+// the lock has a new version at another address, which the lock's recheck
+// of the ctid leaves out: it comes back fenced, and its lane waits one
+// backoff, as for a lock held elsewhere. On a partitioned table a ctid names a row only
+// within its partition, so the lock goes by id (one more index probe per
+// candidate, in the partitions the candidates' created_at range spans),
+// locks such a candidate in its new version, and checks where again on it
+// (matches): one that no longer matches (published, of another key or type
+// now) is left out, as a locking claim's recheck leaves it out. A
+// candidate deleted meanwhile comes back fenced.
 func claimFenced(q, cols, where string, o sqlOptions) string {
-	bounds := ""
+	lock, matches := `ctid = ANY(ARRAY(SELECT ctid FROM cand))`, `true`
 	if o.partitioned {
 		// The candidates' created_at range prunes the partitions the lock
 		// probes: by id alone it would probe every one.
-		bounds = `
+		lock = `id = ANY(ARRAY(SELECT id FROM cand))
       AND (created_at BETWEEN (SELECT min(created_at) FROM cand) AND (SELECT max(created_at) FROM cand) OR created_at IS NULL)`
+		matches = where
 	}
 	return `WITH cand AS (
-    SELECT id, created_at, COALESCE(partition_key, '') AS partition_key, COALESCE(event_type, '') AS event_type
+    SELECT id, ctid, created_at, COALESCE(partition_key, '') AS partition_key, COALESCE(event_type, '') AS event_type
     FROM ` + q + `
     WHERE ` + where + `
     ORDER BY id
     LIMIT $6),
 l AS (
     SELECT ` + cols + `,
-      ` + where + ` AS matches
+      ` + matches + ` AS matches
     FROM ` + q + `
-    WHERE id = ANY(ARRAY(SELECT id FROM cand))` + bounds + `
+    WHERE ` + lock + `
     FOR UPDATE SKIP LOCKED),
 c AS (SELECT * FROM l WHERE matches),
 ` + budgetedRows("$7", "$8", payloadLength(o), "id", ", false AS fenced, (SELECT count(*) FROM cand) AS limited") + `
