@@ -250,6 +250,21 @@ func seedReading(t *testing.T, r *OutboxRelayReconciler, key types.NamespacedNam
 		slot: &outboxv1alpha1.SlotStatus{Name: "outbox", Exists: true, RetainedWAL: ptr.To(resource.MustParse("1Mi"))}}}
 }
 
+// fakeObservedRelay is fakeRelay with metrics, reconciled once with a
+// backlog reading at hand (seedReading), and a reader of its series.
+func fakeObservedRelay(t *testing.T, edit func(*outboxv1alpha1.OutboxRelay)) (client.Client, *OutboxRelayReconciler, *outboxv1alpha1.OutboxRelay, func() map[string]float64) {
+	t.Helper()
+	c, r, relay := fakeRelay(t, interceptor.Funcs{}, edit)
+	var err error
+	r.Metrics, err = NewMetrics(prometheus.NewRegistry())
+	require.NoError(t, err)
+	key := client.ObjectKeyFromObject(relay)
+	seedReading(t, r, key)
+	_, err = r.Reconcile(context.Background(), ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	return c, r, relay, func() map[string]float64 { return relaySeries(t, r.Metrics, key.Namespace, key.Name) }
+}
+
 // A paused relay is not observed: its backlog is not read (the observer
 // would wake passes that discard what it read, log in with a DSN the
 // operator is not to keep, and after a rotation the old one), and its
@@ -257,16 +272,10 @@ func seedReading(t *testing.T, r *OutboxRelayReconciler, key types.NamespacedNam
 // pass's values. Resumed, it is observed and reported again.
 func TestPausedRelayIsNotObserved(t *testing.T) {
 	t.Parallel()
-	c, r, relay := fakeRelay(t, interceptor.Funcs{}, nil)
-	var err error
-	r.Metrics, err = NewMetrics(prometheus.NewRegistry())
-	require.NoError(t, err)
+	c, r, relay, series := fakeObservedRelay(t, nil)
 	ctx := context.Background()
 	key := client.ObjectKeyFromObject(relay)
-	series := func() map[string]float64 { return relaySeries(t, r.Metrics, key.Namespace, key.Name) }
-	seedReading(t, r, key)
-	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
-	require.NoError(t, err)
+	var err error
 	require.True(t, r.Flow.observing(key))
 	require.Equal(t, 7.0, series()["outbox_operator_backlog_rows"])
 
@@ -317,18 +326,12 @@ func TestChildConflictKeepsTheReading(t *testing.T) {
 // stood at the last reading. Lagging says the backlog is not read.
 func TestProblemClearsTheBacklog(t *testing.T) {
 	t.Parallel()
-	c, r, relay := fakeRelay(t, interceptor.Funcs{}, func(o *outboxv1alpha1.OutboxRelay) {
+	c, r, relay, series := fakeObservedRelay(t, func(o *outboxv1alpha1.OutboxRelay) {
 		o.Spec.Capture = &outboxv1alpha1.CaptureSpec{Mode: outboxv1alpha1.CaptureLogicalReplication}
 	})
-	var err error
-	r.Metrics, err = NewMetrics(prometheus.NewRegistry())
-	require.NoError(t, err)
 	ctx := context.Background()
 	key := client.ObjectKeyFromObject(relay)
-	series := func() map[string]float64 { return relaySeries(t, r.Metrics, key.Namespace, key.Name) }
-	seedReading(t, r, key)
-	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
-	require.NoError(t, err)
+	var err error
 	require.NoError(t, c.Get(ctx, key, relay))
 	require.NotNil(t, relay.Status.Backlog)
 	require.Equal(t, 7.0, series()["outbox_operator_backlog_rows"])
