@@ -81,7 +81,12 @@ func TestSecretCacheReadsOncePerChange(t *testing.T) {
 	require.Equal(t, 4, r.reads)
 	require.Equal(t, "2", e.version)
 
-	time.Sleep(300*time.Millisecond*6/5 + 50*time.Millisecond)
+	c.mu.Lock()
+	entry := c.entries[k]
+	require.WithinRange(t, entry.expires, entry.read.Add(300*time.Millisecond), entry.read.Add(300*time.Millisecond*6/5),
+		"used for the refresh interval, stretched by up to a fifth")
+	entry.expires = time.Now() // that interval is over
+	c.mu.Unlock()
 	r.secret.ResourceVersion = "3"
 	e, _ = c.get(ctx, r, k, "dsn")
 	require.Equal(t, 5, r.reads, "read again once the refresh interval (and its jitter) is over")
