@@ -222,6 +222,9 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	if r.held.release(start) {
 		r.cur.rescanSoon() // released rows are behind the cursor
 	}
+	if r.aside.release(r.topics, start) {
+		r.cur.rescanSoon() // their partition's backoff ended; they are behind the cursor
+	}
 	db, err := r.begin(bctx, start)
 	if err != nil {
 		cancel()
@@ -247,6 +250,9 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 		r.lanes.holdBack(&f, start) // before the cursor: an expired lane moves it back; the lanes keep held rows out
 	} else {
 		f.held = r.held.ids()
+		for id := range r.aside {
+			f.held = append(f.held, id)
+		}
 	}
 	r.filter.Store(&f)
 	xmin := int64(-1) // not read
@@ -421,7 +427,10 @@ func (r *Relay) finish(b *inFlight) error {
 	for _, id := range b.published {
 		done[id] = true
 	}
-	r.cur.settled(b.rows, func(id int64) bool { return done[id] || r.held.isHeld(id) })
+	r.cur.settled(b.rows, func(id int64) bool {
+		_, aside := r.aside[id]
+		return done[id] || aside || r.held.isHeld(id)
+	})
 	if b.big {
 		releaseMemory() // the batch's payloads and the publish's buffers
 	}

@@ -18,6 +18,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
@@ -1355,4 +1356,61 @@ func TestOverAGuessedLimitIsHeldNotDeadLettered(t *testing.T) {
 		require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"), "a record over a guessed limit is not dead-lettered")
 		require.Equal(t, 20.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_events_published_total", "topic", "big"))
 	})
+}
+
+// With no ordering, the rows of a partition whose leader hangs do not hold
+// back the rows of the topic's other partitions queued behind them: once
+// the partition is set aside, the claims leave its rows out until its
+// backoff ends. Before, a claim of only its rows (the oldest) left the
+// whole topic out of the claims for a backoff, then claimed the same rows
+// again, so the other partition's rows waited for as long as the leader
+// hung (none of 5 within 20 s here). Once the leader answers, its rows go
+// out too.
+func TestHungPartitionsRowsDoNotHoldBackTheTopicsOthers(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	c, err := kfake.NewCluster(kfake.NumBrokers(2), kfake.SeedTopics(2, "t"))
+	require.NoError(t, err)
+	t.Cleanup(c.Close)
+	require.NoError(t, c.MoveTopicPartition("t", 0, 0))
+	require.NoError(t, c.MoveTopicPartition("t", 1, 1))
+	hung := make(chan struct{})
+	var once sync.Once
+	answer := func() { once.Do(func() { close(hung) }) }
+	t.Cleanup(answer)
+	c.ControlKey(int16(kmsg.Produce), func(kmsg.Request) (kmsg.Response, error, bool) {
+		c.KeepControl()
+		if c.CurrentNode() == 0 { // partition 0's leader answers once the test says so
+			c.SleepControl(func() { <-hung })
+		}
+		return nil, nil, false
+	})
+	keysOn := func(p, n int) (keys []string) {
+		for i := 0; len(keys) < n; i++ {
+			if k := fmt.Sprint("k", i); (&kafka.Murmur2Balancer{}).Balance(kafka.Message{Key: []byte(k)}, 0, 1) == p {
+				keys = append(keys, k)
+			}
+		}
+		return keys
+	}
+	insert := func(keys []string) {
+		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+			SELECT gen_random_uuid(), 'Order', k, 'E', '{}', k FROM unnest($1::text[]) k`, keys)
+	}
+	onHung, onOther := keysOn(0, 40), keysOn(1, 5)
+	insert(onHung) // the oldest rows: two batches' worth
+	insert(onOther)
+	published := func(keys []string) int {
+		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NOT NULL AND partition_key = ANY($1)`, keys)
+	}
+
+	cfg := f.Config()
+	cfg.Brokers, cfg.Topics, cfg.BatchSize, cfg.PublishTimeout = c.ListenAddrs(), map[string]string{"E": "t"}, 20, time.Second
+	run(t, cfg, nil)
+	require.True(t, eventually(20*time.Second, func() bool { return published(onOther) == len(onOther) }),
+		"the other partition's rows go out while partition 0 hangs: %d of %d did", published(onOther), len(onOther))
+	require.Zero(t, published(onHung), "no row of the hung partition is published")
+
+	answer()
+	f.WaitDrained(0, 60*time.Second)
 }

@@ -154,8 +154,10 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 			r.m.publishErrors.WithLabelValues("transient").Inc()
 			failed++
 			transientErr = b.errs[i]
-			if r.lanes == nil && r.capture == nil && errors.As(b.errs[i], new(*partitionAsideError)) {
+			var pa *partitionAsideError
+			if r.lanes == nil && r.capture == nil && errors.As(b.errs[i], &pa) {
 				aside++ // not sent: no reason to slow the others' rows down
+				r.aside.wait(x.id, pa.topicPartition)
 			}
 			if r.lanes != nil {
 				r.lanes.failed(x, i, now)
@@ -193,10 +195,9 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 	if transientErr != nil {
 		r.setKafkaErr(transientErr)
 		// Polling with no ordering backs off for records Kafka failed, not
-		// for those of a partition set aside, which were not sent: while
-		// others flow, they wait for their partition's backoff, and once
-		// they are all a batch holds, their topic is left out of the claims
-		// (topicsFailing). Partition-key mode backs off only when nothing
+		// for those of a partition set aside, which were not sent: the
+		// claims leave them out until their partition's backoff ends
+		// (asideRows), and the others flow. Partition-key mode backs off only when nothing
 		// went out, aside or not: the next claim, of other keys, could be
 		// all aside again.
 		if r.claimer.backOff(failed-aside, len(msgs)-aside) {
@@ -557,6 +558,8 @@ func (r *Relay) freshMetadata() {
 // topicsFailing leaves out of the claims, for a backoff, each topic whose
 // rows in b all failed transiently (its partitions short of in-sync
 // replicas, or without a leader), and clears each topic that took a row.
+// Rows of a partition set aside that the claims leave out by themselves
+// (asideRows) do not count: their topic's other partitions' rows flow.
 // Polling with no ordering claims the rows that failed again first, so a
 // topic whose rows keep failing would otherwise fill every claim and stop
 // the other topics' rows behind its own. Partition-key ordering waits per
@@ -571,7 +574,9 @@ func (r *Relay) topicsFailing(b *batch, now time.Time) {
 		case acked:
 			took[topic] = true
 		case transient:
-			failed[topic] = b.errs[i]
+			if _, waits := r.aside[x.id]; !waits { // else left out of the claims itself
+				failed[topic] = b.errs[i]
+			}
 		}
 	}
 	for topic := range took {

@@ -73,6 +73,7 @@ type Relay struct {
 	member  *member
 	cur     cursor
 	held    *heldRows
+	aside   asideRows // rows of partitions set aside, left out of the claims (no ordering, polling)
 	// available are the mapped types the last claim took: the rows of a
 	// type available again may lie behind the cursor. A count would miss
 	// one topic coming back while another went down.
@@ -215,6 +216,7 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 		member:     &member{mode: cfg.Ordering},
 		cur:        cursor{fullRescan: cfg.FullRescanInterval, guard: cfg.Ordering == OrderingPartitionKey},
 		held:       newHeldRows(),
+		aside:      asideRows{},
 		topics:     newTopicState(compression(cfg.Compression) != 0),
 		health:     newHealth(cfg.StallTimeout, batchDeadline(cfg)+cfg.StallTimeout, now),
 		unroutable: map[string]bool{},

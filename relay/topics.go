@@ -136,6 +136,46 @@ func (s *topicState) clearAside(p topicPartition) bool {
 	return ok
 }
 
+// asideRows are the rows that polling with no ordering did not send
+// because their partition was set aside: the claims leave them out until
+// its backoff ends (release), so a claim of only its rows, the oldest,
+// does not keep the rows of the topic's other partitions behind them for
+// as long as the leader hangs. They are then claimed again from the start
+// of the index. At most heldCacheRows are kept: a row past that is claimed
+// on its turn and set aside again, and a batch of only such rows leaves
+// its topic out of the claims for a backoff (Relay.topicsFailing), which
+// costs the topic's other rows time, never a row. Loop state.
+type asideRows map[int64]topicPartition
+
+// wait leaves row id of partition p out of the claims while p is aside.
+// It reports whether the row is kept (below heldCacheRows).
+func (a asideRows) wait(id int64, p topicPartition) bool {
+	if _, ok := a[id]; !ok && len(a) >= heldCacheRows {
+		return false
+	}
+	a[id] = p
+	return true
+}
+
+// release drops the rows whose partition is no longer aside at now. It
+// reports whether it dropped any: they lie behind the cursor.
+func (a asideRows) release(s *topicState, now time.Time) bool {
+	back := map[topicPartition]bool{}
+	for _, p := range a {
+		if _, seen := back[p]; !seen {
+			back[p] = s.asideError(p, now) == nil
+		}
+	}
+	released := false
+	for id, p := range a {
+		if back[p] {
+			delete(a, id)
+			released = true
+		}
+	}
+	return released
+}
+
 // available reports whether rows of topic may be sent now.
 func (s *topicState) available(topic string, now time.Time) bool {
 	s.mu.Lock()
