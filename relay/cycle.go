@@ -224,6 +224,7 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	}
 	if r.aside.release(r.topics, start) {
 		r.cur.rescanSoon() // their partition's backoff ended; they are behind the cursor
+		r.m.setAside.Set(float64(len(r.aside.rows)))
 	}
 	db, err := r.begin(bctx, start)
 	if err != nil {
@@ -250,7 +251,7 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 		r.lanes.holdBack(&f, start) // before the cursor: an expired lane moves it back; the lanes keep held rows out
 	} else {
 		f.held = r.held.ids()
-		for id := range r.aside {
+		for id := range r.aside.rows {
 			f.held = append(f.held, id)
 		}
 	}
@@ -298,9 +299,10 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	}
 	if len(rows) == 0 {
 		defer cancel()
-		if !r.topics.anyFailing(start) {
-			// Else the claim only left out rows that keep failing: nothing
-			// is done, and the stalls say so.
+		if !r.topics.anyFailing(start) && len(r.aside.rows) == 0 {
+			// Else the claim only left out rows that keep failing, or that
+			// wait for a partition set aside: nothing is done, and the
+			// stalls say so.
 			r.health.batchDone(start, 0, 0)
 		}
 		if err := tx.Commit(bctx); err != nil {
@@ -428,8 +430,7 @@ func (r *Relay) finish(b *inFlight) error {
 		done[id] = true
 	}
 	r.cur.settled(b.rows, func(id int64) bool {
-		_, aside := r.aside[id]
-		return done[id] || aside || r.held.isHeld(id)
+		return done[id] || r.aside.has(id) || r.held.isHeld(id)
 	})
 	if b.big {
 		releaseMemory() // the batch's payloads and the publish's buffers

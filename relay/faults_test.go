@@ -1406,11 +1406,13 @@ func TestHungPartitionsRowsDoNotHoldBackTheTopicsOthers(t *testing.T) {
 
 	cfg := f.Config()
 	cfg.Brokers, cfg.Topics, cfg.BatchSize, cfg.PublishTimeout = c.ListenAddrs(), map[string]string{"E": "t"}, 20, time.Second
-	run(t, cfg, nil)
+	x := run(t, cfg, nil)
 	require.True(t, eventually(20*time.Second, func() bool { return published(onOther) == len(onOther) }),
 		"the other partition's rows go out while partition 0 hangs: %d of %d did", published(onOther), len(onOther))
 	require.Zero(t, published(onHung), "no row of the hung partition is published")
+	require.Positive(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_set_aside"), "the rows left out are counted")
 
 	answer()
 	f.WaitDrained(0, 60*time.Second)
+	require.True(t, eventually(10*time.Second, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_set_aside") == 0 }))
 }

@@ -17,6 +17,7 @@ type metrics struct {
 	latency       prometheus.Histogram
 	buckets       prometheus.Gauge
 	blockedKeys   *prometheus.GaugeVec
+	setAside      prometheus.Gauge
 	stalled       *prometheus.GaugeVec
 	pruned        prometheus.Counter
 	// prunedPartitions counts the partitions dropped by retention on a
@@ -122,6 +123,8 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		blockedKeys: f.gaugeVec("outbox_relay_ordering_blocked_keys",
 			"Partition keys held back on a topic in partition-key ordering mode because an earlier row of the key on that topic could not be published yet, by topic (unmapped:<type> for an event type missing from the topic map).",
 			"topic", nil),
+		setAside: f.gauge("outbox_relay_rows_set_aside",
+			"Rows this replica leaves out of its claims (polling with no ordering) because the Kafka partition they go to is set aside, its leader having not answered a write within --publish-timeout, or an older row of their key waits for it. They are claimed again once its backoff ends."),
 		stalled: f.gaugeVec("outbox_relay_stalled",
 			"1 while the relay is stalled for the reason (batch_failing, no_progress, rows_waiting, mode_conflict, loop_wedged), else 0. Any 1 fails /readyz; loop_wedged also fails /healthz.",
 			"reason", stallReasons),
@@ -132,7 +135,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		pruneDuration: f.histogram("outbox_relay_prune_duration_seconds",
 			"Duration of one prune step: a transaction of at most --prune-batch-size rows, or on a partitioned table the detach and drop of one partition.", 0.0005, 16),
 		partitionDropDelay: f.gaugeVec("outbox_relay_partition_drop_delay_seconds",
-			"How long ago the drop of the old partition waiting longest became due (its range ended more than --keep-published-for ago), by what it waits for: transactions (a transaction that may have begun before its range ended is still open, idle in transaction, say, or prepared) or slot (the table's replication slot has not confirmed past them). 0 when no drop waits. Set by each replica at its own retention passes (take the max across pods).",
+			"How long ago the drop of the old partition waiting longest became due (its range ended more than --keep-published-for ago), by what it waits for: transactions (a transaction that may have begun before its range ended is still open, idle in transaction, say, or prepared) or slot (the table's replication slot has not confirmed past them); default_partition when the table has a DEFAULT partition, so no partition is dropped. 0 when no drop waits. Set by each replica at its own retention passes (take the max across pods).",
 			"reason", dropWaitReasons),
 		captureStreaming: f.gauge("outbox_relay_capture_streaming",
 			"1 while this replica streams the table's inserts from the replication slot (--capture logical-replication); the other replicas wait as standbys."),

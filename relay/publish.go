@@ -157,7 +157,8 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 			var pa *partitionAsideError
 			if r.lanes == nil && r.capture == nil && errors.As(b.errs[i], &pa) {
 				aside++ // not sent: no reason to slow the others' rows down
-				r.aside.wait(x.id, pa.topicPartition)
+				n, _ := r.topics.partitionCount(pa.topic)
+				r.aside.wait(x.id, laneOf(r.cfg.Topics, x), pa.topicPartition, n)
 			}
 			if r.lanes != nil {
 				r.lanes.failed(x, i, now)
@@ -191,6 +192,7 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 	}
 	if r.lanes == nil && r.capture == nil {
 		r.topicsFailing(b, now)
+		r.m.setAside.Set(float64(len(r.aside.rows)))
 	}
 	if transientErr != nil {
 		r.setKafkaErr(transientErr)
@@ -376,6 +378,12 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 	}
 	if !r.topics.available(topic, now) {
 		r.stopLane(b, x, i, now.Add(r.cfg.MaxBackoff))
+		return kafka.Message{}, false
+	}
+	if p, ok := r.aside.behind(laneOf(r.cfg.Topics, x)); ok {
+		// An older row of its key waits for its partition's backoff,
+		// left out of the claims: this one waits with it.
+		b.out[i], b.errs[i] = transient, r.topics.behindError(p)
 		return kafka.Message{}, false
 	}
 	if x.partition != nil {
@@ -574,7 +582,7 @@ func (r *Relay) topicsFailing(b *batch, now time.Time) {
 		case acked:
 			took[topic] = true
 		case transient:
-			if _, waits := r.aside[x.id]; !waits { // else left out of the claims itself
+			if !r.aside.has(x.id) { // else left out of the claims itself
 				failed[topic] = b.errs[i]
 			}
 		}

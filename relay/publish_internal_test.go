@@ -136,7 +136,7 @@ func TestHungPartitionLeavesTheOthersAcknowledged(t *testing.T) {
 				require.Error(t, err, "backs off")
 			} else {
 				require.NoError(t, err)
-				require.Contains(t, r.aside, int64(1000), "the row is left out of the claims")
+				require.True(t, r.aside.has(1000), "the row is left out of the claims")
 				require.True(t, r.topics.available("t", time.Now()), "its topic is not")
 			}
 
@@ -201,6 +201,45 @@ func TestFlappingLeaderKeepsDoublingItsBackoff(t *testing.T) {
 	over()
 	publish(ok)
 	require.NotContains(t, r.topics.aside, p, "a record acknowledged clears it")
+}
+
+// A row left out of the claims for its partition set aside holds back its
+// key's later rows: one claimed after the partition's backoff ended but
+// before the claims took the older row back waits with it, and both come
+// back together, in id order. Before, the later row went out first. The
+// rows come back at once when the topic's partition count changes: the
+// key may go to another partition now.
+func TestRowLeftOutForAPartitionHoldsBackItsKeysLaterRows(t *testing.T) {
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "t"))
+	require.NoError(t, err)
+	defer c.Close()
+	r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, PublishTimeout: time.Second}})
+	r.writer = &answerWriter{answer: func(context.Context) error { return nil }}
+	r.topics.partitions["t"] = 1
+	p := topicPartition{topic: "t", partition: 0}
+	ev := func(id int64, key string) row {
+		return row{id: id, eventID: fmt.Sprint("e", id), eventType: "E", partitionKey: key, payload: []byte(`{}`), createdAt: time.Now()}
+	}
+	r.topics.setAside(p, errors.New("no answer"), time.Now(), time.Hour, time.Hour)
+	published, _, _ := r.publish(context.Background(), []row{ev(1, "k")})
+	require.Empty(t, published)
+	require.True(t, r.aside.has(1), "left out of the claims")
+
+	r.topics.aside[p].until = time.Now() // its backoff ended after the claim began
+	published, _, _ = r.publish(context.Background(), []row{ev(2, "k"), ev(3, "other")})
+	require.Equal(t, []int64{3}, published, "the key's later row is not sent before it; another key's is")
+	require.True(t, r.aside.has(2), "it waits with it")
+
+	require.True(t, r.aside.release(r.topics, time.Now()), "both come back")
+	require.False(t, r.aside.has(1) || r.aside.has(2))
+
+	r.topics.setAside(p, errors.New("no answer"), time.Now(), time.Hour, time.Hour)
+	_, _, _ = r.publish(context.Background(), []row{ev(4, "k")})
+	require.True(t, r.aside.has(4))
+	require.False(t, r.aside.release(r.topics, time.Now()), "still aside")
+	r.topics.partitions["t"] = 2
+	require.True(t, r.aside.release(r.topics, time.Now()), "back once the topic's partitions changed")
+	require.False(t, r.aside.has(4))
 }
 
 // answerWriter answers every call with answer.

@@ -216,7 +216,7 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 		member:     &member{mode: cfg.Ordering},
 		cur:        cursor{fullRescan: cfg.FullRescanInterval, guard: cfg.Ordering == OrderingPartitionKey},
 		held:       newHeldRows(),
-		aside:      asideRows{},
+		aside:      newAsideRows(),
 		topics:     newTopicState(compression(cfg.Compression) != 0),
 		health:     newHealth(cfg.StallTimeout, batchDeadline(cfg)+cfg.StallTimeout, now),
 		unroutable: map[string]bool{},

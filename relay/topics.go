@@ -141,39 +141,88 @@ func (s *topicState) clearAside(p topicPartition) bool {
 // its backoff ends (release), so a claim of only its rows, the oldest,
 // does not keep the rows of the topic's other partitions behind them for
 // as long as the leader hangs. They are then claimed again from the start
-// of the index. At most heldCacheRows are kept: a row past that is claimed
-// on its turn and set aside again, and a batch of only such rows leaves
-// its topic out of the claims for a backoff (Relay.topicsFailing), which
-// costs the topic's other rows time, never a row. Loop state.
-type asideRows map[int64]topicPartition
+// of the index, in id order. A later row of a key with a row left out is
+// not sent either (behind): it is left out with it, for the same
+// partition, so the key's order holds when the partition answers again
+// between a claim and its write, or when the topic's partitions change
+// and the key now goes elsewhere (then the rows come back at once). At
+// most heldCacheRows are kept: a row past that is claimed on its turn and
+// set aside again, and a batch of only such rows leaves its topic out of
+// the claims for a backoff (Relay.topicsFailing), which costs the topic's
+// other rows time, never a row. Loop state.
+type asideRows struct {
+	rows  map[int64]asideRow
+	lanes map[lane]topicPartition // the lanes with a row left out, and the partition they wait for
+}
 
-// wait leaves row id of partition p out of the claims while p is aside.
-// It reports whether the row is kept (below heldCacheRows).
-func (a asideRows) wait(id int64, p topicPartition) bool {
-	if _, ok := a[id]; !ok && len(a) >= heldCacheRows {
+type asideRow struct {
+	p     topicPartition
+	l     lane
+	count int // the topic's partition count when the row was left out
+}
+
+func newAsideRows() asideRows {
+	return asideRows{rows: map[int64]asideRow{}, lanes: map[lane]topicPartition{}}
+}
+
+// wait leaves row id of lane l out of the claims while partition p is
+// aside, p counting as one of count. It reports whether the row is kept
+// (below heldCacheRows).
+func (a asideRows) wait(id int64, l lane, p topicPartition, count int) bool {
+	if _, ok := a.rows[id]; !ok && len(a.rows) >= heldCacheRows {
 		return false
 	}
-	a[id] = p
+	if q, ok := a.lanes[l]; ok {
+		p = q // its key's older rows wait for q
+	}
+	a.rows[id] = asideRow{p: p, l: l, count: count}
+	a.lanes[l] = p
 	return true
 }
 
-// release drops the rows whose partition is no longer aside at now. It
-// reports whether it dropped any: they lie behind the cursor.
+// behind reports the partition an older row of lane l waits for, if one does.
+func (a asideRows) behind(l lane) (topicPartition, bool) {
+	p, ok := a.lanes[l]
+	return p, ok
+}
+
+// has reports whether row id is left out.
+func (a asideRows) has(id int64) bool { _, ok := a.rows[id]; return ok }
+
+// release drops the rows of each partition that is no longer aside at now,
+// or whose topic's partition count changed since one of its rows was left
+// out (its keys may go elsewhere now). It reports whether it dropped any:
+// they lie behind the cursor.
 func (a asideRows) release(s *topicState, now time.Time) bool {
 	back := map[topicPartition]bool{}
-	for _, p := range a {
-		if _, seen := back[p]; !seen {
-			back[p] = s.asideError(p, now) == nil
+	for _, x := range a.rows {
+		if back[x.p] {
+			continue
 		}
+		n, _ := s.partitionCount(x.p.topic)
+		back[x.p] = n != x.count || s.asideError(x.p, now) == nil
 	}
 	released := false
-	for id, p := range a {
-		if back[p] {
-			delete(a, id)
+	for id, x := range a.rows {
+		if back[x.p] {
+			delete(a.rows, id)
+			delete(a.lanes, x.l)
 			released = true
 		}
 	}
 	return released
+}
+
+// behindError is the error of a row not sent because an older row of its
+// key waits for partition p, set aside (asideRows).
+func (s *topicState) behindError(p topicPartition) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := &partitionAsideError{topicPartition: p, cause: errors.New("an older row of the record's key waits for this partition")}
+	if d, ok := s.aside[p]; ok {
+		e.until, e.cause = d.until, fmt.Errorf("%w: %w", e.cause, d.err)
+	}
+	return e
 }
 
 // available reports whether rows of topic may be sent now.
