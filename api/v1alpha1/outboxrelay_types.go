@@ -611,8 +611,10 @@ type OutboxRelaySpec struct {
 
 	// Format is the record layout: Raw (the default: the payload as the value,
 	// event_id, event_type, aggregate_type, aggregate_id and the row's own
-	// headers) or CloudEvents (the CloudEvents Kafka binding's binary content
-	// mode, keeping the Raw headers). docs/relay.md lists each format's headers.
+	// headers), CloudEvents (the CloudEvents Kafka binding's binary content
+	// mode, keeping the Raw headers) or CloudEventsStructured (its structured
+	// content mode, application/cloudevents+json, keeping the Raw headers).
+	// docs/relay.md lists each format's headers.
 	// +kubebuilder:default=Raw
 	// +optional
 	Format RecordFormat `json:"format,omitempty"`
@@ -861,7 +863,10 @@ type OutboxRelayStatus struct {
 	// +optional
 	TopicCount int32 `json:"topicCount,omitempty"`
 
-	// Conditions are Ready, Progressing, Degraded, Reconciling, Stalled and Lagging.
+	// Conditions are Ready, Progressing, Degraded, Reconciling, Stalled and
+	// Lagging; Monitoring when spec.monitoring.podMonitor asks for a
+	// PodMonitor; ReconciliationPaused while the reconcile annotation pauses
+	// the operator.
 	// +listType=map
 	// +listMapKey=type
 	// +optional
