@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pglogrepl"
@@ -122,7 +123,13 @@ var errReadAgain = errors.New("reading a transaction again")
 type captureState struct {
 	slot, publication string
 	role              string // the relay's, on the database
-	oid               uint32 // the table's: the stream's relation id of its inserts
+	// oid is the table's, as the stream last learned it (tableReplaced).
+	oid atomic.Uint32
+	// relations are the relation ids whose inserts the stream takes: the
+	// table's at the start-up check, and each table that took its name
+	// while this relay streamed (tableReplaced), the earlier ones kept for
+	// their changes a stream reads again. Stream state.
+	relations map[uint32]bool
 	// retryGivenUp: a batch's rows failed for streamRetryLimit, and the
 	// stream leaves the rows that fail to the sweep until a batch goes
 	// out whole (retryIDs).
@@ -428,7 +435,8 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 				relayconfig.FlagWriterDeletes, r.table, strings.Join(generated, ", "), relayconfig.FlagWriterDeletes)
 		}
 	}
-	r.capture = &captureState{slot: slot, publication: pub, role: role, oid: oid, failingLimit: streamFailingLimit, txTupleLimit: maxTxTuples}
+	r.capture = &captureState{slot: slot, publication: pub, role: role, relations: map[uint32]bool{oid: true}, failingLimit: streamFailingLimit, txTupleLimit: maxTxTuples}
+	r.capture.oid.Store(oid)
 	r.m.slotMaxRetainedWAL.Set(float64(r.cfg.MaxRetainedWAL))
 	if r.cfg.WriterDeletes {
 		// Each stream marks it again; this says at start-up when the
@@ -1109,7 +1117,12 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 	}
 	switch m := m.(type) {
 	case *pglogrepl.RelationMessage:
-		if m.RelationID == s.r.capture.oid { // by oid: a dropped table of the same name in older WAL is another relation
+		if !s.r.capture.relations[m.RelationID] && m.RelationName == s.r.table.Name {
+			if err := s.r.tableReplaced(ctx, m.RelationID); err != nil {
+				return err
+			}
+		}
+		if s.r.capture.relations[m.RelationID] { // by oid: a dropped table of the same name in older WAL is another relation
 			s.rel, s.idCol, s.relNames = m.RelationID, -1, make([]string, len(m.Columns)) // a new slice: rows keep theirs
 			for i, c := range m.Columns {
 				s.relNames[i] = c.Name
@@ -1291,6 +1304,29 @@ func (s *streamState) matchDeleted() error {
 		"xid", s.txXid, "commit_lsn", s.txCommit, "rows", len(s.txIDs), "deleted", len(lost), "kept_bytes", c.txTupleLimit)
 	return fmt.Errorf("%w: transaction %d (commit %s) deleted %d rows it inserted past the %d bytes of its inserts the stream keeps",
 		errReadAgain, s.txXid, s.txCommit, len(lost), c.txTupleLimit)
+}
+
+// tableReplaced takes up relation oid, named as the table, if it is the
+// table now: the table was dropped or renamed away and another made in its
+// place (a migration), which a DBA, or a replica's start-up check, then
+// added to the publication. Its inserts were otherwise left out of the
+// stream: with writer deletes, whose writers delete again once the table
+// is published, they were lost; without, they waited for the sweep and
+// went out in id order. The table's earlier relations stay taken, for the
+// changes of theirs a stream reads again.
+func (r *Relay) tableReplaced(ctx context.Context, oid uint32) error {
+	var now *uint32 // NULL when no table has its name
+	if err := r.pool.QueryRow(ctx, sqlTableOID, r.table.Quoted()).Scan(&now); err != nil {
+		return fmt.Errorf("read the oid of %s: %w", r.table, err)
+	}
+	if now == nil || *now != oid {
+		return nil // an older table of its name, or one of another schema
+	}
+	r.capture.relations[oid] = true
+	r.capture.oid.Store(oid)
+	r.log.Warn("the table was replaced by another of its name (dropped or renamed away, then made again and published); the stream takes the new table's inserts",
+		"table", r.table.String(), "oid", oid)
+	return nil
 }
 
 // decodeRowChange reads an insert or a delete of the table: an insert's

@@ -381,7 +381,7 @@ func (r *Relay) insertStreamed(ctx context.Context, tx pgx.Tx, rows []streamedRo
 		return nil
 	}
 	var layout []string
-	if err := tx.QueryRow(ctx, sqlRowTypeColumns, r.capture.oid).Scan(&layout); err != nil {
+	if err := tx.QueryRow(ctx, sqlRowTypeColumns, r.capture.oid.Load()).Scan(&layout); err != nil {
 		return fmt.Errorf("read the columns of %s: %w", r.table, err)
 	}
 	// Rows of one relation message share their names: one statement each.

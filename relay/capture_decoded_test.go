@@ -746,6 +746,38 @@ func TestWriterDeletesKeepRowsOfATableSwappedIn(t *testing.T) {
 	require.Equal(t, 5, f.Count(`SELECT count(*) FROM outbox`), "kept: the stream does not carry them")
 }
 
+// A table dropped and made again under a streaming relay with writer
+// deletes, then published again (here by a replica starting, whose
+// start-up check adds it to the publication; a DBA's ALTER PUBLICATION
+// does the same): the writers delete again on store, and the stream takes
+// the new table's inserts. Before, it took only the relation it read at
+// its own start, so their events were in no table and no slot: 2 of 7
+// reached Kafka, with nothing logged.
+func TestWriterDeletesTableMadeAgainAndPublishedIsStreamed(t *testing.T) {
+	t.Parallel()
+	f, cfg, store := writerDeletesFixture(t, "E")
+	var logs lockedBuffer
+	cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	startStreaming(t, cfg)
+	waitDeletesOnStore(t, f, 10*time.Second)
+	storeEach(store, 2)
+	testenv.Broker().Consume(t, f.Topics["E"], 2, 30*time.Second)
+
+	f.Exec(`CREATE TABLE outbox_new (LIKE outbox INCLUDING ALL)`)
+	f.Exec(`DROP TABLE outbox`)
+	f.Exec(`ALTER TABLE outbox_new RENAME TO outbox`)
+	standby := cfg
+	standby.Logger = slog.New(slog.DiscardHandler)
+	outboxtest.Start(t, standby) // its start-up check publishes the new table
+	waitDeletesOnStore(t, f, 10*time.Second)
+	storeEach(store, 5)
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox`), "the writers deleted them")
+	msgs, err := testenv.Broker().ConsumeErr(f.Topics["E"], 7, 30*time.Second, time.Second)
+	require.NoError(t, err)
+	require.Len(t, msgs, 7, "the 5 events stored in the new table reach Kafka")
+	require.Contains(t, logs.String(), "the table was replaced by another of its name")
+}
+
 // A row the stream must put back whose partition was dropped (by hand, or
 // by a partition manager) gets a partition again: the relay attaches one
 // over the stretch between the partitions around its created_at, with the

@@ -87,10 +87,10 @@ func (r *Relay) restorePartitions(ctx context.Context, rows []streamedRow) (int,
 		now   time.Time
 		nsp   string
 	)
-	if err := conn.QueryRow(ctx, sqlRestoreInputs, texts, r.capture.oid).Scan(&times, &now, &nsp); err != nil {
+	if err := conn.QueryRow(ctx, sqlRestoreInputs, texts, r.capture.oid.Load()).Scan(&times, &now, &nsp); err != nil {
 		return 0, fmt.Errorf("read the created_at of rows put back: %w", err)
 	}
-	parts, _, err := r.newPruner().partitions(ctx, conn, r.capture.oid)
+	parts, _, err := r.newPruner().partitions(ctx, conn, r.capture.oid.Load())
 	if err != nil {
 		return 0, err
 	}
