@@ -746,6 +746,39 @@ func TestWriterDeletesKeepRowsOfATableSwappedIn(t *testing.T) {
 	require.Equal(t, 5, f.Count(`SELECT count(*) FROM outbox`), "kept: the stream does not carry them")
 }
 
+// A publication changed by hand so that it no longer carries the table's
+// inserts as the stream reads them (inserts not published, or a
+// partitioned table's published under its partitions' names) makes the
+// writers keep their rows, for the relays to claim: the stream would leave
+// them out, and they would be in no table and no stream it reads. Before,
+// the writers deleted them.
+func TestWriterDeletesKeepRowsThePublicationNoLongerCarries(t *testing.T) {
+	t.Parallel()
+	f, cfg, store := writerDeletesFixture(t, "E")
+	partitioned(t, f)
+	startStreaming(t, cfg)
+	waitDeletesOnStore(t, f, 10*time.Second)
+	var db string
+	require.NoError(t, f.Pool.QueryRow(context.Background(), `SELECT current_database()`).Scan(&db))
+	pub := pgx.Identifier{outbox.SlotName(db, outbox.Table{Name: "outbox"})}.Sanitize()
+	deletes := func() bool {
+		on, err := outbox.DeletesOnStore(context.Background(), f.Pool, outbox.Table{Name: "outbox"})
+		require.NoError(t, err)
+		return on
+	}
+
+	f.Exec(`ALTER PUBLICATION ` + pub + ` SET (publish_via_partition_root = false)`)
+	require.False(t, deletes(), "its partitions' names are not the stream's")
+	storeEach(store, 2)
+	require.Equal(t, 2, f.Count(`SELECT count(*) FROM outbox`), "kept for the relays to claim")
+
+	f.Exec(`ALTER PUBLICATION ` + pub + ` SET (publish_via_partition_root = true, publish = 'update, delete')`)
+	require.False(t, deletes(), "no inserts published")
+
+	f.Exec(`ALTER PUBLICATION ` + pub + ` SET (publish = 'insert, delete')`)
+	require.True(t, deletes(), "as the relay made it")
+}
+
 // A table dropped and made again under a streaming relay with writer
 // deletes, then published again (here by a replica starting, whose
 // start-up check adds it to the publication; a DBA's ALTER PUBLICATION
