@@ -13,13 +13,17 @@ import (
 // inFlight is a batch that was claimed and published and waits for its mark
 // and commit.
 type inFlight struct {
-	ctx       context.Context
-	cancel    context.CancelFunc
-	tx        pgx.Tx
-	start     time.Time
-	rows      []row
-	full      bool
-	cut       bool // the byte budget cut it: it holds locks on rows it did not return
+	ctx    context.Context
+	cancel context.CancelFunc
+	tx     pgx.Tx
+	start  time.Time
+	rows   []row
+	full   bool
+	cut    bool // the byte budget cut it: it holds locks on rows it did not return
+	// aside: it left rows out for a partition set aside (asideRows): they
+	// stay locked until it commits, and a claim beside that commit that
+	// released them would skip them and publish their keys' later rows.
+	aside     bool
 	big       bool
 	published []int64
 	holds     []heldRecord // rows held in this batch, recorded in its transaction
@@ -137,11 +141,12 @@ func (r *Relay) mayPipeline(b *inFlight, err error) bool {
 // commitsBeside reports whether batch b may commit beside the next claim
 // and publish: all of it acknowledged, not a large one (two would hold
 // twice the memory), in a mode that pipelines, and not one the byte budget
-// cut: the rows it locked but did not return stay locked until it commits,
-// and a claim beside that commit would skip them and publish the rows
-// after them first.
+// cut or that left rows out for a partition set aside: the rows it locked
+// but did not return or send stay locked until it commits, and a claim
+// beside that commit would skip them and publish the rows after them
+// first.
 func (r *Relay) commitsBeside(b *inFlight) bool {
-	return b.perr == nil && !b.cut && !b.big && r.pipelined()
+	return b.perr == nil && !b.cut && !b.aside && !b.big && r.pipelined()
 }
 
 // pipelined reports whether a second batch may be claimed while one commits.
@@ -251,11 +256,19 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 		r.lanes.holdBack(&f, start) // before the cursor: an expired lane moves it back; the lanes keep held rows out
 	} else {
 		f.held = r.held.ids()
+	}
+	// The stall check counts the rows left out for a partition set aside:
+	// they wait, and once nothing has gone out for the stall timeout the
+	// relay says so (rows_waiting). Those another replica published since
+	// are not counted.
+	stalls := f
+	r.filter.Store(&stalls)
+	if r.lanes == nil {
+		f.held = slices.Clone(f.held)
 		for id := range r.aside.rows {
 			f.held = append(f.held, id)
 		}
 	}
-	r.filter.Store(&f)
 	xmin := int64(-1) // not read
 	if r.cur.wantsXmin() {
 		if err := tx.QueryRow(bctx, sqlOldestRunning).Scan(&xmin); err != nil {
@@ -299,10 +312,9 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	}
 	if len(rows) == 0 {
 		defer cancel()
-		if !r.topics.anyFailing(start) && len(r.aside.rows) == 0 {
-			// Else the claim only left out rows that keep failing, or that
-			// wait for a partition set aside: nothing is done, and the
-			// stalls say so.
+		if !r.topics.anyFailing(start) {
+			// Else the claim only left out rows that keep failing: nothing
+			// is done, and the stalls say so.
 			r.health.batchDone(start, 0, 0)
 		}
 		if err := tx.Commit(bctx); err != nil {
@@ -317,6 +329,7 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	}
 	pctx, pcancel := publishing(bctx)
 	b.published, _, b.perr = r.publish(pctx, rows)
+	b.aside = slices.ContainsFunc(rows, func(x row) bool { return r.aside.has(x.id) })
 	pcancel()
 	b.holds, b.unhold = r.held.take(), r.held.forget(b.published)
 	return b, nil

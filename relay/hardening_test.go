@@ -275,18 +275,19 @@ func TestStallsFailReadiness(t *testing.T) {
 		f.Exec(`ALTER TABLE outbox RENAME TO outbox_gone`) // every claim fails now
 		readyFailsWith(t, x, relay.StallBatchFailing, within)
 	})
-	t.Run("no_progress_partition_hung", func(t *testing.T) {
+	t.Run("rows_waiting_partition_hung", func(t *testing.T) {
 		t.Parallel()
 		// Every write hangs past the publish timeout: the partition is set
 		// aside and its rows are left out of the claims, so the claims come
-		// back empty, which is no progress while rows wait. Before, the
-		// empty claims counted as progress and /readyz passed.
+		// back empty. The stall check still counts those rows: they wait,
+		// and nothing goes out. Before, it left them out with the claims,
+		// and /readyz passed.
 		f := outboxtest.NewFixture(t, 1, "E")
 		f.Insert(20, 5, "E")
 		cfg := f.Config()
 		cfg.StallTimeout, cfg.PublishTimeout = stall, time.Second
 		x := run(t, cfg, writerFunc(func(ctx context.Context, _ ...kafka.Message) error { <-ctx.Done(); return ctx.Err() }))
-		readyFailsWith(t, x, relay.StallNoProgress, within)
+		readyFailsWith(t, x, relay.StallRowsWaiting, within)
 		require.Equal(t, 20, f.Unpublished())
 	})
 	t.Run("no_progress", func(t *testing.T) {

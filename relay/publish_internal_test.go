@@ -242,13 +242,21 @@ func TestRowLeftOutForAPartitionHoldsBackItsKeysLaterRows(t *testing.T) {
 	require.False(t, r.aside.has(4))
 }
 
-// answerWriter answers every call with answer.
+// answerWriter answers every call with answer, and shows each record it
+// answers with no error to sent, if set.
 type answerWriter struct {
 	answer func(ctx context.Context) error
+	sent   func(kafka.Message)
 }
 
-func (w *answerWriter) WriteMessages(ctx context.Context, _ ...kafka.Message) error {
-	return w.answer(ctx)
+func (w *answerWriter) WriteMessages(ctx context.Context, msgs ...kafka.Message) error {
+	err := w.answer(ctx)
+	if err == nil && w.sent != nil {
+		for _, m := range msgs {
+			w.sent(m)
+		}
+	}
+	return err
 }
 
 // A row's partition column names a partition the relay knows but the
@@ -509,4 +517,43 @@ func TestTimedOut(t *testing.T) {
 	} {
 		require.Equal(t, c.want, timedOut(c.err), "%v", c.err)
 	}
+}
+
+// A batch that left a row out for its partition set aside does not commit
+// beside the next claim: its transaction locks that row until it commits,
+// and a claim beside the commit, once the partition's backoff had ended,
+// skipped the row and published its key's later row first. Here the key's
+// two rows then go out in id order.
+func TestBatchThatLeftARowOutCommitsBeforeTheNextClaim(t *testing.T) {
+	dsn, pool := outboxDB(t)
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "t"))
+	require.NoError(t, err)
+	defer c.Close()
+	r, err := New(Config{Settings: Settings{DSN: dsn, Brokers: c.ListenAddrs(), Topics: map[string]string{"E": "t"},
+		BatchSize: 1, MaxInFlight: 2, PublishTimeout: time.Second}})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.Close() })
+	var sent []string
+	r.writer = &answerWriter{answer: func(context.Context) error { return nil }, sent: func(m kafka.Message) { sent = append(sent, eventIDOf(m)) }}
+	r.topics.partitions["t"] = 1
+	p := topicPartition{topic: "t", partition: 0}
+	r.topics.setAside(p, errors.New("no answer"), time.Now(), time.Hour, time.Hour)
+	_, err = pool.Exec(context.Background(), `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES ('00000000-0000-0000-0000-000000000001', 'O', 'k', 'E', '{}', 'k'), ('00000000-0000-0000-0000-000000000002', 'O', 'k', 'E', '{}', 'k')`)
+	require.NoError(t, err)
+
+	ctx := context.Background()
+	b, err := r.claimAndPublish(ctx)
+	require.NoError(t, err)
+	require.True(t, r.aside.has(b.rows[0].id), "left out for its partition")
+	pipelines := r.mayPipeline(b, nil)
+	r.topics.aside[p].until = time.Now() // its backoff ended
+	require.NoError(t, r.finish(r.commitAsync(b)))
+	require.False(t, pipelines, "the next claim waits for its commit")
+	for range 3 {
+		if b, err = r.claimAndPublish(ctx); err == nil && b != nil {
+			require.NoError(t, r.finish(r.commitAsync(b)))
+		}
+	}
+	require.Equal(t, []string{"00000000-0000-0000-0000-000000000001", "00000000-0000-0000-0000-000000000002"}, sent, "the key's rows in id order")
 }
