@@ -228,18 +228,22 @@ func DeleteOnStoreCondition(slotParam string) string {
 // deleteOnStoreFor is the condition under which a writer with
 // WithDeleteOnStore deletes its row of table t: DeleteOnStoreCondition,
 // and t is the table the slot's publication (named as the slot) publishes,
-// as the relay reads it: its inserts, and a partitioned table's under the
-// table's own name (publish_via_partition_root). A table dropped and made
-// again, or swapped in by a rename, while a relay streams is in no
-// publication, and a publication changed by hand may carry no inserts, or
-// a partitioned table's under its partitions' names, which the stream
-// does not read: such rows are in no stream the relay reads, so the writer
-// keeps them for the relays to claim.
+// as the relay reads it: its inserts, every row and every column (no row
+// filter or column list, PostgreSQL 15's; read through to_jsonb, so the
+// condition also runs on 14, which has neither), and a partitioned table's
+// under the table's own name (publish_via_partition_root). A table dropped
+// and made again, or swapped in by a rename, while a relay streams is in
+// no publication, and a publication changed by hand may carry no inserts,
+// only some rows or columns, or a partitioned table's under its
+// partitions' names, which the stream does not read: such rows are in no
+// stream the relay reads, so the writer keeps them for the relays to
+// claim.
 func deleteOnStoreFor(slotParam string, t Table) string {
 	rel := `to_regclass(` + QuoteLiteral(t.Quoted()) + `)`
 	return DeleteOnStoreCondition(slotParam) + `
       AND EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
         WHERE p.pubname = ` + slotParam + `::text AND pr.prrelid = ` + rel + ` AND p.pubinsert
+          AND to_jsonb(pr) ->> 'prqual' IS NULL AND to_jsonb(pr) ->> 'prattrs' IS NULL
           AND (p.pubviaroot OR NOT EXISTS (SELECT 1 FROM pg_class c WHERE c.oid = ` + rel + ` AND c.relkind = 'p')))`
 }
 

@@ -747,8 +747,8 @@ func TestWriterDeletesKeepRowsOfATableSwappedIn(t *testing.T) {
 }
 
 // A publication changed by hand so that it no longer carries the table's
-// inserts as the stream reads them (inserts not published, or a
-// partitioned table's published under its partitions' names) makes the
+// inserts as the stream reads them (inserts not published, a row filter,
+// or a partitioned table's published under its partitions' names) makes the
 // writers keep their rows, for the relays to claim: the stream would leave
 // them out, and they would be in no table and no stream it reads. Before,
 // the writers deleted them.
@@ -777,6 +777,11 @@ func TestWriterDeletesKeepRowsThePublicationNoLongerCarries(t *testing.T) {
 
 	f.Exec(`ALTER PUBLICATION ` + pub + ` SET (publish = 'insert, delete')`)
 	require.True(t, deletes(), "as the relay made it")
+
+	f.Exec(`ALTER PUBLICATION ` + pub + ` SET TABLE outbox WHERE (id > 100)`)
+	require.False(t, deletes(), "only some rows published")
+	f.Exec(`ALTER PUBLICATION ` + pub + ` SET TABLE outbox`)
+	require.True(t, deletes())
 }
 
 // A table dropped and made again under a streaming relay with writer
