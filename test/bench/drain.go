@@ -185,8 +185,12 @@ func relayDrainWith(ctx context.Context, o *options, e *benchEnv, d drainSetup, 
 	lastMove := time.Now()
 	// The counter's view of the drain, for deleted rows (no published_at):
 	// from the first sample that saw a row published to the one that saw all.
-	var firstSeen time.Time
+	// A drain the first such sample saw whole (a small one, from the slot)
+	// is timed from the last sample that saw none, which gives a rate no
+	// higher than the drain's.
+	var firstSeen, lastNone time.Time
 	var firstCount float64
+	lastNone = time.Now()
 	for {
 		var sum float64
 		for _, p := range procs {
@@ -196,8 +200,14 @@ func relayDrainWith(ctx context.Context, o *options, e *benchEnv, d drainSetup, 
 			n, _ := published(p)
 			sum += n
 		}
+		if sum == 0 {
+			lastNone = time.Now()
+		}
 		if sum > 0 && firstSeen.IsZero() {
 			firstSeen, firstCount = time.Now(), sum
+			if sum >= float64(o.rows) {
+				firstSeen, firstCount = lastNone, 0
+			}
 		}
 		if sum >= float64(o.rows) {
 			break
