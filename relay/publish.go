@@ -199,9 +199,9 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 		// Polling with no ordering backs off for records Kafka failed, not
 		// for those of a partition set aside, which were not sent: the
 		// claims leave them out until their partition's backoff ends
-		// (asideRows), and the others flow. Partition-key mode backs off only when nothing
-		// went out, aside or not: the next claim, of other keys, could be
-		// all aside again.
+		// (asideRows), and the others flow. Partition-key mode backs off
+		// only when nothing went out, aside or not: the next claim, of
+		// other keys, could be all aside again.
 		if r.claimer.backOff(failed-aside, len(msgs)-aside) {
 			return published, retry, fmt.Errorf("publish to Kafka: %w", transientErr)
 		}

@@ -197,7 +197,7 @@ func (a asideRows) release(s *topicState, now time.Time) bool {
 	back := map[topicPartition]bool{}
 	for _, x := range a.rows {
 		if back[x.p] {
-			continue
+			continue // one row says it for its partition's rows
 		}
 		n, _ := s.partitionCount(x.p.topic)
 		back[x.p] = n != x.count || s.asideError(x.p, now) == nil
