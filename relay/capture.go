@@ -360,9 +360,9 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 	}
 	slot := outbox.SlotName(database, r.table)
 	pub := slot
-	var exists, published, deletes, viaRoot bool
+	var exists, published, deletes, viaRoot, inserts, narrowed bool
 	var oid uint32
-	if err := r.pool.QueryRow(ctx, sqlPublishes, pub, r.table.Quoted()).Scan(&exists, &published, &oid, &deletes, &viaRoot); err != nil {
+	if err := r.pool.QueryRow(ctx, sqlPublishes, pub, r.table.Quoted()).Scan(&exists, &published, &oid, &deletes, &viaRoot, &inserts, &narrowed); err != nil {
 		return fmt.Errorf("read publication %s: %w", pub, err)
 	}
 	var otherTable, otherDatabase *string
@@ -397,7 +397,31 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 				relayconfig.FlagCapture, CaptureLogicalReplication, r.table, pub, err, alter)
 		}
 		r.log.Info("the publication publishes the partitions' changes as the table's now", "publication", pub)
+		deletes, inserts = true, true // the same statement
+	}
+	if exists && !inserts {
+		// The stream would carry none of the table's rows: without writer
+		// deletes each would wait for the sweep and go out in id order,
+		// and the writers would keep theirs (outbox.DeletesOnStore).
+		alter := sqlAlterPublication(pub)
+		if _, err := r.pool.Exec(ctx, alter); err != nil {
+			return fmt.Errorf("--%s %s: the publication %s publishes no inserts, so the stream would carry none of the rows of %s, and the relay's role may not alter it (%v); as its owner, run: %s",
+				relayconfig.FlagCapture, CaptureLogicalReplication, pub, r.table, err, alter)
+		}
+		r.log.Info("the publication publishes inserts now", "publication", pub)
 		deletes = true // the same statement
+	}
+	if published && narrowed {
+		// The stream would leave out the rows the filter drops (they
+		// would wait for the sweep and go out in id order) or the
+		// columns the list leaves out (a row put back or published from
+		// the stream would lack them).
+		whole := sqlPublishWhole(pub, r.table)
+		if _, err := r.pool.Exec(ctx, whole); err != nil {
+			return fmt.Errorf("--%s %s: the publication %s carries only some rows or columns of %s (a row filter or a column list), so the stream would leave the rest out, and the relay's role may not alter it (%v); as its owner, run: %s",
+				relayconfig.FlagCapture, CaptureLogicalReplication, pub, r.table, err, whole)
+		}
+		r.log.Info("the publication publishes every row and column of the table now", "publication", pub)
 	}
 	if exists && !deletes {
 		// Without deletes a relay that claims what it streams cannot tell

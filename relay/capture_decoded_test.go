@@ -382,6 +382,53 @@ func TestWriterDeletesNamesThePublicationAlter(t *testing.T) {
 	require.Equal(t, 1, f.Count(`SELECT count(*) FROM pg_publication WHERE pubname = $1 AND NOT pubdelete`, pub))
 }
 
+// A publication changed by hand so that the stream would not carry all of
+// the table (no inserts published, a row filter, a column list) is made
+// whole again by a relay's start-up check; a relay whose role may not
+// alter it refuses to start and names the statement its owner runs.
+// Before, the relay started and streamed none of what the publication
+// left out, which then waited for the sweep, in id order.
+func TestCaptureMakesItsPublicationCarryTheWholeTable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg := captureFixture(t, 1, "E")
+	pub := tableSlot(t, f)
+	f.Exec(`CREATE PUBLICATION ` + pub + ` FOR TABLE outbox WITH (publish = 'delete')`)
+	role := fmt.Sprintf("notowner_%d", time.Now().UnixNano()%1e9)
+	f.Exec(`CREATE ROLE ` + role + ` LOGIN REPLICATION; GRANT SELECT, INSERT, UPDATE ON outbox TO ` + role + `; GRANT ALL ON outbox_held TO ` + role)
+	t.Cleanup(func() { _, _ = f.Pool.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE `+role) })
+	notOwner := cfg
+	notOwner.DSN = strings.Replace(f.DSN, "postgres@", role+"@", 1) // the test cluster trusts local connections
+	check := func(cfg relay.Config) error {
+		r, err := relay.New(cfg)
+		require.NoError(t, err)
+		defer r.Close()
+		return r.Check(ctx)
+	}
+	whole := func() int {
+		return f.Count(`SELECT count(*) FROM pg_publication p JOIN pg_publication_rel pr ON pr.prpubid = p.oid
+			WHERE p.pubname = $1 AND p.pubinsert AND pr.prqual IS NULL AND pr.prattrs IS NULL`, pub)
+	}
+
+	err := check(notOwner)
+	require.ErrorContains(t, err, `publishes no inserts`)
+	require.ErrorContains(t, err, `as its owner, run: ALTER PUBLICATION "`+pub+`" SET (publish = 'insert, delete', publish_via_partition_root = true)`)
+	require.NoError(t, check(cfg))
+	require.Equal(t, 1, whole(), "the owner's relay made it publish inserts")
+
+	f.Exec(`ALTER PUBLICATION ` + pub + ` SET TABLE outbox WHERE (id > 100)`)
+	err = check(notOwner)
+	require.ErrorContains(t, err, `carries only some rows or columns of outbox`)
+	require.ErrorContains(t, err, `as its owner, run: ALTER PUBLICATION "`+pub+`" SET TABLE "outbox"`)
+	require.NoError(t, check(cfg))
+	require.Equal(t, 1, whole(), "the owner's relay dropped the row filter")
+
+	f.Exec(`ALTER PUBLICATION ` + pub + ` SET TABLE outbox (id, event_id)`)
+	require.NoError(t, check(cfg))
+	require.Equal(t, 1, whole(), "the owner's relay dropped the column list")
+	require.NoError(t, check(notOwner), "nothing left to alter")
+}
+
 // A writer with outbox.WithDeleteOnStore deletes its row only while a relay
 // with writer deletes streams: with no relay, or with one that claims the
 // streamed rows from the table (it would find a deleted row gone and move

@@ -21,13 +21,20 @@ const (
 		FROM pg_roles r WHERE r.rolname = current_user`
 	// sqlPublishes: whether the publication $1 exists, whether it
 	// includes the table whose quoted name is $2, whose oid it returns too,
-	// whether it publishes deletes, and whether it publishes a partitioned
-	// table's changes as the table's own.
+	// whether it publishes deletes, whether it publishes a partitioned
+	// table's changes as the table's own, whether it publishes inserts, and
+	// whether a row filter or a column list (PostgreSQL 15's; read through
+	// to_jsonb, so the query also runs on 14) narrows what it carries of
+	// the table.
 	sqlPublishes = `SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1),
 		EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
 		WHERE p.pubname = $1 AND pr.prrelid = to_regclass($2)), to_regclass($2)::oid,
 		COALESCE((SELECT pubdelete FROM pg_publication WHERE pubname = $1), false),
-		COALESCE((SELECT pubviaroot FROM pg_publication WHERE pubname = $1), false)`
+		COALESCE((SELECT pubviaroot FROM pg_publication WHERE pubname = $1), false),
+		COALESCE((SELECT pubinsert FROM pg_publication WHERE pubname = $1), false),
+		EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+		WHERE p.pubname = $1 AND pr.prrelid = to_regclass($2)
+		  AND (to_jsonb(pr) ->> 'prqual' IS NOT NULL OR to_jsonb(pr) ->> 'prattrs' IS NOT NULL))`
 	// sqlReplicaIdentityWithoutID: the first of the table $1 or, when it is
 	// partitioned, its leaf partitions (their own identity keys a delete on
 	// them; pg_partition_tree lists none of a plain table) whose replica
@@ -206,6 +213,12 @@ END $outbox$`
 // sqlAddToPublication adds table t to the publication pub.
 func sqlAddToPublication(pub string, t outbox.Table) string {
 	return `ALTER PUBLICATION ` + pgx.Identifier{pub}.Sanitize() + ` ADD TABLE ` + t.Quoted()
+}
+
+// sqlPublishWhole makes the publication pub publish every row and column of
+// table t, its only table: no row filter or column list (PostgreSQL 15's).
+func sqlPublishWhole(pub string, t outbox.Table) string {
+	return `ALTER PUBLICATION ` + pgx.Identifier{pub}.Sanitize() + ` SET TABLE ` + t.Quoted()
 }
 
 // captureStatements are the statements above by name, for the test that
