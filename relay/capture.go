@@ -1142,7 +1142,7 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 	switch m := m.(type) {
 	case *pglogrepl.RelationMessage:
 		if !s.r.capture.relations[m.RelationID] && m.RelationName == s.r.table.Name {
-			if err := s.r.tableReplaced(ctx, m.RelationID); err != nil {
+			if err := s.r.tableReplaced(ctx, m.RelationID, m.Namespace); err != nil {
 				return err
 			}
 		}
@@ -1330,27 +1330,39 @@ func (s *streamState) matchDeleted() error {
 		errReadAgain, s.txXid, s.txCommit, len(lost), c.txTupleLimit)
 }
 
-// tableReplaced takes up relation oid, named as the table, if it is the
-// table now: the table was dropped or renamed away and another made in its
-// place (a migration), which a DBA, or a replica's start-up check, then
-// added to the publication. Its inserts were otherwise left out of the
-// stream: with writer deletes, whose writers delete again once the table
-// is published, they were lost; without, they waited for the sweep and
-// went out in id order. The table's earlier relations stay taken, for the
-// changes of theirs a stream reads again.
-func (r *Relay) tableReplaced(ctx context.Context, oid uint32) error {
+// tableReplaced takes up relation oid, named as the table in schema
+// namespace, if it is the table now: the table was dropped or renamed away
+// and another made in its place (a migration), which a DBA, or a replica's
+// start-up check, then added to the publication. Its inserts were
+// otherwise left out of the stream: with writer deletes, whose writers
+// delete again once the table is published, they were lost; without, they
+// waited for the sweep and went out in id order. The table's earlier
+// relations stay taken, for the changes of theirs a stream reads again.
+//
+// With writer deletes it also takes up an earlier table of the name, one
+// the stream reads before the table now (a relay that started, or a
+// standby that took over, after the table was replaced, with the slot's
+// confirmed position before it): the rows its writers deleted are in no
+// table, and go out from the stream. Before, they were left out and lost.
+// The rows they kept are in that table, not this one (earlierRows).
+func (r *Relay) tableReplaced(ctx context.Context, oid uint32, namespace string) error {
 	var now *uint32 // NULL when no table has its name
-	if err := r.pool.QueryRow(ctx, sqlTableOID, r.table.Quoted()).Scan(&now); err != nil {
+	var schema *string
+	if err := r.pool.QueryRow(ctx, sqlTableNamespace, r.table.Quoted()).Scan(&now, &schema); err != nil {
 		return fmt.Errorf("read the oid of %s: %w", r.table, err)
 	}
-	if now == nil || *now != oid {
-		return nil // an older table of its name, or one of another schema
+	switch {
+	case now != nil && *now == oid:
+		r.capture.relations[oid] = true
+		r.capture.oid.Store(oid)
+		r.log.Warn("the table was replaced by another of its name (dropped or renamed away, then made again and published); the stream takes the new table's inserts",
+			"table", r.table.String(), "oid", oid)
+	case r.cfg.WriterDeletes && schema != nil && *schema == namespace:
+		r.capture.relations[oid] = true
+		r.log.Warn("the stream reads inserts of an earlier table of the table's name (dropped or renamed away, and made again, before this relay started); it publishes the rows their writers deleted, and leaves those they kept in that table",
+			"table", r.table.String(), "oid", oid)
 	}
-	r.capture.relations[oid] = true
-	r.capture.oid.Store(oid)
-	r.log.Warn("the table was replaced by another of its name (dropped or renamed away, then made again and published); the stream takes the new table's inserts",
-		"table", r.table.String(), "oid", oid)
-	return nil
+	return nil // otherwise: a table of another schema, or, without writer deletes, an earlier one, whose rows the claims by id would not find
 }
 
 // decodeRowChange reads an insert or a delete of the table: an insert's
@@ -1402,6 +1414,7 @@ func (s *streamState) decodeRowChange(data []byte) error {
 		if err != nil {
 			return err
 		}
+		x.earlier = s.rel != s.r.capture.oid.Load()
 		if _, ok := s.putBack[x.id]; ok {
 			delete(s.putBack, x.id) // the relay's own insert: the row is in the table
 			return nil
@@ -1486,9 +1499,11 @@ func (s *streamState) flush(ctx context.Context) error {
 		return s.sendStatus(ctx)
 	}
 	if len(s.restore) > 0 {
-		if err := s.r.restoreDeleted(ctx, s.restore); err != nil {
+		moved, err := s.r.restoreDeleted(ctx, s.restore)
+		if err != nil {
 			return err
 		}
+		movedIDs(s.pending, moved)
 		s.restore = s.restore[:0]
 	}
 	carried := s.carry != nil

@@ -84,6 +84,17 @@ type streamedRow struct {
 	readable bool
 	// deleted: the transaction that inserted the row deleted it.
 	deleted bool
+	// earlier: the row was inserted into an earlier table of the table's
+	// name, not the table now (tableReplaced).
+	earlier bool
+}
+
+// column is the text of the row's column name; "" when NULL or absent.
+func (x streamedRow) column(name string) string {
+	if i := slices.Index(x.names, name); i >= 0 && x.text[i] != nil {
+		return *x.text[i]
+	}
+	return ""
 }
 
 // tupleText keeps the text of a tuple's columns (tupleColumns), enough to
@@ -180,9 +191,16 @@ func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) er
 			for n < len(rows) && !rows[n].deleted {
 				n++
 			}
-			ids := make([]int64, n)
-			for i := range n {
-				ids[i] = rows[i].id
+			ids, left := make([]int64, 0, n), []int64(nil)
+			for _, x := range rows[:n] {
+				if x.earlier { // in that table: the table's row of its id is another
+					left = append(left, x.id)
+				} else {
+					ids = append(ids, x.id)
+				}
+			}
+			if len(left) > 0 {
+				s.r.log.Warn("rows their writers kept in an earlier table of the table's name stay there: the relay claims from the table now", "ids", left)
 			}
 			if err := s.r.publishStreamed(ctx, ids, s.pendXids, s.keepAlive); err != nil {
 				return err
@@ -246,15 +264,17 @@ func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRo
 			back, backIDs = append(back, x), append(backIDs, x.id)
 		}
 	}
+	var moved map[int64]int64
 	if len(back) > 0 || len(b.holds) > 0 || len(b.unhold) > 0 {
-		err = r.putBack(b, back)
+		moved, err = r.putBack(b, back)
 	}
 	r.held.committed(b.holds, time.Now())
 	if err != nil {
 		return nil, nil, r.dbFailed(err)
 	}
+	retry = movedIDs(retry, moved)
 	if len(back) > 0 {
-		s.remember(backIDs)
+		s.remember(movedIDs(backIDs, moved))
 		if len(back) > len(retry) {
 			r.log.Info("put rows the relay could not publish back into the table; the sweep publishes or holds them", "ids", backIDs)
 			s.nextSweep = time.Now()
@@ -315,39 +335,56 @@ func (x streamedRow) record(layout []string) string {
 }
 
 // putBack inserts rows into the table as they were written (their ids
-// too), unpublished, and records the batch's holds, in one transaction.
-func (r *Relay) putBack(b *inFlight, rows []streamedRow) error {
+// too, but for those moved to new ids: insertStreamed), unpublished, and
+// records the batch's holds, in one transaction.
+func (r *Relay) putBack(b *inFlight, rows []streamedRow) (moved map[int64]int64, err error) {
 	tx, err := r.pool.Begin(b.ctx)
 	if err != nil {
-		return fmt.Errorf("begin putting rows back into %s: %w", r.table, err)
+		return nil, fmt.Errorf("begin putting rows back into %s: %w", r.table, err)
 	}
 	defer tx.Rollback(b.ctx) //nolint:errcheck // no-op after commit
 	b.tx = tx
-	if err := r.insertStreamed(b.ctx, tx, rows); err != nil {
-		return fmt.Errorf("put %d rows back into %s: %w%s", len(rows), r.table, err, failingRow(err))
+	if moved, err = r.insertStreamed(b.ctx, tx, rows); err != nil {
+		return nil, fmt.Errorf("put %d rows back into %s: %w%s", len(rows), r.table, err, failingRow(err))
+	}
+	for i, h := range b.holds {
+		if id, ok := moved[h.id]; ok {
+			b.holds[i].id = id
+		}
 	}
 	if err := r.recordHolds(b); err != nil {
-		return err
+		return nil, err
 	}
 	if err := tx.Commit(b.ctx); err != nil {
-		return fmt.Errorf("commit rows put back into %s: %w", r.table, err)
+		return nil, fmt.Errorf("commit rows put back into %s: %w", r.table, err)
 	}
-	return nil
+	return moved, nil
+}
+
+// movedIDs is ids with those moved maps replaced by their new ids.
+func movedIDs(ids []int64, moved map[int64]int64) []int64 {
+	for i, id := range ids {
+		if to, ok := moved[id]; ok {
+			ids[i] = to
+		}
+	}
+	return ids
 }
 
 // restoreDeleted puts back into the table rows a writer deleted in the
 // transaction that inserted them (a writer with writer deletes, while the
 // table's relay did not run with them: during a switch away from writer
 // deletes, say), unpublished, for the claim that follows to publish them.
-func (r *Relay) restoreDeleted(ctx context.Context, rows []streamedRow) error {
+// Those moved to new ids (insertStreamed) are in moved.
+func (r *Relay) restoreDeleted(ctx context.Context, rows []streamedRow) (moved map[int64]int64, err error) {
 	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
 	defer cancel()
-	if err := pgx.BeginFunc(bctx, r.pool, func(tx pgx.Tx) error { return r.insertStreamed(bctx, tx, rows) }); err != nil {
-		return r.dbFailed(fmt.Errorf("put %d rows the writers deleted back into %s (the relay's role needs INSERT on it: GRANT INSERT ON %s TO the role): %w%s",
+	if err := pgx.BeginFunc(bctx, r.pool, func(tx pgx.Tx) (err error) { moved, err = r.insertStreamed(bctx, tx, rows); return err }); err != nil {
+		return nil, r.dbFailed(fmt.Errorf("put %d rows the writers deleted back into %s (the relay's role needs INSERT on it: GRANT INSERT ON %s TO the role): %w%s",
 			len(rows), r.table, r.table.Quoted(), err, failingRow(err)))
 	}
 	r.log.Info("put rows their writers deleted back into the table, to publish them", "rows", len(rows))
-	return nil
+	return moved, nil
 }
 
 // failingRowMax bounds the failing row failingRow quotes: its payload can
@@ -375,14 +412,27 @@ func failingRow(err error) string {
 // their ids, leaving out those it has already. The stream delivers a row
 // with the columns the table had when it was written; a column added
 // since takes its default, one dropped since is left out, so a row
-// written before a migration goes back after it.
-func (r *Relay) insertStreamed(ctx context.Context, tx pgx.Tx, rows []streamedRow) error {
+// written before a migration goes back after it. It goes into the table
+// that has the name now, as that table's columns stand.
+//
+// A row whose id another event of the table has taken goes back under a
+// new id, which moved maps it to: a row of a table since dropped, or
+// renamed away, and made again with ids that start over. Left out by its
+// id, it would have been in no table and no stream.
+func (r *Relay) insertStreamed(ctx context.Context, tx pgx.Tx, rows []streamedRow) (moved map[int64]int64, err error) {
 	if len(rows) == 0 {
-		return nil
+		return nil, nil
+	}
+	var oid *uint32 // NULL when no table has the name
+	if err := tx.QueryRow(ctx, sqlTableOID, r.table.Quoted()).Scan(&oid); err != nil {
+		return nil, fmt.Errorf("read the oid of %s: %w", r.table, err)
+	}
+	if oid == nil {
+		return nil, fmt.Errorf("no table %s to put rows back into", r.table)
 	}
 	var layout []string
-	if err := tx.QueryRow(ctx, sqlRowTypeColumns, r.capture.oid.Load()).Scan(&layout); err != nil {
-		return fmt.Errorf("read the columns of %s: %w", r.table, err)
+	if err := tx.QueryRow(ctx, sqlRowTypeColumns, *oid).Scan(&layout); err != nil {
+		return nil, fmt.Errorf("read the columns of %s: %w", r.table, err)
 	}
 	// Rows of one relation message share their names: one statement each.
 	for len(rows) > 0 {
@@ -400,10 +450,69 @@ func (r *Relay) insertStreamed(ctx context.Context, tx pgx.Tx, rows []streamedRo
 		for i, x := range rows[:n] {
 			records[i] = x.record(layout)
 		}
-		if err := r.insertRecords(ctx, tx, sqlInsertRecords(r.table, cols), records, rows[:n]); err != nil {
-			return err
+		ids, err := r.insertRecords(ctx, tx, sqlInsertRecords(r.table, cols), records, rows[:n], *oid)
+		if err != nil {
+			return nil, err
+		}
+		if len(ids) < n {
+			if moved, err = r.insertTaken(ctx, tx, rows[:n], ids, layout, cols, *oid, moved); err != nil {
+				return nil, err
+			}
 		}
 		rows = rows[n:]
 	}
-	return nil
+	return moved, nil
+}
+
+// insertTaken inserts, under new ids, those of rows (one relation
+// message's, whose columns cols of layout are the table's) left out of
+// the insert that returned inserted, whose id another event of the table
+// has; a row the table has by its id and event id, or by its event id
+// under another id, is in it already. It adds each to moved.
+func (r *Relay) insertTaken(ctx context.Context, tx pgx.Tx, rows []streamedRow, inserted []int64, layout, cols []string, oid uint32, moved map[int64]int64) (map[int64]int64, error) {
+	in := make(map[int64]bool, len(inserted))
+	for _, id := range inserted {
+		in[id] = true
+	}
+	var out []int64
+	for _, x := range rows {
+		if !in[x.id] {
+			out = append(out, x.id)
+		}
+	}
+	res, err := tx.Query(ctx, sqlEventsByID(r.table), out)
+	if err != nil {
+		return moved, fmt.Errorf("read the rows of %s by the ids of rows put back: %w", r.table, err)
+	}
+	events := map[int64]string{}
+	var id int64
+	var event string
+	if _, err := pgx.ForEachRow(res, []any{&id, &event}, func() error { events[id] = event; return nil }); err != nil {
+		return moved, fmt.Errorf("read the rows of %s by the ids of rows put back: %w", r.table, err)
+	}
+	var taken []streamedRow
+	for _, x := range rows {
+		if e, ok := events[x.id]; ok && !in[x.id] && e != x.column("event_id") {
+			taken = append(taken, x)
+		}
+	}
+	if len(taken) == 0 {
+		return moved, nil
+	}
+	cols = slices.DeleteFunc(slices.Clone(cols), func(c string) bool { return c == "id" })
+	if moved == nil {
+		moved = map[int64]int64{}
+	}
+	for _, x := range taken { // one at a time: RETURNING does not say which row a new id is
+		ids, err := r.insertRecords(ctx, tx, sqlInsertRecords(r.table, cols), []string{x.record(layout)}, []streamedRow{x}, oid)
+		if err != nil {
+			return moved, fmt.Errorf("put row %d back into %s under a new id: %w", x.id, r.table, err)
+		}
+		if len(ids) == 1 { // none: the table has its event id (another row of its event)
+			moved[x.id] = ids[0]
+		}
+	}
+	r.log.Warn("rows put back into the table found their ids taken by other events (the table was made again, with ids that start over), so they went back under new ids; the sweep publishes them, after the rows of their keys already in the table",
+		"moved", moved)
+	return moved, nil
 }

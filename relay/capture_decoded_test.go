@@ -10,7 +10,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
@@ -861,6 +863,65 @@ func TestWriterDeletesTableMadeAgainAndPublishedIsStreamed(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, msgs, 7, "the 5 events stored in the new table reach Kafka")
 	require.Contains(t, logs.String(), "the table was replaced by another of its name")
+}
+
+// A relay that starts (a restart, a standby taking over) after the table
+// was replaced, while the slot still holds inserts of the earlier table
+// that no relay confirmed, publishes the rows their writers deleted: they
+// are in no table. Here the earlier relay stops as one killed would, after
+// the writers deleted their rows and before it confirmed them; the new
+// table's ids start over. One such row the relay cannot publish (its type
+// has no topic) goes back into the new table, whose row of its id is
+// another event's: under a new id. Before, the stream left the earlier
+// table's inserts out (0 of the 3 events reached Kafka), and a put-back
+// whose id was taken was left out of the table (the event was lost).
+func TestWriterDeletesPublishesAnEarlierTablesRowsAfterARestart(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg, store := writerDeletesFixture(t, "E")
+	var logs lockedBuffer
+	cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	x := startStreaming(t, cfg) // makes the slot and the publication
+	x.Stop(t)
+	waitSlotIdle(t, f)
+
+	// A relay that streams and never confirms: it holds the writer-deletes
+	// lock on its replication session, as a relay does.
+	slot := tableSlot(t, f)
+	conf, err := pgconn.ParseConfig(f.DSN)
+	require.NoError(t, err)
+	conf.RuntimeParams["replication"] = "database"
+	stream, err := pgconn.ConnectConfig(ctx, conf)
+	require.NoError(t, err)
+	_, err = stream.Exec(ctx, `SELECT pg_advisory_lock(`+outbox.WriterDeletesLock(outbox.QuoteLiteral(slot))+`)`).ReadAll()
+	require.NoError(t, err)
+	require.NoError(t, pglogrepl.StartReplication(ctx, stream, slot, 0, pglogrepl.StartReplicationOptions{
+		PluginArgs: []string{"proto_version '1'", "publication_names '" + slot + "'"}}))
+	waitDeletesOnStore(t, f, 10*time.Second)
+	earlier := []outbox.Entry{entry("E", 1), entry("Unmapped", 2), entry("E", 3), entry("E", 4)}
+	for _, e := range earlier {
+		store(e)
+	}
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox`), "the writers deleted them")
+	require.NoError(t, stream.Close(ctx))
+	waitSlotIdle(t, f)
+
+	f.Exec(`CREATE TABLE outbox_new (LIKE outbox INCLUDING ALL)`) // its ids start at 1 again
+	f.Exec(`DROP TABLE outbox`)
+	f.Exec(`ALTER TABLE outbox_new RENAME TO outbox`)
+	later := storeEach(store, 4) // kept: no relay streams
+	require.Equal(t, 4, f.Count(`SELECT count(*) FROM outbox WHERE id <= 4`))
+
+	outboxtest.Start(t, cfg)
+	seen := consumedIDs(t, f.Topics["E"], 7)
+	for _, id := range append([]string{earlier[0].EventID, earlier[2].EventID, earlier[3].EventID}, later...) {
+		require.True(t, seen[id], "event %s published", id)
+	}
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1 AND published_at IS NULL AND id > 4`, earlier[1].EventID) == 1
+	}, 30*time.Second, 50*time.Millisecond, "the row without a topic is back in the table, under a new id")
+	require.Equal(t, 4, f.Count(`SELECT count(*) FROM outbox WHERE id <= 4 AND event_id = ANY($1)`, later), "the new table's rows keep their ids")
+	require.Contains(t, logs.String(), "the stream reads inserts of an earlier table of the table's name")
 }
 
 // A row the stream must put back whose partition was dropped (by hand, or

@@ -31,42 +31,48 @@ func noPartition(err error) bool {
 // stream would wait behind it for ever: the relay attaches a partition
 // over the stretch no partition covers around its created_at
 // (restorePartitions) and inserts again.
-func (r *Relay) insertRecords(ctx context.Context, tx pgx.Tx, stmt string, records []string, rows []streamedRow) error {
+// It returns the ids stmt returned: those of the rows it inserted.
+func (r *Relay) insertRecords(ctx context.Context, tx pgx.Tx, stmt string, records []string, rows []streamedRow, oid uint32) ([]int64, error) {
+	insert := func(q pgx.Tx) ([]int64, error) {
+		res, err := q.Query(ctx, stmt, records)
+		if err != nil {
+			return nil, err
+		}
+		return pgx.CollectRows(res, pgx.RowTo[int64])
+	}
 	if !r.shape.byCreatedAt {
-		_, err := tx.Exec(ctx, stmt, records)
-		return err
+		return insert(tx)
 	}
 	sp, err := tx.Begin(ctx) // a savepoint: the transaction goes on after a refusal
 	if err != nil {
-		return err
+		return nil, err
 	}
-	_, err = sp.Exec(ctx, stmt, records)
+	ids, err := insert(sp)
 	if err == nil {
-		return sp.Commit(ctx)
+		return ids, sp.Commit(ctx)
 	}
 	if rerr := sp.Rollback(ctx); rerr != nil || !noPartition(err) {
-		return err
+		return nil, err
 	}
-	made, rerr := r.restorePartitions(ctx, rows)
+	made, rerr := r.restorePartitions(ctx, rows, oid)
 	if rerr != nil || made == 0 {
 		if rerr != nil {
 			r.log.Warn("could not make a partition for rows the stream puts back", "err", rerr)
 		}
-		return err
+		return nil, err
 	}
-	_, err = tx.Exec(ctx, stmt, records)
-	return err
+	return insert(tx)
 }
 
 // restorePartitions attaches, for each of rows whose created_at no
-// partition of the table covers, a partition over the stretch between the
+// partition of the table (oid) covers, a partition over the stretch between the
 // partitions around it, made as the partitions function of the shipped DDL
 // makes one (outbox.QueueTableSettings), and returns how many it attached. It makes none
 // for a stretch that ends after now (writers and the partitions function
 // would go there) or that has no partition after it, and none where a
 // table a pruner detached and has not dropped covers the row (the pruner
 // settles it first: drops it, or attaches it again).
-func (r *Relay) restorePartitions(ctx context.Context, rows []streamedRow) (int, error) {
+func (r *Relay) restorePartitions(ctx context.Context, rows []streamedRow, oid uint32) (int, error) {
 	var texts []string
 	for _, x := range rows {
 		if i := slices.Index(x.names, "created_at"); i >= 0 && x.text[i] != nil {
@@ -87,10 +93,10 @@ func (r *Relay) restorePartitions(ctx context.Context, rows []streamedRow) (int,
 		now   time.Time
 		nsp   string
 	)
-	if err := conn.QueryRow(ctx, sqlRestoreInputs, texts, r.capture.oid.Load()).Scan(&times, &now, &nsp); err != nil {
+	if err := conn.QueryRow(ctx, sqlRestoreInputs, texts, oid).Scan(&times, &now, &nsp); err != nil {
 		return 0, fmt.Errorf("read the created_at of rows put back: %w", err)
 	}
-	parts, _, err := r.newPruner().partitions(ctx, conn, r.capture.oid.Load())
+	parts, _, err := r.newPruner().partitions(ctx, conn, oid)
 	if err != nil {
 		return 0, err
 	}

@@ -120,8 +120,10 @@ const sqlRowTypeColumns = `SELECT COALESCE(array_agg(attname::text ORDER BY attn
 	FROM pg_attribute WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped`
 
 // sqlInsertRecords inserts into t the columns cols of records ($1, each the
-// text form of t's row type, ids included), leaving out rows t has already;
-// t's other columns take their defaults.
+// text form of t's row type, ids included), leaving out rows t has already
+// (by any unique key: its id or its event id), and returns the ids of
+// those it inserted; t's other columns take their defaults (without "id"
+// in cols, a new id).
 func sqlInsertRecords(t outbox.Table, cols []string) string {
 	list := make([]string, len(cols))
 	sel := make([]string, len(cols))
@@ -131,7 +133,12 @@ func sqlInsertRecords(t outbox.Table, cols []string) string {
 	}
 	return `INSERT INTO ` + t.Quoted() + ` (` + strings.Join(list, ", ") + `) OVERRIDING SYSTEM VALUE
     SELECT ` + strings.Join(sel, ", ") + ` FROM unnest($1::text[]) AS r, LATERAL (SELECT (r::` + t.Quoted() + `).*) AS x
-    ON CONFLICT DO NOTHING`
+    ON CONFLICT DO NOTHING RETURNING id`
+}
+
+// sqlEventsByID: the text of the event ids of the rows of t whose ids are $1.
+func sqlEventsByID(t outbox.Table) string {
+	return `SELECT id, event_id::text FROM ` + t.Quoted() + ` WHERE id = ANY($1::bigint[])`
 }
 
 // captureLockSeed seeds the hash of a slot's name that keys its capture
