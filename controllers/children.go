@@ -480,6 +480,9 @@ func relayService(relay *outboxv1alpha1.OutboxRelay) *corev1.Service {
 
 // relayPDB builds the desired PodDisruptionBudget, or nil when the relay
 // runs fewer than two replicas (a PDB over one pod only blocks node drains).
+// A pod that is not ready may always be evicted: it publishes nothing, and
+// under the default policy (IfHealthyBudget) relay pods all unready at once
+// (the broker down, a wrong password) would block every node drain.
 func relayPDB(relay *outboxv1alpha1.OutboxRelay) *policyv1.PodDisruptionBudget {
 	if desiredReplicas(relay) < 2 {
 		return nil
@@ -488,8 +491,9 @@ func relayPDB(relay *outboxv1alpha1.OutboxRelay) *policyv1.PodDisruptionBudget {
 		TypeMeta:   metav1.TypeMeta{APIVersion: "policy/v1", Kind: "PodDisruptionBudget"},
 		ObjectMeta: childMeta(relay),
 		Spec: policyv1.PodDisruptionBudgetSpec{
-			MaxUnavailable: ptr.To(intstr.FromInt32(1)),
-			Selector:       &metav1.LabelSelector{MatchLabels: selectorLabels(relay)},
+			MaxUnavailable:             ptr.To(intstr.FromInt32(1)),
+			Selector:                   &metav1.LabelSelector{MatchLabels: selectorLabels(relay)},
+			UnhealthyPodEvictionPolicy: ptr.To(policyv1.AlwaysAllow),
 		},
 	}
 	p.Annotations[specHashAnnotation] = hashOf(p.Spec)

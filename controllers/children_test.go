@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
@@ -260,6 +261,7 @@ func TestReplicasSuspendAndPDB(t *testing.T) {
 		if pdb != nil {
 			require.Equal(t, 1, pdb.Spec.MaxUnavailable.IntValue())
 			require.Equal(t, selectorLabels(relay), pdb.Spec.Selector.MatchLabels)
+			require.Equal(t, policyv1.AlwaysAllow, *pdb.Spec.UnhealthyPodEvictionPolicy, "unready pods do not block a drain")
 		}
 	}
 }

@@ -152,7 +152,11 @@ func (e *conflictError) Error() string { return e.msg }
 
 // childProblem sorts an error from writing a child: the API server refusing
 // what the spec produced is InvalidSpec (retrying cannot help), a name taken
-// by someone else is a conflict, anything else is transient.
+// by someone else is a conflict, a refusal for another reason (an admission
+// webhook's, 400 or 403, a quota's or RBAC's, 403) is ChildRefused, which
+// the status shows (before, it was taken for transient: the relay kept
+// an empty status, and each pass logged the same error), anything else is
+// transient.
 func childProblem(err error) (*problem, error) {
 	var conflict *conflictError
 	switch {
@@ -162,6 +166,8 @@ func childProblem(err error) (*problem, error) {
 		return &problem{reason: outboxv1alpha1.ReasonResourceConflict, message: conflict.msg}, nil
 	case apierrors.IsInvalid(err):
 		return &problem{reason: outboxv1alpha1.ReasonInvalidSpec, message: err.Error()}, nil
+	case apierrors.IsForbidden(err), apierrors.IsBadRequest(err):
+		return &problem{reason: outboxv1alpha1.ReasonChildRefused, message: "the API server refused it: " + err.Error(), requeue: true}, nil
 	default:
 		return nil, err
 	}
@@ -200,15 +206,29 @@ func ensure[T client.Object](ctx context.Context, c client.Client, uncached clie
 	if err != nil {
 		return cur, fmt.Errorf("get %s %s: %w", kind, want.GetName(), err)
 	}
+	adopt := false
 	if !metav1.IsControlledBy(cur, relay) {
-		return cur, &conflictError{fmt.Sprintf("%s %s exists and is not controlled by this OutboxRelay", kind, cur.GetName())}
+		if metav1.GetControllerOf(cur) != nil || !hasLabels(cur, want) {
+			return cur, &conflictError{fmt.Sprintf("%s %s exists and is not controlled by this OutboxRelay", kind, cur.GetName())}
+		}
+		// No controller, and this relay's labels: the operator made it for
+		// an OutboxRelay of this name that was deleted with its children
+		// orphaned (kubectl delete --cascade=orphan), and this one takes
+		// it over, its pods running on. Before, it was a conflict until
+		// someone deleted it.
+		adopt = true
 	}
-	if cur.GetAnnotations()[specHashAnnotation] == want.GetAnnotations()[specHashAnnotation] &&
+	if !adopt && cur.GetAnnotations()[specHashAnnotation] == want.GetAnnotations()[specHashAnnotation] &&
 		hasLabels(cur, want) && (drifted == nil || !drifted(cur, want)) &&
 		(owned == nil || cur.GetLabels()[liveHashLabel] == hashOf(owned(cur))) {
 		return cur, nil
 	}
 	patch := client.MergeFromWithOptions(cur.DeepCopyObject().(client.Object), client.MergeFromWithOptimisticLock{})
+	if adopt {
+		if err := controllerutil.SetControllerReference(relay, cur, c.Scheme()); err != nil {
+			return cur, fmt.Errorf("own %s %s: %w", kind, cur.GetName(), err)
+		}
+	}
 	labels, annotations := cur.GetLabels(), cur.GetAnnotations()
 	if labels == nil {
 		labels = map[string]string{}

@@ -2,6 +2,7 @@ package controllers
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -9,9 +10,12 @@ import (
 	"github.com/stretchr/testify/require"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -211,6 +215,88 @@ func TestLiveHashIsRecordedBesideTheDeploymentController(t *testing.T) {
 	require.Contains(t, d.Spec.Template.Spec.Containers[0].Args, "--batch-size=77")
 	require.Equal(t, hashOf(deploymentOwned(d)), d.Labels[liveHashLabel])
 	require.Positive(t, controllerWrites)
+}
+
+// The API server refusing a child for a reason other than its content (an
+// admission webhook, 400 or 403; a ResourceQuota, 403) is a problem the
+// status names, Stalled, retried at the Secret retry interval. Before, it
+// was taken for transient: the relay kept an empty status, and each pass
+// failed with the same error.
+func TestChildRefusedByTheAPIServerIsInTheStatus(t *testing.T) {
+	t.Parallel()
+	for name, refusal := range map[string]error{
+		"webhook": apierrors.NewBadRequest(`admission webhook "policy.example" denied the request: images must be signed`),
+		"quota": apierrors.NewForbidden(schema.GroupResource{Group: "apps", Resource: "deployments"}, "orders-relay",
+			errors.New("exceeded quota: pods, requested: 1, used: 10, limited: 10")),
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			funcs := interceptor.Funcs{Create: func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.CreateOption) error {
+				if _, ok := obj.(*appsv1.Deployment); ok {
+					return refusal
+				}
+				return c.Create(ctx, obj, opts...)
+			}}
+			c, r, relay := fakeRelay(t, funcs, nil)
+			ctx := context.Background()
+			key := client.ObjectKeyFromObject(relay)
+			res, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+			require.NoError(t, err)
+			require.Equal(t, secretRetryInterval, res.RequeueAfter)
+			require.NoError(t, c.Get(ctx, key, relay))
+			ready := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady)
+			require.NotNil(t, ready)
+			require.Equal(t, metav1.ConditionFalse, ready.Status)
+			require.Equal(t, outboxv1alpha1.ReasonChildRefused, ready.Reason)
+			require.Contains(t, ready.Message, refusal.Error())
+			require.True(t, meta.IsStatusConditionTrue(relay.Status.Conditions, outboxv1alpha1.ConditionStalled))
+			require.Equal(t, relay.Generation, relay.Status.ObservedGeneration)
+		})
+	}
+}
+
+// An OutboxRelay deleted with its children orphaned (kubectl delete
+// --cascade=orphan) and applied again takes its children over: they carry
+// its labels and no controller. Before, each was a ResourceConflict until
+// someone deleted it. An object with the name and another controller, or
+// without the relay's labels, stays a conflict.
+func TestOrphanedChildrenAreAdopted(t *testing.T) {
+	t.Parallel()
+	c, r, relay := fakeRelay(t, interceptor.Funcs{}, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.Replicas = ptr.To[int32](2) })
+	ctx := context.Background()
+	key := client.ObjectKeyFromObject(relay)
+	_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	child := types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}
+	children := []client.Object{&appsv1.Deployment{}, &corev1.Service{}, &policyv1.PodDisruptionBudget{}}
+	for _, obj := range children {
+		require.NoError(t, c.Get(ctx, child, obj))
+		obj.SetOwnerReferences(nil) // as the garbage collector leaves an orphan
+		require.NoError(t, c.Update(ctx, obj))
+	}
+	template := fakeDeployment(t, c, relay).Spec.Template.DeepCopy()
+	require.NoError(t, c.Delete(ctx, relay))
+	relay.ObjectMeta = metav1.ObjectMeta{Name: relay.Name, Namespace: relay.Namespace, Generation: 1, UID: "second"}
+	require.NoError(t, c.Create(ctx, relay))
+
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.NoError(t, c.Get(ctx, key, relay))
+	for _, obj := range children {
+		require.NoError(t, c.Get(ctx, child, obj))
+		require.True(t, metav1.IsControlledBy(obj, relay), "%T adopted", obj)
+	}
+	require.Equal(t, *template, fakeDeployment(t, c, relay).Spec.Template, "its pods run on: the template is unchanged")
+	require.NotEqual(t, outboxv1alpha1.ReasonResourceConflict, meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady).Reason)
+
+	// Another controller's Deployment of the name stays a conflict.
+	d := fakeDeployment(t, c, relay)
+	d.OwnerReferences = []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "ReplicaSet", Name: "other", UID: "other", Controller: ptr.To(true)}}
+	require.NoError(t, c.Update(ctx, d))
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.NoError(t, c.Get(ctx, key, relay))
+	require.Equal(t, outboxv1alpha1.ReasonResourceConflict, meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady).Reason)
 }
 
 // deploymentControllerWrites stands in for the Deployment controller: after

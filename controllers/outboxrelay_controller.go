@@ -31,8 +31,8 @@ import (
 // (config/rbac/leader_election_role.yaml).
 const LeaderElectionID = "outbox-operator.outbox.dev"
 
-// secretRetryInterval is how soon a relay waiting for a Secret is looked at
-// again.
+// secretRetryInterval is how soon a relay waiting for a Secret, or for the
+// API server to take a child it refused (ChildRefused), is looked at again.
 const secretRetryInterval = 30 * time.Second
 
 // secretDueMargin is how long after its first Secret entry expires a relay

@@ -173,6 +173,7 @@ func testSampleCreatesChildren(t *testing.T, c client.Client) {
 	require.True(t, metav1.IsControlledBy(pdb, relay))
 	require.Equal(t, 1, pdb.Spec.MaxUnavailable.IntValue())
 	require.Equal(t, selectorLabels(relay), pdb.Spec.Selector.MatchLabels)
+	require.Equal(t, policyv1.AlwaysAllow, *pdb.Spec.UnhealthyPodEvictionPolicy)
 
 	relay = waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
 		return readyReason(o) == outboxv1alpha1.ReasonDeploymentUnavailable

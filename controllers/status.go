@@ -54,7 +54,8 @@ const readingFailed = "; the latest reading failed: "
 // lagging is the Lagging condition for an observation: Unknown without a
 // current reading (none yet, or the last read failed: an earlier sample
 // cannot vouch for the flow now, unless it found the relay lagging less
-// than the threshold ago), True when the oldest
+// than the threshold ago, or found its oldest row young enough that no row
+// can have passed the threshold since), True when the oldest
 // waiting row is older than the threshold, with the reason that best says
 // why: no ready replica, nothing published in the last minute, or too slow.
 func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, now time.Time) verdict {
@@ -74,6 +75,17 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 			prev.Status == metav1.ConditionTrue && relay.Status.Backlog != nil && now.Sub(relay.Status.Backlog.ObservedAt.Time) < threshold {
 			last, _, _ := strings.Cut(prev.Message, readingFailed)
 			return verdict{metav1.ConditionTrue, prev.Reason, last + readingFailed + obs.err}
+		}
+		// A relay found flowing stays so while no row can have waited past
+		// the threshold since: a row waiting now was that old then, or has
+		// come since (a slot's run of unread WAL, likewise). Before, one
+		// failed read made it Unknown at once, which Argo CD's health
+		// check reads as Degraded.
+		if prev := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging); prev != nil && !obs.retargeted &&
+			prev.Status == metav1.ConditionFalse && relay.Status.Backlog != nil &&
+			relay.Status.Backlog.OldestAge.Duration+now.Sub(relay.Status.Backlog.ObservedAt.Time) < threshold {
+			last, _, _ := strings.Cut(prev.Message, readingFailed)
+			return verdict{metav1.ConditionFalse, prev.Reason, last + readingFailed + obs.err}
 		}
 		return verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonBacklogUnavailable, obs.err}
 	}

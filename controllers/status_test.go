@@ -41,8 +41,23 @@ func TestLaggingOutlivesAFailedReading(t *testing.T) {
 	v = lagging(relay(metav1.ConditionTrue, outboxv1alpha1.ReasonNotPublishing, outboxv1alpha1.DefaultLagThreshold), failed, 1, now)
 	require.Equal(t, verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonBacklogUnavailable, failed.err}, v, "its last reading is as old as the threshold")
 
-	v = lagging(relay(metav1.ConditionFalse, outboxv1alpha1.ReasonFlowing, 20*time.Second), failed, 1, now)
-	require.Equal(t, verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonBacklogUnavailable, failed.err}, v, "flowing: nothing to keep")
+	// Found flowing, with its oldest row 10 s old: no row can be past the
+	// threshold (1 min) until 50 s after that reading. Before, one failed
+	// read made it Unknown at once (Argo CD: Degraded).
+	flowing := func(observed time.Duration) *outboxv1alpha1.OutboxRelay {
+		o := relay(metav1.ConditionFalse, outboxv1alpha1.ReasonFlowing, observed)
+		o.Status.Backlog.OldestAge = metav1.Duration{Duration: 10 * time.Second}
+		o.Status.Conditions[0].Message = "oldest waiting row 10s old"
+		return o
+	}
+	v = lagging(flowing(15*time.Second), failed, 1, now)
+	require.Equal(t, verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonFlowing, "oldest waiting row 10s old" + readingFailed + failed.err}, v)
+	v = lagging(flowing(50*time.Second), failed, 1, now)
+	require.Equal(t, verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonBacklogUnavailable, failed.err}, v, "a row may have passed the threshold since")
+	retargeted := failed
+	retargeted.retargeted = true
+	v = lagging(flowing(time.Second), retargeted, 1, now)
+	require.Equal(t, outboxv1alpha1.ReasonBacklogUnavailable, v.reason, "a reading of another table vouches for nothing")
 }
 
 // With writer deletes, a slot no relay pod streams from is NotStreaming

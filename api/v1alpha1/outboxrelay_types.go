@@ -83,6 +83,11 @@ const (
 	// ReasonResourceConflict: an object with a child's name exists and another
 	// owner controls it; the operator leaves it alone.
 	ReasonResourceConflict = "ResourceConflict"
+	// ReasonChildRefused: the API server refused to write a child for a
+	// reason other than its content (an admission webhook or policy, a
+	// ResourceQuota, the operator's own permissions); the operator tries
+	// again at its next pass.
+	ReasonChildRefused = "ChildRefused"
 	// ReasonLagging: the Ready and Degraded reason while Lagging is True.
 	ReasonLagging = "Lagging"
 	// ReasonFlowing: no row a relay can claim is older than spec.lagThreshold.

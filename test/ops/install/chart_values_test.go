@@ -104,6 +104,7 @@ var chartCases = []chartCase{
 	{name: "replicas", values: `{replicaCount: 3, podDisruptionBudget: {minAvailable: 2}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
 		pdb := find(t, objs, "PodDisruptionBudget", "outbox-outbox-operator")
 		require.EqualValues(t, 2, pdb.Object["spec"].(map[string]any)["minAvailable"])
+		require.Equal(t, "AlwaysAllow", pdb.Object["spec"].(map[string]any)["unhealthyPodEvictionPolicy"], "unready managers do not block a drain")
 	}},
 	{name: "plain metrics", values: `{metrics: {secure: false}, monitoring: {podMonitor: {enabled: true}}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
 		require.Contains(t, container(t, find(t, objs, "Deployment", ""))["args"], "--metrics-secure=false")

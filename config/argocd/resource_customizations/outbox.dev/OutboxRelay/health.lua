@@ -3,8 +3,9 @@
 -- in argocd-cm (docs/operator.md shows the snippet).
 --   Suspended   spec.suspend is true, or reconciliation is paused
 --               (outbox.dev/reconcile: disabled, condition ReconciliationPaused)
---   Degraded    Stalled (invalid spec, missing Secret, rollout past its
---               deadline, ready replicas that publish nothing), Lagging (rows
+--   Degraded    Stalled (invalid spec, missing Secret, a child the API
+--               server refused, rollout past its deadline, ready replicas
+--               that publish nothing), Lagging (rows
 --               wait past spec.lagThreshold), or, once rolled out, a backlog
 --               the operator cannot read
 --   Progressing the operator has not seen this generation, is rolling out or
