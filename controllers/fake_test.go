@@ -289,6 +289,21 @@ func TestOrphanedChildrenAreAdopted(t *testing.T) {
 	require.Equal(t, *template, fakeDeployment(t, c, relay).Spec.Template, "its pods run on: the template is unchanged")
 	require.NotEqual(t, outboxv1alpha1.ReasonResourceConflict, meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady).Reason)
 
+	// Without the relay's labels, an object of the name stays a conflict.
+	svc := &corev1.Service{}
+	require.NoError(t, c.Get(ctx, child, svc))
+	svc.OwnerReferences, svc.Labels = nil, map[string]string{"app": "mine"}
+	require.NoError(t, c.Update(ctx, svc))
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.NoError(t, c.Get(ctx, key, relay))
+	require.Equal(t, outboxv1alpha1.ReasonResourceConflict, meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady).Reason)
+	require.NoError(t, c.Get(ctx, child, svc))
+	require.Empty(t, svc.OwnerReferences, "left alone")
+	require.NoError(t, c.Delete(ctx, svc))
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+
 	// Another controller's Deployment of the name stays a conflict.
 	d := fakeDeployment(t, c, relay)
 	d.OwnerReferences = []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "ReplicaSet", Name: "other", UID: "other", Controller: ptr.To(true)}}

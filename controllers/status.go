@@ -47,6 +47,21 @@ func lagThreshold(relay *outboxv1alpha1.OutboxRelay) time.Duration {
 	return outboxv1alpha1.DefaultLagThreshold
 }
 
+// slotUnreadSince reports whether relay, with writer deletes, last found its
+// slot unread by any relay pod since at least threshold before now: its
+// events may have waited in the WAL that long.
+func slotUnreadSince(relay *outboxv1alpha1.OutboxRelay, now time.Time, threshold time.Duration) bool {
+	c, b := relay.Spec.Capture, relay.Status.Backlog
+	if c == nil || !c.WriterDeletes || b == nil || b.Slot == nil || !b.Slot.Exists || b.Slot.Active {
+		return false
+	}
+	since := b.ObservedAt.Time
+	if b.Slot.InactiveSince != nil {
+		since = b.Slot.InactiveSince.Time
+	}
+	return now.Sub(since) >= threshold
+}
+
 // readingFailed joins a lagging relay's last reading and the latest
 // reading's failure in Lagging's message.
 const readingFailed = "; the latest reading failed: "
@@ -78,12 +93,14 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 		}
 		// A relay found flowing stays so while no row can have waited past
 		// the threshold since: a row waiting now was that old then, or has
-		// come since (a slot's run of unread WAL, likewise). Before, one
+		// come since; with writer deletes, while a slot found unread has
+		// not been so for the threshold (NotStreaming, above). Before, one
 		// failed read made it Unknown at once, which Argo CD's health
 		// check reads as Degraded.
 		if prev := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging); prev != nil && !obs.retargeted &&
 			prev.Status == metav1.ConditionFalse && relay.Status.Backlog != nil &&
-			relay.Status.Backlog.OldestAge.Duration+now.Sub(relay.Status.Backlog.ObservedAt.Time) < threshold {
+			relay.Status.Backlog.OldestAge.Duration+now.Sub(relay.Status.Backlog.ObservedAt.Time) < threshold &&
+			!slotUnreadSince(relay, now, threshold) {
 			last, _, _ := strings.Cut(prev.Message, readingFailed)
 			return verdict{metav1.ConditionFalse, prev.Reason, last + readingFailed + obs.err}
 		}

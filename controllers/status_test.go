@@ -54,6 +54,16 @@ func TestLaggingOutlivesAFailedReading(t *testing.T) {
 	require.Equal(t, verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonFlowing, "oldest waiting row 10s old" + readingFailed + failed.err}, v)
 	v = lagging(flowing(50*time.Second), failed, 1, now)
 	require.Equal(t, verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonBacklogUnavailable, failed.err}, v, "a row may have passed the threshold since")
+	// With writer deletes the events wait in the slot, not the table: a
+	// slot found unread 20 s before that reading may have been unread for
+	// the threshold by now.
+	unread := flowing(45 * time.Second)
+	unread.Spec.Capture = &outboxv1alpha1.CaptureSpec{Mode: outboxv1alpha1.CaptureLogicalReplication, WriterDeletes: true}
+	unread.Status.Backlog.OldestAge = metav1.Duration{}
+	unread.Status.Backlog.Slot = &outboxv1alpha1.SlotStatus{Name: "s", Exists: true, InactiveSince: ptr.To(metav1.NewTime(now.Add(-65 * time.Second)))}
+	require.Equal(t, outboxv1alpha1.ReasonBacklogUnavailable, lagging(unread, failed, 1, now).reason)
+	unread.Status.Backlog.Slot.Active, unread.Status.Backlog.Slot.InactiveSince = true, nil
+	require.Equal(t, outboxv1alpha1.ReasonFlowing, lagging(unread, failed, 1, now).reason, "a slot found streamed")
 	retargeted := failed
 	retargeted.retargeted = true
 	v = lagging(flowing(time.Second), retargeted, 1, now)
