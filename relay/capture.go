@@ -123,6 +123,8 @@ var errReadAgain = errors.New("reading a transaction again")
 type captureState struct {
 	slot, publication string
 	role              string // the relay's, on the database
+	// namespace is the table's schema, as the start-up check found it.
+	namespace string
 	// oid is the table's, as the stream last learned it (tableReplaced).
 	oid atomic.Uint32
 	// relations are the relation ids whose inserts the stream takes: the
@@ -459,7 +461,12 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 				relayconfig.FlagWriterDeletes, r.table, strings.Join(generated, ", "), relayconfig.FlagWriterDeletes)
 		}
 	}
-	r.capture = &captureState{slot: slot, publication: pub, role: role, relations: map[uint32]bool{oid: true}, failingLimit: streamFailingLimit, txTupleLimit: maxTxTuples}
+	var schema string
+	if err := r.pool.QueryRow(ctx, sqlTableSchema, oid).Scan(&schema); err != nil {
+		return fmt.Errorf("read the schema of %s: %w", r.table, err)
+	}
+	r.capture = &captureState{slot: slot, publication: pub, role: role, namespace: schema, relations: map[uint32]bool{oid: true},
+		failingLimit: streamFailingLimit, txTupleLimit: maxTxTuples}
 	r.capture.oid.Store(oid)
 	r.m.slotMaxRetainedWAL.Set(float64(r.cfg.MaxRetainedWAL))
 	if r.cfg.WriterDeletes {
@@ -1194,7 +1201,9 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 					return err // read once already, as the insert came
 				}
 				s.tuple = cols
-				s.restore = append(s.restore, tupleText(x.id, x.names, cols))
+				back := tupleText(x.id, x.names, cols)
+				back.earlier = x.earlier
+				s.restore = append(s.restore, back)
 			}
 		}
 		s.txIDs, s.txRows, s.txIns, s.txDel = s.txIDs[:0], s.txRows[:0], s.txIns[:0], s.txDel[:0]
@@ -1225,6 +1234,7 @@ type rawInsert struct {
 	from, to int
 	names    []string
 	deleted  bool // the transaction deleted the row
+	earlier  bool // of an earlier table of the table's name (streamedRow.earlier)
 }
 
 // rawInsertSize is what a rawInsert takes beside its tuple, counted
@@ -1278,7 +1288,8 @@ func (s *streamState) keepInsert(id int64, tuple []byte) {
 		copy(raw, s.txRaw)
 		s.txRaw = raw
 	}
-	s.txIns = append(s.txIns, rawInsert{id: id, from: len(s.txRaw), to: len(s.txRaw) + len(tuple), names: s.relNames})
+	s.txIns = append(s.txIns, rawInsert{id: id, from: len(s.txRaw), to: len(s.txRaw) + len(tuple), names: s.relNames,
+		earlier: s.rel != s.r.capture.oid.Load()})
 	s.txRaw = append(s.txRaw, tuple...)
 }
 
@@ -1344,11 +1355,12 @@ func (s *streamState) matchDeleted() error {
 // standby that took over, after the table was replaced, with the slot's
 // confirmed position before it): the rows its writers deleted are in no
 // table, and go out from the stream. Before, they were left out and lost.
-// The rows they kept are in that table, not this one (earlierRows).
+// The rows they kept are in that table, not this one (streamedRow.earlier,
+// publishDecoded). The table's schema is the one the start-up check found:
+// mid-migration, no table may have the name.
 func (r *Relay) tableReplaced(ctx context.Context, oid uint32, namespace string) error {
 	var now *uint32 // NULL when no table has its name
-	var schema *string
-	if err := r.pool.QueryRow(ctx, sqlTableNamespace, r.table.Quoted()).Scan(&now, &schema); err != nil {
+	if err := r.pool.QueryRow(ctx, sqlTableOID, r.table.Quoted()).Scan(&now); err != nil {
 		return fmt.Errorf("read the oid of %s: %w", r.table, err)
 	}
 	switch {
@@ -1357,7 +1369,7 @@ func (r *Relay) tableReplaced(ctx context.Context, oid uint32, namespace string)
 		r.capture.oid.Store(oid)
 		r.log.Warn("the table was replaced by another of its name (dropped or renamed away, then made again and published); the stream takes the new table's inserts",
 			"table", r.table.String(), "oid", oid)
-	case r.cfg.WriterDeletes && schema != nil && *schema == namespace:
+	case r.cfg.WriterDeletes && namespace == r.capture.namespace:
 		r.capture.relations[oid] = true
 		r.log.Warn("the stream reads inserts of an earlier table of the table's name (dropped or renamed away, and made again, before this relay started); it publishes the rows their writers deleted, and leaves those they kept in that table",
 			"table", r.table.String(), "oid", oid)
@@ -1503,7 +1515,7 @@ func (s *streamState) flush(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		movedIDs(s.pending, moved)
+		moved.apply(s.pending)
 		s.restore = s.restore[:0]
 	}
 	carried := s.carry != nil

@@ -209,7 +209,8 @@ func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) er
 			continue
 		}
 		n, bytes := 0, int64(0)
-		for n < len(rows) && rows[n].deleted && n < s.r.cfg.BatchSize && (n == 0 || bytes+rows[n].size <= int64(s.r.cfg.MaxBatchBytes)) {
+		for n < len(rows) && rows[n].deleted && rows[n].earlier == rows[0].earlier && n < s.r.cfg.BatchSize &&
+			(n == 0 || bytes+rows[n].size <= int64(s.r.cfg.MaxBatchBytes)) {
 			bytes += rows[n].size
 			n++
 		}
@@ -264,7 +265,7 @@ func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRo
 			back, backIDs = append(back, x), append(backIDs, x.id)
 		}
 	}
-	var moved map[int64]int64
+	var moved movedRows
 	if len(back) > 0 || len(b.holds) > 0 || len(b.unhold) > 0 {
 		moved, err = r.putBack(b, back)
 	}
@@ -272,9 +273,9 @@ func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRo
 	if err != nil {
 		return nil, nil, r.dbFailed(err)
 	}
-	retry = movedIDs(retry, moved)
+	retry = moved.apply(retry) // a batch's rows are of one table: their ids are their own
 	if len(back) > 0 {
-		s.remember(movedIDs(backIDs, moved))
+		s.remember(moved.apply(backIDs))
 		if len(back) > len(retry) {
 			r.log.Info("put rows the relay could not publish back into the table; the sweep publishes or holds them", "ids", backIDs)
 			s.nextSweep = time.Now()
@@ -337,7 +338,7 @@ func (x streamedRow) record(layout []string) string {
 // putBack inserts rows into the table as they were written (their ids
 // too, but for those moved to new ids: insertStreamed), unpublished, and
 // records the batch's holds, in one transaction.
-func (r *Relay) putBack(b *inFlight, rows []streamedRow) (moved map[int64]int64, err error) {
+func (r *Relay) putBack(b *inFlight, rows []streamedRow) (moved movedRows, err error) {
 	tx, err := r.pool.Begin(b.ctx)
 	if err != nil {
 		return nil, fmt.Errorf("begin putting rows back into %s: %w", r.table, err)
@@ -348,8 +349,11 @@ func (r *Relay) putBack(b *inFlight, rows []streamedRow) (moved map[int64]int64,
 		return nil, fmt.Errorf("put %d rows back into %s: %w%s", len(rows), r.table, err, failingRow(err))
 	}
 	for i, h := range b.holds {
-		if id, ok := moved[h.id]; ok {
-			b.holds[i].id = id
+		for _, m := range moved {
+			if m.from == h.id && m.eventID == h.eventID {
+				b.holds[i].id = m.to
+				r.held.move(m.from, m.to)
+			}
 		}
 	}
 	if err := r.recordHolds(b); err != nil {
@@ -361,11 +365,29 @@ func (r *Relay) putBack(b *inFlight, rows []streamedRow) (moved map[int64]int64,
 	return moved, nil
 }
 
-// movedIDs is ids with those moved maps replaced by their new ids.
-func movedIDs(ids []int64, moved map[int64]int64) []int64 {
+// movedRow is a row put back under another id than the one it was
+// written with (insertStreamed).
+type movedRow struct {
+	from, to int64
+	eventID  string
+}
+
+type movedRows []movedRow
+
+// apply replaces in ids the ids of moved rows with their new ones. Rows
+// of one batch have ids of their own; rows restored from several
+// transactions of two tables may share one, and then both take the new.
+func (m movedRows) apply(ids []int64) []int64 {
+	if len(m) == 0 {
+		return ids
+	}
+	to := make(map[int64]int64, len(m))
+	for _, x := range m {
+		to[x.from] = x.to
+	}
 	for i, id := range ids {
-		if to, ok := moved[id]; ok {
-			ids[i] = to
+		if n, ok := to[id]; ok {
+			ids[i] = n
 		}
 	}
 	return ids
@@ -376,7 +398,7 @@ func movedIDs(ids []int64, moved map[int64]int64) []int64 {
 // table's relay did not run with them: during a switch away from writer
 // deletes, say), unpublished, for the claim that follows to publish them.
 // Those moved to new ids (insertStreamed) are in moved.
-func (r *Relay) restoreDeleted(ctx context.Context, rows []streamedRow) (moved map[int64]int64, err error) {
+func (r *Relay) restoreDeleted(ctx context.Context, rows []streamedRow) (moved movedRows, err error) {
 	bctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), batchDeadline(r.cfg))
 	defer cancel()
 	if err := pgx.BeginFunc(bctx, r.pool, func(tx pgx.Tx) (err error) { moved, err = r.insertStreamed(bctx, tx, rows); return err }); err != nil {
@@ -409,17 +431,20 @@ func failingRow(err error) string {
 }
 
 // insertStreamed inserts streamed rows into the table, unpublished, with
-// their ids, leaving out those it has already. The stream delivers a row
-// with the columns the table had when it was written; a column added
-// since takes its default, one dropped since is left out, so a row
-// written before a migration goes back after it. It goes into the table
-// that has the name now, as that table's columns stand.
+// their ids, leaving out those it has already (by id and event id, or by
+// event id under another id). The stream delivers a row with the columns
+// the table had when it was written; a column added since takes its
+// default, one dropped since is left out, so a row written before a
+// migration goes back after it. It goes into the table that has the name
+// now, as that table's columns stand.
 //
-// A row whose id another event of the table has taken goes back under a
-// new id, which moved maps it to: a row of a table since dropped, or
-// renamed away, and made again with ids that start over. Left out by its
-// id, it would have been in no table and no stream.
-func (r *Relay) insertStreamed(ctx context.Context, tx pgx.Tx, rows []streamedRow) (moved map[int64]int64, err error) {
+// Two kinds of row go back under a new id, which moved maps them to: a
+// row of an earlier table of the name (streamedRow.earlier), always, since
+// its id is of that table's sequence, which this table's may yet reach (a
+// writer's insert would then fail); and a row whose id another event of
+// the table has taken (a table made again, whose ids start over). Left out
+// by ON CONFLICT, it would have been in no table and no stream.
+func (r *Relay) insertStreamed(ctx context.Context, tx pgx.Tx, rows []streamedRow) (moved movedRows, err error) {
 	if len(rows) == 0 {
 		return nil, nil
 	}
@@ -437,7 +462,7 @@ func (r *Relay) insertStreamed(ctx context.Context, tx pgx.Tx, rows []streamedRo
 	// Rows of one relation message share their names: one statement each.
 	for len(rows) > 0 {
 		n := 1
-		for n < len(rows) && slices.Equal(rows[n].names, rows[0].names) {
+		for n < len(rows) && slices.Equal(rows[n].names, rows[0].names) && rows[n].earlier == rows[0].earlier {
 			n++
 		}
 		var cols []string
@@ -446,73 +471,119 @@ func (r *Relay) insertStreamed(ctx context.Context, tx pgx.Tx, rows []streamedRo
 				cols = append(cols, name)
 			}
 		}
-		records := make([]string, n)
-		for i, x := range rows[:n] {
-			records[i] = x.record(layout)
-		}
-		ids, err := r.insertRecords(ctx, tx, sqlInsertRecords(r.table, cols), records, rows[:n], *oid)
-		if err != nil {
+		p := putBackGroup{r: r, tx: tx, layout: layout, cols: cols, oid: *oid}
+		if moved, err = p.insert(ctx, rows[:n], moved); err != nil {
 			return nil, err
-		}
-		if len(ids) < n {
-			if moved, err = r.insertTaken(ctx, tx, rows[:n], ids, layout, cols, *oid, moved); err != nil {
-				return nil, err
-			}
 		}
 		rows = rows[n:]
 	}
 	return moved, nil
 }
 
-// insertTaken inserts, under new ids, those of rows (one relation
-// message's, whose columns cols of layout are the table's) left out of
-// the insert that returned inserted, whose id another event of the table
-// has; a row the table has by its id and event id, or by its event id
-// under another id, is in it already. It adds each to moved.
-func (r *Relay) insertTaken(ctx context.Context, tx pgx.Tx, rows []streamedRow, inserted []int64, layout, cols []string, oid uint32, moved map[int64]int64) (map[int64]int64, error) {
-	in := make(map[int64]bool, len(inserted))
-	for _, id := range inserted {
-		in[id] = true
-	}
-	var out []int64
-	for _, x := range rows {
-		if !in[x.id] {
-			out = append(out, x.id)
+// putBackGroup puts back rows of one relation message: their columns cols
+// of the table's layout.
+type putBackGroup struct {
+	r      *Relay
+	tx     pgx.Tx
+	layout []string
+	cols   []string
+	oid    uint32
+}
+
+// insert puts rows back (insertStreamed), adding those under new ids to
+// moved.
+func (p putBackGroup) insert(ctx context.Context, rows []streamedRow, moved movedRows) (movedRows, error) {
+	anew := rows
+	if !rows[0].earlier {
+		// Under its own id unless the table gave it to another event.
+		taken, err := p.events(ctx, `id`, rows, func(x streamedRow) string { return strconv.FormatInt(x.id, 10) })
+		if err != nil {
+			return moved, err
+		}
+		var own []streamedRow
+		anew = nil
+		for _, x := range rows {
+			switch e, ok := taken[strconv.FormatInt(x.id, 10)]; {
+			case !ok:
+				own = append(own, x)
+			case e != x.column("event_id"):
+				anew = append(anew, x)
+			}
+		}
+		if len(own) > 0 {
+			if _, err := p.insertRecords(ctx, own, p.cols); err != nil {
+				return moved, err
+			}
 		}
 	}
-	res, err := tx.Query(ctx, sqlEventsByID(r.table), out)
-	if err != nil {
-		return moved, fmt.Errorf("read the rows of %s by the ids of rows put back: %w", r.table, err)
-	}
-	events := map[int64]string{}
-	var id int64
-	var event string
-	if _, err := pgx.ForEachRow(res, []any{&id, &event}, func() error { events[id] = event; return nil }); err != nil {
-		return moved, fmt.Errorf("read the rows of %s by the ids of rows put back: %w", r.table, err)
-	}
-	var taken []streamedRow
-	for _, x := range rows {
-		if e, ok := events[x.id]; ok && !in[x.id] && e != x.column("event_id") {
-			taken = append(taken, x)
-		}
-	}
-	if len(taken) == 0 {
+	if len(anew) == 0 {
 		return moved, nil
 	}
-	cols = slices.DeleteFunc(slices.Clone(cols), func(c string) bool { return c == "id" })
-	if moved == nil {
-		moved = map[int64]int64{}
+	// Under a new id, unless the table has its event already (a stream
+	// that reads a row again it put back before).
+	there, err := p.events(ctx, `event_id`, anew, func(x streamedRow) string { return x.column("event_id") })
+	if err != nil {
+		return moved, err
 	}
-	for _, x := range taken { // one at a time: RETURNING does not say which row a new id is
-		ids, err := r.insertRecords(ctx, tx, sqlInsertRecords(r.table, cols), []string{x.record(layout)}, []streamedRow{x}, oid)
+	var back []streamedRow
+	for _, x := range anew {
+		e := x.column("event_id")
+		if id, ok := there[e]; ok {
+			if n, _ := strconv.ParseInt(id, 10, 64); n != x.id {
+				moved = append(moved, movedRow{from: x.id, to: n, eventID: e})
+			}
+			continue
+		}
+		back = append(back, x)
+	}
+	if len(back) == 0 {
+		return moved, nil
+	}
+	cols := slices.DeleteFunc(slices.Clone(p.cols), func(c string) bool { return c == "id" })
+	for _, x := range back { // one at a time: RETURNING does not say which row a new id is
+		ids, err := p.insertRecords(ctx, []streamedRow{x}, cols)
 		if err != nil {
-			return moved, fmt.Errorf("put row %d back into %s under a new id: %w", x.id, r.table, err)
+			return moved, fmt.Errorf("put row %d (event %s) back under a new id: %w", x.id, x.column("event_id"), err)
 		}
-		if len(ids) == 1 { // none: the table has its event id (another row of its event)
-			moved[x.id] = ids[0]
+		if len(ids) == 1 {
+			moved = append(moved, movedRow{from: x.id, to: ids[0], eventID: x.column("event_id")})
 		}
 	}
-	r.log.Warn("rows put back into the table found their ids taken by other events (the table was made again, with ids that start over), so they went back under new ids; the sweep publishes them, after the rows of their keys already in the table",
+	p.r.log.Warn("put rows back into the table under new ids: rows of an earlier table of its name, or rows whose ids the table gave other events (it was made again, with ids that start over); the sweep publishes them, after the rows of their keys already in the table",
 		"moved", moved)
 	return moved, nil
+}
+
+// insertRecords inserts rows' columns cols, returning the ids of those
+// inserted.
+func (p putBackGroup) insertRecords(ctx context.Context, rows []streamedRow, cols []string) ([]int64, error) {
+	records := make([]string, len(rows))
+	for i, x := range rows {
+		records[i] = x.record(p.layout)
+	}
+	return p.r.insertRecords(ctx, p.tx, sqlInsertRecords(p.r.table, cols), records, rows, p.oid)
+}
+
+// events reads, by column by (id or event_id), the table's rows that
+// rows' values of it (key) name: each value's other column, as text.
+func (p putBackGroup) events(ctx context.Context, by string, rows []streamedRow, key func(streamedRow) string) (map[string]string, error) {
+	var vals []string
+	for _, x := range rows {
+		if v := key(x); v != "" {
+			vals = append(vals, v)
+		}
+	}
+	found := map[string]string{}
+	if len(vals) == 0 {
+		return found, nil
+	}
+	res, err := p.tx.Query(ctx, sqlRowsBy(p.r.table, by), vals)
+	if err != nil {
+		return nil, fmt.Errorf("read the rows of %s by the %ss of rows put back: %w", p.r.table, by, err)
+	}
+	var k, v string
+	if _, err := pgx.ForEachRow(res, []any{&k, &v}, func() error { found[k] = v; return nil }); err != nil {
+		return nil, fmt.Errorf("read the rows of %s by the %ss of rows put back: %w", p.r.table, by, err)
+	}
+	return found, nil
 }

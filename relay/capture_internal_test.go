@@ -836,46 +836,68 @@ func TestStreamReadsAgainATransactionDeletingRowsPastTheTupleLimit(t *testing.T)
 // A row put back while the stream still knows the table by a relation
 // since dropped (the table was dropped and made again, and the stream has
 // not read the new table's relation yet) goes into the table that has the
-// name now, as that table's columns stand; a row whose id the new table
-// gave another event goes back under a new id. Before, the put-back read
-// the columns of the dropped relation, found none, and failed at every
-// retry, so the stream stalled behind the row.
+// name now, as that table's columns stand. A row whose id the new table
+// gave another event, and a row of the earlier table (its id is of that
+// table's sequence, which the new one's may yet reach), go back under new
+// ids; put back again, none is doubled. Before, the put-back read the
+// columns of the dropped relation, found none, and failed at every retry,
+// so the stream stalled behind the row; and a row whose id was taken was
+// left out (ON CONFLICT DO NOTHING), its event lost.
 func TestPutBackGoesIntoTheTableThatHasTheNameNow(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	r, pool := captureRelay(t)
-	require.NoError(t, r.Check(ctx))
-	_, err := pool.Exec(ctx, `DROP TABLE outbox; `+outbox.SchemaDDL(outbox.Table{Name: "outbox"})+`;
-		INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
-		VALUES (gen_random_uuid(), 'Order', 'o1', 'E', '{}', 'o1')`) // id 1, another event's
-	require.NoError(t, err)
-	names := []string{"id", "event_id", "aggregate_type", "aggregate_id", "event_type", "payload", "partition_key", "created_at", "published_at", "headers"}
-	row := func(id int64, event string) streamedRow {
-		return tupleText(id, names, [][]byte{fmt.Appendf(nil, "%d", id), []byte(event), []byte("Order"), []byte("o2"),
-			[]byte("E"), []byte(`{"n": 1}`), []byte("o2"), []byte("2026-12-05 03:00:00+00"), nil, nil})
-	}
-	taken, free := row(1, "0193a0b4-0000-7000-8000-000000000001"), row(7, "0193a0b4-0000-7000-8000-000000000007")
-	moved, err := r.restoreDeleted(ctx, []streamedRow{taken, free})
-	require.NoError(t, err)
-	require.Len(t, moved, 1)
-	var ids []int64
-	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		res, err := tx.Query(ctx, `SELECT id FROM outbox WHERE event_id::text = ANY($1) ORDER BY event_id`,
-			[]string{taken.column("event_id"), free.column("event_id")})
-		if err != nil {
-			return err
-		}
-		ids, err = pgx.CollectRows(res, pgx.RowTo[int64])
-		return err
-	}))
-	require.Equal(t, []int64{moved[1], 7}, ids, "the row whose id was taken went back under a new id, the other under its own")
-	require.NotEqual(t, int64(1), moved[1])
+	for name, ddl := range map[string]string{
+		"plain":       outbox.SchemaDDL(outbox.Table{Name: "outbox"}),
+		"partitioned": outbox.PartitionedSchemaDDL(outbox.Table{Name: "outbox"}, outbox.PartitionDay, 1),
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			r, pool := captureRelay(t)
+			require.NoError(t, r.Check(ctx))
+			_, err := pool.Exec(ctx, `DROP TABLE outbox; `+ddl+`;
+				INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
+				VALUES (gen_random_uuid(), 'Order', 'o1', 'E', '{}', 'o1', now() - interval '1 minute')`) // id 1, another event's
+			require.NoError(t, err)
+			names := []string{"id", "event_id", "aggregate_type", "aggregate_id", "event_type", "payload", "partition_key", "created_at", "published_at", "headers"}
+			now := time.Now().UTC().Format("2006-01-02 15:04:05+00")
+			row := func(id int64, event string) streamedRow {
+				return tupleText(id, names, [][]byte{fmt.Appendf(nil, "%d", id), []byte(event), []byte("Order"), []byte("o2"),
+					[]byte("E"), []byte(`{"n": 1}`), []byte("o2"), []byte(now), nil, nil})
+			}
+			taken, free, earlier := row(1, "0193a0b4-0000-7000-8000-000000000001"), row(7, "0193a0b4-0000-7000-8000-000000000007"),
+				row(9, "0193a0b4-0000-7000-8000-000000000009")
+			earlier.earlier = true
+			moved, err := r.restoreDeleted(ctx, []streamedRow{taken, free, earlier})
+			require.NoError(t, err)
+			require.Len(t, moved, 2)
+			to := map[string]int64{}
+			for _, m := range moved {
+				to[m.eventID] = m.to
+				require.NotEqual(t, m.from, m.to)
+			}
+			require.Equal(t, int64(1), moved[0].from)
+			require.Equal(t, int64(9), moved[1].from)
+			var ids []int64
+			require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+				res, err := tx.Query(ctx, `SELECT id FROM outbox WHERE event_id::text = ANY($1) ORDER BY event_id`,
+					[]string{taken.column("event_id"), free.column("event_id"), earlier.column("event_id")})
+				if err != nil {
+					return err
+				}
+				ids, err = pgx.CollectRows(res, pgx.RowTo[int64])
+				return err
+			}))
+			require.Equal(t, []int64{to[taken.column("event_id")], 7, to[earlier.column("event_id")]}, ids,
+				"the row whose id was taken and the earlier table's went back under new ids, the other under its own")
 
-	// Put back again (a stream that reads them again), neither is doubled.
-	again, err := r.restoreDeleted(ctx, []streamedRow{taken, free})
-	require.NoError(t, err)
-	require.Empty(t, again)
-	var n int
-	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&n))
-	require.Equal(t, 3, n)
+			// Put back again (a stream that reads them again), none is
+			// doubled, and the moved ones are found under their new ids.
+			again, err := r.restoreDeleted(ctx, []streamedRow{taken, free, earlier})
+			require.NoError(t, err)
+			require.Equal(t, moved, again)
+			var n int
+			require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&n))
+			require.Equal(t, 4, n)
+		})
+	}
 }

@@ -146,6 +146,18 @@ func (h *heldRows) take() []heldRecord {
 	return p
 }
 
+// move keys the row held as from by to: it was put back under a new id.
+func (h *heldRows) move(from, to int64) {
+	if r, ok := h.rows[from]; ok {
+		delete(h.rows, from)
+		h.rows[to] = r
+	}
+	if h.logged[from] {
+		delete(h.logged, from)
+		h.logged[to] = true
+	}
+}
+
 func (h *heldRows) isHeld(id int64) bool { r, ok := h.rows[id]; return ok && !r.released }
 
 // ids are the held rows' ids, for the claim to leave out.

@@ -15,6 +15,7 @@ import (
 	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relay"
 	"github.com/outbox-relay/outbox-operator/test/outboxtest"
+	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
 // A held row is recorded in the held table (reason, error, attempts), a
@@ -144,6 +145,36 @@ func TestRedriveWhileABatchTriesTheRowStands(t *testing.T) {
 	require.Eventually(t, func() bool { return f.Count(`SELECT count(*) FROM outbox_held`) == 0 }, 10*time.Second, 20*time.Millisecond)
 }
 
+// A relay whose role may read the held table but not write it keeps its
+// holds in memory, and says which privileges are missing and the GRANT.
+// Before, it recorded holds anyway: each failed, rolled back its batch
+// after the batch's other rows went out, and they went out again at every
+// reload of the holds (every 5 s), without end.
+func TestHeldTableWithoutPrivilegesKeepsHoldsInMemory(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	f.Topics["E"] = f.NewTopic("small", 1, "max.message.bytes", "2000")
+	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', 'big', 'E', jsonb_build_object('pad', repeat('y', 5000)), 'big'),
+		       (gen_random_uuid(), 'Order', 'ok', 'E', '{}', 'ok')`)
+	role := fmt.Sprintf("heldro_%d", time.Now().UnixNano()%1e9)
+	f.Exec(`CREATE ROLE ` + role + ` LOGIN; GRANT SELECT, UPDATE ON outbox TO ` + role + `; GRANT SELECT ON outbox_held TO ` + role)
+	t.Cleanup(func() { _, _ = f.Pool.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE `+role) })
+	cfg := f.Config()
+	cfg.DSN = strings.Replace(f.DSN, "postgres@", role+"@", 1) // the test cluster trusts local connections
+	var logs lockedBuffer
+	cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	run(t, cfg, nil)
+	// The held rows reload every 5 s: two reloads, without a second copy.
+	msgs, err := testenv.Broker().ConsumeErr(f.Topics["E"], 1, 30*time.Second, 12*time.Second)
+	require.NoError(t, err)
+	require.Len(t, msgs, 1, "the row beside the held one goes out once")
+	require.Equal(t, 1, f.Unpublished(), "the large row is held")
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox_held`))
+	require.Contains(t, logs.String(), `missing="INSERT, UPDATE, DELETE"`)
+	require.Contains(t, logs.String(), `GRANT SELECT, INSERT, UPDATE, DELETE ON \"outbox_held\" TO <the relay's role>`)
+}
+
 // A held table made before redriven_at existed keeps working: `relay
 // redrive` releases its rows, a relay whose role may not alter the table
 // says so and records its holds as before, and a relay that may adds the
@@ -212,12 +243,17 @@ func TestStaleHeldRecordsAreSwept(t *testing.T) {
 	f.Exec(`INSERT INTO outbox_held (id, event_id, event_type, reason, error, retry_at)
 		SELECT id, event_id::text, event_type, 'refused', 'x', now() + interval '1 hour' FROM outbox WHERE id IN (1, 2)`)
 	f.Exec(`INSERT INTO outbox_held (id, event_id, event_type, reason, error, retry_at) VALUES (99, 'gone', 'E', 'refused', 'x', now())`)
+	// A record of an event whose id row 3 has now: the table's ids started
+	// over since (TRUNCATE … RESTART IDENTITY, the table made again).
+	// Before, it held row 3 back until its retry, an hour.
+	f.Exec(`INSERT INTO outbox_held (id, event_id, event_type, reason, error, retry_at)
+		VALUES (3, gen_random_uuid()::text, 'E', 'refused', 'x', now() + interval '1 hour')`)
 	x := run(t, f.Config(), nil)
 	f.WaitDrained(1, 30*time.Second)
 	require.Eventually(t, func() bool {
 		held, err := relay.ListHeld(ctx, f.Pool, outbox.Table{Name: "outbox"}, relay.HeldFilter{All: true}, 10)
 		return err == nil && len(held) == 1 && held[0].ID == 2
-	}, 20*time.Second, 200*time.Millisecond, "rows 1 (published) and 99 (gone) are swept; 2 stays held")
+	}, 20*time.Second, 200*time.Millisecond, "rows 1 (published), 99 (gone) and 3 (another event's) are swept; 2 stays held")
 	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND id = 2`), "a row another replica holds is left alone")
 	_ = x
 }

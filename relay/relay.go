@@ -16,6 +16,7 @@ import (
 	"runtime"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -479,6 +480,15 @@ func (r *Relay) ensureHeldTable(ctx context.Context) (exists, redrivenAt bool) {
 			return false, false
 		}
 	}
+	if missing, err := heldPrivilegesMissing(ctx, r.pool, held); err != nil || len(missing) > 0 {
+		// Holds it could not record would roll back each batch that holds
+		// a row, after its other rows went out (duplicates at every
+		// retry); records it could not delete would pile up.
+		r.log.Error("the relay's role lacks privileges on the held table; rows held back are kept in memory only (forgotten on restart, not in the OutboxRelay's status nor in `relay held`)",
+			"table", held.String(), "missing", strings.Join(missing, ", "), "err", err,
+			"fix", "GRANT SELECT, INSERT, UPDATE, DELETE ON "+held.Quoted()+" TO <the relay's role>")
+		return false, false
+	}
 	if hasRedrivenAt() {
 		return true, true
 	}
@@ -510,6 +520,19 @@ func (r *Relay) ensureHeldTable(ctx context.Context) (exists, redrivenAt bool) {
 	r.log.Info("added redriven_at to the held table", "table", held.String())
 	return true, true
 }
+
+// heldPrivilegesMissing lists the privileges on held that the relay's
+// role needs and lacks: it reads, records, updates and removes holds.
+func heldPrivilegesMissing(ctx context.Context, db interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}, held outbox.Table) ([]string, error) {
+	var missing []string
+	err := db.QueryRow(ctx, sqlPrivilegesMissing, held.Quoted(), heldPrivileges).Scan(&missing)
+	return missing, err
+}
+
+// heldPrivileges are the privileges the relay's role needs on the held table.
+var heldPrivileges = []string{"SELECT", "INSERT", "UPDATE", "DELETE"}
 
 // checkPartitioned refuses retention on a partitioned table it cannot drop
 // partitions of, and says what else it found.

@@ -119,7 +119,9 @@ type SQL struct {
 	LoadHeldLanes string
 	// SweepHeld removes the records whose outbox row is published or gone
 	// (published by a replica that did not know it was held, fixed and
-	// published, or deleted by hand).
+	// published, or deleted by hand), or whose id another event has now
+	// (the table's ids started over: TRUNCATE … RESTART IDENTITY, or the
+	// table made again), which the record would otherwise hold back.
 	SweepHeld string
 	// ListHeld reads up to $5 records that a HeldFilter ($1 ids, $2
 	// reasons, $3 event types, $4 all) selects, in id order.
@@ -210,6 +212,11 @@ func nullColumns() string {
 // validCreatedAt is the created_at range the relay publishes, the same as
 // the shipped DDL's CHECK (outbox.CreatedAtCheck).
 const validCreatedAt = outbox.CreatedAtCheck
+
+// heldRowIsItsEvent: outbox row o is the one held record h was written
+// for, not another event that took its id since (ids that started over);
+// a record without an event id (a row without one) goes by its id.
+const heldRowIsItsEvent = `(h.event_id = '' OR h.event_id = o.event_id::text)`
 
 // storedSize is what a column costs in a claim's byte budget: its stored
 // size when stored uncompressed (free to read), else its text length: a
@@ -434,18 +441,18 @@ SELECT count(*), COALESCE(max(id), 0) FROM gone`,
 		Hold: `INSERT INTO ` + h + ` AS h (id, event_id, event_type, reason, error, retry_at)
     SELECT id, event_id, event_type, reason, error, now() + $6::float8 * interval '1 second'
     FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[]) AS n(id, event_id, event_type, reason, error)
-    ON CONFLICT (id) DO UPDATE SET reason = EXCLUDED.reason, error = EXCLUDED.error,
+    ON CONFLICT (id) DO UPDATE SET event_id = EXCLUDED.event_id, event_type = EXCLUDED.event_type, reason = EXCLUDED.reason, error = EXCLUDED.error,
         attempts = h.attempts + 1, last_attempt = now(), retry_at = ` + retryAt,
 		Unhold:   `DELETE FROM ` + h + ` WHERE id = ANY($1)`,
 		LoadHeld: `SELECT id, reason, GREATEST(extract(epoch FROM retry_at - now()), 0)::float8 FROM ` + h + ` ORDER BY retry_at LIMIT $1`,
 		LoadHeldLanes: `SELECT h.id, h.reason, GREATEST(extract(epoch FROM h.retry_at - now()), 0)::float8,
        COALESCE(o.partition_key, ''), COALESCE(o.event_type, ''), ` + bucketSQL + `::int4,
        o.id IS NOT NULL AND o.published_at IS NULL
-    FROM (SELECT id, reason, retry_at FROM ` + h + ` ORDER BY retry_at LIMIT $1) h
-    LEFT JOIN ` + q + ` o ON o.id = h.id
+    FROM (SELECT id, event_id, reason, retry_at FROM ` + h + ` ORDER BY retry_at LIMIT $1) h
+    LEFT JOIN ` + q + ` o ON o.id = h.id AND ` + heldRowIsItsEvent + `
     ORDER BY h.retry_at`,
 		SweepHeld: `DELETE FROM ` + h + ` h WHERE NOT EXISTS (
-    SELECT 1 FROM ` + q + ` o WHERE o.id = h.id AND o.published_at IS NULL)`,
+    SELECT 1 FROM ` + q + ` o WHERE o.id = h.id AND o.published_at IS NULL AND ` + heldRowIsItsEvent + `)`,
 		ListHeld: `SELECT id, event_id, event_type, reason, error, attempts, first_attempt, last_attempt, retry_at
     FROM ` + h + ` WHERE ` + heldWhere + ` ORDER BY id LIMIT $5`,
 		Redrive: `UPDATE ` + h + ` SET ` + redrive + ` WHERE ` + heldWhere,

@@ -136,9 +136,14 @@ func sqlInsertRecords(t outbox.Table, cols []string) string {
     ON CONFLICT DO NOTHING RETURNING id`
 }
 
-// sqlEventsByID: the text of the event ids of the rows of t whose ids are $1.
-func sqlEventsByID(t outbox.Table) string {
-	return `SELECT id, event_id::text FROM ` + t.Quoted() + ` WHERE id = ANY($1::bigint[])`
+// sqlRowsBy reads the rows of t whose column by ("id" or "event_id") is one
+// of $1 (as text): by's value and the other's, as text.
+func sqlRowsBy(t outbox.Table, by string) string {
+	other, typ := "event_id", "bigint"
+	if by == "event_id" {
+		other, typ = "id", "uuid"
+	}
+	return `SELECT ` + by + `::text, ` + other + `::text FROM ` + t.Quoted() + ` WHERE ` + by + ` = ANY($1::text[]::` + typ + `[])`
 }
 
 // captureLockSeed seeds the hash of a slot's name that keys its capture

@@ -15,10 +15,13 @@ const (
 	// sqlTableOID is the oid of the table whose quoted name is $1, NULL
 	// when it does not exist; lock classes derive from it.
 	sqlTableOID = `SELECT to_regclass($1)::oid`
-	// sqlTableNamespace is the oid and the schema of the table whose quoted
-	// name is $1, NULL when there is none.
-	sqlTableNamespace = `SELECT c.oid, n.nspname::text FROM (SELECT to_regclass($1)::oid AS oid) t
-		LEFT JOIN pg_class c ON c.oid = t.oid LEFT JOIN pg_namespace n ON n.oid = c.relnamespace`
+	// sqlPrivilegesMissing: those of the privileges $2 the current role
+	// lacks on the table whose quoted name is $1 (has_table_privilege with
+	// a list is true when any one is held, so each is asked alone).
+	sqlPrivilegesMissing = `SELECT COALESCE(array_agg(p ORDER BY o), '{}') FROM unnest($2::text[]) WITH ORDINALITY AS x(p, o)
+		WHERE NOT has_table_privilege(to_regclass($1), p)`
+	// sqlTableSchema is the schema of the table whose oid is $1.
+	sqlTableSchema = `SELECT n.nspname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = $1`
 	// sqlHasColumn: table $1 has a live column named $2.
 	sqlHasColumn = `SELECT EXISTS (SELECT 1 FROM pg_attribute
 		WHERE attrelid = to_regclass($1) AND attname = $2 AND attnum > 0 AND NOT attisdropped)`
@@ -90,7 +93,7 @@ func sqlListen(channel string) string { return "LISTEN " + pgx.Identifier{channe
 // sessionStatements are the statements above by name, for the test that
 // prepares each.
 var sessionStatements = map[string]string{
-	"sqlTableOID": sqlTableOID, "sqlTableNamespace": sqlTableNamespace, "sqlHasColumn": sqlHasColumn, "sqlColumnType": sqlColumnType, "sqlTableShape": sqlTableShape,
+	"sqlTableOID": sqlTableOID, "sqlTableSchema": sqlTableSchema, "sqlPrivilegesMissing": sqlPrivilegesMissing, "sqlHasColumn": sqlHasColumn, "sqlColumnType": sqlColumnType, "sqlTableShape": sqlTableShape,
 	"sqlColumns": sqlColumns, "sqlHasUnpublishedIndex": sqlHasUnpublishedIndex, "sqlIsPartitioned": sqlIsPartitioned,
 	"sqlServerVersion": sqlServerVersion, "sqlSetSession": sqlSetSession, "sqlBoundWaits": sqlBoundWaits, "sqlUnboundWaits": sqlUnboundWaits, "sqlBitmapScansOn": sqlBitmapScansOn,
 	"sqlLockShared": sqlLockShared, "sqlTryLock": sqlTryLock, "sqlUnlock": sqlUnlock,
