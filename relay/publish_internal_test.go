@@ -557,3 +557,43 @@ func TestBatchThatLeftARowOutCommitsBeforeTheNextClaim(t *testing.T) {
 	}
 	require.Equal(t, []string{"00000000-0000-0000-0000-000000000001", "00000000-0000-0000-0000-000000000002"}, sent, "the key's rows in id order")
 }
+
+// Brokers that do not answer leave the stats loop's other refreshes their
+// own time: the held table is read (a redrive seen, another replica's hold
+// learned). Before, the brokers' probe used up the one budget of all
+// three, and the held table went unread for as long as they did not
+// answer.
+func TestHeldTableIsReadBesideBrokersThatDoNotAnswer(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dsn, pool := outboxDB(t)
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "t"))
+	require.NoError(t, err)
+	defer c.Close()
+	r, err := New(Config{Settings: Settings{DSN: dsn, Brokers: c.ListenAddrs(), Topics: map[string]string{"E": "t"}}})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.Close() })
+	_, err = pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', 'a', 'E', '{}', 'a');
+		INSERT INTO outbox_held (id, event_id, event_type, reason, error, retry_at)
+		SELECT id, event_id::text, event_type, 'refused', 'x', now() + interval '1 hour' FROM outbox`)
+	require.NoError(t, err)
+	r.held.recorded = true // as Check finds the held table
+
+	hung := make(chan struct{})
+	c.ControlKey(int16(kmsg.Metadata), func(kmsg.Request) (kmsg.Response, error, bool) {
+		<-hung // past statsTimeout
+		return nil, nil, false
+	})
+	defer close(hung)
+	done := make(chan struct{})
+	go func() { r.refreshStats(ctx); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(3 * statsTimeout):
+		t.Fatal("the stats refresh did not end")
+	}
+	snap := r.heldSnap.Load()
+	require.NotNil(t, snap, "the held table was read")
+	require.Contains(t, snap.rows, int64(1), "another replica's hold is learned")
+}

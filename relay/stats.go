@@ -27,17 +27,21 @@ func (r *Relay) statsLoop(ctx context.Context) {
 	}
 }
 
-// statsTimeout bounds one refresh of the stats, and the held table's
-// first read at start-up: a database that does not answer (a network
-// that drops packets) does not hold the loop up past it.
+// statsTimeout bounds each of the stats' refreshes (the brokers, the
+// backlog, the held table), and the held table's first read at start-up: a
+// database or broker that does not answer (a network that drops packets)
+// does not hold the loop up past it. Each has its own: before, brokers
+// that did not answer used up the one budget of all three, and the held
+// table went unread (a redrive unseen, other replicas' holds unknown, its
+// sweep skipped) for as long as they did not.
 const statsTimeout = 4 * time.Second
 
 func (r *Relay) refreshStats(ctx context.Context) {
-	ctx, cancel := context.WithTimeout(ctx, statsTimeout)
-	defer cancel()
-	r.refreshKafka(ctx)
-	r.refreshBacklog(ctx)
-	r.refreshHeld(ctx)
+	for _, refresh := range []func(context.Context){r.refreshKafka, r.refreshBacklog, r.refreshHeld} {
+		rctx, cancel := context.WithTimeout(ctx, statsTimeout)
+		refresh(rctx)
+		cancel()
+	}
 	stalls := r.health.stalls(time.Now())
 	for _, reason := range stallReasons {
 		_, stalled := stalls[reason]
