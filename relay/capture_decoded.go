@@ -186,6 +186,11 @@ func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) er
 		if err := s.keepAlive(ctx); err != nil { // a large transaction's rows can take longer than wal_sender_timeout
 			return err
 		}
+		// Each batch is a turn of the loop, bounded by its deadline: a
+		// large transaction is a loop that moves, not a wedged one (before,
+		// /healthz failed past the wedge limit, and the kubelet restarted the
+		// relay mid-transaction, which it then streamed again from the start).
+		s.r.health.iteration(time.Now())
 		if !rows[0].deleted {
 			n := 1
 			for n < len(rows) && !rows[n].deleted {

@@ -162,6 +162,47 @@ func TestLongSweepIsNoWedge(t *testing.T) {
 	require.Greater(t, time.Since(started), 2500*time.Millisecond, "the sweep outlasted the wedged limit")
 }
 
+// With writer deletes, a large transaction published from the stream is a
+// loop that moves too: /healthz passes through it. Before, its batches
+// reported no turn of the loop, so a transaction that took longer than
+// the wedge limit (145 s by default: about 560,000 rows at the benchmark's
+// pace) failed /healthz, and the kubelet restarted the relay
+// mid-transaction, which it then streamed again from its start, without
+// end. Here wedged is 2 s, and the transaction's 600 rows take 3 s or more.
+func TestLargeTransactionWithWriterDeletesIsNoWedge(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	r, pool := captureRelay(t)
+	r.cfg.WriterDeletes = true
+	slowBatches(t, r)
+	require.NoError(t, r.Check(ctx))
+	r.health = newHealth(time.Second, 2*time.Second, time.Now()) // wedged after 2 s
+	runLogged(t, r, pool)
+	require.Eventually(t, func() bool {
+		on, err := outbox.DeletesOnStore(ctx, pool, outbox.Table{Name: "outbox"})
+		return err == nil && on
+	}, 30*time.Second, 20*time.Millisecond, "the writers delete on store")
+	w, err := outbox.NewWriter("outbox", outbox.WithDeleteOnStore())
+	require.NoError(t, err)
+	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		for i := range 600 {
+			if err := w.Store(ctx, tx, outbox.Entry{EventID: outbox.NewEventID(), AggregateType: "O", AggregateID: "a",
+				EventType: "E", Payload: fmt.Appendf(nil, `{"n": %d}`, i), PartitionKey: "a"}); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
+	published := func() float64 { return testutil.ToFloat64(r.m.published.WithLabelValues(r.cfg.Topics["E"])) }
+	started := time.Now()
+	for published() < 600 {
+		require.NoError(t, r.Live(), "/healthz passes through the transaction")
+		require.Less(t, time.Since(started), time.Minute, "published")
+		<-time.After(20 * time.Millisecond)
+	}
+	require.Greater(t, time.Since(started), 2500*time.Millisecond, "the transaction outlasted the wedged limit")
+}
+
 // A replica whose replication session ends mid-transaction stops
 // publishing it within about a second: the capture lock went with the
 // session, and another replica may stream the same rows already. Before,
