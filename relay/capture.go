@@ -1187,6 +1187,7 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 		if len(s.pending) == 0 && len(s.txIDs) > 0 {
 			s.pendSince = time.Now()
 		}
+		base := len(s.pending)
 		s.pending = append(s.pending, s.txIDs...)
 		if len(s.txIDs) > 0 || len(s.txRows) > 0 {
 			s.pendXids = append(s.pendXids, int64(s.txXid))
@@ -1194,6 +1195,7 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 		for _, x := range s.txRows {
 			s.pendRows, s.pendBytes = append(s.pendRows, x), s.pendBytes+x.size
 		}
+		var at map[int64]int // the ids' places in pending, for rows put back under new ids (restoreDeleted)
 		for _, x := range s.txIns {
 			if x.deleted {
 				cols, err := tupleColumns(s.txRaw[x.from:x.to], s.tuple)
@@ -1201,8 +1203,14 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 					return err // read once already, as the insert came
 				}
 				s.tuple = cols
+				if at == nil {
+					at = make(map[int64]int, len(s.txIDs))
+					for i, id := range s.txIDs {
+						at[id] = base + i
+					}
+				}
 				back := tupleText(x.id, x.names, cols)
-				back.earlier = x.earlier
+				back.earlier, back.pendingAt = x.earlier, at[x.id]
 				s.restore = append(s.restore, back)
 			}
 		}
@@ -1432,7 +1440,7 @@ func (s *streamState) decodeRowChange(data []byte) error {
 			return err
 		}
 		x.earlier = s.rel != s.r.capture.oid.Load()
-		if _, ok := s.putBack[x.id]; ok {
+		if _, ok := s.putBack[x.id]; ok && !x.earlier { // the relay puts back into the table now, never an earlier one
 			delete(s.putBack, x.id) // the relay's own insert: the row is in the table
 			return nil
 		}
@@ -1520,7 +1528,13 @@ func (s *streamState) flush(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		moved.apply(s.pending)
+		for _, m := range moved { // each in its own place: two tables' rows may share an id
+			for _, x := range s.restore {
+				if x.id == m.from && x.column("event_id") == m.eventID {
+					s.pending[x.pendingAt] = m.to
+				}
+			}
+		}
 		s.restore = s.restore[:0]
 	}
 	carried := s.carry != nil

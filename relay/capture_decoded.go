@@ -87,6 +87,9 @@ type streamedRow struct {
 	// earlier: the row was inserted into an earlier table of the table's
 	// name, not the table now (tableReplaced).
 	earlier bool
+	// pendingAt is, for a row to restore (streamState.restore), the place
+	// of its id in streamState.pending.
+	pendingAt int
 }
 
 // column is the text of the row's column name; "" when NULL or absent.
@@ -379,9 +382,8 @@ type movedRow struct {
 
 type movedRows []movedRow
 
-// apply replaces in ids the ids of moved rows with their new ones. Rows
-// of one batch have ids of their own; rows restored from several
-// transactions of two tables may share one, and then both take the new.
+// apply replaces in ids the ids of moved rows with their new ones: the
+// ids of one batch's rows, which are of one table, each its own.
 func (m movedRows) apply(ids []int64) []int64 {
 	if len(m) == 0 {
 		return ids
@@ -464,6 +466,10 @@ func (r *Relay) insertStreamed(ctx context.Context, tx pgx.Tx, rows []streamedRo
 	if err := tx.QueryRow(ctx, sqlRowTypeColumns, *oid).Scan(&layout); err != nil {
 		return nil, fmt.Errorf("read the columns of %s: %w", r.table, err)
 	}
+	var eventIDType string
+	if err := tx.QueryRow(ctx, sqlColumnTypeOf, *oid, "event_id").Scan(&eventIDType); err != nil {
+		return nil, fmt.Errorf("read the type of %s.event_id: %w", r.table, err)
+	}
 	// Rows of one relation message share their names: one statement each.
 	for len(rows) > 0 {
 		n := 1
@@ -476,7 +482,7 @@ func (r *Relay) insertStreamed(ctx context.Context, tx pgx.Tx, rows []streamedRo
 				cols = append(cols, name)
 			}
 		}
-		p := putBackGroup{r: r, tx: tx, layout: layout, cols: cols, oid: *oid}
+		p := putBackGroup{r: r, tx: tx, layout: layout, cols: cols, oid: *oid, eventIDType: eventIDType}
 		if moved, err = p.insert(ctx, rows[:n], moved); err != nil {
 			return nil, err
 		}
@@ -493,6 +499,8 @@ type putBackGroup struct {
 	layout []string
 	cols   []string
 	oid    uint32
+	// eventIDType is the table's event_id type, as format_type names it.
+	eventIDType string
 }
 
 // insert puts rows back (insertStreamed), adding those under new ids to
@@ -500,53 +508,57 @@ type putBackGroup struct {
 func (p putBackGroup) insert(ctx context.Context, rows []streamedRow, moved movedRows) (movedRows, error) {
 	anew := rows
 	if !rows[0].earlier {
-		// Under its own id unless the table gave it to another event.
-		taken, err := p.events(ctx, `id`, rows, func(x streamedRow) string { return strconv.FormatInt(x.id, 10) })
+		// Under its own id unless the table gave it to another event, or
+		// another row of the group has it (ids that started over between
+		// two of the stream's transactions).
+		taken, err := p.eventsByID(ctx, rows)
 		if err != nil {
 			return moved, err
 		}
 		var own []streamedRow
 		anew = nil
+		mine := map[int64]bool{}
 		for _, x := range rows {
-			switch e, ok := taken[strconv.FormatInt(x.id, 10)]; {
-			case !ok:
-				own = append(own, x)
-			case e != x.column("event_id"):
+			switch e, ok := taken[x.id]; {
+			case ok && e == x.column("event_id"): // there already
+			case ok || mine[x.id]:
 				anew = append(anew, x)
+			default:
+				own, mine[x.id] = append(own, x), true
 			}
 		}
 		if len(own) > 0 {
-			if _, err := p.insertRecords(ctx, own, p.cols); err != nil {
+			ids, err := p.insertRecords(ctx, own, p.cols)
+			if err != nil {
 				return moved, err
 			}
+			in := make(map[int64]bool, len(ids))
+			for _, id := range ids {
+				in[id] = true
+			}
+			for _, x := range own {
+				if !in[x.id] { // left out by a conflict: its event under another id
+					anew = append(anew, x)
+				}
+			}
 		}
-	}
-	if len(anew) == 0 {
-		return moved, nil
 	}
 	// Under a new id, unless the table has its event already (a stream
 	// that reads a row again it put back before).
-	there, err := p.events(ctx, `event_id`, anew, func(x streamedRow) string { return x.column("event_id") })
-	if err != nil {
-		return moved, err
-	}
-	var back []streamedRow
+	cols := slices.DeleteFunc(slices.Clone(p.cols), func(c string) bool { return c == "id" })
+	n := len(moved)
 	for _, x := range anew {
-		e := x.column("event_id")
-		if id, ok := there[e]; ok {
-			if n, _ := strconv.ParseInt(id, 10, 64); n != x.id {
-				moved = append(moved, movedRow{from: x.id, to: n, eventID: e})
+		id, there, err := p.eventRow(ctx, x)
+		if err != nil {
+			return moved, err
+		}
+		if there {
+			if id != x.id {
+				moved = append(moved, movedRow{from: x.id, to: id, eventID: x.column("event_id")})
 			}
 			continue
 		}
-		back = append(back, x)
-	}
-	if len(back) == 0 {
-		return moved, nil
-	}
-	cols := slices.DeleteFunc(slices.Clone(p.cols), func(c string) bool { return c == "id" })
-	for _, x := range back { // one at a time: RETURNING does not say which row a new id is
-		ids, err := p.insertRecords(ctx, []streamedRow{x}, cols)
+		ids, err := p.insertRecords(ctx, []streamedRow{x}, cols) // one at a time: RETURNING does not say which row a new id is
 		if err != nil {
 			return moved, fmt.Errorf("put row %d (event %s) back under a new id: %w", x.id, x.column("event_id"), err)
 		}
@@ -554,8 +566,10 @@ func (p putBackGroup) insert(ctx context.Context, rows []streamedRow, moved move
 			moved = append(moved, movedRow{from: x.id, to: ids[0], eventID: x.column("event_id")})
 		}
 	}
-	p.r.log.Warn("put rows back into the table under new ids: rows of an earlier table of its name, or rows whose ids the table gave other events (it was made again, with ids that start over); the sweep publishes them, after the rows of their keys already in the table",
-		"moved", moved)
+	if len(moved) > n {
+		p.r.log.Warn("put rows back into the table under new ids: rows of an earlier table of its name, or rows whose ids the table gave other events (it was made again, with ids that start over); the sweep publishes them, after the rows of their keys already in the table",
+			"moved", moved[n:])
+	}
 	return moved, nil
 }
 
@@ -569,26 +583,44 @@ func (p putBackGroup) insertRecords(ctx context.Context, rows []streamedRow, col
 	return p.r.insertRecords(ctx, p.tx, sqlInsertRecords(p.r.table, cols), records, rows, p.oid)
 }
 
-// events reads, by column by (id or event_id), the table's rows that
-// rows' values of it (key) name: each value's other column, as text.
-func (p putBackGroup) events(ctx context.Context, by string, rows []streamedRow, key func(streamedRow) string) (map[string]string, error) {
-	var vals []string
-	for _, x := range rows {
-		if v := key(x); v != "" {
-			vals = append(vals, v)
-		}
+// eventsByID reads the event ids, as text, of the table's rows that have
+// the ids of rows.
+func (p putBackGroup) eventsByID(ctx context.Context, rows []streamedRow) (map[int64]string, error) {
+	ids := make([]int64, len(rows))
+	for i, x := range rows {
+		ids[i] = x.id
 	}
-	found := map[string]string{}
-	if len(vals) == 0 {
-		return found, nil
-	}
-	res, err := p.tx.Query(ctx, sqlRowsBy(p.r.table, by), vals)
+	res, err := p.tx.Query(ctx, sqlEventsByID(p.r.table), ids)
 	if err != nil {
-		return nil, fmt.Errorf("read the rows of %s by the %ss of rows put back: %w", p.r.table, by, err)
+		return nil, fmt.Errorf("read the rows of %s by the ids of rows put back: %w", p.r.table, err)
 	}
-	var k, v string
-	if _, err := pgx.ForEachRow(res, []any{&k, &v}, func() error { found[k] = v; return nil }); err != nil {
-		return nil, fmt.Errorf("read the rows of %s by the %ss of rows put back: %w", p.r.table, by, err)
+	found := map[int64]string{}
+	var id int64
+	var e string
+	if _, err := pgx.ForEachRow(res, []any{&id, &e}, func() error { found[id] = e; return nil }); err != nil {
+		return nil, fmt.Errorf("read the rows of %s by the ids of rows put back: %w", p.r.table, err)
 	}
 	return found, nil
+}
+
+// eventRow reads the id of the table's row of x's event, if there is one:
+// by its event id and created_at, so that on a partitioned table one
+// partition is read.
+func (p putBackGroup) eventRow(ctx context.Context, x streamedRow) (id int64, there bool, err error) {
+	e, created := x.column("event_id"), x.column("created_at")
+	if e == "" {
+		return 0, false, nil // a row without one: the insert names what is wrong
+	}
+	q, args := sqlRowOfEvent(p.r.table, p.eventIDType, created != ""), []any{e}
+	if created != "" {
+		args = append(args, created)
+	}
+	err = p.tx.QueryRow(ctx, q, args...).Scan(&id)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, false, nil
+	}
+	if err != nil {
+		return 0, false, fmt.Errorf("read the row of event %s in %s: %w", e, p.r.table, err)
+	}
+	return id, true, nil
 }

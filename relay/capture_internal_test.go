@@ -887,8 +887,9 @@ func TestStreamReadsAgainATransactionDeletingRowsPastTheTupleLimit(t *testing.T)
 func TestPutBackGoesIntoTheTableThatHasTheNameNow(t *testing.T) {
 	t.Parallel()
 	for name, ddl := range map[string]string{
-		"plain":       outbox.SchemaDDL(outbox.Table{Name: "outbox"}),
-		"partitioned": outbox.PartitionedSchemaDDL(outbox.Table{Name: "outbox"}, outbox.PartitionDay, 1),
+		"plain":         outbox.SchemaDDL(outbox.Table{Name: "outbox"}),
+		"partitioned":   outbox.PartitionedSchemaDDL(outbox.Table{Name: "outbox"}, outbox.PartitionDay, 1),
+		"text event_id": outbox.SchemaDDL(outbox.Table{Name: "outbox"}) + `; ALTER TABLE outbox ALTER COLUMN event_id TYPE text`,
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
@@ -905,40 +906,42 @@ func TestPutBackGoesIntoTheTableThatHasTheNameNow(t *testing.T) {
 				return tupleText(id, names, [][]byte{fmt.Appendf(nil, "%d", id), []byte(event), []byte("Order"), []byte("o2"),
 					[]byte("E"), []byte(`{"n": 1}`), []byte("o2"), []byte(now), nil, nil})
 			}
-			taken, free, earlier := row(1, "0193a0b4-0000-7000-8000-000000000001"), row(7, "0193a0b4-0000-7000-8000-000000000007"),
-				row(9, "0193a0b4-0000-7000-8000-000000000009")
+			// Row 7 twice: ids that started over between two of the
+			// stream's transactions.
+			taken, free, twin, earlier := row(1, "0193a0b4-0000-7000-8000-000000000001"), row(7, "0193a0b4-0000-7000-8000-000000000007"),
+				row(7, "0193a0b4-0000-7000-8000-000000000008"), row(9, "0193a0b4-0000-7000-8000-000000000009")
 			earlier.earlier = true
-			moved, err := r.restoreDeleted(ctx, []streamedRow{taken, free, earlier})
+			rows := []streamedRow{taken, free, twin, earlier}
+			moved, err := r.restoreDeleted(ctx, rows)
 			require.NoError(t, err)
-			require.Len(t, moved, 2)
+			require.Len(t, moved, 3)
 			to := map[string]int64{}
 			for _, m := range moved {
 				to[m.eventID] = m.to
 				require.NotEqual(t, m.from, m.to)
 			}
-			require.Equal(t, int64(1), moved[0].from)
-			require.Equal(t, int64(9), moved[1].from)
+			require.Equal(t, []int64{1, 7, 9}, []int64{moved[0].from, moved[1].from, moved[2].from})
 			var ids []int64
 			require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 				res, err := tx.Query(ctx, `SELECT id FROM outbox WHERE event_id::text = ANY($1) ORDER BY event_id`,
-					[]string{taken.column("event_id"), free.column("event_id"), earlier.column("event_id")})
+					[]string{taken.column("event_id"), free.column("event_id"), twin.column("event_id"), earlier.column("event_id")})
 				if err != nil {
 					return err
 				}
 				ids, err = pgx.CollectRows(res, pgx.RowTo[int64])
 				return err
 			}))
-			require.Equal(t, []int64{to[taken.column("event_id")], 7, to[earlier.column("event_id")]}, ids,
-				"the row whose id was taken and the earlier table's went back under new ids, the other under its own")
+			require.Equal(t, []int64{to[taken.column("event_id")], 7, to[twin.column("event_id")], to[earlier.column("event_id")]}, ids,
+				"the rows whose ids were taken and the earlier table's went back under new ids, the other under its own")
 
 			// Put back again (a stream that reads them again), none is
 			// doubled, and the moved ones are found under their new ids.
-			again, err := r.restoreDeleted(ctx, []streamedRow{taken, free, earlier})
+			again, err := r.restoreDeleted(ctx, rows)
 			require.NoError(t, err)
 			require.Equal(t, moved, again)
 			var n int
 			require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&n))
-			require.Equal(t, 4, n)
+			require.Equal(t, 5, n)
 		})
 	}
 }

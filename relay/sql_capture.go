@@ -136,15 +136,26 @@ func sqlInsertRecords(t outbox.Table, cols []string) string {
     ON CONFLICT DO NOTHING RETURNING id`
 }
 
-// sqlRowsBy reads the rows of t whose column by ("id" or "event_id") is one
-// of $1 (as text): by's value and the other's, as text.
-func sqlRowsBy(t outbox.Table, by string) string {
-	other, typ := "event_id", "bigint"
-	if by == "event_id" {
-		other, typ = "id", "uuid"
-	}
-	return `SELECT ` + by + `::text, ` + other + `::text FROM ` + t.Quoted() + ` WHERE ` + by + ` = ANY($1::text[]::` + typ + `[])`
+// sqlEventsByID reads the ids and event ids (as text) of the rows of t
+// whose ids are $1.
+func sqlEventsByID(t outbox.Table) string {
+	return `SELECT id, event_id::text FROM ` + t.Quoted() + ` WHERE id = ANY($1::bigint[])`
 }
+
+// sqlRowOfEvent reads the id of t's row whose event_id, of type typ (as
+// format_type names it, a catalog value), is $1 (as text) and, withCreated,
+// whose created_at is $2: on a partitioned table, one partition is read.
+func sqlRowOfEvent(t outbox.Table, typ string, withCreated bool) string {
+	q := `SELECT id FROM ` + t.Quoted() + ` WHERE event_id = $1::text::` + typ
+	if withCreated {
+		q += ` AND created_at = $2::timestamptz`
+	}
+	return q + ` LIMIT 1`
+}
+
+// sqlColumnTypeOf is the type of column $2 of the table whose oid is $1,
+// as format_type names it.
+const sqlColumnTypeOf = `SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = $1 AND attname = $2 AND NOT attisdropped`
 
 // captureLockSeed seeds the hash of a slot's name that keys its capture
 // lock (sqlTryCaptureLock), unlike the writer-deletes lock's and a plain
