@@ -3,6 +3,10 @@ package relay
 import (
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 // An idle relay sleeping its poll interval (up to an hour) is not wedged:
@@ -35,5 +39,19 @@ func TestRecordSizeMatchesVarintLengths(t *testing.T) {
 	}
 	if newTopicState(true).budget("t") >= ts.budget("t") {
 		t.Error("a compressing writer must keep a margin for the codec's framing")
+	}
+}
+
+// The wedged limit outlasts one statement of the relay's sessions (30 s,
+// which a stream's own queries may take) by the stall timeout, at the
+// least settings too. Before, it was a batch's deadline plus the stall
+// timeout: 30 s at the least stall timeout and a 10 s publish timeout, and
+// the kubelet restarted a relay one statement kept waiting.
+func TestWedgedLimitOutlastsAStatement(t *testing.T) {
+	t.Parallel()
+	for _, publish := range []time.Duration{relayconfig.MinPublishTimeout, 10 * time.Second, time.Minute} {
+		cfg := Config{Settings: Settings{PublishTimeout: publish, StallTimeout: relayconfig.MinStallTimeout}}
+		require.GreaterOrEqual(t, wedgedAfter(cfg), statementTimeout+relayconfig.MinStallTimeout, "publish timeout %s", publish)
+		require.GreaterOrEqual(t, wedgedAfter(cfg), batchDeadline(cfg)+relayconfig.MinStallTimeout, "publish timeout %s", publish)
 	}
 }

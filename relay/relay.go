@@ -180,7 +180,7 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 	// A claim transaction never idles longer than one publish; if the relay
 	// hangs, PostgreSQL ends the transaction and releases the rows.
 	rp["idle_in_transaction_session_timeout"] = strconv.FormatInt((cfg.PublishTimeout + 20*time.Second).Milliseconds(), 10)
-	rp["statement_timeout"] = "30000"
+	rp["statement_timeout"] = strconv.FormatInt(statementTimeout.Milliseconds(), 10)
 	// pgx prepares statements, and a generic plan made while the table was
 	// tiny can stay a sequential scan as it grows (seen here: 28.7 ms per
 	// mark at 300k rows): always plan with the real parameters.
@@ -219,7 +219,7 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 		held:       newHeldRows(),
 		aside:      newAsideRows(),
 		topics:     newTopicState(compression(cfg.Compression) != 0),
-		health:     newHealth(cfg.StallTimeout, batchDeadline(cfg)+cfg.StallTimeout, now),
+		health:     newHealth(cfg.StallTimeout, wedgedAfter(cfg), now),
 		unroutable: map[string]bool{},
 		wake:       make(chan struct{}, 1),
 	}
@@ -275,6 +275,19 @@ const checkTimeout = 30 * time.Second
 
 // batchDeadline bounds one batch from begin to commit, even after SIGTERM.
 func batchDeadline(cfg Config) time.Duration { return cfg.PublishTimeout + 15*time.Second }
+
+// statementTimeout bounds each statement of the relay's sessions.
+const statementTimeout = 30 * time.Second
+
+// wedgedAfter is how long the loop may go without a turn before /healthz
+// fails: the longest wait that reports none, a batch (batchDeadline) or
+// one statement of the stream's own (statementTimeout), and the stall
+// timeout past it. Before, it was the batch's deadline alone plus the stall
+// timeout: at the least stall timeout (5 s) 30 s, which one statement of
+// 30 s could reach, and the kubelet restarted a relay that was waiting.
+func wedgedAfter(cfg Config) time.Duration {
+	return max(batchDeadline(cfg), statementTimeout) + cfg.StallTimeout
+}
 
 // markReserve is the part of a batch's deadline kept for its mark (or
 // put-back) and commit.
