@@ -385,6 +385,9 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 			create = sqlAddToPublication(pub, r.table)
 		}
 		if _, err := r.pool.Exec(ctx, create); err != nil {
+			if checkTransient(err) { // a lock wait, a failover: not a privilege
+				return fmt.Errorf("run %s: %w", create, err)
+			}
 			return fmt.Errorf("--%s %s: the publication %s of %s is missing and the relay's role may not create it (%v); as the table's owner, run: %s",
 				relayconfig.FlagCapture, CaptureLogicalReplication, pub, r.table, err, create)
 		}
@@ -395,6 +398,9 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 		// stream would skip every one, and with writer deletes lose it.
 		alter := sqlAlterPublication(pub)
 		if _, err := r.pool.Exec(ctx, alter); err != nil {
+			if checkTransient(err) { // a lock wait, a failover: not a privilege
+				return fmt.Errorf("run %s: %w", alter, err)
+			}
 			return fmt.Errorf("--%s %s: the table %s is partitioned, so its publication %s must publish its partitions' changes as the table's own, and the relay's role may not alter it (%v); as its owner, run: %s",
 				relayconfig.FlagCapture, CaptureLogicalReplication, r.table, pub, err, alter)
 		}
@@ -407,6 +413,9 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 		// and the writers would keep theirs (outbox.DeletesOnStore).
 		alter := sqlAlterPublication(pub)
 		if _, err := r.pool.Exec(ctx, alter); err != nil {
+			if checkTransient(err) { // a lock wait, a failover: not a privilege
+				return fmt.Errorf("run %s: %w", alter, err)
+			}
 			return fmt.Errorf("--%s %s: the publication %s publishes no inserts, so the stream would carry none of the rows of %s, and the relay's role may not alter it (%v); as its owner, run: %s",
 				relayconfig.FlagCapture, CaptureLogicalReplication, pub, r.table, err, alter)
 		}
@@ -420,6 +429,9 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 		// the stream would lack them).
 		whole := sqlPublishWhole(pub, r.table)
 		if _, err := r.pool.Exec(ctx, whole); err != nil {
+			if checkTransient(err) { // a lock wait, a failover: not a privilege
+				return fmt.Errorf("run %s: %w", whole, err)
+			}
 			return fmt.Errorf("--%s %s: the publication %s carries only some rows or columns of %s (a row filter or a column list), so the stream would leave the rest out, and the relay's role may not alter it (%v); as its owner, run: %s",
 				relayconfig.FlagCapture, CaptureLogicalReplication, pub, r.table, err, whole)
 		}
@@ -431,6 +443,9 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 		// published, and would lose it.
 		alter := sqlAlterPublication(pub)
 		if _, err := r.pool.Exec(ctx, alter); err != nil {
+			if checkTransient(err) { // a lock wait, a failover: not a privilege
+				return fmt.Errorf("run %s: %w", alter, err)
+			}
 			if r.cfg.WriterDeletes {
 				return fmt.Errorf("--%s: the publication %s must publish deletes, so that a relay run without --%s later publishes the rows the writers deleted, and the relay's role may not alter it (%v); as its owner, run: %s",
 					relayconfig.FlagWriterDeletes, pub, relayconfig.FlagWriterDeletes, err, alter)

@@ -400,3 +400,26 @@ func TestWaitingForDependenciesIsNotWedged(t *testing.T) {
 		<-time.After(time.Second) // the start-up loop's backoff
 	}
 }
+
+// A start-up check that a lock wait outlasts (a migration holding the
+// table) says the database is not there yet, and the relay checks again:
+// the error is an UnreachableError, which the process waits out. Before,
+// only a failed connect was one, and this ended the process.
+func TestStartupCheckBehindALockIsUnreachable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := outboxtest.NewFixture(t, 1, "E")
+	migration, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer migration.Rollback(ctx) //nolint:errcheck // only holds the lock
+	_, err = migration.Exec(ctx, `LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	r, err := relay.New(f.Config())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.Close() })
+	cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	err = r.Check(cctx)
+	var unreachable *relay.UnreachableError
+	require.ErrorAs(t, err, &unreachable, "%v", err)
+}

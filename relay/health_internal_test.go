@@ -1,9 +1,15 @@
 package relay
 
 import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outbox-relay/outbox-operator/relayconfig"
@@ -53,5 +59,37 @@ func TestWedgedLimitOutlastsAStatement(t *testing.T) {
 		cfg := Config{Settings: Settings{PublishTimeout: publish, StallTimeout: relayconfig.MinStallTimeout}}
 		require.GreaterOrEqual(t, wedgedAfter(cfg), statementTimeout+relayconfig.MinStallTimeout, "publish timeout %s", publish)
 		require.GreaterOrEqual(t, wedgedAfter(cfg), batchDeadline(cfg)+relayconfig.MinStallTimeout, "publish timeout %s", publish)
+	}
+}
+
+// The start-up check waits out what a later try may not meet, and stops
+// on what stands until someone fixes it. Before, only a failed connect was
+// waited out: a failover between the connect and the next query, or a
+// lock wait past the check's deadline, ended the process, which the
+// kubelet restarted with a growing delay.
+func TestStartupCheckWaitsOutTransientFailures(t *testing.T) {
+	t.Parallel()
+	pg := func(code string) error { return fmt.Errorf("read the server version: %w", &pgconn.PgError{Code: code}) }
+	for _, err := range []error{
+		pg("57P01"), // admin shutdown: a failover
+		pg("57P03"), // cannot connect now: starting up
+		pg("57014"), // canceled: statement_timeout
+		pg("08006"), // connection failure
+		pg("40P01"), // deadlock
+		pg("53300"), // too many connections
+		pg("55P03"), // lock not available
+		fmt.Errorf("create the publication: %w", context.DeadlineExceeded),
+		fmt.Errorf("read columns: %w", io.ErrUnexpectedEOF),
+		&net.OpError{Op: "read", Net: "tcp", Err: errors.New("connection reset by peer")},
+	} {
+		require.True(t, checkTransient(err), "%v", err)
+	}
+	for _, err := range []error{
+		pg("42P01"), // undefined table
+		pg("42501"), // insufficient privilege
+		pg("55000"), // object not in prerequisite state: wal_level
+		errors.New("table outbox does not exist; create it with the DDL from `relay schema --table outbox`"),
+	} {
+		require.False(t, checkTransient(err), "%v", err)
 	}
 }

@@ -11,8 +11,10 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"math/rand/v2"
+	"net"
 	"runtime"
 	"slices"
 	"strconv"
@@ -345,7 +347,18 @@ func (r *Relay) writerFor(k writerKind) *kafka.Writer {
 // Check verifies the table's columns and partial index, reads each topic's
 // partitions and largest record size from the broker, and leaves a mapped
 // topic that is missing or may not be used out of the claims, as down.
-func (r *Relay) Check(ctx context.Context) error {
+func (r *Relay) Check(ctx context.Context) (err error) {
+	// A failure a later try may not meet (the connection lost mid-check, a
+	// server restarting, a lock wait or the check's deadline run out) is
+	// the dependency's: the caller waits and checks again. Before, only a
+	// failed connect was, and the others ended the process, which the
+	// kubelet then restarted with a growing delay.
+	defer func() {
+		var unreachable *UnreachableError
+		if err != nil && !errors.As(err, &unreachable) && checkTransient(err) {
+			err = &UnreachableError{err}
+		}
+	}()
 	// Until Run starts, the checks are the relay's loop: a relay waiting
 	// for its dependencies is not wedged, and /healthz passes.
 	now := time.Now()
@@ -574,6 +587,29 @@ type UnreachableError struct{ Err error }
 
 func (e *UnreachableError) Error() string { return e.Err.Error() }
 func (e *UnreachableError) Unwrap() error { return e.Err }
+
+// checkTransient reports whether err is a failure that a later try may not
+// meet: the connection lost or refused, the server shutting down, starting
+// or out of connections, a statement canceled (its timeout), a lock wait
+// or a serialization failure, a deadline. The server's other refusals (a
+// missing table, a privilege) stand until someone fixes them.
+func checkTransient(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch class := pgErr.Code[:min(2, len(pgErr.Code))]; {
+		case class == "08", // connection exception
+			class == "57",         // operator intervention: shutdown, canceled, cannot connect now
+			class == "40",         // transaction rollback: serialization failure, deadlock
+			class == "53",         // insufficient resources: too many connections, out of memory
+			pgErr.Code == "55P03": // lock not available
+			return true
+		}
+		return false
+	}
+	var netErr net.Error
+	return errors.Is(err, context.DeadlineExceeded) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) ||
+		errors.As(err, &netErr) || pgconn.Timeout(err) || pgconn.SafeToRetry(err)
+}
 
 // largestRecord is the largest record any of the relay's topics (the
 // dead-letter topic included) takes: a row larger can go nowhere, and the

@@ -79,11 +79,14 @@ func readShape(ctx context.Context, conn querier, t outbox.Table) (tableShape, e
 // index on published_at IS NULL exists. The error names each problem and
 // the DDL that fixes it.
 func CheckSchema(ctx context.Context, conn querier, t outbox.Table) error {
-	var oid uint32
-	err := conn.QueryRow(ctx, sqlTableOID, t.Quoted()).Scan(&oid)
-	if err != nil || oid == 0 {
+	var found *uint32 // NULL when no table has the name
+	if err := conn.QueryRow(ctx, sqlTableOID, t.Quoted()).Scan(&found); err != nil {
+		return fmt.Errorf("read the oid of %s: %w", t, err)
+	}
+	if found == nil {
 		return fmt.Errorf("table %s does not exist; create it with the DDL from `relay schema --table %s`", t, t)
 	}
+	oid := *found
 	rows, err := conn.Query(ctx, sqlColumns, oid)
 	if err != nil {
 		return fmt.Errorf("read columns of %s: %w", t, err)
