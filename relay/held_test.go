@@ -258,6 +258,29 @@ func TestStaleHeldRecordsAreSwept(t *testing.T) {
 	_ = x
 }
 
+// A hold recorded over a record of another event under the same id (the
+// table's ids started over since) is the new event's: its id, type and
+// first attempt, counted from one. Before, it kept the earlier event's id
+// and attempts.
+func TestHoldOverAnotherEventsRecordStartsAfresh(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	f.Topics["E"] = f.NewTopic("small", 1, "max.message.bytes", "2000")
+	run(t, f.Config(), nil)
+	f.Insert(1, 1, "E")
+	f.WaitDrained(0, 30*time.Second) // the loop runs: past its start-up sweep of the held table
+	f.Exec(`INSERT INTO outbox_held (id, event_id, event_type, reason, error, attempts, first_attempt, retry_at)
+		VALUES (2, gen_random_uuid()::text, 'Old', 'refused', 'x', 5, now() - interval '1 day', now() - interval '1 hour')`)
+	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', 'big', 'E', jsonb_build_object('pad', repeat('y', 5000)), 'big')`) // id 2
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox_held h JOIN outbox o USING (id)
+			WHERE h.event_id = o.event_id::text AND h.event_type = 'E' AND h.reason = 'too_large'`) == 1
+	}, 30*time.Second, 50*time.Millisecond, "the hold is the new row's")
+	require.Equal(t, 1, f.Count(`SELECT attempts FROM outbox_held WHERE id = 2`))
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox_held WHERE id = 2 AND first_attempt > now() - interval '1 minute'`))
+}
+
 // In partition-key mode a held row keeps its key's later rows on its topic
 // back (across a restart too), and `relay redrive` releases the whole lane
 // at once, the held row first.

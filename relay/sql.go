@@ -392,7 +392,7 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
 		// The batch began $7 seconds before this statement reached the
 		// server: measured by the relay and dated by the server's clock,
 		// which the redrive's date comes from too, on every replica.
-		retryAt = `CASE WHEN h.redriven_at > statement_timestamp() - $7::float8 * interval '1 second'
+		retryAt = `CASE WHEN h.event_id = EXCLUDED.event_id AND h.redriven_at > statement_timestamp() - $7::float8 * interval '1 second'
             THEN h.retry_at ELSE EXCLUDED.retry_at END`
 		redrive += `, redriven_at = statement_timestamp()`
 	}
@@ -442,7 +442,9 @@ SELECT count(*), COALESCE(max(id), 0) FROM gone`,
     SELECT id, event_id, event_type, reason, error, now() + $6::float8 * interval '1 second'
     FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[]) AS n(id, event_id, event_type, reason, error)
     ON CONFLICT (id) DO UPDATE SET event_id = EXCLUDED.event_id, event_type = EXCLUDED.event_type, reason = EXCLUDED.reason, error = EXCLUDED.error,
-        attempts = h.attempts + 1, last_attempt = now(), retry_at = ` + retryAt,
+        attempts = CASE WHEN h.event_id = EXCLUDED.event_id THEN h.attempts + 1 ELSE 1 END,
+        first_attempt = CASE WHEN h.event_id = EXCLUDED.event_id THEN h.first_attempt ELSE now() END,
+        last_attempt = now(), retry_at = ` + retryAt,
 		Unhold:   `DELETE FROM ` + h + ` WHERE id = ANY($1)`,
 		LoadHeld: `SELECT id, reason, GREATEST(extract(epoch FROM retry_at - now()), 0)::float8 FROM ` + h + ` ORDER BY retry_at LIMIT $1`,
 		LoadHeldLanes: `SELECT h.id, h.reason, GREATEST(extract(epoch FROM h.retry_at - now()), 0)::float8,
