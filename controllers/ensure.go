@@ -107,7 +107,7 @@ func (r *OutboxRelayReconciler) ensurePDB(ctx context.Context, relay *outboxv1al
 	}
 	cur := &policyv1.PodDisruptionBudget{}
 	err := r.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, cur)
-	if apierrors.IsNotFound(err) || (err == nil && !metav1.IsControlledBy(cur, relay)) {
+	if apierrors.IsNotFound(err) || (err == nil && !metav1.IsControlledBy(cur, relay) && !orphanOf(cur, relay)) {
 		return nil
 	}
 	if err != nil {
@@ -139,6 +139,21 @@ func (r *OutboxRelayReconciler) currentDeployment(ctx context.Context, relay *ou
 func hasLabels(cur, want client.Object) bool {
 	for k, v := range want.GetLabels() {
 		if got, ok := cur.GetLabels()[k]; !ok || got != v {
+			return false
+		}
+	}
+	return true
+}
+
+// orphanOf reports whether obj has no controller and carries relay's
+// children's labels: the operator made it for an OutboxRelay of relay's
+// name that was deleted with its children orphaned.
+func orphanOf(obj client.Object, relay *outboxv1alpha1.OutboxRelay) bool {
+	if metav1.GetControllerOf(obj) != nil {
+		return false
+	}
+	for k, v := range commonLabels(relay) {
+		if obj.GetLabels()[k] != v {
 			return false
 		}
 	}
@@ -208,7 +223,7 @@ func ensure[T client.Object](ctx context.Context, c client.Client, uncached clie
 	}
 	adopt := false
 	if !metav1.IsControlledBy(cur, relay) {
-		if metav1.GetControllerOf(cur) != nil || !hasLabels(cur, want) {
+		if !orphanOf(cur, relay) {
 			return cur, &conflictError{fmt.Sprintf("%s %s exists and is not controlled by this OutboxRelay", kind, cur.GetName())}
 		}
 		// No controller, and this relay's labels: the operator made it for

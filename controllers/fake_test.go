@@ -304,6 +304,19 @@ func TestOrphanedChildrenAreAdopted(t *testing.T) {
 	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
 	require.NoError(t, err)
 
+	// An orphaned PodDisruptionBudget of a relay that now runs one
+	// replica goes, as the relay's own would.
+	pdb := &policyv1.PodDisruptionBudget{}
+	require.NoError(t, c.Get(ctx, child, pdb))
+	pdb.OwnerReferences = nil
+	require.NoError(t, c.Update(ctx, pdb))
+	require.NoError(t, c.Get(ctx, key, relay))
+	relay.Spec.Replicas = ptr.To[int32](1)
+	require.NoError(t, c.Update(ctx, relay))
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.True(t, apierrors.IsNotFound(c.Get(ctx, child, &policyv1.PodDisruptionBudget{})), "the orphaned PDB is deleted")
+
 	// Another controller's Deployment of the name stays a conflict.
 	d := fakeDeployment(t, c, relay)
 	d.OwnerReferences = []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "ReplicaSet", Name: "other", UID: "other", Controller: ptr.To(true)}}
