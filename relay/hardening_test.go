@@ -332,8 +332,9 @@ func TestStallsFailReadiness(t *testing.T) {
 		release := make(chan struct{})
 		x := run(t, cfg, writerFunc(func(context.Context, ...kafka.Message) error { <-release; return nil }))
 		t.Cleanup(func() { close(release) }) // runs before the relay's Close
-		// A batch may take PublishTimeout+15s; wedged is that plus the stall timeout.
-		require.Eventually(t, func() bool { return x.R.Live() != nil }, 35*time.Second, 100*time.Millisecond)
+		// A batch may take PublishTimeout+15s, a statement 30 s; wedged is
+		// the longer plus the stall timeout.
+		require.Eventually(t, func() bool { return x.R.Live() != nil }, 30*time.Second+stall+10*time.Second, 100*time.Millisecond)
 		require.ErrorContains(t, x.R.Live(), relay.StallLoopWedged)
 	})
 }
