@@ -216,10 +216,13 @@ func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) er
 			rows = rows[n:]
 			continue
 		}
-		n, bytes := 0, int64(0)
-		for n < len(rows) && rows[n].deleted && rows[n].earlier == rows[0].earlier && n < s.r.cfg.BatchSize &&
+		// A batch's rows are of one table, each id once (ids that started
+		// over, TRUNCATE … RESTART IDENTITY, give two rows one): its
+		// publish, put-back and retries know a row by its id.
+		n, bytes, ids := 0, int64(0), map[int64]bool{}
+		for n < len(rows) && rows[n].deleted && rows[n].earlier == rows[0].earlier && !ids[rows[n].id] && n < s.r.cfg.BatchSize &&
 			(n == 0 || bytes+rows[n].size <= int64(s.r.cfg.MaxBatchBytes)) {
-			bytes += rows[n].size
+			bytes, ids[rows[n].id] = bytes+rows[n].size, true
 			n++
 		}
 		retry, perr, err := s.publishDecodedBatch(ctx, rows[:n])

@@ -935,6 +935,36 @@ func TestWriterDeletesPublishesAnEarlierTablesRowsAfterARestart(t *testing.T) {
 	require.Contains(t, logs.String(), "rows their writers kept in an earlier table of the table's name stay there")
 }
 
+// Two rows of one id in what the stream publishes at once (the table's ids
+// started over between them: ALTER … RESTART, TRUNCATE … RESTART
+// IDENTITY) go out in batches of their own: each is published, or put
+// back, for itself. Before, one batch took both, the one published stood
+// for the other, and the other, which had no topic, was neither published
+// nor put back: in no table.
+func TestWriterDeletesRowsOfOneIdAreEachPublishedOrPutBack(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg, _ := writerDeletesFixture(t, "E")
+	startStreaming(t, cfg)
+	waitDeletesOnStore(t, f, 10*time.Second)
+	published, unmapped := entry("E", 1), entry("Unmapped", 2)
+	w, err := outbox.NewWriter("outbox", outbox.WithDeleteOnStore())
+	require.NoError(t, err)
+	require.NoError(t, pgx.BeginFunc(ctx, f.Pool, func(tx pgx.Tx) error { // one transaction: one flush
+		if err := w.Store(ctx, tx, published); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, `ALTER TABLE outbox ALTER COLUMN id RESTART WITH 1`); err != nil {
+			return err
+		}
+		return w.Store(ctx, tx, unmapped)
+	}))
+	require.True(t, consumedIDs(t, f.Topics["E"], 1)[published.EventID])
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1 AND published_at IS NULL`, unmapped.EventID) == 1
+	}, 30*time.Second, 50*time.Millisecond, "the row without a topic is back in the table")
+}
+
 // A row the stream must put back whose partition was dropped (by hand, or
 // by a partition manager) gets a partition again: the relay attaches one
 // over the stretch between the partitions around its created_at, with the

@@ -421,7 +421,10 @@ func (r *Relay) Check(ctx context.Context) (err error) {
 		}
 	}
 	r.shape = shape
-	recorded, redrivenAt := r.ensureHeldTable(ctx)
+	recorded, redrivenAt, err := r.ensureHeldTable(ctx)
+	if err != nil {
+		return err
+	}
 	if redrivenAt {
 		opts = append(opts, WithHeldRedrivenAt())
 	}
@@ -484,7 +487,7 @@ func (r *Relay) Check(ctx context.Context) (err error) {
 // the table exists and has the column. A relay whose role may not create it
 // keeps its holds in memory only, as it says in its log: they are forgotten
 // on restart and invisible to the operator and to `relay held`.
-func (r *Relay) ensureHeldTable(ctx context.Context) (exists, redrivenAt bool) {
+func (r *Relay) ensureHeldTable(ctx context.Context) (exists, redrivenAt bool, err error) {
 	held := r.table.HeldTable()
 	heldExists := func() bool {
 		var ok bool
@@ -498,34 +501,38 @@ func (r *Relay) ensureHeldTable(ctx context.Context) (exists, redrivenAt bool) {
 		_, err := r.pool.Exec(ctx, r.sql.CreateHeld)
 		if err == nil {
 			r.log.Info("created the held table, where held rows are recorded", "table", held.String())
-			return true, true
+			return true, true, nil
 		}
 		if !heldExists() { // else another replica created it meanwhile
 			r.log.Error("cannot create the held table; rows held back are kept in memory only (forgotten on restart, not in the OutboxRelay's status nor in `relay held`)",
 				"table", held.String(), "err", err, "fix", "create it with the DDL from `relay schema`")
-			return false, false
+			return false, false, nil
 		}
 	}
-	if missing, err := heldPrivilegesMissing(ctx, r.pool, held); err != nil || len(missing) > 0 {
+	missing, err := heldPrivilegesMissing(ctx, r.pool, held)
+	if err != nil && checkTransient(err) {
+		return false, false, fmt.Errorf("read the privileges on %s: %w", held, err) // Check tries again
+	}
+	if err != nil || len(missing) > 0 {
 		// Holds it could not record would roll back each batch that holds
 		// a row, after its other rows went out (duplicates at every
 		// retry); records it could not delete would pile up.
 		r.log.Error("the relay's role lacks privileges on the held table; rows held back are kept in memory only (forgotten on restart, not in the OutboxRelay's status nor in `relay held`)",
 			"table", held.String(), "missing", strings.Join(missing, ", "), "err", err,
 			"fix", "GRANT SELECT, INSERT, UPDATE, DELETE ON "+held.Quoted()+" TO <the relay's role>")
-		return false, false
+		return false, false, nil
 	}
 	if hasRedrivenAt() {
-		return true, true
+		return true, true, nil
 	}
 	if r.heldAlterTried {
 		// Check runs again while Kafka or the database cannot be reached:
 		// each try would queue the other replicas' holds behind its lock.
-		return true, false
+		return true, false, nil
 	}
 	// ADD COLUMN waits for the other replicas' reads and holds of the table
 	// and queues theirs behind it: bounded, as the pruner's DDL is.
-	err := pgx.BeginFunc(ctx, r.pool, func(tx pgx.Tx) error {
+	err = pgx.BeginFunc(ctx, r.pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, sqlBoundWaits, strconv.FormatInt(pruneLockTimeout.Milliseconds(), 10)); err != nil {
 			return err
 		}
@@ -537,14 +544,14 @@ func (r *Relay) ensureHeldTable(ctx context.Context) (exists, redrivenAt bool) {
 	r.heldAlterTried = err == nil || errors.As(err, new(*pgconn.PgError))
 	if err != nil {
 		if hasRedrivenAt() { // another replica added it meanwhile
-			return true, true
+			return true, true, nil
 		}
 		r.log.Warn("cannot add redriven_at to the held table; a batch that holds a row again may undo a `relay redrive` issued while it ran",
 			"table", held.String(), "err", err, "fix", r.sql.AddHeldRedrivenAt)
-		return true, false
+		return true, false, nil
 	}
 	r.log.Info("added redriven_at to the held table", "table", held.String())
-	return true, true
+	return true, true, nil
 }
 
 // heldPrivilegesMissing lists the privileges on held that the relay's

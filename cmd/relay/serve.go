@@ -61,6 +61,9 @@ func serve(ctx context.Context, o *options) error {
 		if err == nil {
 			break
 		}
+		if ctx.Err() != nil { // stopped during the check: its error is the stop's
+			return nil
+		}
 		var unreachable *relay.UnreachableError
 		if !errors.As(err, &unreachable) {
 			return fmt.Errorf("start-up check: %w", err)
