@@ -393,7 +393,7 @@ func TestWaitingForDependenciesIsNotWedged(t *testing.T) {
 	r, err := relay.New(cfg)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = r.Close() })
-	wedged := cfg.PublishTimeout + 15*time.Second + cfg.StallTimeout // the least the loop's limit can be
+	wedged := 30*time.Second + cfg.StallTimeout // the loop's limit: a statement's 30 s (more than this batch's deadline) and the stall timeout
 	for end := time.Now().Add(wedged + 5*time.Second); time.Now().Before(end); {
 		var unreachable *relay.UnreachableError
 		require.ErrorAs(t, r.Check(context.Background()), &unreachable)
