@@ -165,8 +165,8 @@ func TestLongSweepIsNoWedge(t *testing.T) {
 // With writer deletes, a large transaction published from the stream is a
 // loop that moves too: /healthz passes through it. Before, its batches
 // reported no turn of the loop, so a transaction that took longer than
-// the wedge limit (150 s by default: about 560,000 rows at the benchmark's
-// pace) failed /healthz, and the kubelet restarted the relay
+// the wedge limit (150 s by default) failed /healthz, and the kubelet
+// restarted the relay
 // mid-transaction, which it then streamed again from its start, without
 // end. Here wedged is 2 s, and the transaction's 600 rows take 3 s or more.
 func TestLargeTransactionWithWriterDeletesIsNoWedge(t *testing.T) {

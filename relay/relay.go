@@ -556,9 +556,7 @@ func (r *Relay) ensureHeldTable(ctx context.Context) (exists, redrivenAt bool, e
 
 // heldPrivilegesMissing lists the privileges on held that the relay's
 // role needs and lacks: it reads, records, updates and removes holds.
-func heldPrivilegesMissing(ctx context.Context, db interface {
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}, held outbox.Table) ([]string, error) {
+func heldPrivilegesMissing(ctx context.Context, db querier, held outbox.Table) ([]string, error) {
 	var missing []string
 	err := db.QueryRow(ctx, sqlPrivilegesMissing, held.Quoted(), heldPrivileges).Scan(&missing)
 	return missing, err
