@@ -385,8 +385,8 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 			create = sqlAddToPublication(pub, r.table)
 		}
 		if _, err := r.pool.Exec(ctx, create); err != nil {
-			if checkTransient(err) { // a lock wait, a failover: not a privilege
-				return fmt.Errorf("run %s: %w", create, err)
+			if publicationRetriable(err) { // not a privilege: Check tries again
+				return &UnreachableError{fmt.Errorf("run %s: %w", create, err)}
 			}
 			return fmt.Errorf("--%s %s: the publication %s of %s is missing and the relay's role may not create it (%v); as the table's owner, run: %s",
 				relayconfig.FlagCapture, CaptureLogicalReplication, pub, r.table, err, create)
@@ -398,8 +398,8 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 		// stream would skip every one, and with writer deletes lose it.
 		alter := sqlAlterPublication(pub)
 		if _, err := r.pool.Exec(ctx, alter); err != nil {
-			if checkTransient(err) { // a lock wait, a failover: not a privilege
-				return fmt.Errorf("run %s: %w", alter, err)
+			if publicationRetriable(err) { // not a privilege: Check tries again
+				return &UnreachableError{fmt.Errorf("run %s: %w", alter, err)}
 			}
 			return fmt.Errorf("--%s %s: the table %s is partitioned, so its publication %s must publish its partitions' changes as the table's own, and the relay's role may not alter it (%v); as its owner, run: %s",
 				relayconfig.FlagCapture, CaptureLogicalReplication, r.table, pub, err, alter)
@@ -413,8 +413,8 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 		// and the writers would keep theirs (outbox.DeletesOnStore).
 		alter := sqlAlterPublication(pub)
 		if _, err := r.pool.Exec(ctx, alter); err != nil {
-			if checkTransient(err) { // a lock wait, a failover: not a privilege
-				return fmt.Errorf("run %s: %w", alter, err)
+			if publicationRetriable(err) { // not a privilege: Check tries again
+				return &UnreachableError{fmt.Errorf("run %s: %w", alter, err)}
 			}
 			return fmt.Errorf("--%s %s: the publication %s publishes no inserts, so the stream would carry none of the rows of %s, and the relay's role may not alter it (%v); as its owner, run: %s",
 				relayconfig.FlagCapture, CaptureLogicalReplication, pub, r.table, err, alter)
@@ -429,8 +429,8 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 		// the stream would lack them).
 		whole := sqlPublishWhole(pub, r.table)
 		if _, err := r.pool.Exec(ctx, whole); err != nil {
-			if checkTransient(err) { // a lock wait, a failover: not a privilege
-				return fmt.Errorf("run %s: %w", whole, err)
+			if publicationRetriable(err) { // not a privilege: Check tries again
+				return &UnreachableError{fmt.Errorf("run %s: %w", whole, err)}
 			}
 			return fmt.Errorf("--%s %s: the publication %s carries only some rows or columns of %s (a row filter or a column list), so the stream would leave the rest out, and the relay's role may not alter it (%v); as its owner, run: %s",
 				relayconfig.FlagCapture, CaptureLogicalReplication, pub, r.table, err, whole)
@@ -443,8 +443,8 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 		// published, and would lose it.
 		alter := sqlAlterPublication(pub)
 		if _, err := r.pool.Exec(ctx, alter); err != nil {
-			if checkTransient(err) { // a lock wait, a failover: not a privilege
-				return fmt.Errorf("run %s: %w", alter, err)
+			if publicationRetriable(err) { // not a privilege: Check tries again
+				return &UnreachableError{fmt.Errorf("run %s: %w", alter, err)}
 			}
 			if r.cfg.WriterDeletes {
 				return fmt.Errorf("--%s: the publication %s must publish deletes, so that a relay run without --%s later publishes the rows the writers deleted, and the relay's role may not alter it (%v); as its owner, run: %s",
@@ -490,6 +490,25 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 		r.markWriterDeletes(ctx)
 	}
 	return nil
+}
+
+// publicationRetriable reports whether a failed statement on the
+// publication is one a later start-up check may not meet: a lock wait or a
+// failover (checkTransient), or another replica's check making or altering
+// the publication at once. Replicas that start together each find it
+// missing and make it; the one that loses gets duplicate_object, or a
+// unique violation on the catalog when the other had not committed yet,
+// and of two ALTERs the later gets "tuple concurrently updated". Read as
+// the role's refusal, that ended the process; its restart then passed.
+func publicationRetriable(err error) bool {
+	switch code := pgCode(err); {
+	case code == "42710", code == "23505": // duplicate_object, unique_violation
+		return true
+	case code == "XX000":
+		var pgErr *pgconn.PgError
+		return errors.As(err, &pgErr) && strings.Contains(pgErr.Message, "concurrently updated")
+	}
+	return checkTransient(err)
 }
 
 // streamFailingLimit is how long a relay whose stream fails (PostgreSQL

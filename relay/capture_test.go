@@ -769,3 +769,33 @@ func TestLogicalReplicationRefusesANameTakenByAnotherTable(t *testing.T) {
 	require.NoError(t, other.Pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db))
 	require.ErrorContains(t, check("outbox"), `belongs to database `+db)
 }
+
+// Replicas that start at once each find the publication missing and make
+// it. The one that loses waits behind the other's uncommitted catalog row,
+// then gets a unique violation; it checks again and starts, where it read
+// the error as a missing privilege and ended the process.
+func TestLogicalReplicationTwoReplicasMakeThePublicationAtOnce(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg := captureFixture(t, 1, "E")
+	other, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer other.Rollback(ctx) //nolint:errcheck // committed below
+	_, err = other.Exec(ctx, `CREATE PUBLICATION `+tableSlot(t, f)+` FOR TABLE outbox WITH (publish = 'insert, delete')`)
+	require.NoError(t, err)
+
+	r, err := relay.New(cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.Close() })
+	checked := make(chan error, 1)
+	go func() { checked <- r.Check(ctx) }()
+	require.Eventually(t, func() bool {
+		return f.Count(`SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+			AND wait_event_type = 'Lock' AND query LIKE 'CREATE PUBLICATION%'`) == 1
+	}, 20*time.Second, 20*time.Millisecond, "the relay's CREATE PUBLICATION waits for the other's")
+	require.NoError(t, other.Commit(ctx))
+	err = <-checked
+	var unreachable *relay.UnreachableError
+	require.ErrorAs(t, err, &unreachable, "the race is waited out, not fatal: %v", err)
+	require.NoError(t, r.Check(ctx), "the next check finds the publication")
+}

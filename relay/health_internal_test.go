@@ -93,3 +93,16 @@ func TestStartupCheckWaitsOutTransientFailures(t *testing.T) {
 		require.False(t, checkTransient(err), "%v", err)
 	}
 }
+
+// A statement on the publication that another replica's start-up check
+// raced is tried again; a refusal is not.
+func TestPublicationRacesAreTriedAgain(t *testing.T) {
+	t.Parallel()
+	pg := func(code, msg string) error { return &pgconn.PgError{Code: code, Message: msg} }
+	require.True(t, publicationRetriable(pg("42710", `publication "p" already exists`)))
+	require.True(t, publicationRetriable(pg("23505", `duplicate key value violates unique constraint "pg_publication_pubname_index"`)))
+	require.True(t, publicationRetriable(pg("XX000", "tuple concurrently updated")))
+	require.True(t, publicationRetriable(pg("55P03", "lock not available")), "checkTransient's too")
+	require.False(t, publicationRetriable(pg("XX000", "cache lookup failed for relation 1")))
+	require.False(t, publicationRetriable(pg("42501", "must be owner of table outbox")))
+}
