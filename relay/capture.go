@@ -254,7 +254,7 @@ func (r *Relay) noteBeforeSlot(ctx context.Context, db snapshotDB, snap *slotSna
 func (r *Relay) readBeforeSlot(ctx context.Context) error {
 	c := r.capture
 	var line string
-	err := r.pool.QueryRow(ctx, sqlNote, c.publication, beforeSlotNote).Scan(&line)
+	err := r.own.QueryRow(ctx, sqlNote, c.publication, beforeSlotNote).Scan(&line)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		if c.beforeSlotNoted {
@@ -879,7 +879,7 @@ func (r *Relay) stream(ctx context.Context) error {
 	// confirming one of those would take the slot back on a server that
 	// lets it move backwards, and publish again what lies between.
 	var confirmed *string
-	if err := r.pool.QueryRow(ctx, sqlSlotConfirmed, c.slot).Scan(&confirmed); err != nil {
+	if err := r.own.QueryRow(ctx, sqlSlotConfirmed, c.slot).Scan(&confirmed); err != nil {
 		return fmt.Errorf("read where slot %s was confirmed: %w", c.slot, err)
 	}
 	if confirmed != nil {
@@ -889,6 +889,7 @@ func (r *Relay) stream(ctx context.Context) error {
 	}
 	s.from = s.confirmed
 	s.nextStatus = time.Now().Add(s.statusEvery)
+	s.heard = time.Now()
 	defer func() { _ = s.settle(context.WithoutCancel(ctx)) }() // a batch whose commit runs is finished, never abandoned
 	// What the held table says before the first sweep.
 	r.mergeHeld()
@@ -950,8 +951,14 @@ func (r *Relay) stream(ctx context.Context) error {
 			}
 		}
 		if !now.Before(s.nextStatus) {
-			if err := s.sendStatus(ctx); err != nil {
+			// Quiet for a report's interval: ask the server to answer, so
+			// that a connection that no longer carries anything shows.
+			ask := now.Sub(s.heard) >= s.statusEvery
+			if err := s.sendStatusAsking(ctx, ask); err != nil {
 				return err
+			}
+			if ask && !s.asked.After(s.heard) {
+				s.asked = now // the first question not answered yet
 			}
 		}
 		deadline := minTime(s.nextStatus, s.nextCheck, now.Add(time.Second)) // held rows come due
@@ -994,6 +1001,17 @@ func (r *Relay) stream(ctx context.Context) error {
 					continue
 				}
 				s.arrived = false
+				if s.asked.After(s.heard) && now.Sub(s.asked) >= silentLimit(s.statusEvery) && unreadBytes(conn.Conn()) == 0 {
+					// Nothing waits on the socket either: a receive after a
+					// long sweep or batch may time out at once, unread.
+					// The pool's connections went to the same address, and each
+					// silent one would cost a claim its batch's deadline: new
+					// ones reach whatever answers there now.
+					r.pool.Reset()
+					r.endSilentSession(ctx, c.slot, c.streamPID)
+					return fmt.Errorf("the replication session of slot %s has not answered for %s, though asked (its connection dropped: a failover, a network partition); streaming again on a new one",
+						c.slot, now.Sub(s.asked).Round(time.Second))
+				}
 				if len(s.pending) == 0 {
 					r.health.batchDone(time.Now(), 0, 0) // nothing committed: idle, as an empty claim is
 				}
@@ -1005,12 +1023,46 @@ func (r *Relay) stream(ctx context.Context) error {
 			return fmt.Errorf("receive from replication slot %s: %w", c.slot, err)
 		}
 		s.arrived = false
+		s.heard = now
 		if err := s.handle(ctx, msg); err != nil {
 			return err
 		}
 	}
 	return nil
 }
+
+// endSilentSession ends the server's side of the replication session pid,
+// which stopped answering, when the pool still reaches its server: until
+// wal_sender_timeout (60 s by default) notices, it keeps the slot active
+// and holds the capture lock, so the next stream finds the slot busy. Only
+// the slot's own session is ended (sqlEndStreamSession), so a pool that
+// reaches a new primary after a failover ends nothing there.
+func (r *Relay) endSilentSession(ctx context.Context, slot string, pid int32) {
+	if pid == 0 {
+		return
+	}
+	var ended bool
+	if err := r.own.QueryRow(ctx, sqlEndStreamSession, slot, pid).Scan(&ended); err != nil {
+		r.log.Warn("could not end the replication session that stopped answering; the slot stays busy until the server's wal_sender_timeout ends it",
+			"slot", slot, "pid", pid, "err", err)
+		return
+	}
+	if ended {
+		r.log.Info("ended the replication session that stopped answering", "slot", slot, "pid", pid)
+	}
+}
+
+// silentLimit is how long after asking a stream that answers nothing is
+// taken for lost. The server answers a question at once, between the
+// records it decodes too; but over a connection whose packets are dropped
+// (a failover that leaves the old address silent) writes still succeed and
+// reads only time out, which the loop takes for an idle database: the
+// stream waited on it until the kernel gave the connection up, about a
+// quarter of an hour. Two reports' intervals leave a slow server time.
+// Off Linux, where the socket's unread bytes cannot be counted
+// (unreadBytes), the loop cannot tell silence from a read not tried, and
+// leaves it to the kernel.
+func silentLimit(statusEvery time.Duration) time.Duration { return 2 * statusEvery }
 
 // receive reads the stream's next message, waiting until deadline. A short
 // wait (rows are arriving) sets the deadline on the connection's socket, as
@@ -1104,6 +1156,9 @@ type streamState struct {
 	// for the stream's position meanwhile.
 	fence   *sweepFence
 	nextAsk time.Time
+	// heard is when the loop last read a message of the stream; asked,
+	// when it last asked the server to answer (silentLimit).
+	heard, asked time.Time
 
 	nextSweep, nextStatus, nextCheck, nextFilter time.Time
 	// nextAlive is when keepAlive next looks for the replication session.
@@ -1402,7 +1457,7 @@ func (s *streamState) matchDeleted() error {
 // mid-migration, no table may have the name.
 func (r *Relay) tableReplaced(ctx context.Context, oid uint32, namespace string) error {
 	var now *uint32 // NULL when no table has its name
-	if err := r.pool.QueryRow(ctx, sqlTableOID, r.table.Quoted()).Scan(&now); err != nil {
+	if err := r.own.QueryRow(ctx, sqlTableOID, r.table.Quoted()).Scan(&now); err != nil {
 		return fmt.Errorf("read the oid of %s: %w", r.table, err)
 	}
 	switch {
@@ -1634,7 +1689,7 @@ func (s *streamState) keepAlive(ctx context.Context) error {
 		return nil // not known: the stream's next read tells
 	}
 	var live bool
-	if err := s.r.pool.QueryRow(ctx, sqlBackendLive, pid).Scan(&live); err != nil {
+	if err := s.r.own.QueryRow(ctx, sqlBackendLive, pid).Scan(&live); err != nil {
 		return fmt.Errorf("look for the replication session: %w", err)
 	}
 	if !live {
@@ -1648,7 +1703,7 @@ func (s *streamState) keepAlive(ctx context.Context) error {
 // is shorter (0 turns the timeout off).
 func (r *Relay) statusEvery(ctx context.Context) time.Duration {
 	var timeout float64
-	if err := r.pool.QueryRow(ctx, sqlWALSenderTimeout).Scan(&timeout); err != nil || timeout <= 0 {
+	if err := r.own.QueryRow(ctx, sqlWALSenderTimeout).Scan(&timeout); err != nil || timeout <= 0 {
 		return statusInterval
 	}
 	return min(statusInterval, time.Duration(timeout*float64(time.Second))/3)
@@ -1834,7 +1889,7 @@ func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive fun
 func (r *Relay) waitVisible(ctx context.Context, xids []int64, start time.Time, alive func(context.Context) error) error {
 	for waited := false; ; waited = true {
 		var invisible int
-		if err := r.pool.QueryRow(ctx, sqlInvisible, xids).Scan(&invisible); err != nil {
+		if err := r.own.QueryRow(ctx, sqlInvisible, xids).Scan(&invisible); err != nil {
 			return r.dbFailed(fmt.Errorf("read whether the stream's transactions are visible: %w", err))
 		}
 		switch {
@@ -2038,7 +2093,7 @@ func (s *streamState) sweepDue(ctx context.Context, now time.Time) (bool, error)
 func (r *Relay) readSweepFence(ctx context.Context) (*sweepFence, error) {
 	var horizon, lsn string
 	var page int64
-	if err := r.pool.QueryRow(ctx, sqlSweepFence).Scan(&horizon, &lsn, &page); err != nil {
+	if err := r.own.QueryRow(ctx, sqlSweepFence).Scan(&horizon, &lsn, &page); err != nil {
 		return nil, fmt.Errorf("read the sweep's transaction horizon: %w", err)
 	}
 	at, err := pglogrepl.ParseLSN(lsn)
@@ -2075,7 +2130,7 @@ func (r *Relay) sweepIDs(ctx context.Context, from int64, horizon string, before
 	if before != nil {
 		xmax, xip = &before.xmax, before.xip
 	}
-	rs, err := r.pool.Query(ctx, r.sql.SweepIDs, from, horizon, r.availableTypes(time.Now()), r.held.ids(), sweepChunk*r.cfg.BatchSize, xmax, xip)
+	rs, err := r.own.Query(ctx, r.sql.SweepIDs, from, horizon, r.availableTypes(time.Now()), r.held.ids(), sweepChunk*r.cfg.BatchSize, xmax, xip)
 	if err != nil {
 		return nil, r.dbFailed(fmt.Errorf("read the rows to sweep from %s: %w", r.table, err))
 	}
@@ -2116,7 +2171,7 @@ func (r *Relay) sweepBehind(ctx context.Context, alive func(context.Context) err
 // older ones.
 func (r *Relay) sweepBeforeSlot(ctx context.Context, alive func(context.Context) error) error {
 	var horizon *string
-	if err := r.pool.QueryRow(ctx, sqlSlotHorizon, r.capture.slot).Scan(&horizon); err != nil {
+	if err := r.own.QueryRow(ctx, sqlSlotHorizon, r.capture.slot).Scan(&horizon); err != nil {
 		return fmt.Errorf("read the catalog horizon of slot %s: %w", r.capture.slot, err)
 	}
 	before := r.capture.beforeSlot
@@ -2138,7 +2193,7 @@ func (r *Relay) sweepBeforeSlot(ctx context.Context, alive func(context.Context)
 		// A note left behind is harmless: the rows its snapshot sees are
 		// older than all the stream carries. Only this snapshot's goes: a
 		// newer slot's maker may have noted its own meanwhile.
-		if _, err := r.pool.Exec(ctx, sqlRemoveNote(r.capture.publication, before.note())); err != nil {
+		if _, err := r.own.Exec(ctx, sqlRemoveNote(r.capture.publication, before.note())); err != nil {
 			r.log.Warn("could not remove the slot's snapshot from the publication", "publication", r.capture.publication, "err", err)
 		}
 		r.capture.beforeSlotNoted = false
@@ -2175,7 +2230,7 @@ func (r *Relay) sweepBefore(ctx context.Context, alive func(context.Context) err
 func (r *Relay) checkSlot(ctx context.Context, slot string, holdsDeleted bool) error {
 	var retained int64
 	var status string
-	err := r.pool.QueryRow(ctx, sqlSlotState, slot).Scan(&retained, &status)
+	err := r.own.QueryRow(ctx, sqlSlotState, slot).Scan(&retained, &status)
 	if err != nil {
 		// The stream goes on (it fails on its own if the database is
 		// gone), but the retained-WAL bound is not checked meanwhile.
@@ -2214,7 +2269,7 @@ const writerDeletesMark = "outbox-relay: streamed with writer deletes; the slot 
 func (r *Relay) markWriterDeletes(ctx context.Context) {
 	// On a connection of the pool: a replication connection of
 	// PostgreSQL 14.0 and 14.1 takes no statement holding a ';'.
-	if _, err := r.pool.Exec(ctx, sqlSetNote(r.capture.publication, writerDeletesMark, writerDeletesMark)); err != nil {
+	if _, err := r.own.Exec(ctx, sqlSetNote(r.capture.publication, writerDeletesMark, writerDeletesMark)); err != nil {
 		r.log.Warn("the relay may not mark the publication as streamed with writer deletes, so a relay run without them later (the OutboxRelay switched off writer deletes) would drop the slot past --"+relayconfig.FlagMaxRetainedWAL+" even while it holds events in no table; make the relay's role the publication's owner, or keep the slot within the limit when switching",
 			"publication", r.capture.publication, "err", err,
 			"fix", "ALTER PUBLICATION "+pgx.Identifier{r.capture.publication}.Sanitize()+" OWNER TO "+pgx.Identifier{r.capture.role}.Sanitize())
@@ -2251,7 +2306,7 @@ func (r *Relay) holdsDeleted(ctx context.Context, d *deletedRows, confirmed pglo
 	pub := r.capture.publication
 	if !d.read {
 		var marked bool
-		if err := r.pool.QueryRow(ctx, sqlDeletedRowsMark, pub, writerDeletesMark).Scan(&marked, &d.xmax); err != nil {
+		if err := r.own.QueryRow(ctx, sqlDeletedRowsMark, pub, writerDeletesMark).Scan(&marked, &d.xmax); err != nil {
 			r.log.Warn("could not read whether the slot was streamed with writer deletes; it is kept until that reads", "publication", pub, "err", err)
 			return true
 		}
@@ -2266,7 +2321,7 @@ func (r *Relay) holdsDeleted(ctx context.Context, d *deletedRows, confirmed pglo
 	if d.end == 0 {
 		var ended bool
 		var at string
-		if err := r.pool.QueryRow(ctx, sqlDeletedRowsEnd, d.xmax).Scan(&ended, &at); err != nil {
+		if err := r.own.QueryRow(ctx, sqlDeletedRowsEnd, d.xmax).Scan(&ended, &at); err != nil {
 			r.log.Warn("could not read how far the events written with writer deletes reach", "err", err)
 			return true
 		}
@@ -2284,7 +2339,7 @@ func (r *Relay) holdsDeleted(ctx context.Context, d *deletedRows, confirmed pglo
 		return true
 	}
 	d.past = true
-	if _, err := r.pool.Exec(ctx, sqlSetNote(pub, writerDeletesMark, "")); err != nil {
+	if _, err := r.own.Exec(ctx, sqlSetNote(pub, writerDeletesMark, "")); err != nil {
 		// The next stream reads the mark again, and keeps the slot until
 		// it has streamed past a later position.
 		r.log.Warn("could not remove the writer-deletes mark of the publication", "publication", pub, "err", err,
@@ -2304,7 +2359,7 @@ func (r *Relay) dropSlot(ctx context.Context, slot string) {
 	var err error
 	for i := 0; i < 20 && ctx.Err() == nil; i++ {
 		var dropped bool
-		if err = r.pool.QueryRow(ctx, sqlDropSlot, slot).Scan(&dropped); err == nil && dropped {
+		if err = r.own.QueryRow(ctx, sqlDropSlot, slot).Scan(&dropped); err == nil && dropped {
 			r.log.Warn("dropped the replication slot", "slot", slot)
 			r.m.slotRetainedWAL.Set(0) // it holds back nothing now
 			return

@@ -48,6 +48,7 @@ type Relay struct {
 	shape     tableShape    // read by Check
 	capture   *captureState // the slot and publication (logical-replication capture); set by Check
 	pool      *pgxpool.Pool
+	own       boundedPool   // the pool, for the stream's own statements
 	writer    MessageWriter // an injected writer; nil when the relay makes its own (writerFor)
 	newWriter func(writerKind) *kafka.Writer
 	wmu       sync.Mutex
@@ -211,6 +212,7 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 		table:      table,
 		sql:        NewSQL(table),
 		pool:       pool,
+		own:        boundedPool{pool},
 		writer:     w,
 		client:     &kafka.Client{Addr: kafka.TCP(cfg.Brokers...), Timeout: 10 * time.Second, Transport: transport},
 		transport:  transport,
@@ -280,6 +282,58 @@ func batchDeadline(cfg Config) time.Duration { return cfg.PublishTimeout + 15*ti
 
 // statementTimeout bounds each statement of the relay's sessions.
 const statementTimeout = 30 * time.Second
+
+// boundedPool runs statements on the pool that no batch deadline bounds
+// (the stream's own: its slot checks, its sweep's fence, its wait for a
+// commit to be visible) within statementTimeout on the client too. The
+// server's statement_timeout never answers over a connection whose packets
+// are dropped (a failover that leaves the old address silent): such a
+// statement waited until the liveness probe restarted the relay, where
+// polling rides it out within its batch deadline.
+type boundedPool struct{ pool *pgxpool.Pool }
+
+func (b boundedPool) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	ctx, cancel := context.WithTimeout(ctx, statementTimeout)
+	return cancelRow{b.pool.QueryRow(ctx, sql, args...), cancel}
+}
+
+func (b boundedPool) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	ctx, cancel := context.WithTimeout(ctx, statementTimeout)
+	rows, err := b.pool.Query(ctx, sql, args...)
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	return cancelRows{rows, cancel}, nil
+}
+
+func (b boundedPool) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	ctx, cancel := context.WithTimeout(ctx, statementTimeout)
+	defer cancel()
+	return b.pool.Exec(ctx, sql, args...)
+}
+
+// cancelRow ends its statement's deadline once scanned.
+type cancelRow struct {
+	pgx.Row
+	cancel context.CancelFunc
+}
+
+func (r cancelRow) Scan(dest ...any) error {
+	defer r.cancel()
+	return r.Row.Scan(dest...)
+}
+
+// cancelRows ends its statement's deadline once closed.
+type cancelRows struct {
+	pgx.Rows
+	cancel context.CancelFunc
+}
+
+func (r cancelRows) Close() {
+	r.Rows.Close()
+	r.cancel()
+}
 
 // wedgedAfter is how long the loop may go without a turn before /healthz
 // fails: the longest wait that reports none, a batch (batchDeadline) or

@@ -56,6 +56,11 @@ const (
 	// sqlBackendLive: whether the server still runs backend $1 (a
 	// replication session, whose session locks end with it).
 	sqlBackendLive = `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)`
+	// sqlEndStreamSession ends backend $2 if it is the one streaming from
+	// slot $1 (pg_terminate_backend: the role's own sessions, or with
+	// pg_signal_backend), and says whether it did.
+	sqlEndStreamSession = `SELECT coalesce(bool_or(pg_terminate_backend(active_pid)), false)
+        FROM pg_replication_slots WHERE slot_name = $1 AND active_pid = $2`
 	// sqlNameTaken: the other table the publication $1 publishes, and the
 	// database of another database's slot named $1 (NULL when none): slot
 	// names are the cluster's, and two tables whose names differ only in
