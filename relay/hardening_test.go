@@ -405,7 +405,8 @@ func TestWaitingForDependenciesIsNotWedged(t *testing.T) {
 // A start-up check that a lock wait outlasts (a migration holding the
 // table) says the database is not there yet, and the relay checks again:
 // the error is an UnreachableError, which the process waits out. Before,
-// only a failed connect was one, and this ended the process.
+// only a failed connect was one, and this ended the process. /readyz
+// names the database meanwhile; it named Kafka, not checked yet.
 func TestStartupCheckBehindALockIsUnreachable(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -423,4 +424,5 @@ func TestStartupCheckBehindALockIsUnreachable(t *testing.T) {
 	err = r.Check(cctx)
 	var unreachable *relay.UnreachableError
 	require.ErrorAs(t, err, &unreachable, "%v", err)
+	require.EqualError(t, r.Ready(), "database: unreachable", "/readyz names what the check waits for")
 }

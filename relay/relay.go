@@ -407,10 +407,17 @@ func (r *Relay) Check(ctx context.Context) (err error) {
 	// the dependency's: the caller waits and checks again. Before, only a
 	// failed connect was, and the others ended the process, which the
 	// kubelet then restarted with a growing delay.
+	// Until the database's part passed, /readyz names the database as the
+	// dependency waited for: it named Kafka, not checked yet, while the
+	// check waited behind a migration's lock.
+	databaseChecked := false
 	defer func() {
 		var unreachable *UnreachableError
 		if err != nil && !errors.As(err, &unreachable) && checkTransient(err) {
 			err = &UnreachableError{err}
+		}
+		if !databaseChecked && errors.As(err, &unreachable) {
+			r.setDBErr(err)
 		}
 	}()
 	// Until Run starts, the checks are the relay's loop: a relay waiting
@@ -489,6 +496,7 @@ func (r *Relay) Check(ctx context.Context) (err error) {
 		}
 	}
 	r.held.recorded = recorded
+	databaseChecked = true
 	md, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: r.allTopics()})
 	if err != nil {
 		r.setKafkaErr(err)
