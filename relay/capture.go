@@ -873,7 +873,8 @@ func (r *Relay) stream(ctx context.Context) error {
 	defer r.m.captureStreaming.Set(0)
 	r.log.Info("streaming the table's inserts", "slot", c.slot, "publication", c.publication)
 
-	s := &streamState{r: r, conn: conn, statusEvery: r.statusEvery(ctx)}
+	s := &streamState{r: r, conn: conn, walSenderTimeout: r.walSenderTimeout(ctx)}
+	s.statusEvery = statusEvery(s.walSenderTimeout)
 	// The stream starts where the slot was confirmed, and its keepalives
 	// report positions from the slot's restart point on, before that:
 	// confirming one of those would take the slot back on a server that
@@ -953,12 +954,8 @@ func (r *Relay) stream(ctx context.Context) error {
 		if !now.Before(s.nextStatus) {
 			// Quiet for a report's interval: ask the server to answer, so
 			// that a connection that no longer carries anything shows.
-			ask := now.Sub(s.heard) >= s.statusEvery
-			if err := s.sendStatusAsking(ctx, ask); err != nil {
+			if err := s.sendStatusAsking(ctx, now.Sub(s.heard) >= s.statusEvery); err != nil {
 				return err
-			}
-			if ask && !s.asked.After(s.heard) {
-				s.asked = now // the first question not answered yet
 			}
 		}
 		deadline := minTime(s.nextStatus, s.nextCheck, now.Add(time.Second)) // held rows come due
@@ -1001,16 +998,12 @@ func (r *Relay) stream(ctx context.Context) error {
 					continue
 				}
 				s.arrived = false
-				if s.asked.After(s.heard) && now.Sub(s.asked) >= silentLimit(s.statusEvery) && unreadBytes(conn.Conn()) == 0 {
-					// Nothing waits on the socket either: a receive after a
-					// long sweep or batch may time out at once, unread.
-					// The pool's connections went to the same address, and each
-					// silent one would cost a claim its batch's deadline: new
-					// ones reach whatever answers there now.
-					r.pool.Reset()
-					r.endSilentSession(ctx, c.slot, c.streamPID)
-					return fmt.Errorf("the replication session of slot %s has not answered for %s, though asked (its connection dropped: a failover, a network partition); streaming again on a new one",
-						c.slot, now.Sub(s.asked).Round(time.Second))
+				// Nothing waits on the socket either (a receive after a long
+				// sweep or batch may time out at once, unread).
+				if s.unanswered() && time.Since(s.askedAt) >= silentLimit(s.statusEvery, s.walSenderTimeout) && unreadBytes(conn.Conn()) == 0 {
+					if err := s.silent(ctx); err != nil {
+						return err
+					}
 				}
 				if len(s.pending) == 0 {
 					r.health.batchDone(time.Now(), 0, 0) // nothing committed: idle, as an empty claim is
@@ -1024,6 +1017,7 @@ func (r *Relay) stream(ctx context.Context) error {
 		}
 		s.arrived = false
 		s.heard = now
+		s.received++
 		if err := s.handle(ctx, msg); err != nil {
 			return err
 		}
@@ -1031,38 +1025,72 @@ func (r *Relay) stream(ctx context.Context) error {
 	return nil
 }
 
-// endSilentSession ends the server's side of the replication session pid,
-// which stopped answering, when the pool still reaches its server: until
-// wal_sender_timeout (60 s by default) notices, it keeps the slot active
-// and holds the capture lock, so the next stream finds the slot busy. Only
-// the slot's own session is ended (sqlEndStreamSession), so a pool that
-// reaches a new primary after a failover ends nothing there.
-func (r *Relay) endSilentSession(ctx context.Context, slot string, pid int32) {
-	if pid == 0 {
-		return
+// silent decides what a question that no message followed for
+// silentLimit means, reading the stream's session on the server through
+// the pool (after closing the pool's connections: they went where the
+// stream's did). A server busy with the stream, decoding a large
+// transaction or reading it back from disk at its commit, answers only
+// between its turns, every half wal_sender_timeout (older minor releases
+// not until it is done): the loop asks again, where taking that for a lost
+// connection would read the transaction again from the start, each time.
+// Otherwise the connection is taken for lost and the stream ends, to start
+// again on a new one. When the server did not hear the question either it
+// will not hear the connection close, and would keep the slot active and
+// the capture lock held until its wal_sender_timeout: the session is ended
+// on it (only the slot's own, so a pool that reaches a new primary after a
+// failover ends nothing there, and only one deaf to its client, so another
+// replica's session that a reused pid names is left alone).
+func (s *streamState) silent(ctx context.Context) error {
+	r, c := s.r, s.r.capture
+	waited := time.Since(s.askedAt)
+	r.pool.Reset()
+	var event string
+	var deaf bool
+	err := r.own.QueryRow(ctx, sqlStreamSession, c.slot, c.streamPID, s.askedAt).Scan(&event, &deaf)
+	switch {
+	case err == nil && !walSenderWaiting(event):
+		r.log.Info("the replication session has not answered, but the server is busy with it; asking again",
+			"slot", c.slot, "waited", waited.Round(time.Second), "wait_event", event)
+		s.asking = false
+		return nil
+	case err == nil && deaf:
+		var ended bool
+		if err := r.own.QueryRow(ctx, sqlEndStreamSession, c.slot, c.streamPID).Scan(&ended); err != nil {
+			r.log.Warn("could not end the replication session that stopped answering; the slot stays busy until the server's wal_sender_timeout ends it",
+				"slot", c.slot, "pid", c.streamPID, "err", err)
+		} else if ended {
+			r.log.Info("ended the replication session that stopped answering", "slot", c.slot, "pid", c.streamPID)
+		}
 	}
-	var ended bool
-	if err := r.own.QueryRow(ctx, sqlEndStreamSession, slot, pid).Scan(&ended); err != nil {
-		r.log.Warn("could not end the replication session that stopped answering; the slot stays busy until the server's wal_sender_timeout ends it",
-			"slot", slot, "pid", pid, "err", err)
-		return
+	return fmt.Errorf("the replication session of slot %s has not answered for %s, though asked (its connection dropped: a failover, a network partition); streaming again on a new one",
+		c.slot, waited.Round(time.Second))
+}
+
+// walSenderWaiting reports whether a walsender's wait event says it waits
+// for its client or for WAL, not decoding (the names changed case in
+// PostgreSQL 17).
+func walSenderWaiting(event string) bool {
+	switch strings.ToLower(event) {
+	case "walsendermain", "walsenderwaitforwal", "walsenderwritedata":
+		return true
 	}
-	if ended {
-		r.log.Info("ended the replication session that stopped answering", "slot", slot, "pid", pid)
-	}
+	return false
 }
 
 // silentLimit is how long after asking a stream that answers nothing is
-// taken for lost. The server answers a question at once, between the
-// records it decodes too; but over a connection whose packets are dropped
-// (a failover that leaves the old address silent) writes still succeed and
-// reads only time out, which the loop takes for an idle database: the
-// stream waited on it until the kernel gave the connection up, about a
-// quarter of an hour. Two reports' intervals leave a slow server time.
-// Off Linux, where the socket's unread bytes cannot be counted
-// (unreadBytes), the loop cannot tell silence from a read not tried, and
-// leaves it to the kernel.
-func silentLimit(statusEvery time.Duration) time.Duration { return 2 * statusEvery }
+// taken for lost (silent decides). Over a connection whose packets are
+// dropped (a failover that leaves the old address silent) writes still
+// succeed and reads only time out, which the loop took for an idle
+// database: the stream waited on it until the kernel gave the connection
+// up, about a quarter of an hour. The server answers at once when idle
+// or reading WAL, but while it replays a transaction at its commit only
+// every half wal_sender_timeout: the limit is that plus a report's
+// interval, and two intervals at the least. Off Linux, where the socket's
+// unread bytes cannot be counted (unreadBytes), the loop cannot tell
+// silence from a read not tried, and leaves it to the kernel.
+func silentLimit(statusEvery, walSenderTimeout time.Duration) time.Duration {
+	return max(2*statusEvery, walSenderTimeout/2+statusEvery)
+}
 
 // receive reads the stream's next message, waiting until deadline. A short
 // wait (rows are arriving) sets the deadline on the connection's socket, as
@@ -1156,17 +1184,23 @@ type streamState struct {
 	// for the stream's position meanwhile.
 	fence   *sweepFence
 	nextAsk time.Time
-	// heard is when the loop last read a message of the stream; asked,
-	// when it last asked the server to answer (silentLimit).
-	heard, asked time.Time
+	// heard is when the loop last read a message of the stream, received
+	// how many it has read. asking says a question to the server (a report
+	// that asks for an answer) waits for a message after it: asked at
+	// askedAt, after received was askedRecv (silentLimit).
+	heard     time.Time
+	received  uint64
+	asking    bool
+	askedAt   time.Time
+	askedRecv uint64
 
 	nextSweep, nextStatus, nextCheck, nextFilter time.Time
 	// nextAlive is when keepAlive next looks for the replication session.
 	nextAlive time.Time
 	// statusEvery is how often the position is reported when nothing
-	// else makes it (statusInterval, or a third of a shorter
-	// wal_sender_timeout).
-	statusEvery time.Duration
+	// else makes it (statusEvery), from the server's wal_sender_timeout
+	// (0: none).
+	statusEvery, walSenderTimeout time.Duration
 	// from is where the slot was confirmed when the stream started.
 	from pglogrepl.LSN
 }
@@ -1698,16 +1732,29 @@ func (s *streamState) keepAlive(ctx context.Context) error {
 	return nil
 }
 
+// walSenderTimeout is the server's wal_sender_timeout; 0 when it is off
+// or cannot be read.
+func (r *Relay) walSenderTimeout(ctx context.Context) time.Duration {
+	var timeout float64
+	if err := r.own.QueryRow(ctx, sqlWALSenderTimeout).Scan(&timeout); err != nil || timeout <= 0 {
+		return 0
+	}
+	return time.Duration(timeout * float64(time.Second))
+}
+
 // statusEvery is how often a stream reports its position unasked:
 // statusInterval, or a third of the server's wal_sender_timeout when that
 // is shorter (0 turns the timeout off).
-func (r *Relay) statusEvery(ctx context.Context) time.Duration {
-	var timeout float64
-	if err := r.own.QueryRow(ctx, sqlWALSenderTimeout).Scan(&timeout); err != nil || timeout <= 0 {
+func statusEvery(walSenderTimeout time.Duration) time.Duration {
+	if walSenderTimeout <= 0 {
 		return statusInterval
 	}
-	return min(statusInterval, time.Duration(timeout*float64(time.Second))/3)
+	return min(statusInterval, walSenderTimeout/3)
 }
+
+// unanswered reports whether the stream has read no message since the
+// oldest question to the server it sent.
+func (s *streamState) unanswered() bool { return s.asking && s.received == s.askedRecv }
 
 // sendStatus tells the server how far it may discard the slot's WAL.
 func (s *streamState) sendStatus(ctx context.Context) error {
@@ -1717,12 +1764,17 @@ func (s *streamState) sendStatus(ctx context.Context) error {
 // sendStatusAsking reports the position and, when ask, asks the server to
 // answer with its own (a keepalive: how far the stream has been read).
 func (s *streamState) sendStatusAsking(ctx context.Context, ask bool) error {
-	s.nextStatus = time.Now().Add(s.statusEvery)
+	at := time.Now()
+	s.nextStatus = at.Add(s.statusEvery)
 	err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn, pglogrepl.StandbyStatusUpdate{
 		WALWritePosition: s.confirmed, WALFlushPosition: s.confirmed, WALApplyPosition: s.confirmed, ReplyRequested: ask,
+		ClientTime: at, // the server's reply_time: silent reads whether it heard this
 	})
 	if err != nil {
 		return fmt.Errorf("confirm replication position: %w", err)
+	}
+	if ask && !s.unanswered() {
+		s.asking, s.askedAt, s.askedRecv = true, at, s.received
 	}
 	if s.confirmed > s.from {
 		s.r.capture.progressedAt = time.Now()

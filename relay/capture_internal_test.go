@@ -945,3 +945,38 @@ func TestPutBackGoesIntoTheTableThatHasTheNameNow(t *testing.T) {
 		})
 	}
 }
+
+// The silence check leaves a healthy stream's session alone: read as the
+// check reads it (sqlStreamSession), it waits for WAL or for its client,
+// so it is not taken for busy, and it heard the relay's reports after a
+// given time, by the relay's own clock, so it is not deaf. A deaf one is
+// ended: were a healthy one deaf, a replica could end another's session
+// whose pid it reused after a failover.
+func TestAHealthyStreamsSessionHearsItsClient(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dsn, pool := outboxDB(t)
+	topic := testenv.Broker().TopicName(t, "E")
+	testenv.Broker().CreateTopic(t, topic, 1)
+	// Reports every second: a third of the pool sessions' wal_sender_timeout.
+	r, err := New(Config{Settings: Settings{DSN: dsn + "&options=-c%20wal_sender_timeout%3D3s", Brokers: []string{testenv.Broker().Addr()},
+		Topics: map[string]string{"E": topic}, Capture: CaptureLogicalReplication}})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.Close() })
+	require.NoError(t, r.Check(ctx))
+	runLogged(t, r, pool)
+	require.Eventually(t, func() bool { return testutil.ToFloat64(r.m.captureStreaming) == 1 }, 45*time.Second, 20*time.Millisecond,
+		"the relay streams")
+
+	session := func(since time.Time) (event string, deaf bool) {
+		require.NoError(t, pool.QueryRow(ctx, sqlStreamSession, r.capture.slot, 0, since).Scan(&event, &deaf))
+		return event, deaf
+	}
+	since := time.Now()
+	require.Eventually(t, func() bool {
+		event, deaf := session(since)
+		return !deaf && walSenderWaiting(event)
+	}, 10*time.Second, 100*time.Millisecond, "the session waits, and hears a report sent after %s", since)
+	_, deaf := session(time.Now().Add(time.Hour))
+	require.True(t, deaf, "no report was sent an hour from now")
+}

@@ -289,12 +289,14 @@ const statementTimeout = 30 * time.Second
 // server's statement_timeout never answers over a connection whose packets
 // are dropped (a failover that leaves the old address silent): such a
 // statement waited until the liveness probe restarted the relay, where
-// polling rides it out within its batch deadline.
+// polling rides it out within its batch deadline. A statement that runs
+// out of time closes the pool's idle connections: they went to the same
+// address, and each would cost the next statement its 30 s.
 type boundedPool struct{ pool *pgxpool.Pool }
 
 func (b boundedPool) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
 	ctx, cancel := context.WithTimeout(ctx, statementTimeout)
-	return cancelRow{b.pool.QueryRow(ctx, sql, args...), cancel}
+	return cancelRow{b.pool.QueryRow(ctx, sql, args...), cancel, b}
 }
 
 func (b boundedPool) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
@@ -302,7 +304,7 @@ func (b boundedPool) Query(ctx context.Context, sql string, args ...any) (pgx.Ro
 	rows, err := b.pool.Query(ctx, sql, args...)
 	if err != nil {
 		cancel()
-		return nil, err
+		return nil, b.failed(err)
 	}
 	return cancelRows{rows, cancel}, nil
 }
@@ -310,18 +312,29 @@ func (b boundedPool) Query(ctx context.Context, sql string, args ...any) (pgx.Ro
 func (b boundedPool) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
 	ctx, cancel := context.WithTimeout(ctx, statementTimeout)
 	defer cancel()
-	return b.pool.Exec(ctx, sql, args...)
+	tag, err := b.pool.Exec(ctx, sql, args...)
+	return tag, b.failed(err)
+}
+
+// failed returns err, first closing the pool's idle connections when it
+// is the client's timeout.
+func (b boundedPool) failed(err error) error {
+	if err != nil && pgconn.Timeout(err) {
+		b.pool.Reset()
+	}
+	return err
 }
 
 // cancelRow ends its statement's deadline once scanned.
 type cancelRow struct {
 	pgx.Row
 	cancel context.CancelFunc
+	b      boundedPool
 }
 
 func (r cancelRow) Scan(dest ...any) error {
 	defer r.cancel()
-	return r.Row.Scan(dest...)
+	return r.b.failed(r.Row.Scan(dest...))
 }
 
 // cancelRows ends its statement's deadline once closed.
@@ -364,11 +377,24 @@ func publishing(bctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithDeadline(bctx, deadline.Add(-markReserve))
 }
 
+// poolCloseWait is how long Close waits for the pool's connections to close.
+const poolCloseWait = 2 * time.Second
+
 // Close releases the database connections and the Kafka writer. Call it
 // after Run has returned.
 func (r *Relay) Close() error {
 	r.leave()
-	r.pool.Close()
+	// pgx closes a connection whose statement was cancelled by reading
+	// what the server still sends, for up to 15 s: on a connection that
+	// went silent (a failover) that is all of it, and the pod's grace
+	// period would pass waiting. What is left the process's exit closes.
+	closed := make(chan struct{})
+	go func() { r.pool.Close(); close(closed) }()
+	select {
+	case <-closed:
+	case <-time.After(poolCloseWait):
+		r.log.Warn("closing the database connections takes long (some went silent); leaving them to close on their own", "waited", poolCloseWait)
+	}
 	r.wmu.Lock()
 	defer r.wmu.Unlock()
 	var errs []error

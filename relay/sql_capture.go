@@ -56,11 +56,20 @@ const (
 	// sqlBackendLive: whether the server still runs backend $1 (a
 	// replication session, whose session locks end with it).
 	sqlBackendLive = `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)`
+	// sqlStreamSession reads the session streaming from slot $1, backend $2
+	// (any, when 0): its wait event, and whether the last report it heard
+	// from its client was sent before $3 (reply_time is the time the client
+	// wrote into the report, so both are the client's clock).
+	sqlStreamSession = `SELECT coalesce(a.wait_event, ''), r.reply_time IS NULL OR r.reply_time < $3::timestamptz
+        FROM pg_replication_slots s
+        JOIN pg_stat_replication r ON r.pid = s.active_pid
+        JOIN pg_stat_activity a ON a.pid = s.active_pid
+        WHERE s.slot_name = $1 AND ($2::int4 = 0 OR s.active_pid = $2::int4)`
 	// sqlEndStreamSession ends backend $2 if it is the one streaming from
 	// slot $1 (pg_terminate_backend: the role's own sessions, or with
 	// pg_signal_backend), and says whether it did.
 	sqlEndStreamSession = `SELECT coalesce(bool_or(pg_terminate_backend(active_pid)), false)
-        FROM pg_replication_slots WHERE slot_name = $1 AND active_pid = $2`
+        FROM pg_replication_slots WHERE slot_name = $1 AND ($2::int4 = 0 OR active_pid = $2::int4)`
 	// sqlNameTaken: the other table the publication $1 publishes, and the
 	// database of another database's slot named $1 (NULL when none): slot
 	// names are the cluster's, and two tables whose names differ only in
