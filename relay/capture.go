@@ -154,6 +154,10 @@ type captureState struct {
 	// last started, as the session itself reads it (a pooler or proxy in
 	// front can hand the client another at connect); 0 when unknown.
 	streamPID int32
+	// streamStart is when that session began (pg_stat_activity's
+	// backend_start, in microseconds since 1970): with the pid it names the
+	// session on whatever server the pool reaches. 0 when unknown.
+	streamStart int64
 	// txTupleLimit bounds the memory the stream keeps of an open
 	// transaction's inserts without writer deletes (maxTxTuples).
 	txTupleLimit int
@@ -671,10 +675,13 @@ func (r *Relay) startReplication(ctx context.Context, conn *pgconn.PgConn, opts 
 	if err := r.tryCaptureLock(ctx, conn); err != nil {
 		return err
 	}
-	r.capture.streamPID = 0
-	if res, err := conn.Exec(ctx, `SELECT pg_backend_pid()`).ReadAll(); err == nil && len(res) == 1 && len(res[0].Rows) == 1 {
-		if pid, err := strconv.ParseInt(string(res[0].Rows[0][0]), 10, 32); err == nil {
-			r.capture.streamPID = int32(pid)
+	r.capture.streamPID, r.capture.streamStart = 0, 0
+	if res, err := conn.Exec(ctx, sqlOwnSession).ReadAll(); err == nil && len(res) == 1 && len(res[0].Rows) == 1 {
+		row := res[0].Rows[0]
+		pid, err1 := strconv.ParseInt(string(row[0]), 10, 32)
+		start, err2 := strconv.ParseInt(string(row[1]), 10, 64)
+		if err1 == nil && err2 == nil {
+			r.capture.streamPID, r.capture.streamStart = int32(pid), start
 		}
 	}
 	if r.cfg.WriterDeletes {
@@ -1034,28 +1041,34 @@ func (r *Relay) stream(ctx context.Context) error {
 // not until it is done): the loop asks again, where taking that for a lost
 // connection would read the transaction again from the start, each time.
 // Otherwise the connection is taken for lost and the stream ends, to start
-// again on a new one. When the server did not hear the question either it
-// will not hear the connection close, and would keep the slot active and
-// the capture lock held until its wal_sender_timeout: the session is ended
-// on it (only the slot's own, so a pool that reaches a new primary after a
-// failover ends nothing there, and only one deaf to its client, so another
-// replica's session that a reused pid names is left alone).
+// again on a new one. The session is ended on the server first: were it
+// the client's side alone that went silent, the server would not hear the
+// connection close, and would keep the slot active and the capture lock
+// held until its wal_sender_timeout. Only this stream's own session is
+// read and ended, known by its pid and its start: a pool that reaches a
+// new primary after a failover finds none there (another replica's that
+// reused the pid began at another time), and the stream ends.
 func (s *streamState) silent(ctx context.Context) error {
 	r, c := s.r, s.r.capture
 	waited := time.Since(s.askedAt)
 	r.pool.Reset()
 	var event string
-	var deaf bool
-	err := r.own.QueryRow(ctx, sqlStreamSession, c.slot, c.streamPID, s.askedAt).Scan(&event, &deaf)
+	err := r.own.QueryRow(ctx, sqlStreamSession, c.slot, c.streamPID, c.streamStart).Scan(&event)
+	var pgErr *pgconn.PgError
 	switch {
+	case errors.As(err, &pgErr): // the server answers, if not this
+		r.log.Warn("the replication session has not answered, and reading it on the server failed; asking again",
+			"slot", c.slot, "waited", waited.Round(time.Second), "err", err)
+		s.asking = false
+		return nil
 	case err == nil && !walSenderWaiting(event):
 		r.log.Info("the replication session has not answered, but the server is busy with it; asking again",
 			"slot", c.slot, "waited", waited.Round(time.Second), "wait_event", event)
 		s.asking = false
 		return nil
-	case err == nil && deaf:
+	case err == nil:
 		var ended bool
-		if err := r.own.QueryRow(ctx, sqlEndStreamSession, c.slot, c.streamPID).Scan(&ended); err != nil {
+		if err := r.own.QueryRow(ctx, sqlEndStreamSession, c.slot, c.streamPID, c.streamStart).Scan(&ended); err != nil {
 			r.log.Warn("could not end the replication session that stopped answering; the slot stays busy until the server's wal_sender_timeout ends it",
 				"slot", c.slot, "pid", c.streamPID, "err", err)
 		} else if ended {
@@ -1067,11 +1080,11 @@ func (s *streamState) silent(ctx context.Context) error {
 }
 
 // walSenderWaiting reports whether a walsender's wait event says it waits
-// for its client or for WAL, not decoding (the names changed case in
-// PostgreSQL 17).
+// for its client, for WAL or for a standby (a failover slot), not decoding
+// (the names changed case in PostgreSQL 17).
 func walSenderWaiting(event string) bool {
 	switch strings.ToLower(event) {
-	case "walsendermain", "walsenderwaitforwal", "walsenderwritedata":
+	case "walsendermain", "walsenderwaitforwal", "walsenderwritedata", "waitforstandbyconfirmation":
 		return true
 	}
 	return false
@@ -1768,7 +1781,6 @@ func (s *streamState) sendStatusAsking(ctx context.Context, ask bool) error {
 	s.nextStatus = at.Add(s.statusEvery)
 	err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn, pglogrepl.StandbyStatusUpdate{
 		WALWritePosition: s.confirmed, WALFlushPosition: s.confirmed, WALApplyPosition: s.confirmed, ReplyRequested: ask,
-		ClientTime: at, // the server's reply_time: silent reads whether it heard this
 	})
 	if err != nil {
 		return fmt.Errorf("confirm replication position: %w", err)

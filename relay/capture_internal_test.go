@@ -946,37 +946,30 @@ func TestPutBackGoesIntoTheTableThatHasTheNameNow(t *testing.T) {
 	}
 }
 
-// The silence check leaves a healthy stream's session alone: read as the
-// check reads it (sqlStreamSession), it waits for WAL or for its client,
-// so it is not taken for busy, and it heard the relay's reports after a
-// given time, by the relay's own clock, so it is not deaf. A deaf one is
-// ended: were a healthy one deaf, a replica could end another's session
-// whose pid it reused after a failover.
-func TestAHealthyStreamsSessionHearsItsClient(t *testing.T) {
+// The silence check finds the stream's own session on the server, by its
+// pid and its start, and a healthy one waits (for WAL or for its client),
+// so it is not taken for busy. A session of that pid that began at another
+// time (another replica's on a new primary, the pid reused) is not found,
+// so the check never ends it.
+func TestTheSilenceCheckFindsTheStreamsOwnSession(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	dsn, pool := outboxDB(t)
-	topic := testenv.Broker().TopicName(t, "E")
-	testenv.Broker().CreateTopic(t, topic, 1)
-	// Reports every second: a third of the pool sessions' wal_sender_timeout.
-	r, err := New(Config{Settings: Settings{DSN: dsn + "&options=-c%20wal_sender_timeout%3D3s", Brokers: []string{testenv.Broker().Addr()},
-		Topics: map[string]string{"E": topic}, Capture: CaptureLogicalReplication}})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = r.Close() })
+	r, pool := captureRelay(t)
 	require.NoError(t, r.Check(ctx))
 	runLogged(t, r, pool)
 	require.Eventually(t, func() bool { return testutil.ToFloat64(r.m.captureStreaming) == 1 }, 45*time.Second, 20*time.Millisecond,
 		"the relay streams")
-
-	session := func(since time.Time) (event string, deaf bool) {
-		require.NoError(t, pool.QueryRow(ctx, sqlStreamSession, r.capture.slot, 0, since).Scan(&event, &deaf))
-		return event, deaf
-	}
-	since := time.Now()
+	pid, start := r.capture.streamPID, r.capture.streamStart
+	require.NotZero(t, pid)
+	require.NotZero(t, start)
 	require.Eventually(t, func() bool {
-		event, deaf := session(since)
-		return !deaf && walSenderWaiting(event)
-	}, 10*time.Second, 100*time.Millisecond, "the session waits, and hears a report sent after %s", since)
-	_, deaf := session(time.Now().Add(time.Hour))
-	require.True(t, deaf, "no report was sent an hour from now")
+		var event string
+		return pool.QueryRow(ctx, sqlStreamSession, r.capture.slot, pid, start).Scan(&event) == nil && walSenderWaiting(event)
+	}, 10*time.Second, 50*time.Millisecond, "the stream's session is found, waiting")
+	var event string
+	require.ErrorIs(t, pool.QueryRow(ctx, sqlStreamSession, r.capture.slot, pid, start+1).Scan(&event), pgx.ErrNoRows,
+		"a session of that pid that began at another time is not the stream's")
+	var ended bool
+	require.NoError(t, pool.QueryRow(ctx, sqlEndStreamSession, r.capture.slot, pid, start+1).Scan(&ended))
+	require.False(t, ended, "nor is it ended")
 }

@@ -306,7 +306,7 @@ func (b boundedPool) Query(ctx context.Context, sql string, args ...any) (pgx.Ro
 		cancel()
 		return nil, b.failed(err)
 	}
-	return cancelRows{rows, cancel}, nil
+	return cancelRows{rows, cancel, b}, nil
 }
 
 func (b boundedPool) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
@@ -341,10 +341,12 @@ func (r cancelRow) Scan(dest ...any) error {
 type cancelRows struct {
 	pgx.Rows
 	cancel context.CancelFunc
+	b      boundedPool
 }
 
 func (r cancelRows) Close() {
 	r.Rows.Close()
+	_ = r.b.failed(r.Rows.Err()) // a timeout while reading the rows
 	r.cancel()
 }
 
@@ -393,7 +395,7 @@ func (r *Relay) Close() error {
 	select {
 	case <-closed:
 	case <-time.After(poolCloseWait):
-		r.log.Warn("closing the database connections takes long (some went silent); leaving them to close on their own", "waited", poolCloseWait)
+		r.log.Warn("closing the database connections takes long (some went silent, or are still in use); leaving them to close on their own", "waited", poolCloseWait)
 	}
 	r.wmu.Lock()
 	defer r.wmu.Unlock()

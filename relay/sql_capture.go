@@ -56,20 +56,22 @@ const (
 	// sqlBackendLive: whether the server still runs backend $1 (a
 	// replication session, whose session locks end with it).
 	sqlBackendLive = `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)`
-	// sqlStreamSession reads the session streaming from slot $1, backend $2
-	// (any, when 0): its wait event, and whether the last report it heard
-	// from its client was sent before $3 (reply_time is the time the client
-	// wrote into the report, so both are the client's clock).
-	sqlStreamSession = `SELECT coalesce(a.wait_event, ''), r.reply_time IS NULL OR r.reply_time < $3::timestamptz
-        FROM pg_replication_slots s
-        JOIN pg_stat_replication r ON r.pid = s.active_pid
+	// sqlOwnSession names the session it runs on: its pid, and when it
+	// began, in microseconds since 1970 (0 when pg_stat_activity lacks it).
+	sqlOwnSession = `SELECT pg_backend_pid(), coalesce((SELECT (extract(epoch FROM backend_start) * 1000000)::int8
+        FROM pg_stat_activity WHERE pid = pg_backend_pid()), 0)`
+	// sqlStreamSession reads the wait event of the session streaming from
+	// slot $1 when it is backend $2 that began at $3 (sqlOwnSession); no
+	// row when another session streams, or none.
+	sqlStreamSession = `SELECT coalesce(a.wait_event, '') FROM pg_replication_slots s
         JOIN pg_stat_activity a ON a.pid = s.active_pid
-        WHERE s.slot_name = $1 AND ($2::int4 = 0 OR s.active_pid = $2::int4)`
-	// sqlEndStreamSession ends backend $2 if it is the one streaming from
-	// slot $1 (pg_terminate_backend: the role's own sessions, or with
+        WHERE s.slot_name = $1 AND s.active_pid = $2::int4 AND (extract(epoch FROM a.backend_start) * 1000000)::int8 = $3::int8`
+	// sqlEndStreamSession ends the session sqlStreamSession reads
+	// (pg_terminate_backend: the role's own sessions, or with
 	// pg_signal_backend), and says whether it did.
-	sqlEndStreamSession = `SELECT coalesce(bool_or(pg_terminate_backend(active_pid)), false)
-        FROM pg_replication_slots WHERE slot_name = $1 AND ($2::int4 = 0 OR active_pid = $2::int4)`
+	sqlEndStreamSession = `SELECT coalesce(bool_or(pg_terminate_backend(a.pid)), false) FROM pg_replication_slots s
+        JOIN pg_stat_activity a ON a.pid = s.active_pid
+        WHERE s.slot_name = $1 AND s.active_pid = $2::int4 AND (extract(epoch FROM a.backend_start) * 1000000)::int8 = $3::int8`
 	// sqlNameTaken: the other table the publication $1 publishes, and the
 	// database of another database's slot named $1 (NULL when none): slot
 	// names are the cluster's, and two tables whose names differ only in
