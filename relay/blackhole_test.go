@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/outbox-relay/outbox-operator/test/outboxtest"
 )
 
 // freezingProxy forwards TCP connections to target until freeze: from
@@ -142,4 +144,30 @@ func TestLogicalReplicationRidesOutASilentConnection(t *testing.T) {
 	require.NoError(t, x.Close())
 	require.Less(t, time.Since(closing), 10*time.Second,
 		"the relay closes without waiting for its silent connections (pgx reads each for 15 s before it closes it)")
+}
+
+// Polling rides out the same silence within a batch's deadline: the
+// claim that meets a silent connection fails when its batch runs out of
+// time (25 s by default), pgx drops the connection, and the next batch
+// takes or opens another. The relay never looks wedged meanwhile.
+func TestPollingRidesOutASilentConnection(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	u, err := url.Parse(f.DSN)
+	require.NoError(t, err)
+	proxy := newFreezingProxy(t, u.Host)
+	cfg := f.Config()
+	cfg.DSN = proxy.dsn(t, f.DSN)
+	x := outboxtest.Start(t, cfg)
+	f.Insert(20, 4, "E")
+	f.WaitDrained(0, 30*time.Second)
+
+	proxy.freeze()
+	f.Insert(5, 1, "E")
+	deadline := time.Now().Add(60 * time.Second)
+	for f.Unpublished() > 0 {
+		require.NoError(t, x.R.Live(), "the relay looks wedged")
+		require.True(t, time.Now().Before(deadline), "%d rows still unpublished a minute after the connections went silent", f.Unpublished())
+		<-time.After(100 * time.Millisecond) // between two looks at the table
+	}
 }
