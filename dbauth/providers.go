@@ -33,7 +33,13 @@ type AWSRDSIAM struct {
 // NewAWSRDSIAM loads the SDK's default configuration; region, when not
 // empty, overrides its region.
 func NewAWSRDSIAM(ctx context.Context, region string) (*AWSRDSIAM, error) {
-	var opts []func(*awsconfig.LoadOptions) error
+	// Temporary credentials (IRSA's web identity) are refreshed this long
+	// before they expire, so that a token signed with them is good for
+	// most of its 15 minutes (Token): the SDK's default is to keep them
+	// to their last second.
+	opts := []func(*awsconfig.LoadOptions) error{awsconfig.WithCredentialsCacheOptions(func(o *aws.CredentialsCacheOptions) {
+		o.ExpiryWindow = AWSCredentialsRefreshWindow
+	})}
 	if region != "" {
 		opts = append(opts, awsconfig.WithRegion(region))
 	}
@@ -47,18 +53,36 @@ func NewAWSRDSIAM(ctx context.Context, region string) (*AWSRDSIAM, error) {
 	return &AWSRDSIAM{Region: cfg.Region, Credentials: cfg.Credentials, now: time.Now}, nil
 }
 
-// Token signs a token to log in to t as t.User.
+// AWSCredentialsRefreshWindow is how long before temporary credentials
+// expire the SDK fetches new ones (NewAWSRDSIAM).
+const AWSCredentialsRefreshWindow = 5 * time.Minute
+
+// Token signs a token to log in to t as t.User. RDS refuses a token once
+// the credentials that signed it have expired, even within its 15
+// minutes: its expiry is the earlier of the two. Before, it was always 15
+// minutes, so the Source kept handing out, for up to 11 minutes, a token
+// that temporary credentials close to their end had signed, and every
+// connection opened meanwhile failed to log in.
 func (a *AWSRDSIAM) Token(ctx context.Context, t Target) (Token, error) {
 	now := time.Now
 	if a.now != nil {
 		now = a.now
 	}
 	issued := now()
-	tok, err := rdsauth.BuildAuthToken(ctx, net.JoinHostPort(t.Host, strconv.Itoa(int(t.Port))), a.Region, t.User, a.Credentials)
+	creds, err := a.Credentials.Retrieve(ctx)
 	if err != nil {
 		return Token{}, fmt.Errorf("aws-rds-iam: %w", err)
 	}
-	return Token{Value: tok, Expiry: issued.Add(AWSTokenLifetime)}, nil
+	signer := aws.CredentialsProviderFunc(func(context.Context) (aws.Credentials, error) { return creds, nil })
+	tok, err := rdsauth.BuildAuthToken(ctx, net.JoinHostPort(t.Host, strconv.Itoa(int(t.Port))), a.Region, t.User, signer)
+	if err != nil {
+		return Token{}, fmt.Errorf("aws-rds-iam: %w", err)
+	}
+	expiry := issued.Add(AWSTokenLifetime)
+	if creds.CanExpire && creds.Expires.Before(expiry) {
+		expiry = creds.Expires
+	}
+	return Token{Value: tok, Expiry: expiry}, nil
 }
 
 // GCPCloudSQLScope is the OAuth2 scope of Cloud SQL IAM database logins.
@@ -72,9 +96,12 @@ type GCPCloudSQLIAM struct {
 	Tokens oauth2.TokenSource
 }
 
-// NewGCPCloudSQLIAM finds the application default credentials.
+// NewGCPCloudSQLIAM finds the application default credentials. Some of
+// them (a user's, an external account's) make their token requests with
+// the context they were found with, for as long as they are used: they
+// get ctx without its end, which bounds only the making.
 func NewGCPCloudSQLIAM(ctx context.Context) (*GCPCloudSQLIAM, error) {
-	creds, err := google.FindDefaultCredentials(ctx, GCPCloudSQLScope)
+	creds, err := google.FindDefaultCredentials(context.WithoutCancel(ctx), GCPCloudSQLScope)
 	if err != nil {
 		return nil, fmt.Errorf("gcp-cloudsql-iam: %w", err)
 	}

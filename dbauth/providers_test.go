@@ -18,6 +18,7 @@ import (
 
 	"github.com/Azure/azure-sdk-for-go/sdk/azcore"
 	"github.com/Azure/azure-sdk-for-go/sdk/azcore/policy"
+	"github.com/aws/aws-sdk-go-v2/aws"
 	"github.com/aws/aws-sdk-go-v2/credentials"
 	"github.com/golang-jwt/jwt/v5"
 	"github.com/stretchr/testify/require"
@@ -67,6 +68,27 @@ func TestAWSRDSIAMTokenShape(t *testing.T) {
 	require.ErrorContains(t, err, "no AWS region")
 }
 
+// A token signed with temporary credentials is good only while they are:
+// its expiry is theirs when they end within its 15 minutes, so the Source
+// fetches another then. Before, it kept handing the token out for up to 11
+// minutes after RDS began to refuse it.
+func TestAWSRDSIAMTokenEndsWithItsCredentials(t *testing.T) {
+	p := &dbauth.AWSRDSIAM{Region: "eu-west-1"}
+	ends := time.Now().Add(40 * time.Second)
+	p.Credentials = aws.CredentialsProviderFunc(func(context.Context) (aws.Credentials, error) {
+		return aws.Credentials{AccessKeyID: "ASIATEMP", SecretAccessKey: "secret", SessionToken: "session", CanExpire: true, Expires: ends}, nil
+	})
+	tok, err := p.Token(context.Background(), dbauth.Target{Host: "db", Port: 5432, User: "relay"})
+	require.NoError(t, err)
+	require.Equal(t, ends, tok.Expiry, "the credentials end before the token's 15 minutes")
+	require.Contains(t, tok.Value, "ASIATEMP", "signed with those credentials")
+
+	ends = time.Now().Add(time.Hour)
+	tok, err = p.Token(context.Background(), dbauth.Target{Host: "db", Port: 5432, User: "relay"})
+	require.NoError(t, err)
+	require.WithinDuration(t, time.Now().Add(dbauth.AWSTokenLifetime), tok.Expiry, 5*time.Second, "credentials that outlive it")
+}
+
 // Cloud SQL IAM: the application default credentials (here a service
 // account key whose token endpoint is local) are asked for the
 // sqlservice.login scope, and the access token and its expiry are handed out.
@@ -102,6 +124,34 @@ func TestGCPCloudSQLIAMToken(t *testing.T) {
 	require.Equal(t, "ya29.test", tok.Value)
 	require.WithinDuration(t, before.Add(time.Hour), tok.Expiry, time.Minute)
 	require.Equal(t, []string{dbauth.GCPCloudSQLScope}, scopes)
+}
+
+// Credentials that refresh through the token endpoint with the context
+// they were found with (a user's, an external account's: workload
+// identity federation) keep working after the context that bounded
+// making the provider ends, as the operator's does. Before, every token
+// request of such a provider failed with "context canceled".
+func TestGCPCloudSQLIAMOutlivesTheContextItWasMadeWith(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(map[string]any{"access_token": "ya29.user", "token_type": "Bearer", "expires_in": 3600})
+	}))
+	t.Cleanup(srv.Close)
+	user, err := json.Marshal(map[string]string{
+		"type": "authorized_user", "client_id": "1", "client_secret": "s", "refresh_token": "r", "token_uri": srv.URL,
+	})
+	require.NoError(t, err)
+	file := filepath.Join(t.TempDir(), "user.json")
+	require.NoError(t, os.WriteFile(file, user, 0o600))
+	t.Setenv("GOOGLE_APPLICATION_CREDENTIALS", file)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	p, err := dbauth.New(ctx, relayconfig.DatabaseAuthGCPCloudSQLIAM, "")
+	require.NoError(t, err)
+	cancel()
+	tok, err := p.Token(context.Background(), dbauth.Target{Host: "10.0.0.3", Port: 5432, User: "relay@p.iam"})
+	require.NoError(t, err)
+	require.Equal(t, "ya29.user", tok.Value)
 }
 
 // azureCredential records the scopes it is asked for.

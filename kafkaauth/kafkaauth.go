@@ -9,14 +9,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"os"
 	"strings"
+	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	signer "github.com/aws/aws-sdk-go-v2/aws/signer/v4"
 	awsconfig "github.com/aws/aws-sdk-go-v2/config"
 	"github.com/segmentio/kafka-go/sasl"
 	"github.com/segmentio/kafka-go/sasl/aws_msk_iam_v2"
+	"golang.org/x/oauth2"
 	"golang.org/x/oauth2/clientcredentials"
 )
 
@@ -70,6 +73,12 @@ func FileToken(path string) func(context.Context) (string, error) {
 	}
 }
 
+// TokenRequestTimeout bounds one request to an OAuth 2.0 token endpoint
+// (ClientCredentials). Without a bound an endpoint that took the
+// connection and never answered held every new broker connection, whose
+// token the request was for, for ever.
+const TokenRequestTimeout = 10 * time.Second
+
 // ClientCredentials fetches tokens from an OAuth 2.0 token endpoint with
 // the client credentials grant, reusing each until shortly before it
 // expires.
@@ -78,7 +87,9 @@ func ClientCredentials(endpoint, clientID, clientSecret, scope string) func(cont
 	if scope != "" {
 		cfg.Scopes = strings.Fields(scope)
 	}
-	tokens := cfg.TokenSource(context.Background()) // cached: a new token only when this one expires
+	// The token source keeps this context's client for every request.
+	ctx := context.WithValue(context.Background(), oauth2.HTTPClient, &http.Client{Timeout: TokenRequestTimeout})
+	tokens := cfg.TokenSource(ctx) // cached: a new token only when this one expires
 	return func(context.Context) (string, error) {
 		tok, err := tokens.Token()
 		if err != nil {

@@ -4,10 +4,13 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/aws/aws-sdk-go-v2/credentials"
 	"github.com/segmentio/kafka-go/sasl"
@@ -75,4 +78,24 @@ func TestMSKIAMSignsOffline(t *testing.T) {
 	require.ErrorContains(t, err, "no AWS region")
 	_, err = kafkaauth.MSKIAM(context.Background(), "us-east-2")
 	require.NoError(t, err)
+}
+
+// A token endpoint that takes the request and never answers fails it after
+// TokenRequestTimeout, twice: until one succeeds, the library tries both
+// ways of sending the client's credentials. Before, the request, and the
+// broker connection that waited for its token, waited for ever.
+func TestClientCredentialsGivesUpOnASilentEndpoint(t *testing.T) {
+	t.Parallel()
+	release := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) { <-release }))
+	t.Cleanup(func() { close(release); srv.Close() })
+	token := kafkaauth.ClientCredentials(srv.URL, "relay-client", "s3cret", "kafka")
+	done := make(chan error, 1)
+	go func() { _, err := token(context.Background()); done <- err }()
+	select {
+	case err := <-done:
+		require.Error(t, err)
+	case <-time.After(2*kafkaauth.TokenRequestTimeout + 10*time.Second):
+		t.Fatal("the token request still waits")
+	}
 }
