@@ -502,11 +502,9 @@ func backlogConnConfig(dsn string, t *dbTLS, auth dbAuth) (*pgx.ConnConfig, erro
 		return nil, errDSNUnparsable
 	}
 	if t != nil {
-		tc, err := t.config(cfg.Host)
-		if err != nil {
+		if err := dbauth.OverTLS(&cfg.Config, t.config); err != nil {
 			return nil, err
 		}
-		cfg.TLSConfig, cfg.Fallbacks = tc, nil
 	}
 	if auth.token() {
 		if err := dbauth.RequireTLS(&cfg.Config); err != nil {

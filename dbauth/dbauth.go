@@ -12,8 +12,11 @@ package dbauth
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
+	"net"
+	"strconv"
 	"sync"
 	"time"
 
@@ -133,6 +136,37 @@ func (s *Source) Connect(ctx context.Context, cfg *pgx.ConnConfig) (*pgx.Conn, e
 		}
 	}
 	return pgx.ConnectConfig(ctx, c)
+}
+
+// OverTLS makes every host of cfg connect over TLS with tlsFor's
+// configuration for that host (its CA, and the host's name to verify): the
+// DSN's first host and each other host it names, once, in order. The
+// DSN's plain-text fallbacks go. Before, a CA dropped the other hosts
+// along with them, so a relay whose DSN named a primary and a standby
+// (target_session_attrs=read-write) could reach no primary after a
+// failover.
+func OverTLS(cfg *pgconn.Config, tlsFor func(host string) (*tls.Config, error)) error {
+	t, err := tlsFor(cfg.Host)
+	if err != nil {
+		return err
+	}
+	cfg.TLSConfig = t
+	addr := func(host string, port uint16) string { return net.JoinHostPort(host, strconv.Itoa(int(port))) }
+	seen := map[string]bool{addr(cfg.Host, cfg.Port): true}
+	var hosts []*pgconn.FallbackConfig
+	for _, fb := range cfg.Fallbacks {
+		if seen[addr(fb.Host, fb.Port)] {
+			continue
+		}
+		seen[addr(fb.Host, fb.Port)] = true
+		t, err := tlsFor(fb.Host)
+		if err != nil {
+			return err
+		}
+		hosts = append(hosts, &pgconn.FallbackConfig{Host: fb.Host, Port: fb.Port, TLSConfig: t})
+	}
+	cfg.Fallbacks = hosts
+	return nil
 }
 
 // RequireTLS refuses a configuration that could send a token in plain

@@ -95,6 +95,27 @@ func TestRequireTLS(t *testing.T) {
 	}
 }
 
+// Over TLS every host of a DSN is kept, each verified under its own name,
+// once, and the plain-text fallbacks go: a relay whose DSN names a primary
+// and a standby still finds the primary after a failover. Before, a CA
+// dropped every host but the first.
+func TestOverTLSKeepsEveryHost(t *testing.T) {
+	cfg, err := pgx.ParseConfig("host=a,b port=5432,5433 user=u dbname=x sslmode=prefer target_session_attrs=read-write")
+	require.NoError(t, err)
+	require.NoError(t, dbauth.OverTLS(&cfg.Config, func(host string) (*tls.Config, error) {
+		return &tls.Config{ServerName: host, MinVersion: tls.VersionTLS12}, nil
+	}))
+	require.Equal(t, "a", cfg.TLSConfig.ServerName)
+	require.Len(t, cfg.Fallbacks, 1, "b once, over TLS; no plain-text fallback")
+	require.Equal(t, "b", cfg.Fallbacks[0].Host)
+	require.Equal(t, uint16(5433), cfg.Fallbacks[0].Port)
+	require.Equal(t, "b", cfg.Fallbacks[0].TLSConfig.ServerName)
+	require.NoError(t, dbauth.RequireTLS(&cfg.Config))
+
+	refused := errors.New("no CA")
+	require.ErrorIs(t, dbauth.OverTLS(&cfg.Config, func(string) (*tls.Config, error) { return nil, refused }), refused)
+}
+
 // Against a real PostgreSQL that accepts only the latest token it handed
 // out (the fake provider sets it as the role's password, as an identity
 // service's token replaces the last): connections open with the cached

@@ -124,11 +124,16 @@ func (r *Relay) connect(ctx context.Context) (*pgx.Conn, error) {
 // would send tokens' password in plain text.
 func applyDatabaseLogin(cc *pgx.ConnConfig, t *tls.Config, tokens *dbauth.Source) error {
 	if t != nil {
-		t = t.Clone()
-		if t.ServerName == "" {
-			t.ServerName = cc.Host
+		err := dbauth.OverTLS(&cc.Config, func(host string) (*tls.Config, error) {
+			c := t.Clone()
+			if c.ServerName == "" {
+				c.ServerName = host
+			}
+			return c, nil
+		})
+		if err != nil {
+			return err
 		}
-		cc.TLSConfig, cc.Fallbacks = t, nil
 	}
 	if tokens != nil {
 		return dbauth.RequireTLS(&cc.Config)
