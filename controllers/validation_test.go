@@ -138,6 +138,32 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 			s["template"] = map[string]any{"pod": map[string]any{"volumes": []any{map[string]any{"name": "x", "emptyDir": map[string]any{},
 				"secret": map[string]any{"secretName": "s"}}}}}
 		}, []string{"spec.template.pod.volumes[0]", "exactly one of secret, configMap, projected, emptyDir and csi"}},
+		{"template container privileged", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"securityContext": map[string]any{"privileged": true}}}
+		}, []string{"spec.template.container.securityContext", "privileged: true breaks Pod Security restricted"}},
+		{"template container escalates", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"securityContext": map[string]any{"allowPrivilegeEscalation": true}}}
+		}, []string{"spec.template.container.securityContext", "allowPrivilegeEscalation: true"}},
+		{"template container adds a capability", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"securityContext": map[string]any{
+				"capabilities": map[string]any{"add": []any{"NET_BIND_SERVICE", "NET_ADMIN"}}}}}
+		}, []string{"spec.template.container.securityContext", "capabilities.add"}},
+		{"template container as root", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"securityContext": map[string]any{"runAsUser": int64(0)}}}
+		}, []string{"spec.template.container.securityContext", "runAsUser: 0 (root)"}},
+		{"template container unconfined", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"securityContext": map[string]any{
+				"seccompProfile": map[string]any{"type": "Unconfined"}}}}
+		}, []string{"spec.template.container.securityContext", "seccompProfile Unconfined"}},
+		{"template container unmasked proc", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"securityContext": map[string]any{"procMount": "Unmasked"}}}
+		}, []string{"spec.template.container.securityContext", "procMount"}},
+		{"template pod may run as root", func(s map[string]any) {
+			s["template"] = map[string]any{"pod": map[string]any{"securityContext": map[string]any{"runAsNonRoot": false}}}
+		}, []string{"spec.template.pod.securityContext", "runAsNonRoot: false"}},
+		{"template pod as root", func(s map[string]any) {
+			s["template"] = map[string]any{"pod": map[string]any{"securityContext": map[string]any{"runAsUser": int64(0)}}}
+		}, []string{"spec.template.pod.securityContext", "runAsUser: 0 (root)"}},
 		{"template volume of no kind", func(s map[string]any) {
 			s["template"] = map[string]any{"pod": map[string]any{"volumes": []any{map[string]any{"name": "x"}}}}
 		}, []string{"spec.template.pod.volumes[0]", "exactly one of"}},
@@ -327,6 +353,15 @@ func TestAPIServerAcceptsEdgeCases(t *testing.T) {
 			kafka(s)["brokers"] = []any{"[::1]:1", "kafka-0.kafka.svc.cluster.local:65535", "10.0.0.7:9092"}
 		}},
 		{"replicas 0", func(s map[string]any) { s["replicas"] = int64(0) }},
+		{"template security contexts within restricted", func(s map[string]any) {
+			s["template"] = map[string]any{
+				"pod": map[string]any{"securityContext": map[string]any{"runAsNonRoot": true, "runAsUser": int64(1000680000),
+					"seccompProfile": map[string]any{"type": "RuntimeDefault"}}},
+				"container": map[string]any{"securityContext": map[string]any{"privileged": false, "allowPrivilegeEscalation": false,
+					"capabilities": map[string]any{"drop": []any{"ALL"}, "add": []any{"NET_BIND_SERVICE"}}, "runAsUser": int64(1000680000), "procMount": "Default",
+					"seccompProfile": map[string]any{"type": "Localhost", "localhostProfile": "relay.json"}}},
+			}
+		}},
 		{"autoscaling from 0 to 1 on pending rows", func(s map[string]any) {
 			s["autoscaling"] = map[string]any{"minReplicas": int64(0), "maxReplicas": int64(1), "pendingPerReplica": int64(1)}
 		}},

@@ -75,7 +75,13 @@ type RelayPodSpec struct {
 	// "restricted": non-root user and group 65532, fsGroup 65532, the
 	// RuntimeDefault seccomp profile): each field set here wins, the others
 	// keep the operator's value. On OpenShift's restricted-v2, set
-	// runAsUser, runAsGroup and fsGroup from the namespace's ranges.
+	// runAsUser, runAsGroup and fsGroup from the namespace's ranges. What
+	// "restricted" forbids is refused: the relay needs none of it, and
+	// whoever may write an OutboxRelay would otherwise choose how its pods
+	// run.
+	// +kubebuilder:validation:XValidation:rule="!has(self.runAsNonRoot) || self.runAsNonRoot",message="runAsNonRoot: false breaks Pod Security restricted; the relay runs as a non-root user"
+	// +kubebuilder:validation:XValidation:rule="!has(self.runAsUser) || self.runAsUser != 0",message="runAsUser: 0 (root) breaks Pod Security restricted; the relay runs as a non-root user"
+	// +kubebuilder:validation:XValidation:rule="!has(self.seccompProfile) || self.seccompProfile.type != 'Unconfined'",message="seccompProfile Unconfined breaks Pod Security restricted; use RuntimeDefault or Localhost"
 	// +optional
 	SecurityContext *corev1.PodSecurityContext `json:"securityContext,omitempty"`
 	// Volumes added to the relay pods; "kafka-tls" and "database-tls" are the relay's.
@@ -121,7 +127,17 @@ type RelayContainerSpec struct {
 	VolumeMounts []corev1.VolumeMount `json:"volumeMounts,omitempty"`
 	// SecurityContext is merged over the operator's (no privilege
 	// escalation, a read-only root filesystem, every capability dropped):
-	// each field set here wins, the others keep the operator's value.
+	// each field set here wins, the others keep the operator's value. What
+	// Pod Security "restricted" forbids is refused: the relay needs none of
+	// it, and whoever may write an OutboxRelay would otherwise choose how
+	// its pods run.
+	// +kubebuilder:validation:XValidation:rule="!has(self.privileged) || !self.privileged",message="privileged: true breaks Pod Security restricted; the relay needs no privilege"
+	// +kubebuilder:validation:XValidation:rule="!has(self.allowPrivilegeEscalation) || !self.allowPrivilegeEscalation",message="allowPrivilegeEscalation: true breaks Pod Security restricted; the relay needs no privilege"
+	// +kubebuilder:validation:XValidation:rule="!has(self.capabilities) || !has(self.capabilities.add) || size(self.capabilities.add) == 0 || (size(self.capabilities.add) == 1 && self.capabilities.add[0] == 'NET_BIND_SERVICE')",message="capabilities.add: Pod Security restricted allows none but NET_BIND_SERVICE, and the relay needs none"
+	// +kubebuilder:validation:XValidation:rule="!has(self.runAsNonRoot) || self.runAsNonRoot",message="runAsNonRoot: false breaks Pod Security restricted; the relay runs as a non-root user"
+	// +kubebuilder:validation:XValidation:rule="!has(self.runAsUser) || self.runAsUser != 0",message="runAsUser: 0 (root) breaks Pod Security restricted; the relay runs as a non-root user"
+	// +kubebuilder:validation:XValidation:rule="!has(self.seccompProfile) || self.seccompProfile.type != 'Unconfined'",message="seccompProfile Unconfined breaks Pod Security restricted; use RuntimeDefault or Localhost"
+	// +kubebuilder:validation:XValidation:rule="!has(self.procMount) || self.procMount == 'Default'",message="procMount: the relay needs the default; Pod Security restricted allows no other"
 	// +optional
 	SecurityContext *corev1.SecurityContext `json:"securityContext,omitempty"`
 }
