@@ -108,6 +108,20 @@ func (p *freezingProxy) pipe(dst, src net.Conn, gen int) {
 	}
 }
 
+// silenceAndWaitPublished freezes proxy, writes rows, and waits until
+// relay x has published them, within a minute, never looking wedged.
+func silenceAndWaitPublished(t *testing.T, proxy *freezingProxy, f *outboxtest.Fixture, x *outboxtest.Running) {
+	t.Helper()
+	proxy.freeze()
+	f.Insert(5, 1, "E")
+	deadline := time.Now().Add(time.Minute)
+	for f.Unpublished() > 0 {
+		require.NoError(t, x.R.Live(), "the relay looks wedged")
+		require.True(t, time.Now().Before(deadline), "%d rows still unpublished a minute after the connections went silent", f.Unpublished())
+		<-time.After(100 * time.Millisecond) // between two looks at the table
+	}
+}
+
 // A failover that leaves the old address dropping packets silences the
 // stream's connection and the pool's. The stream asks the server to
 // answer and, hearing nothing, streams again on a new connection; its own
@@ -132,14 +146,7 @@ func TestLogicalReplicationRidesOutASilentConnection(t *testing.T) {
 	f.Insert(1, 1, "E")
 	f.WaitDrained(0, 30*time.Second)
 
-	proxy.freeze()
-	f.Insert(5, 1, "E")
-	deadline := time.Now().Add(60 * time.Second)
-	for f.Unpublished() > 0 {
-		require.NoError(t, x.R.Live(), "the relay looks wedged")
-		require.True(t, time.Now().Before(deadline), "%d rows still unpublished a minute after the connections went silent", f.Unpublished())
-		<-time.After(100 * time.Millisecond) // between two looks at the table
-	}
+	silenceAndWaitPublished(t, proxy, f, x)
 	closing := time.Now()
 	require.NoError(t, x.Close())
 	require.Less(t, time.Since(closing), 10*time.Second,
@@ -162,12 +169,5 @@ func TestPollingRidesOutASilentConnection(t *testing.T) {
 	f.Insert(20, 4, "E")
 	f.WaitDrained(0, 30*time.Second)
 
-	proxy.freeze()
-	f.Insert(5, 1, "E")
-	deadline := time.Now().Add(60 * time.Second)
-	for f.Unpublished() > 0 {
-		require.NoError(t, x.R.Live(), "the relay looks wedged")
-		require.True(t, time.Now().Before(deadline), "%d rows still unpublished a minute after the connections went silent", f.Unpublished())
-		<-time.After(100 * time.Millisecond) // between two looks at the table
-	}
+	silenceAndWaitPublished(t, proxy, f, x)
 }
