@@ -65,6 +65,9 @@ type Source struct {
 
 	mu     sync.Mutex
 	tokens map[Target]cached
+	// fetching holds, for each target whose token is being fetched, a
+	// channel closed when the fetch ends.
+	fetching map[Target]chan struct{}
 }
 
 type cached struct {
@@ -78,33 +81,61 @@ const minValidity = time.Minute
 
 // NewSource returns a Source of p's tokens.
 func NewSource(p Provider) *Source {
-	return &Source{provider: p, now: time.Now, tokens: map[Target]cached{}}
+	return &Source{provider: p, now: time.Now, tokens: map[Target]cached{}, fetching: map[Target]chan struct{}{}}
 }
 
 // SetClock makes s read the time from now (tests).
 func (s *Source) SetClock(now func() time.Time) { s.now = now }
 
-// Password is the token to log in to t with.
+// Password is the token to log in to t with. One fetch runs per target at
+// a time, and the callers for that target wait for it, each up to its own
+// context's end; other targets do not wait. Before, one lock covered
+// every target through the fetch: the operator shares a Source among all
+// its relays' databases, and one slow call to a cloud's metadata server
+// held every token login, past each caller's deadline.
 func (s *Source) Password(ctx context.Context, t Target) (string, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock() // one fetch per target at a time; the others wait for it
-	now := s.now()
-	c, ok := s.tokens[t]
-	if ok && now.Before(c.fetched.Add(c.Expiry.Sub(c.fetched)*3/4)) {
-		return c.Value, nil
-	}
-	tok, err := s.provider.Token(ctx, t)
-	if err == nil && tok.Value == "" {
-		err = errors.New("the provider gave an empty token")
-	}
-	if err != nil {
-		if ok && now.Add(minValidity).Before(c.Expiry) {
+	for {
+		s.mu.Lock()
+		now := s.now()
+		c, ok := s.tokens[t]
+		if ok && now.Before(c.fetched.Add(c.Expiry.Sub(c.fetched)*3/4)) {
+			s.mu.Unlock()
+			return c.Value, nil
+		}
+		if fetched, busy := s.fetching[t]; busy {
+			s.mu.Unlock()
+			select {
+			case <-fetched:
+				continue // its token is in place, or it failed and this caller tries
+			case <-ctx.Done():
+				if ok && now.Add(minValidity).Before(c.Expiry) {
+					return c.Value, nil
+				}
+				return "", fmt.Errorf("%w for %s@%s:%d: %w", ErrNoToken, t.User, t.Host, t.Port, ctx.Err())
+			}
+		}
+		fetched := make(chan struct{})
+		s.fetching[t] = fetched
+		s.mu.Unlock()
+		tok, err := s.provider.Token(ctx, t)
+		if err == nil && tok.Value == "" {
+			err = errors.New("the provider gave an empty token")
+		}
+		s.mu.Lock()
+		delete(s.fetching, t)
+		close(fetched)
+		if err == nil {
+			s.tokens[t] = cached{Token: tok, fetched: now}
+		}
+		s.mu.Unlock()
+		switch {
+		case err == nil:
+			return tok.Value, nil
+		case ok && now.Add(minValidity).Before(c.Expiry):
 			return c.Value, nil
 		}
 		return "", fmt.Errorf("%w for %s@%s:%d: %w", ErrNoToken, t.User, t.Host, t.Port, err)
 	}
-	s.tokens[t] = cached{Token: tok, fetched: now}
-	return tok.Value, nil
 }
 
 // Apply sets cfg's password to the token for cfg's host, port and user.

@@ -74,6 +74,49 @@ func TestSourceReusesAndRefreshes(t *testing.T) {
 	require.ErrorContains(t, err, "empty token")
 }
 
+// A fetch that hangs holds only its own target's callers, each until its
+// own context ends, and they take its token once it comes; another
+// target's token is fetched meanwhile. Before, one lock covered every
+// target through the fetch, so one slow call to a metadata server held
+// every token login of the operator, past each caller's deadline.
+func TestSourceFetchesEachTargetOnItsOwn(t *testing.T) {
+	slow := make(chan struct{})
+	var calls atomic.Int32
+	src := dbauth.NewSource(dbauth.ProviderFunc(func(_ context.Context, tg dbauth.Target) (dbauth.Token, error) {
+		calls.Add(1)
+		if tg.Host == "slow" {
+			<-slow
+		}
+		return dbauth.Token{Value: "token-" + tg.Host, Expiry: time.Now().Add(time.Hour)}, nil
+	}))
+	hung, other := dbauth.Target{Host: "slow", Port: 5432, User: "u"}, dbauth.Target{Host: "fast", Port: 5432, User: "u"}
+	first := make(chan string, 1)
+	go func() { p, _ := src.Password(context.Background(), hung); first <- p }()
+	require.Eventually(t, func() bool { return calls.Load() == 1 }, 5*time.Second, time.Millisecond, "the slow fetch runs")
+
+	done := make(chan error, 1)
+	go func() { _, err := src.Password(context.Background(), other); done <- err }()
+	select {
+	case err := <-done:
+		require.NoError(t, err, "another target's token comes while the slow fetch hangs")
+	case <-time.After(5 * time.Second):
+		t.Fatal("another target's token waits for the slow fetch")
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	_, err := src.Password(ctx, hung)
+	require.ErrorIs(t, err, context.DeadlineExceeded, "a caller of the slow target waits only until its context ends")
+	require.ErrorIs(t, err, dbauth.ErrNoToken)
+
+	close(slow)
+	require.Equal(t, "token-slow", <-first)
+	p, err := src.Password(context.Background(), hung)
+	require.NoError(t, err)
+	require.Equal(t, "token-slow", p)
+	require.EqualValues(t, 2, calls.Load(), "one fetch per target")
+}
+
 // A token never travels in plain text: a DSN without TLS or with a
 // plain-text fallback is refused.
 func TestRequireTLS(t *testing.T) {
