@@ -102,16 +102,20 @@ func (s *Source) Password(ctx context.Context, t Target) (string, error) {
 			s.mu.Unlock()
 			return c.Value, nil
 		}
+		// Without a new token, the old one serves while it has a minute left.
+		failed := func(err error) (string, error) {
+			if ok && now.Add(minValidity).Before(c.Expiry) {
+				return c.Value, nil
+			}
+			return "", fmt.Errorf("%w for %s@%s:%d: %w", ErrNoToken, t.User, t.Host, t.Port, err)
+		}
 		if fetched, busy := s.fetching[t]; busy {
 			s.mu.Unlock()
 			select {
 			case <-fetched:
 				continue // its token is in place, or it failed and this caller tries
 			case <-ctx.Done():
-				if ok && now.Add(minValidity).Before(c.Expiry) {
-					return c.Value, nil
-				}
-				return "", fmt.Errorf("%w for %s@%s:%d: %w", ErrNoToken, t.User, t.Host, t.Port, ctx.Err())
+				return failed(ctx.Err())
 			}
 		}
 		fetched := make(chan struct{})
@@ -128,13 +132,10 @@ func (s *Source) Password(ctx context.Context, t Target) (string, error) {
 			s.tokens[t] = cached{Token: tok, fetched: now}
 		}
 		s.mu.Unlock()
-		switch {
-		case err == nil:
-			return tok.Value, nil
-		case ok && now.Add(minValidity).Before(c.Expiry):
-			return c.Value, nil
+		if err != nil {
+			return failed(err)
 		}
-		return "", fmt.Errorf("%w for %s@%s:%d: %w", ErrNoToken, t.User, t.Host, t.Port, err)
+		return tok.Value, nil
 	}
 }
 
