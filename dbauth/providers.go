@@ -108,13 +108,32 @@ func NewGCPCloudSQLIAM(ctx context.Context) (*GCPCloudSQLIAM, error) {
 	return &GCPCloudSQLIAM{Tokens: creds.TokenSource}, nil
 }
 
-// Token is a fresh access token (the same for every target).
+// Token is a fresh access token (the same for every target). The token
+// source takes no context, so its call runs on its own and the caller
+// waits only until ctx ends: a metadata server or token endpoint that
+// does not answer would otherwise hold the connection being opened, and
+// every other Cloud SQL login behind the token source's lock, past their
+// deadlines. The call left running ends with its HTTP client's timeout,
+// and its token, once there, is the source's to hand out.
 func (g *GCPCloudSQLIAM) Token(ctx context.Context, _ Target) (Token, error) {
-	tok, err := g.Tokens.Token()
-	if err != nil {
-		return Token{}, fmt.Errorf("gcp-cloudsql-iam: %w", err)
+	type result struct {
+		tok *oauth2.Token
+		err error
 	}
-	return Token{Value: tok.AccessToken, Expiry: tok.Expiry}, nil
+	done := make(chan result, 1)
+	go func() {
+		tok, err := g.Tokens.Token()
+		done <- result{tok, err}
+	}()
+	select {
+	case r := <-done:
+		if r.err != nil {
+			return Token{}, fmt.Errorf("gcp-cloudsql-iam: %w", r.err)
+		}
+		return Token{Value: r.tok.AccessToken, Expiry: r.tok.Expiry}, nil
+	case <-ctx.Done():
+		return Token{}, fmt.Errorf("gcp-cloudsql-iam: waiting for a token: %w", context.Cause(ctx))
+	}
 }
 
 // AzureADScope is the scope of Azure Database for PostgreSQL's Microsoft

@@ -22,6 +22,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/credentials"
 	"github.com/golang-jwt/jwt/v5"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/oauth2"
 
 	"github.com/outbox-relay/outbox-operator/dbauth"
 	"github.com/outbox-relay/outbox-operator/relayconfig"
@@ -152,6 +153,38 @@ func TestGCPCloudSQLIAMOutlivesTheContextItWasMadeWith(t *testing.T) {
 	tok, err := p.Token(context.Background(), dbauth.Target{Host: "10.0.0.3", Port: 5432, User: "relay@p.iam"})
 	require.NoError(t, err)
 	require.Equal(t, "ya29.user", tok.Value)
+}
+
+// blockedTokens is a token source whose call does not return until
+// released, as a metadata server that stopped answering.
+type blockedTokens struct{ release chan struct{} }
+
+func (b blockedTokens) Token() (*oauth2.Token, error) {
+	<-b.release
+	return &oauth2.Token{AccessToken: "ya29.late", Expiry: time.Now().Add(time.Hour)}, nil
+}
+
+// A token source that does not answer holds a caller only until its
+// context ends. Before, the source's call took no context and the caller
+// (a connection being opened) waited for as long as the call did.
+func TestGCPCloudSQLIAMGivesUpWithItsCaller(t *testing.T) {
+	src := blockedTokens{release: make(chan struct{})}
+	t.Cleanup(func() { close(src.release) })
+	p := &dbauth.GCPCloudSQLIAM{Tokens: src}
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		_, err := p.Token(ctx, dbauth.Target{Host: "10.0.0.3", Port: 5432, User: "relay@p.iam"})
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		require.ErrorContains(t, err, "gcp-cloudsql-iam")
+	case <-time.After(10 * time.Second): // far past the caller's 200 ms
+		t.Fatal("the token request outlived its caller's context by 10 s")
+	}
 }
 
 // azureCredential records the scopes it is asked for.
