@@ -23,7 +23,7 @@ import (
 	"strings"
 	"time"
 
-	"sigs.k8s.io/yaml"
+	yamlv3 "go.yaml.in/yaml/v3"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
 )
@@ -713,6 +713,13 @@ func ParseHeld(args []string, redrive bool, lookupEnv func(string) (string, bool
 	fs.StringVar(&s.DSN, FlagDSN, "", "PostgreSQL connection string (default "+EnvDSN+")")
 	fs.StringVar(&s.Table, FlagTable, DefaultTable, "outbox table, NAME or SCHEMA.NAME")
 	s.DatabaseLogin.register(fs)
+	// Only these flags, where to connect and how, come from the
+	// environment (a relay pod's RELAY_DSN and RELAY_TABLE): which rows to
+	// release is said on the command line alone. Before, a RELAY_ALL or
+	// RELAY_REASON left in the environment widened a redrive to rows
+	// nobody named.
+	fromEnv := map[string]bool{}
+	fs.VisitAll(func(f *flag.Flag) { fromEnv[EnvName(f.Name)] = true })
 	fs.Func(FlagID, "a held row's id (repeatable, or comma-separated)", func(v string) error {
 		for _, p := range strings.Split(v, ",") {
 			id, err := strconv.ParseInt(strings.TrimSpace(p), 10, 64)
@@ -759,7 +766,13 @@ func ParseHeld(args []string, redrive bool, lookupEnv func(string) (string, bool
 	if fs.NArg() > 0 {
 		return s, fmt.Errorf("unexpected argument %q", fs.Arg(0))
 	}
-	if err := applyEnv(fs, withoutArgsOnly(lookupEnv)); err != nil {
+	connection := func(k string) (string, bool) {
+		if !fromEnv[k] {
+			return "", false
+		}
+		return lookupEnv(k)
+	}
+	if err := applyEnv(fs, withoutArgsOnly(connection)); err != nil {
 		return s, err
 	}
 	var errs []error
@@ -849,7 +862,7 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	if fs.NArg() > 0 {
 		return s, fmt.Errorf("unexpected argument %q", fs.Arg(0))
 	}
-	if err := applyEnv(fs, lookupEnv); err != nil {
+	if err := applyEnv(fs, topicsFromOnePlace(fs, lookupEnv)); err != nil {
 		return s, err
 	}
 	s.KafkaSASLUsername, _ = lookupEnv(EnvSASLUsername)
@@ -1240,6 +1253,22 @@ func (t topicsValue) Set(v string) error {
 	return nil
 }
 
+// topicsFromOnePlace is lookupEnv without the topic map's variables when
+// the command line gives the map (--topic or --topics-file): both flags
+// set one map, which comes from the command line or from the environment,
+// never from both. Before, RELAY_TOPIC added its event types to a
+// --topics-file map, and a conflict between them blamed the file.
+func topicsFromOnePlace(fs *flag.FlagSet, lookupEnv func(string) (string, bool)) func(string) (string, bool) {
+	given := false
+	fs.Visit(func(f *flag.Flag) { given = given || f.Name == FlagTopic || f.Name == FlagTopicsFile })
+	return func(k string) (string, bool) {
+		if given && (k == EnvName(FlagTopic) || k == EnvName(FlagTopicsFile)) {
+			return "", false
+		}
+		return lookupEnv(k)
+	}
+}
+
 // withoutArgsOnly is lookupEnv without EnvArgsOnly: `relay held` and
 // `relay redrive`, run by hand in a relay pod, read RELAY_TABLE there.
 func withoutArgsOnly(lookupEnv func(string) (string, bool)) func(string) (string, bool) {
@@ -1279,22 +1308,49 @@ func applyEnv(fs *flag.FlagSet, lookupEnv func(string) (string, bool)) error {
 	return err
 }
 
+// readTopicsFile adds the event type to topic map of a YAML (or JSON)
+// file to into. Each key and value is taken as written: YAML would read
+// `yes:` as true and `1.0:` as 1, and so route event types nobody writes.
+// A value is one topic, checked as a name: before, it went through
+// --topic's comma split, so `Foo: "orders,Bar=payments"` mapped two event
+// types without a word.
 func readTopicsFile(path string, into topicsValue) error {
 	b, err := os.ReadFile(path)
 	if err != nil {
 		return err
 	}
-	var m map[string]string
-	if err := yaml.UnmarshalStrict(b, &m); err != nil {
+	var doc yamlv3.Node
+	if err := yamlv3.Unmarshal(b, &doc); err != nil {
 		return fmt.Errorf("%s: want a map of event type to topic: %w", path, err)
 	}
-	for _, et := range slices.Sorted(maps.Keys(m)) {
+	if len(doc.Content) == 0 {
+		return nil
+	}
+	m := doc.Content[0]
+	if m.Kind != yamlv3.MappingNode {
+		return fmt.Errorf("%s: want a map of event type to topic, not a %s", path, m.ShortTag())
+	}
+	seen := map[string]bool{}
+	for i := 0; i+1 < len(m.Content); i += 2 {
+		k, v := m.Content[i], m.Content[i+1]
+		if k.Kind != yamlv3.ScalarNode || v.Kind != yamlv3.ScalarNode || k.Tag == "!!merge" {
+			return fmt.Errorf("%s: line %d: want EVENT_TYPE: TOPIC, one name each", path, k.Line)
+		}
+		et, topic := k.Value, v.Value
 		if err := CheckEventType(et); err != nil {
-			return fmt.Errorf("%s: %w", path, err)
+			return fmt.Errorf("%s: line %d: %w", path, k.Line, err)
 		}
-		if err := into.Set(et + "=" + m[et]); err != nil {
-			return fmt.Errorf("%s: %w", path, err)
+		if err := CheckTopic(topic); err != nil {
+			return fmt.Errorf("%s: line %d: event type %q: %w", path, v.Line, et, err)
 		}
+		if seen[et] {
+			return fmt.Errorf("%s: line %d: event type %q is mapped twice in the file", path, k.Line, et)
+		}
+		seen[et] = true
+		if prev, dup := into[et]; dup && prev != topic {
+			return fmt.Errorf("%s: event type %q is mapped twice (%q and %q)", path, et, prev, topic)
+		}
+		into[et] = topic
 	}
 	return nil
 }

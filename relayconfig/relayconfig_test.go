@@ -322,3 +322,85 @@ func TestCheckTokenEndpoint(t *testing.T) {
 		}
 	}
 }
+
+// `relay held` and `relay redrive` take where to connect from the
+// environment, never which rows: a RELAY_ALL or RELAY_REASON left in a
+// pod's environment does not widen a redrive. Before, a bare `relay
+// redrive` with RELAY_ALL=true released every held row.
+func TestHeldTakesOnlyTheConnectionFromTheEnvironment(t *testing.T) {
+	t.Parallel()
+	vars := map[string]string{
+		relayconfig.EnvDSN: "postgres://x", relayconfig.EnvName(relayconfig.FlagTable): "app.outbox",
+		relayconfig.EnvName(relayconfig.FlagDatabaseAuth): string(relayconfig.DatabaseAuthAzureAD),
+		relayconfig.EnvName(relayconfig.FlagAll):          "true", relayconfig.EnvName(relayconfig.FlagReason): "refused",
+		relayconfig.EnvName(relayconfig.FlagType):         "E", relayconfig.EnvName(relayconfig.FlagLimit): "5",
+		relayconfig.EnvName(relayconfig.FlagOutput): "json",
+	}
+	_, err := relayconfig.ParseHeld(nil, true, env(vars), nil)
+	require.ErrorContains(t, err, "select the rows to release")
+
+	got, err := relayconfig.ParseHeld([]string{"--id", "42"}, true, env(vars), nil)
+	require.NoError(t, err)
+	require.Equal(t, []int64{42}, got.IDs)
+	require.False(t, got.All)
+	require.Empty(t, got.Reasons)
+	require.Empty(t, got.Types)
+	require.Equal(t, "postgres://x", got.DSN)
+	require.Equal(t, "app.outbox", got.Table)
+	require.Equal(t, relayconfig.DatabaseAuthAzureAD, got.DatabaseAuth)
+
+	list, err := relayconfig.ParseHeld(nil, false, env(vars), nil)
+	require.NoError(t, err)
+	require.Equal(t, relayconfig.DefaultHeldLimit, list.Limit)
+	require.Equal(t, "text", list.Output)
+}
+
+// The topic map comes from the command line or from the environment,
+// never from both: --topic or --topics-file on the command line leaves
+// RELAY_TOPIC and RELAY_TOPICS_FILE unread.
+func TestTopicMapComesFromOnePlace(t *testing.T) {
+	t.Parallel()
+	file := t.TempDir() + "/topics.yaml"
+	require.NoError(t, os.WriteFile(file, []byte("Foo: b\n"), 0o600))
+	vars := env(map[string]string{relayconfig.EnvDSN: "postgres://x", relayconfig.EnvName(relayconfig.FlagTopic): "Foo=a,Bar=c"})
+	got, err := relayconfig.Parse([]string{"--brokers=k:9092", "--topics-file", file}, vars, nil)
+	require.NoError(t, err)
+	require.Equal(t, map[string]string{"Foo": "b"}, got.Topics)
+	got, err = relayconfig.Parse([]string{"--brokers=k:9092", "--topic", "Baz=d"}, vars, nil)
+	require.NoError(t, err)
+	require.Equal(t, map[string]string{"Baz": "d"}, got.Topics)
+	got, err = relayconfig.Parse([]string{"--brokers=k:9092"}, vars, nil)
+	require.NoError(t, err)
+	require.Equal(t, map[string]string{"Foo": "a", "Bar": "c"}, got.Topics, "without either flag, the environment gives the map")
+}
+
+// A topics file maps each event type as written to one topic, or is
+// refused with the line, the event type and the value.
+func TestTopicsFileTakesEachEntryAsWritten(t *testing.T) {
+	t.Parallel()
+	parse := func(body string) (map[string]string, error) {
+		file := t.TempDir() + "/topics.yaml"
+		require.NoError(t, os.WriteFile(file, []byte(body), 0o600))
+		got, err := relayconfig.Parse([]string{"--brokers=k:9092", "--topics-file", file}, env(map[string]string{relayconfig.EnvDSN: "postgres://x"}), nil)
+		return got.Topics, err
+	}
+	got, err := parse("yes: a\n1.0: b\n0x10: c\n\"Order Shipped\": \"123\"\n")
+	require.NoError(t, err)
+	require.Equal(t, map[string]string{"yes": "a", "1.0": "b", "0x10": "c", "Order Shipped": "123"}, got)
+	got, err = parse(`{"E": "t"}`)
+	require.NoError(t, err, "JSON is YAML")
+	require.Equal(t, map[string]string{"E": "t"}, got)
+	for body, want := range map[string]string{
+		"Foo: \"orders,Bar=payments\"\n": `line 1: event type "Foo": "orders,Bar=payments"`,
+		"Foo: \"orders,\"\n":              `event type "Foo": "orders,"`,
+		"Foo:\n":                          `event type "Foo": ""`,
+		"Foo: a\nFoo: b\n":                `line 2: event type "Foo" is mapped twice in the file`,
+		"Foo: [a, b]\n":                   "line 1: want EVENT_TYPE: TOPIC, one name each",
+		"- Foo\n":                         "want a map of event type to topic, not a !!seq",
+		"Foo: &x a\nBar: *x\n":            "line 2: want EVENT_TYPE: TOPIC, one name each",
+	} {
+		_, err := parse(body)
+		require.ErrorContains(t, err, want, "%q", body)
+		require.ErrorContains(t, err, "--topics-file: ", "%q", body)
+	}
+}

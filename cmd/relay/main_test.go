@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relayconfig"
+	"github.com/outbox-relay/outbox-operator/test/devproc"
 	"github.com/outbox-relay/outbox-operator/test/outboxtest"
 	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
@@ -408,4 +410,34 @@ func TestOAuthBearerFromFlags(t *testing.T) {
 		"RELAY_KAFKA_SASL_MECHANISM=OAUTHBEARER", "RELAY_KAFKA_SASL_OAUTH_TOKEN_FILE="+token)...)
 	f.WaitDrained(0, 30*time.Second)
 	require.Len(t, testenv.Broker().Consume(t, f.Topics["E"], 10, 30*time.Second), 10)
+}
+
+// A metrics address already taken (a sidecar's, or the node's with host
+// networking) stops the relay before it claims a row: it exits 1 naming the
+// flag and the address, and leaves every row to the next start. Before, the
+// address was tried beside the start-up check, so the relay started, and
+// exited with its first batch in flight and Run still going.
+func TestMetricsAddressTakenStopsBeforeAnyClaim(t *testing.T) {
+	t.Parallel()
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { taken.Close() })
+	f := outboxtest.NewFixture(t, 1, "E")
+	f.Insert(50, 2, "E")
+	p, err := devproc.Start(devproc.Options{
+		Binary: outboxtest.RelayBinary(t),
+		Args:   f.Args("--"+relayconfig.FlagMetricsAddr, taken.Addr().String(), "--"+relayconfig.FlagLogFormat, "text"),
+		Env:    append(os.Environ(), f.Env()...),
+	})
+	require.NoError(t, err)
+	t.Cleanup(p.Kill)
+	code, err := p.Wait(30 * time.Second)
+	require.NoError(t, err)
+	require.Equal(t, 1, code, p.Output())
+	require.Contains(t, p.Output(), "--"+relayconfig.FlagMetricsAddr+" "+taken.Addr().String())
+	require.NotContains(t, p.Output(), "relay started", "it stops before the relay runs")
+	require.Equal(t, 50, f.Unpublished())
+	size, err := testenv.Broker().TopicBytes(f.Topics["E"])
+	require.NoError(t, err)
+	require.Zero(t, size, "nothing reached Kafka")
 }

@@ -5,12 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/outbox-relay/outbox-operator/relay"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 // serve runs the relay and its HTTP endpoints until ctx ends.
@@ -39,10 +41,17 @@ func serve(ctx context.Context, o *options) error {
 		}
 		io.WriteString(w, "ok\n")
 	})
-	srv := &http.Server{Addr: o.metricsAddr, Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	// Listen before anything else starts: an address taken (a sidecar's,
+	// or the node's with host networking) stops the relay before it claims
+	// a row, instead of while a batch is in flight.
+	ln, err := net.Listen("tcp", o.metricsAddr)
+	if err != nil {
+		return fmt.Errorf("--%s %s: %w", relayconfig.FlagMetricsAddr, o.metricsAddr, err)
+	}
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	srvErr := make(chan error, 1)
 	go func() {
-		if err := srv.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			srvErr <- fmt.Errorf("--metrics-addr %s: %w", o.metricsAddr, err)
 		}
 		close(srvErr)
@@ -80,16 +89,20 @@ func serve(ctx context.Context, o *options) error {
 	}
 	o.logger.Info("relay started", "table", o.settings.Table, "brokers", o.settings.Brokers, "topics", len(o.settings.Topics), "batch_size", o.settings.BatchSize)
 
+	// When the endpoints fail, the relay stops as it does on SIGTERM: Run
+	// settles what is in flight before serve returns and Close runs.
+	runCtx, stopRun := context.WithCancel(ctx)
+	defer stopRun()
 	runErr := make(chan error, 1)
-	go func() { runErr <- r.Run(ctx) }()
+	go func() { runErr <- r.Run(runCtx) }()
 	select {
 	case err := <-srvErr:
-		if err != nil {
-			return err
-		}
-		return <-runErr
+		stopRun()
+		return errors.Join(err, <-runErr)
 	case err := <-runErr:
-		o.logger.Info("relay stopped cleanly")
+		if err == nil {
+			o.logger.Info("relay stopped cleanly")
+		}
 		return err
 	}
 }
