@@ -120,7 +120,11 @@ func (r *OutboxRelayReconciler) ensurePDB(ctx context.Context, relay *outboxv1al
 }
 
 // currentDeployment is the relay's Deployment as the cache has it, or nil
-// when there is none or another owner controls it.
+// when there is none or another owner controls it. An orphan this relay
+// will adopt (ensure) counts as its own: its replicas, its pods' mode and
+// its Secrets' record are what the relay goes on from. Before, it counted
+// as none, so adopting an autoscaled relay's Deployment scaled it down to
+// the minimum, and one whose ordering changed rolled without Recreate.
 func (r *OutboxRelayReconciler) currentDeployment(ctx context.Context, relay *outboxv1alpha1.OutboxRelay) (*appsv1.Deployment, error) {
 	d := &appsv1.Deployment{}
 	err := r.Get(ctx, types.NamespacedName{Namespace: relay.Namespace, Name: childName(relay)}, d)
@@ -129,7 +133,7 @@ func (r *OutboxRelayReconciler) currentDeployment(ctx context.Context, relay *ou
 		return nil, nil
 	case err != nil:
 		return nil, fmt.Errorf("get Deployment %s: %w", childName(relay), err)
-	case !metav1.IsControlledBy(d, relay):
+	case !metav1.IsControlledBy(d, relay) && !orphanOf(d, relay):
 		return nil, nil
 	}
 	return d, nil

@@ -327,6 +327,40 @@ func TestOrphanedChildrenAreAdopted(t *testing.T) {
 	require.Equal(t, outboxv1alpha1.ReasonResourceConflict, meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady).Reason)
 }
 
+// An adopted Deployment is the relay's from the first pass: an autoscaled
+// relay's replicas stay as they run until a reading says otherwise, and a
+// relay re-created with another ordering rolls its pods with Recreate, so
+// pods of both orderings never run together. Before, the orphan counted as
+// no Deployment: the first pass scaled it to the minimum and rolled it
+// with RollingUpdate.
+func TestAdoptedDeploymentIsTheRelaysFromTheFirstPass(t *testing.T) {
+	t.Parallel()
+	c, r, relay := fakeRelay(t, interceptor.Funcs{}, func(o *outboxv1alpha1.OutboxRelay) {
+		o.Spec.Replicas = nil
+		o.Spec.Autoscaling = &outboxv1alpha1.AutoscalingSpec{MinReplicas: ptr.To[int32](1), MaxReplicas: 8, OldestAge: "10s"}
+	})
+	ctx := context.Background()
+	key := client.ObjectKeyFromObject(relay)
+	_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	d := fakeDeployment(t, c, relay)
+	d.Spec.Replicas = ptr.To[int32](4) // scaled up under load
+	d.OwnerReferences = nil             // as the garbage collector leaves an orphan
+	require.NoError(t, c.Update(ctx, d))
+	require.NoError(t, c.Delete(ctx, relay))
+	relay.ObjectMeta = metav1.ObjectMeta{Name: relay.Name, Namespace: relay.Namespace, Generation: 1, UID: "second"}
+	relay.Spec.Ordering = outboxv1alpha1.OrderingPartitionKey
+	require.NoError(t, c.Create(ctx, relay))
+
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.NoError(t, c.Get(ctx, key, relay))
+	d = fakeDeployment(t, c, relay)
+	require.True(t, metav1.IsControlledBy(d, relay), "adopted")
+	require.Equal(t, int32(4), *d.Spec.Replicas, "no reading yet: the running count stays")
+	require.Equal(t, appsv1.RecreateDeploymentStrategyType, d.Spec.Strategy.Type, "the ordering changed with the adoption")
+}
+
 // deploymentControllerWrites stands in for the Deployment controller: after
 // a write of a Deployment's spec, it stamps the revision, a write of its
 // own that moves the resourceVersion.
