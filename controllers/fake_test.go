@@ -435,6 +435,10 @@ func TestPausedRelayIsNotObserved(t *testing.T) {
 	require.False(t, r.Flow.observing(key), "a paused relay's backlog is not read")
 	require.Empty(t, series(), "a paused relay has no gauges")
 
+	// Paused for longer than a running manager keeps a reading.
+	require.NoError(t, c.Get(ctx, key, relay))
+	relay.Status.Backlog.ObservedAt = metav1.NewTime(time.Now().Add(-backlogRenewal - outboxv1alpha1.DefaultLagThreshold))
+	require.NoError(t, c.Status().Update(ctx, relay))
 	require.NoError(t, c.Get(ctx, key, relay))
 	delete(relay.Annotations, outboxv1alpha1.ReconcileAnnotation)
 	require.NoError(t, c.Update(ctx, relay))
@@ -443,6 +447,41 @@ func TestPausedRelayIsNotObserved(t *testing.T) {
 	require.True(t, r.Flow.observing(key), "resumed, it is observed again")
 	require.Equal(t, 1.0, series()["outbox_operator_desired_replicas"])
 	require.Equal(t, -1.0, series()["outbox_operator_lagging"], "not read yet since it resumed")
+}
+
+// A manager that starts, or takes the lead, keeps each relay's Lagging
+// verdict until its own first reading: a relay found lagging stays not
+// Ready, and its status is not written. Before, every relay went Lagging
+// Unknown (Observing) meanwhile, a stalled one Ready, and each status was
+// written twice (up to a minute per relay with a thousand relays).
+func TestNewManagerKeepsTheVerdictUntilItsFirstReading(t *testing.T) {
+	t.Parallel()
+	c, r, relay := fakeRelay(t, interceptor.Funcs{}, nil)
+	ctx := context.Background()
+	key := client.ObjectKeyFromObject(relay)
+	seedReading(t, r, key)
+	r.Flow.relays[key].latest.groups[0].age = 600 // the oldest row waits 10 min
+	_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	d := fakeDeployment(t, c, relay)
+	d.Status = appsv1.DeploymentStatus{ObservedGeneration: d.Generation, Replicas: 1, UpdatedReplicas: 1, ReadyReplicas: 1, AvailableReplicas: 1}
+	require.NoError(t, c.Status().Update(ctx, d))
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.NoError(t, c.Get(ctx, key, relay))
+	lag := *meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging)
+	require.Equal(t, metav1.ConditionTrue, lag.Status)
+	require.Equal(t, metav1.ConditionFalse, meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady).Status)
+	written := relay.ResourceVersion
+
+	next := &OutboxRelayReconciler{Client: c, APIReader: c, RelayImage: r.RelayImage,
+		secrets: newSecretCache(0, nil), configMaps: newConfigMapCache(0), Flow: NewFlowObserver()}
+	_, err = next.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.NoError(t, c.Get(ctx, key, relay))
+	require.Equal(t, lag, *meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging), "the last verdict stands")
+	require.Equal(t, metav1.ConditionFalse, meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady).Status, "a lagging relay is not Ready")
+	require.Equal(t, written, relay.ResourceVersion, "nothing to write")
 }
 
 // A relay whose children cannot be written (here a Deployment of its name

@@ -47,11 +47,11 @@ func lagThreshold(relay *outboxv1alpha1.OutboxRelay) time.Duration {
 	return outboxv1alpha1.DefaultLagThreshold
 }
 
-// slotUnreadSince reports whether relay, with writer deletes, last found its
-// slot unread by any relay pod since at least threshold before now: its
-// events may have waited in the WAL that long.
-func slotUnreadSince(relay *outboxv1alpha1.OutboxRelay, now time.Time, threshold time.Duration) bool {
-	c, b := relay.Spec.Capture, relay.Status.Backlog
+// slotUnreadSince reports whether relay, with writer deletes, found its
+// slot unread by any relay pod in reading b since at least threshold
+// before now: its events may have waited in the WAL that long.
+func slotUnreadSince(relay *outboxv1alpha1.OutboxRelay, b *outboxv1alpha1.BacklogStatus, now time.Time, threshold time.Duration) bool {
+	c := relay.Spec.Capture
 	if c == nil || !c.WriterDeletes || b == nil || b.Slot == nil || !b.Slot.Exists || b.Slot.Active {
 		return false
 	}
@@ -76,18 +76,41 @@ const readingFailed = "; the latest reading failed: "
 func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, now time.Time) verdict {
 	threshold := lagThreshold(relay)
 	b := obs.backlog
+	// last is the latest good reading: this manager's (kept through a
+	// failed read), else the one status holds. Status keeps an unchanged
+	// reading's observedAt for minutes (withObservedAt), so it is the
+	// older of the two; before, a failed read was measured against it, and
+	// an idle relay read every 15 s went Unknown at the first failure.
+	last := b
+	if last == nil {
+		last = relay.Status.Backlog
+	}
+	prev := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging)
 	switch {
 	case obs.notRead != "":
 		return verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonBacklogNotRead, obs.notRead}
 	case b == nil && obs.err == "":
+		// Not read yet by this manager, just started or newly leader: the
+		// verdict of the reading status holds stands, as it was, until this
+		// manager's first read ends (a read has a deadline). Before, it was
+		// Unknown meanwhile: a restart wrote every relay's status twice,
+		// and called a stalled relay Ready until its first reading. Only
+		// a reading that a running manager would still be showing counts
+		// (it renews observedAt within backlogRenewal), not one of a relay
+		// paused or left unobserved for longer.
+		if prev != nil && prev.Status != metav1.ConditionUnknown && !obs.retargeted &&
+			prev.ObservedGeneration == relay.Generation && relay.Status.Backlog != nil &&
+			now.Sub(relay.Status.Backlog.ObservedAt.Time) < backlogRenewal+threshold {
+			return verdict{prev.Status, prev.Reason, prev.Message}
+		}
 		return verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonObserving, "the operator has not read the backlog yet"}
 	case obs.err != "":
 		// A relay found lagging stays so while its last reading is younger
 		// than the threshold: one failed read (a timeout, most likely when
 		// the database is overloaded) must not call a stalled relay Ready
 		// until the next reading says it is stalled again.
-		if prev := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging); prev != nil && !obs.retargeted &&
-			prev.Status == metav1.ConditionTrue && relay.Status.Backlog != nil && now.Sub(relay.Status.Backlog.ObservedAt.Time) < threshold {
+		if prev != nil && !obs.retargeted &&
+			prev.Status == metav1.ConditionTrue && last != nil && now.Sub(last.ObservedAt.Time) < threshold {
 			last, _, _ := strings.Cut(prev.Message, readingFailed)
 			return verdict{metav1.ConditionTrue, prev.Reason, last + readingFailed + obs.err}
 		}
@@ -97,10 +120,10 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 		// not been so for the threshold (NotStreaming, above). Before, one
 		// failed read made it Unknown at once, which Argo CD's health
 		// check reads as Degraded.
-		if prev := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging); prev != nil && !obs.retargeted &&
-			prev.Status == metav1.ConditionFalse && relay.Status.Backlog != nil &&
-			relay.Status.Backlog.OldestAge.Duration+now.Sub(relay.Status.Backlog.ObservedAt.Time) < threshold &&
-			!slotUnreadSince(relay, now, threshold) {
+		if prev != nil && !obs.retargeted &&
+			prev.Status == metav1.ConditionFalse && last != nil &&
+			last.OldestAge.Duration+now.Sub(last.ObservedAt.Time) < threshold &&
+			!slotUnreadSince(relay, last, now, threshold) {
 			last, _, _ := strings.Cut(prev.Message, readingFailed)
 			return verdict{metav1.ConditionFalse, prev.Reason, last + readingFailed + obs.err}
 		}
@@ -143,7 +166,6 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 	// under the threshold: a backlog whose age saw-tooths across the
 	// threshold does not flip Lagging (and Ready, and its events) at
 	// every reading.
-	prev := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging)
 	stillLagging := prev != nil && prev.Status == metav1.ConditionTrue
 	if stillLagging && b.OldestAge.Duration <= threshold {
 		msg += fmt.Sprintf("; lagging until the oldest row is under %s", threshold-threshold/lagHysteresis)

@@ -70,6 +70,30 @@ func TestLaggingOutlivesAFailedReading(t *testing.T) {
 	require.Equal(t, outboxv1alpha1.ReasonBacklogUnavailable, v.reason, "a reading of another table vouches for nothing")
 }
 
+// A failed read is measured against this manager's last good reading,
+// not against status.backlog, whose observedAt an unchanged reading keeps
+// for minutes. Before, an idle relay read every 15 s, its status showing a
+// reading 3 min old, went Unknown (Argo CD: Degraded) at the first failed
+// read, and a lagging one Ready.
+func TestAFailedReadIsMeasuredAgainstTheLastReading(t *testing.T) {
+	t.Parallel()
+	now := time.Now()
+	stored := func(status metav1.ConditionStatus, reason string) *outboxv1alpha1.OutboxRelay {
+		return &outboxv1alpha1.OutboxRelay{Status: outboxv1alpha1.OutboxRelayStatus{
+			Backlog:    &outboxv1alpha1.BacklogStatus{ObservedAt: metav1.NewTime(now.Add(-3 * time.Minute))},
+			Conditions: []metav1.Condition{{Type: outboxv1alpha1.ConditionLagging, Status: status, Reason: reason, Message: "m"}},
+		}}
+	}
+	failed := observation{err: "timeout reading the backlog",
+		backlog: &outboxv1alpha1.BacklogStatus{ObservedAt: metav1.NewTime(now.Add(-15 * time.Second))}}
+	v := lagging(stored(metav1.ConditionFalse, outboxv1alpha1.ReasonFlowing), failed, 1, now)
+	require.Equal(t, verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonFlowing, "m" + readingFailed + failed.err}, v)
+	v = lagging(stored(metav1.ConditionTrue, outboxv1alpha1.ReasonNotPublishing), failed, 1, now)
+	require.Equal(t, verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonNotPublishing, "m" + readingFailed + failed.err}, v)
+	failed.backlog = nil // no reading by this manager: status's is the last
+	require.Equal(t, metav1.ConditionUnknown, lagging(stored(metav1.ConditionFalse, outboxv1alpha1.ReasonFlowing), failed, 1, now).status)
+}
+
 // With writer deletes, a slot no relay pod streams from is NotStreaming
 // only once the operator's readings have found it so for longer than the
 // threshold: a rollout or a standby's takeover leaves it unread for
