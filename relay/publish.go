@@ -172,6 +172,15 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 			r.topicFailed(r.cfg.Topics[x.eventType], x, b.errs[i], now)
 			r.stopLane(b, x, i, now.Add(r.cfg.MaxBackoff))
 		case permanent:
+			if r.laneStopped(b, x, i) {
+				// admit found it too large before an older row of its key
+				// failed: it waits behind that row for a later batch, and
+				// is decided then. Before, it was dead-lettered (or held,
+				// blocking its key for HeldRetryInterval) ahead of it.
+				b.out[i] = skipped
+				r.stopLane(b, x, i, time.Time{})
+				continue
+			}
 			r.m.publishErrors.WithLabelValues("permanent").Inc()
 			if r.deadLetter(ctx, x, b.errs[i]) {
 				published = append(published, x.id)
@@ -811,6 +820,14 @@ func (r *Relay) writeWith(ctx context.Context, w MessageWriter, msgs []kafka.Mes
 				// chose (explicitBalancer): it learns it from fresh metadata.
 				r.freshMetadata()
 				report(j, transient, e)
+			case leaderMoved(e):
+				// kafka-go does not refresh its metadata on such an answer,
+				// only at a random time within MetadataTTL (30 s): until
+				// then every try went to the old leader (a rolling restart
+				// or a preferred-leader election stalled the partition for
+				// 26 s once, 75 tries).
+				r.freshMetadata()
+				report(j, transient, e)
 			default:
 				report(j, transient, e)
 			}
@@ -827,6 +844,14 @@ func (r *Relay) writeWith(ctx context.Context, w MessageWriter, msgs []kafka.Mes
 		}
 	}
 	return err
+}
+
+// leaderMoved reports whether a broker answered that it no longer leads
+// the partition, or that its leader is not known yet.
+func leaderMoved(err error) bool {
+	return errors.Is(err, kafka.NotLeaderForPartition) || errors.Is(err, kafka.LeaderNotAvailable) ||
+		errors.Is(err, kafka.FencedLeaderEpoch) || errors.Is(err, kafka.UnknownLeaderEpoch) ||
+		errors.Is(err, kafka.KafkaStorageError)
 }
 
 // deadLetter publishes a refused row, payload and all, to the dead-letter

@@ -381,6 +381,82 @@ func TestARecordInAMergedBatchIsNotDeadLetteredForAnother(t *testing.T) {
 	}
 }
 
+// A row admit finds too large waits behind an older row of its key that
+// then fails transiently: it is neither dead-lettered nor held in this
+// batch, and is decided in a later one, after that row. Before, it went to
+// the dead-letter topic ahead of the older row, so the key's rows there
+// could come in reverse order (with logical replication too, which keeps
+// a key's order within a batch the same way).
+func TestATooLargeRowWaitsBehindItsKeysFailedRow(t *testing.T) {
+	for _, mode := range []Ordering{OrderingPartitionKey, OrderingNone} {
+		t.Run(string(mode), func(t *testing.T) {
+			c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "t", "dlq"))
+			require.NoError(t, err)
+			defer c.Close()
+			r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, DeadLetterTopic: "dlq",
+				PublishTimeout: time.Second, Ordering: mode}})
+			if mode == OrderingNone {
+				r.capture = &captureState{} // logical replication keeps a key's order within a batch
+			}
+			var dead []string
+			r.writer = writerFunc(func(_ context.Context, msgs ...kafka.Message) error {
+				if msgs[0].Topic == "dlq" {
+					for _, m := range msgs {
+						dead = append(dead, eventIDOf(m))
+					}
+					return nil
+				}
+				errs := make(kafka.WriteErrors, len(msgs))
+				for i := range errs {
+					errs[i] = kafka.NotEnoughReplicas
+				}
+				return errs
+			})
+			r.topics.partitions["t"], r.topics.maxBytes["t"] = 1, 2000
+			rows := []row{
+				{id: 1, eventID: "valid", eventType: "E", partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now()},
+				{id: 2, eventID: "later-too-large", eventType: "E", partitionKey: "k", payload: bytes.Repeat([]byte("x"), 5000), createdAt: time.Now()},
+			}
+			published, retry, _ := r.publish(context.Background(), rows)
+			require.Empty(t, published)
+			require.Empty(t, dead, "nothing dead-lettered ahead of the key's older row")
+			require.False(t, r.held.isHeld(2), "nor held")
+			if mode == OrderingNone {
+				require.Equal(t, []int64{1, 2}, retry, "both again, in order")
+			}
+		})
+	}
+}
+
+// A partition whose leader moved is written to its new leader within a
+// few tries: the old leader's answer drops the writers' cached metadata.
+// Before, kafka-go wrote to the old leader until its metadata refresh
+// came, at a random time within 30 s (26 s once, 75 tries).
+func TestAMovedLeaderIsFoundAtOnce(t *testing.T) {
+	c, err := kfake.NewCluster(kfake.NumBrokers(2), kfake.SeedTopics(1, "t"))
+	require.NoError(t, err)
+	defer c.Close()
+	r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, PublishTimeout: 2 * time.Second}})
+	ev := row{id: 1, eventID: "e1", eventType: "E", partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now()}
+	published, _, err := r.publish(context.Background(), []row{ev})
+	require.NoError(t, err)
+	require.Equal(t, []int64{1}, published, "the writers know the first leader")
+	require.NoError(t, c.MoveTopicPartition("t", 0, 1-c.LeaderFor("t", 0)))
+
+	ev.id, ev.eventID = 2, "e2"
+	start := time.Now()
+	require.Eventually(t, func() bool {
+		published, _, _ := r.publish(context.Background(), []row{ev})
+		return len(published) == 1
+	}, 5*time.Second, 50*time.Millisecond, "the new leader was not written to within 5 s")
+	t.Logf("published on the new leader after %s", time.Since(start).Round(time.Millisecond))
+}
+
+// writerFunc is a MessageWriter.
+type writerFunc func(ctx context.Context, msgs ...kafka.Message) error
+
+func (f writerFunc) WriteMessages(ctx context.Context, msgs ...kafka.Message) error { return f(ctx, msgs...) }
+
 // mergingWriter answers its first two calls as one record batch: both are
 // refused when either carries the record whose event id is "poison", as a
 // partition's batch is. It answers every later call alone, and takes
