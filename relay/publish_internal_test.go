@@ -15,6 +15,7 @@ import (
 	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
@@ -450,6 +451,48 @@ func TestAMovedLeaderIsFoundAtOnce(t *testing.T) {
 		return len(published) == 1
 	}, 5*time.Second, 50*time.Millisecond, "the new leader was not written to within 5 s")
 	t.Logf("published on the new leader after %s", time.Since(start).Round(time.Millisecond))
+}
+
+// A topic whose limit the relay can no longer read (its DESCRIBE_CONFIGS
+// permission revoked, say) has no known limit: a record over the limit
+// read before is sent, and the topic, which may have been made again
+// with a larger one, takes it. Before, that old limit stood for good and
+// the record was dead-lettered without the broker refusing it.
+func TestALimitNoLongerReadIsNotKnown(t *testing.T) {
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "t", "dlq"))
+	require.NoError(t, err)
+	defer c.Close()
+	r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, DeadLetterTopic: "dlq", PublishTimeout: 2 * time.Second}})
+	r.topics.maxBytes["t"] = 2000 // read before
+	c.ControlKey(int16(kmsg.DescribeConfigs), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		c.KeepControl()
+		dr := req.(*kmsg.DescribeConfigsRequest)
+		resp := dr.ResponseKind().(*kmsg.DescribeConfigsResponse)
+		for _, res := range dr.Resources {
+			rr := kmsg.NewDescribeConfigsResponseResource()
+			rr.ResourceType, rr.ResourceName, rr.ErrorCode = res.ResourceType, res.ResourceName, kerr.TopicAuthorizationFailed.Code
+			resp.Resources = append(resp.Resources, rr)
+		}
+		return resp, nil, true
+	})
+	require.NoError(t, r.topics.refreshLimits(context.Background(), r.client, []string{"t"}, time.Minute))
+	require.False(t, r.topics.limitKnown("t"))
+
+	var dead int
+	var mu sync.Mutex
+	r.writer = writerFunc(func(ctx context.Context, msgs ...kafka.Message) error {
+		if msgs[0].Topic == "dlq" {
+			mu.Lock()
+			dead += len(msgs)
+			mu.Unlock()
+		}
+		return nil // the topic takes it
+	})
+	x := row{id: 1, eventID: "e1", eventType: "E", partitionKey: "k", payload: bytes.Repeat([]byte("x"), 5000), createdAt: time.Now()}
+	published, _, err := r.publish(context.Background(), []row{x})
+	require.NoError(t, err)
+	require.Equal(t, []int64{1}, published)
+	require.Zero(t, dead, "sent to its topic, not dead-lettered")
 }
 
 // writerFunc is a MessageWriter.

@@ -425,6 +425,14 @@ func (s *topicState) refreshLimits(ctx context.Context, c *kafka.Client, topics 
 			if errors.Is(res.Error, kafka.UnknownTopicOrPartition) {
 				s.markDown(res.ResourceName, res.Error, now, limit)
 			}
+			// A limit read before is no longer known: the topic may have
+			// been made again, or its limit raised, meanwhile. Against
+			// a guess a row is held, not dead-lettered (admit). Before,
+			// the last limit read stood for good, and a row the topic
+			// now takes could be dead-lettered.
+			s.mu.Lock()
+			delete(s.maxBytes, res.ResourceName)
+			s.mu.Unlock()
 			continue
 		}
 		configs := map[string]string{}
