@@ -212,6 +212,8 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		{"table identifier of 64 characters", func(s map[string]any) { s["table"] = "public." + ident64 }, []string{"spec.table"}},
 		{"table starting with a digit", func(s map[string]any) { s["table"] = "1outbox" }, []string{"spec.table"}},
 		{"table in upper case", func(s map[string]any) { s["table"] = "events.Outbox_2" }, []string{"spec.table"}},
+		{"table that is its own held table", func(s map[string]any) { s["table"] = "app." + strings.Repeat("o", 58) + "_held" }, []string{"spec.table: a name of 63 characters ending in _held"}},
+		{"table that is its own event id table", func(s map[string]any) { s["table"] = strings.Repeat("o", 53) + "_event_ids" }, []string{"its own held or event id table"}},
 		{"maxBatchBytes below 64 KiB", func(s map[string]any) { s["maxBatchBytes"] = int64(65535) }, []string{"spec.maxBatchBytes"}},
 		{"maxBatchBytes above 64 MiB", func(s map[string]any) { s["maxBatchBytes"] = int64(67108865) }, []string{"spec.maxBatchBytes"}},
 		{"event type with a leading space", func(s map[string]any) { s["topics"] = map[string]any{" OrderConfirmed": "orders"} }, []string{"spec.topics"}},
@@ -340,6 +342,7 @@ func TestAPIServerAcceptsEdgeCases(t *testing.T) {
 		{"event type with dots and colons", func(s map[string]any) { s["topics"] = map[string]any{"com.example:Order.Confirmed": "orders"} }},
 		{"deadLetterTopic distinct", func(s map[string]any) { s["deadLetterTopic"] = "orders.dlq" }},
 		{"table schema-qualified", func(s map[string]any) { s["table"] = "events.outbox_2" }},
+		{"table of 62 characters ending in _held", func(s map[string]any) { s["table"] = strings.Repeat("o", 57) + "_held" }},
 		{"maxBatchBytes 64 KiB", func(s map[string]any) { s["maxBatchBytes"] = int64(65536) }},
 		{"SASL PLAIN with TLS", func(s map[string]any) {
 			kafka(s)["tls"] = map[string]any{}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"os/exec"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -231,4 +232,31 @@ func TestSlowShapeReadHoldsUpNoOtherStore(t *testing.T) {
 	require.NoError(t, slowErr)
 	require.NoError(t, slow.Commit(ctx))
 	require.Equal(t, 2, f.Count(`SELECT count(*) FROM outbox`))
+}
+
+// A table name of 63 characters ending in _held or _event_ids is its own
+// held or event id table once cut to fit, and is refused; one a character
+// shorter is not, and SelfDerivedPattern, which the OutboxRelay schema
+// carries, matches exactly the refused names.
+func TestTableThatIsItsOwnDerivedTableIsRefused(t *testing.T) {
+	self := regexp.MustCompile(outbox.SelfDerivedPattern)
+	for name, refused := range map[string]bool{
+		strings.Repeat("o", 58) + "_held":          true,
+		"app." + strings.Repeat("o", 58) + "_held": true,
+		strings.Repeat("o", 53) + "_event_ids":     true,
+		strings.Repeat("o", 57) + "_held":          false,
+		strings.Repeat("o", 52) + "_event_ids":     false,
+		strings.Repeat("o", 58) + "_held.outbox":   false,
+		strings.Repeat("o", 63):                    false,
+		"outbox":                                   false,
+		strings.Repeat("o", 56) + "_held_2":        false,
+	} {
+		_, err := outbox.ParseTable(name)
+		if refused {
+			require.ErrorContains(t, err, "is the name of its own held or event id table", name)
+		} else {
+			require.NoError(t, err, name)
+		}
+		require.Equal(t, refused, self.MatchString(name), name)
+	}
 }

@@ -43,11 +43,23 @@ func ParseTable(s string) (Table, error) {
 			return Table{}, fmt.Errorf("table %q: %q is not a plain identifier (lower-case letters, digits and _, starting with a letter or _, at most 63 characters)", s, p)
 		}
 	}
+	t := Table{Name: parts[0]}
 	if len(parts) == 2 {
-		return Table{Schema: parts[0], Name: parts[1]}, nil
+		t = Table{Schema: parts[0], Name: parts[1]}
 	}
-	return Table{Name: parts[0]}, nil
+	// A name of 63 bytes ending in a derived table's suffix is its own
+	// derived table once cut to fit (suffixed): the relay would add the
+	// held table's columns to the outbox and write its records there.
+	if t.HeldTable() == t || t.EventIDsTable() == t {
+		return Table{}, fmt.Errorf("table %q: a name of 63 characters ending in _held or _event_ids is the name of its own held or event id table; shorten it", s)
+	}
+	return t, nil
 }
+
+// SelfDerivedPattern matches the table names ParseTable refuses for being
+// their own held or event id table; the OutboxRelay schema refuses them
+// with the same expression (a test compares them).
+const SelfDerivedPattern = `(^|[.])([a-z_][a-z0-9_]{57}_held|[a-z_][a-z0-9_]{52}_event_ids)$`
 
 // String is the name as configured.
 func (t Table) String() string {

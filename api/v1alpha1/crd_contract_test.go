@@ -113,6 +113,7 @@ func TestCRDMatchesRelayContract(t *testing.T) {
 
 	table := spec.at(t, "table")
 	require.Equal(t, relayconfig.TablePattern, table.Pattern, "spec.table pattern")
+	require.Contains(t, table.rules(), "!self.matches('"+outbox.SelfDerivedPattern+"')", "spec.table refuses what outbox.ParseTable does")
 	require.Equal(t, relayconfig.PartitionColumnPattern, spec.at(t, "partitionColumn").Pattern, "spec.partitionColumn pattern")
 	var own []string // relayconfig.CheckPartitionColumn refuses these
 	for _, c := range append(slices.Clone(outbox.Columns), outbox.OptionalColumns...) {

@@ -506,6 +506,7 @@ type OutboxRelaySpec struct {
 	// +kubebuilder:default=outbox
 	// +kubebuilder:validation:MaxLength=127
 	// +kubebuilder:validation:Pattern=`^[a-z_][a-z0-9_]{0,62}(\.[a-z_][a-z0-9_]{0,62})?$`
+	// +kubebuilder:validation:XValidation:rule="!self.matches('(^|[.])([a-z_][a-z0-9_]{57}_held|[a-z_][a-z0-9_]{52}_event_ids)$')",message="spec.table: a name of 63 characters ending in _held or _event_ids is the name of its own held or event id table; shorten it"
 	// +optional
 	Table string `json:"table,omitempty"`
 
