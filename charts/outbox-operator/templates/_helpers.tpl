@@ -76,9 +76,9 @@ CRD added: it renders only with image.tag or image.digest.
 {{- printf "%s-digest-key" (include "outbox-operator.fullname" .) }}
 {{- end }}
 
-{{/* The metrics Service's name. */}}
+{{/* The metrics Service's name: a Service's name is at most 63 characters, suffix included. */}}
 {{- define "outbox-operator.metricsService" -}}
-{{- printf "%s-metrics" (include "outbox-operator.fullname" .) }}
+{{- printf "%s-metrics" (include "outbox-operator.fullname" . | trunc 55 | trimSuffix "-") }}
 {{- end }}
 
 {{/*

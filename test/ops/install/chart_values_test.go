@@ -49,6 +49,21 @@ var chartCases = []chartCase{
 			require.NotContains(t, fmt.Sprint(o.Object), "insecureSkipVerify", "%s/%s", o.GetKind(), o.GetName())
 		}
 	}},
+	// A Service's name is at most 63 characters: the metrics Service's
+	// suffix goes on a base cut to fit. Before, a release name of 41
+	// characters or more made a name the API server refuses.
+	{name: "longest fullname", values: `{fullnameOverride: ` + strings.Repeat("r", 63) + `}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
+		svc := find(t, objs, "Service", strings.Repeat("r", 55)+"-metrics")
+		require.LessOrEqual(t, len(svc.GetName()), 63)
+	}},
+	// Without leader election, an upgrade must not run the old and the new
+	// manager side by side, as a rolling update would.
+	{name: "leader election off", values: `{leaderElection: {enabled: false}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
+		deploy := find(t, objs, "Deployment", "")
+		strategy, _, _ := unstructured.NestedString(deploy.Object, "spec", "strategy", "type")
+		require.Equal(t, "Recreate", strategy)
+		require.NotContains(t, container(t, deploy)["args"], "--leader-elect")
+	}},
 	{name: "fullnameOverride", values: `{fullnameOverride: relays}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
 		for _, o := range objs {
 			if o.GetKind() != "CustomResourceDefinition" {
