@@ -47,12 +47,19 @@ The operator image: repository@digest, or repository:tag (tag defaults to
 appVersion). A development chart (appVersion ending in -dev: the chart of a
 source checkout, which `make release` stamps with the release's version) has
 no released image of its own, and an older release ignores the fields its
-CRD added: it renders only with image.tag or image.digest.
+CRD added: it renders only with image.tag or image.digest. A tag naming an
+older release (vX.Y.Z before appVersion) is refused for the same reason: a
+values file kept from that release's upgrade pins it.
 */}}
 {{- define "outbox-operator.image" -}}
 {{- if .Values.image.digest }}
 {{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
 {{- else if .Values.image.tag }}
+{{- $tag := .Values.image.tag | trimPrefix "v" }}
+{{- $chart := regexReplaceAll "-.*$" (.Chart.AppVersion | trimPrefix "v") "" }}
+{{- if and (regexMatch "^[0-9]+\\.[0-9]+\\.[0-9]+$" $tag) (semverCompare (printf "<%s" $chart) $tag) }}
+{{- fail (printf "image.tag %s is an older operator release than this chart's (v%s): it ignores the fields this chart's CRD added, and the chart's arguments may be new to it. Drop image.tag (a values file kept from that release pins it) to run the chart's own release, or set v%s or later" .Values.image.tag $chart $chart) }}
+{{- end }}
 {{- printf "%s:%s" .Values.image.repository .Values.image.tag }}
 {{- else if hasSuffix "-dev" .Chart.AppVersion }}
 {{- fail (printf "this chart is a development version (%s, from a source checkout): no released operator image matches its CRD, and an older one ignores the fields it added. Set image.tag or image.digest to an operator image built from the same commit (make images), or install a released chart" .Chart.Version) }}

@@ -225,6 +225,18 @@ func TestChartDefaultImageIsItsOwnRelease(t *testing.T) {
 	objs, _, err := renderChart(t, released, nil)
 	require.NoError(t, err)
 	require.Equal(t, "ghcr.io/outbox-relay/outbox-operator:"+released.Metadata.AppVersion, container(t, find(t, objs, "Deployment", ""))["image"])
+
+	// A tag of an older release, as a values file kept from its upgrade
+	// pins, is refused, released chart or not: that operator ignores the
+	// fields this chart's CRD added. Before, the upgrade went through and
+	// the old operator ran on.
+	for _, c := range []*chart.Chart{dev, released} {
+		_, _, err = renderChart(t, c, values(t, "{image: {tag: v"+latest.Version+"}}"))
+		require.ErrorContains(t, err, "image.tag v"+latest.Version+" is an older operator release than this chart's")
+		require.ErrorContains(t, err, "Drop image.tag")
+		_, _, err = renderChart(t, c, values(t, `{image: {tag: "sha-0123abc"}}`))
+		require.NoError(t, err, "a tag that names no release is the user's to choose")
+	}
 }
 
 func container(t *testing.T, deploy *unstructured.Unstructured) map[string]any {
