@@ -39,7 +39,8 @@ var podMonitorGVK = schema.GroupVersionKind{Group: "monitoring.coreos.com", Vers
 const podMonitorRecheck = 5 * time.Minute
 
 // podMonitorProblemRecheck is how long a PodMonitor the cluster serves no
-// kind for, or the operator may not write, is taken to stay so: each try
+// kind for, the operator may not write (or delete), or whose name another
+// object holds, is taken to stay so: each try
 // costs a request, and for a kind the cluster does not serve a discovery
 // of the API server's groups too, which a thousand relays would otherwise
 // repeat at every backlog reading. A CRD installed or a role widened is
@@ -49,13 +50,25 @@ const podMonitorProblemRecheck = time.Minute
 // podMonitorSeen is a relay's PodMonitor as ensurePodMonitor last left it.
 type podMonitorSeen struct {
 	uid  types.UID // the relay's: one made again under its name is another
-	hash string    // the PodMonitor's spec-hash annotation
+	hash string    // the PodMonitor's spec-hash annotation; podMonitorOff for one to delete
 	at   time.Time
 	// reason and message are the Monitoring condition's when the
 	// PodMonitor could not be made (no CRD, forbidden), for the relay's
 	// generation; empty when made.
 	reason, message string
 	generation      int64
+}
+
+// podMonitorOff is podMonitorSeen's hash for a relay whose PodMonitor is to
+// be deleted, which the operator may not delete.
+const podMonitorOff = "off"
+
+// recent reports whether last, a problem, still stands for seen: the same
+// relay and wish, the same generation, tried less than
+// podMonitorProblemRecheck ago.
+func (last podMonitorSeen) recent(seen podMonitorSeen) bool {
+	return last.reason != "" && last.uid == seen.uid && last.hash == seen.hash && last.generation == seen.generation &&
+		time.Since(last.at) < podMonitorProblemRecheck
 }
 
 // relayJob is the job label the PodMonitor gives every relay's series.
@@ -113,16 +126,26 @@ func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *out
 			Status: status, Reason: reason, Message: msg, ObservedGeneration: relay.Generation})
 	}
 	if relay.Spec.Monitoring == nil || !relay.Spec.Monitoring.PodMonitor {
-		r.podMonitors.Delete(client.ObjectKeyFromObject(relay))
+		key := client.ObjectKeyFromObject(relay)
 		// Only a relay that asked before can own one: others cost no request.
 		if meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionMonitoring) == nil {
+			r.podMonitors.Delete(key)
 			return nil
 		}
+		off := podMonitorSeen{uid: relay.UID, hash: podMonitorOff, generation: relay.Generation}
+		if v, ok := r.podMonitors.Load(key); ok && v.(podMonitorSeen).recent(off) {
+			last := v.(podMonitorSeen)
+			set(metav1.ConditionFalse, last.reason, last.message)
+			return nil
+		}
+		r.podMonitors.Delete(key)
 		err := r.deletePodMonitor(ctx, relay)
 		switch {
 		case apierrors.IsForbidden(err):
-			set(metav1.ConditionFalse, outboxv1alpha1.ReasonPodMonitorForbidden,
-				fmt.Sprintf("spec.monitoring.podMonitor is off but the operator may not delete PodMonitor %s: %v", childName(relay), err))
+			off.at, off.reason = time.Now(), outboxv1alpha1.ReasonPodMonitorForbidden
+			off.message = fmt.Sprintf("spec.monitoring.podMonitor is off but the operator may not delete PodMonitor %s: %v", childName(relay), err)
+			r.podMonitors.Store(key, off)
+			set(metav1.ConditionFalse, off.reason, off.message)
 			return nil
 		case err != nil:
 			return err
@@ -144,7 +167,7 @@ func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *out
 		case last.reason == "" && time.Since(last.at) < podMonitorRecheck:
 			ready()
 			return nil
-		case last.reason != "" && last.generation == seen.generation && time.Since(last.at) < podMonitorProblemRecheck:
+		case last.recent(seen):
 			set(metav1.ConditionFalse, last.reason, last.message)
 			return nil
 		}
@@ -170,8 +193,10 @@ func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *out
 		r.podMonitors.Store(key, seen)
 		set(metav1.ConditionFalse, seen.reason, seen.message)
 	case errors.As(err, &conflict):
-		set(metav1.ConditionFalse, outboxv1alpha1.ReasonResourceConflict,
-			fmt.Sprintf("PodMonitor %s exists and is not controlled by this OutboxRelay; it is left alone", childName(relay)))
+		seen.at, seen.reason = time.Now(), outboxv1alpha1.ReasonResourceConflict
+		seen.message = fmt.Sprintf("PodMonitor %s exists and is not controlled by this OutboxRelay; it is left alone", childName(relay))
+		r.podMonitors.Store(key, seen)
+		set(metav1.ConditionFalse, seen.reason, seen.message)
 	default:
 		return err
 	}

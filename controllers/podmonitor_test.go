@@ -262,6 +262,65 @@ func TestPodMonitorProblemIsNotRetriedAtEveryPass(t *testing.T) {
 	}
 }
 
+// A PodMonitor name another object holds, and a PodMonitor the operator
+// may not delete once the relay stops asking for it, are not read again at
+// every pass either. Before, each cost an uncached read per relay at every
+// backlog reading.
+func TestPodMonitorConflictAndForbiddenDeleteAreNotReadAtEveryPass(t *testing.T) {
+	t.Parallel()
+	var gets, deletes atomic.Int32
+	var owner atomic.Pointer[metav1.OwnerReference] // the PodMonitor's controller; nil: another's object
+	c, r, relay := fakeRelay(t, interceptor.Funcs{
+		Get: func(ctx context.Context, c client.WithWatch, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
+			if u, ok := obj.(*unstructured.Unstructured); ok && u.GroupVersionKind() == podMonitorGVK {
+				gets.Add(1)
+				u.SetNamespace(key.Namespace)
+				u.SetName(key.Name)
+				u.SetUID("podmonitor")
+				if ref := owner.Load(); ref != nil {
+					u.SetOwnerReferences([]metav1.OwnerReference{*ref})
+				} else {
+					u.SetLabels(map[string]string{"app": "theirs"})
+				}
+				return nil
+			}
+			return c.Get(ctx, key, obj, opts...)
+		},
+		Delete: func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.DeleteOption) error {
+			if u, ok := obj.(*unstructured.Unstructured); ok && u.GroupVersionKind() == podMonitorGVK {
+				deletes.Add(1)
+				return apierrors.NewForbidden(schema.GroupResource{Group: "monitoring.coreos.com", Resource: "podmonitors"}, u.GetName(), errors.New("no RBAC rule allows it"))
+			}
+			return c.Delete(ctx, obj, opts...)
+		},
+	}, func(relay *outboxv1alpha1.OutboxRelay) {
+		relay.Spec.Monitoring = &outboxv1alpha1.MonitoringSpec{PodMonitor: true}
+	})
+	key := client.ObjectKeyFromObject(relay)
+	ctx := context.Background()
+	for range 5 {
+		_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+		require.NoError(t, err)
+		require.Equal(t, outboxv1alpha1.ReasonResourceConflict, monitoringCondition(t, c, key).Reason)
+	}
+	require.Equal(t, int32(1), gets.Load(), "a name taken: read once in five passes")
+
+	// The relay stops asking, and its own PodMonitor (made when the
+	// operator's role allowed it) may not be deleted.
+	require.NoError(t, c.Get(ctx, key, relay))
+	owner.Store(metav1.NewControllerRef(relay, outboxv1alpha1.GroupVersion.WithKind("OutboxRelay")))
+	relay.Spec.Monitoring = nil
+	require.NoError(t, c.Update(ctx, relay))
+	gets.Store(0)
+	for range 5 {
+		_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+		require.NoError(t, err)
+		require.Equal(t, outboxv1alpha1.ReasonPodMonitorForbidden, monitoringCondition(t, c, key).Reason)
+	}
+	require.Equal(t, int32(1), gets.Load(), "off and not deletable: read once in five passes")
+	require.Equal(t, int32(1), deletes.Load())
+}
+
 // Every backlog reading wakes its relay, and the client reads PodMonitors
 // from the API server: a relay's PodMonitor found as wanted is not read
 // again at each pass, only after podMonitorRecheck or when what the relay
