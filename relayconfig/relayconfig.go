@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"math"
 	"net"
 	"net/url"
 	"os"
@@ -829,7 +830,11 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.Func(FlagRecordTimestamp, "each record's timestamp: created-at (the row's created_at) or publish (default created-at)", func(v string) error { s.RecordTimestamp = RecordTimestamp(v); return nil })
 	fs.StringVar(&s.CloudEventsSource, FlagCloudEventsSource, "", "ce_source of the cloudevents format, a URI-reference (default /outbox/<table>)")
 	fs.Func(FlagCapture, "how new rows are found: "+joinValues(Captures)+" (default poll)", func(v string) error { s.Capture = Capture(v); return nil })
-	fs.Int64Var(&s.MaxRetainedWAL, FlagMaxRetainedWAL, DefaultMaxRetainedWAL, "logical-replication: the most WAL bytes the slot may hold back before the relay drops it and polls")
+	fs.Func(FlagMaxRetainedWAL, "logical-replication: the most WAL the slot may hold back before the relay drops it and polls, in bytes or with Ki, Mi, Gi, Ti or Pi as spec.capture.maxRetainedWAL takes it (64Mi..1Pi) (default 4Gi)", func(v string) error {
+		n, err := parseBinarySize(v)
+		s.MaxRetainedWAL = n
+		return err
+	})
 	fs.BoolVar(&s.WriterDeletes, FlagWriterDeletes, false, "logical-replication: the writers delete each row in the transaction that inserts it (outbox.WithDeleteOnStore); publish from the stream's rows, put back only what cannot be published, never give up the slot")
 	fs.StringVar(&s.PartitionColumn, FlagPartitionColumn, "", "integer column whose value, when not NULL, is the record's Kafka partition (default: the partition key's hash chooses)")
 	fs.Func(FlagCompression, "produce request codec: none, gzip, snappy, lz4 or zstd (default none)", func(v string) error { s.Compression = Compression(v); return nil })
@@ -862,6 +867,11 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	if fs.NArg() > 0 {
 		return s, fmt.Errorf("unexpected argument %q", fs.Arg(0))
 	}
+	given := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	if given[FlagTopic] || given[FlagTopicsFile] { // one setting (topicsFromOnePlace)
+		given[FlagTopic], given[FlagTopicsFile] = true, true
+	}
 	if err := applyEnv(fs, topicsFromOnePlace(fs, lookupEnv)); err != nil {
 		return s, err
 	}
@@ -880,7 +890,18 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 			s.Brokers = append(s.Brokers, b)
 		}
 	}
-	return s, s.Validate()
+	// A bad value from the environment is named by its variable too: the
+	// command line a user reads does not hold it.
+	errs := Errors(s.Validate())
+	for _, err := range errs {
+		var fe *FieldError
+		if errors.As(err, &fe) && !given[fe.Flag] {
+			if _, set := lookupEnv(EnvName(fe.Flag)); set {
+				fe.Env = EnvName(fe.Flag)
+			}
+		}
+	}
+	return s, errors.Join(errs...)
 }
 
 // Validate checks every setting of the command, the relay's and the
@@ -978,9 +999,17 @@ func (s Settings) Validate() error {
 type FieldError struct {
 	Flag string
 	Err  error
+	// Env is the variable the value came from, when it did not come from
+	// the command line (Parse): the error then names both.
+	Env string
 }
 
-func (e *FieldError) Error() string { return "--" + e.Flag + ": " + e.Err.Error() }
+func (e *FieldError) Error() string {
+	if e.Env != "" {
+		return e.Env + " (--" + e.Flag + "): " + e.Err.Error()
+	}
+	return "--" + e.Flag + ": " + e.Err.Error()
+}
 
 func (e *FieldError) Unwrap() error { return e.Err }
 
@@ -1421,6 +1450,31 @@ func CheckPartitionColumn(c string) error {
 		}
 	}
 	return nil
+}
+
+// binarySuffixes are the size suffixes parseBinarySize takes, as
+// Kubernetes quantities write them.
+var binarySuffixes = []struct {
+	suffix string
+	shift  uint
+}{{"Ki", 10}, {"Mi", 20}, {"Gi", 30}, {"Ti", 40}, {"Pi", 50}}
+
+// parseBinarySize reads a whole number of bytes, or one with a binary
+// suffix (4Gi), the form of the OutboxRelay's quantities: before, the flag
+// took bytes only and answered 4Gi with a bare "parse error".
+func parseBinarySize(v string) (int64, error) {
+	digits, shift := v, uint(0)
+	for _, b := range binarySuffixes {
+		if d, ok := strings.CutSuffix(v, b.suffix); ok {
+			digits, shift = d, b.shift
+			break
+		}
+	}
+	n, err := strconv.ParseInt(digits, 10, 64)
+	if err != nil || n < 0 || n > math.MaxInt64>>shift {
+		return 0, fmt.Errorf("%q is not a size: bytes, or a whole number with Ki, Mi, Gi, Ti or Pi (4Gi)", v)
+	}
+	return n << shift, nil
 }
 
 // CheckMaxRetainedWAL accepts MinMaxRetainedWAL..MaxMaxRetainedWAL bytes.

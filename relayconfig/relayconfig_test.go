@@ -404,3 +404,34 @@ func TestTopicsFileTakesEachEntryAsWritten(t *testing.T) {
 		require.ErrorContains(t, err, "--topics-file: ", "%q", body)
 	}
 }
+
+// --max-retained-wal takes the OutboxRelay's form (4Gi) beside bytes, and
+// a bad value is named with its flag, or with its variable when it came
+// from the environment.
+func TestMaxRetainedWALAndEnvironmentErrors(t *testing.T) {
+	t.Parallel()
+	good := []string{"--brokers=k:9092", "--topic=E=t", "--capture=" + string(relayconfig.CaptureLogicalReplication)}
+	dsn := map[string]string{relayconfig.EnvDSN: "postgres://x"}
+	for v, want := range map[string]int64{"4Gi": 4 << 30, "64Mi": 64 << 20, "1Pi": 1 << 50, "68719476736": 64 << 30} {
+		got, err := relayconfig.Parse(append(good, "--max-retained-wal="+v), env(dsn), nil)
+		require.NoError(t, err, v)
+		require.Equal(t, want, got.MaxRetainedWAL, v)
+	}
+	for v, want := range map[string]string{
+		"4GB":  `flag -max-retained-wal: "4GB" is not a size`,
+		"-1Gi": `"-1Gi" is not a size`,
+		"32Mi": "--max-retained-wal: 33554432 is less than 67108864 (64 MiB)",
+		"2Pi":  "is more than",
+		"9Ei":  `"9Ei" is not a size`,
+	} {
+		_, err := relayconfig.Parse(append(good, "--max-retained-wal="+v), env(dsn), nil)
+		require.ErrorContains(t, err, want, v)
+	}
+
+	vars := map[string]string{relayconfig.EnvDSN: "postgres://x", relayconfig.EnvName(relayconfig.FlagBatchSize): "0"}
+	_, err := relayconfig.Parse(good, env(vars), nil)
+	require.ErrorContains(t, err, "RELAY_BATCH_SIZE (--batch-size): 0 is outside")
+	_, err = relayconfig.Parse(append(good, "--batch-size=0"), env(vars), nil)
+	require.ErrorContains(t, err, "--batch-size: 0 is outside", "given on the command line, it is the flag's")
+	require.NotContains(t, err.Error(), "RELAY_BATCH_SIZE")
+}
