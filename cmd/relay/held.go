@@ -66,6 +66,13 @@ func runHeld(args []string, redrive bool, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "%s: %v\n", cmd, err)
 		return 1
 	}
+	// Cut off at --limit: said on stderr in both outputs, so that the JSON
+	// on stdout stays the array it was.
+	cut := func() {
+		if len(rows) == s.Limit {
+			fmt.Fprintf(stderr, "(the first %d; --%s lists more)\n", s.Limit, relayconfig.FlagLimit)
+		}
+	}
 	if s.Output == "json" {
 		if rows == nil {
 			rows = []relay.HeldRow{}
@@ -75,6 +82,7 @@ func runHeld(args []string, redrive bool, stdout, stderr io.Writer) int {
 		if err := enc.Encode(rows); err != nil {
 			return 1
 		}
+		cut()
 		return 0
 	}
 	w := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
@@ -84,8 +92,6 @@ func runHeld(args []string, redrive bool, stdout, stderr io.Writer) int {
 			r.FirstAttempt.UTC().Format(time.RFC3339), r.LastAttempt.UTC().Format(time.RFC3339), r.RetryAt.UTC().Format(time.RFC3339), r.Error)
 	}
 	w.Flush()
-	if len(rows) == s.Limit {
-		fmt.Fprintf(stderr, "(the first %d; --%s lists more)\n", s.Limit, relayconfig.FlagLimit)
-	}
+	cut()
 	return 0
 }

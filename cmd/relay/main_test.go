@@ -2,6 +2,7 @@ package main_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -318,6 +319,19 @@ func TestHeldAndRedriveSubcommands(t *testing.T) {
 	require.NoError(t, err, out)
 	require.Contains(t, out, `"reason": "refused"`)
 	require.NotContains(t, out, `"too_large"`)
+
+	// Cut off at --limit, the JSON on stdout stays an array and stderr
+	// says so, as in the text output.
+	c := exec.Command(outboxtest.RelayBinary(t), "held", "--output", "json", "--limit", "1")
+	c.Env = env
+	var stderr strings.Builder
+	c.Stderr = &stderr
+	stdout, err := c.Output()
+	require.NoError(t, err, stderr.String())
+	var listed []map[string]any
+	require.NoError(t, json.Unmarshal(stdout, &listed), "stdout is a JSON array: %s", stdout)
+	require.Len(t, listed, 1)
+	require.Contains(t, stderr.String(), "(the first 1; --limit lists more)")
 
 	out, err = cmd("redrive", "--reason", "too_large")
 	require.NoError(t, err, out)
