@@ -26,9 +26,10 @@ import (
 	"github.com/outbox-relay/outbox-operator/outbox"
 )
 
-// LeaderElectionID names the Lease the managers elect their leader with.
-// The installs grant get and update on this Lease alone
-// (config/rbac/leader_election_role.yaml).
+// LeaderElectionID names, by default (the manager's --leader-election-id),
+// the Lease the managers elect their leader with. The installs grant get
+// and update on this Lease alone (config/rbac/leader_election_role.yaml;
+// the chart's leaderElection.id names another).
 const LeaderElectionID = "outbox-operator.outbox.dev"
 
 // secretRetryInterval is how soon a relay waiting for a Secret, or for the

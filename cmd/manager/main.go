@@ -15,6 +15,7 @@ import (
 
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/validation"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -43,6 +44,7 @@ type config struct {
 	// self-signed certificate made at start.
 	metricsCertDir          string
 	leaderElect             bool
+	leaderElectionID        string
 	leaderElectionNamespace string
 	relayImage              string
 	// allowedImages are the prefixes an OutboxRelay's spec.image must start
@@ -82,6 +84,9 @@ func parseConfig(args []string, getenv func(string) string) (config, error) {
 		"Address the /healthz and /readyz endpoints bind to.")
 	fs.BoolVar(&cfg.leaderElect, "leader-elect", false,
 		"Elect a leader so that only one manager replica reconciles at a time.")
+	fs.StringVar(&cfg.leaderElectionID, "leader-election-id", controllers.LeaderElectionID,
+		"Name of the leader-election Lease. Two installs in one namespace (each watching its own namespaces)\n"+
+			"need a name each; the managers of one install must share it, across upgrades too.")
 	fs.StringVar(&cfg.leaderElectionNamespace, "leader-election-namespace", "",
 		"Namespace of the leader-election Lease (default: the pod's namespace).")
 	fs.StringVar(&cfg.relayImage, "relay-image", cmp.Or(getenv("RELAY_IMAGE"), defaultRelayImage()),
@@ -128,6 +133,9 @@ func parseConfig(args []string, getenv func(string) string) (config, error) {
 	if cfg.metricsCertDir != "" && !cfg.metricsSecure {
 		return cfg, errors.New("--metrics-cert-dir: serves HTTPS, which --metrics-secure=false turns off")
 	}
+	if errs := validation.IsDNS1123Subdomain(cfg.leaderElectionID); len(errs) > 0 {
+		return cfg, fmt.Errorf("--leader-election-id: %q is not a Lease name: %s", cfg.leaderElectionID, strings.Join(errs, "; "))
+	}
 	if cfg.relayImage == "" {
 		return cfg, errors.New("--relay-image (or RELAY_IMAGE) must not be empty")
 	}
@@ -165,7 +173,7 @@ func managerOptions(cfg config, scheme *runtime.Scheme) ctrl.Options {
 		Metrics:                 metricsOptions(cfg),
 		HealthProbeBindAddress:  cfg.probeAddr,
 		LeaderElection:          cfg.leaderElect,
-		LeaderElectionID:        controllers.LeaderElectionID,
+		LeaderElectionID:        cfg.leaderElectionID,
 		LeaderElectionNamespace: cfg.leaderElectionNamespace,
 		// The manager exits right after it stops leading, so handing the lease
 		// over at once is safe and spares the next leader the lease timeout.

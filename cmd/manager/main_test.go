@@ -65,6 +65,11 @@ func TestParseConfig(t *testing.T) {
 	opts := managerOptions(cfg, runtime.NewScheme())
 	require.True(t, opts.LeaderElection)
 	require.Equal(t, "outbox-operator.outbox.dev", opts.LeaderElectionID)
+	cfg, err = parseConfig([]string{"--leader-elect", "--leader-election-id=payments.outbox-operator"}, env(nil))
+	require.NoError(t, err)
+	require.Equal(t, "payments.outbox-operator", managerOptions(cfg, runtime.NewScheme()).LeaderElectionID)
+	_, err = parseConfig([]string{"--leader-election-id=Payments"}, env(nil))
+	require.ErrorContains(t, err, `--leader-election-id: "Payments" is not a Lease name`)
 	require.Equal(t, "0", opts.Metrics.BindAddress)
 
 	cfg, err = parseConfig([]string{"--allowed-relay-images= registry.example/relays/ ,,ghcr.io/acme/relay@"}, env(nil))

@@ -484,6 +484,7 @@ func TestChartRefusesBadValues(t *testing.T) {
 		{`{replicaCount: -1}`, "/replicaCount"},
 		{`{replicaCount: "2"}`, "/replicaCount"},
 		{`{replicaCount: 2, leaderElection: {enabled: false}}`, "/replicaCount"},
+		{`{leaderElection: {id: Payments}}`, "/leaderElection/id"},
 		{`{watchNamespaces: [Shop]}`, "/watchNamespaces/0"},
 		{`{watchNamespaces: shop}`, "/watchNamespaces"},
 		{`{relay: {allowedImages: ["a/,b/"]}}`, "/relay/allowedImages/0"},

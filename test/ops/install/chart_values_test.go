@@ -64,6 +64,16 @@ var chartCases = []chartCase{
 		require.Equal(t, "Recreate", strategy)
 		require.NotContains(t, container(t, deploy)["args"], "--leader-elect")
 	}},
+	// A second release in the namespace of another leads with a Lease of
+	// its own, which its Role names alone. Before, the Lease's name was
+	// fixed: the second release's manager never led, and reconciled none
+	// of its namespaces.
+	{name: "leader election id", values: `{leaderElection: {id: payments.outbox-operator}}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
+		require.Contains(t, container(t, find(t, objs, "Deployment", ""))["args"], "--leader-election-id=payments.outbox-operator")
+		rules, _, _ := unstructured.NestedSlice(find(t, objs, "Role", "outbox-outbox-operator-leader-election").Object, "rules")
+		require.Equal(t, []any{"payments.outbox-operator"}, rules[0].(map[string]any)["resourceNames"])
+		require.Equal(t, []any{"get", "update"}, rules[0].(map[string]any)["verbs"])
+	}},
 	{name: "fullnameOverride", values: `{fullnameOverride: relays}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
 		for _, o := range objs {
 			if o.GetKind() != "CustomResourceDefinition" {
