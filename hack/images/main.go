@@ -57,6 +57,7 @@ func main() {
 	seconds := flag.Int64("source-date-epoch", epoch, "Unix time of every file and of the images' creation")
 	releaseVersion := flag.String("release", "", "write release MAJOR.MINOR.PATCH into -out instead: the image index (linux/"+strings.Join(releaseArchs, ", linux/")+"), its SBOM, the chart, install.yaml and checksums.txt")
 	kubectl := flag.String("kubectl", "kubectl", "kubectl that renders config/default for -release")
+	untagged := flag.Bool("untagged", false, "with -release: build from the working tree as it is, not only from a clean checkout of tag v<release> (a trial; never publish it)")
 	flag.Parse()
 	if flag.NArg() != 0 {
 		fail(fmt.Errorf("unexpected arguments %q", flag.Args()))
@@ -69,6 +70,11 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if *releaseVersion != "" {
+		if !*untagged {
+			if err := checkReleaseTree(o.RepoRoot, *releaseVersion); err != nil {
+				fail(err)
+			}
+		}
 		res, err := release(ctx, o, *releaseVersion, *kubectl)
 		if err != nil {
 			fail(err)

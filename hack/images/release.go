@@ -13,6 +13,7 @@ import (
 	"io"
 	"io/fs"
 	"os"
+	"os/exec"
 	"path"
 	"path/filepath"
 	"slices"
@@ -152,6 +153,47 @@ func release(ctx context.Context, o options, version, kubectl string) (releaseRe
 		fmt.Fprintf(&sums, "%s  %s\n", hex.EncodeToString(sum[:]), name)
 	}
 	return res, writeFile(releaseChecksumsFile, sums.Bytes())
+}
+
+// checkReleaseTree refuses to release version from root unless root is a
+// git checkout with nothing uncommitted, its HEAD is the commit tag
+// v<version> names, and the chart there is the release's (Chart.yaml's
+// version, which the tagged commit sets: docs/release.md). Before, `make
+// release` built whatever the working tree held under any VERSION given,
+// such as main's next development version published as the release.
+func checkReleaseTree(root, version string) error {
+	git := func(args ...string) (string, error) {
+		out, err := exec.Command("git", append([]string{"-C", root}, args...)...).CombinedOutput()
+		return strings.TrimSpace(string(out)), err
+	}
+	status, err := git("status", "--porcelain")
+	if err != nil {
+		return fmt.Errorf("release %s: %s is not a git checkout: %v: %s", version, root, err, status)
+	}
+	if status != "" {
+		first, _, _ := strings.Cut(status, "\n")
+		return fmt.Errorf("release %s: the tree has uncommitted or untracked files (%s, ...): a release is built from its tagged commit alone", version, first)
+	}
+	tag := "v" + version
+	tagged, err := git("rev-parse", "--verify", "--quiet", tag+"^{commit}")
+	if err != nil {
+		return fmt.Errorf("release %s: no tag %s: tag the release's commit first (docs/release.md)", version, tag)
+	}
+	if head, _ := git("rev-parse", "HEAD"); head != tagged {
+		return fmt.Errorf("release %s: HEAD is %.12s, not %s (%.12s): git checkout %s", version, head, tag, tagged, tag)
+	}
+	b, err := os.ReadFile(filepath.Join(root, "charts", "outbox-operator", "Chart.yaml"))
+	if err != nil {
+		return err
+	}
+	var meta struct{ Version string }
+	if err := yaml.Unmarshal(b, &meta); err != nil {
+		return fmt.Errorf("Chart.yaml: %w", err)
+	}
+	if meta.Version != version {
+		return fmt.Errorf("release %s: charts/outbox-operator/Chart.yaml at %s has version %q: the release's commit sets the chart's version and appVersion to the release's (docs/release.md)", version, tag, meta.Version)
+	}
+	return nil
 }
 
 // ociLayoutTar is idx as an OCI image layout (oci-layout, index.json,

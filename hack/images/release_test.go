@@ -216,3 +216,44 @@ func readTarGz(t *testing.T, file string) map[string][]byte {
 		out[hdr.Name] = data
 	}
 }
+
+// A release is built only from a clean checkout of its tag, whose chart is
+// the release's: an untagged HEAD, uncommitted or untracked files, or a
+// chart of another version are refused, each saying what to do.
+func TestReleaseOnlyFromItsTag(t *testing.T) {
+	t.Parallel()
+	root := t.TempDir()
+	git := func(args ...string) {
+		t.Helper()
+		cmd := exec.Command("git", append([]string{"-C", root, "-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "commit.gpgsign=false", "-c", "tag.gpgsign=false"}, args...)...)
+		out, err := cmd.CombinedOutput()
+		require.NoError(t, err, "git %v: %s", args, out)
+	}
+	chart := func(version string) {
+		t.Helper()
+		dir := filepath.Join(root, "charts", "outbox-operator")
+		require.NoError(t, os.MkdirAll(dir, 0o755))
+		require.NoError(t, os.WriteFile(filepath.Join(dir, "Chart.yaml"), []byte("name: outbox-operator\nversion: "+version+"\nappVersion: v"+version+"\n"), 0o644))
+	}
+	git("init", "-q")
+	chart("1.2.3")
+	git("add", ".")
+	git("commit", "-q", "-m", "release 1.2.3")
+
+	require.ErrorContains(t, checkReleaseTree(root, "1.2.3"), "no tag v1.2.3")
+	git("tag", "v1.2.3")
+	require.NoError(t, checkReleaseTree(root, "1.2.3"))
+	require.ErrorContains(t, checkReleaseTree(root, "1.2.4"), "no tag v1.2.4")
+
+	require.NoError(t, os.WriteFile(filepath.Join(root, "stray.txt"), []byte("x"), 0o644))
+	require.ErrorContains(t, checkReleaseTree(root, "1.2.3"), "uncommitted or untracked files (?? stray.txt")
+	require.NoError(t, os.Remove(filepath.Join(root, "stray.txt")))
+
+	chart("1.3.0-dev") // main after the release
+	git("commit", "-q", "-am", "next development version")
+	require.ErrorContains(t, checkReleaseTree(root, "1.2.3"), "HEAD is")
+	require.ErrorContains(t, checkReleaseTree(root, "1.2.3"), "git checkout v1.2.3")
+
+	git("tag", "v1.3.0")
+	require.ErrorContains(t, checkReleaseTree(root, "1.3.0"), `Chart.yaml at v1.3.0 has version "1.3.0-dev"`)
+}
