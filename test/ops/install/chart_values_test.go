@@ -43,7 +43,8 @@ var chartCases = []chartCase{
 		viewer := find(t, objs, "ClusterRole", "outbox-outbox-operator-outboxrelay-viewer")
 		require.Equal(t, "true", viewer.GetLabels()["rbac.authorization.k8s.io/aggregate-to-view"])
 		none(t, objs, "PodDisruptionBudget", "ServiceMonitor", "PodMonitor", "Secret/outbox-outbox-operator-metrics-cert")
-		find(t, objs, "Secret", "outbox-outbox-operator-digest-key") // the manager's digest key, made empty
+		key := find(t, objs, "Secret", "outbox-outbox-operator-digest-key") // the manager's digest key, made empty
+		require.Equal(t, "keep", key.GetAnnotations()["helm.sh/resource-policy"], "uninstall leaves the key, so a reinstall rolls no relay")
 		require.NotContains(t, c["args"], "--metrics-cert-dir=/etc/outbox-operator/metrics-cert", "as config/default: no certificate without a ServiceMonitor")
 		for _, o := range objs {
 			require.NotContains(t, fmt.Sprint(o.Object), "insecureSkipVerify", "%s/%s", o.GetKind(), o.GetName())
