@@ -345,7 +345,7 @@ func TestAdoptedDeploymentIsTheRelaysFromTheFirstPass(t *testing.T) {
 	require.NoError(t, err)
 	d := fakeDeployment(t, c, relay)
 	d.Spec.Replicas = ptr.To[int32](4) // scaled up under load
-	d.OwnerReferences = nil             // as the garbage collector leaves an orphan
+	d.OwnerReferences = nil            // as the garbage collector leaves an orphan
 	require.NoError(t, c.Update(ctx, d))
 	require.NoError(t, c.Delete(ctx, relay))
 	relay.ObjectMeta = metav1.ObjectMeta{Name: relay.Name, Namespace: relay.Namespace, Generation: 1, UID: "second"}

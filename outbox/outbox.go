@@ -2,11 +2,14 @@
 // service stores its event in the outbox table inside the same pgx.Tx as its
 // business write, and the relay publishes it to Kafka after commit.
 //
-//	tx, _ := pool.Begin(ctx)
+//	tx, err := pool.Begin(ctx)
+//	if err != nil { return err }
 //	defer tx.Rollback(ctx)
 //	... business write with tx ...
-//	err := outbox.Store(ctx, tx, outbox.Entry{EventID: outbox.NewEventID(), ...})
-//	err = tx.Commit(ctx)
+//	if err := outbox.Store(ctx, tx, outbox.Entry{EventID: outbox.NewEventID(), ...}); err != nil {
+//		return err // never commit the business write without its event
+//	}
+//	return tx.Commit(ctx)
 package outbox
 
 import (
@@ -228,7 +231,10 @@ func DeleteOnStoreCondition(slotParam string) string {
 // deleteOnStoreFor is the condition under which a writer with
 // WithDeleteOnStore deletes its row of table t: DeleteOnStoreCondition,
 // and t is the table the slot's publication (named as the slot) publishes,
-// as the relay reads it: its inserts, every row and every column (no row
+// as the relay reads it: its inserts and deletes (without the deletes a
+// relay switched from writer deletes later cannot tell the rows writers
+// deleted from those it published; the relay checks it at start, and this
+// holds while it streams), every row and every column (no row
 // filter or column list, PostgreSQL 15's; read through to_jsonb, so the
 // condition also runs on 14, which has neither), and a partitioned table's
 // under the table's own name (publish_via_partition_root). A table dropped
@@ -238,11 +244,17 @@ func DeleteOnStoreCondition(slotParam string) string {
 // partitions' names, which the stream does not read: such rows are in no
 // stream the relay reads, so the writer keeps them for the relays to
 // claim.
-func deleteOnStoreFor(slotParam string, t Table) string {
+func deleteOnStoreFor(slotParam string, t Table) string { return DeleteOnStoreConditionFor(slotParam, t) }
+
+// DeleteOnStoreConditionFor is the whole condition a writer with
+// WithDeleteOnStore deletes its row of table t under (deleteOnStoreFor),
+// the slot's name in slotParam: what a writer in another language must
+// run too (docs/migrating-from-debezium.md).
+func DeleteOnStoreConditionFor(slotParam string, t Table) string {
 	rel := `to_regclass(` + QuoteLiteral(t.Quoted()) + `)`
 	return DeleteOnStoreCondition(slotParam) + `
       AND EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
-        WHERE p.pubname = ` + slotParam + `::text AND pr.prrelid = ` + rel + ` AND p.pubinsert
+        WHERE p.pubname = ` + slotParam + `::text AND pr.prrelid = ` + rel + ` AND p.pubinsert AND p.pubdelete
           AND to_jsonb(pr) ->> 'prqual' IS NULL AND to_jsonb(pr) ->> 'prattrs' IS NULL
           AND (p.pubviaroot OR NOT EXISTS (SELECT 1 FROM pg_class c WHERE c.oid = ` + rel + ` AND c.relkind = 'p')))`
 }
@@ -387,6 +399,9 @@ func Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 // already is a no-op when the content is the same (a retried handler does
 // not store its event twice) and ErrEventIDConflict when it is not.
 func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
+	if tx == nil {
+		return errors.New("outbox: Store needs the business write's transaction, and tx is nil")
+	}
 	if err := e.validate(); err != nil {
 		return err
 	}
@@ -561,8 +576,8 @@ func (e Entry) validate() error {
 	if _, err := uuid.Parse(e.EventID); err != nil {
 		errs = append(errs, fmt.Errorf("EventID %q is not a UUID", e.EventID))
 	}
-	if e.EventType == "" {
-		errs = append(errs, errors.New("EventType is empty"))
+	if err := CheckEventType(e.EventType); err != nil {
+		errs = append(errs, fmt.Errorf("EventType: %w", err))
 	}
 	if e.AggregateType == "" {
 		errs = append(errs, errors.New("AggregateType is empty"))

@@ -66,7 +66,25 @@ func TestStoreValidatesTheEntry(t *testing.T) {
 	bad.EventType = ""
 	err = outbox.Store(ctx, tx, bad)
 	require.ErrorContains(t, err, `EventID "not-a-uuid" is not a UUID`)
-	require.ErrorContains(t, err, "EventType is empty")
+	require.ErrorContains(t, err, `EventType: event type "" must be 1 to 255 characters`)
+
+	// An event type no topic map can hold would never be claimed: refused
+	// as the relay's --topic and the OutboxRelay's topics refuse it.
+	// Before, only an empty one was, and such a row waited for ever.
+	for _, et := range []string{"a=b", "a,b", "OrderConfirmed ", " x", strings.Repeat("e", 256)} {
+		bad := entry()
+		bad.EventType = et
+		require.ErrorContains(t, outbox.Store(ctx, tx, bad), "without '=' or ','", et)
+	}
+	require.ErrorContains(t, outbox.Store(ctx, nil, entry()), "tx is nil", "not a panic")
+
+	// DDL of a Table made by hand with a name ParseTable refuses (a newline
+	// would end a comment the name is in and start a statement).
+	require.PanicsWithValue(t, `outbox: DDL of an invalid table name "x\n; DROP TABLE orders; --" (make Tables with ParseTable)`, func() {
+		outbox.SchemaDDL(outbox.Table{Name: "x\n; DROP TABLE orders; --"})
+	})
+	require.Panics(t, func() { outbox.HeldDDL(outbox.Table{Schema: "a b", Name: "outbox"}) })
+	require.Panics(t, func() { outbox.PartitionedSchemaDDL(outbox.Table{Name: "a.b"}, outbox.PartitionDay, 3) })
 }
 
 func TestNewWriterQuotesAndValidatesTable(t *testing.T) {

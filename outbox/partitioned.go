@@ -69,6 +69,7 @@ const QueueTableSettings = `autovacuum_vacuum_scale_factor = 0.01,
 // DEFAULT partition: the relay detaches old partitions with DETACH
 // PARTITION CONCURRENTLY, which a DEFAULT partition rules out.
 func PartitionedSchemaDDL(t Table, period PartitionPeriod, ahead int) string {
+	t.mustBeValid()
 	q := t.Quoted()
 	ids := t.EventIDsTable()
 	fn := t.AddPartitionsFunction()

@@ -6,12 +6,34 @@ import (
 	"fmt"
 	"regexp"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 )
 
 // DefaultTable is the outbox table's name when none is configured.
 const DefaultTable = "outbox"
+
+// EventTypePattern is what an event type may be: no '=' or ',' (the
+// relay's --topic syntax, EVENT_TYPE=TOPIC, comma-separated) and no
+// surrounding space, in at most MaxEventTypeLength characters. A type
+// outside it can be in no topic map, so no relay would ever claim its row:
+// Store refuses it, and the relay's settings and the OutboxRelay schema
+// carry the same rule.
+const EventTypePattern = `^[^=,\s]([^=,]*[^=,\s])?$`
+
+// MaxEventTypeLength is the longest event type, in characters.
+const MaxEventTypeLength = 255
+
+var eventTypeRE = regexp.MustCompile(EventTypePattern)
+
+// CheckEventType applies EventTypePattern and MaxEventTypeLength.
+func CheckEventType(et string) error {
+	if !eventTypeRE.MatchString(et) || utf8.RuneCountInString(et) > MaxEventTypeLength {
+		return fmt.Errorf("event type %q must be 1 to %d characters without '=' or ',' and without surrounding space", et, MaxEventTypeLength)
+	}
+	return nil
+}
 
 // IdentifierPattern is one part of a table name: a plain, unquoted PostgreSQL
 // identifier. Anything needing quotes (upper case, spaces, quotes, dots
@@ -29,6 +51,16 @@ var identRE = regexp.MustCompile(`^` + IdentifierPattern + `$`)
 type Table struct {
 	Schema string // "" means the search_path
 	Name   string
+}
+
+// mustBeValid panics unless t is a name ParseTable takes: the DDL
+// functions splice it into comments too, where a quoted name cannot keep a
+// newline from ending the comment and starting a statement. A Table made
+// by hand with such a name is a program's error, as a bad regexp is.
+func (t Table) mustBeValid() {
+	if _, err := ParseTable(t.String()); err != nil || (t.Schema == "" && strings.Contains(t.Name, ".")) {
+		panic(fmt.Sprintf("outbox: DDL of an invalid table name %q (make Tables with ParseTable)", t.String()))
+	}
 }
 
 // ParseTable validates "name" or "schema.name": each part a lower-case
@@ -141,6 +173,7 @@ var HeldReasons = []string{HeldInvalidRow, HeldTooLarge, HeldRefused}
 // to now. A row leaves it once its outbox row is published (or
 // dead-lettered).
 func HeldDDL(t Table) string {
+	t.mustBeValid()
 	reasons := make([]string, len(HeldReasons))
 	for i, r := range HeldReasons {
 		reasons[i] = QuoteLiteral(r)
@@ -236,6 +269,7 @@ var OptionalColumns = []Column{
 // index the relay claims through, and per-table autovacuum settings for a
 // queue table whose every row is updated once and pruned later.
 func SchemaDDL(t Table) string {
+	t.mustBeValid()
 	q := t.Quoted()
 	idx := pgx.Identifier{t.IndexName()}.Sanitize()
 	var b strings.Builder

@@ -471,6 +471,16 @@ func TestWriterDeletesOnlyWhileSuchARelayStreams(t *testing.T) {
 	for _, e := range []outbox.Entry{before, during, after} {
 		require.True(t, seen[e.EventID], "event %s published", e.EventID)
 	}
+
+	// The publication altered by hand to publish no deletes while the
+	// relay streams: a relay switched from writer deletes later could not
+	// tell the rows writers deleted from those it published, so writers
+	// keep their rows. Before, they went on deleting.
+	f.Exec(`ALTER PUBLICATION ` + tableSlot(t, f) + ` SET (publish = 'insert')`)
+	require.False(t, deletesOnStore())
+	kept := entry("E", 4)
+	store(kept)
+	require.Equal(t, 1, inTable(kept), "no deletes published: kept")
 }
 
 // A relay that claims what it streams (no writer deletes) still publishes
@@ -553,8 +563,8 @@ func TestDebeziumGuideWriterSQL(t *testing.T) {
 	}
 	require.Len(t, stmts, 2, "an insert and a delete")
 	insert, del := stmts[0], stmts[1]
-	require.Equal(t, strings.Join(strings.Fields(`DELETE FROM outbox WHERE event_id = $1 AND `+outbox.DeleteOnStoreCondition("$2")), " "), del,
-		"the guide's delete is the Go writer's")
+	require.Equal(t, strings.Join(strings.Fields(`DELETE FROM outbox WHERE event_id = $1 AND `+outbox.DeleteOnStoreConditionFor("$2", outbox.Table{Name: "outbox"})), " "), del,
+		"the guide's delete is the Go writer's, whole: before, it left out the publication's conditions")
 
 	f, cfg, _ := writerDeletesFixture(t, "E")
 	startStreaming(t, cfg)

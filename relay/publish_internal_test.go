@@ -498,7 +498,9 @@ func TestALimitNoLongerReadIsNotKnown(t *testing.T) {
 // writerFunc is a MessageWriter.
 type writerFunc func(ctx context.Context, msgs ...kafka.Message) error
 
-func (f writerFunc) WriteMessages(ctx context.Context, msgs ...kafka.Message) error { return f(ctx, msgs...) }
+func (f writerFunc) WriteMessages(ctx context.Context, msgs ...kafka.Message) error {
+	return f(ctx, msgs...)
+}
 
 // mergingWriter answers its first two calls as one record batch: both are
 // refused when either carries the record whose event id is "poison", as a

@@ -324,7 +324,7 @@ const (
 	// MaxTopics is the most event types one relay maps.
 	MaxTopics = 512
 	// MaxEventTypeLength is the longest event type, in characters.
-	MaxEventTypeLength = 255
+	MaxEventTypeLength = outbox.MaxEventTypeLength
 	// MaxTopicLength is Kafka's longest topic name.
 	MaxTopicLength = 249
 )
@@ -339,15 +339,14 @@ const (
 	// TopicPattern is a Kafka topic name's characters; "." and ".." are refused besides.
 	TopicPattern = `^[a-zA-Z0-9._-]+$`
 	// EventTypePattern: no '=' or ',' (the --topic syntax) and no surrounding space.
-	EventTypePattern = `^[^=,\s]([^=,]*[^=,\s])?$`
+	EventTypePattern = outbox.EventTypePattern
 	// BrokerPattern is host:port, an IPv6 host in brackets.
 	BrokerPattern = `^(\[[0-9a-fA-F:.]+\]|[a-zA-Z0-9]([-a-zA-Z0-9.]*[a-zA-Z0-9])?):[0-9]{1,5}$`
 )
 
 var (
-	topicRE     = regexp.MustCompile(TopicPattern)
-	eventTypeRE = regexp.MustCompile(EventTypePattern)
-	brokerRE    = regexp.MustCompile(BrokerPattern)
+	topicRE  = regexp.MustCompile(TopicPattern)
+	brokerRE = regexp.MustCompile(BrokerPattern)
 )
 
 // Settings are what shape a relay: its database, table, brokers, topics
@@ -1183,12 +1182,7 @@ func CheckTopic(t string) error {
 }
 
 // CheckEventType applies the event-type rule.
-func CheckEventType(et string) error {
-	if !eventTypeRE.MatchString(et) || len([]rune(et)) > MaxEventTypeLength {
-		return fmt.Errorf("event type %q must be 1 to %d characters without '=' or ',' and without surrounding space", et, MaxEventTypeLength)
-	}
-	return nil
-}
+func CheckEventType(et string) error { return outbox.CheckEventType(et) }
 
 // CheckTopics checks a topic map.
 func CheckTopics(topics map[string]string) error {

@@ -333,7 +333,7 @@ func TestHeldTakesOnlyTheConnectionFromTheEnvironment(t *testing.T) {
 		relayconfig.EnvDSN: "postgres://x", relayconfig.EnvName(relayconfig.FlagTable): "app.outbox",
 		relayconfig.EnvName(relayconfig.FlagDatabaseAuth): string(relayconfig.DatabaseAuthAzureAD),
 		relayconfig.EnvName(relayconfig.FlagAll):          "true", relayconfig.EnvName(relayconfig.FlagReason): "refused",
-		relayconfig.EnvName(relayconfig.FlagType):         "E", relayconfig.EnvName(relayconfig.FlagLimit): "5",
+		relayconfig.EnvName(relayconfig.FlagType): "E", relayconfig.EnvName(relayconfig.FlagLimit): "5",
 		relayconfig.EnvName(relayconfig.FlagOutput): "json",
 	}
 	_, err := relayconfig.ParseHeld(nil, true, env(vars), nil)
@@ -392,12 +392,12 @@ func TestTopicsFileTakesEachEntryAsWritten(t *testing.T) {
 	require.Equal(t, map[string]string{"E": "t"}, got)
 	for body, want := range map[string]string{
 		"Foo: \"orders,Bar=payments\"\n": `line 1: event type "Foo": "orders,Bar=payments"`,
-		"Foo: \"orders,\"\n":              `event type "Foo": "orders,"`,
-		"Foo:\n":                          `event type "Foo": ""`,
-		"Foo: a\nFoo: b\n":                `line 2: event type "Foo" is mapped twice in the file`,
-		"Foo: [a, b]\n":                   "line 1: want EVENT_TYPE: TOPIC, one name each",
-		"- Foo\n":                         "want a map of event type to topic, not a !!seq",
-		"Foo: &x a\nBar: *x\n":            "line 2: want EVENT_TYPE: TOPIC, one name each",
+		"Foo: \"orders,\"\n":             `event type "Foo": "orders,"`,
+		"Foo:\n":                         `event type "Foo": ""`,
+		"Foo: a\nFoo: b\n":               `line 2: event type "Foo" is mapped twice in the file`,
+		"Foo: [a, b]\n":                  "line 1: want EVENT_TYPE: TOPIC, one name each",
+		"- Foo\n":                        "want a map of event type to topic, not a !!seq",
+		"Foo: &x a\nBar: *x\n":           "line 2: want EVENT_TYPE: TOPIC, one name each",
 	} {
 		_, err := parse(body)
 		require.ErrorContains(t, err, want, "%q", body)
