@@ -244,7 +244,9 @@ func DeleteOnStoreCondition(slotParam string) string {
 // partitions' names, which the stream does not read: such rows are in no
 // stream the relay reads, so the writer keeps them for the relays to
 // claim.
-func deleteOnStoreFor(slotParam string, t Table) string { return DeleteOnStoreConditionFor(slotParam, t) }
+func deleteOnStoreFor(slotParam string, t Table) string {
+	return DeleteOnStoreConditionFor(slotParam, t)
+}
 
 // DeleteOnStoreConditionFor is the whole condition a writer with
 // WithDeleteOnStore deletes its row of table t under (deleteOnStoreFor),
