@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"fmt"
+	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -46,6 +47,15 @@ func TestBenchQuick(t *testing.T) {
 	v, ok := rep.get(scDrain, "ordering=none batch=500", "events_per_s")
 	require.True(t, ok)
 	require.Positive(t, v)
+	// The ratios between scenarios are found by the scenarios' names.
+	// Before, they looked for names the scenarios no longer had, and every
+	// one of them, and every target built on them, was silently missing.
+	for _, key := range []string{"drain none batch 500 / ceiling batch 500", "drain none batch 50 / naive shape",
+		"scaling none 2 replicas / 1", "headers with / without, batch 500", "retention delete / mark batch 500"} {
+		r, ok := rep.Ratios[key]
+		require.True(t, ok, "ratio %q missing from %s", key, js)
+		require.Positive(t, r.Median, key)
+	}
 	// With tracing on, every span reaches the sink.
 	v, ok = rep.get(scHeaders, headersCaseName(true, true), "spans_per_event")
 	require.True(t, ok)
@@ -253,4 +263,25 @@ func TestCaptureTargets(t *testing.T) {
 	}, status)
 	require.NotContains(t, rep.tables(), "%!")
 	require.Contains(t, rep.tables(), "| latency | "+kafkaAlone+" | 1000 | 0.0 | 3.0 | – |")
+}
+
+// A ratio of a case that measured nothing is left out of the report, with
+// a note, and the rest is written. Before, JSON could not encode its NaN
+// and the whole run's report was lost.
+func TestReportWritesWithoutARatioThatMeasuredNothing(t *testing.T) {
+	o, err := parseFlags(nil)
+	require.NoError(t, err)
+	dir := t.TempDir()
+	o.outMD, o.outJSON = filepath.Join(dir, "r.md"), filepath.Join(dir, "r.json")
+	rep := &report{Rows: 1000, Ratios: map[string]ratioResult{}, Notes: map[string]string{}}
+	rep.Ratios["nothing / nothing"] = ratioResult{Median: math.NaN(), Rounds: []float64{math.NaN()}}
+	rep.Ratios["something / nothing"] = ratioResult{Median: math.Inf(1)}
+	rep.Ratios["kept"] = ratioResult{Median: 1.5, Rounds: []float64{1.5}}
+	require.NoError(t, rep.write(o))
+	b, err := os.ReadFile(o.outJSON)
+	require.NoError(t, err)
+	var back report
+	require.NoError(t, json.Unmarshal(b, &back))
+	require.Equal(t, map[string]ratioResult{"kept": {Median: 1.5, Rounds: []float64{1.5}}}, back.Ratios)
+	require.Contains(t, back.Notes["ratios nothing / nothing"], "not measured")
 }

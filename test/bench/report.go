@@ -313,6 +313,18 @@ func (r *report) captureTargets(o *options, in func(...string), add func(name, w
 }
 
 func (r *report) write(o *options) error {
+	// A ratio of a case that measured nothing (0/0, x/0) is no result, and
+	// JSON has no NaN or Inf: before, one such ratio failed the encoding,
+	// and the whole run's report was lost.
+	for k, v := range r.Ratios {
+		if math.IsNaN(v.Median) || math.IsInf(v.Median, 0) {
+			delete(r.Ratios, k)
+			r.note("ratios", k, "not measured: a case it divides measured nothing")
+			continue
+		}
+		v.Rounds = slices.DeleteFunc(v.Rounds, func(x float64) bool { return math.IsNaN(x) || math.IsInf(x, 0) })
+		r.Ratios[k] = v
+	}
 	r.evaluate(o)
 	b, err := json.MarshalIndent(r, "", "  ")
 	if err != nil {

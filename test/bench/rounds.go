@@ -187,26 +187,26 @@ func runRounds(ctx context.Context, o *options, e *benchEnv, rep *report) error 
 		rep.Ratios[key] = ratioResult{Median: median(vs), Rounds: vs}
 	}
 	for _, b := range o.batches {
-		ratio(fmt.Sprintf("drain none batch %d / ceiling batch %d", b, b), find("drain", fmt.Sprintf("ordering=none batch=%d", b)), find("ceiling", fmt.Sprintf("batch=%d loops=1", b)))
-		ratio(fmt.Sprintf("drain partition-key batch %d / ceiling batch %d", b, b), find("drain", fmt.Sprintf("ordering=partition-key batch=%d", b)), find("ceiling", fmt.Sprintf("batch=%d loops=1", b)))
+		ratio(fmt.Sprintf("drain none batch %d / ceiling batch %d", b, b), find(scDrain, fmt.Sprintf("ordering=none batch=%d", b)), find(scCeiling, fmt.Sprintf("batch=%d loops=1", b)))
+		ratio(fmt.Sprintf("drain partition-key batch %d / ceiling batch %d", b, b), find(scDrain, fmt.Sprintf("ordering=partition-key batch=%d", b)), find(scCeiling, fmt.Sprintf("batch=%d loops=1", b)))
 	}
-	ratio("drain none batch 50 / naive shape", find("drain", "ordering=none batch=50"), find("seeds", "batch=50"))
+	ratio("drain none batch 50 / naive shape", find(scDrain, "ordering=none batch=50"), find(scNaive, "batch=50"))
 	for _, mode := range o.orderings {
 		for _, n := range o.replicas {
-			ratio(fmt.Sprintf("scaling %s %d replicas / 1", mode, n), find("scaling", fmt.Sprintf("ordering=%s replicas=%d", mode, n)), find("scaling", fmt.Sprintf("ordering=%s replicas=1", mode)))
+			ratio(fmt.Sprintf("scaling %s %d replicas / 1", mode, n), find(scScaling, fmt.Sprintf("ordering=%s replicas=%d", mode, n)), find(scScaling, fmt.Sprintf("ordering=%s replicas=1", mode)))
 		}
 	}
 	for _, n := range []int{1, 4} {
-		ratio(fmt.Sprintf("scaling partition-key / none %d replicas", n), find("scaling", fmt.Sprintf("ordering=partition-key replicas=%d", n)), find("scaling", fmt.Sprintf("ordering=none replicas=%d", n)))
+		ratio(fmt.Sprintf("scaling partition-key / none %d replicas", n), find(scScaling, fmt.Sprintf("ordering=partition-key replicas=%d", n)), find(scScaling, fmt.Sprintf("ordering=none replicas=%d", n)))
 	}
 	for _, codec := range relayconfig.Compressions {
-		ratio(fmt.Sprintf("compression %s / none", codec), find("compression", "codec="+string(codec)), find("compression", "codec=none"))
+		ratio(fmt.Sprintf("compression %s / none", codec), find(scCompression, "codec="+string(codec)), find(scCompression, "codec=none"))
 	}
-	plain := find("headers", headersCaseName(false, false))
-	ratio("headers with / without, batch 500", find("headers", headersCaseName(true, false)), plain)
-	ratio("headers tracing on / off, batch 500", find("headers", headersCaseName(false, true)), plain)
-	ratio("headers with and tracing on / neither, batch 500", find("headers", headersCaseName(true, true)), plain)
-	ratio("retention delete / mark batch 500", find("retention", "on-publish=delete batch=500"), find("retention", "on-publish=mark batch=500"))
-	ratio("ceiling batch 50 4 loops / 1 loop", find("ceiling", "batch=50 loops=4"), find("ceiling", "batch=50 loops=1"))
+	plain := find(scHeaders, headersCaseName(false, false))
+	ratio("headers with / without, batch 500", find(scHeaders, headersCaseName(true, false)), plain)
+	ratio("headers tracing on / off, batch 500", find(scHeaders, headersCaseName(false, true)), plain)
+	ratio("headers with and tracing on / neither, batch 500", find(scHeaders, headersCaseName(true, true)), plain)
+	ratio("retention delete / mark batch 500", find(scRetention, "on-publish=delete batch=500"), find(scRetention, "on-publish=mark batch=500"))
+	ratio("ceiling batch 50 4 loops / 1 loop", find(scCeiling, "batch=50 loops=4"), find(scCeiling, "batch=50 loops=1"))
 	return nil
 }
