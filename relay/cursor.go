@@ -41,6 +41,8 @@ type cursor struct {
 	nextFull   time.Time
 	lastShort  bool
 	fullRescan time.Duration
+	// rescanning: the claim in progress started at the index's start.
+	rescanning bool
 
 	guard bool        // partition-key ordering: claims start at or before safe
 	safe  int64       // every row at or below it was committed or gone before a claim from an older floor looked
@@ -68,11 +70,13 @@ func (c *cursor) from(now time.Time) int64 {
 
 // next is where the next claim starts without the guard.
 func (c *cursor) next(now time.Time) int64 {
+	c.rescanning = false
 	switch {
 	case now.After(c.nextFull):
 		c.nextFull = now.Add(c.fullRescan)
 		c.nextFloor = now.Add(time.Second)
 		c.floorMark = c.pos
+		c.rescanning = true
 		return 0
 	case c.lastShort || now.After(c.nextFloor):
 		from := min(c.floorMark, c.pos) // the cursor may have moved back since
@@ -86,16 +90,35 @@ func (c *cursor) next(now time.Time) int64 {
 
 // claimed moves the cursor past a claim. A full batch from a rescan may end
 // below the cursor: the rows between are unclaimed, so the cursor comes
-// back to the batch's end.
+// back to the batch's end. A short claim from the index's start found every
+// row there is to claim: the cursor comes back to its last, or to the
+// start. Before, it stayed where it was, so after the ids started over
+// (TRUNCATE … RESTART IDENTITY, a sequence that cycles) every new row waited
+// for the next full rescan until the ids passed the old cursor.
 func (c *cursor) claimed(rows []row, full bool) {
 	c.lastShort = !full
+	rescan := c.rescanning
+	c.rescanning = false
 	if len(rows) == 0 {
+		if rescan {
+			c.pos = 0
+		}
 		return
 	}
-	if last := rows[len(rows)-1].id; full {
+	if last := rows[len(rows)-1].id; full || rescan {
 		c.pos = last
 	} else {
 		c.pos = max(c.pos, last)
+	}
+}
+
+// claimFailed puts back a full rescan the failed claim was to make: the
+// rows it was for (released from a hold, a topic back) would otherwise
+// wait for the next one.
+func (c *cursor) claimFailed() {
+	if c.rescanning {
+		c.rescanning = false
+		c.rescanSoon()
 	}
 }
 

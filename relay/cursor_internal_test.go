@@ -71,3 +71,35 @@ func TestTypesBack(t *testing.T) {
 	require.False(t, typesBack([]string{"A", "B"}, []string{"A"}))
 	require.False(t, typesBack([]string{"A", "B"}, []string{"A", "B"}))
 }
+
+// A short claim from the index's start found every row there is: the
+// cursor comes back to it. Before, it stayed where it was, so after the
+// ids started over (TRUNCATE … RESTART IDENTITY) every new row waited for
+// the next full rescan, until the ids passed the old cursor.
+func TestCursorComesBackAfterIdsStartOver(t *testing.T) {
+	t.Parallel()
+	now := time.Now()
+	c := cursor{pos: 1_000_000, fullRescan: 10 * time.Second}
+	require.Equal(t, int64(0), c.from(now), "a full rescan is due")
+	c.claimed([]row{{id: 5}}, false)
+	require.LessOrEqual(t, c.from(now.Add(200*time.Millisecond)), int64(5), "the next claim starts at the new rows")
+	require.LessOrEqual(t, c.from(now.Add(300*time.Millisecond)), int64(5))
+
+	// A short rescan that found nothing: the start.
+	c = cursor{pos: 1_000_000, fullRescan: 10 * time.Second}
+	c.from(now)
+	c.claimed(nil, false)
+	require.Equal(t, int64(0), c.pos)
+
+	// A claim after the cursor moves it only forward, as before.
+	c.claimed([]row{{id: 7}}, false)
+	c.from(now.Add(time.Second / 2))
+	c.claimed([]row{{id: 3}}, false)
+	require.Equal(t, int64(7), c.pos)
+
+	// A failed claim gives back the full rescan it was to make.
+	c = cursor{pos: 100, fullRescan: time.Hour}
+	require.Equal(t, int64(0), c.from(now))
+	c.claimFailed()
+	require.Equal(t, int64(0), c.from(now.Add(time.Millisecond)), "the rescan is made by the next claim, not an hour later")
+}

@@ -281,6 +281,7 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	if err != nil {
 		tx.Rollback(bctx) //nolint:errcheck // the claim's error is the one to report
 		cancel()
+		r.cur.claimFailed()
 		return nil, r.dbFailed(err)
 	}
 	r.setDBErr(nil)
