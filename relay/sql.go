@@ -316,25 +316,26 @@ WHERE before < ` + budgetArg
 // (limited), which tells a full claim from a short one.
 //
 // On a plain table the lock finds each candidate by its ctid, the heap
-// address the read returned, with no index probe (a TID scan). A
-// candidate that a transaction updated and committed between the read and
-// the lock has a new version at another address, which the lock's recheck
-// of the ctid leaves out: it comes back fenced, and its lane waits one
-// backoff, as for a lock held elsewhere. On a partitioned table a ctid names a row only
-// within its partition, so the lock goes by id (one more index probe per
-// candidate, in the partitions the candidates' created_at range spans),
-// locks such a candidate in its new version, and checks where again on it
-// (matches): one that no longer matches (published, of another key or type
-// now) is left out, as a locking claim's recheck leaves it out. A
+// address the read returned, with no index probe (a TID scan). On a
+// partitioned table a ctid names a row only within its partition, so the
+// lock goes by id (one more index probe per candidate, in the partitions
+// the candidates' created_at range spans). A candidate that a transaction
+// updated and committed between the read and the lock is locked in its
+// new version either way: PostgreSQL's TID scan does not recheck the ctid
+// when the lock follows the update (TidRecheck returns true), so where is
+// checked again on the locked version (matches), and one that no longer
+// matches (published, of another key, bucket or type now) is left out, as
+// a locking claim's recheck leaves it out. Before, on a plain table, such
+// a row came back claimed: published by a replica whose bucket it no
+// longer was in, or after an operator had marked it published. A
 // candidate deleted meanwhile comes back fenced.
 func claimFenced(q, cols, where string, o sqlOptions) string {
-	lock, matches := `ctid = ANY(ARRAY(SELECT ctid FROM cand))`, `true`
+	lock, matches := `ctid = ANY(ARRAY(SELECT ctid FROM cand))`, where
 	if o.partitioned {
 		// The candidates' created_at range prunes the partitions the lock
 		// probes: by id alone it would probe every one.
 		lock = `id = ANY(ARRAY(SELECT id FROM cand))
       AND (created_at BETWEEN (SELECT min(created_at) FROM cand) AND (SELECT max(created_at) FROM cand) OR created_at IS NULL)`
-		matches = where
 	}
 	return `WITH cand AS (
     SELECT id, ctid, created_at, COALESCE(partition_key, '') AS partition_key, COALESCE(event_type, '') AS event_type
