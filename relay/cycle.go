@@ -350,7 +350,7 @@ func (r *Relay) markAndCommit(b *inFlight) error {
 		args := []any{b.published}
 		if r.sql.Partitioned {
 			oldest, newest := createdBounds(b.rows)
-			args = append(args, oldest, newest)
+			args = append(args, oldest, newest, publishedCreatedAt(b.rows, b.published))
 		}
 		tag, err := b.tx.Exec(b.ctx, stmt, args...)
 		if err != nil {
@@ -460,6 +460,21 @@ func (r *Relay) finish(b *inFlight) error {
 }
 
 // distinct counts the distinct ids among ids.
+// publishedCreatedAt is the created_at of each of published's rows among
+// rows, in published's order: with the ids, a partitioned table's primary
+// key (the Mark statement's $4).
+func publishedCreatedAt(rows []row, published []int64) []time.Time {
+	at := make(map[int64]time.Time, len(rows))
+	for _, x := range rows {
+		at[x.id] = x.createdAt
+	}
+	out := make([]time.Time, len(published))
+	for i, id := range published {
+		out[i] = at[id]
+	}
+	return out
+}
+
 func distinct(ids []int64) int64 {
 	seen := make(map[int64]struct{}, len(ids))
 	for _, id := range ids {

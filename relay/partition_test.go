@@ -111,7 +111,7 @@ func TestPartitionedTableDrains(t *testing.T) {
 
 		// Marking touches only the partitions a batch's rows are in.
 		plan := explain(t, f, relay.NewSQL(outbox.Table{Name: "outbox"}, relay.WithPartitions()).Mark,
-			[]int64{1, 2}, today.Add(-36*time.Hour), today.Add(-36*time.Hour))
+			[]int64{1, 2}, today.Add(-36*time.Hour), today.Add(-36*time.Hour), []time.Time{today.Add(-36 * time.Hour), today.Add(-36 * time.Hour)})
 		require.Contains(t, plan, "outbox_d2")
 		require.NotContains(t, plan, "outbox_d1")
 		require.NotContains(t, plan, "outbox_p")
@@ -145,6 +145,45 @@ func explain(t *testing.T, f *outboxtest.Fixture, sql string, args ...any) strin
 	}
 	require.NoError(t, rows.Err())
 	return plan
+}
+
+// Two rows of a partitioned outbox under one id (its primary key there is
+// the id with created_at: an id given explicitly, or a partition attached
+// again after the ids started over): a batch that published one of them,
+// the other locked elsewhere meanwhile and created between the batch's
+// rows, marks only the one it published, and the other goes out once
+// free. Before, the mark by id and the batch's created_at range reached
+// the other too, which then counted as published without reaching Kafka.
+func TestPartitionedMarkReachesOnlyThePublishedRow(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := outboxtest.NewFixture(t, 1, "E")
+	cfg := f.Config()
+	today := partitioned(t, f)
+	insertAt(f, 1, 1, today.Add(time.Hour), false, "E")
+	var id int64
+	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT id FROM outbox`).Scan(&id))
+	insertAt(f, 1, 1, today.Add(3*time.Hour), false, "E") // the batch's other row, created later
+	f.Exec(`WITH r AS (
+		INSERT INTO outbox (id, event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
+		OVERRIDING SYSTEM VALUE
+		VALUES ($1, gen_random_uuid(), 'Order', 'twin', 'E', '{"twin": true}', 'twin', $2)
+		RETURNING event_id, created_at)
+		INSERT INTO outbox_event_ids SELECT event_id, created_at, '\x00' FROM r`, id, today.Add(2*time.Hour))
+	want := f.EventIDs("")
+	require.Len(t, want, 3)
+	locker, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer locker.Rollback(ctx)
+	_, err = locker.Exec(ctx, `SELECT 1 FROM outbox WHERE aggregate_id = 'twin' FOR UPDATE`)
+	require.NoError(t, err)
+
+	run(t, cfg, nil)
+	_, _ = outboxtest.Deliveries(t, 2, f.Topics["E"]) // the two the batch claimed
+	require.NoError(t, locker.Rollback(ctx))         // a mark that reached the twin waited for this
+	f.WaitDrained(0, 30*time.Second)
+	counts, _ := outboxtest.Deliveries(t, 3, f.Topics["E"])
+	outboxtest.RequireAtLeastOnce(t, want, counts)
 }
 
 // With --notify on a partitioned outbox, a notifying writer's event is

@@ -384,9 +384,15 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
 	q := t.Quoted()
 	h := t.HeldTable().Quoted()
 	cols := claimColumns + claimHeaders(o) + claimPartition(o)
-	bounds := ""
+	// The rows to mark or delete: by id, and on a partitioned table by id
+	// and created_at, its primary key there ($4 pairs with $1), within the
+	// batch's created_at range, which prunes the partitions. An id alone
+	// can name two rows there (explicit ids, a partition attached again
+	// after the ids started over): before, the mark reached the other one
+	// too, which then counted as published without reaching Kafka.
+	marked := `id = ANY($1)`
 	if o.partitioned {
-		bounds = ` AND created_at BETWEEN $2 AND $3`
+		marked = `(id, created_at) IN (SELECT * FROM unnest($1::bigint[], $4::timestamptz[])) AND created_at BETWEEN $2 AND $3`
 	}
 	retryAt, redrive := `EXCLUDED.retry_at`, `retry_at = now()`
 	if o.heldRedrivenAt {
@@ -418,8 +424,8 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
            OR (age(xmin) > age($6::text::xid) AND xmin::text::bigint <> ALL($7::bigint[])))
     ORDER BY id
     LIMIT $5`,
-		Mark:   `UPDATE ` + q + ` SET published_at = now() WHERE id = ANY($1)` + bounds,
-		Delete: `DELETE FROM ` + q + ` WHERE id = ANY($1)` + bounds,
+		Mark:   `UPDATE ` + q + ` SET published_at = now() WHERE ` + marked,
+		Delete: `DELETE FROM ` + q + ` WHERE ` + marked,
 		Prune: `WITH doomed AS (
     SELECT id FROM ` + q + `
     WHERE id > $1 AND published_at < now() - $2::float8 * interval '1 second'
