@@ -180,7 +180,7 @@ func TestPartitionedMarkReachesOnlyThePublishedRow(t *testing.T) {
 
 	run(t, cfg, nil)
 	_, _ = outboxtest.Deliveries(t, 2, f.Topics["E"]) // the two the batch claimed
-	require.NoError(t, locker.Rollback(ctx))         // a mark that reached the twin waited for this
+	require.NoError(t, locker.Rollback(ctx))          // a mark that reached the twin waited for this
 	f.WaitDrained(0, 30*time.Second)
 	counts, _ := outboxtest.Deliveries(t, 3, f.Topics["E"])
 	outboxtest.RequireAtLeastOnce(t, want, counts)
