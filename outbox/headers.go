@@ -4,6 +4,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
+	"mime"
+	"net/url"
+	"regexp"
 	"slices"
 	"strings"
 	"unicode/utf8"
@@ -92,10 +96,57 @@ func ParseHeaders(raw []byte) (map[string]string, error) {
 	return h, nil
 }
 
-// checkEntryHeaders is what Store refuses: CheckHeaders, and reserved names.
+// ceAttributeRE is a CloudEvents attribute name: lower-case letters and
+// digits, at most 20 (the specification's advice for portability).
+var ceAttributeRE = regexp.MustCompile(`^[a-z0-9]{1,20}$`)
+
+// CloudEventsAttribute reports whether header key is a CloudEvents
+// attribute (ce_ in any case), and for one its name and whether value is
+// valid for it: a relay with a CloudEvents format publishes the row's
+// ce_* headers as attributes and holds a row with an invalid one, so Store
+// refuses it whatever the format (a relay's format can change after the
+// row is written). The attributes a relay derives from the row are
+// reserved (IsReservedHeader).
+func CloudEventsAttribute(key, value string) (name string, ok bool, err error) {
+	if len(key) < 3 || !strings.EqualFold(key[:3], "ce_") {
+		return "", false, nil
+	}
+	name = key[3:] // attribute names are lower-case: ce_TenantID is refused, not folded
+	switch {
+	case !ceAttributeRE.MatchString(name):
+		err = errors.New("names are 1 to 20 lower-case letters and digits")
+	case name == "data" || name == "data_base64":
+		err = errors.New("the data is the payload")
+	case name == "subject" && value == "":
+		err = errors.New("must not be empty")
+	case name == "dataschema":
+		if u, perr := url.Parse(value); perr != nil || !u.IsAbs() {
+			err = fmt.Errorf("%q is not an absolute URI", value)
+		}
+	case name == "datacontenttype":
+		if _, _, perr := mime.ParseMediaType(value); perr != nil {
+			err = fmt.Errorf("%q is not a media type", value)
+		}
+	}
+	if err != nil {
+		return name, true, fmt.Errorf("CloudEvents attribute %s: %w", key, err)
+	}
+	return name, true, nil
+}
+
+// checkEntryHeaders is what Store refuses: CheckHeaders, reserved names,
+// and CloudEvents attributes a relay would hold the row for.
 func checkEntryHeaders(h map[string]string) error {
 	if err := CheckHeaders(h); err != nil {
 		return err
+	}
+	for _, k := range slices.Sorted(maps.Keys(h)) {
+		if IsReservedHeader(k) {
+			continue // said below, with the others
+		}
+		if _, _, err := CloudEventsAttribute(k, h[k]); err != nil {
+			return err
+		}
 	}
 	var reserved []string
 	for k := range h {

@@ -78,6 +78,23 @@ func TestStoreValidatesTheEntry(t *testing.T) {
 	}
 	require.ErrorContains(t, outbox.Store(ctx, nil, entry()), "tx is nil", "not a panic")
 
+	// A CloudEvents attribute a relay with a CloudEvents format would hold
+	// the row for is refused whatever the format. Before, Store took it.
+	for h, want := range map[string]string{
+		"ce_TenantID":        "CloudEvents attribute ce_TenantID: names are 1 to 20 lower-case letters and digits",
+		"ce_data":            "the data is the payload",
+		"ce_subject":         "ce_subject: must not be empty",
+		"ce_dataschema":      `"order.json" is not an absolute URI`,
+		"ce_datacontenttype": `"json please" is not a media type`,
+	} {
+		bad := entry()
+		bad.Headers = map[string]string{h: map[string]string{"ce_dataschema": "order.json", "ce_datacontenttype": "json please"}[h]}
+		require.ErrorContains(t, outbox.Store(ctx, tx, bad), want, h)
+	}
+	good := entry()
+	good.Headers = map[string]string{"ce_tenantid": "t1", "ce_subject": "orders/42", "ce_dataschema": "https://schemas.example/order.json", "tenant": "plain"}
+	require.NoError(t, outbox.Store(ctx, tx, good))
+
 	// DDL of a Table made by hand with a name ParseTable refuses (a newline
 	// would end a comment the name is in and start a statement).
 	require.PanicsWithValue(t, `outbox: DDL of an invalid table name "x\n; DROP TABLE orders; --" (make Tables with ParseTable)`, func() {

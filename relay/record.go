@@ -3,12 +3,9 @@ package relay
 import (
 	"encoding/base64"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"maps"
 	"mime"
-	"net/url"
-	"regexp"
 	"slices"
 	"strings"
 	"time"
@@ -38,13 +35,10 @@ const (
 	CloudEventsStructuredContentType = "application/cloudevents+json"
 )
 
-// ceExtensionRE is a CloudEvents attribute name: lower-case letters and
-// digits, at most 20 (the specification's advice for portability).
-var ceExtensionRE = regexp.MustCompile(`^[a-z0-9]{1,20}$`)
-
 // ceAttributes takes the row's ce_* headers out of headers as CloudEvents
 // attributes (subject, dataschema, datacontenttype and extensions) and
-// checks them; the attributes the relay derives from the row are reserved
+// checks them (outbox.CloudEventsAttribute, the rule Store refuses them
+// by); the attributes the relay derives from the row are reserved
 // (outbox.IsReservedHeader) and never reach here. An error names the
 // attribute and makes the row invalid: sent without it, the event would
 // not be what its writer meant.
@@ -52,31 +46,14 @@ func ceAttributes(headers []kafka.Header) (map[string]string, []kafka.Header, er
 	var attrs map[string]string
 	rest := headers[:0:0]
 	for _, h := range headers {
-		if len(h.Key) < 3 || !strings.EqualFold(h.Key[:3], "ce_") {
+		v := string(h.Value)
+		name, ok, err := outbox.CloudEventsAttribute(h.Key, v)
+		if !ok {
 			rest = append(rest, h)
 			continue
 		}
-		name := h.Key[3:] // attribute names are lower-case: ce_TenantID is refused, not folded
-		v := string(h.Value)
-		var err error
-		switch {
-		case !ceExtensionRE.MatchString(name):
-			err = errors.New("names are 1 to 20 lower-case letters and digits")
-		case name == "data" || name == "data_base64":
-			err = errors.New("the data is the payload")
-		case name == "subject" && v == "":
-			err = errors.New("must not be empty")
-		case name == "dataschema":
-			if u, perr := url.Parse(v); perr != nil || !u.IsAbs() {
-				err = fmt.Errorf("%q is not an absolute URI", v)
-			}
-		case name == "datacontenttype":
-			if _, _, perr := mime.ParseMediaType(v); perr != nil {
-				err = fmt.Errorf("%q is not a media type", v)
-			}
-		}
 		if err != nil {
-			return nil, nil, fmt.Errorf("CloudEvents attribute %s: %w", h.Key, err)
+			return nil, nil, err
 		}
 		if attrs == nil {
 			attrs = map[string]string{}
