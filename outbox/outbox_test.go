@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"regexp"
@@ -294,4 +295,28 @@ func TestTableThatIsItsOwnDerivedTableIsRefused(t *testing.T) {
 		}
 		require.Equal(t, refused, self.MatchString(name), name)
 	}
+}
+
+// The DDL runs again as the owner of the schema and the table, a role
+// without the database's CREATE privilege (as the example service runs it
+// at every start). Before, CREATE SCHEMA IF NOT EXISTS asked for that
+// privilege even with the schema there, and the second run failed.
+func TestSchemaDDLRunsAgainAsTheTablesOwner(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := outboxtest.NewFixture(t, 1)
+	table, err := outbox.ParseTable("app.outbox")
+	require.NoError(t, err)
+	f.Exec(outbox.SchemaDDL(table))
+	role := fmt.Sprintf("owner_%d", time.Now().UnixNano()%1e9)
+	f.Exec(`CREATE ROLE ` + role + ` LOGIN; ALTER SCHEMA app OWNER TO ` + role + `; ALTER TABLE app.outbox OWNER TO ` + role +
+		`; ALTER TABLE app.outbox_held OWNER TO ` + role)
+	t.Cleanup(func() { _, _ = f.Pool.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE `+role) })
+	conn, err := pgx.Connect(ctx, strings.Replace(f.DSN, "postgres@", role+"@", 1)) // the test cluster trusts local connections
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	_, err = conn.Exec(ctx, outbox.SchemaDDL(table))
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS app`)
+	require.ErrorContains(t, err, "permission denied for database", "what the DDL ran before")
 }

@@ -75,7 +75,7 @@ func PartitionedSchemaDDL(t Table, period PartitionPeriod, ahead int) string {
 	fn := t.AddPartitionsFunction()
 	var b strings.Builder
 	if t.Schema != "" {
-		fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n\n", pgx.Identifier{t.Schema}.Sanitize())
+		b.WriteString(createSchema(t.Schema))
 	}
 	fmt.Fprintf(&b, `-- The outbox, range-partitioned by created_at. A partitioned table's
 -- primary key must include the partition key, hence (id, created_at); id is

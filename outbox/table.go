@@ -53,6 +53,16 @@ type Table struct {
 	Name   string
 }
 
+// createSchema is the DDL that makes schema when it is missing. CREATE
+// SCHEMA IF NOT EXISTS asks for the database's CREATE privilege even when
+// the schema exists, so a table owner without it could not run the DDL
+// again (the example service runs it at every start); the check comes
+// first instead.
+func createSchema(schema string) string {
+	return fmt.Sprintf("DO $$ BEGIN\n    IF to_regnamespace(%s) IS NULL THEN CREATE SCHEMA %s; END IF;\nEND $$;\n\n",
+		QuoteLiteral(pgx.Identifier{schema}.Sanitize()), pgx.Identifier{schema}.Sanitize())
+}
+
 // mustBeValid panics unless t is a name ParseTable takes: the DDL
 // functions splice it into comments too, where a quoted name cannot keep a
 // newline from ending the comment and starting a statement. A Table made
@@ -274,7 +284,7 @@ func SchemaDDL(t Table) string {
 	idx := pgx.Identifier{t.IndexName()}.Sanitize()
 	var b strings.Builder
 	if t.Schema != "" {
-		fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n\n", pgx.Identifier{t.Schema}.Sanitize())
+		b.WriteString(createSchema(t.Schema))
 	}
 	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %[1]s (
 `+columnDDL+`,
