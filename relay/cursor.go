@@ -91,24 +91,35 @@ func (c *cursor) next(now time.Time) int64 {
 // claimed moves the cursor past a claim. A full batch from a rescan may end
 // below the cursor: the rows between are unclaimed, so the cursor comes
 // back to the batch's end. A short claim from the index's start found every
-// row there is to claim: the cursor comes back to its last, or to the
-// start. Before, it stayed where it was, so after the ids started over
-// (TRUNCATE … RESTART IDENTITY, a sequence that cycles) every new row waited
-// for the next full rescan until the ids passed the old cursor.
+// row there is to claim: the cursor comes back to its last. Before, it
+// stayed where it was, so after the ids started over (TRUNCATE … RESTART
+// IDENTITY, a sequence that cycles) every new row waited for the next full
+// rescan until the ids passed the old cursor. An empty rescan leaves the
+// cursor: an idle relay's claims do not walk the index from its start, and
+// a first row under the cursor waits one rescan at most.
+//
+// When the cursor comes back, the floor scans start from there too, and
+// with the guard the safe floor goes back to the start until the claims
+// from here are safe (record, settle): rows under the old floor, such as
+// those of ids started over, were never covered by it.
 func (c *cursor) claimed(rows []row, full bool) {
 	c.lastShort = !full
 	rescan := c.rescanning
 	c.rescanning = false
 	if len(rows) == 0 {
-		if rescan {
-			c.pos = 0
-		}
 		return
 	}
+	old := c.pos
 	if last := rows[len(rows)-1].id; full || rescan {
 		c.pos = last
 	} else {
 		c.pos = max(c.pos, last)
+	}
+	if c.pos < old {
+		c.floorMark = min(c.floorMark, c.pos)
+		if c.guard {
+			c.safe, c.marks = 0, nil
+		}
 	}
 }
 

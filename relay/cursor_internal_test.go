@@ -85,13 +85,16 @@ func TestCursorComesBackAfterIdsStartOver(t *testing.T) {
 	require.LessOrEqual(t, c.from(now.Add(200*time.Millisecond)), int64(5), "the next claim starts at the new rows")
 	require.LessOrEqual(t, c.from(now.Add(300*time.Millisecond)), int64(5))
 
-	// A short rescan that found nothing: the start.
+	// A rescan that found nothing leaves the cursor: an idle relay's
+	// claims do not walk the index from its start at every poll.
 	c = cursor{pos: 1_000_000, fullRescan: 10 * time.Second}
 	c.from(now)
 	c.claimed(nil, false)
-	require.Equal(t, int64(0), c.pos)
+	require.Equal(t, int64(1_000_000), c.pos)
+	require.Equal(t, int64(1_000_000), c.from(now.Add(time.Second/2)))
 
 	// A claim after the cursor moves it only forward, as before.
+	c.pos = 0
 	c.claimed([]row{{id: 7}}, false)
 	c.from(now.Add(time.Second / 2))
 	c.claimed([]row{{id: 3}}, false)
@@ -102,4 +105,29 @@ func TestCursorComesBackAfterIdsStartOver(t *testing.T) {
 	require.Equal(t, int64(0), c.from(now))
 	c.claimFailed()
 	require.Equal(t, int64(0), c.from(now.Add(time.Millisecond)), "the rescan is made by the next claim, not an hour later")
+}
+
+// With the guard, a cursor that comes back takes the safe floor back to
+// the start until the claims from there are safe: rows under the old floor
+// (ids started over) were never covered by it. Before, the claims after a
+// rescan that found ids 11 to 20 started at 20, and a key's row 10,
+// committed later, went out after its row 21.
+func TestGuardedCursorComingBackIsSafeAgainOnlyOnceSettled(t *testing.T) {
+	t.Parallel()
+	now := time.Now()
+	c := cursor{guard: true, pos: 1_000_000, safe: 1_000_000, floorMark: 1_000_000, fullRescan: 10 * time.Second}
+	require.Equal(t, int64(0), c.from(now), "a full rescan is due")
+	rows := make([]row, 10)
+	for i := range rows {
+		rows[i].id = int64(11 + i)
+	}
+	c.claimed(rows, false)
+	require.True(t, c.wantsBound(), "the claim's transaction id is recorded")
+	c.record(500)
+	require.Equal(t, int64(0), c.from(now.Add(200*time.Millisecond)), "row 10's transaction may still run")
+	require.True(t, c.wantsXmin())
+	c.settle(499)
+	require.Equal(t, int64(0), c.from(now.Add(300*time.Millisecond)))
+	c.settle(500)
+	require.Equal(t, int64(20), c.from(now.Add(400*time.Millisecond)), "every transaction that could hold a row under 20 has ended")
 }
