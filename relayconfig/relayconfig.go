@@ -1334,7 +1334,8 @@ func applyEnv(fs *flag.FlagSet, lookupEnv func(string) (string, bool)) error {
 // readTopicsFile adds the event type to topic map of a YAML (or JSON)
 // file to into. Each key and value is taken as written: YAML would read
 // `yes:` as true and `1.0:` as 1, and so route event types nobody writes.
-// A value is one topic, checked as a name: before, it went through
+// A value is one topic, checked as a name (null, ~ and JSON's null are
+// none): before, it went through
 // --topic's comma split, so `Foo: "orders,Bar=payments"` mapped two event
 // types without a word.
 func readTopicsFile(path string, into topicsValue) error {
@@ -1362,6 +1363,9 @@ func readTopicsFile(path string, into topicsValue) error {
 		et, topic := k.Value, v.Value
 		if err := CheckEventType(et); err != nil {
 			return fmt.Errorf("%s: line %d: %w", path, k.Line, err)
+		}
+		if v.Tag == "!!null" && v.Style == 0 && topic != "" { // JSON's {"Foo": null} is no topic, not one named null
+			return fmt.Errorf("%s: line %d: event type %q: %s is no topic (quote it to name a topic %q)", path, v.Line, et, topic, topic)
 		}
 		if err := CheckTopic(topic); err != nil {
 			return fmt.Errorf("%s: line %d: event type %q: %w", path, v.Line, et, err)

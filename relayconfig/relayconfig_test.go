@@ -387,6 +387,9 @@ func TestTopicsFileTakesEachEntryAsWritten(t *testing.T) {
 	got, err := parse("yes: a\n1.0: b\n0x10: c\n\"Order Shipped\": \"123\"\n")
 	require.NoError(t, err)
 	require.Equal(t, map[string]string{"yes": "a", "1.0": "b", "0x10": "c", "Order Shipped": "123"}, got)
+	got, err = parse("Foo: \"null\"\n")
+	require.NoError(t, err, "a quoted null names a topic")
+	require.Equal(t, map[string]string{"Foo": "null"}, got)
 	got, err = parse(`{"E": "t"}`)
 	require.NoError(t, err, "JSON is YAML")
 	require.Equal(t, map[string]string{"E": "t"}, got)
@@ -394,6 +397,9 @@ func TestTopicsFileTakesEachEntryAsWritten(t *testing.T) {
 		"Foo: \"orders,Bar=payments\"\n": `line 1: event type "Foo": "orders,Bar=payments"`,
 		"Foo: \"orders,\"\n":             `event type "Foo": "orders,"`,
 		"Foo:\n":                         `event type "Foo": ""`,
+		"Foo: null\n":                    `line 1: event type "Foo": null is no topic (quote it to name a topic "null")`,
+		`{"Foo": null}`:                  `event type "Foo": null is no topic`,
+		"Foo: ~\n":                       `event type "Foo": ~ is no topic`,
 		"Foo: a\nFoo: b\n":               `line 2: event type "Foo" is mapped twice in the file`,
 		"Foo: [a, b]\n":                  "line 1: want EVENT_TYPE: TOPIC, one name each",
 		"- Foo\n":                        "want a map of event type to topic, not a !!seq",
