@@ -829,7 +829,8 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	fs.Func(FlagRecordTimestamp, "each record's timestamp: created-at (the row's created_at) or publish (default created-at)", func(v string) error { s.RecordTimestamp = RecordTimestamp(v); return nil })
 	fs.StringVar(&s.CloudEventsSource, FlagCloudEventsSource, "", "ce_source of the cloudevents format, a URI-reference (default /outbox/<table>)")
 	fs.Func(FlagCapture, "how new rows are found: "+joinValues(Captures)+" (default poll)", func(v string) error { s.Capture = Capture(v); return nil })
-	fs.Func(FlagMaxRetainedWAL, "logical-replication: the most WAL the slot may hold back before the relay drops it and polls, in bytes or with Ki, Mi, Gi, Ti or Pi as spec.capture.maxRetainedWAL takes it (64Mi..1Pi) (default 4Gi)", func(v string) error {
+	fs.Func(FlagMaxRetainedWAL, fmt.Sprintf("logical-replication: the most WAL the slot may hold back before the relay drops it and polls, in bytes or a whole number with %s (%s..%s) (default %s)",
+		binarySuffixList(), formatBinarySize(MinMaxRetainedWAL), formatBinarySize(MaxMaxRetainedWAL), formatBinarySize(DefaultMaxRetainedWAL)), func(v string) error {
 		n, err := parseBinarySize(v)
 		s.MaxRetainedWAL = n
 		return err
@@ -1457,9 +1458,20 @@ var binarySuffixes = []struct {
 	shift  uint
 }{{"Ki", 10}, {"Mi", 20}, {"Gi", 30}, {"Ti", 40}, {"Pi", 50}}
 
+// binarySuffixList is the suffixes parseBinarySize takes, for messages.
+func binarySuffixList() string {
+	names := make([]string, len(binarySuffixes))
+	for i, b := range binarySuffixes {
+		names[i] = b.suffix
+	}
+	return strings.Join(names[:len(names)-1], ", ") + " or " + names[len(names)-1]
+}
+
 // parseBinarySize reads a whole number of bytes, or one with a binary
 // suffix (4Gi), the form of the OutboxRelay's quantities: before, the flag
-// took bytes only and answered 4Gi with a bare "parse error".
+// took bytes only and answered 4Gi with a bare "parse error". Decimal
+// suffixes (4G) and fractions (1.5Gi), which a quantity takes too, are
+// refused.
 func parseBinarySize(v string) (int64, error) {
 	digits, shift := v, uint(0)
 	for _, b := range binarySuffixes {
@@ -1470,18 +1482,29 @@ func parseBinarySize(v string) (int64, error) {
 	}
 	n, err := strconv.ParseInt(digits, 10, 64)
 	if err != nil || n < 0 || n > math.MaxInt64>>shift {
-		return 0, fmt.Errorf("%q is not a size: bytes, or a whole number with Ki, Mi, Gi, Ti or Pi (4Gi)", v)
+		return 0, fmt.Errorf("%q is not a size: bytes, or a whole number with %s (%s)", v, binarySuffixList(), formatBinarySize(DefaultMaxRetainedWAL))
 	}
 	return n << shift, nil
+}
+
+// formatBinarySize writes n as parseBinarySize reads it, with the largest
+// suffix that keeps it whole.
+func formatBinarySize(n int64) string {
+	for _, b := range slices.Backward(binarySuffixes) {
+		if n != 0 && n%(1<<b.shift) == 0 {
+			return strconv.FormatInt(n>>b.shift, 10) + b.suffix
+		}
+	}
+	return strconv.FormatInt(n, 10)
 }
 
 // CheckMaxRetainedWAL accepts MinMaxRetainedWAL..MaxMaxRetainedWAL bytes.
 func CheckMaxRetainedWAL(n int64) error {
 	if n < MinMaxRetainedWAL {
-		return fmt.Errorf("%d is less than %d (64 MiB)", n, MinMaxRetainedWAL)
+		return fmt.Errorf("%d is less than %d (%s)", n, MinMaxRetainedWAL, formatBinarySize(MinMaxRetainedWAL))
 	}
 	if n > MaxMaxRetainedWAL {
-		return fmt.Errorf("%d is more than %d (1 PiB)", n, MaxMaxRetainedWAL)
+		return fmt.Errorf("%d is more than %d (%s)", n, MaxMaxRetainedWAL, formatBinarySize(MaxMaxRetainedWAL))
 	}
 	return nil
 }

@@ -424,18 +424,26 @@ func TestMaxRetainedWALAndEnvironmentErrors(t *testing.T) {
 		require.Equal(t, want, got.MaxRetainedWAL, v)
 	}
 	for v, want := range map[string]string{
-		"4GB":  `flag -max-retained-wal: "4GB" is not a size`,
-		"-1Gi": `"-1Gi" is not a size`,
-		"32Mi": "--max-retained-wal: 33554432 is less than 67108864 (64 MiB)",
-		"2Pi":  "is more than",
-		"9Ei":  `"9Ei" is not a size`,
+		"4GB":   `flag -max-retained-wal: "4GB" is not a size`,
+		"-1Gi":  `"-1Gi" is not a size`,
+		"32Mi":  "--max-retained-wal: 33554432 is less than 67108864 (64Mi)",
+		"2Pi":   "2251799813685248 is more than 1125899906842624 (1Pi)",
+		"9Ei":   `"9Ei" is not a size: bytes, or a whole number with Ki, Mi, Gi, Ti or Pi (4Gi)`,
+		"4G":    `"4G" is not a size`, // a quantity's decimal suffix
+		"1.5Gi": `"1.5Gi" is not a size`,
 	} {
 		_, err := relayconfig.Parse(append(good, "--max-retained-wal="+v), env(dsn), nil)
 		require.ErrorContains(t, err, want, v)
 	}
+	// The help states the range and default the checks use, in the form
+	// the flag reads.
+	var help strings.Builder
+	_, err := relayconfig.Parse([]string{"--help"}, env(nil), &help)
+	require.ErrorIs(t, err, relayconfig.ErrHelp)
+	require.Contains(t, help.String(), "whole number with Ki, Mi, Gi, Ti or Pi (64Mi..1Pi) (default 4Gi)")
 
 	vars := map[string]string{relayconfig.EnvDSN: "postgres://x", relayconfig.EnvName(relayconfig.FlagBatchSize): "0"}
-	_, err := relayconfig.Parse(good, env(vars), nil)
+	_, err = relayconfig.Parse(good, env(vars), nil)
 	require.ErrorContains(t, err, "RELAY_BATCH_SIZE (--batch-size): 0 is outside")
 	_, err = relayconfig.Parse(append(good, "--batch-size=0"), env(vars), nil)
 	require.ErrorContains(t, err, "--batch-size: 0 is outside", "given on the command line, it is the flag's")
