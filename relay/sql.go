@@ -60,15 +60,16 @@ type SQL struct {
 	// candidates its limit took (claimFenced).
 	ClaimBuckets string
 	// Mark sets published_at on the rows whose ids are $1; on a
-	// partitioned table (Partitioned) whose created_at is also between $2
-	// and $3, the batch's oldest and newest, so only the partitions holding
-	// the batch are touched (the id alone would probe every partition).
+	// partitioned table (Partitioned), the rows whose (id, created_at) are
+	// the pairs of $1 and $4, their primary key there, with created_at
+	// between $2 and $3, the batch's oldest and newest, so only the
+	// partitions holding the batch are touched.
 	Mark string
-	// Delete deletes the rows whose ids are $1 (OnPublishDelete), with
-	// Mark's $2 and $3 on a partitioned table.
+	// Delete deletes the rows Mark would mark (OnPublishDelete), with the
+	// same parameters.
 	Delete string
-	// Partitioned: built WithPartitions; Mark and Delete take the batch's
-	// created_at bounds.
+	// Partitioned: built WithPartitions; Mark and Delete take the rows'
+	// created_at ($4) and the batch's created_at bounds ($2, $3).
 	Partitioned bool
 	// Prune deletes up to $3 published rows with ids above $1 published more
 	// than $2 seconds ago, skipping rows another transaction holds, and
@@ -174,7 +175,7 @@ func WithPartitionColumn(column string) SQLOption {
 }
 
 // WithPartitions builds Mark and Delete for a partitioned table: they take
-// the batch's created_at bounds besides the ids.
+// each row's created_at and the batch's created_at bounds besides the ids.
 func WithPartitions() SQLOption { return func(o *sqlOptions) { o.partitioned = true } }
 
 // WithHeldRedrivenAt says the held table has its redriven_at column (a
