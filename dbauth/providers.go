@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/http"
 	"strconv"
 	"time"
 
@@ -96,12 +97,22 @@ type GCPCloudSQLIAM struct {
 	Tokens oauth2.TokenSource
 }
 
+// gcpTokenRequestTimeout bounds one token request of the application
+// default credentials that use the context's HTTP client (a service
+// account key's, a user's, an external account's; the metadata server's
+// client has its own): that of net/http has none, so an endpoint that
+// took the connection and never answered held the token source's lock,
+// and with it every later Cloud SQL login, for good.
+var gcpTokenRequestTimeout = 30 * time.Second
+
 // NewGCPCloudSQLIAM finds the application default credentials. Some of
 // them (a user's, an external account's) make their token requests with
 // the context they were found with, for as long as they are used: they
-// get ctx without its end, which bounds only the making.
+// get ctx without its end, which bounds only the making, and with an HTTP
+// client whose requests end after gcpTokenRequestTimeout.
 func NewGCPCloudSQLIAM(ctx context.Context) (*GCPCloudSQLIAM, error) {
-	creds, err := google.FindDefaultCredentials(context.WithoutCancel(ctx), GCPCloudSQLScope)
+	ctx = context.WithValue(context.WithoutCancel(ctx), oauth2.HTTPClient, &http.Client{Timeout: gcpTokenRequestTimeout})
+	creds, err := google.FindDefaultCredentials(ctx, GCPCloudSQLScope)
 	if err != nil {
 		return nil, fmt.Errorf("gcp-cloudsql-iam: %w", err)
 	}
@@ -113,8 +124,9 @@ func NewGCPCloudSQLIAM(ctx context.Context) (*GCPCloudSQLIAM, error) {
 // waits only until ctx ends: a metadata server or token endpoint that
 // does not answer would otherwise hold the connection being opened, and
 // every other Cloud SQL login behind the token source's lock, past their
-// deadlines. The call left running ends with its HTTP client's timeout,
-// and its token, once there, is the source's to hand out.
+// deadlines. The call left running ends with its HTTP client's timeout
+// (gcpTokenRequestTimeout), and its token, once there, is the source's to
+// hand out.
 func (g *GCPCloudSQLIAM) Token(ctx context.Context, _ Target) (Token, error) {
 	type result struct {
 		tok *oauth2.Token

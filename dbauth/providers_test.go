@@ -187,6 +187,50 @@ func TestGCPCloudSQLIAMGivesUpWithItsCaller(t *testing.T) {
 	}
 }
 
+// A service account key's token endpoint that takes the request and never
+// answers: the request ends with its HTTP client's timeout, and the login
+// with it. Before, net/http's client had none: the request, and every
+// later login behind the token source's lock, waited for good.
+func TestGCPTokenRequestToAnEndpointThatNeverAnswersEnds(t *testing.T) {
+	hung := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-hung:
+		case <-r.Context().Done():
+		}
+	}))
+	t.Cleanup(srv.Close)
+	t.Cleanup(func() { close(hung) })
+	key, err := rsa.GenerateKey(rand.Reader, 2048)
+	require.NoError(t, err)
+	der, err := x509.MarshalPKCS8PrivateKey(key)
+	require.NoError(t, err)
+	creds, err := json.Marshal(map[string]string{
+		"type": "service_account", "client_email": "relay@p.iam.gserviceaccount.com", "private_key_id": "k1",
+		"private_key": string(pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der})), "token_uri": srv.URL,
+	})
+	require.NoError(t, err)
+	file := filepath.Join(t.TempDir(), "key.json")
+	require.NoError(t, os.WriteFile(file, creds, 0o600))
+	t.Setenv("GOOGLE_APPLICATION_CREDENTIALS", file)
+	t.Cleanup(dbauth.SetGCPTokenRequestTimeout(300 * time.Millisecond))
+
+	p, err := dbauth.NewGCPCloudSQLIAM(context.Background())
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() {
+		_, err := p.Token(context.Background(), dbauth.Target{Host: "10.0.0.3", Port: 5432, User: "relay@p.iam"})
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		require.ErrorContains(t, err, "gcp-cloudsql-iam")
+		require.ErrorContains(t, err, "Client.Timeout exceeded")
+	case <-time.After(10 * time.Second): // far past the 300 ms timeout
+		t.Fatal("the token request to an endpoint that never answers did not end in 10 s")
+	}
+}
+
 // azureCredential records the scopes it is asked for.
 type azureCredential struct{ scopes [][]string }
 
