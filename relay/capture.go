@@ -2062,7 +2062,9 @@ func (r *Relay) publishClaimed(bctx context.Context, cancel context.CancelFunc, 
 		r.health.batchDone(start, 0, 0)
 		return nil, r.commit(bctx, tx)
 	}
-	b := &inFlight{ctx: bctx, cancel: cancel, tx: tx, start: start, rows: rows, cut: len(rows) < locked,
+	cut := len(rows) < locked
+	rows = r.oneRowPerID(rows)
+	b := &inFlight{ctx: bctx, cancel: cancel, tx: tx, start: start, rows: rows, cut: cut,
 		big: payloadBytes(rows) > bigBatchBytes, done: make(chan error, 1)}
 	pctx, pcancel := publishing(bctx)
 	b.published, b.retry, b.perr = r.publish(pctx, rows)

@@ -323,6 +323,7 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 		}
 		return nil, nil
 	}
+	rows = r.oneRowPerID(rows)
 	b := &inFlight{ctx: bctx, cancel: cancel, tx: tx, start: start, rows: rows, full: full, cut: cut,
 		big: payloadBytes(rows) > bigBatchBytes, done: make(chan error, 1)}
 	if b.big {
@@ -459,10 +460,27 @@ func (r *Relay) finish(b *inFlight) error {
 	return nil
 }
 
-// distinct counts the distinct ids among ids.
+// oneRowPerID leaves out of a claim on a partitioned table every row whose
+// id an earlier row of the claim has (its primary key there is the id
+// with created_at): the relay tells rows by id, and the mark of the
+// published ones by id and created_at (publishedCreatedAt) must know which
+// of the two went out. The one left out stays locked until the batch ends,
+// and a later claim takes it.
+func (r *Relay) oneRowPerID(rows []row) []row {
+	if !r.sql.Partitioned {
+		return rows
+	}
+	seen := make(map[int64]bool, len(rows))
+	return slices.DeleteFunc(rows, func(x row) bool {
+		dup := seen[x.id]
+		seen[x.id] = true
+		return dup
+	})
+}
+
 // publishedCreatedAt is the created_at of each of published's rows among
 // rows, in published's order: with the ids, a partitioned table's primary
-// key (the Mark statement's $4).
+// key (the Mark statement's $4). The rows have one id each (oneRowPerID).
 func publishedCreatedAt(rows []row, published []int64) []time.Time {
 	at := make(map[int64]time.Time, len(rows))
 	for _, x := range rows {
@@ -475,6 +493,7 @@ func publishedCreatedAt(rows []row, published []int64) []time.Time {
 	return out
 }
 
+// distinct counts the distinct ids among ids.
 func distinct(ids []int64) int64 {
 	seen := make(map[int64]struct{}, len(ids))
 	for _, id := range ids {
