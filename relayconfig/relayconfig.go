@@ -772,7 +772,7 @@ func ParseHeld(args []string, redrive bool, lookupEnv func(string) (string, bool
 		}
 		return lookupEnv(k)
 	}
-	if err := applyEnv(fs, withoutArgsOnly(connection)); err != nil {
+	if _, err := applyEnv(fs, withoutArgsOnly(connection)); err != nil {
 		return s, err
 	}
 	var errs []error
@@ -867,12 +867,8 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	if fs.NArg() > 0 {
 		return s, fmt.Errorf("unexpected argument %q", fs.Arg(0))
 	}
-	given := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
-	if given[FlagTopic] || given[FlagTopicsFile] { // one setting (topicsFromOnePlace)
-		given[FlagTopic], given[FlagTopicsFile] = true, true
-	}
-	if err := applyEnv(fs, topicsFromOnePlace(fs, lookupEnv)); err != nil {
+	fromEnv, err := applyEnv(fs, topicsFromOnePlace(fs, lookupEnv))
+	if err != nil {
 		return s, err
 	}
 	s.KafkaSASLUsername, _ = lookupEnv(EnvSASLUsername)
@@ -895,10 +891,8 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	errs := Errors(s.Validate())
 	for _, err := range errs {
 		var fe *FieldError
-		if errors.As(err, &fe) && !given[fe.Flag] {
-			if _, set := lookupEnv(EnvName(fe.Flag)); set {
-				fe.Env = EnvName(fe.Flag)
-			}
+		if errors.As(err, &fe) && fromEnv[fe.Flag] {
+			fe.Env = EnvName(fe.Flag)
 		}
 	}
 	return s, errors.Join(errs...)
@@ -1305,19 +1299,19 @@ func withoutArgsOnly(lookupEnv func(string) (string, bool)) func(string) (string
 }
 
 // applyEnv sets every flag not given on the command line from RELAY_<FLAG>
-// (only the secrets' with EnvArgsOnly).
-func applyEnv(fs *flag.FlagSet, lookupEnv func(string) (string, bool)) error {
+// (only the secrets' with EnvArgsOnly), and says which it set.
+func applyEnv(fs *flag.FlagSet, lookupEnv func(string) (string, bool)) (set map[string]bool, err error) {
+	set = map[string]bool{}
 	given := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
 	argsOnly := false
 	if v, ok := lookupEnv(EnvArgsOnly); ok {
-		b, err := strconv.ParseBool(v)
-		if err != nil {
-			return fmt.Errorf("%s: %q is not true or false", EnvArgsOnly, v)
+		b, perr := strconv.ParseBool(v)
+		if perr != nil {
+			return nil, fmt.Errorf("%s: %q is not true or false", EnvArgsOnly, v)
 		}
 		argsOnly = b
 	}
-	var err error
 	fs.VisitAll(func(f *flag.Flag) {
 		env := EnvName(f.Name)
 		if given[f.Name] || err != nil || (argsOnly && env != EnvDSN && env != EnvSASLUsername && env != EnvSASLPassword) {
@@ -1327,9 +1321,10 @@ func applyEnv(fs *flag.FlagSet, lookupEnv func(string) (string, bool)) error {
 			if e := f.Value.Set(v); e != nil {
 				err = fmt.Errorf("%s (--%s): %q: %v", env, f.Name, v, e)
 			}
+			set[f.Name] = true
 		}
 	})
-	return err
+	return set, err
 }
 
 // readTopicsFile adds the event type to topic map of a YAML (or JSON)

@@ -448,4 +448,10 @@ func TestMaxRetainedWALAndEnvironmentErrors(t *testing.T) {
 	_, err = relayconfig.Parse(append(good, "--batch-size=0"), env(vars), nil)
 	require.ErrorContains(t, err, "--batch-size: 0 is outside", "given on the command line, it is the flag's")
 	require.NotContains(t, err.Error(), "RELAY_BATCH_SIZE")
+	// A variable the relay does not read (RELAY_ARGS_ONLY) names nothing:
+	// the bad value came from elsewhere.
+	vars = map[string]string{relayconfig.EnvDSN: "postgres://x", relayconfig.EnvArgsOnly: "true", relayconfig.EnvName(relayconfig.FlagKafkaTLSCertFile): "/c.pem"}
+	_, err = relayconfig.Parse(append(good, "--"+relayconfig.FlagKafkaTLSKeyFile+"=/k.pem"), env(vars), nil)
+	require.ErrorContains(t, err, "--kafka-tls-cert-file: goes together with --kafka-tls-key-file")
+	require.NotContains(t, err.Error(), "RELAY_KAFKA_TLS_CERT_FILE", "with RELAY_ARGS_ONLY the variable was not read")
 }
