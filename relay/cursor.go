@@ -1,6 +1,9 @@
 package relay
 
-import "time"
+import (
+	"math"
+	"time"
+)
 
 // cursor is where claims start in the partial index. Claims normally
 // continue after the highest id claimed, so they do not walk the dead index
@@ -49,6 +52,17 @@ type cursor struct {
 	marks []claimMark // claims not yet safe, oldest first
 }
 
+// indexStart is where a claim from the start of the index starts after:
+// every id but int64's least is above it. Before, it was 0, so a row with
+// an id of 0 or below (a sequence that starts there, an id given by hand)
+// was never claimed, and never published.
+const indexStart = math.MinInt64
+
+// newCursor is a cursor at the index's start.
+func newCursor(fullRescan time.Duration, guard bool) cursor {
+	return cursor{pos: indexStart, floorMark: indexStart, safe: indexStart, fullRescan: fullRescan, guard: guard}
+}
+
 // claimMark is the cursor after a claim and the claim's own transaction
 // id: every transaction that could hold a row at or below pos that the
 // claim did not see has an id below bound.
@@ -77,7 +91,7 @@ func (c *cursor) next(now time.Time) int64 {
 		c.nextFloor = now.Add(time.Second)
 		c.floorMark = c.pos
 		c.rescanning = true
-		return 0
+		return indexStart
 	case c.lastShort || now.After(c.nextFloor):
 		from := min(c.floorMark, c.pos) // the cursor may have moved back since
 		c.floorMark = c.pos
@@ -118,7 +132,7 @@ func (c *cursor) claimed(rows []row, full bool) {
 	if c.pos < old {
 		c.floorMark = min(c.floorMark, c.pos)
 		if c.guard {
-			c.safe, c.marks = 0, nil
+			c.safe, c.marks = indexStart, nil
 		}
 	}
 }

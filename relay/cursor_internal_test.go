@@ -13,7 +13,8 @@ import (
 func TestGuardedCursorStartsAtTheSafeFloor(t *testing.T) {
 	t.Parallel()
 	now := time.Now()
-	c := cursor{guard: true, fullRescan: time.Hour, nextFull: now.Add(time.Hour), nextFloor: now.Add(time.Hour)}
+	c := newCursor(time.Hour, true)
+	c.nextFull, c.nextFloor = now.Add(time.Hour), now.Add(time.Hour)
 	// claim runs one claim: xmin read before it (-1: none read), then its
 	// rows up to last, then its transaction id when the cursor moved.
 	claim := func(xmin, last, xid int64) int64 {
@@ -28,9 +29,9 @@ func TestGuardedCursorStartsAtTheSafeFloor(t *testing.T) {
 		}
 		return from
 	}
-	require.Equal(t, int64(0), claim(-1, 10, 100))
-	require.Equal(t, int64(0), claim(99, 20, 105), "transaction 99 may hold a row at or below 10")
-	require.Equal(t, int64(0), claim(100, 30, 110), "the claim's own id reached: the next claim may start at 10")
+	require.Equal(t, int64(indexStart), claim(-1, 10, 100))
+	require.Equal(t, int64(indexStart), claim(99, 20, 105), "transaction 99 may hold a row at or below 10")
+	require.Equal(t, int64(indexStart), claim(100, 30, 110), "the claim's own id reached: the next claim may start at 10")
 	require.Equal(t, int64(10), claim(104, 40, 115))
 	require.Equal(t, int64(10), claim(105, 40, 0), "a claim that did not move the cursor records nothing")
 	require.Equal(t, int64(20), c.from(now))
@@ -54,7 +55,8 @@ func TestGuardedCursorStartsAtTheSafeFloor(t *testing.T) {
 	require.Equal(t, c.pos, c.from(now), "once it ends, the floor is the cursor")
 
 	// Without the guard the cursor alone decides.
-	u := cursor{fullRescan: time.Hour, nextFull: now.Add(time.Hour), nextFloor: now.Add(time.Hour)}
+	u := newCursor(time.Hour, false)
+	u.nextFull, u.nextFloor = now.Add(time.Hour), now.Add(time.Hour)
 	u.claimed([]row{{id: 50}}, true)
 	require.False(t, u.wantsXmin())
 	require.False(t, u.wantsBound())
@@ -80,7 +82,7 @@ func TestCursorComesBackAfterIdsStartOver(t *testing.T) {
 	t.Parallel()
 	now := time.Now()
 	c := cursor{pos: 1_000_000, fullRescan: 10 * time.Second}
-	require.Equal(t, int64(0), c.from(now), "a full rescan is due")
+	require.Equal(t, int64(indexStart), c.from(now), "a full rescan is due")
 	c.claimed([]row{{id: 5}}, false)
 	require.LessOrEqual(t, c.from(now.Add(200*time.Millisecond)), int64(5), "the next claim starts at the new rows")
 	require.LessOrEqual(t, c.from(now.Add(300*time.Millisecond)), int64(5))
@@ -94,7 +96,7 @@ func TestCursorComesBackAfterIdsStartOver(t *testing.T) {
 	require.Equal(t, int64(1_000_000), c.from(now.Add(time.Second/2)))
 
 	// A claim after the cursor moves it only forward, as before.
-	c.pos = 0
+	c.pos = indexStart
 	c.claimed([]row{{id: 7}}, false)
 	c.from(now.Add(time.Second / 2))
 	c.claimed([]row{{id: 3}}, false)
@@ -102,9 +104,9 @@ func TestCursorComesBackAfterIdsStartOver(t *testing.T) {
 
 	// A failed claim gives back the full rescan it was to make.
 	c = cursor{pos: 100, fullRescan: time.Hour}
-	require.Equal(t, int64(0), c.from(now))
+	require.Equal(t, int64(indexStart), c.from(now))
 	c.claimFailed()
-	require.Equal(t, int64(0), c.from(now.Add(time.Millisecond)), "the rescan is made by the next claim, not an hour later")
+	require.Equal(t, int64(indexStart), c.from(now.Add(time.Millisecond)), "the rescan is made by the next claim, not an hour later")
 }
 
 // With the guard, a cursor that comes back takes the safe floor back to
@@ -116,7 +118,7 @@ func TestGuardedCursorComingBackIsSafeAgainOnlyOnceSettled(t *testing.T) {
 	t.Parallel()
 	now := time.Now()
 	c := cursor{guard: true, pos: 1_000_000, safe: 1_000_000, floorMark: 1_000_000, fullRescan: 10 * time.Second}
-	require.Equal(t, int64(0), c.from(now), "a full rescan is due")
+	require.Equal(t, int64(indexStart), c.from(now), "a full rescan is due")
 	rows := make([]row, 10)
 	for i := range rows {
 		rows[i].id = int64(11 + i)
@@ -124,10 +126,10 @@ func TestGuardedCursorComingBackIsSafeAgainOnlyOnceSettled(t *testing.T) {
 	c.claimed(rows, false)
 	require.True(t, c.wantsBound(), "the claim's transaction id is recorded")
 	c.record(500)
-	require.Equal(t, int64(0), c.from(now.Add(200*time.Millisecond)), "row 10's transaction may still run")
+	require.Equal(t, int64(indexStart), c.from(now.Add(200*time.Millisecond)), "row 10's transaction may still run")
 	require.True(t, c.wantsXmin())
 	c.settle(499)
-	require.Equal(t, int64(0), c.from(now.Add(300*time.Millisecond)))
+	require.Equal(t, int64(indexStart), c.from(now.Add(300*time.Millisecond)))
 	c.settle(500)
 	require.Equal(t, int64(20), c.from(now.Add(400*time.Millisecond)), "every transaction that could hold a row under 20 has ended")
 }

@@ -106,7 +106,7 @@ func (pr *pruner) prune(ctx context.Context) error {
 		}
 		return pr.prunePartitions(ctx, conn, oid)
 	}
-	var after int64
+	after := int64(indexStart)
 	for ctx.Err() == nil {
 		start := time.Now()
 		var n, last int64
@@ -116,10 +116,10 @@ func (pr *pruner) prune(ctx context.Context) error {
 		pr.m.pruneDuration.Observe(time.Since(start).Seconds())
 		pr.m.pruned.Add(float64(n))
 		if n == 0 {
-			if after == 0 {
+			if after == indexStart {
 				return nil // nothing old enough
 			}
-			after = 0 // rows skipped (held by others) are looked at again
+			after = indexStart // rows skipped (held by others) are looked at again
 			sleep(ctx, jitter(pruneEvery))
 			continue
 		}

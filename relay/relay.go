@@ -224,7 +224,7 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 		m:          newMetrics(cfg.Registerer),
 		log:        cfg.Logger.With("table", table.String()),
 		member:     &member{mode: cfg.Ordering},
-		cur:        cursor{fullRescan: cfg.FullRescanInterval, guard: cfg.Ordering == OrderingPartitionKey},
+		cur:        newCursor(cfg.FullRescanInterval, cfg.Ordering == OrderingPartitionKey),
 		held:       newHeldRows(),
 		aside:      newAsideRows(),
 		topics:     newTopicState(compression(cfg.Compression) != 0),

@@ -609,3 +609,35 @@ func TestByteaPayloadIsSizedByItsLength(t *testing.T) {
 	require.Len(t, msgs[0].Value, 15000)
 	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTooLarge))
 }
+
+// Rows with an id of 0 or below (a sequence that starts there, ids given
+// by hand) are claimed and pruned like any other, in either ordering.
+// Before, claims and the pruner started after id 0: such rows were never
+// published.
+func TestRowsWithIdsAtOrBelowZeroArePublishedAndPruned(t *testing.T) {
+	t.Parallel()
+	for _, ordering := range []relay.Ordering{relay.OrderingNone, relay.OrderingPartitionKey} {
+		t.Run(string(ordering), func(t *testing.T) {
+			t.Parallel()
+			f := outboxtest.NewFixture(t, 1, "E")
+			f.Exec(`INSERT INTO outbox (id, event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+				OVERRIDING SYSTEM VALUE
+				SELECT i, gen_random_uuid(), 'Order', 'o' || i, 'E', '{}', 'o' || i
+				FROM unnest(ARRAY[-9223372036854775807, -5, 0]::bigint[]) i`)
+			f.Insert(2, 2, "E")
+			want := f.EventIDs("")
+			require.Len(t, want, 5)
+			cfg := f.Config()
+			cfg.Ordering = ordering
+			cfg.KeepPublishedFor = time.Minute
+			r := run(t, cfg, nil)
+			f.WaitDrained(0, 30*time.Second)
+			counts, _ := outboxtest.Deliveries(t, 5, f.Topics["E"])
+			outboxtest.RequireAtLeastOnce(t, want, counts)
+
+			f.Exec(`UPDATE outbox SET published_at = published_at - interval '1 hour'`)
+			require.Eventually(t, func() bool { return f.Count(`SELECT count(*) FROM outbox`) == 0 }, 30*time.Second, 50*time.Millisecond,
+				"pruned: %v rows", outboxtest.MetricValue(t, r.Reg, "outbox_relay_pruned_rows_total"))
+		})
+	}
+}

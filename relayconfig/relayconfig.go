@@ -723,7 +723,7 @@ func ParseHeld(args []string, redrive bool, lookupEnv func(string) (string, bool
 	fs.Func(FlagID, "a held row's id (repeatable, or comma-separated)", func(v string) error {
 		for _, p := range strings.Split(v, ",") {
 			id, err := strconv.ParseInt(strings.TrimSpace(p), 10, 64)
-			if err != nil || id <= 0 {
+			if err != nil { // any id: a table's sequence may start at 0 or below
 				return fmt.Errorf("%q is not a row id", p)
 			}
 			s.IDs = append(s.IDs, id)

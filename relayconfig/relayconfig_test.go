@@ -348,6 +348,9 @@ func TestHeldTakesOnlyTheConnectionFromTheEnvironment(t *testing.T) {
 	require.Equal(t, "postgres://x", got.DSN)
 	require.Equal(t, "app.outbox", got.Table)
 	require.Equal(t, relayconfig.DatabaseAuthAzureAD, got.DatabaseAuth)
+	got, err = relayconfig.ParseHeld([]string{"--id=-5,0"}, true, env(vars), nil)
+	require.NoError(t, err, "a row's id may be 0 or below")
+	require.Equal(t, []int64{-5, 0}, got.IDs)
 
 	list, err := relayconfig.ParseHeld(nil, false, env(vars), nil)
 	require.NoError(t, err)
