@@ -160,7 +160,7 @@ BENCH_FLAGS ?=
 BENCH_QUICK_FLAGS ?=
 
 .PHONY: bench
-bench: deps-postgres deps-kafka deps-kube deps-node ## Measure ceiling, drain, the naive claim shape, scaling, latency, retention, headers and tracing, a long-lived table, the backlog read, footprint and autoscaling (~25 min); writes docs/benchmarks.md and bench/results.json.
+bench: deps-postgres deps-kafka deps-kube deps-node ## Measure ceiling, drain, the naive claim shape, scaling, latency, retention, headers and tracing, a long-lived table, the backlog read, footprint and autoscaling; writes docs/benchmarks.md and bench/results.json.
 	go run ./test/bench $(BENCH_FLAGS)
 
 .PHONY: chaos
@@ -171,7 +171,7 @@ chaos: deps-postgres deps-kafka ## Run random fault scenarios for CHAOS_DURATION
 	go test -count=1 -timeout 0 -run '^TestFaults$$' ./relay/ -args -chaos.duration $(CHAOS_DURATION) -chaos.capture "$(CHAOS_CAPTURE)" -chaos.report $(CHAOS_REPORT)
 
 .PHONY: bench-quick
-bench-quick: deps-postgres deps-kafka ## A ~3-minute subset of `make bench` (writes bench/quick.md and bench/quick-results.json).
+bench-quick: deps-postgres deps-kafka ## A short subset of `make bench` (writes bench/quick.md and bench/quick-results.json).
 	go run ./test/bench -quick $(BENCH_QUICK_FLAGS)
 
 .PHONY: bench-fleet

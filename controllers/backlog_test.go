@@ -117,7 +117,7 @@ func explain(t testing.TB, pool *pgxpool.Pool, bound int64, byKey bool) string {
 }
 
 // BenchmarkBacklogQuery measures one backlog read at 10k and 1M waiting
-// rows (docs/operator.md quotes it):
+// rows (docs/operator.md names it):
 //
 //	go test ./controllers -run '^$' -bench BacklogQuery -benchtime 20x
 func BenchmarkBacklogQuery(b *testing.B) {

@@ -10,7 +10,7 @@ import (
 
 // BenchmarkRecord is the cost of building one record with its producer
 // span: tracing off, on for a row whose writer did not sample its trace, and
-// on for a sampled one (recorded, exported nowhere). docs/relay.md quotes it.
+// on for a sampled one (recorded, exported nowhere). docs/relay.md names it.
 func BenchmarkRecord(b *testing.B) {
 	headers := []byte(`{"traceparent":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01","tenant":"t1"}`)
 	unsampled := []byte(`{"traceparent":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00","tenant":"t1"}`)
