@@ -2062,8 +2062,8 @@ func (r *Relay) publishClaimed(bctx context.Context, cancel context.CancelFunc, 
 		r.health.batchDone(start, 0, 0)
 		return nil, r.commit(bctx, tx)
 	}
-	cut := len(rows) < locked
-	rows = r.oneRowPerID(rows)
+	rows, rest := r.uptoRepeatedID(rows)
+	cut := len(rows) < locked || len(rest) > 0
 	b := &inFlight{ctx: bctx, cancel: cancel, tx: tx, start: start, rows: rows, cut: cut,
 		big: payloadBytes(rows) > bigBatchBytes, done: make(chan error, 1)}
 	pctx, pcancel := publishing(bctx)
@@ -2071,6 +2071,9 @@ func (r *Relay) publishClaimed(bctx context.Context, cancel context.CancelFunc, 
 	pcancel()
 	if len(b.retry) == 0 {
 		r.capture.retryGivenUp = false // the batch went out whole
+	}
+	for _, x := range rest { // in commit order, before any later row: retryIDs claims them after the commit
+		b.retry = append(b.retry, x.id)
 	}
 	b.holds, b.unhold = r.held.take(), r.held.forget(b.published)
 	return b, nil
@@ -2166,7 +2169,7 @@ func (r *Relay) readSweepFence(ctx context.Context) (*sweepFence, error) {
 	if err != nil {
 		return nil, fmt.Errorf("read the sweep's transaction horizon: %w", err)
 	}
-	ids, err := r.sweepIDs(ctx, 0, horizon, nil)
+	ids, err := r.sweepIDs(ctx, indexStart, horizon, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -2248,7 +2251,7 @@ func (r *Relay) sweepBeforeSlot(ctx context.Context, alive func(context.Context)
 	if horizon != nil {
 		h = *horizon
 	}
-	ids, err := r.sweepIDs(ctx, 0, h, before)
+	ids, err := r.sweepIDs(ctx, indexStart, h, before)
 	if err == nil {
 		err = r.sweepBefore(ctx, alive, h, before, ids)
 	}

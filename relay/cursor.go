@@ -7,10 +7,9 @@ import (
 
 // cursor is where claims start in the partial index. Claims normally
 // continue after the highest id claimed, so they do not walk the dead index
-// entries of rows already published: measured here over a 1M-row drain at
-// batch 500, claiming from the start of the index fell from 43k to 26k rows/s
-// (to 2k rows/s with a long transaction open elsewhere), claiming after the
-// cursor stayed flat. A row whose id was taken before the cursor but that
+// entries of rows already published, which slow a claim from the start of
+// the index more with every row published (far more with a long
+// transaction open elsewhere, which keeps vacuum from removing them). A row whose id was taken before the cursor but that
 // committed later would be behind it: a floor scan (after each short batch,
 // and at least every second) starts at the cursor of the previous floor
 // scan, and a full rescan from the start runs every FullRescanInterval for
@@ -157,6 +156,10 @@ func (c *cursor) settled(rows []row, done func(id int64) bool) {
 		}
 	}
 }
+
+// before moves the cursor back before id, a row a claim locked and left
+// for the next claim. A claimed id is above indexStart: id-1 does not wrap.
+func (c *cursor) before(id int64) { c.pos = min(c.pos, id-1) }
 
 // wantsXmin reports whether the next claim should read the oldest running
 // transaction before its statement: with the guard, while claims wait to

@@ -286,7 +286,8 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	}
 	r.setDBErr(nil)
 	r.m.claimDuration.Observe(time.Since(start).Seconds())
-	cut := len(rows) < locked
+	rows, rest := r.uptoRepeatedID(rows)
+	cut := len(rows) < locked || len(rest) > 0
 	// The claim's limit counts its candidates: those another session holds
 	// locked, and those a transaction changed while the claim ran so that
 	// they no longer match, filled it too, and more rows may follow them.
@@ -299,6 +300,9 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 		}
 	}
 	r.cur.claimed(rows, full)
+	if len(rest) > 0 {
+		r.cur.before(rest[0].id) // the next claim, after this batch's commit, takes them
+	}
 	if xmin >= 0 {
 		r.cur.settle(xmin)
 	}
@@ -323,7 +327,6 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 		}
 		return nil, nil
 	}
-	rows = r.oneRowPerID(rows)
 	b := &inFlight{ctx: bctx, cancel: cancel, tx: tx, start: start, rows: rows, full: full, cut: cut,
 		big: payloadBytes(rows) > bigBatchBytes, done: make(chan error, 1)}
 	if b.big {
@@ -460,27 +463,30 @@ func (r *Relay) finish(b *inFlight) error {
 	return nil
 }
 
-// oneRowPerID leaves out of a claim on a partitioned table every row whose
-// id an earlier row of the claim has (its primary key there is the id
-// with created_at): the relay tells rows by id, and the mark of the
-// published ones by id and created_at (publishedCreatedAt) must know which
-// of the two went out. The one left out stays locked until the batch ends,
-// and a later claim takes it.
-func (r *Relay) oneRowPerID(rows []row) []row {
+// uptoRepeatedID cuts a claim on a partitioned table before the first row
+// whose id an earlier row of the claim has (the primary key there is the
+// id with created_at): the relay tells the rows of a batch by id, and the
+// mark by id and created_at (publishedCreatedAt) must know which of the two
+// went out. Before, both went out and the mark left one to go out again.
+// The rows cut off (rest) stay locked until the batch commits: it counts as
+// cut, so no claim runs beside its commit, and the next one takes them.
+func (r *Relay) uptoRepeatedID(rows []row) (kept, rest []row) {
 	if !r.sql.Partitioned {
-		return rows
+		return rows, nil
 	}
 	seen := make(map[int64]bool, len(rows))
-	return slices.DeleteFunc(rows, func(x row) bool {
-		dup := seen[x.id]
+	for i, x := range rows {
+		if seen[x.id] {
+			return rows[:i], rows[i:]
+		}
 		seen[x.id] = true
-		return dup
-	})
+	}
+	return rows, nil
 }
 
 // publishedCreatedAt is the created_at of each of published's rows among
 // rows, in published's order: with the ids, a partitioned table's primary
-// key (the Mark statement's $4). The rows have one id each (oneRowPerID).
+// key (the Mark statement's $4). The rows have one id each (uptoRepeatedID).
 func publishedCreatedAt(rows []row, published []int64) []time.Time {
 	at := make(map[int64]time.Time, len(rows))
 	for _, x := range rows {

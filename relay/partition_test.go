@@ -186,32 +186,52 @@ func TestPartitionedMarkReachesOnlyThePublishedRow(t *testing.T) {
 	outboxtest.RequireAtLeastOnce(t, want, counts)
 }
 
+// modeFixture is a fixture with a topic for event type E and the config of
+// a relay in mode: none or partition-key ordering, or logical-replication.
+func modeFixture(t *testing.T, mode string) (*outboxtest.Fixture, relay.Config) {
+	if mode == "logical-replication" {
+		return captureFixture(t, 1, "E")
+	}
+	f := outboxtest.NewFixture(t, 1, "E")
+	cfg := f.Config()
+	if mode == "partition-key" {
+		cfg.Ordering = relay.OrderingPartitionKey
+	}
+	return f, cfg
+}
+
 // Two rows of one id in one claim (the id with created_at is the primary
-// key): each goes out once, the second in a later claim. Before, both went
-// out in one batch, whose mark by id and created_at kept one created_at per
-// id: the other row stayed unpublished and went out again.
+// key): each goes out once, the second in a later claim, in either
+// ordering and when streaming. Before, both went out in one batch, whose
+// mark by id and created_at kept one created_at per id: the other row
+// stayed unpublished and went out again.
 func TestPartitionedTwinsInOneClaimGoOutOnceEach(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	f := outboxtest.NewFixture(t, 1, "E")
-	today := partitioned(t, f)
-	insertAt(f, 1, 1, today.Add(time.Hour), false, "E")
-	var id int64
-	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT id FROM outbox`).Scan(&id))
-	f.Exec(`WITH r AS (
-		INSERT INTO outbox (id, event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
-		OVERRIDING SYSTEM VALUE
-		VALUES ($1, gen_random_uuid(), 'Order', 'twin', 'E', '{"twin": true}', 'twin', $2)
-		RETURNING event_id, created_at)
-		INSERT INTO outbox_event_ids SELECT event_id, created_at, '\x00' FROM r`, id, today.Add(2*time.Hour))
-	insertAt(f, 1, 1, today.Add(3*time.Hour), false, "E")
-	want := f.EventIDs("")
-	require.Len(t, want, 3)
+	for _, mode := range []string{"none", "partition-key", "logical-replication"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			f, cfg := modeFixture(t, mode)
+			today := partitioned(t, f)
+			insertAt(f, 1, 1, today.Add(time.Hour), false, "E")
+			var id int64
+			require.NoError(t, f.Pool.QueryRow(ctx, `SELECT id FROM outbox`).Scan(&id))
+			f.Exec(`WITH r AS (
+				INSERT INTO outbox (id, event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
+				OVERRIDING SYSTEM VALUE
+				VALUES ($1, gen_random_uuid(), 'Order', 'twin', 'E', '{"twin": true}', 'twin', $2)
+				RETURNING event_id, created_at)
+				INSERT INTO outbox_event_ids SELECT event_id, created_at, '\x00' FROM r`, id, today.Add(2*time.Hour))
+			insertAt(f, 1, 1, today.Add(3*time.Hour), false, "E")
+			want := f.EventIDs("")
+			require.Len(t, want, 3)
 
-	run(t, f.Config(), nil)
-	f.WaitDrained(0, 30*time.Second)
-	counts, _ := outboxtest.Deliveries(t, 3, f.Topics["E"])
-	outboxtest.RequireExactlyOnce(t, want, counts)
+			run(t, cfg, nil)
+			f.WaitDrained(0, 30*time.Second)
+			counts, _ := outboxtest.Deliveries(t, 3, f.Topics["E"])
+			outboxtest.RequireExactlyOnce(t, want, counts)
+		})
+	}
 }
 
 // With --notify on a partitioned outbox, a notifying writer's event is

@@ -190,8 +190,8 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 	rp["idle_in_transaction_session_timeout"] = strconv.FormatInt((cfg.PublishTimeout + 20*time.Second).Milliseconds(), 10)
 	rp["statement_timeout"] = strconv.FormatInt(statementTimeout.Milliseconds(), 10)
 	// pgx prepares statements, and a generic plan made while the table was
-	// tiny can stay a sequential scan as it grows (seen here: 28.7 ms per
-	// mark at 300k rows): always plan with the real parameters.
+	// tiny can stay a sequential scan as it grows, every mark reading the
+	// whole table: always plan with the real parameters.
 	rp["plan_cache_mode"] = "force_custom_plan"
 	// With statistics older than the backlog (a busy table between two
 	// ANALYZEs) the planner takes "id > cursor" for a handful of rows and

@@ -611,15 +611,15 @@ func TestByteaPayloadIsSizedByItsLength(t *testing.T) {
 }
 
 // Rows with an id of 0 or below (a sequence that starts there, ids given
-// by hand) are claimed and pruned like any other, in either ordering.
-// Before, claims and the pruner started after id 0: such rows were never
-// published.
+// by hand) are claimed and pruned like any other, in either ordering and
+// swept when streaming. Before, claims, sweeps and the pruner started after
+// id 0: such rows were never published.
 func TestRowsWithIdsAtOrBelowZeroArePublishedAndPruned(t *testing.T) {
 	t.Parallel()
-	for _, ordering := range []relay.Ordering{relay.OrderingNone, relay.OrderingPartitionKey} {
-		t.Run(string(ordering), func(t *testing.T) {
+	for _, mode := range []string{"none", "partition-key", "logical-replication"} {
+		t.Run(mode, func(t *testing.T) {
 			t.Parallel()
-			f := outboxtest.NewFixture(t, 1, "E")
+			f, cfg := modeFixture(t, mode)
 			f.Exec(`INSERT INTO outbox (id, event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 				OVERRIDING SYSTEM VALUE
 				SELECT i, gen_random_uuid(), 'Order', 'o' || i, 'E', '{}', 'o' || i
@@ -627,8 +627,6 @@ func TestRowsWithIdsAtOrBelowZeroArePublishedAndPruned(t *testing.T) {
 			f.Insert(2, 2, "E")
 			want := f.EventIDs("")
 			require.Len(t, want, 5)
-			cfg := f.Config()
-			cfg.Ordering = ordering
 			cfg.KeepPublishedFor = time.Minute
 			r := run(t, cfg, nil)
 			f.WaitDrained(0, 30*time.Second)

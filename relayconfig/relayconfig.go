@@ -1361,7 +1361,11 @@ func readTopicsFile(path string, into topicsValue) error {
 			return fmt.Errorf("%s: line %d: %w", path, k.Line, err)
 		}
 		if v.Tag == "!!null" && v.Style == 0 && topic != "" { // JSON's {"Foo": null} is no topic, not one named null
-			return fmt.Errorf("%s: line %d: event type %q: %s is no topic (quote it to name a topic %q)", path, v.Line, et, topic, topic)
+			hint := ""
+			if CheckTopic(topic) == nil {
+				hint = fmt.Sprintf(" (quote it to name a topic %q)", topic)
+			}
+			return fmt.Errorf("%s: line %d: event type %q: %s is no topic%s", path, v.Line, et, topic, hint)
 		}
 		if err := CheckTopic(topic); err != nil {
 			return fmt.Errorf("%s: line %d: event type %q: %w", path, v.Line, et, err)

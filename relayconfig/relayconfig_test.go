@@ -390,6 +390,8 @@ func TestTopicsFileTakesEachEntryAsWritten(t *testing.T) {
 	got, err := parse("yes: a\n1.0: b\n0x10: c\n\"Order Shipped\": \"123\"\n")
 	require.NoError(t, err)
 	require.Equal(t, map[string]string{"yes": "a", "1.0": "b", "0x10": "c", "Order Shipped": "123"}, got)
+	_, err = parse("Foo: ~\n")
+	require.NotContains(t, err.Error(), "quote it", "~ names no topic quoted either")
 	got, err = parse("Foo: \"null\"\n")
 	require.NoError(t, err, "a quoted null names a topic")
 	require.Equal(t, map[string]string{"Foo": "null"}, got)
