@@ -59,12 +59,16 @@ help: ## Show this help.
 	@awk 'BEGIN {FS = ":.*##"; printf "\nUsage:\n  make \033[36m<target>\033[0m\n"} /^[a-zA-Z_0-9-]+:.*?##/ { printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2 } /^##@/ { printf "\n\033[1m%s\033[0m\n", substr($$0, 5) } ' $(MAKEFILE_LIST)
 
 .PHONY: demo
-demo: deps ## Run the whole system on this machine (a one-node cluster with the operator, config/samples, order service, live view); Ctrl-C stops it.
+demo: demo-check deps ## Run the whole system on this machine (a one-node cluster with the operator, config/samples, order service, live view); Ctrl-C stops it.
 	CGO_ENABLED=0 go build -o $(LOCALBIN)/demo ./cmd/demo
 	$(LOCALBIN)/demo -dir $(CURDIR)/.demo
 
+.PHONY: demo-check
+demo-check: ## Refuse a machine the demo's node cannot run on (not root, cgroup v2) before make deps builds anything.
+	go run ./cmd/demo -check
+
 .PHONY: demo-autoscaling
-demo-autoscaling: deps ## make demo with the relay autoscaled on its backlog (0..4 replicas) and bursts of 20,000 rows: watch it scale up, drain and go back to zero.
+demo-autoscaling: demo-check deps ## make demo with the relay autoscaled on its backlog (0..4 replicas) and bursts of 20,000 rows: watch it scale up, drain and go back to zero.
 	CGO_ENABLED=0 go build -o $(LOCALBIN)/demo ./cmd/demo
 	$(LOCALBIN)/demo -dir $(CURDIR)/.demo -autoscaling
 

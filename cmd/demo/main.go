@@ -31,7 +31,15 @@ func main() {
 	flag.BoolVar(&auto.on, "autoscaling", false, "autoscale the relay on its backlog (0..4 replicas) and write bursts of -burst rows every -burst-every; -rate defaults to 0")
 	flag.IntVar(&auto.rows, "burst", 20000, "rows per burst with -autoscaling")
 	flag.DurationVar(&auto.every, "burst-every", 90*time.Second, "time between bursts with -autoscaling")
+	check := flag.Bool("check", false, "only say whether this machine can run the demo's node (root, cgroup v1), and exit")
 	flag.Parse()
+	if *check {
+		if err := localcluster.CheckHost(); err != nil {
+			fmt.Fprintln(os.Stderr, "demo:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	if auto.on && !flagSet("rate") {
 		*rate = 0
 	}

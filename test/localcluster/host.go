@@ -30,7 +30,21 @@ var nodeCgroupControllers = []string{"cpu", "cpuacct", "cpuset", "memory"}
 // CheckHost reports why this machine cannot run the stack's node (nil when
 // it can): it needs cgroup v1, that is /sys/fs/cgroup not a cgroup v2
 // mount (a v1 or hybrid layout) and the v1 controllers the kubelet needs.
-func CheckHost() error { return checkCgroups(cgroupMountPoint, "/proc/self/mounts") }
+func CheckHost() error {
+	if err := checkRoot(os.Geteuid()); err != nil {
+		return err
+	}
+	return checkCgroups(cgroupMountPoint, "/proc/self/mounts")
+}
+
+// checkRoot refuses a user other than root (euid): containerd, runc and
+// the kubelet mount, make cgroups and network namespaces, and run as root.
+func checkRoot(euid int) error {
+	if euid != 0 {
+		return fmt.Errorf("the local cluster's node (containerd, runc, the kubelet) runs as root, and this process runs as uid %d: run it as root (sudo make demo)", euid)
+	}
+	return nil
+}
 
 // checkCgroups is CheckHost with the cgroup mount point and the mount
 // table read from the given paths.

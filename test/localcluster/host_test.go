@@ -64,6 +64,13 @@ func TestCheckHostRefusesCgroupV2(t *testing.T) {
 	require.ErrorContains(t, err, "systemd.unified_cgroup_hierarchy=0")
 }
 
+// A user other than root is refused before anything starts, by uid.
+func TestCheckHostRefusesAUserOtherThanRoot(t *testing.T) {
+	t.Parallel()
+	require.NoError(t, checkRoot(0))
+	require.ErrorContains(t, checkRoot(1000), "runs as uid 1000: run it as root")
+}
+
 // TestCheckHostHere: on this machine the check gives the verdict its mount
 // table gives, so it passes on a v1 or hybrid host such as the one the node
 // is built and tested on, and refuses a v2 one.
