@@ -164,12 +164,7 @@ func TestPartitionedMarkReachesOnlyThePublishedRow(t *testing.T) {
 	var id int64
 	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT id FROM outbox`).Scan(&id))
 	insertAt(f, 1, 1, today.Add(3*time.Hour), false, "E") // the batch's other row, created later
-	f.Exec(`WITH r AS (
-		INSERT INTO outbox (id, event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
-		OVERRIDING SYSTEM VALUE
-		VALUES ($1, gen_random_uuid(), 'Order', 'twin', 'E', '{"twin": true}', 'twin', $2)
-		RETURNING event_id, created_at)
-		INSERT INTO outbox_event_ids SELECT event_id, created_at, '\x00' FROM r`, id, today.Add(2*time.Hour))
+	insertTwin(f, id, today.Add(2*time.Hour))
 	want := f.EventIDs("")
 	require.Len(t, want, 3)
 	locker, err := f.Pool.Begin(ctx)
@@ -184,6 +179,18 @@ func TestPartitionedMarkReachesOnlyThePublishedRow(t *testing.T) {
 	f.WaitDrained(0, 30*time.Second)
 	counts, _ := outboxtest.Deliveries(t, 3, f.Topics["E"])
 	outboxtest.RequireAtLeastOnce(t, want, counts)
+}
+
+// insertTwin inserts a row of event type E and key "twin" with the id of
+// another row, created at at, as a partition attached again after the ids
+// started over would hold it.
+func insertTwin(f *outboxtest.Fixture, id int64, at time.Time) {
+	f.Exec(`WITH r AS (
+		INSERT INTO outbox (id, event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
+		OVERRIDING SYSTEM VALUE
+		VALUES ($1, gen_random_uuid(), 'Order', 'twin', 'E', '{"twin": true}', 'twin', $2)
+		RETURNING event_id, created_at)
+		INSERT INTO outbox_event_ids SELECT event_id, created_at, '\x00' FROM r`, id, at)
 }
 
 // modeFixture is a fixture with a topic for event type E and the config of
@@ -216,12 +223,7 @@ func TestPartitionedTwinsInOneClaimGoOutOnceEach(t *testing.T) {
 			insertAt(f, 1, 1, today.Add(time.Hour), false, "E")
 			var id int64
 			require.NoError(t, f.Pool.QueryRow(ctx, `SELECT id FROM outbox`).Scan(&id))
-			f.Exec(`WITH r AS (
-				INSERT INTO outbox (id, event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
-				OVERRIDING SYSTEM VALUE
-				VALUES ($1, gen_random_uuid(), 'Order', 'twin', 'E', '{"twin": true}', 'twin', $2)
-				RETURNING event_id, created_at)
-				INSERT INTO outbox_event_ids SELECT event_id, created_at, '\x00' FROM r`, id, today.Add(2*time.Hour))
+			insertTwin(f, id, today.Add(2*time.Hour))
 			insertAt(f, 1, 1, today.Add(3*time.Hour), false, "E")
 			want := f.EventIDs("")
 			require.Len(t, want, 3)
