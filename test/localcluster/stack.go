@@ -42,8 +42,8 @@ type Options struct {
 	// ExtraImages are more docker-archive tarballs the node's container
 	// runtime loads (another release's operator image, for an upgrade).
 	ExtraImages []string
-	// NoOperator leaves the operator out: the caller installs one (the
-	// upgrade test installs the previous release).
+	// NoOperator leaves the operator and its CRD out: the caller installs
+	// one (the upgrade test installs the previous release, with its CRD).
 	NoOperator bool
 }
 
@@ -138,9 +138,13 @@ func Start(ctx context.Context, opts Options) (s *Stack, err error) {
 	}()
 	go func() {
 		defer wg.Done()
-		s.Kube, kubeErr = testenv.StartKube(filepath.Join(dir, "kube"), testenv.KubeOptions{Host: HostIP})
+		s.Kube, kubeErr = testenv.StartKube(filepath.Join(dir, "kube"), testenv.KubeOptions{Host: HostIP, NoCRDs: opts.NoOperator})
 		if kubeErr == nil {
-			progress("kube-apiserver " + s.Kube.Config.Host + " (with etcd, CRDs installed)")
+			crds := ", CRDs installed"
+			if opts.NoOperator {
+				crds = ""
+			}
+			progress("kube-apiserver " + s.Kube.Config.Host + " (with etcd" + crds + ")")
 		}
 	}()
 	go func() {

@@ -55,6 +55,9 @@ type KubeOptions struct {
 	// ServiceCIDR is the Service network; its first address (the
 	// kubernetes Service's ClusterIP) is put in the serving certificate.
 	ServiceCIDR string
+	// NoCRDs leaves the project's CRDs out: the caller installs an
+	// operator with its own (the upgrade test, a previous release's).
+	NoCRDs bool
 }
 
 // DefaultServiceCIDR is the Service network of the API server StartKube runs.
@@ -84,9 +87,12 @@ func StartKube(dir string, opts ...KubeOptions) (*KubeEnv, error) {
 	env := &envtest.Environment{
 		BinaryAssetsDirectory:    assets,
 		CRDDirectoryPaths:        []string{filepath.Join(RepoRoot(), "config", "crd", "bases")},
-		ErrorIfCRDPathMissing:    true,
+		ErrorIfCRDPathMissing:    !o.NoCRDs,
 		ControlPlaneStartTimeout: 2 * time.Minute,
 		ControlPlaneStopTimeout:  time.Minute,
+	}
+	if o.NoCRDs {
+		env.CRDDirectoryPaths = nil
 	}
 	for _, name := range []string{"kube-apiserver.log", "etcd.log"} {
 		f, err := os.Create(filepath.Join(dir, name))
