@@ -60,16 +60,16 @@ help: ## Show this help.
 
 .PHONY: demo
 demo: demo-check deps ## Run the whole system on this machine (a one-node cluster with the operator, config/samples, order service, live view); Ctrl-C stops it.
-	CGO_ENABLED=0 go build -o $(LOCALBIN)/demo ./cmd/demo
 	$(LOCALBIN)/demo -dir $(CURDIR)/.demo
 
 .PHONY: demo-check
-demo-check: ## Refuse a machine the demo's node cannot run on (not root, cgroup v2) before make deps builds anything.
-	go run ./cmd/demo -check
+demo-check: ## Build the demo and refuse a machine its node cannot run on (not root, cgroup v2) before make deps builds anything.
+	mkdir -p $(LOCALBIN)
+	CGO_ENABLED=0 go build -o $(LOCALBIN)/demo ./cmd/demo
+	$(LOCALBIN)/demo -check
 
 .PHONY: demo-autoscaling
 demo-autoscaling: demo-check deps ## make demo with the relay autoscaled on its backlog (0..4 replicas) and bursts of 20,000 rows: watch it scale up, drain and go back to zero.
-	CGO_ENABLED=0 go build -o $(LOCALBIN)/demo ./cmd/demo
 	$(LOCALBIN)/demo -dir $(CURDIR)/.demo -autoscaling
 
 ##@ Development

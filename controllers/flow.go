@@ -489,8 +489,9 @@ func perMinute(rs []counterReading) *int64 {
 // the whole backlog). Bitmap scans and sorts are off: reading the oldest
 // rows then walks the partial index in id order and stops at the bound,
 // and the grouping hashes the rows instead of sorting them, which on
-// statistics taken while the table was nearly drained spilled to disk and
-// made the read slower at 1M waiting rows (TestBacklogQueryPlanStopsAtTheBound).
+// statistics taken while the table was nearly drained spilled to disk at 1M
+// waiting rows (TestBacklogQueryPlanStopsAtTheBound checks the plan has no
+// sort).
 //
 // With t (spec.database.tls) the connection is TLS, verifying the server's
 // certificate and host name against t's CA, whatever the DSN's sslmode.

@@ -825,7 +825,7 @@ func (r *Relay) writeWith(ctx context.Context, w MessageWriter, msgs []kafka.Mes
 				// only at a random time within MetadataTTL (30 s): until
 				// then every try went to the old leader (a rolling restart
 				// or a preferred-leader election stalled the partition for
-				// 26 s once, 75 tries).
+				// as long).
 				r.freshMetadata()
 				report(j, transient, e)
 			default:

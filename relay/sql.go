@@ -322,8 +322,8 @@ WHERE before < ` + budgetArg
 // lock goes by id (one more index probe per candidate, in the partitions
 // the candidates' created_at range spans). A candidate that a transaction
 // updated and committed between the read and the lock is locked in its
-// new version either way: PostgreSQL's TID scan does not recheck the ctid
-// when the lock follows the update (TidRecheck returns true), so where is
+// new version either way: PostgreSQL's TID scan does not check the
+// candidate's conditions again when the lock follows the update, so where is
 // checked again on the locked version (matches), and one that no longer
 // matches (published, of another key, bucket or type now) is left out, as
 // a locking claim's recheck leaves it out. Before, on a plain table, such

@@ -80,7 +80,7 @@ func TestCheckHostHere(t *testing.T) {
 	for _, r := range cgroupRoots("cgroup2") {
 		unified = unified || r == cgroupMountPoint
 	}
-	err := CheckHost()
+	err := checkCgroups(cgroupMountPoint, "/proc/self/mounts") // CheckHost's cgroup verdict, whoever runs the test
 	if unified {
 		require.ErrorContains(t, err, cgroupMountPoint+" is cgroup v2")
 		return

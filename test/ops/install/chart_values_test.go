@@ -51,7 +51,7 @@ var chartCases = []chartCase{
 		}
 	}},
 	// A Service's name is at most 63 characters: the metrics Service's
-	// suffix goes on a base cut to fit. Before, a release name of 41
+	// suffix goes on a base cut to fit. Before, a release name of 40
 	// characters or more made a name the API server refuses.
 	{name: "longest fullname", values: `{fullnameOverride: ` + strings.Repeat("r", 63) + `}`, check: func(t *testing.T, objs []*unstructured.Unstructured) {
 		svc := find(t, objs, "Service", strings.Repeat("r", 55)+"-metrics")
