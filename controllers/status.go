@@ -111,8 +111,8 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 		// until the next reading says it is stalled again.
 		if prev != nil && !obs.retargeted &&
 			prev.Status == metav1.ConditionTrue && last != nil && now.Sub(last.ObservedAt.Time) < threshold {
-			last, _, _ := strings.Cut(prev.Message, readingFailed)
-			return verdict{metav1.ConditionTrue, prev.Reason, last + readingFailed + obs.err}
+			msg, _, _ := strings.Cut(prev.Message, readingFailed)
+			return verdict{metav1.ConditionTrue, prev.Reason, msg + readingFailed + obs.err}
 		}
 		// A relay found flowing stays so while no row can have waited past
 		// the threshold since: a row waiting now was that old then, or has
@@ -124,8 +124,8 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 			prev.Status == metav1.ConditionFalse && last != nil &&
 			last.OldestAge.Duration+now.Sub(last.ObservedAt.Time) < threshold &&
 			!slotUnreadSince(relay, last, now, threshold) {
-			last, _, _ := strings.Cut(prev.Message, readingFailed)
-			return verdict{metav1.ConditionFalse, prev.Reason, last + readingFailed + obs.err}
+			msg, _, _ := strings.Cut(prev.Message, readingFailed)
+			return verdict{metav1.ConditionFalse, prev.Reason, msg + readingFailed + obs.err}
 		}
 		return verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonBacklogUnavailable, obs.err}
 	}

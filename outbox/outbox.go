@@ -228,7 +228,7 @@ func DeleteOnStoreCondition(slotParam string) string {
       AND CASE WHEN pg_try_advisory_lock_shared(` + key + `) THEN NOT pg_advisory_unlock_shared(` + key + `) ELSE true END`
 }
 
-// deleteOnStoreFor is the condition under which a writer with
+// DeleteOnStoreConditionFor is the condition under which a writer with
 // WithDeleteOnStore deletes its row of table t: DeleteOnStoreCondition,
 // and t is the table the slot's publication (named as the slot) publishes,
 // as the relay reads it: its inserts and deletes (without the deletes a
@@ -243,15 +243,9 @@ func DeleteOnStoreCondition(slotParam string) string {
 // only some rows or columns, or a partitioned table's under its
 // partitions' names, which the stream does not read: such rows are in no
 // stream the relay reads, so the writer keeps them for the relays to
-// claim.
-func deleteOnStoreFor(slotParam string, t Table) string {
-	return DeleteOnStoreConditionFor(slotParam, t)
-}
-
-// DeleteOnStoreConditionFor is the whole condition a writer with
-// WithDeleteOnStore deletes its row of table t under (deleteOnStoreFor),
-// the slot's name in slotParam: what a writer in another language must
-// run too (docs/migrating-from-debezium.md).
+// claim. The slot's name is in slotParam. It is the whole condition, which
+// a writer in another language must run too
+// (docs/migrating-from-debezium.md).
 func DeleteOnStoreConditionFor(slotParam string, t Table) string {
 	rel := `to_regclass(` + QuoteLiteral(t.Quoted()) + `)`
 	return DeleteOnStoreCondition(slotParam) + `
@@ -276,7 +270,7 @@ func DeletesOnStore(ctx context.Context, db interface {
 		return false, err
 	}
 	var on bool
-	err := db.QueryRow(ctx, `SELECT `+deleteOnStoreFor("$1", table), SlotName(database, table)).Scan(&on)
+	err := db.QueryRow(ctx, `SELECT `+DeleteOnStoreConditionFor("$1", table), SlotName(database, table)).Scan(&on)
 	return on, err
 }
 
@@ -311,7 +305,7 @@ func NewWriter(table string, opts ...WriterOption) (*Writer, error) {
 		w.notify = t.NotifyChannel()
 	}
 	if w.deleteStored != "" {
-		cond := deleteOnStoreFor("$2", t)
+		cond := DeleteOnStoreConditionFor("$2", t)
 		// A plain table's event_id is unique (the insert's ON CONFLICT
 		// needs the index), so the row is found by it. A partitioned
 		// table has no index on event_id: the row is found by its primary

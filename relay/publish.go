@@ -815,17 +815,14 @@ func (r *Relay) writeWith(ctx context.Context, w MessageWriter, msgs []kafka.Mes
 				report(j, refusedWith, e)
 			case isPermanent(e):
 				report(j, permanent, e)
-			case errors.Is(e, protocol.ErrNoPartition):
+			case errors.Is(e, protocol.ErrNoPartition) || leaderMoved(e):
 				// The writer's cached metadata lacks the partition its row
-				// chose (explicitBalancer): it learns it from fresh metadata.
-				r.freshMetadata()
-				report(j, transient, e)
-			case leaderMoved(e):
-				// kafka-go does not refresh its metadata on such an answer,
-				// only at a random time within MetadataTTL (30 s): until
-				// then every try went to the old leader (a rolling restart
-				// or a preferred-leader election stalled the partition for
-				// as long).
+				// chose (explicitBalancer), or names a leader that moved:
+				// kafka-go does not refresh it on such an answer, only at a
+				// random time within MetadataTTL (30 s), and until then
+				// every try went to the old leader (a rolling restart or a
+				// preferred-leader election stalled the partition for as
+				// long). Fresh metadata finds it.
 				r.freshMetadata()
 				report(j, transient, e)
 			default:

@@ -766,13 +766,16 @@ func ParseHeld(args []string, redrive bool, lookupEnv func(string) (string, bool
 	if fs.NArg() > 0 {
 		return s, fmt.Errorf("unexpected argument %q", fs.Arg(0))
 	}
+	// connection is lookupEnv of the connection flags alone, and so without
+	// EnvArgsOnly: run by hand in a relay pod, the command reads RELAY_TABLE
+	// there.
 	connection := func(k string) (string, bool) {
 		if !fromEnv[k] {
 			return "", false
 		}
 		return lookupEnv(k)
 	}
-	if _, err := applyEnv(fs, withoutArgsOnly(connection)); err != nil {
+	if _, err := applyEnv(fs, connection); err != nil {
 		return s, err
 	}
 	var errs []error
@@ -1281,17 +1284,6 @@ func topicsFromOnePlace(fs *flag.FlagSet, lookupEnv func(string) (string, bool))
 	fs.Visit(func(f *flag.Flag) { given = given || f.Name == FlagTopic || f.Name == FlagTopicsFile })
 	return func(k string) (string, bool) {
 		if given && (k == EnvName(FlagTopic) || k == EnvName(FlagTopicsFile)) {
-			return "", false
-		}
-		return lookupEnv(k)
-	}
-}
-
-// withoutArgsOnly is lookupEnv without EnvArgsOnly: `relay held` and
-// `relay redrive`, run by hand in a relay pod, read RELAY_TABLE there.
-func withoutArgsOnly(lookupEnv func(string) (string, bool)) func(string) (string, bool) {
-	return func(k string) (string, bool) {
-		if k == EnvArgsOnly {
 			return "", false
 		}
 		return lookupEnv(k)
