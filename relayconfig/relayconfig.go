@@ -1266,11 +1266,19 @@ func (t topicsValue) Set(v string) error {
 		if !ok || et == "" || topic == "" {
 			return fmt.Errorf("%q is not EVENT_TYPE=TOPIC", kv)
 		}
-		if prev, dup := t[et]; dup && prev != topic {
-			return fmt.Errorf("event type %q is mapped twice (%q and %q)", et, prev, topic)
+		if err := t.add(et, topic); err != nil {
+			return err
 		}
-		t[et] = topic
 	}
+	return nil
+}
+
+// add maps event type et to topic, unless another topic has it.
+func (t topicsValue) add(et, topic string) error {
+	if prev, dup := t[et]; dup && prev != topic {
+		return fmt.Errorf("event type %q is mapped twice (%q and %q)", et, prev, topic)
+	}
+	t[et] = topic
 	return nil
 }
 
@@ -1366,10 +1374,9 @@ func readTopicsFile(path string, into topicsValue) error {
 			return fmt.Errorf("%s: line %d: event type %q is mapped twice in the file", path, k.Line, et)
 		}
 		seen[et] = true
-		if prev, dup := into[et]; dup && prev != topic {
-			return fmt.Errorf("%s: event type %q is mapped twice (%q and %q)", path, et, prev, topic)
+		if err := into.add(et, topic); err != nil {
+			return fmt.Errorf("%s: %w", path, err)
 		}
-		into[et] = topic
 	}
 	return nil
 }
