@@ -282,6 +282,14 @@ func TestValidateSpecCatchesWhatTheSchemaCannot(t *testing.T) {
 			r.Spec.Template = &outboxv1alpha1.RelayPodTemplate{Container: &outboxv1alpha1.RelayContainerSpec{
 				VolumeMounts: []corev1.VolumeMount{{Name: "bin", MountPath: "//relay/", SubPath: "relay"}}}}
 		}, []string{`spec.template.container.volumeMounts: "//relay/" is /relay, the relay's own`}},
+		"template mount over the relay's binary, relative": {func(r *outboxv1alpha1.OutboxRelay) {
+			r.Spec.Template = &outboxv1alpha1.RelayPodTemplate{Container: &outboxv1alpha1.RelayContainerSpec{
+				VolumeMounts: []corev1.VolumeMount{{Name: "bin", MountPath: "relay", SubPath: "relay"}}}}
+		}, []string{`spec.template.container.volumeMounts: "relay" is /relay, the relay's own`}},
+		"template mount under /etc/relay, relative": {func(r *outboxv1alpha1.OutboxRelay) {
+			r.Spec.Template = &outboxv1alpha1.RelayPodTemplate{Container: &outboxv1alpha1.RelayContainerSpec{
+				VolumeMounts: []corev1.VolumeMount{{Name: "ca", MountPath: "./etc/relay/tls"}}}}
+		}, []string{`"./etc/relay/tls" is /etc/relay/tls`}},
 		"template mount under /etc/relay, spelt otherwise": {func(r *outboxv1alpha1.OutboxRelay) {
 			r.Spec.Template = &outboxv1alpha1.RelayPodTemplate{Container: &outboxv1alpha1.RelayContainerSpec{
 				VolumeMounts: []corev1.VolumeMount{{Name: "ca", MountPath: "/etc//relay/./tls"}}}}

@@ -32,6 +32,13 @@ func ownPath(p string) bool {
 	return p == "/" || p == relayBinary || p == etc || strings.HasPrefix(p, etc+"/")
 }
 
+// mountPath is where the kubelet mounts a volume mount's path p: under /
+// when p is relative (the API takes "relay", which is then /relay), and
+// clean.
+func mountPath(p string) string {
+	return path.Clean("/" + p)
+}
+
 // kafkaTLSKeys are the keys of the Kafka TLS Secret a relay reads: its CA
 // and its client certificate, each optional.
 var kafkaTLSKeys = []string{outboxv1alpha1.DefaultCAKey, corev1.TLSCertKey, corev1.TLSPrivateKeyKey}
@@ -395,7 +402,7 @@ func checkSpec(relay *outboxv1alpha1.OutboxRelay, img images) (relayconfig.Comma
 		}
 	}
 	for _, m := range containerTemplate(spec.Template).VolumeMounts {
-		if p := path.Clean(m.MountPath); ownPath(p) {
+		if p := mountPath(m.MountPath); ownPath(p) {
 			errs = append(errs, fmt.Sprintf("spec.template.container.volumeMounts: %q is %s, the relay's own", m.MountPath, p))
 		}
 	}

@@ -131,6 +131,11 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		{"template volume takes the relay's name", func(s map[string]any) {
 			s["template"] = map[string]any{"pod": map[string]any{"volumes": []any{map[string]any{"name": "kafka-tls", "emptyDir": map[string]any{}}}}}
 		}, []string{"spec.template.pod.volumes", "kafka-tls and database-tls are the relay's own"}},
+		{"template mount at a relative path", func(s map[string]any) {
+			s["template"] = map[string]any{
+				"pod":       map[string]any{"volumes": []any{map[string]any{"name": "bin", "configMap": map[string]any{"name": "bin", "defaultMode": int64(0o755)}}}},
+				"container": map[string]any{"volumeMounts": []any{map[string]any{"name": "bin", "mountPath": "relay", "subPath": "relay"}}}}
+		}, []string{"spec.template.container.volumeMounts", "mountPath must be absolute"}},
 		{"template mount under the relay's directory", func(s map[string]any) {
 			s["template"] = map[string]any{"container": map[string]any{"volumeMounts": []any{map[string]any{"name": "ca", "mountPath": "/etc/relay/tls"}}}}
 		}, []string{"spec.template.container.volumeMounts", "the directory /etc/relay"}},

@@ -115,11 +115,13 @@ type RelayContainerSpec struct {
 	// +listType=atomic
 	// +optional
 	EnvFrom []RelayEnvFromSource `json:"envFrom,omitempty"`
-	// VolumeMounts of the volumes in spec.template.pod.volumes; /etc/relay
-	// holds the relay's own mounts, and /relay is the relay's binary (a
-	// mount over it would run another program with the relay's Secrets,
-	// past the operator's image allow-list).
+	// VolumeMounts of the volumes in spec.template.pod.volumes, at absolute
+	// paths (the kubelet puts a relative one under /, so "relay" would be
+	// /relay); /etc/relay holds the relay's own mounts, and /relay is the
+	// relay's binary (a mount over it would run another program with the
+	// relay's Secrets, past the operator's image allow-list).
 	// +kubebuilder:validation:MaxItems=32
+	// +kubebuilder:validation:XValidation:rule="self.all(m, m.mountPath.startsWith('/'))",message="mountPath must be absolute (start with /): the kubelet would mount a relative path under /"
 	// +kubebuilder:validation:XValidation:rule="self.all(m, m.name != 'kafka-tls' && m.name != 'database-tls' && m.mountPath != '/etc/relay' && !m.mountPath.startsWith('/etc/relay/') && m.mountPath != '/' && m.mountPath != '/relay' && !m.mountPath.startsWith('/relay/'))",message="the volumes kafka-tls and database-tls, the directory /etc/relay and the relay's binary /relay are the relay's own"
 	// +listType=map
 	// +listMapKey=mountPath
