@@ -311,6 +311,9 @@ func computeStatus(relay *outboxv1alpha1.OutboxRelay, deploy *appsv1.Deployment,
 		c.Status == corev1.ConditionFalse && c.Reason == "ProgressDeadlineExceeded" {
 		f.deadline = c.Message
 	}
+	if c := deploymentCondition(deploy, appsv1.DeploymentReplicaFailure); c != nil && c.Status == corev1.ConditionTrue {
+		f.replicaFailure = c.Message
+	}
 	for _, c := range conditionRules {
 		var v verdict
 		if prob != nil && c.onProblem != nil {
@@ -336,6 +339,9 @@ type facts struct {
 	lag       verdict // the Lagging condition
 	lagging   bool    // Lagging True, and not suspended
 	deadline  string  // the Deployment's ProgressDeadlineExceeded message, if any
+	// replicaFailure is the Deployment's ReplicaFailure message, if any:
+	// its ReplicaSet cannot create pods, which no waiting fixes.
+	replicaFailure string
 }
 
 // verdict is one condition's status, reason and message.
@@ -395,6 +401,9 @@ func readyRule(f *facts) verdict {
 		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonLagging, f.lag.message}
 	case f.ready >= f.desired:
 		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonAvailable, fmt.Sprintf("%d of %d replicas ready", f.ready, f.desired)}
+	case f.replicaFailure != "":
+		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonReplicaFailure,
+			fmt.Sprintf("%d of %d replicas ready; the Deployment cannot create pods: %s", f.ready, f.desired, f.replicaFailure)}
 	default:
 		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonDeploymentUnavailable, fmt.Sprintf("%d of %d replicas ready", f.ready, f.desired)}
 	}
@@ -408,11 +417,13 @@ func progressingRule(f *facts) verdict {
 }
 
 // degradedRule: a human is needed when the Deployment missed its progress
-// deadline or rows wait past the threshold.
+// deadline or cannot create its pods, or rows wait past the threshold.
 func degradedRule(f *facts) verdict {
 	switch {
 	case f.deadline != "":
 		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonProgressDeadlineExceeded, f.deadline}
+	case f.replicaFailure != "":
+		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonReplicaFailure, "the Deployment cannot create pods: " + f.replicaFailure}
 	case f.lagging:
 		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonLagging, f.lag.message}
 	}

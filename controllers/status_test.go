@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -220,4 +222,33 @@ func TestRetargetedRelayDropsTheOldBacklog(t *testing.T) {
 
 	o.record(key, o.relays[key].done, &backlogSample{at: time.Now()}, "", false)
 	require.False(t, o.Observe(key, target).retargeted)
+}
+
+// A Deployment whose ReplicaSet cannot create pods (a service account that
+// does not exist, a ResourceQuota, a Pod Security refusal) makes the relay
+// Degraded with the Deployment's reason at once. Before, it said "nothing
+// is degraded" until the progress deadline (10 minutes by default), and
+// that reason never reached the status.
+func TestAReplicaFailureIsDegradedAtOnce(t *testing.T) {
+	t.Parallel()
+	relay := unitRelay()
+	relay.Spec.Replicas = ptr.To[int32](1)
+	deploy := &appsv1.Deployment{Status: appsv1.DeploymentStatus{Conditions: []appsv1.DeploymentCondition{{
+		Type: appsv1.DeploymentReplicaFailure, Status: corev1.ConditionTrue, Reason: "FailedCreate",
+		Message: `pods "orders-relay-5d9c-" is forbidden: error looking up service account shop/typo: serviceaccount "typo" not found`,
+	}}}}
+	st := computeStatus(relay, deploy, nil, observation{})
+	degraded := meta.FindStatusCondition(st.Conditions, outboxv1alpha1.ConditionDegraded)
+	require.Equal(t, metav1.ConditionTrue, degraded.Status, degraded.Message)
+	require.Equal(t, outboxv1alpha1.ReasonReplicaFailure, degraded.Reason)
+	require.Contains(t, degraded.Message, `serviceaccount "typo" not found`)
+	ready := meta.FindStatusCondition(st.Conditions, outboxv1alpha1.ConditionReady)
+	require.Equal(t, metav1.ConditionFalse, ready.Status)
+	require.Equal(t, outboxv1alpha1.ReasonReplicaFailure, ready.Reason)
+	require.Contains(t, ready.Message, "0 of 1 replicas ready; the Deployment cannot create pods")
+
+	// Once pods are created the condition goes, and so does the verdict.
+	deploy.Status.Conditions[0].Status = corev1.ConditionFalse
+	st = computeStatus(relay, deploy, nil, observation{})
+	require.False(t, meta.IsStatusConditionTrue(st.Conditions, outboxv1alpha1.ConditionDegraded))
 }

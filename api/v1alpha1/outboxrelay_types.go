@@ -78,6 +78,10 @@ const (
 	ReasonRolloutComplete = "RolloutComplete"
 	// ReasonProgressDeadlineExceeded: the Deployment reports that its rollout is stuck.
 	ReasonProgressDeadlineExceeded = "ProgressDeadlineExceeded"
+	// ReasonReplicaFailure: the Deployment cannot create its pods (a service
+	// account that does not exist, a ResourceQuota, a Pod Security
+	// admission refusal); the message is the Deployment's.
+	ReasonReplicaFailure = "ReplicaFailure"
 	// ReasonAsExpected: nothing is degraded.
 	ReasonAsExpected = "AsExpected"
 	// ReasonResourceConflict: an object with a child's name exists and another
