@@ -190,6 +190,17 @@ func databaseTLSVolume(relay *outboxv1alpha1.OutboxRelay) (corev1.Volume, bool) 
 	}}, true
 }
 
+// containerSeccomp is the relay container's default seccomp profile:
+// RuntimeDefault, unless the template's pod security context sets one,
+// which a container's own would override (the pod's is the default of its
+// containers) and which must therefore reach the container.
+func containerSeccomp(pod *corev1.PodSecurityContext) *corev1.SeccompProfile {
+	if pod != nil && pod.SeccompProfile != nil {
+		return nil
+	}
+	return &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault}
+}
+
 // overlay is base with every field over sets replacing base's, and each
 // object field merged the same way, field by field; base when over is nil.
 // A field left unset in over keeps base's value, so a template that adds a
@@ -365,7 +376,7 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, settings rel
 			ReadOnlyRootFilesystem:   ptr.To(true),
 			AllowPrivilegeEscalation: ptr.To(false),
 			Capabilities:             &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}},
-			SeccompProfile:           &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault},
+			SeccompProfile:           containerSeccomp(podTemplate(tmpl).SecurityContext),
 		}, containerTemplate(tmpl).SecurityContext),
 	}
 	podSpec := corev1.PodSpec{

@@ -294,6 +294,14 @@ func TestValidateSpecCatchesWhatTheSchemaCannot(t *testing.T) {
 			r.Spec.Template = &outboxv1alpha1.RelayPodTemplate{Container: &outboxv1alpha1.RelayContainerSpec{
 				VolumeMounts: []corev1.VolumeMount{{Name: "ca", MountPath: "/etc//relay/./tls"}}}}
 		}, []string{`"/etc//relay/./tls" is /etc/relay/tls`}},
+		"template pod with an unsafe sysctl": {func(r *outboxv1alpha1.OutboxRelay) {
+			r.Spec.Template = &outboxv1alpha1.RelayPodTemplate{Pod: &outboxv1alpha1.RelayPodSpec{
+				SecurityContext: &corev1.PodSecurityContext{Sysctls: []corev1.Sysctl{{Name: "kernel.msgmax", Value: "65536"}}}}}
+		}, []string{`spec.template: the relay pod would break Pod Security restricted: forbidden sysctls (kernel.msgmax)`}},
+		"template container dropping less than all, stored before the rule": {func(r *outboxv1alpha1.OutboxRelay) {
+			r.Spec.Template = &outboxv1alpha1.RelayPodTemplate{Container: &outboxv1alpha1.RelayContainerSpec{
+				SecurityContext: &corev1.SecurityContext{Capabilities: &corev1.Capabilities{Drop: []corev1.Capability{"NET_RAW"}}}}}
+		}, []string{`Pod Security restricted: unrestricted capabilities`, `capabilities.drop=["ALL"]`}},
 		"poll interval out of range":   {func(r *outboxv1alpha1.OutboxRelay) { r.Spec.PollInterval = "2h" }, []string{"spec.pollInterval: 2h0m0s is outside"}},
 		"poll interval not a duration": {func(r *outboxv1alpha1.OutboxRelay) { r.Spec.PollInterval = "soon" }, []string{"spec.pollInterval"}},
 		"no topics":                    {func(r *outboxv1alpha1.OutboxRelay) { r.Spec.Topics = nil }, []string{"spec.topics"}},
@@ -531,6 +539,19 @@ func TestRelayDeploymentTemplate(t *testing.T) {
 	require.Equal(t, []corev1.Capability{"NET_BIND_SERVICE"}, c.SecurityContext.Capabilities.Add, "set in the template")
 	require.Equal(t, corev1.SeccompProfileTypeRuntimeDefault, c.SecurityContext.SeccompProfile.Type, "unset in the template: the operator's")
 	require.Equal(t, "s0:c1,c2", c.SecurityContext.SELinuxOptions.Level, "set in the template")
+
+	// A pod's profile is its containers' default: the container takes no
+	// profile of its own then, or the pod's would have no effect.
+	localhost := &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeLocalhost, LocalhostProfile: ptr.To("relay.json")}
+	relay.Spec.Template.Pod.SecurityContext.SeccompProfile = localhost
+	d = build(t, relay, secretInputs{TLSCA: true})
+	require.Equal(t, localhost, d.Spec.Template.Spec.SecurityContext.SeccompProfile, "set in the template")
+	require.Nil(t, d.Spec.Template.Spec.Containers[0].SecurityContext.SeccompProfile, "the pod's applies")
+	relay.Spec.Template.Container.SecurityContext.SeccompProfile = &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault}
+	d = build(t, relay, secretInputs{TLSCA: true})
+	require.Equal(t, corev1.SeccompProfileTypeRuntimeDefault, d.Spec.Template.Spec.Containers[0].SecurityContext.SeccompProfile.Type, "the container's own wins")
+	relay.Spec.Template.Pod.SecurityContext.SeccompProfile = nil
+	relay.Spec.Template.Container.SecurityContext.SeccompProfile = nil
 
 	relay.Spec.Template.Metadata.Labels["app.kubernetes.io/instance"] = "x"
 	require.ErrorContains(t, validateSpec(relay, testImages), "spec.template.metadata.labels must not set app.kubernetes.io/instance")

@@ -423,6 +423,10 @@ func checkSpec(relay *outboxv1alpha1.OutboxRelay, img images) (relayconfig.Comma
 	if err != nil {
 		errs = append(errs, err.Error())
 	}
+	if len(errs) == 0 {
+		pod := relayDeployment(relay, img, s, secretInputs{}, nil).Spec.Template
+		errs = podSecurityErrors(&pod.ObjectMeta, &pod.Spec)
+	}
 	slices.Sort(errs)
 	if len(errs) == 0 {
 		return s, nil

@@ -163,6 +163,34 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		{"template container unmasked proc", func(s map[string]any) {
 			s["template"] = map[string]any{"container": map[string]any{"securityContext": map[string]any{"procMount": "Unmasked"}}}
 		}, []string{"spec.template.container.securityContext", "procMount"}},
+		{"template container drops a capability, not all", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"securityContext": map[string]any{
+				"capabilities": map[string]any{"drop": []any{"NET_RAW"}}}}}
+		}, []string{"spec.template.container.securityContext", "capabilities.drop must include ALL"}},
+		{"template container apparmor unconfined", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"securityContext": map[string]any{
+				"appArmorProfile": map[string]any{"type": "Unconfined"}}}}
+		}, []string{"spec.template.container.securityContext", "appArmorProfile Unconfined"}},
+		{"template container selinux user", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"securityContext": map[string]any{
+				"seLinuxOptions": map[string]any{"user": "system_u"}}}}
+		}, []string{"spec.template.container.securityContext", "seLinuxOptions"}},
+		{"template container host process", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"securityContext": map[string]any{
+				"windowsOptions": map[string]any{"hostProcess": true}}}}
+		}, []string{"spec.template.container.securityContext", "windowsOptions.hostProcess"}},
+		{"template pod apparmor unconfined", func(s map[string]any) {
+			s["template"] = map[string]any{"pod": map[string]any{"securityContext": map[string]any{
+				"appArmorProfile": map[string]any{"type": "Unconfined"}}}}
+		}, []string{"spec.template.pod.securityContext", "appArmorProfile Unconfined"}},
+		{"template pod selinux type spc_t", func(s map[string]any) {
+			s["template"] = map[string]any{"pod": map[string]any{"securityContext": map[string]any{
+				"seLinuxOptions": map[string]any{"type": "spc_t"}}}}
+		}, []string{"spec.template.pod.securityContext", "seLinuxOptions"}},
+		{"template pod host process", func(s map[string]any) {
+			s["template"] = map[string]any{"pod": map[string]any{"securityContext": map[string]any{
+				"windowsOptions": map[string]any{"hostProcess": true}}}}
+		}, []string{"spec.template.pod.securityContext", "windowsOptions.hostProcess"}},
 		{"template pod may run as root", func(s map[string]any) {
 			s["template"] = map[string]any{"pod": map[string]any{"securityContext": map[string]any{"runAsNonRoot": false}}}
 		}, []string{"spec.template.pod.securityContext", "runAsNonRoot: false"}},
@@ -366,8 +394,10 @@ func TestAPIServerAcceptsEdgeCases(t *testing.T) {
 				"pod": map[string]any{"securityContext": map[string]any{"runAsNonRoot": true, "runAsUser": int64(1000680000),
 					"seccompProfile": map[string]any{"type": "RuntimeDefault"}}},
 				"container": map[string]any{"securityContext": map[string]any{"privileged": false, "allowPrivilegeEscalation": false,
-					"capabilities": map[string]any{"drop": []any{"ALL"}, "add": []any{"NET_BIND_SERVICE"}}, "runAsUser": int64(1000680000), "procMount": "Default",
-					"seccompProfile": map[string]any{"type": "Localhost", "localhostProfile": "relay.json"}}},
+					"capabilities": map[string]any{"drop": []any{"NET_RAW", "ALL"}, "add": []any{"NET_BIND_SERVICE"}}, "runAsUser": int64(1000680000), "procMount": "Default",
+					"seccompProfile":  map[string]any{"type": "Localhost", "localhostProfile": "relay.json"},
+					"appArmorProfile": map[string]any{"type": "RuntimeDefault"}, "seLinuxOptions": map[string]any{"type": "container_t", "level": "s0:c1,c2"},
+					"windowsOptions": map[string]any{"hostProcess": false}}},
 			}
 		}},
 		{"autoscaling from 0 to 1 on pending rows", func(s map[string]any) {

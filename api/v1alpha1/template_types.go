@@ -82,6 +82,9 @@ type RelayPodSpec struct {
 	// +kubebuilder:validation:XValidation:rule="!has(self.runAsNonRoot) || self.runAsNonRoot",message="runAsNonRoot: false breaks Pod Security restricted; the relay runs as a non-root user"
 	// +kubebuilder:validation:XValidation:rule="!has(self.runAsUser) || self.runAsUser != 0",message="runAsUser: 0 (root) breaks Pod Security restricted; the relay runs as a non-root user"
 	// +kubebuilder:validation:XValidation:rule="!has(self.seccompProfile) || self.seccompProfile.type != 'Unconfined'",message="seccompProfile Unconfined breaks Pod Security restricted; use RuntimeDefault or Localhost"
+	// +kubebuilder:validation:XValidation:rule="!has(self.appArmorProfile) || self.appArmorProfile.type != 'Unconfined'",message="appArmorProfile Unconfined breaks Pod Security restricted; use RuntimeDefault or Localhost"
+	// +kubebuilder:validation:XValidation:rule="!has(self.seLinuxOptions) || ((!has(self.seLinuxOptions.user) || self.seLinuxOptions.user == '') && (!has(self.seLinuxOptions.role) || self.seLinuxOptions.role == '') && (!has(self.seLinuxOptions.type) || self.seLinuxOptions.type in ['', 'container_t', 'container_init_t', 'container_kvm_t', 'container_engine_t']))",message="seLinuxOptions: Pod Security restricted allows no user or role, and only the types container_t, container_init_t, container_kvm_t and container_engine_t"
+	// +kubebuilder:validation:XValidation:rule="!has(self.windowsOptions) || !has(self.windowsOptions.hostProcess) || !self.windowsOptions.hostProcess",message="windowsOptions.hostProcess: true breaks Pod Security restricted; the relay needs no host process"
 	// +optional
 	SecurityContext *corev1.PodSecurityContext `json:"securityContext,omitempty"`
 	// Volumes added to the relay pods; "kafka-tls" and "database-tls" are the relay's.
@@ -140,6 +143,10 @@ type RelayContainerSpec struct {
 	// +kubebuilder:validation:XValidation:rule="!has(self.runAsUser) || self.runAsUser != 0",message="runAsUser: 0 (root) breaks Pod Security restricted; the relay runs as a non-root user"
 	// +kubebuilder:validation:XValidation:rule="!has(self.seccompProfile) || self.seccompProfile.type != 'Unconfined'",message="seccompProfile Unconfined breaks Pod Security restricted; use RuntimeDefault or Localhost"
 	// +kubebuilder:validation:XValidation:rule="!has(self.procMount) || self.procMount == 'Default'",message="procMount: the relay needs the default; Pod Security restricted allows no other"
+	// +kubebuilder:validation:XValidation:rule="!has(self.capabilities) || !has(self.capabilities.drop) || self.capabilities.drop.exists(c, c == 'ALL')",message="capabilities.drop must include ALL (Pod Security restricted): the list replaces the operator's [ALL]"
+	// +kubebuilder:validation:XValidation:rule="!has(self.appArmorProfile) || self.appArmorProfile.type != 'Unconfined'",message="appArmorProfile Unconfined breaks Pod Security restricted; use RuntimeDefault or Localhost"
+	// +kubebuilder:validation:XValidation:rule="!has(self.seLinuxOptions) || ((!has(self.seLinuxOptions.user) || self.seLinuxOptions.user == '') && (!has(self.seLinuxOptions.role) || self.seLinuxOptions.role == '') && (!has(self.seLinuxOptions.type) || self.seLinuxOptions.type in ['', 'container_t', 'container_init_t', 'container_kvm_t', 'container_engine_t']))",message="seLinuxOptions: Pod Security restricted allows no user or role, and only the types container_t, container_init_t, container_kvm_t and container_engine_t"
+	// +kubebuilder:validation:XValidation:rule="!has(self.windowsOptions) || !has(self.windowsOptions.hostProcess) || !self.windowsOptions.hostProcess",message="windowsOptions.hostProcess: true breaks Pod Security restricted; the relay needs no host process"
 	// +optional
 	SecurityContext *corev1.SecurityContext `json:"securityContext,omitempty"`
 }
