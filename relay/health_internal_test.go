@@ -39,11 +39,11 @@ func TestRecordSizeMatchesVarintLengths(t *testing.T) {
 			t.Errorf("varintSize(%d) = %d, want %d", c.n, got, c.want)
 		}
 	}
-	ts := newTopicState(false)
+	ts := newTopicState(false, 0)
 	if b := ts.budget("t"); b >= defaultMaxRecordBytes-recordBatchOverhead || b <= 0 {
 		t.Errorf("budget %d does not keep the batch header out of the limit %d", b, defaultMaxRecordBytes)
 	}
-	if newTopicState(true).budget("t") >= ts.budget("t") {
+	if newTopicState(true, 0).budget("t") >= ts.budget("t") {
 		t.Error("a compressing writer must keep a margin for the codec's framing")
 	}
 }

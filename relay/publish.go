@@ -361,8 +361,12 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 	if x.oversize {
 		// Its payload was never read: it could go to no topic.
 		until := now.Add(r.cfg.HeldRetryInterval)
+		what := "any of the relay's topics takes"
+		if r.topics.compressed {
+			what = "a compressing relay sends alone (its byte budget per claim; raise --max-batch-bytes and redrive the row to publish it)"
+		}
 		r.held.hold(r.log, x, HeldTooLarge, until, fmt.Errorf(
-			"payload and headers of %d bytes, more than any of the relay's topics takes (%d bytes); held without reading them", x.size, r.largestRecord()))
+			"payload and headers of %d bytes, more than %s (%d bytes); held without reading them", x.size, what, r.largestRecord()))
 		r.stopLane(b, x, i, until)
 		return kafka.Message{}, false
 	}
@@ -425,13 +429,19 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 	b.rows[i] = x // later records of this row (sent alone, dead-lettered) carry the same headers
 	m := r.message(x, topic)
 	if err := r.topics.tooLarge(topic, m); err != nil {
-		if !r.topics.limitKnown(topic) {
-			// Over a guessed limit only: the topic may take it, so it is
-			// held and tried again, never dead-lettered.
+		var held error
+		switch {
+		case errors.Is(err, errAloneMax):
+			// Over what the relay sends, not what Kafka takes.
+			held = err
+		case !r.topics.limitKnown(topic):
+			// Over a guessed limit only: the topic may take it.
+			held = fmt.Errorf("%w; the topic's max.message.bytes could not be read (the relay's principal needs DESCRIBE_CONFIGS on it), so the default was assumed and the row is held, not dead-lettered", err)
+		}
+		if held != nil {
+			// Held and tried again, never dead-lettered.
 			until := now.Add(r.cfg.HeldRetryInterval)
-			r.held.hold(r.log, x, HeldTooLarge, until, fmt.Errorf(
-				"%w; the topic's max.message.bytes could not be read (the relay's principal needs DESCRIBE_CONFIGS on it), so the default was assumed and the row is held, not dead-lettered",
-				err))
+			r.held.hold(r.log, x, HeldTooLarge, until, held)
 			r.stopLane(b, x, i, until)
 			return kafka.Message{}, false
 		}
@@ -656,6 +666,11 @@ func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int
 				// key's order turns.
 				// Uncompressed: its size is then the one it was admitted by.
 				c.kind = writerKind{batchBytes: r.topics.limit(m.Topic)}
+				if r.topics.compressed {
+					// Compressed, by a writer that takes it whatever its size
+					// uncompressed: the broker judges it after compression.
+					c.kind = writerKind{batchBytes: r.topics.aloneMax, compressed: true}
+				}
 			}
 		}
 		if _, ok := groups[c]; !ok {

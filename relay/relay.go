@@ -227,7 +227,7 @@ func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
 		cur:        newCursor(cfg.FullRescanInterval, cfg.Ordering == OrderingPartitionKey),
 		held:       newHeldRows(),
 		aside:      newAsideRows(),
-		topics:     newTopicState(compression(cfg.Compression) != 0),
+		topics:     newTopicState(compression(cfg.Compression) != 0, cfg.MaxBatchBytes),
 		health:     newHealth(cfg.StallTimeout, wedgedAfter(cfg), now),
 		unroutable: map[string]bool{},
 		wake:       make(chan struct{}, 1),

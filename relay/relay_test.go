@@ -222,11 +222,14 @@ func TestOversizedRecordGoesToDeadLetterTopic(t *testing.T) {
 // record alone: on this topic, a record with 1,757 bytes of payload was
 // dead-lettered though the topic took it.
 //
-// With compression too, the record alone is judged uncompressed (a broker
-// does not judge a compressed record by its compressed size alone), and
-// before, a compressing relay kept the margin for a record alone: every
-// record over it was dead-lettered.
+// With compression, the broker judges a record batch after compression,
+// so a record alone is sent compressed and only its refusal there counts:
+// rows several times the limit uncompressed that compress under it are
+// published, and random ones that do not are dead-lettered. Before, a
+// compressing relay judged a record by its size uncompressed and
+// dead-lettered every one over the limit, valid events the topic takes.
 func TestOnlyRecordsTheTopicRefusesAloneAreDeadLettered(t *testing.T) {
+	codecs := map[relay.Compression]kafka.Compression{"none": 0, "gzip": kafka.Gzip}
 	type variant struct {
 		name  string
 		mode  relay.Ordering
@@ -243,9 +246,21 @@ func TestOnlyRecordsTheTopicRefusesAloneAreDeadLettered(t *testing.T) {
 			f := outboxtest.NewFixture(t, 1)
 			f.Topics["E"] = f.NewTopic("small", 2, "max.message.bytes", "2000")
 			dlt := f.NewTopic("dlt", 1)
-			f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
-				SELECT gen_random_uuid(), 'Order', 'o', 'E', jsonb_build_object('pad', repeat('y', n)), 'k' || (n % 3)
-				FROM generate_series(1500, 2000, 2) n`)
+			if v.codec == "none" {
+				f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+					SELECT gen_random_uuid(), 'Order', 'o', 'E', jsonb_build_object('pad', repeat('y', n)), 'k' || (n % 3)
+					FROM generate_series(1500, 2000, 2) n`)
+			} else {
+				// Compressible rows past the limit, which the topic takes
+				// compressed, and random ones that stay past it.
+				f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+					SELECT gen_random_uuid(), 'Order', 'o', 'E', jsonb_build_object('pad', repeat('y', n)), 'k' || (n % 3)
+					FROM generate_series(3000, 6000, 100) n`)
+				f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+					SELECT gen_random_uuid(), 'Order', 'o', 'E',
+						jsonb_build_object('pad', (SELECT string_agg(md5(random()::text || n || i), '') FROM generate_series(1, n / 32) i)), 'k' || (n % 3)
+					FROM generate_series(1000, 6000, 100) n`)
+			}
 			rows := f.Count(`SELECT count(*) FROM outbox`)
 			cfg := f.Config()
 			cfg.Ordering = v.mode
@@ -262,8 +277,19 @@ func TestOnlyRecordsTheTopicRefusesAloneAreDeadLettered(t *testing.T) {
 			violations, _ := orderViolations(t, published, idsByEvent(t, f))
 			require.Zero(t, violations, "a record sent in a batch of its own keeps its key's order")
 
+			if v.codec != "none" {
+				larger := 0
+				for _, m := range published {
+					if len(m.Value) > 2000 {
+						larger++
+					}
+				}
+				require.NotZero(t, larger, "records larger than the limit uncompressed, which the topic takes compressed")
+			}
+			// Each dead-lettered record, sent alone as the relay sends it
+			// (compressed by the same codec when it compresses), is refused.
 			w := &kafka.Writer{Addr: kafka.TCP(testenv.Broker().Addr()), Topic: f.Topics["E"], RequiredAcks: kafka.RequireAll,
-				BatchTimeout: time.Microsecond, BatchBytes: 1 << 20}
+				BatchTimeout: time.Microsecond, BatchBytes: 1 << 20, Compression: codecs[v.codec]}
 			t.Cleanup(func() { w.Close() })
 			for _, m := range testenv.Broker().Consume(t, dlt, dead, 30*time.Second) {
 				alone := kafka.Message{Key: m.Key, Value: m.Value}
@@ -303,6 +329,32 @@ func TestOversizedRecordHeldWithoutDeadLetterTopic(t *testing.T) {
 		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", "too_large") == 1
 	}, 10*time.Second, 50*time.Millisecond)
 	require.Len(t, testenv.Broker().Consume(t, f.Topics["E"], 300, 30*time.Second), 300)
+}
+
+// A compressing relay sends a record alone up to its byte budget per claim
+// (--max-batch-bytes), whatever the topic's limit; a row larger is held as
+// too large, a limit of the relay's and no refusal of Kafka's, never
+// dead-lettered, and the rows behind it flow.
+func TestCompressingRelayHoldsARowOverItsByteBudget(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	f.Topics["E"] = f.NewTopic("e", 1)
+	dlt := f.NewTopic("dlt", 1)
+	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', 'big', 'E', jsonb_build_object('pad', repeat('y', $1::int)), 'big')`, relayconfig.MinMaxBatchBytes+1000)
+	f.Insert(50, 5, "E")
+	cfg := f.Config()
+	cfg.Compression = "gzip"
+	cfg.MaxBatchBytes = relayconfig.MinMaxBatchBytes
+	cfg.DeadLetterTopic = dlt
+	x := outboxtest.Start(t, cfg)
+	f.WaitDrained(1, 30*time.Second)
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NULL AND aggregate_id = 'big'`))
+	require.Eventually(t, func() bool {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", "too_large") == 1
+	}, 10*time.Second, 50*time.Millisecond)
+	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
+	require.Len(t, testenv.Broker().Consume(t, f.Topics["E"], 50, 30*time.Second), 50)
 }
 
 // With compression, a row whose record fits its topic alone but is over

@@ -32,6 +32,11 @@ type topicState struct {
 	oldest     map[string]time.Duration
 	partitions map[string]int // partition counts, from the latest metadata
 	compressed bool           // the writer compresses record batches
+	// aloneMax is, when compressed, the most a record may hold uncompressed
+	// (kafka-go's accounting, recordSize) and still be sent, alone, for the
+	// broker to judge: the relay's byte budget per claim
+	// (Config.MaxBatchBytes), which bounds what it holds in memory.
+	aloneMax int
 	// aside are the partitions whose leader did not answer a write within
 	// the publish timeout (Relay.write): their records are not sent until
 	// the backoff ends, so that each batch does not wait the timeout out.
@@ -93,9 +98,11 @@ type topicOutage struct {
 	err     error
 }
 
-func newTopicState(compressed bool) *topicState {
+// newTopicState returns the state of a relay's topics; aloneMax is
+// topicState.aloneMax, read only when compressed.
+func newTopicState(compressed bool, aloneMax int) *topicState {
 	return &topicState{down: outages{}, failing: outages{}, maxBytes: map[string]int{}, oldest: map[string]time.Duration{},
-		partitions: map[string]int{}, compressed: compressed, aside: map[topicPartition]*topicOutage{}}
+		partitions: map[string]int{}, compressed: compressed, aloneMax: aloneMax, aside: map[topicPartition]*topicOutage{}}
 }
 
 // setAside sets p aside after a write to it timed out, for first the
@@ -316,14 +323,26 @@ func (s *topicState) limitKnown(topic string) bool {
 // must be within the topic's max.message.bytes: budget keeps a margin for
 // batches of many records, which a record alone does not need, so a record
 // over budget that fits alone goes out in a batch of its own (Relay.write),
-// without compression, so that its size is the one judged here. A record
-// over the limit uncompressed is too large even with compression: its
-// compressed size is not known before it is sent, and a broker does not
-// judge it by that size alone: Kafka 4.1 was seen here refusing, alone, a
-// record with headers whose value kafka-go's gzip made half the limit.
-// A limit the broker did not say is a guess: against it, kafka-go's count
-// of m must be within budget.
+// without compression, so that its size is the one judged here. A limit
+// the broker did not say is a guess: against it, kafka-go's count of m must
+// be within budget.
+//
+// A compressing relay does not judge a record by its size: the broker
+// measures a record batch after compression, so Kafka 4.1 takes, gzipped, a
+// record several times its topic's limit uncompressed, and no size the
+// relay could reckon before sending is the broker's. A record over budget
+// goes out alone, compressed, and only the broker's refusal of it alone
+// says it is too large. Such a record is too large here only over
+// aloneMax, the most the relay sends alone, which is no verdict of Kafka's:
+// the row is held (outcome of errAloneMax), never dead-lettered.
 func (s *topicState) tooLarge(topic string, m kafka.Message) error {
+	if s.compressed {
+		if size := recordSize(m); size > s.aloneMax {
+			return fmt.Errorf("record of %d bytes uncompressed is more than a compressing relay sends alone (its byte budget per claim, %d): %w",
+				size, s.aloneMax, errAloneMax)
+		}
+		return nil
+	}
 	if !s.limitKnown(topic) {
 		if size, budget := recordSize(m), s.budget(topic); size > budget {
 			return fmt.Errorf("record of %d bytes is larger than topic %s takes (%d in a record batch under its max.message.bytes): %w",
@@ -338,10 +357,17 @@ func (s *topicState) tooLarge(topic string, m kafka.Message) error {
 	return nil
 }
 
+// errAloneMax is why a compressing relay holds a record larger than it
+// sends alone (topicState.tooLarge): a limit of the relay's, not Kafka's.
+var errAloneMax = errors.New("raise --max-batch-bytes and redrive the row to publish it")
+
 // largest is the most a record for topic may hold and still be admitted
-// (tooLarge): within the batch header of the limit the broker said, else
-// within the budget of a guessed one.
+// (tooLarge): aloneMax for a compressing relay; else within the batch
+// header of the limit the broker said, or the budget of a guessed one.
 func (s *topicState) largest(topic string) int {
+	if s.compressed {
+		return s.aloneMax
+	}
 	if s.limitKnown(topic) {
 		return s.limit(topic) - recordBatchOverhead
 	}

@@ -29,7 +29,7 @@ func TestTimestampWindow(t *testing.T) {
 		require.Equal(t, c.ok, ok, "%v", c.configs)
 		require.Equal(t, c.want, d, "%v", c.configs)
 	}
-	s := newTopicState(false)
+	s := newTopicState(false, 0)
 	s.oldest["t"] = time.Hour
 	now := time.Now()
 	require.True(t, s.tooOld("t", now.Add(-59*time.Minute-time.Second), now), "within the last minute of the window: stamped anew")
