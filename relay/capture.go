@@ -132,9 +132,9 @@ type captureState struct {
 	// while this relay streamed (tableReplaced), the earlier ones kept for
 	// their changes a stream reads again. Stream state.
 	relations map[uint32]bool
-	// retryGivenUp: a batch's rows failed for streamRetryLimit, and the
+	// retryGivenUp: a batch's rows failed for StreamRetryLimit, and the
 	// stream leaves the rows that fail to the sweep until a batch goes
-	// out whole (retryIDs).
+	// out whole while no partition is set aside (retryIDs, retryAgain).
 	retryGivenUp bool
 	// progressedAt is when a stream last confirmed a position past the
 	// one it started from, or had streamed for failingLimit since its
@@ -1846,8 +1846,17 @@ func (r *Relay) publishStreamedFrom(ctx context.Context, ids, xids []int64, carr
 		if len(b.retry) > 0 {
 			// Some rows did not go out: they go before the chunks after
 			// this one, which hold the later rows of their keys.
-			if err := r.retryStreamed(ctx, b, alive); err != nil {
+			left, err := r.retryStreamed(ctx, b, alive)
+			if err != nil {
 				return nil, err
+			}
+			if cut && len(left) > 0 {
+				// Left to the sweep: the chunk is claimed again without
+				// them. They were unpublished and not held, so the claim
+				// took them first again, failed them at once, and spun on
+				// the chunk for as long as their partition was down, while
+				// nothing behind them went out.
+				ids = slices.DeleteFunc(slices.Clone(ids), func(id int64) bool { return slices.Contains(left, id) })
 			}
 		} else if r.commitsBeside(b) {
 			pending = r.commitAsync(b)
@@ -1864,20 +1873,14 @@ func (r *Relay) publishStreamedFrom(ctx context.Context, ids, xids []int64, carr
 	return pending, nil
 }
 
-// streamRetryLimit bounds how long the stream publishes again, in place,
-// rows that failed transiently, before it goes on to any later row. Past
-// it, they wait in the table for the sweep and the stream goes on, so a
-// partition that stays down does not hold the others' rows back for
-// longer; their keys' later rows then go out before them.
-const streamRetryLimit = time.Minute
-
 // retryStreamed commits batch b, then publishes again the rows it did not
-// get out (b.retry) before anything else (retryIDs).
-func (r *Relay) retryStreamed(ctx context.Context, b *inFlight, alive func(context.Context) error) error {
+// get out (b.retry) before anything else (retryIDs), and returns those it
+// left to the sweep.
+func (r *Relay) retryStreamed(ctx context.Context, b *inFlight, alive func(context.Context) error) ([]int64, error) {
 	ids, perr := b.retry, b.perr
 	b.done <- r.markAndCommit(b)
 	if err := r.finish(b); err != nil && err != perr { //nolint:errorlint // finish returns perr itself
-		return err
+		return nil, err
 	}
 	return r.retryIDs(ctx, ids, perr, alive)
 }
@@ -1888,15 +1891,17 @@ func (r *Relay) retryStreamed(ctx context.Context, b *inFlight, alive func(conte
 // meanwhile, so each key's rows reach Kafka in commit order through broker
 // failures, as a stream that stopped until Kafka took them would. Rows
 // Kafka refuses are held and rows of a topic that is unavailable are left
-// to the sweep, as in any batch (publish). Past streamRetryLimit it leaves
+// to the sweep, as in any batch (publish). Past StreamRetryLimit it leaves
 // the rest to the sweep too, and retries nothing in place until a batch
-// goes out whole again. The error is the database's or ctx's.
-func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive func(context.Context) error) error {
+// goes out whole again while no partition is set aside (retryAgain). It
+// returns the rows it left to the sweep; the error is the database's or
+// ctx's.
+func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive func(context.Context) error) ([]int64, error) {
 	if r.capture.retryGivenUp {
-		return nil
+		return ids, nil
 	}
 	var backoff time.Duration
-	for until := time.Now().Add(streamRetryLimit); len(ids) > 0; {
+	for until := time.Now().Add(r.cfg.StreamRetryLimit); len(ids) > 0; {
 		now := time.Now()
 		r.health.iteration(now)
 		if perr != nil {
@@ -1906,29 +1911,29 @@ func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive fun
 			r.capture.retryGivenUp = true
 			r.m.streamLeftBehind.Add(float64(len(ids)))
 			r.log.Warn("rows failed for longer than the stream retries them in place; the sweep publishes them, after later rows of their keys",
-				"rows", len(ids), "for", streamRetryLimit, "err", perr)
-			return nil
+				"rows", len(ids), "for", r.cfg.StreamRetryLimit, "err", perr)
+			return ids, nil
 		}
 		if backoff > 0 {
 			d := jitter(backoff)
 			r.health.idleUntil(now.Add(d))
 			if err := alive(ctx); err != nil {
-				return err
+				return nil, err
 			}
 			if sleep(ctx, d); ctx.Err() != nil {
-				return ctx.Err()
+				return nil, ctx.Err()
 			}
 		}
 		backoff = min(max(2*backoff, 100*time.Millisecond), r.cfg.MaxBackoff)
 		if err := alive(ctx); err != nil {
-			return err
+			return nil, err
 		}
 		b, err := r.claimStreamed(ctx, ids, nil, alive)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		if b == nil {
-			return nil // published or held meanwhile
+			return nil, nil // published or held meanwhile
 		}
 		if len(b.retry) < len(ids) && b.perr == nil {
 			backoff = 0 // rows went out: those that waited behind them go at once
@@ -1936,13 +1941,24 @@ func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive fun
 		ids, perr = b.retry, b.perr
 		b.done <- r.markAndCommit(b)
 		if err := r.finish(b); err != nil && err != perr { //nolint:errorlint // as above
-			return err
+			return nil, err
 		}
 	}
-	return nil
+	return nil, nil
 }
 
-// waitVisible waits, up to streamRetryLimit from start, until every one
+// retryAgain is called when a streamed batch went out whole: rows that
+// fail are retried in place again (retryIDs), unless a partition is still
+// set aside. A batch of other partitions' rows says nothing of it: before,
+// any such batch ended the stream's giving up, and each new row of a
+// partition that stayed down held the whole stream for StreamRetryLimit.
+func (r *Relay) retryAgain() {
+	if !r.topics.anyAside() {
+		r.capture.retryGivenUp = false
+	}
+}
+
+// waitVisible waits, up to StreamRetryLimit from start, until every one
 // of xids, the transactions that wrote rows a claim asked for, is
 // visible. The stream can deliver a commit before the transaction is
 // visible: with synchronous replication a commit is written, and sent to
@@ -1959,7 +1975,7 @@ func (r *Relay) waitVisible(ctx context.Context, xids []int64, start time.Time, 
 		switch {
 		case invisible == 0:
 			return nil
-		case time.Since(start) > streamRetryLimit || ctx.Err() != nil:
+		case time.Since(start) > r.cfg.StreamRetryLimit || ctx.Err() != nil:
 			r.log.Warn("transactions the stream delivered are still not visible; the sweep publishes their rows",
 				"transactions", invisible, "waited", time.Since(start).Round(time.Millisecond))
 			return nil
@@ -2070,7 +2086,7 @@ func (r *Relay) publishClaimed(bctx context.Context, cancel context.CancelFunc, 
 	b.published, b.retry, b.perr = r.publish(pctx, rows)
 	pcancel()
 	if len(b.retry) == 0 {
-		r.capture.retryGivenUp = false // the batch went out whole
+		r.retryAgain()
 	}
 	for _, x := range rest { // in commit order, before any later row: retryIDs claims them after the commit
 		b.retry = append(b.retry, x.id)
@@ -2234,7 +2250,7 @@ func (r *Relay) sweepBehind(ctx context.Context, alive func(context.Context) err
 // that took them too would put them out before earlier rows only the
 // stream has, as in sweepFence), and the sweep behind the stream, due at
 // once, the rest: rows the stream delivered before and left in the table
-// (held, or failed past streamRetryLimit), and rows from before a slot
+// (held, or failed past StreamRetryLimit), and rows from before a slot
 // whose maker stopped before its first sweep ended. When it fails, the
 // stream does not start: rows it then delivered would go out before these
 // older ones.

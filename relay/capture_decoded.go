@@ -230,7 +230,7 @@ func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) er
 			return err
 		}
 		if len(retry) > 0 {
-			if err := s.r.retryIDs(ctx, retry, perr, s.keepAlive); err != nil {
+			if _, err := s.r.retryIDs(ctx, retry, perr, s.keepAlive); err != nil {
 				return err
 			}
 		}
@@ -261,7 +261,7 @@ func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRo
 		published, retry, perr = r.publish(pctx, send)
 		pcancel()
 		if len(retry) == 0 {
-			r.capture.retryGivenUp = false // the batch went out whole
+			r.retryAgain()
 		}
 	}
 	b := &inFlight{ctx: bctx, cancel: cancel, start: start, rows: send, published: published}

@@ -87,6 +87,13 @@ type Config struct {
 	HeldRetryInterval time.Duration
 	// MaxBackoff caps the exponential backoff after transient errors. Default 5s.
 	MaxBackoff time.Duration
+	// StreamRetryLimit bounds how long a streaming relay publishes again,
+	// in place, rows that failed transiently, before it goes on to any
+	// later row. Past it, they wait in the table for the sweep and the
+	// stream goes on, so a partition that stays down does not hold the
+	// others' rows back for longer; their keys' later rows then go out
+	// before them. Default 1m.
+	StreamRetryLimit time.Duration
 	// TracerProvider, when set, makes the relay record a producer span per
 	// published event, a child of the span that stored it (the row's
 	// traceparent header). Default nil: no spans, and the row's trace
@@ -118,6 +125,7 @@ const (
 	DefaultFullRescanInterval = 10 * time.Second
 	DefaultHeldRetryInterval  = time.Minute
 	DefaultMaxBackoff         = 5 * time.Second
+	DefaultStreamRetryLimit   = time.Minute
 )
 
 func (c Config) withDefaults() Config {
@@ -125,6 +133,7 @@ func (c Config) withDefaults() Config {
 	c.FullRescanInterval = cmp.Or(c.FullRescanInterval, DefaultFullRescanInterval)
 	c.HeldRetryInterval = cmp.Or(c.HeldRetryInterval, DefaultHeldRetryInterval)
 	c.MaxBackoff = cmp.Or(c.MaxBackoff, DefaultMaxBackoff)
+	c.StreamRetryLimit = cmp.Or(c.StreamRetryLimit, DefaultStreamRetryLimit)
 	if c.CloudEventsSource == "" {
 		if t, err := outbox.ParseTable(c.Table); err == nil {
 			c.CloudEventsSource = "/outbox/" + t.String()

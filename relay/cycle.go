@@ -160,6 +160,17 @@ func (r *Relay) pipelined() bool {
 // claim now (a replica of the other ordering mode is live) or, in
 // partition-key mode, owns no bucket.
 func (r *Relay) begin(ctx context.Context, now time.Time) (beginner, error) {
+	if r.lanes != nil && r.brokersDown(now) {
+		// Its keys' rows would wait for as long as it cannot reach Kafka:
+		// it leaves, its buckets go to the replicas that can, and it
+		// joins again once the brokers answer its probe.
+		if r.member.conn != nil {
+			r.log.Warn("the brokers have not answered for the stall timeout; leaving the table's replicas so that the others publish this replica's keys, until they answer again",
+				"err", *r.kafkaErr.Load())
+			r.leave()
+		}
+		return nil, nil
+	}
 	fenced, err := r.fenced(ctx, now)
 	if err != nil || fenced {
 		return nil, err
@@ -173,6 +184,17 @@ func (r *Relay) begin(ctx context.Context, now time.Time) (beginner, error) {
 		return nil, err
 	}
 	return db, nil
+}
+
+// brokersDown reports whether the stats loop's probe of the brokers has
+// failed, every time, for the stall timeout up to now: the replica cannot
+// reach Kafka, though others may. A replica in partition-key mode then
+// gives its buckets up (begin); before, it kept them, publishing nothing,
+// and their keys waited for as long as it could not reach Kafka, while its
+// loop, claiming and backing off, looked alive.
+func (r *Relay) brokersDown(now time.Time) bool {
+	since := r.brokersDownSince.Load()
+	return since != 0 && now.Sub(time.Unix(0, since)) >= r.cfg.StallTimeout
 }
 
 // mergeHeld takes in the held table's last reload (heldSnap), if there is
@@ -239,6 +261,14 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	if db == nil {
 		cancel()
 		r.health.batchDone(start, 0, 0)
+		if r.lanes != nil {
+			// No bucket is this replica's (the others hold them all, or it
+			// left): no row waits for it. Before, the stall check kept the
+			// last claim's buckets, and a row waiting in one of them, the
+			// business of the replica that holds it now, failed this one's
+			// /readyz.
+			r.filter.Store(&claimFilter{types: r.availableTypes(start), held: []int64{}, keys: []string{}, keyTypes: []string{}, buckets: []int32{}})
+		}
 		return nil, nil
 	}
 	tx, err := db.Begin(bctx)

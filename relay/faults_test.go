@@ -28,6 +28,7 @@ import (
 
 	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relay"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 	"github.com/outbox-relay/outbox-operator/test/outboxtest"
 	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
@@ -1385,19 +1386,11 @@ func TestHungPartitionsRowsDoNotHoldBackTheTopicsOthers(t *testing.T) {
 		}
 		return nil, nil, false
 	})
-	keysOn := func(p, n int) (keys []string) {
-		for i := 0; len(keys) < n; i++ {
-			if k := fmt.Sprint("k", i); (&kafka.Murmur2Balancer{}).Balance(kafka.Message{Key: []byte(k)}, 0, 1) == p {
-				keys = append(keys, k)
-			}
-		}
-		return keys
-	}
 	insert := func(keys []string) {
 		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 			SELECT gen_random_uuid(), 'Order', k, 'E', '{}', k FROM unnest($1::text[]) k`, keys)
 	}
-	onHung, onOther := keysOn(0, 40), keysOn(1, 5)
+	onHung, onOther := keysOnPartition(0, 40), keysOnPartition(1, 5)
 	insert(onHung) // the oldest rows: two batches' worth
 	insert(onOther)
 	published := func(keys []string) int {
@@ -1415,4 +1408,117 @@ func TestHungPartitionsRowsDoNotHoldBackTheTopicsOthers(t *testing.T) {
 	answer()
 	f.WaitDrained(0, 60*time.Second)
 	require.True(t, eventually(10*time.Second, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_set_aside") == 0 }))
+}
+
+// A partition that answers every write with an error of its own (short of
+// in-sync replicas here; offline or failing storage alike) is set aside as
+// a hung one is: the other partitions' rows go out while it refuses. It
+// answers at once, so it never ran out the publish timeout, and before,
+// its rows, the oldest, filled every claim of the topic for as long as it
+// refused them: the other partition's rows never went out.
+func TestARefusingPartitionsRowsDoNotHoldBackTheTopicsOthers(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	c, healthy := refusingPartitionCluster(t)
+	insert := func(keys []string) {
+		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+			SELECT gen_random_uuid(), 'Order', k, 'E', '{}', k FROM unnest($1::text[]) k`, keys)
+	}
+	onRefusing, onOther := keysOnPartition(0, 40), keysOnPartition(1, 5)
+	insert(onRefusing) // the oldest rows: two batches' worth
+	insert(onOther)
+	published := func(keys []string) int {
+		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NOT NULL AND partition_key = ANY($1)`, keys)
+	}
+
+	cfg := f.Config()
+	cfg.Brokers, cfg.Topics, cfg.BatchSize, cfg.PublishTimeout = c.ListenAddrs(), map[string]string{"E": "t"}, 20, time.Second
+	x := run(t, cfg, nil)
+	require.True(t, eventually(20*time.Second, func() bool { return published(onOther) == len(onOther) }),
+		"the other partition's rows go out while partition 0 refuses: %d of %d did", published(onOther), len(onOther))
+	require.Zero(t, published(onRefusing), "no row of the refusing partition is published")
+	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
+
+	healthy.Store(true)
+	f.WaitDrained(0, 60*time.Second)
+	require.True(t, eventually(10*time.Second, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_set_aside") == 0 }))
+}
+
+// refusingPartitionCluster is a fake cluster of two brokers with topic t of
+// two partitions, one on each, whose partition 0 answers every write with
+// NOT_ENOUGH_REPLICAS until healthy is set.
+func refusingPartitionCluster(t *testing.T) (c *kfake.Cluster, healthy *atomic.Bool) {
+	t.Helper()
+	c, err := kfake.NewCluster(kfake.NumBrokers(2), kfake.SeedTopics(2, "t"))
+	require.NoError(t, err)
+	t.Cleanup(c.Close)
+	require.NoError(t, c.MoveTopicPartition("t", 0, 0))
+	require.NoError(t, c.MoveTopicPartition("t", 1, 1))
+	healthy = new(atomic.Bool)
+	c.ControlKey(int16(kmsg.Produce), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		c.KeepControl()
+		if c.CurrentNode() != 0 || healthy.Load() {
+			return nil, nil, false
+		}
+		pr := req.(*kmsg.ProduceRequest)
+		resp := pr.ResponseKind().(*kmsg.ProduceResponse)
+		for _, tp := range pr.Topics {
+			rt := kmsg.NewProduceResponseTopic()
+			rt.Topic = tp.Topic
+			for _, p := range tp.Partitions {
+				rp := kmsg.NewProduceResponseTopicPartition()
+				rp.Partition, rp.ErrorCode = p.Partition, kerr.NotEnoughReplicas.Code
+				rt.Partitions = append(rt.Partitions, rp)
+			}
+			resp.Topics = append(resp.Topics, rt)
+		}
+		return resp, nil, true
+	})
+	return c, healthy
+}
+
+// keysOnPartition returns n partition keys that the writers' balancer
+// sends to partition p of a topic of two.
+func keysOnPartition(p, n int) (keys []string) {
+	for i := 0; len(keys) < n; i++ {
+		if k := fmt.Sprint("k", i); (&kafka.Murmur2Balancer{}).Balance(kafka.Message{Key: []byte(k)}, 0, 1) == p {
+			keys = append(keys, k)
+		}
+	}
+	return keys
+}
+
+// A streaming relay goes on past a partition that stays down when its
+// rows fill a claim's byte budget: the rows it left to the sweep are out
+// of the chunk it claims again. Before, that claim took them first again,
+// failed them at once, and spun on the chunk with no backoff for as long as
+// the partition was down: the other partition's rows of the transaction,
+// and everything the stream held behind them, never went out.
+func TestStreamGoesOnPastARefusingPartitionsFullClaim(t *testing.T) {
+	t.Parallel()
+	f, cfg := captureFixture(t, 1, "E")
+	c, healthy := refusingPartitionCluster(t)
+	onRefusing, onOther := keysOnPartition(0, 8), keysOnPartition(1, 40)
+	cfg.Brokers, cfg.Topics, cfg.PublishTimeout = c.ListenAddrs(), map[string]string{"E": "t"}, time.Second
+	cfg.BatchSize, cfg.MaxBatchBytes, cfg.StreamRetryLimit = 50, relayconfig.MinMaxBatchBytes, 2*time.Second
+	startStreaming(t, cfg)
+	// One transaction: the refusing partition's rows first, five of them a
+	// claim's byte budget, then the other partition's.
+	keys := append(slices.Clone(onRefusing), onOther...)
+	big := make([]bool, len(keys))
+	for i := range onRefusing {
+		big[i] = true
+	}
+	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		SELECT gen_random_uuid(), 'Order', k, 'E', CASE WHEN big THEN jsonb_build_object('pad', repeat('y', 12000)) ELSE '{}' END, k
+		FROM unnest($1::text[], $2::bool[]) WITH ORDINALITY AS u(k, big, n) ORDER BY n`, keys, big)
+	published := func(keys []string) int {
+		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NOT NULL AND partition_key = ANY($1)`, keys)
+	}
+	require.True(t, eventually(30*time.Second, func() bool { return published(onOther) == len(onOther) }),
+		"the other partition's rows go out while partition 0 refuses: %d of %d did", published(onOther), len(onOther))
+	require.Zero(t, published(onRefusing))
+
+	healthy.Store(true)
+	f.WaitDrained(0, 60*time.Second)
 }

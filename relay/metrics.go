@@ -39,7 +39,7 @@ type metrics struct {
 	// because it cannot stream.
 	captureFallback prometheus.Gauge
 	// streamLeftBehind counts rows the stream stopped retrying in place
-	// (streamRetryLimit): the sweep publishes them after later rows of
+	// (Config.StreamRetryLimit): the sweep publishes them after later rows of
 	// their keys.
 	streamLeftBehind prometheus.Counter
 	// slotRetainedWAL is the WAL the replication slot holds back.

@@ -15,8 +15,10 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/outbox-relay/outbox-operator/relay"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 	"github.com/outbox-relay/outbox-operator/test/outboxtest"
 	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
@@ -429,6 +431,47 @@ func TestFrozenReplicaLosesItsBuckets(t *testing.T) {
 	v, _ := orderViolations(t, msgs, idsByEvent(t, f))
 	require.Zero(t, v)
 	require.Nil(t, frozen.Cmd.ProcessState, "the frozen replica recovered by itself")
+}
+
+// A replica in partition-key mode that cannot reach Kafka, while another
+// can, gives its buckets up once its probe of the brokers has failed for
+// the stall timeout, and the other publishes every key. Before, it kept
+// them, claiming and backing off, and half the keys waited for as long as
+// it could not reach Kafka; and its probe, which kafka-go's transport
+// answered from its cached metadata, never said the brokers were
+// unreachable once they had answered.
+func TestAReplicaThatCannotReachKafkaGivesItsKeysUp(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 4, "E")
+	cut, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(4, "t"))
+	require.NoError(t, err)
+	t.Cleanup(cut.Close)
+	cfg := f.Config()
+	cfg.Ordering, cfg.StallTimeout = relay.OrderingPartitionKey, relayconfig.MinStallTimeout
+	cutCfg := cfg
+	cutCfg.Brokers, cutCfg.Topics = cut.ListenAddrs(), map[string]string{"E": "t"}
+	unreachable := run(t, cutCfg, nil)
+	require.True(t, eventually(20*time.Second, func() bool {
+		return outboxtest.MetricValue(t, unreachable.Reg, "outbox_relay_ordering_buckets_owned") == 64
+	}), "the first replica takes every bucket")
+	other := run(t, cfg, nil)
+	require.True(t, eventually(20*time.Second, func() bool {
+		n := outboxtest.MetricValue(t, other.Reg, "outbox_relay_ordering_buckets_owned")
+		return n > 0 && n+outboxtest.MetricValue(t, unreachable.Reg, "outbox_relay_ordering_buckets_owned") == 64
+	}), "the buckets are split")
+
+	cut.Close()
+	f.Insert(500, 50, "E")
+	f.WaitDrained(0, 60*time.Second)
+	require.Zero(t, outboxtest.MetricValue(t, unreachable.Reg, "outbox_relay_ordering_buckets_owned"))
+	require.Eventually(t, func() bool {
+		err := unreachable.R.Ready()
+		return err != nil && err.Error() == "kafka: unreachable"
+	}, 20*time.Second, 100*time.Millisecond, "not ready for the brokers' sake, not for rows of buckets it gave up: %v", unreachable.R.Ready())
+	counts, msgs := outboxtest.Deliveries(t, 500, f.Topics["E"])
+	outboxtest.RequireExactlyOnce(t, f.EventIDs(""), counts)
+	v, _ := orderViolations(t, msgs, idsByEvent(t, f))
+	require.Zero(t, v)
 }
 
 // A key's rows that commit in id order reach Kafka in id order in

@@ -181,6 +181,46 @@ func TestPartitionedMarkReachesOnlyThePublishedRow(t *testing.T) {
 	outboxtest.RequireAtLeastOnce(t, want, counts)
 }
 
+// In partition-key mode a row another session holds locked stops its key
+// even when a row of the same id (its twin, of another key) is claimed:
+// its key's later row waits until it is free, and then goes out after it.
+// Before, the claim told locked rows by id alone, so the twin it locked hid
+// the row held elsewhere, which was not fenced, and its key's later row
+// went out first.
+func TestPartitionedRowLockedElsewhereStopsItsKeyBesideItsTwin(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := outboxtest.NewFixture(t, 1, "E")
+	cfg := f.Config()
+	cfg.Ordering = relay.OrderingPartitionKey
+	today := partitioned(t, f)
+	insertAt(f, 1, 1, today.Add(time.Hour), false, "E") // key order-0's first row
+	var id int64
+	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT id FROM outbox`).Scan(&id))
+	insertAt(f, 1, 1, today.Add(3*time.Hour), false, "E") // its second row, a later id
+	insertTwin(f, id, today.Add(2*time.Hour))
+	want := f.EventIDs("")
+	locker, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer locker.Rollback(ctx)
+	_, err = locker.Exec(ctx, `SELECT 1 FROM outbox WHERE id = $1 AND aggregate_id <> 'twin' FOR UPDATE`, id)
+	require.NoError(t, err)
+
+	run(t, cfg, nil)
+	require.True(t, eventually(20*time.Second, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox WHERE aggregate_id = 'twin' AND published_at IS NOT NULL`) == 1
+	}), "the twin, of a key of its own, goes out")
+	require.Never(t, func() bool {
+		return f.Count(`SELECT count(*) FROM outbox WHERE aggregate_id = 'order-0' AND published_at IS NOT NULL`) > 0
+	}, 2*time.Second, 50*time.Millisecond, "the key's later row waits for the row held elsewhere")
+	require.NoError(t, locker.Rollback(ctx))
+	f.WaitDrained(0, 30*time.Second)
+	counts, _ := outboxtest.Deliveries(t, 3, f.Topics["E"])
+	outboxtest.RequireAtLeastOnce(t, want, counts)
+	violations, _ := orderViolations(t, testenv.Broker().Consume(t, f.Topics["E"], 3, 30*time.Second), idsByEvent(t, f))
+	require.Zero(t, violations, "the key's rows in id order")
+}
+
 // insertTwin inserts a row of event type E and key "twin" with the id of
 // another row, created at at, as a partition attached again after the ids
 // started over would hold it.

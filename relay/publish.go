@@ -738,12 +738,20 @@ type writeCall struct {
 // leader (its partition known): a call that ran out the publish timeout
 // sets the partition aside, doubling the backoff each time up to
 // HeldRetryInterval, and drops the cached metadata (the leader may have
-// moved); a call that got a record acknowledged clears it. A call that
-// failed every record before the timeout leaves it as it was: a leader
-// that flaps between hanging and answering with an error (moving, or
-// short of replicas) keeps doubling its backoff, where clearing it made
-// every hang start again from the publish timeout. A call cut short by
-// ctx's own end (the batch's deadline) says nothing of the leader.
+// moved); a call that got a record acknowledged clears it. The second
+// call in a row whose every record the partition refused for itself
+// (partitionRefused: short of in-sync replicas, offline, a storage error),
+// after the writer's own retries, sets it aside for MaxBackoff, again at
+// each such call (setRefused): such a partition answers at once, so it
+// never ran out the timeout, and its rows, the oldest, filled every claim
+// of its topic for as long as it refused them. The first such call does
+// not, so that a leader's move, which the next call after fresh metadata
+// gets past, costs no backoff. Another failure of every
+// record before the timeout leaves the partition as it was: a leader that
+// flaps between hanging and answering with an error keeps doubling its
+// backoff, where clearing it made every hang start again from the publish
+// timeout. A call cut short by ctx's own end (the batch's deadline) says
+// nothing of the leader.
 func (r *Relay) settle(ctx context.Context, c writeCall, err error, start time.Time) {
 	if c.partition < 0 || ctx.Err() != nil {
 		return
@@ -755,6 +763,14 @@ func (r *Relay) settle(ctx context.Context, c writeCall, err error, start time.T
 		}
 		return
 	}
+	if partitionRefused(err) {
+		if r.topics.refusedAgain(c.topicPartition) && r.topics.setRefused(c.topicPartition, err, time.Now(), r.cfg.MaxBackoff) {
+			r.log.Warn("the partition refused every record twice in a row; its records wait and it is tried again, while the other partitions' records flow",
+				"topic", c.topic, "partition", c.partition, "err", err)
+		}
+		r.freshMetadata()
+		return
+	}
 	if !timedOut(err) {
 		return
 	}
@@ -763,6 +779,21 @@ func (r *Relay) settle(ctx context.Context, c writeCall, err error, start time.T
 			"topic", c.topic, "partition", c.partition, "waited", time.Since(start).Round(time.Millisecond), "err", err)
 	}
 	r.freshMetadata()
+}
+
+// partitionRefused reports whether the broker refused every record of a
+// write for their partition's sake, not theirs: its leader moved or is
+// offline, it is short of in-sync replicas, its log's storage failed, or
+// its replicas did not acknowledge within the broker's request timeout.
+func partitionRefused(err error) bool {
+	var werrs kafka.WriteErrors
+	if !errors.As(err, &werrs) || len(werrs) == 0 || werrs.Count() < len(werrs) {
+		return false
+	}
+	return !slices.ContainsFunc(werrs, func(e error) bool {
+		return !leaderMoved(e) && !errors.Is(e, kafka.NotEnoughReplicas) && !errors.Is(e, kafka.NotEnoughReplicasAfterAppend) &&
+			!errors.Is(e, kafka.RequestTimedOut)
+	})
 }
 
 // timedOut reports whether a write ended because its time ran out, with

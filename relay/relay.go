@@ -92,7 +92,11 @@ type Relay struct {
 	unroutable map[string]bool // event types already logged as unmapped
 	dbErr      atomic.Pointer[error]
 	kafkaErr   atomic.Pointer[error]
-	wake       chan struct{} // a notification arrived (--notify)
+	// brokersDownSince is when the stats loop's probe of the brokers first
+	// failed of the failures in a row up to now (Unix nanoseconds; 0 while
+	// they answer).
+	brokersDownSince atomic.Int64
+	wake             chan struct{} // a notification arrived (--notify)
 
 	// Owned by the stats loop.
 	heldRefreshes int

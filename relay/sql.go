@@ -330,13 +330,23 @@ WHERE before < ` + budgetArg
 // a row came back claimed: published by a replica whose bucket it no
 // longer was in, or after an operator had marked it published. A
 // candidate deleted meanwhile comes back fenced.
+//
+// On a partitioned table two rows may share an id (the primary key is the
+// id with created_at), so a row counts as locked only when one of that id
+// and created_at is in l. By id alone, a twin the claim locked (of another
+// key, or published) hid its candidate that another session held locked:
+// that row was not fenced, and its key's later rows went out before it.
 func claimFenced(q, cols, where string, o sqlOptions) string {
 	lock, matches := `ctid = ANY(ARRAY(SELECT ctid FROM cand))`, where
+	lockedCols, unlocked := "", `id NOT IN (SELECT id FROM l)`
 	if o.partitioned {
 		// The candidates' created_at range prunes the partitions the lock
 		// probes: by id alone it would probe every one.
 		lock = `id = ANY(ARRAY(SELECT id FROM cand))
       AND (created_at BETWEEN (SELECT min(created_at) FROM cand) AND (SELECT max(created_at) FROM cand) OR created_at IS NULL)`
+		lockedCols = `,
+      created_at AS locked_at`
+		unlocked = `NOT EXISTS (SELECT 1 FROM l WHERE l.id = cand.id AND l.locked_at IS NOT DISTINCT FROM cand.created_at)`
 	}
 	return `WITH cand AS (
     SELECT id, ctid, created_at, COALESCE(partition_key, '') AS partition_key, COALESCE(event_type, '') AS event_type
@@ -346,7 +356,7 @@ func claimFenced(q, cols, where string, o sqlOptions) string {
     LIMIT $6),
 l AS (
     SELECT ` + cols + `,
-      ` + matches + ` AS matches
+      ` + matches + ` AS matches` + lockedCols + `
     FROM ` + q + `
     WHERE ` + lock + `
     FOR UPDATE SKIP LOCKED),
@@ -354,7 +364,7 @@ c AS (SELECT * FROM l WHERE matches),
 ` + budgetedRows("$7", "$8", payloadLength(o), "id", ", false AS fenced, (SELECT count(*) FROM cand) AS limited") + `
 UNION ALL
 SELECT id, '', event_type, '', '', partition_key, NULL, 'epoch', '', NULL, 0, NULL, (SELECT count(*) FROM c), true, (SELECT count(*) FROM cand)
-FROM cand WHERE id NOT IN (SELECT id FROM l)
+FROM cand WHERE ` + unlocked + `
 ORDER BY id`
 }
 

@@ -50,16 +50,25 @@ func (r *Relay) refreshStats(ctx context.Context) {
 }
 
 // refreshKafka probes the brokers and re-reads the topics' record limits.
+// kafka-go's transport answers a metadata request from its cache, and
+// keeps a layout it knew through every failure to refresh it, so the
+// probe is a round trip to a broker besides: before, brokers that had
+// answered once never read as unreachable (readiness, brokersDown).
 func (r *Relay) refreshKafka(ctx context.Context) {
 	md, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: r.allTopics()})
+	if err == nil {
+		_, err = r.client.ApiVersions(ctx, &kafka.ApiVersionsRequest{})
+	}
 	if err != nil {
 		if ctx.Err() == nil {
 			r.setKafkaErr(err)
+			r.brokersDownSince.CompareAndSwap(0, time.Now().UnixNano())
 		}
 		return
 	}
 	r.topics.setPartitions(md)
 	r.setKafkaErr(nil)
+	r.brokersDownSince.Store(0)
 	if err := r.topics.refreshLimits(ctx, r.client, r.allTopics(), r.cfg.HeldRetryInterval); err != nil {
 		r.log.Debug("could not refresh the topics' record size limits", "err", err)
 	}

@@ -41,6 +41,10 @@ type topicState struct {
 	// the publish timeout (Relay.write): their records are not sent until
 	// the backoff ends, so that each batch does not wait the timeout out.
 	aside map[topicPartition]*topicOutage
+	// refused counts, for each partition, the calls in a row whose every
+	// record it refused for itself (Relay.settle); a call that gets a
+	// record acknowledged ends the count.
+	refused map[topicPartition]int
 }
 
 // topicPartition names one partition of a topic.
@@ -96,13 +100,17 @@ type topicOutage struct {
 	until   time.Time
 	backoff time.Duration
 	err     error
+	// refused: set aside for refusing records (setRefused), not for
+	// running out the publish timeout (setAside).
+	refused bool
 }
 
 // newTopicState returns the state of a relay's topics; aloneMax is
 // topicState.aloneMax, read only when compressed.
 func newTopicState(compressed bool, aloneMax int) *topicState {
 	return &topicState{down: outages{}, failing: outages{}, maxBytes: map[string]int{}, oldest: map[string]time.Duration{},
-		partitions: map[string]int{}, compressed: compressed, aloneMax: aloneMax, aside: map[topicPartition]*topicOutage{}}
+		partitions: map[string]int{}, compressed: compressed, aloneMax: aloneMax, aside: map[topicPartition]*topicOutage{},
+		refused: map[topicPartition]int{}}
 }
 
 // setAside sets p aside after a write to it timed out, for first the
@@ -112,13 +120,33 @@ func (s *topicState) setAside(p topicPartition, err error, now time.Time, first,
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	d, was := s.aside[p]
-	if !was {
+	if !was || d.refused {
 		d = &topicOutage{backoff: first / 2}
 		s.aside[p] = d
 	}
 	d.backoff = min(2*d.backoff, max(limit, first))
 	d.until = now.Add(jitter(d.backoff))
 	d.err = err
+	return !was
+}
+
+// setRefused sets p aside for backoff (±20 %) because it refused every
+// record of writes in a row (Relay.settle), unless it is aside for not
+// answering, whose longer backoff stands. Trying a partition that answers
+// at once costs little, so its backoff does not grow. It reports whether p
+// was not aside before.
+func (s *topicState) setRefused(p topicPartition, err error, now time.Time, backoff time.Duration) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	d, was := s.aside[p]
+	if was && !d.refused {
+		return false
+	}
+	if !was {
+		d = &topicOutage{refused: true}
+		s.aside[p] = d
+	}
+	d.backoff, d.until, d.err = backoff, now.Add(jitter(backoff)), err
 	return !was
 }
 
@@ -133,14 +161,32 @@ func (s *topicState) asideError(p topicPartition, now time.Time) error {
 	return nil
 }
 
-// clearAside clears p once a write to it ended within the timeout. It
-// reports whether p was aside.
+// clearAside clears p once a write to it got a record acknowledged, and
+// ends its count of refused calls. It reports whether p was aside.
 func (s *topicState) clearAside(p topicPartition) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	_, ok := s.aside[p]
 	delete(s.aside, p)
+	delete(s.refused, p)
 	return ok
+}
+
+// anyAside reports whether a partition is set aside: it failed, and no
+// write to it got a record acknowledged since (its backoff may be over).
+func (s *topicState) anyAside() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.aside) > 0
+}
+
+// refusedAgain counts a call whose every record p refused for itself and
+// reports whether the call before it was one too.
+func (s *topicState) refusedAgain(p topicPartition) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.refused[p]++
+	return s.refused[p] >= 2
 }
 
 // asideRows are the rows that polling with no ordering did not send
