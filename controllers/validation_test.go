@@ -232,6 +232,11 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		{"topics missing", func(s map[string]any) { delete(s, "topics") }, []string{"spec.topics"}},
 		{"event type empty", func(s map[string]any) { s["topics"] = map[string]any{"": "orders"} }, []string{"spec.topics"}},
 		{"event type with =", func(s map[string]any) { s["topics"] = map[string]any{"a=b": "orders"} }, []string{"spec.topics"}},
+		{"event type with surrounding whitespace, among valid ones", func(s map[string]any) {
+			s["topics"] = map[string]any{"OrderPlaced": "orders", "Order Created ": "orders", "OrderShipped": "orders"}
+		}, []string{"spec.topics", `event type "Order Created " must be`}},
+		{"event type of 300 characters", func(s map[string]any) { s["topics"] = map[string]any{strings.Repeat("e", 300): "orders"} },
+			[]string{"spec.topics", `event type "` + strings.Repeat("e", 64) + `..." must be`}},
 		{"topic with a space", func(s map[string]any) { s["topics"] = map[string]any{"OrderConfirmed": "orders confirmed"} }, []string{"spec.topics"}},
 		{"topic ..", func(s map[string]any) { s["topics"] = map[string]any{"OrderConfirmed": ".."} }, []string{"spec.topics"}},
 		{"topic .", func(s map[string]any) { s["topics"] = map[string]any{"OrderConfirmed": "."} }, []string{"spec.topics"}},

@@ -596,7 +596,7 @@ type OutboxRelaySpec struct {
 	// (the relay's --topic syntax) and without surrounding whitespace.
 	// +kubebuilder:validation:MinProperties=1
 	// +kubebuilder:validation:MaxProperties=512
-	// +kubebuilder:validation:XValidation:rule=`self.all(k, size(k) <= 255 && k.matches(r'^[^=,\s]([^=,]*[^=,\s])?$'))`,message="spec.topics: event types must be 1 to 255 characters without '=' or ',' and without surrounding whitespace"
+	// +kubebuilder:validation:XValidation:rule=`self.all(k, size(k) <= 255 && k.matches(r'^[^=,\s]([^=,]*[^=,\s])?$'))`,message="spec.topics: event types must be 1 to 255 characters without '=' or ',' and without surrounding whitespace",messageExpression=`'spec.topics: event type "' + self.filter(k, !(size(k) <= 255 && k.matches(r'^[^=,\s]([^=,]*[^=,\s])?$'))).map(k, size(k) > 64 ? k.substring(0, 64) + '...' : k)[0] + '" must be 1 to 255 characters without = or , and without surrounding whitespace'`
 	Topics map[string]TopicName `json:"topics"`
 
 	// DeadLetterTopic receives the rows Kafka refuses permanently (a record
