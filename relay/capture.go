@@ -1856,7 +1856,12 @@ func (r *Relay) publishStreamedFrom(ctx context.Context, ids, xids []int64, carr
 				// took them first again, failed them at once, and spun on
 				// the chunk for as long as their partition was down, while
 				// nothing behind them went out.
-				ids = slices.DeleteFunc(slices.Clone(ids), func(id int64) bool { return slices.Contains(left, id) })
+				gone := make(map[int64]bool, len(left))
+				for _, id := range left {
+					gone[id] = true
+				}
+				// left is of the chunk, ids[:len(chunk)].
+				ids = slices.Concat(slices.DeleteFunc(slices.Clone(chunk), func(id int64) bool { return gone[id] }), ids[len(chunk):])
 			}
 		} else if r.commitsBeside(b) {
 			pending = r.commitAsync(b)
@@ -1948,12 +1953,12 @@ func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive fun
 }
 
 // retryAgain is called when a streamed batch went out whole: rows that
-// fail are retried in place again (retryIDs), unless a partition is still
-// set aside. A batch of other partitions' rows says nothing of it: before,
+// fail are retried in place again (retryIDs), unless a partition is set
+// aside, or was within StreamRetryLimit. A batch of other partitions' rows says nothing of it: before,
 // any such batch ended the stream's giving up, and each new row of a
 // partition that stayed down held the whole stream for StreamRetryLimit.
 func (r *Relay) retryAgain() {
-	if !r.topics.anyAside() {
+	if !r.topics.anyAside(time.Now(), r.cfg.StreamRetryLimit) {
 		r.capture.retryGivenUp = false
 	}
 }

@@ -23,7 +23,13 @@ type inFlight struct {
 	// aside: it left rows out for a partition set aside (asideRows): they
 	// stay locked until it commits, and a claim beside that commit that
 	// released them would skip them and publish their keys' later rows.
-	aside     bool
+	aside bool
+	// unsent: it left a row it claimed neither published, held nor aside
+	// (behind a row of its key that failed, or was dead-lettered or held,
+	// in this batch; or failed itself while other keys' rows went out):
+	// the row stays locked until it commits, and a claim beside that
+	// commit would skip it and publish its key's later rows first.
+	unsent    bool
 	big       bool
 	published []int64
 	holds     []heldRecord // rows held in this batch, recorded in its transaction
@@ -141,12 +147,15 @@ func (r *Relay) mayPipeline(b *inFlight, err error) bool {
 // commitsBeside reports whether batch b may commit beside the next claim
 // and publish: all of it acknowledged, not a large one (two would hold
 // twice the memory), in a mode that pipelines, and not one the byte budget
-// cut or that left rows out for a partition set aside: the rows it locked
-// but did not return or send stay locked until it commits, and a claim
-// beside that commit would skip them and publish the rows after them
-// first.
+// cut, that left rows out for a partition set aside, or that left a row
+// unsent: the rows it locked but did not return or send stay locked until
+// it commits, and a claim beside that commit would skip them and publish
+// the rows after them first. Before, a batch that dead-lettered a row and
+// left its key's later rows for the next batch committed beside that
+// batch's claim, which took the key's rows after them, and the key's
+// order turned.
 func (r *Relay) commitsBeside(b *inFlight) bool {
-	return b.perr == nil && !b.cut && !b.aside && !b.big && r.pipelined()
+	return b.perr == nil && !b.cut && !b.aside && !b.unsent && !b.big && r.pipelined()
 }
 
 // pipelined reports whether a second batch may be claimed while one commits.
@@ -365,6 +374,9 @@ func (r *Relay) claimAndPublish(ctx context.Context) (*inFlight, error) {
 	pctx, pcancel := publishing(bctx)
 	b.published, _, b.perr = r.publish(pctx, rows)
 	b.aside = slices.ContainsFunc(rows, func(x row) bool { return r.aside.has(x.id) })
+	b.unsent = slices.ContainsFunc(rows, func(x row) bool {
+		return !slices.Contains(b.published, x.id) && !r.aside.has(x.id) && !r.held.isHeld(x.id)
+	})
 	pcancel()
 	b.holds, b.unhold = r.held.take(), r.held.forget(b.published)
 	return b, nil

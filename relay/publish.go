@@ -95,6 +95,9 @@ type batch struct {
 	// restamped are the rows sent again with the publish time once their
 	// topic refused their created_at (restamp).
 	restamped map[int]bool
+	// limitsRead are the topics whose limit this batch read again before
+	// it found a record too large for it (admit).
+	limitsRead map[string]error
 }
 
 // publish sends the batch and returns the ids of the rows to mark
@@ -120,7 +123,7 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 	var msgs []kafka.Message
 	var idx []int // msgs[j] is rows[idx[j]]
 	for i := range rows {
-		if m, ok := r.admit(b, i, now); ok {
+		if m, ok := r.admit(ctx, b, i, now); ok {
 			msgs = append(msgs, m)
 			idx = append(idx, i)
 		}
@@ -345,7 +348,7 @@ func (r *Relay) laneStopped(b *batch, x row, i int) bool {
 }
 
 // admit decides whether row i can be sent in this batch and builds its record.
-func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
+func (r *Relay) admit(ctx context.Context, b *batch, i int, now time.Time) (kafka.Message, bool) {
 	x := b.rows[i]
 	if r.laneStopped(b, x, i) {
 		return kafka.Message{}, false // an older row of its key is not out yet
@@ -363,7 +366,7 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 		until := now.Add(r.cfg.HeldRetryInterval)
 		what := "any of the relay's topics takes"
 		if r.topics.compressed {
-			what = "a compressing relay sends alone (its byte budget per claim; raise --max-batch-bytes and redrive the row to publish it)"
+			what = "a compressing relay sends alone (its byte budget per claim, or its topic's limit if larger; raise --max-batch-bytes and redrive the row to publish it)"
 		}
 		r.held.hold(r.log, x, HeldTooLarge, until, fmt.Errorf(
 			"payload and headers of %d bytes, more than %s (%d bytes); held without reading them", x.size, what, r.largestRecord()))
@@ -428,7 +431,27 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 	}
 	b.rows[i] = x // later records of this row (sent alone, dead-lettered) carry the same headers
 	m := r.message(x, topic)
-	if err := r.topics.tooLarge(topic, m); err != nil {
+	err = r.topics.tooLarge(topic, m)
+	if err != nil && r.topics.limitKnown(topic) && !errors.Is(err, errAloneMax) {
+		// About to be judged too large by a limit read up to a few seconds
+		// ago: the limit is read again first, once per topic and batch, so
+		// that one raised meanwhile takes the row rather than the
+		// dead-letter topic. A limit that cannot be read again holds it.
+		if b.limitsRead == nil {
+			b.limitsRead = map[string]error{}
+		}
+		rerr, read := b.limitsRead[topic]
+		if !read {
+			rerr = r.topics.refreshLimits(ctx, r.client, []string{topic}, r.cfg.HeldRetryInterval)
+			b.limitsRead[topic] = rerr
+		}
+		if rerr == nil {
+			err = r.topics.tooLarge(topic, m)
+		} else {
+			err = fmt.Errorf("%w; the topic's max.message.bytes could not be read again to confirm it (%v), so the row is held, not dead-lettered", err, rerr)
+		}
+	}
+	if err != nil {
 		var held error
 		switch {
 		case errors.Is(err, errAloneMax):
@@ -437,6 +460,8 @@ func (r *Relay) admit(b *batch, i int, now time.Time) (kafka.Message, bool) {
 		case !r.topics.limitKnown(topic):
 			// Over a guessed limit only: the topic may take it.
 			held = fmt.Errorf("%w; the topic's max.message.bytes could not be read (the relay's principal needs DESCRIBE_CONFIGS on it), so the default was assumed and the row is held, not dead-lettered", err)
+		case b.limitsRead[topic] != nil:
+			held = err
 		}
 		if held != nil {
 			// Held and tried again, never dead-lettered.
@@ -669,7 +694,7 @@ func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int
 				if r.topics.compressed {
 					// Compressed, by a writer that takes it whatever its size
 					// uncompressed: the broker judges it after compression.
-					c.kind = writerKind{batchBytes: r.topics.aloneMax, compressed: true}
+					c.kind = writerKind{batchBytes: r.topics.alone(m.Topic), compressed: true}
 				}
 			}
 		}

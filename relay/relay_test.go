@@ -13,6 +13,8 @@ import (
 
 	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
 	"github.com/outbox-relay/outbox-operator/relay"
@@ -214,6 +216,52 @@ func TestOversizedRecordGoesToDeadLetterTopic(t *testing.T) {
 	require.Equal(t, 1.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
 }
 
+// A topic's limit raised since the relay last read it (every few seconds)
+// takes the row: before a row is judged too large by a limit it knows, the
+// relay reads the limit again. Before, a row within the new limit claimed
+// before the relay's next read went to the dead-letter topic.
+func TestALimitRaisedMeanwhileTakesTheRow(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	f.Topics["E"] = f.NewTopic("small", 1, "max.message.bytes", "2000")
+	dlt := f.NewTopic("dlt", 1)
+	cfg := f.Config()
+	cfg.DeadLetterTopic = dlt
+	x := outboxtest.Start(t, cfg)
+	f.Insert(1, 1, "E")
+	f.WaitDrained(0, 30*time.Second) // the relay knows the limit
+
+	cl, err := kgo.NewClient(kgo.SeedBrokers(testenv.Broker().Addr()))
+	require.NoError(t, err)
+	t.Cleanup(cl.Close)
+	raised := "20000"
+	adm := kadm.NewClient(cl)
+	_, err = adm.AlterTopicConfigs(context.Background(),
+		[]kadm.AlterConfig{{Op: kadm.SetConfig, Name: "max.message.bytes", Value: &raised}}, f.Topics["E"])
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { // the broker has applied it
+		rcs, err := adm.DescribeTopicConfigs(context.Background(), f.Topics["E"])
+		if err != nil {
+			return false
+		}
+		rc, err := rcs.On(f.Topics["E"], nil)
+		if err != nil {
+			return false
+		}
+		for _, c := range rc.Configs {
+			if c.Key == "max.message.bytes" && c.Value != nil && *c.Value == raised {
+				return true
+			}
+		}
+		return false
+	}, 10*time.Second, 20*time.Millisecond)
+	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		VALUES (gen_random_uuid(), 'Order', 'big', 'E', jsonb_build_object('pad', repeat('y', 5000)), 'big')`)
+	f.WaitDrained(0, 30*time.Second)
+	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
+	require.Len(t, testenv.Broker().Consume(t, f.Topics["E"], 2, 30*time.Second), 2)
+}
+
 // A record is dead-lettered as too large only when its topic would refuse
 // it sent alone. Rows whose records span the last bytes under the topic's
 // limit, in both ordering modes: each dead-lettered record, its dead-letter
@@ -332,13 +380,13 @@ func TestOversizedRecordHeldWithoutDeadLetterTopic(t *testing.T) {
 }
 
 // A compressing relay sends a record alone up to its byte budget per claim
-// (--max-batch-bytes), whatever the topic's limit; a row larger is held as
-// too large, a limit of the relay's and no refusal of Kafka's, never
-// dead-lettered, and the rows behind it flow.
+// (--max-batch-bytes), or its topic's limit if that is larger; a row
+// larger is held as too large, a limit of the relay's and no refusal of
+// Kafka's, never dead-lettered, and the rows behind it flow.
 func TestCompressingRelayHoldsARowOverItsByteBudget(t *testing.T) {
 	t.Parallel()
 	f := outboxtest.NewFixture(t, 1)
-	f.Topics["E"] = f.NewTopic("e", 1)
+	f.Topics["E"] = f.NewTopic("e", 1, "max.message.bytes", "2000")
 	dlt := f.NewTopic("dlt", 1)
 	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 		VALUES (gen_random_uuid(), 'Order', 'big', 'E', jsonb_build_object('pad', repeat('y', $1::int)), 'big')`, relayconfig.MinMaxBatchBytes+1000)

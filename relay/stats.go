@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"errors"
 	"time"
 
 	"github.com/segmentio/kafka-go"
@@ -58,9 +59,16 @@ func (r *Relay) refreshKafka(ctx context.Context) {
 	md, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: r.allTopics()})
 	if err == nil {
 		_, err = r.client.ApiVersions(ctx, &kafka.ApiVersionsRequest{})
+		if err != nil && ctx.Err() == nil {
+			// Once more: the pooled connection may be to a broker that
+			// restarted, and a new one says whether the brokers answer.
+			_, err = r.client.ApiVersions(ctx, &kafka.ApiVersionsRequest{})
+		}
 	}
 	if err != nil {
-		if ctx.Err() == nil {
+		// A probe that ran out of time counts (a network that drops
+		// packets answers nothing); one cut short by shutdown does not.
+		if !errors.Is(ctx.Err(), context.Canceled) {
 			r.setKafkaErr(err)
 			r.brokersDownSince.CompareAndSwap(0, time.Now().UnixNano())
 		}

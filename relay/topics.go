@@ -172,12 +172,19 @@ func (s *topicState) clearAside(p topicPartition) bool {
 	return ok
 }
 
-// anyAside reports whether a partition is set aside: it failed, and no
-// write to it got a record acknowledged since (its backoff may be over).
-func (s *topicState) anyAside() bool {
+// anyAside reports whether a partition is set aside, or was within grace
+// before now: it failed, and no write to it got a record acknowledged
+// since. One whose rows all went elsewhere (held, or its topic made again
+// with fewer partitions) is not written to again, and counts no longer.
+func (s *topicState) anyAside(now time.Time, grace time.Duration) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return len(s.aside) > 0
+	for _, d := range s.aside {
+		if now.Before(d.until.Add(grace)) {
+			return true
+		}
+	}
+	return false
 }
 
 // refusedAgain counts a call whose every record p refused for itself and
@@ -378,14 +385,14 @@ func (s *topicState) limitKnown(topic string) bool {
 // record several times its topic's limit uncompressed, and no size the
 // relay could reckon before sending is the broker's. A record over budget
 // goes out alone, compressed, and only the broker's refusal of it alone
-// says it is too large. Such a record is too large here only over
-// aloneMax, the most the relay sends alone, which is no verdict of Kafka's:
+// says it is too large. Such a record is too large here only over alone,
+// the most the relay sends alone, which is no verdict of Kafka's:
 // the row is held (outcome of errAloneMax), never dead-lettered.
 func (s *topicState) tooLarge(topic string, m kafka.Message) error {
 	if s.compressed {
-		if size := recordSize(m); size > s.aloneMax {
-			return fmt.Errorf("record of %d bytes uncompressed is more than a compressing relay sends alone (its byte budget per claim, %d): %w",
-				size, s.aloneMax, errAloneMax)
+		if size, most := recordSize(m), s.alone(topic); size > most {
+			return fmt.Errorf("record of %d bytes uncompressed is more than a compressing relay sends alone (its byte budget per claim, or the topic's limit if larger: %d): %w",
+				size, most, errAloneMax)
 		}
 		return nil
 	}
@@ -403,16 +410,23 @@ func (s *topicState) tooLarge(topic string, m kafka.Message) error {
 	return nil
 }
 
+// alone is the most a compressing relay sends alone to topic, in
+// kafka-go's accounting (recordSize): aloneMax, or what the topic's limit
+// takes uncompressed if that is more.
+func (s *topicState) alone(topic string) int {
+	return max(s.aloneMax, s.limit(topic)-recordBatchOverhead)
+}
+
 // errAloneMax is why a compressing relay holds a record larger than it
 // sends alone (topicState.tooLarge): a limit of the relay's, not Kafka's.
 var errAloneMax = errors.New("raise --max-batch-bytes and redrive the row to publish it")
 
 // largest is the most a record for topic may hold and still be admitted
-// (tooLarge): aloneMax for a compressing relay; else within the batch
+// (tooLarge): alone for a compressing relay; else within the batch
 // header of the limit the broker said, or the budget of a guessed one.
 func (s *topicState) largest(topic string) int {
 	if s.compressed {
-		return s.aloneMax
+		return s.alone(topic)
 	}
 	if s.limitKnown(topic) {
 		return s.limit(topic) - recordBatchOverhead
