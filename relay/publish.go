@@ -796,6 +796,7 @@ func (r *Relay) settle(ctx context.Context, c writeCall, err error, start time.T
 		r.freshMetadata()
 		return
 	}
+	r.topics.notRefused(c.topicPartition)
 	if !timedOut(err) {
 		return
 	}

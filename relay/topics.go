@@ -120,14 +120,15 @@ func (s *topicState) setAside(p topicPartition, err error, now time.Time, first,
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	d, was := s.aside[p]
-	if !was || d.refused {
+	fresh := !was || d.refused // refusing, it had not run out the timeout
+	if fresh {
 		d = &topicOutage{backoff: first / 2}
 		s.aside[p] = d
 	}
 	d.backoff = min(2*d.backoff, max(limit, first))
 	d.until = now.Add(jitter(d.backoff))
 	d.err = err
-	return !was
+	return fresh
 }
 
 // setRefused sets p aside for backoff (±20 %) because it refused every
@@ -185,6 +186,13 @@ func (s *topicState) anyAside(now time.Time, grace time.Duration) bool {
 		}
 	}
 	return false
+}
+
+// notRefused ends p's count of refused calls: a call failed otherwise.
+func (s *topicState) notRefused(p topicPartition) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.refused, p)
 }
 
 // refusedAgain counts a call whose every record p refused for itself and
