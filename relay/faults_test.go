@@ -1370,11 +1370,7 @@ func TestOverAGuessedLimitIsHeldNotDeadLettered(t *testing.T) {
 func TestHungPartitionsRowsDoNotHoldBackTheTopicsOthers(t *testing.T) {
 	t.Parallel()
 	f := outboxtest.NewFixture(t, 1, "E")
-	c, err := kfake.NewCluster(kfake.NumBrokers(2), kfake.SeedTopics(2, "t"))
-	require.NoError(t, err)
-	t.Cleanup(c.Close)
-	require.NoError(t, c.MoveTopicPartition("t", 0, 0))
-	require.NoError(t, c.MoveTopicPartition("t", 1, 1))
+	c := twoPartitionCluster(t)
 	hung := make(chan struct{})
 	var once sync.Once
 	answer := func() { once.Do(func() { close(hung) }) }
@@ -1386,28 +1382,7 @@ func TestHungPartitionsRowsDoNotHoldBackTheTopicsOthers(t *testing.T) {
 		}
 		return nil, nil, false
 	})
-	insert := func(keys []string) {
-		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
-			SELECT gen_random_uuid(), 'Order', k, 'E', '{}', k FROM unnest($1::text[]) k`, keys)
-	}
-	onHung, onOther := keysOnPartition(0, 40), keysOnPartition(1, 5)
-	insert(onHung) // the oldest rows: two batches' worth
-	insert(onOther)
-	published := func(keys []string) int {
-		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NOT NULL AND partition_key = ANY($1)`, keys)
-	}
-
-	cfg := f.Config()
-	cfg.Brokers, cfg.Topics, cfg.BatchSize, cfg.PublishTimeout = c.ListenAddrs(), map[string]string{"E": "t"}, 20, time.Second
-	x := run(t, cfg, nil)
-	require.True(t, eventually(20*time.Second, func() bool { return published(onOther) == len(onOther) }),
-		"the other partition's rows go out while partition 0 hangs: %d of %d did", published(onOther), len(onOther))
-	require.Zero(t, published(onHung), "no row of the hung partition is published")
-	require.Positive(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_set_aside"), "the rows left out are counted")
-
-	answer()
-	f.WaitDrained(0, 60*time.Second)
-	require.True(t, eventually(10*time.Second, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_set_aside") == 0 }))
+	partitionDownHoldsBackNoOther(t, f, c, "hangs", answer)
 }
 
 // A partition that answers every write with an error of its own (short of
@@ -1420,40 +1395,57 @@ func TestARefusingPartitionsRowsDoNotHoldBackTheTopicsOthers(t *testing.T) {
 	t.Parallel()
 	f := outboxtest.NewFixture(t, 1, "E")
 	c, healthy := refusingPartitionCluster(t)
+	x := partitionDownHoldsBackNoOther(t, f, c, "refuses", func() { healthy.Store(true) })
+	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
+}
+
+// partitionDownHoldsBackNoOther runs a relay of f on fake cluster c, whose
+// partition 0 of topic t is down (it does what, until recover), with two
+// batches' worth of its rows before five of partition 1: partition 1's
+// rows go out meanwhile, none of partition 0's, and all once it recovers.
+func partitionDownHoldsBackNoOther(t *testing.T, f *outboxtest.Fixture, c *kfake.Cluster, does string, recover func()) *outboxtest.Running {
+	t.Helper()
 	insert := func(keys []string) {
 		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 			SELECT gen_random_uuid(), 'Order', k, 'E', '{}', k FROM unnest($1::text[]) k`, keys)
 	}
-	onRefusing, onOther := keysOnPartition(0, 40), keysOnPartition(1, 5)
-	insert(onRefusing) // the oldest rows: two batches' worth
+	onDown, onOther := keysOnPartition(0, 40), keysOnPartition(1, 5)
+	insert(onDown) // the oldest rows: two batches' worth
 	insert(onOther)
 	published := func(keys []string) int {
 		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NOT NULL AND partition_key = ANY($1)`, keys)
 	}
-
 	cfg := f.Config()
 	cfg.Brokers, cfg.Topics, cfg.BatchSize, cfg.PublishTimeout = c.ListenAddrs(), map[string]string{"E": "t"}, 20, time.Second
 	x := run(t, cfg, nil)
 	require.True(t, eventually(20*time.Second, func() bool { return published(onOther) == len(onOther) }),
-		"the other partition's rows go out while partition 0 refuses: %d of %d did", published(onOther), len(onOther))
-	require.Zero(t, published(onRefusing), "no row of the refusing partition is published")
-	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
+		"the other partition's rows go out while partition 0 %s: %d of %d did", does, published(onOther), len(onOther))
+	require.Zero(t, published(onDown), "no row of partition 0 is published while it %s", does)
+	require.Positive(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_set_aside"), "the rows left out are counted")
 
-	healthy.Store(true)
+	recover()
 	f.WaitDrained(0, 60*time.Second)
 	require.True(t, eventually(10*time.Second, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_set_aside") == 0 }))
+	return x
 }
 
-// refusingPartitionCluster is a fake cluster of two brokers with topic t of
-// two partitions, one on each, whose partition 0 answers every write with
-// NOT_ENOUGH_REPLICAS until healthy is set.
-func refusingPartitionCluster(t *testing.T) (c *kfake.Cluster, healthy *atomic.Bool) {
+// twoPartitionCluster is a fake cluster of two brokers with topic t of two
+// partitions, partition 0 led by broker 0 and partition 1 by broker 1.
+func twoPartitionCluster(t *testing.T) *kfake.Cluster {
 	t.Helper()
 	c, err := kfake.NewCluster(kfake.NumBrokers(2), kfake.SeedTopics(2, "t"))
 	require.NoError(t, err)
 	t.Cleanup(c.Close)
 	require.NoError(t, c.MoveTopicPartition("t", 0, 0))
 	require.NoError(t, c.MoveTopicPartition("t", 1, 1))
+	return c
+}
+
+// refusingPartitionCluster is twoPartitionCluster whose partition 0
+// answers every write with NOT_ENOUGH_REPLICAS until healthy is set.
+func refusingPartitionCluster(t *testing.T) (c *kfake.Cluster, healthy *atomic.Bool) {
+	t.Helper()
+	c = twoPartitionCluster(t)
 	healthy = new(atomic.Bool)
 	c.ControlKey(int16(kmsg.Produce), func(req kmsg.Request) (kmsg.Response, error, bool) {
 		c.KeepControl()
