@@ -1184,18 +1184,7 @@ func TestBatchRefusalThenTransientNeverDeadLettersValidRows(t *testing.T) {
 			default:
 				return nil, nil, false
 			}
-			resp := pr.ResponseKind().(*kmsg.ProduceResponse)
-			for _, tp := range pr.Topics {
-				rt := kmsg.NewProduceResponseTopic()
-				rt.Topic = tp.Topic
-				for _, p := range tp.Partitions {
-					rp := kmsg.NewProduceResponseTopicPartition()
-					rp.Partition, rp.ErrorCode = p.Partition, code
-					rt.Partitions = append(rt.Partitions, rp)
-				}
-				resp.Topics = append(resp.Topics, rt)
-			}
-			return resp, nil, true
+			return produceAnswer(pr, code), nil, true
 		})
 		f.Insert(5, 1, "E")
 		cfg.Brokers, cfg.Topics, cfg.DeadLetterTopic = c.ListenAddrs(), map[string]string{"E": "orders"}, "dlq"
@@ -1452,21 +1441,25 @@ func refusingPartitionCluster(t *testing.T) (c *kfake.Cluster, healthy *atomic.B
 		if c.CurrentNode() != 0 || healthy.Load() {
 			return nil, nil, false
 		}
-		pr := req.(*kmsg.ProduceRequest)
-		resp := pr.ResponseKind().(*kmsg.ProduceResponse)
-		for _, tp := range pr.Topics {
-			rt := kmsg.NewProduceResponseTopic()
-			rt.Topic = tp.Topic
-			for _, p := range tp.Partitions {
-				rp := kmsg.NewProduceResponseTopicPartition()
-				rp.Partition, rp.ErrorCode = p.Partition, kerr.NotEnoughReplicas.Code
-				rt.Partitions = append(rt.Partitions, rp)
-			}
-			resp.Topics = append(resp.Topics, rt)
-		}
-		return resp, nil, true
+		return produceAnswer(req.(*kmsg.ProduceRequest), kerr.NotEnoughReplicas.Code), nil, true
 	})
 	return c, healthy
+}
+
+// produceAnswer answers every partition of produce request pr with code.
+func produceAnswer(pr *kmsg.ProduceRequest, code int16) *kmsg.ProduceResponse {
+	resp := pr.ResponseKind().(*kmsg.ProduceResponse)
+	for _, tp := range pr.Topics {
+		rt := kmsg.NewProduceResponseTopic()
+		rt.Topic = tp.Topic
+		for _, p := range tp.Partitions {
+			rp := kmsg.NewProduceResponseTopicPartition()
+			rp.Partition, rp.ErrorCode = p.Partition, code
+			rt.Partitions = append(rt.Partitions, rp)
+		}
+		resp.Topics = append(resp.Topics, rt)
+	}
+	return resp
 }
 
 // keysOnPartition returns n partition keys that the writers' balancer
