@@ -3,6 +3,7 @@ package relay_test
 import (
 	"bytes"
 	"context"
+	"encoding/base64"
 	"flag"
 	"fmt"
 	"log/slog"
@@ -75,15 +76,21 @@ func scenarioCapture(sc scenario) string {
 //     faults: each slowed every produce request by 2.5 s until its count ran
 //     out, long after the window the scenario waits for (faultSpan), so
 //     /readyz rightly still failed when the suite required it to pass.
-var faultSeeds = []uint64{1, 2, 3, 4, 5, 6, 10, 29, 821291, 570819}
+//
+// A seed's millions choose its relay's codec (seedCompression): 1000000
+// compresses with gzip, ordering none, and 4000001 with zstd, partition-key
+// ordering, both with the dead-letter topic (a relay that judged a record
+// by its size uncompressed dead-lettered valid ones).
+var faultSeeds = []uint64{1, 2, 3, 4, 5, 6, 10, 29, 821291, 570819, 1000000, 4000001}
 
 // captureSeeds are the scenarios make test runs again with logical
 // replication capture: those above that draw ordering none (capture does
 // not combine with partition-key ordering); 10 restarts PostgreSQL under
 // the stream, 6 kills the streaming relay; 707398 (found by make chaos)
 // fails a sweep on a slow broker after the writers stopped, whose rows no
-// stream delivers: they waited for the next sweep, 10 s later.
-var captureSeeds = []uint64{2, 4, 6, 10, 707398}
+// stream delivers: they waited for the next sweep, 10 s later. 1000000
+// compresses with gzip.
+var captureSeeds = []uint64{2, 4, 6, 10, 707398, 1000000}
 
 // The topics' record batch limit (max.message.bytes) in the scenarios: small,
 // so a hot key's share of a batch exceeds it and a large row is over it.
@@ -145,6 +152,8 @@ type scenario struct {
 	killAt time.Duration
 	// deleteOnPublish: published rows are deleted (--on-publish delete).
 	deleteOnPublish bool
+	// compression is the relay's --compression (seedCompression).
+	compression relay.Compression
 	// retention: published rows are pruned (--keep-published-for, its
 	// minimum), among them rows published long before the scenario, which
 	// the relay prunes while it claims and the faults happen.
@@ -181,8 +190,8 @@ func (s scenario) String() string {
 	if s.writerDeletes {
 		capture += "+writer-deletes"
 	}
-	return fmt.Sprintf("seed=%d capture=%s ordering=%s deadLetter=%t inFlight=%d batch=%d deleteOnPublish=%t retention=%t rows=%d waves=[%s] faults=[%s]",
-		s.seed, capture, s.ordering, s.deadLetter, s.inFlight, s.batchSize, s.deleteOnPublish, s.retention, n, strings.Join(ws, " "), strings.Join(fs, " "))
+	return fmt.Sprintf("seed=%d capture=%s ordering=%s compression=%s deadLetter=%t inFlight=%d batch=%d deleteOnPublish=%t retention=%t rows=%d waves=[%s] faults=[%s]",
+		s.seed, capture, s.ordering, s.compression, s.deadLetter, s.inFlight, s.batchSize, s.deleteOnPublish, s.retention, n, strings.Join(ws, " "), strings.Join(fs, " "))
 }
 
 // faultKinds are the faults a scenario draws from.
@@ -195,9 +204,20 @@ var faultKinds = []string{
 	"relay_restart",      // the relay process is replaced
 }
 
+// faultCodecs are the codecs a scenario's relay compresses with, by its
+// seed's millions (seedCompression): the seeds below a million, every seed
+// kept before compression joined the suite, run uncompressed as they were
+// found.
+var faultCodecs = []relay.Compression{"none", "gzip", "snappy", "lz4", "zstd"}
+
+// seedCompression is the codec of seed's scenario.
+func seedCompression(seed uint64) relay.Compression {
+	return faultCodecs[(seed/1_000_000)%uint64(len(faultCodecs))]
+}
+
 func drawScenario(seed uint64) scenario {
 	rnd := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
-	s := scenario{seed: seed, capture: relay.CapturePoll, batchSize: []int{10, 50, 200}[rnd.IntN(3)], inFlight: 1}
+	s := scenario{seed: seed, capture: relay.CapturePoll, batchSize: []int{10, 50, 200}[rnd.IntN(3)], inFlight: 1, compression: seedCompression(seed)}
 	s.ordering = []relay.Ordering{relay.OrderingNone, relay.OrderingPartitionKey}[seed%2]
 	s.deadLetter = (seed/2)%2 == 0
 	if s.ordering == relay.OrderingNone && rnd.IntN(2) == 0 {
@@ -326,8 +346,9 @@ func TestFaultsLogicalReplication(t *testing.T) {
 // before the first wave: the slot waited for it, and its wait counted as a
 // wedged loop (TestMakingASlotBehindALongTransactionIsNoWedge). 6 failed in
 // CI: other tests' transactions held the slot's catalog horizon back
-// (TestLogicalReplicationSweepsRowsFromBeforeTheSlotFirst).
-var writerDeletesSeeds = []uint64{6, 12, 16, 26, 428636, 69596, 114482, 429524, 873476}
+// (TestLogicalReplicationSweepsRowsFromBeforeTheSlotFirst). 2000004
+// compresses with snappy.
+var writerDeletesSeeds = []uint64{6, 12, 16, 26, 428636, 69596, 114482, 429524, 873476, 2000004}
 
 // writerDeletesWait bounds how long a writer-deletes scenario's last wave
 // waits for a relay to stream when no earlier wave found one: a relay that
@@ -412,7 +433,7 @@ func runChaos(t *testing.T) {
 		t.Fatalf("-chaos.capture %q: want one of %s", *chaosCaptureOnly, strings.Join(chaosCaptureModes, ", "))
 	}
 	for time.Now().Before(deadline) {
-		seed := rand.Uint64() % 1_000_000
+		seed := rand.Uint64() % (uint64(len(faultCodecs)) * 1_000_000)
 		sc := chaosCapture(drawScenario(seed))
 		if *chaosCaptureOnly != "" && scenarioCapture(sc) != *chaosCaptureOnly {
 			continue // drawing is cheap: the next seed
@@ -449,7 +470,7 @@ func runChaos(t *testing.T) {
 			failed++
 			verdict = "VIOLATED: " + strings.Join(res.violations, "; ")
 		}
-		lines = append(lines, fmt.Sprintf("| %d | %s | %s | %t | %d | %d | %d | %s |", seed, scenarioCapture(sc), sc.ordering, sc.deadLetter,
+		lines = append(lines, fmt.Sprintf("| %d | %s | %s | %s | %t | %d | %d | %d | %s |", seed, scenarioCapture(sc), sc.ordering, sc.compression, sc.deadLetter,
 			res.rows, res.duplicates, len(sc.faults), verdict))
 	}
 	if *chaosReport != "" {
@@ -472,7 +493,7 @@ func runChaos(t *testing.T) {
 		for _, k := range kindNames {
 			fmt.Fprintf(&b, "| %s | %d |\n", k, held[k])
 		}
-		b.WriteString("\nScenarios (replay one after adding its seed to `faultSeeds`, `captureSeeds` or `writerDeletesSeeds` by its capture mode):\n\n| seed | capture | ordering | dead-letter | rows | duplicates | faults | invariants |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n")
+		b.WriteString("\nScenarios (replay one after adding its seed to `faultSeeds`, `captureSeeds` or `writerDeletesSeeds` by its capture mode):\n\n| seed | capture | ordering | compression | dead-letter | rows | duplicates | faults | invariants |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
 		b.WriteString(strings.Join(lines, "\n") + "\n")
 		require.NoError(t, os.WriteFile(*chaosReport, []byte(b.String()), 0o644))
 	}
@@ -573,6 +594,7 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 			DSN: dsn, Table: "outbox", Brokers: c.ListenAddrs(), Topics: topicOf,
 			Ordering: sc.ordering, Capture: sc.capture, WriterDeletes: sc.writerDeletes, BatchSize: sc.batchSize, MaxInFlight: sc.inFlight,
 			PollInterval: 20 * time.Millisecond, PublishTimeout: 2 * time.Second, StallTimeout: 5 * time.Second,
+			Compression: sc.compression,
 		},
 		MaxBackoff: time.Second, HeldRetryInterval: 2 * time.Second,
 	}
@@ -595,11 +617,22 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 
 	var mu sync.Mutex
 	var rows []insertedRow
-	var writerDeleted atomic.Int64 // rows the writers deleted (with writer deletes)
+	var writerDeleted atomic.Int64                              // rows the writers deleted (with writer deletes)
+	noise := rand.New(rand.NewPCG(sc.seed, 0x6f76657273697a65)) // the oversize rows' content when compressing
 	insert := func(wave []scenarioRow) {
 		batch := &pgx.Batch{}
 		for _, r := range wave {
 			payload := fmt.Sprintf(`{"pad":"%s"}`, strings.Repeat("x", r.payload))
+			if r.kind == oversize && sc.compression != "none" {
+				// Random base64 half as large again: any codec leaves it
+				// over the topic's limit (base64 carries 6 bits a byte),
+				// where repeated text would compress under it.
+				raw := make([]byte, r.payload*3/2*3/4)
+				for i := range raw {
+					raw[i] = byte(noise.Uint32())
+				}
+				payload = fmt.Sprintf(`{"pad":"%s"}`, base64.StdEncoding.EncodeToString(raw))
+			}
 			if r.kind == poison {
 				payload = fmt.Sprintf(`{"pad":"%s","mark":"%s"}`, strings.Repeat("x", r.payload), poisonMarker)
 			}
@@ -1134,13 +1167,39 @@ func refusePoison(c *kfake.Cluster, deadLetters string) {
 				continue
 			}
 			for _, p := range tp.Partitions {
-				if bytes.Contains(p.Records, []byte(poisonMarker)) {
+				if bytes.Contains(uncompressed(p.Records), []byte(poisonMarker)) {
 					return true
 				}
 			}
 		}
 		return false
 	}})
+}
+
+// uncompressed is a produce request's record batches, each decompressed
+// when it is compressed (the attributes' codec bits), so that a record's
+// content can be looked for in them; the bytes as they are when they
+// cannot be read.
+func uncompressed(records []byte) []byte {
+	var out []byte
+	for len(records) > 0 {
+		var rb kmsg.RecordBatch
+		if err := rb.ReadFrom(records); err != nil {
+			return append(out, records...)
+		}
+		n := 12 + int(rb.Length) // the offset and length fields, then the rest
+		if codec := kgo.CompressionCodecType(rb.Attributes & 0x07); codec != 0 {
+			raw, err := kgo.DefaultDecompressor().Decompress(rb.Records, codec)
+			if err != nil {
+				return append(out, records...)
+			}
+			out = append(out, raw...)
+		} else {
+			out = append(out, records[:min(n, len(records))]...)
+		}
+		records = records[min(n, len(records)):]
+	}
+	return out
 }
 
 // A hot key's share of a batch larger than the broker's batch limit goes
