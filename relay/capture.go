@@ -136,6 +136,10 @@ type captureState struct {
 	// stream leaves the rows that fail to the sweep until a batch goes
 	// out whole while no partition is set aside (retryIDs, retryAgain).
 	retryGivenUp bool
+	// polling: the relay polls in the stream's stead (pollInStead), and
+	// sets a failing partition's rows aside as polling does (setsAside).
+	// Loop state.
+	polling bool
 	// progressedAt is when a stream last confirmed a position past the
 	// one it started from, or had streamed for failingLimit since its
 	// first sweep: it works. A stream that starts and then fails (its
@@ -594,11 +598,9 @@ func (r *Relay) pollFor(ctx context.Context, d time.Duration) {
 		sleep(ctx, d)
 		return
 	}
-	r.m.captureFallback.Set(1)
-	defer r.m.captureFallback.Set(0)
 	until := time.Now().Add(d)
 	var nextCheck time.Time
-	r.poll(ctx, func() bool {
+	r.pollInStead(ctx, func() bool {
 		now := time.Now()
 		if !now.Before(until) {
 			return true
@@ -618,6 +620,24 @@ func (r *Relay) pollFor(ctx context.Context, d time.Duration) {
 		}
 		return false
 	})
+}
+
+// pollInStead polls (poll) in the stream's stead until stop says so. A
+// partition that fails has its rows set aside as polling sets them aside
+// (setsAside), so that they do not fill every claim while it fails, and
+// the topic's other partitions' rows go out meanwhile; once polling ends,
+// the rows set aside are the stream's sweeps' again (the stream retries
+// failing rows in place, in commit order, and sets none aside).
+func (r *Relay) pollInStead(ctx context.Context, stop func() bool) {
+	r.m.captureFallback.Set(1)
+	r.capture.polling = true
+	defer func() {
+		r.capture.polling = false
+		r.aside = newAsideRows()
+		r.m.setAside.Set(0)
+		r.m.captureFallback.Set(0)
+	}()
+	r.poll(ctx, stop)
 }
 
 // tryCaptureLock takes the slot's capture lock on conn (sqlTryCaptureLock):
@@ -785,11 +805,9 @@ func (r *Relay) makeSlotPolling(ctx context.Context, conn *pgconn.PgConn, made f
 	case <-time.After(slotWaitPolls):
 	}
 	r.log.Info("polling while the replication slot is made", "slot", r.capture.slot)
-	r.m.captureFallback.Set(1)
-	defer r.m.captureFallback.Set(0)
 	var err error
 	finished := false
-	r.poll(ctx, func() bool {
+	r.pollInStead(ctx, func() bool {
 		select {
 		case err = <-done:
 			finished = true

@@ -163,23 +163,29 @@ func TestLogicalReplicationStandbyTakesOver(t *testing.T) {
 // while there was none are published by the sweep that follows.
 func TestLogicalReplicationSurvivesALostSlot(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	f, cfg := captureFixture(t, 1, "E")
 	startStreaming(t, cfg)
 	f.Insert(50, 5, "E")
 	f.WaitDrained(0, 30*time.Second)
-	// End the walsender and drop the slot before the relay reconnects.
-	require.Eventually(t, func() bool {
-		_, _ = f.Pool.Exec(ctx, `SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE database = current_database() AND active`)
-		_, err := f.Pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = current_database() AND NOT active`)
-		return err == nil && f.Count(`SELECT count(*) FROM pg_replication_slots WHERE database = current_database() AND active`) == 0
-	}, 10*time.Second, time.Millisecond)
+	dropSlot(t, f)
 	f.Insert(50, 5, "E")
 	f.WaitDrained(0, 30*time.Second)
 	require.Len(t, testenv.Broker().Consume(t, f.Topics["E"], 100, 30*time.Second), 100)
 	require.Eventually(t, func() bool {
 		return f.Count(`SELECT count(*) FROM pg_replication_slots WHERE database = current_database()`) == 1
 	}, 10*time.Second, 50*time.Millisecond, "a new slot")
+}
+
+// dropSlot ends f's walsender and drops its slot before the relay
+// reconnects, as an administrator could.
+func dropSlot(t *testing.T, f *outboxtest.Fixture) {
+	t.Helper()
+	ctx := context.Background()
+	require.Eventually(t, func() bool {
+		_, _ = f.Pool.Exec(ctx, `SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE database = current_database() AND active`)
+		_, err := f.Pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = current_database() AND NOT active`)
+		return err == nil && f.Count(`SELECT count(*) FROM pg_replication_slots WHERE database = current_database() AND active`) == 0
+	}, 10*time.Second, time.Millisecond)
 }
 
 // A backlog from before the slot is swept as polling drains it, full

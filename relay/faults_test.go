@@ -1430,7 +1430,7 @@ func TestHungPartitionsRowsDoNotHoldBackTheTopicsOthers(t *testing.T) {
 		}
 		return nil, nil, false
 	})
-	partitionDownHoldsBackNoOther(t, f, c, "hangs", answer)
+	partitionDownHoldsBackNoOther(t, f, c, "hangs", polling(t), answer)
 }
 
 // A partition that answers every write with an error of its own (short of
@@ -1443,29 +1443,74 @@ func TestARefusingPartitionsRowsDoNotHoldBackTheTopicsOthers(t *testing.T) {
 	t.Parallel()
 	f := outboxtest.NewFixture(t, 1, "E")
 	c, healthy := refusingPartitionCluster(t)
-	x := partitionDownHoldsBackNoOther(t, f, c, "refuses", func() { healthy.Store(true) })
+	x := partitionDownHoldsBackNoOther(t, f, c, "refuses", polling(t), func() { healthy.Store(true) })
 	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
 }
 
+// A logical-replication relay that polls in the stream's stead (its slot
+// waits for a transaction older than it to end) sets a refusing
+// partition's rows aside as a polling relay does. Before, its claims took
+// them, the oldest, again and again for as long as the partition refused
+// them, and nothing of the topic's other partition went out until it
+// streamed. A server of the test's own: the open transaction would hold
+// up every other test's slot.
+func TestAPollingStreamsRefusingPartitionHoldsBackNoOther(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	server, err := testenv.StartPostgres(filepath.Join(t.TempDir(), "postgres"))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = server.Close() })
+	dsn, err := server.CreateDatabase(ctx, "fallback")
+	require.NoError(t, err)
+	pool, err := pgxpool.New(ctx, dsn)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	f := &outboxtest.Fixture{T: t, DSN: dsn, Pool: pool, Table: "outbox", Topics: map[string]string{}}
+	f.Exec(outbox.SchemaDDL(outbox.Table{Name: "outbox"}))
+	older, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = older.Rollback(ctx) }) // before the pool closes, which waits for its connection
+	_, err = older.Exec(ctx, `SELECT pg_current_xact_id()`)
+	require.NoError(t, err)
+
+	c, healthy := refusingPartitionCluster(t)
+	partitionDownHoldsBackNoOther(t, f, c, "refuses", func(cfg relay.Config) *outboxtest.Running {
+		cfg.Capture = relay.CaptureLogicalReplication
+		x := run(t, cfg, nil)
+		require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_fallback") == 1 },
+			30*time.Second, 20*time.Millisecond, "the relay polls while its slot waits")
+		return x
+	}, func() { healthy.Store(true) })
+	require.NoError(t, older.Rollback(ctx)) // the slot is made, before the relay stops
+}
+
+// polling starts a polling relay of cfg.
+func polling(t *testing.T) func(cfg relay.Config) *outboxtest.Running {
+	return func(cfg relay.Config) *outboxtest.Running { return run(t, cfg, nil) }
+}
+
 // partitionDownHoldsBackNoOther runs a relay of f on fake cluster c, whose
-// partition 0 of topic t is down (it does what, until recover), with two
-// batches' worth of its rows before five of partition 1: partition 1's
-// rows go out meanwhile, none of partition 0's, and all once it recovers.
-func partitionDownHoldsBackNoOther(t *testing.T, f *outboxtest.Fixture, c *kfake.Cluster, does string, recover func()) *outboxtest.Running {
+// partition 0 of topic t is down (it does what, until recover), started by
+// start, then gives it two batches' worth of partition 0's rows before
+// five of partition 1: partition 1's rows go out meanwhile, none of
+// partition 0's, and all once it recovers.
+func partitionDownHoldsBackNoOther(t *testing.T, f *outboxtest.Fixture, c *kfake.Cluster, does string,
+	start func(relay.Config) *outboxtest.Running, recover func(),
+) *outboxtest.Running {
 	t.Helper()
 	insert := func(keys []string) {
 		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 			SELECT gen_random_uuid(), 'Order', k, 'E', '{}', k FROM unnest($1::text[]) k`, keys)
 	}
+	cfg := f.Config()
+	cfg.Brokers, cfg.Topics, cfg.BatchSize, cfg.PublishTimeout = c.ListenAddrs(), map[string]string{"E": "t"}, 20, time.Second
+	x := start(cfg)
 	onDown, onOther := keysOnPartition(0, 40), keysOnPartition(1, 5)
 	insert(onDown) // the oldest rows: two batches' worth
 	insert(onOther)
 	published := func(keys []string) int {
 		return f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NOT NULL AND partition_key = ANY($1)`, keys)
 	}
-	cfg := f.Config()
-	cfg.Brokers, cfg.Topics, cfg.BatchSize, cfg.PublishTimeout = c.ListenAddrs(), map[string]string{"E": "t"}, 20, time.Second
-	x := run(t, cfg, nil)
 	require.True(t, eventually(20*time.Second, func() bool { return published(onOther) == len(onOther) }),
 		"the other partition's rows go out while partition 0 %s: %d of %d did", does, published(onOther), len(onOther))
 	require.Zero(t, published(onDown), "no row of partition 0 is published while it %s", does)

@@ -158,7 +158,7 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 			failed++
 			transientErr = b.errs[i]
 			var pa *partitionAsideError
-			if r.lanes == nil && r.capture == nil && errors.As(b.errs[i], &pa) {
+			if r.setsAside() && errors.As(b.errs[i], &pa) {
 				aside++ // not sent: no reason to slow the others' rows down
 				n, _ := r.topics.partitionCount(pa.topic)
 				r.aside.wait(x.id, laneOf(r.cfg.Topics, x), pa.topicPartition, n)
@@ -202,7 +202,7 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 	if b.stops != nil {
 		retry = b.retry(r, time.Now())
 	}
-	if r.lanes == nil && r.capture == nil {
+	if r.setsAside() {
 		r.topicsFailing(b, now)
 		r.m.setAside.Set(float64(len(r.aside.rows)))
 	}
@@ -223,6 +223,15 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 		r.setKafkaErr(nil)
 	}
 	return published, retry, nil
+}
+
+// setsAside reports whether the rows of a partition that fails are set
+// aside (asideRows), left out of the claims until its backoff ends: when
+// the relay polls with no ordering, in the stream's stead too
+// (pollInStead). Partition-key mode moves the key's bucket on instead, and
+// a stream retries the rows in place, in commit order (retryIDs).
+func (r *Relay) setsAside() bool {
+	return r.lanes == nil && (r.capture == nil || r.capture.polling)
 }
 
 // isolate finds the rows Kafka refuses among those it refused with others
