@@ -1961,13 +1961,31 @@ func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive fun
 		if len(b.retry) < len(ids) && b.perr == nil {
 			backoff = 0 // rows went out: those that waited behind them go at once
 		}
-		ids, perr = b.retry, b.perr
+		ids, perr = retriedNext(ids, b), b.perr
 		b.done <- r.markAndCommit(b)
 		if err := r.finish(b); err != nil && err != perr { //nolint:errorlint // as above
 			return nil, err
 		}
 	}
 	return nil, nil
+}
+
+// retriedNext are the rows of ids that retryIDs claims next after batch
+// b: those b did not get out, and, when its byte budget or a repeated id
+// cut its claim short, those it did not claim, in commit order. (The
+// table measures a row by its stored size, which for a jsonb array of
+// small numbers is several times its text, the size a streamed batch was
+// cut by.) Before, the rows past the cut were left to the sweep, which
+// published them after the later rows of their keys.
+func retriedNext(ids []int64, b *inFlight) []int64 {
+	if !b.cut {
+		return b.retry
+	}
+	done := make(map[int64]bool, len(b.published))
+	for _, id := range b.published {
+		done[id] = true
+	}
+	return slices.DeleteFunc(slices.Clone(ids), func(id int64) bool { return done[id] })
 }
 
 // retryAgain is called when a streamed batch went out whole: rows that

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -1022,4 +1023,46 @@ func TestWriterDeletesPutsARowBackWhosePartitionWasDropped(t *testing.T) {
 	require.NotEmpty(t, made)
 	require.Equal(t, made, restored, "the partition has the autovacuum settings of those the partitions function makes")
 	requireSlotConfirmedPastNow(t, f)
+}
+
+// Rows a failed streamed batch put back are published again from the table
+// before anything the stream delivers later, all of them, also when the
+// claim's byte budget takes only some at a time: the table measures a row
+// by its stored size, which for a jsonb array of small numbers is several
+// times its text, the size the stream's batch is cut by. Before, the rows
+// past the first claim were left to the sweep, seconds later, and the
+// key's next event went out before them.
+func TestWriterDeletesRetriesEveryRowPutBackBeforeLaterOnes(t *testing.T) {
+	t.Parallel()
+	f, cfg, store := writerDeletesFixture(t, "E")
+	w := &keyFailWriter{w: newKafkaWriter(t), key: "k"}
+	w.failing.Store(true)
+	cfg.BatchSize, cfg.MaxBatchBytes = 100, relayconfig.MinMaxBatchBytes
+	x := run(t, cfg, w)
+	waitDeletesOnStore(t, f, 30*time.Second)
+	// 100 events of key k in one transaction: 36 KB of text, some 150 KB
+	// stored.
+	array := "[" + strings.TrimSuffix(strings.Repeat("1, ", 120), ", ") + "]"
+	var entries []outbox.Entry
+	var want []string
+	for range 100 {
+		e := outbox.Entry{EventID: outbox.NewEventID(), AggregateType: "Order", AggregateID: "k", EventType: "E", Payload: []byte(array), PartitionKey: "k"}
+		entries = append(entries, e)
+		want = append(want, e.EventID)
+	}
+	store(entries...)
+	require.Eventually(t, func() bool {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_publish_errors_total", "reason", "transient") > 0
+	},
+		30*time.Second, 10*time.Millisecond, "the batch failed")
+	require.Eventually(t, func() bool { return f.Count(`SELECT count(*) FROM outbox`) == len(entries) }, 30*time.Second, 10*time.Millisecond, "put back")
+	require.Greater(t, f.Count(`SELECT min(pg_column_size(payload)) FROM outbox`), 3*len(array), "stored larger than its text")
+	w.failing.Store(false)
+	later := outbox.Entry{EventID: outbox.NewEventID(), AggregateType: "Order", AggregateID: "k", EventType: "E", Payload: []byte(`{}`), PartitionKey: "k"}
+	store(later)
+	want = append(want, later.EventID)
+
+	order := keyOrder(testenv.Broker().Consume(t, f.Topics["E"], len(want), 30*time.Second), "k")
+	require.Equal(t, len(want)-1, slices.Index(order, later.EventID), "the later event goes out last")
+	require.Equal(t, want, order, "the key's events in commit order")
 }
