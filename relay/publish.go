@@ -98,6 +98,10 @@ type batch struct {
 	// limitsRead are the topics whose limit this batch read again before
 	// it found a record too large for it (admit).
 	limitsRead map[string]error
+	// partitionsRead are the topics whose partition count this batch read
+	// again before it found a row naming a partition past it, and whether
+	// the read succeeded (partitionsReadAgain).
+	partitionsRead map[string]bool
 }
 
 // publish sends the batch and returns the ids of the rows to mark
@@ -223,6 +227,27 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 		r.setKafkaErr(nil)
 	}
 	return published, retry, nil
+}
+
+// partitionsReadAgain reads topic's partition count from the brokers
+// again, once per batch (b.partitionsRead), before a row is held for
+// naming a partition past the count the relay last read (every few
+// seconds): partitions added meanwhile take the row at once. Before, it
+// was held as an invalid row for HeldRetryInterval. It reports whether the
+// count was read.
+func (r *Relay) partitionsReadAgain(ctx context.Context, b *batch, topic string) bool {
+	if read, ok := b.partitionsRead[topic]; ok {
+		return read
+	}
+	if b.partitionsRead == nil {
+		b.partitionsRead = map[string]bool{}
+	}
+	md, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: []string{topic}})
+	if err == nil {
+		r.topics.setPartitions(md)
+	}
+	b.partitionsRead[topic] = err == nil
+	return err == nil
 }
 
 // setsAside reports whether the rows of a partition that fails are set
@@ -422,6 +447,9 @@ func (r *Relay) admit(ctx context.Context, b *batch, i int, now time.Time) (kafk
 			b.out[i], b.errs[i] = topicDown, fmt.Errorf("topic %s: its partitions are not known (the brokers' metadata did not list it when the relay last read it)", topic)
 			r.stopLane(b, x, i, time.Time{}) // before its key's later rows are sent
 			return kafka.Message{}, false
+		}
+		if *x.partition >= int64(n) && r.partitionsReadAgain(ctx, b, topic) {
+			n, _ = r.topics.partitionCount(topic)
 		}
 		if p := *x.partition; p < 0 || p >= int64(n) {
 			// Never sent elsewhere: the writer chose this partition.

@@ -303,6 +303,42 @@ func TestExplicitPartitionTheWriterDoesNotKnowYetIsNotSentElsewhere(t *testing.T
 	require.Equal(t, int64(2), total, "the warm-up record and this one, nothing elsewhere")
 }
 
+// A row naming a partition added since the relay last read the topic's
+// partition count goes there, not to the held table: the relay reads the
+// count again before it holds the row. Before, the row was held as an
+// invalid row for HeldRetryInterval (a minute by default), though the
+// partition was there.
+func TestAPartitionAddedSinceTheLastReadTakesItsRow(t *testing.T) {
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(2, "t"))
+	require.NoError(t, err)
+	defer c.Close()
+	r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, PublishTimeout: 5 * time.Second}, HeldRetryInterval: time.Minute})
+	r.topics.partitions["t"] = 2 // as last read
+
+	cl, err := kgo.NewClient(kgo.SeedBrokers(c.ListenAddrs()...))
+	require.NoError(t, err)
+	defer cl.Close()
+	_, err = kadm.NewClient(cl).CreatePartitions(context.Background(), 1, "t")
+	require.NoError(t, err)
+	two := int64(2)
+	x := row{id: 1, eventID: "on-two", eventType: "E", partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now(), partition: &two}
+	published, _, _ := r.publish(context.Background(), []row{x})
+	require.False(t, r.held.isHeld(x.id), "not held: partition 2 is there")
+	n, _ := r.topics.partitionCount("t")
+	require.Equal(t, 3, n, "the count read again")
+	require.Eventually(t, func() bool {
+		if len(published) == 0 {
+			published, _, _ = r.publish(context.Background(), []row{x})
+		}
+		return len(published) == 1
+	}, 10*time.Second, 200*time.Millisecond, "published once the writer knows the partition")
+	ends, err := kadm.NewClient(cl).ListEndOffsets(context.Background(), "t")
+	require.NoError(t, err)
+	end, ok := ends.Lookup("t", 2)
+	require.True(t, ok)
+	require.Equal(t, int64(1), end.Offset, "on partition 2")
+}
+
 // A row whose partition column names a partition of a topic whose
 // partitions the relay has not read yet (the brokers did not list it: it
 // is missing, or was created since) waits as a row of a topic down: the
