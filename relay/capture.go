@@ -634,6 +634,7 @@ func (r *Relay) pollInStead(ctx context.Context, stop func() bool) {
 	defer func() {
 		r.capture.polling = false
 		r.aside = newAsideRows()
+		r.cur.rescanSoon() // the rows set aside lie behind the cursor, which the next polling starts from
 		r.m.setAside.Set(0)
 		r.m.captureFallback.Set(0)
 	}()
@@ -1924,6 +1925,7 @@ func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive fun
 		return ids, nil
 	}
 	var backoff time.Duration
+	failed := ids // the rows the last try did not get out; ids may hold rows not tried yet too (retriedNext)
 	for until := time.Now().Add(r.cfg.StreamRetryLimit); len(ids) > 0; {
 		now := time.Now()
 		r.health.iteration(now)
@@ -1932,10 +1934,10 @@ func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive fun
 		}
 		if !now.Before(until) {
 			r.capture.retryGivenUp = true
-			r.m.streamLeftBehind.Add(float64(len(ids)))
+			r.m.streamLeftBehind.Add(float64(len(failed)))
 			r.log.Warn("rows failed for longer than the stream retries them in place; the sweep publishes them, after later rows of their keys",
-				"rows", len(ids), "for", r.cfg.StreamRetryLimit, "err", perr)
-			return ids, nil
+				"rows", len(failed), "for", r.cfg.StreamRetryLimit, "err", perr)
+			return failed, nil
 		}
 		if backoff > 0 {
 			d := jitter(backoff)
@@ -1961,7 +1963,7 @@ func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive fun
 		if len(b.retry) < len(ids) && b.perr == nil {
 			backoff = 0 // rows went out: those that waited behind them go at once
 		}
-		ids, perr = retriedNext(ids, b), b.perr
+		ids, failed, perr = retriedNext(ids, b), b.retry, b.perr
 		b.done <- r.markAndCommit(b)
 		if err := r.finish(b); err != nil && err != perr { //nolint:errorlint // as above
 			return nil, err
@@ -1976,16 +1978,24 @@ func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive fun
 // table measures a row by its stored size, which for a jsonb array of
 // small numbers is several times its text, the size a streamed batch was
 // cut by.) Before, the rows past the cut were left to the sweep, which
-// published them after the later rows of their keys.
+// published them after the later rows of their keys. An id twice in ids
+// (two rows of a partitioned table) loses one place per row of it b
+// published, its first.
 func retriedNext(ids []int64, b *inFlight) []int64 {
 	if !b.cut {
 		return b.retry
 	}
-	done := make(map[int64]bool, len(b.published))
+	published := make(map[int64]int, len(b.published))
 	for _, id := range b.published {
-		done[id] = true
+		published[id]++
 	}
-	return slices.DeleteFunc(slices.Clone(ids), func(id int64) bool { return done[id] })
+	return slices.DeleteFunc(slices.Clone(ids), func(id int64) bool {
+		if published[id] > 0 {
+			published[id]--
+			return true
+		}
+		return false
+	})
 }
 
 // retryAgain is called when a streamed batch went out whole: rows that

@@ -207,7 +207,12 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 		retry = b.retry(r, time.Now())
 	}
 	if r.setsAside() {
-		r.topicsFailing(b, now)
+		if r.capture == nil {
+			// Not when polling in the stream's stead: the topic would stay
+			// out of the stream's claims after it, which left its rows to
+			// the sweep, after later rows of their keys.
+			r.topicsFailing(b, now)
+		}
 		r.m.setAside.Set(float64(len(r.aside.rows)))
 	}
 	if transientErr != nil {
