@@ -624,17 +624,20 @@ func (r *Relay) pollFor(ctx context.Context, d time.Duration) {
 
 // pollInStead polls (poll) in the stream's stead until stop says so. A
 // partition that fails has its rows set aside as polling sets them aside
-// (setsAside), so that they do not fill every claim while it fails, and
-// the topic's other partitions' rows go out meanwhile; once polling ends,
-// the rows set aside are the stream's sweeps' again (the stream retries
-// failing rows in place, in commit order, and sets none aside).
+// (setsAside), and a topic whose rows all fail is left out of the claims
+// for a backoff (topicsFailing), so that they do not fill every claim
+// while they fail, and the other rows go out meanwhile. Once polling ends
+// both are dropped: the stream retries failing rows in place, in commit
+// order, and sets none aside; a topic left out of its claims would send
+// its rows to the sweep, after later rows of their keys.
 func (r *Relay) pollInStead(ctx context.Context, stop func() bool) {
 	r.m.captureFallback.Set(1)
 	r.capture.polling = true
 	defer func() {
 		r.capture.polling = false
 		r.aside = newAsideRows()
-		r.cur.rescanSoon() // the rows set aside lie behind the cursor, which the next polling starts from
+		r.topics.clearAllFailing() // the stream retries its rows in place; a topic left out of its claims went to the sweep
+		r.cur.rescanSoon()         // the rows set aside lie behind the cursor, which the next polling starts from
 		r.m.setAside.Set(0)
 		r.m.captureFallback.Set(0)
 	}()
@@ -1932,7 +1935,9 @@ func (r *Relay) retryIDs(ctx context.Context, ids []int64, perr error, alive fun
 		if perr != nil {
 			r.health.batchFailed(now, perr)
 		}
-		if !now.Before(until) {
+		// Given up on rows that failed only: when the last try failed none,
+		// the rows left are past its cut, not tried yet.
+		if !now.Before(until) && len(failed) > 0 {
 			r.capture.retryGivenUp = true
 			r.m.streamLeftBehind.Add(float64(len(failed)))
 			r.log.Warn("rows failed for longer than the stream retries them in place; the sweep publishes them, after later rows of their keys",

@@ -207,12 +207,7 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 		retry = b.retry(r, time.Now())
 	}
 	if r.setsAside() {
-		if r.capture == nil {
-			// Not when polling in the stream's stead: the topic would stay
-			// out of the stream's claims after it, which left its rows to
-			// the sweep, after later rows of their keys.
-			r.topicsFailing(b, now)
-		}
+		r.topicsFailing(b, now)
 		r.m.setAside.Set(float64(len(r.aside.rows)))
 	}
 	if transientErr != nil {
@@ -247,6 +242,7 @@ func (r *Relay) partitionsReadAgain(ctx context.Context, b *batch, topic string)
 	if b.partitionsRead == nil {
 		b.partitionsRead = map[string]bool{}
 	}
+	r.freshMetadata() // the transport answers a metadata request from its cache, read up to MetadataTTL ago
 	md, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: []string{topic}})
 	if err == nil {
 		r.topics.setPartitions(md)
@@ -453,13 +449,20 @@ func (r *Relay) admit(ctx context.Context, b *batch, i int, now time.Time) (kafk
 			r.stopLane(b, x, i, time.Time{}) // before its key's later rows are sent
 			return kafka.Message{}, false
 		}
-		if *x.partition >= int64(n) && r.partitionsReadAgain(ctx, b, topic) {
-			n, _ = r.topics.partitionCount(topic)
+		confirmed := true
+		if *x.partition >= int64(n) {
+			if confirmed = r.partitionsReadAgain(ctx, b, topic); confirmed {
+				n, _ = r.topics.partitionCount(topic)
+			}
 		}
 		if p := *x.partition; p < 0 || p >= int64(n) {
 			// Never sent elsewhere: the writer chose this partition.
 			until := now.Add(r.cfg.HeldRetryInterval)
-			r.held.hold(r.log, x, HeldInvalidRow, until, fmt.Errorf("partition column %s: %d is not a partition of topic %s (0 to %d)", r.cfg.PartitionColumn, p, topic, n-1))
+			err := fmt.Errorf("partition column %s: %d is not a partition of topic %s (0 to %d)", r.cfg.PartitionColumn, p, topic, n-1)
+			if !confirmed {
+				err = fmt.Errorf("%w; the topic's partitions could not be read again to confirm it", err)
+			}
+			r.held.hold(r.log, x, HeldInvalidRow, until, err)
 			r.stopLane(b, x, i, until)
 			return kafka.Message{}, false
 		}

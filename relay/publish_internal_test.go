@@ -314,6 +314,10 @@ func TestAPartitionAddedSinceTheLastReadTakesItsRow(t *testing.T) {
 	defer c.Close()
 	r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, PublishTimeout: 5 * time.Second}, HeldRetryInterval: time.Minute})
 	r.topics.partitions["t"] = 2 // as last read
+	warm := row{id: 1, eventID: "warm", eventType: "E", partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now()}
+	published, _, err := r.publish(context.Background(), []row{warm}) // the transport caches two partitions
+	require.NoError(t, err)
+	require.Equal(t, []int64{1}, published)
 
 	cl, err := kgo.NewClient(kgo.SeedBrokers(c.ListenAddrs()...))
 	require.NoError(t, err)
@@ -321,8 +325,8 @@ func TestAPartitionAddedSinceTheLastReadTakesItsRow(t *testing.T) {
 	_, err = kadm.NewClient(cl).CreatePartitions(context.Background(), 1, "t")
 	require.NoError(t, err)
 	two := int64(2)
-	x := row{id: 1, eventID: "on-two", eventType: "E", partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now(), partition: &two}
-	published, _, _ := r.publish(context.Background(), []row{x})
+	x := row{id: 2, eventID: "on-two", eventType: "E", partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now(), partition: &two}
+	published, _, _ = r.publish(context.Background(), []row{x})
 	require.False(t, r.held.isHeld(x.id), "not held: partition 2 is there")
 	n, _ := r.topics.partitionCount("t")
 	require.Equal(t, 3, n, "the count read again")

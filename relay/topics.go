@@ -342,6 +342,13 @@ func (s *topicState) clearFailing(topic string) bool {
 	return s.failing.clear(topic)
 }
 
+// clearAllFailing clears every topic marked failing (markFailing).
+func (s *topicState) clearAllFailing() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	clear(s.failing)
+}
+
 // markUp clears topic after a successful write. It reports whether it was down.
 func (s *topicState) markUp(topic string) bool {
 	s.mu.Lock()
