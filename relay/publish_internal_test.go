@@ -267,24 +267,9 @@ func (w *answerWriter) WriteMessages(ctx context.Context, msgs ...kafka.Message)
 // fell back to the key's hash, and the record was acknowledged on another
 // partition.
 func TestExplicitPartitionTheWriterDoesNotKnowYetIsNotSentElsewhere(t *testing.T) {
-	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(2, "t"))
-	require.NoError(t, err)
-	defer c.Close()
-	r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, PublishTimeout: 5 * time.Second}})
-	warm := row{id: 1, eventID: "warm", eventType: "E", partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now()}
-	published, _, err := r.publish(context.Background(), []row{warm}) // the writer caches two partitions
-	require.NoError(t, err)
-	require.Equal(t, []int64{1}, published)
-
-	cl, err := kgo.NewClient(kgo.SeedBrokers(c.ListenAddrs()...))
-	require.NoError(t, err)
-	defer cl.Close()
-	_, err = kadm.NewClient(cl).CreatePartitions(context.Background(), 1, "t")
-	require.NoError(t, err)
+	r, cl, x := afterPartitionAdded(t, Config{})
 	r.topics.partitions["t"] = 3 // the relay read the new count; the writer's cache is older
-	two := int64(2)
-	x := row{id: 2, eventID: "on-two", eventType: "E", partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now(), partition: &two}
-	published, _, _ = r.publish(context.Background(), []row{x})
+	published, _, _ := r.publish(context.Background(), []row{x})
 	require.Empty(t, published, "not acknowledged on a partition its row did not choose")
 
 	// The failure dropped the writer's cached metadata, which would
@@ -293,40 +278,17 @@ func TestExplicitPartitionTheWriterDoesNotKnowYetIsNotSentElsewhere(t *testing.T
 		published, _, _ = r.publish(context.Background(), []row{x})
 		return len(published) == 1
 	}, 10*time.Second, 200*time.Millisecond, "published once the writer knows the partition")
-	ends, err := kadm.NewClient(cl).ListEndOffsets(context.Background(), "t")
-	require.NoError(t, err)
-	end, ok := ends.Lookup("t", 2)
-	require.True(t, ok)
-	require.Equal(t, int64(1), end.Offset, "on partition 2")
-	total := int64(0)
-	ends.Each(func(o kadm.ListedOffset) { total += o.Offset })
-	require.Equal(t, int64(2), total, "the warm-up record and this one, nothing elsewhere")
+	requireOnPartitionTwo(t, cl)
 }
 
 // A row naming a partition added since the relay last read the topic's
 // partition count goes there, not to the held table: the relay reads the
-// count again before it holds the row. Before, the row was held as an
-// invalid row for HeldRetryInterval (a minute by default), though the
-// partition was there.
+// count again, past the transport's cached metadata, before it holds the
+// row. Before, the row was held as an invalid row for HeldRetryInterval (a
+// minute), though the partition was there.
 func TestAPartitionAddedSinceTheLastReadTakesItsRow(t *testing.T) {
-	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(2, "t"))
-	require.NoError(t, err)
-	defer c.Close()
-	r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, PublishTimeout: 5 * time.Second}, HeldRetryInterval: time.Minute})
-	r.topics.partitions["t"] = 2 // as last read
-	warm := row{id: 1, eventID: "warm", eventType: "E", partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now()}
-	published, _, err := r.publish(context.Background(), []row{warm}) // the transport caches two partitions
-	require.NoError(t, err)
-	require.Equal(t, []int64{1}, published)
-
-	cl, err := kgo.NewClient(kgo.SeedBrokers(c.ListenAddrs()...))
-	require.NoError(t, err)
-	defer cl.Close()
-	_, err = kadm.NewClient(cl).CreatePartitions(context.Background(), 1, "t")
-	require.NoError(t, err)
-	two := int64(2)
-	x := row{id: 2, eventID: "on-two", eventType: "E", partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now(), partition: &two}
-	published, _, _ = r.publish(context.Background(), []row{x})
+	r, cl, x := afterPartitionAdded(t, Config{HeldRetryInterval: time.Minute})
+	published, _, _ := r.publish(context.Background(), []row{x})
 	require.False(t, r.held.isHeld(x.id), "not held: partition 2 is there")
 	n, _ := r.topics.partitionCount("t")
 	require.Equal(t, 3, n, "the count read again")
@@ -336,11 +298,48 @@ func TestAPartitionAddedSinceTheLastReadTakesItsRow(t *testing.T) {
 		}
 		return len(published) == 1
 	}, 10*time.Second, 200*time.Millisecond, "published once the writer knows the partition")
-	ends, err := kadm.NewClient(cl).ListEndOffsets(context.Background(), "t")
+	requireOnPartitionTwo(t, cl)
+}
+
+// afterPartitionAdded is a relay of cfg on a fake cluster whose topic t had
+// two partitions when the relay last read its count and published a first
+// record (its transport caches two), and has three now; x is a row whose
+// partition column names partition 2, and cl a client of the cluster.
+func afterPartitionAdded(t *testing.T, cfg Config) (r *Relay, cl *kadm.Client, x row) {
+	t.Helper()
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(2, "t"))
+	require.NoError(t, err)
+	t.Cleanup(c.Close)
+	cfg.Topics, cfg.PublishTimeout = map[string]string{"E": "t"}, 5*time.Second
+	r = kfakeRelay(t, c, cfg)
+	r.topics.partitions["t"] = 2
+	warm := row{id: 1, eventID: "warm", eventType: "E", partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now()}
+	published, _, err := r.publish(context.Background(), []row{warm})
+	require.NoError(t, err)
+	require.Equal(t, []int64{1}, published)
+
+	kc, err := kgo.NewClient(kgo.SeedBrokers(c.ListenAddrs()...))
+	require.NoError(t, err)
+	t.Cleanup(kc.Close)
+	cl = kadm.NewClient(kc)
+	_, err = cl.CreatePartitions(context.Background(), 1, "t")
+	require.NoError(t, err)
+	two := int64(2)
+	return r, cl, row{id: 2, eventID: "on-two", eventType: "E", partitionKey: "k", payload: []byte(`{}`), createdAt: time.Now(), partition: &two}
+}
+
+// requireOnPartitionTwo checks that topic t holds afterPartitionAdded's
+// first record and its row, the row on partition 2, and nothing else.
+func requireOnPartitionTwo(t *testing.T, cl *kadm.Client) {
+	t.Helper()
+	ends, err := cl.ListEndOffsets(context.Background(), "t")
 	require.NoError(t, err)
 	end, ok := ends.Lookup("t", 2)
 	require.True(t, ok)
 	require.Equal(t, int64(1), end.Offset, "on partition 2")
+	total := int64(0)
+	ends.Each(func(o kadm.ListedOffset) { total += o.Offset })
+	require.Equal(t, int64(2), total, "the warm-up record and the row, nothing elsewhere")
 }
 
 // A row whose partition column names a partition of a topic whose
