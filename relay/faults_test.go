@@ -205,9 +205,9 @@ var faultKinds = []string{
 }
 
 // faultCodecs are the codecs a scenario's relay compresses with, by its
-// seed's millions (seedCompression): the seeds below a million, every seed
-// kept before compression joined the suite, run uncompressed as they were
-// found.
+// seed's millions (seedCompression): a seed below a million, as every seed
+// kept before compression joined the suite is, runs uncompressed, as it
+// was found.
 var faultCodecs = []relay.Compression{"none", "gzip", "snappy", "lz4", "zstd"}
 
 // seedCompression is the codec of seed's scenario.
