@@ -826,12 +826,16 @@ func TestNamespaceEditorsManageOutboxRelays(t *testing.T) {
 func TestLogicalReplicationOnTheNode(t *testing.T) {
 	ctx := context.Background()
 	slot := outbox.SlotName(localcluster.OrdersDatabase, outbox.Table{Name: "outbox"})
+	// Two transactions: in one, the GRANT's update of the table's catalog
+	// row made an autovacuum's ANALYZE of the table wait for it, while the
+	// CREATE PUBLICATION waited for the autovacuum's lock on the table, and
+	// PostgreSQL ended the test's statement as a deadlock.
 	require.NoError(t, stack.Postgres.Exec(ctx, localcluster.OrdersDatabase, `DO $$ DECLARE r text; BEGIN
 		FOR r IN SELECT rolname FROM pg_roles WHERE rolname LIKE 'relay%' LOOP
 			EXECUTE format('ALTER ROLE %I REPLICATION', r);
 			EXECUTE format('GRANT INSERT ON outbox TO %I', r); -- writer deletes put rows back
-		END LOOP; END $$;
-		CREATE PUBLICATION `+slot+` FOR TABLE outbox WITH (publish = 'insert, delete')`))
+		END LOOP; END $$`))
+	require.NoError(t, stack.Postgres.Exec(ctx, localcluster.OrdersDatabase, `CREATE PUBLICATION `+slot+` FOR TABLE outbox WITH (publish = 'insert, delete')`))
 	dir := manifests(t, func(name string, b []byte) []byte {
 		if name != "outbox_v1alpha1_outboxrelay.yaml" {
 			return b
