@@ -1183,6 +1183,11 @@ type streamState struct {
 	txFull  bool
 	txKeep  []int64
 	txDel   []int64
+	// txEarlier are the places in txIDs of the open transaction's inserts
+	// into an earlier table of the table's name (streamedRow.earlier),
+	// without writer deletes: at the commit only those it deleted stay,
+	// to be put back (keptInEarlier).
+	txEarlier []int
 	// txCommit is the position of the open transaction's commit.
 	txCommit pglogrepl.LSN
 	// tuple is the columns of the message decode reads, within it
@@ -1333,13 +1338,16 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 	case *pglogrepl.BeginMessage:
 		s.inTx, s.txIDs, s.txRows, s.txIns, s.txRaw = true, s.txIDs[:0], s.txRows[:0], s.txIns[:0], s.txRaw[:0]
 		s.txXid, s.txCommit = m.Xid, m.FinalLSN
-		s.txKept, s.txBytes, s.txFull, s.txKeep, s.txDel = 0, 0, false, nil, s.txDel[:0]
+		s.txKept, s.txBytes, s.txFull, s.txKeep, s.txDel, s.txEarlier = 0, 0, false, nil, s.txDel[:0], s.txEarlier[:0]
 		s.readAgain()
 	case *pglogrepl.CommitMessage:
 		if len(s.txDel) > 0 {
 			if err := s.matchDeleted(); err != nil {
 				return err
 			}
+		}
+		if len(s.txEarlier) > 0 {
+			s.keptInEarlier()
 		}
 		s.inTx, s.passed = false, max(s.passed, m.TransactionEndLSN)
 		if len(s.pending) == 0 && len(s.txIDs) > 0 {
@@ -1516,13 +1524,16 @@ func (s *streamState) matchDeleted() error {
 // waited for the sweep and went out in id order. The table's earlier
 // relations stay taken, for the changes of theirs a stream reads again.
 //
-// With writer deletes it also takes up an earlier table of the name, one
-// the stream reads before the table now (a relay that started, or a
-// standby that took over, after the table was replaced, with the slot's
-// confirmed position before it): the rows its writers deleted are in no
-// table, and go out from the stream. Before, they were left out and lost.
-// The rows they kept are in that table, not this one (streamedRow.earlier,
-// publishDecoded). The table's schema is the one the start-up check found:
+// It also takes up an earlier table of the name, one the stream reads
+// before the table now (a relay that started, or a standby that took over,
+// after the table was replaced, with the slot's confirmed position before
+// it): the rows its writers deleted are in no table, and go out from the
+// stream, with writer deletes, or are put back into the table now
+// (restore), without. Before, they were left out and lost; without writer
+// deletes (switched off right after the replacement, or a writer that
+// deletes while the publication is not marked) too. The rows they kept
+// are in that table, not this one (streamedRow.earlier, publishDecoded,
+// keptInEarlier). The table's schema is the one the start-up check found:
 // mid-migration, no table may have the name.
 func (r *Relay) tableReplaced(ctx context.Context, oid uint32, namespace string) error {
 	var now *uint32 // NULL when no table has its name
@@ -1535,12 +1546,12 @@ func (r *Relay) tableReplaced(ctx context.Context, oid uint32, namespace string)
 		r.capture.oid.Store(oid)
 		r.log.Warn("the table was replaced by another of its name (dropped or renamed away, then made again and published); the stream takes the new table's inserts",
 			"table", r.table.String(), "oid", oid)
-	case r.cfg.WriterDeletes && namespace == r.capture.namespace:
+	case namespace == r.capture.namespace:
 		r.capture.relations[oid] = true
 		r.log.Warn("the stream reads inserts of an earlier table of the table's name (dropped or renamed away, and made again, before this relay started); it publishes the rows their writers deleted, and leaves those they kept in that table",
 			"table", r.table.String(), "oid", oid)
 	}
-	return nil // otherwise: a table of another schema, or, without writer deletes, an earlier one, whose rows the claims by id would not find
+	return nil // otherwise: a table of another schema
 }
 
 // decodeRowChange reads an insert or a delete of the table: an insert's
@@ -1609,10 +1620,48 @@ func (s *streamState) decodeRowChange(data []byte) error {
 	if err != nil {
 		return fmt.Errorf("the stream's id %q: %w", cols[s.idCol], err)
 	}
+	if s.rel != s.r.capture.oid.Load() {
+		s.txEarlier = append(s.txEarlier, len(s.txIDs))
+	}
 	s.txIDs = append(s.txIDs, id)
 	s.keepInsert(id, tuple) // until the commit, in case the transaction deletes the row
 	return nil
 }
+
+// keptInEarlier takes out of txIDs, at the open transaction's commit, the
+// rows it inserted into an earlier table of the table's name and did not
+// delete: they are in that table (or went with it), and the table now's
+// row of their id, if any, is another event's, which the claim would
+// publish out of its place. The rows it deleted stay, to be put back into
+// the table now (restore), as with writer deletes (publishDecoded).
+func (s *streamState) keptInEarlier() {
+	deleted := make(map[int64]bool, len(s.txIns))
+	for _, x := range s.txIns {
+		if x.earlier && x.deleted {
+			deleted[x.id] = true
+		}
+	}
+	var left []int64
+	kept, e := s.txIDs[:0], 0
+	for i, id := range s.txIDs {
+		if e < len(s.txEarlier) && s.txEarlier[e] == i {
+			e++
+			if !deleted[id] {
+				left = append(left, id)
+				continue
+			}
+		}
+		kept = append(kept, id)
+	}
+	s.txIDs = kept
+	if len(left) > 0 {
+		s.r.log.Warn(keptInEarlierLog, "ids", left)
+	}
+}
+
+// keptInEarlierLog is what the stream logs of rows inserted into an
+// earlier table of the table's name that their writers kept.
+const keptInEarlierLog = "rows their writers kept in an earlier table of the table's name stay there: the relay claims from the table now"
 
 // rowChange splits pgoutput's insert or delete message (protocol version
 // 1: its kind, the relation's id, the kind of tuple, the tuple) into the

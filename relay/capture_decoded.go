@@ -208,7 +208,7 @@ func (s *streamState) publishDecoded(ctx context.Context, rows []streamedRow) er
 				}
 			}
 			if len(left) > 0 {
-				s.r.log.Warn("rows their writers kept in an earlier table of the table's name stay there: the relay claims from the table now", "ids", left)
+				s.r.log.Warn(keptInEarlierLog, "ids", left)
 			}
 			if err := s.r.publishStreamed(ctx, ids, s.pendXids, s.keepAlive); err != nil {
 				return err

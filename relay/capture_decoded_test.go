@@ -888,6 +888,25 @@ func TestWriterDeletesTableMadeAgainAndPublishedIsStreamed(t *testing.T) {
 // whose id was taken was left out of the table (the event was lost).
 func TestWriterDeletesPublishesAnEarlierTablesRowsAfterARestart(t *testing.T) {
 	t.Parallel()
+	earlierTableAfterRestart(t, true)
+}
+
+// The same with writer deletes switched off for the relay that starts (the
+// OutboxRelay changed to writerDeletes: false right after the table was
+// replaced): it puts the rows the writers deleted back into the table now,
+// as it does the table's own, and publishes them. Before, a relay without
+// writer deletes took only the table it found, and those events were lost
+// (0 of the 3 reached Kafka).
+func TestEarlierTablesDeletedRowsArePublishedAfterWriterDeletesAreSwitchedOff(t *testing.T) {
+	t.Parallel()
+	earlierTableAfterRestart(t, false)
+}
+
+// earlierTableAfterRestart stores events with writer deletes while no
+// relay confirms them, replaces the table, and starts a relay, with
+// writer deletes when writerDeletes, that must publish them.
+func earlierTableAfterRestart(t *testing.T, writerDeletes bool) {
+	t.Helper()
 	ctx := context.Background()
 	f, cfg, store := writerDeletesFixture(t, "E")
 	var logs lockedBuffer
@@ -924,24 +943,33 @@ func TestWriterDeletesPublishesAnEarlierTablesRowsAfterARestart(t *testing.T) {
 	f.Exec(`CREATE TABLE outbox_new (LIKE outbox INCLUDING ALL)`) // its ids start at 1 again
 	f.Exec(`DROP TABLE outbox`)
 	f.Exec(`ALTER TABLE outbox_new RENAME TO outbox`)
-	later := storeEach(store, 4) // kept: no relay streams
-	require.Equal(t, 4, f.Count(`SELECT count(*) FROM outbox WHERE id <= 4`))
+	later := storeEach(store, 5) // kept: no relay streams; the last has the id of the row kept in the earlier table
+	require.Equal(t, 5, f.Count(`SELECT count(*) FROM outbox WHERE id <= 5`))
 
+	cfg.WriterDeletes = writerDeletes
 	outboxtest.Start(t, cfg)
-	msgs, err := testenv.Broker().ConsumeErr(f.Topics["E"], 7, 30*time.Second, 3*time.Second) // and nothing more for 3 s
+	msgs, err := testenv.Broker().ConsumeErr(f.Topics["E"], 8, 30*time.Second, 3*time.Second) // and nothing more for 3 s
 	require.NoError(t, err)
-	require.Len(t, msgs, 7, "each event once; the row kept in the earlier table went with it")
-	seen := map[string]bool{}
+	require.Len(t, msgs, 8, "each event once; the row kept in the earlier table went with it")
+	seen, order := map[string]bool{}, []string(nil)
 	for _, m := range msgs {
-		seen[header(m, relay.HeaderEventID)] = true
+		id := header(m, relay.HeaderEventID)
+		seen[id] = true
+		if slices.Contains(later, id) {
+			order = append(order, id)
+		}
 	}
+	// A claim of the kept row's id would find the new table's row of that
+	// id, which must go out in its own place, after the rows of its key
+	// stored before it.
+	require.Equal(t, later, order, "the new table's rows in the order they were stored")
 	for _, id := range append([]string{earlier[0].EventID, earlier[2].EventID, earlier[3].EventID}, later...) {
 		require.True(t, seen[id], "event %s published", id)
 	}
 	require.Eventually(t, func() bool {
-		return f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1 AND published_at IS NULL AND id > 4`, earlier[1].EventID) == 1
+		return f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1 AND published_at IS NULL AND id > 5`, earlier[1].EventID) == 1
 	}, 30*time.Second, 50*time.Millisecond, "the row without a topic is back in the table, under a new id")
-	require.Equal(t, 4, f.Count(`SELECT count(*) FROM outbox WHERE id <= 4 AND event_id = ANY($1)`, later), "the new table's rows keep their ids")
+	require.Equal(t, 5, f.Count(`SELECT count(*) FROM outbox WHERE id <= 5 AND event_id = ANY($1)`, later), "the new table's rows keep their ids")
 	require.Contains(t, logs.String(), "the stream reads inserts of an earlier table of the table's name")
 	require.Contains(t, logs.String(), "rows their writers kept in an earlier table of the table's name stay there")
 }
