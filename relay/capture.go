@@ -1154,12 +1154,21 @@ type streamState struct {
 	// for a message ended with none (unreadBytes): the next wait reads them.
 	arrived bool
 
-	rel      uint32   // the table's relation id in this session; 0 until its Relation message
-	idCol    int      // the index of the id column in its tuples
-	relNames []string // its columns' names, in its tuples' order
-	// With writer deletes: where the columns are, the open transaction's
-	// rows, and the committed rows not yet published (pending's ids).
-	cols             *streamColumns
+	// rels are the relations the stream takes (the table now, and earlier
+	// tables of its name: tableReplaced), as their last Relation message
+	// in this session described them. Each change names its relation, and
+	// pgoutput sends a relation's message again only when it changed, so
+	// the stream keeps each: before, it kept only the last one sent, and
+	// once an earlier table's message came again (a change to that table
+	// after the table now's message) it left the table now's inserts out.
+	rels map[uint32]streamRelation
+	// rel, idCol, relNames and cols are those of the change being read.
+	rel      uint32
+	idCol    int            // the index of the id column in its tuples
+	relNames []string       // its columns' names, in its tuples' order
+	cols     *streamColumns // with writer deletes: where the columns are
+	// With writer deletes: the open transaction's rows, and the committed
+	// rows not yet published (pending's ids).
 	txRows, pendRows []streamedRow
 	pendBytes        int64
 	// putBack are the ids of rows put back into the table: their inserts
@@ -1311,29 +1320,23 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 	}
 	switch m := m.(type) {
 	case *pglogrepl.RelationMessage:
-		if !s.r.capture.relations[m.RelationID] && m.RelationName == s.r.table.Name {
+		// A relation of the table's name that is not the table now, taken
+		// as an earlier table or not, is looked up again: a table renamed
+		// away and back during a migration is the table now once more.
+		if m.RelationName == s.r.table.Name && m.RelationID != s.r.capture.oid.Load() {
 			if err := s.r.tableReplaced(ctx, m.RelationID, m.Namespace); err != nil {
 				return err
 			}
 		}
 		if s.r.capture.relations[m.RelationID] { // by oid: a dropped table of the same name in older WAL is another relation
-			s.rel, s.idCol, s.relNames = m.RelationID, -1, make([]string, len(m.Columns)) // a new slice: rows keep theirs
-			for i, c := range m.Columns {
-				s.relNames[i] = c.Name
-				if c.Name == "id" {
-					s.idCol = i
-				}
+			rel, err := s.r.readRelation(m)
+			if err != nil {
+				return err
 			}
-			if s.idCol < 0 {
-				return fmt.Errorf("the stream's %s.%s has no id column", m.Namespace, m.RelationName)
+			if s.rels == nil {
+				s.rels = map[uint32]streamRelation{}
 			}
-			if s.r.cfg.WriterDeletes {
-				cols, err := newStreamColumns(m, s.r.cfg.PartitionColumn)
-				if err != nil {
-					return err
-				}
-				s.cols = cols
-			}
+			s.rels[m.RelationID] = rel
 		}
 	case *pglogrepl.BeginMessage:
 		s.inTx, s.txIDs, s.txRows, s.txIns, s.txRaw = true, s.txIDs[:0], s.txRows[:0], s.txIns[:0], s.txRaw[:0]
@@ -1546,12 +1549,43 @@ func (r *Relay) tableReplaced(ctx context.Context, oid uint32, namespace string)
 		r.capture.oid.Store(oid)
 		r.log.Warn("the table was replaced by another of its name (dropped or renamed away, then made again and published); the stream takes the new table's inserts",
 			"table", r.table.String(), "oid", oid)
-	case namespace == r.capture.namespace:
+	case namespace == r.capture.namespace && !r.capture.relations[oid]:
 		r.capture.relations[oid] = true
 		r.log.Warn("the stream reads inserts of an earlier table of the table's name (dropped or renamed away, and made again, before this relay started); it publishes the rows their writers deleted, and leaves those they kept in that table",
 			"table", r.table.String(), "oid", oid)
 	}
-	return nil // otherwise: a table of another schema
+	return nil // otherwise: a table of another schema, or an earlier table taken already
+}
+
+// streamRelation is what the stream knows of a relation it takes, from
+// its Relation message.
+type streamRelation struct {
+	idCol int      // the index of the id column in its tuples
+	names []string // its columns' names, in its tuples' order; rows keep theirs
+	cols  *streamColumns
+}
+
+// readRelation reads relation m's columns (with writer deletes, where
+// each column the relay reads is).
+func (r *Relay) readRelation(m *pglogrepl.RelationMessage) (streamRelation, error) {
+	x := streamRelation{idCol: -1, names: make([]string, len(m.Columns))}
+	for i, c := range m.Columns {
+		x.names[i] = c.Name
+		if c.Name == "id" {
+			x.idCol = i
+		}
+	}
+	if x.idCol < 0 {
+		return x, fmt.Errorf("the stream's %s.%s has no id column", m.Namespace, m.RelationName)
+	}
+	if r.cfg.WriterDeletes {
+		cols, err := newStreamColumns(m, r.cfg.PartitionColumn)
+		if err != nil {
+			return x, err
+		}
+		x.cols = cols
+	}
+	return x, nil
 }
 
 // decodeRowChange reads an insert or a delete of the table: an insert's
@@ -1562,9 +1596,11 @@ func (s *streamState) decodeRowChange(data []byte) error {
 	if err != nil {
 		return err
 	}
-	if rel != s.rel || s.rel == 0 {
-		return nil
+	x, ok := s.rels[rel]
+	if !ok {
+		return nil // not a relation the stream takes
 	}
+	s.rel, s.idCol, s.relNames, s.cols = rel, x.idCol, x.names, x.cols
 	cols, err := tupleColumns(tuple, s.tuple)
 	if err != nil {
 		return fmt.Errorf("decode pgoutput %q message: %w", data[0], err)

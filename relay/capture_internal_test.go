@@ -607,8 +607,10 @@ func TestTupleColumnsReadsEachKind(t *testing.T) {
 // is put back as the stream delivered it, even after the stream's buffer
 // has been reused by the messages after it.
 func TestStreamKeepsTheRowsItsTransactionDeletes(t *testing.T) {
-	r := &Relay{cfg: Config{Settings: Settings{BatchSize: 100, MaxBatchBytes: 1 << 20}}, capture: &captureState{txTupleLimit: maxTxTuples}}
-	s := &streamState{r: r, rel: 7, idCol: 0, relNames: []string{"id", "payload", "note"}}
+	r := &Relay{cfg: Config{Settings: Settings{BatchSize: 100, MaxBatchBytes: 1 << 20}}, capture: &captureState{txTupleLimit: maxTxTuples},
+		log: slog.New(slog.DiscardHandler)}
+	r.capture.oid.Store(7)
+	s := &streamState{r: r, rels: takes(7, "id", "payload", "note")}
 	buf := make([]byte, 0, 256) // one buffer for every message, as pgconn's
 	feed := func(msg []byte) {
 		buf = append(buf[:0], msg...)
@@ -654,6 +656,65 @@ func TestStreamKeepsTheRowsItsTransactionDeletes(t *testing.T) {
 	require.Zero(t, cap(s.txRaw), "released")
 }
 
+// takes is a stream's relations when it takes relation rel alone, whose
+// first column is the id.
+func takes(rel uint32, names ...string) map[uint32]streamRelation {
+	return map[uint32]streamRelation{rel: {idCol: 0, names: names}}
+}
+
+// relation is pgoutput's Relation message of relation rel, named
+// namespace.name, with text columns names.
+func relation(rel uint32, namespace, name string, names ...string) []byte {
+	b := binary.BigEndian.AppendUint32([]byte{'R'}, rel)
+	b = append(append(b, namespace...), 0)
+	b = append(append(b, name...), 0)
+	b = binary.BigEndian.AppendUint16(append(b, 'd'), uint16(len(names)))
+	for _, n := range names {
+		b = append(append(append(b, 0), n...), 0)
+		b = binary.BigEndian.AppendUint32(b, 25) // text
+		b = binary.BigEndian.AppendUint32(b, math.MaxUint32)
+	}
+	return b
+}
+
+// The stream keeps every relation it takes: pgoutput sends a relation's
+// message once a session, and again when the relation changed, so the
+// changes after an earlier table's message may be the table now's. Here
+// the table was replaced (the earlier one renamed away, 7, the table now
+// 8); a transaction deletes the earlier table's rows after the table now's
+// message came, and the table now's next insert comes without one. Before,
+// the stream kept only the last relation sent, and left that insert out: a
+// row its writer deleted was lost, one it kept waited for the sweep.
+func TestStreamKeepsEachRelationItTakes(t *testing.T) {
+	r := &Relay{cfg: Config{Settings: Settings{BatchSize: 100, MaxBatchBytes: 1 << 20}},
+		capture: &captureState{txTupleLimit: maxTxTuples, namespace: "public", relations: map[uint32]bool{7: true, 8: true}},
+		table:   outbox.Table{Schema: "public", Name: "outbox"}, log: slog.New(slog.DiscardHandler)}
+	r.capture.oid.Store(8)
+	s := &streamState{r: r}
+	feed := func(msgs ...[]byte) {
+		for _, m := range msgs {
+			require.NoError(t, s.decode(context.Background(), m))
+		}
+	}
+	insert := func(rel uint32, id int) []byte {
+		return append(binary.BigEndian.AppendUint32([]byte{'I'}, rel), append([]byte{'N'}, tupleData(str(fmt.Sprint(id)), str("{}"))...)...)
+	}
+	del := func(rel uint32, id int) []byte {
+		return append(binary.BigEndian.AppendUint32([]byte{'D'}, rel), append([]byte{'K'}, tupleData(str(fmt.Sprint(id)), nil)...)...)
+	}
+	feed(begin(0x100, 1), relation(8, "public", "outbox", "id", "payload"), insert(8, 1), commit(0x100))
+	feed(begin(0x200, 2), relation(7, "public", "outbox_old", "id", "payload"), insert(7, 50), del(7, 50), del(7, 40), commit(0x200))
+	feed(begin(0x300, 3), insert(8, 2), del(8, 2), insert(8, 3), commit(0x300))
+	require.Equal(t, []int64{1, 50, 2, 3}, s.pending, "the table now's inserts after the earlier table's message are read")
+	var restored []int64
+	for _, x := range s.restore {
+		restored = append(restored, x.id)
+	}
+	require.Equal(t, []int64{50, 2}, restored, "the rows the writers deleted, of each table, are put back")
+	require.True(t, s.restore[0].earlier)
+	require.False(t, s.restore[1].earlier)
+}
+
 // begin and commit are pgoutput's messages of a transaction's begin and
 // commit, for transaction xid whose commit is at lsn.
 func begin(lsn pglogrepl.LSN, xid uint32) []byte {
@@ -682,7 +743,8 @@ func TestStreamKeepsATransactionsTuplesUpToTheLimit(t *testing.T) {
 	const limit = 4096
 	r := &Relay{cfg: Config{Settings: Settings{BatchSize: 1000, MaxBatchBytes: 1 << 30}}, capture: &captureState{txTupleLimit: limit},
 		log: slog.New(slog.DiscardHandler)}
-	s := &streamState{r: r, rel: 7, idCol: 0, relNames: []string{"id", "payload"}}
+	r.capture.oid.Store(7)
+	s := &streamState{r: r, rels: takes(7, "id", "payload")}
 	buf := make([]byte, 0, 512)
 	feed := func(msg []byte) error {
 		buf = append(buf[:0], msg...)
@@ -726,7 +788,7 @@ func TestStreamKeepsATransactionsTuplesUpToTheLimit(t *testing.T) {
 	require.Equal(t, []int64{1150, 1199}, r.capture.rereads[0x2000].ids)
 
 	// The next stream starts before it and reads it again.
-	s = &streamState{r: r, rel: 7, idCol: 0, relNames: []string{"id", "payload"}}
+	s = &streamState{r: r, rels: takes(7, "id", "payload")}
 	for _, m := range msgs {
 		require.NoError(t, feed(m))
 	}
