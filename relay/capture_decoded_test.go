@@ -876,6 +876,44 @@ func TestWriterDeletesTableMadeAgainAndPublishedIsStreamed(t *testing.T) {
 	require.Contains(t, logs.String(), "the table was replaced by another of its name")
 }
 
+// A table renamed away and made again under a streaming relay with writer
+// deletes, whose earlier table then changes (a cleanup after the
+// migration): the stream goes on taking the new table's inserts. pgoutput
+// describes the earlier table again before its change, and not the new
+// one after it. Before, the stream kept only the last table described and
+// left the new table's inserts out: their events were in no table, and 7
+// of 10 reached Kafka.
+func TestWriterDeletesNewTableIsStreamedAfterTheEarlierOneChanges(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg, store := writerDeletesFixture(t, "E")
+	startStreaming(t, cfg)
+	waitDeletesOnStore(t, f, 10*time.Second)
+	storeEach(store, 2)
+	testenv.Broker().Consume(t, f.Topics["E"], 2, 30*time.Second)
+
+	f.Exec(`CREATE TABLE outbox_new (LIKE outbox INCLUDING ALL)`)
+	f.Exec(`ALTER TABLE outbox RENAME TO outbox_old`)
+	f.Exec(`ALTER TABLE outbox_new RENAME TO outbox`)
+	f.Exec(`ALTER PUBLICATION ` + tableSlot(t, f) + ` ADD TABLE outbox`) // as a DBA would
+	waitDeletesOnStore(t, f, 10*time.Second)
+	storeEach(store, 5)
+	testenv.Broker().Consume(t, f.Topics["E"], 7, 30*time.Second)
+
+	old, err := outbox.NewWriter("outbox_old") // a change to the earlier table, kept there
+	require.NoError(t, err)
+	require.NoError(t, pgx.BeginFunc(ctx, f.Pool, func(tx pgx.Tx) error { return old.Store(ctx, tx, entry("E", 9)) }))
+	f.Exec(`DELETE FROM outbox_old`)
+	later := storeEach(store, 3)
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox`), "the writers deleted them")
+	msgs, err := testenv.Broker().ConsumeErr(f.Topics["E"], 10, 30*time.Second, time.Second)
+	require.NoError(t, err)
+	require.Len(t, msgs, 10, "the 3 events stored after the earlier table's change reach Kafka, and the one kept there does not")
+	for i, id := range later {
+		require.Equal(t, id, header(msgs[7+i], relay.HeaderEventID))
+	}
+}
+
 // A relay that starts (a restart, a standby taking over) after the table
 // was replaced, while the slot still holds inserts of the earlier table
 // that no relay confirmed, publishes the rows their writers deleted: they
