@@ -347,6 +347,28 @@ func (r *Relay) checkReplicaIdentity(ctx context.Context, oid uint32) error {
 	return nil
 }
 
+// foldsToSlot sorts the other tables a publication named slot publishes
+// (others as SQL names them, with their schemas and names): the first whose
+// name folds to slot, as a relay of it names its slot with or without the
+// schema (SlotName), which would share the slot and the stream; and the
+// rest, whose relay would not. A migration that renames the table away
+// leaves the earlier table in the publication, and the stream reads its
+// changes as an earlier table's (tableReplaced); before, a relay refused to
+// start beside it.
+func foldsToSlot(database, slot string, others, schemas, names []string) (taken *string, extra []string) {
+	for i, name := range names {
+		if outbox.SlotName(database, outbox.Table{Schema: schemas[i], Name: name}) == slot ||
+			outbox.SlotName(database, outbox.Table{Name: name}) == slot {
+			if taken == nil {
+				taken = &others[i]
+			}
+			continue
+		}
+		extra = append(extra, others[i])
+	}
+	return taken, extra
+}
+
 // checkCapture verifies what logical replication needs and names the fix
 // of what is missing: wal_level, the role's replication privilege, and
 // the publication of the table, which it creates when it may.
@@ -375,9 +397,16 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 	if err := r.pool.QueryRow(ctx, sqlPublishes, pub, r.table.Quoted()).Scan(&exists, &published, &oid, &deletes, &viaRoot, &inserts, &narrowed); err != nil {
 		return fmt.Errorf("read publication %s: %w", pub, err)
 	}
-	var otherTable, otherDatabase *string
-	if err := r.pool.QueryRow(ctx, sqlNameTaken, pub, r.table.Quoted()).Scan(&otherTable, &otherDatabase); err != nil {
+	var others, otherSchemas, otherNames []string
+	var otherDatabase *string
+	if err := r.pool.QueryRow(ctx, sqlNameTaken, pub, r.table.Quoted()).Scan(&others, &otherSchemas, &otherNames, &otherDatabase); err != nil {
 		return fmt.Errorf("read publication %s: %w", pub, err)
+	}
+	otherTable, extra := foldsToSlot(database, slot, others, otherSchemas, otherNames)
+	if len(extra) > 0 {
+		r.log.Warn("the publication also publishes tables whose names do not fold to its own (an earlier table of the table's name renamed away by a migration, or a table added by hand): the stream reads their changes and skips those of tables that are not the table or an earlier one of its name; drop them from the publication once the slot's confirmed position is past the migration",
+			"publication", pub, "tables", extra,
+			"fix", "ALTER PUBLICATION "+pgx.Identifier{pub}.Sanitize()+" DROP TABLE "+strings.Join(extra, ", "))
 	}
 	switch {
 	case otherTable != nil:

@@ -776,6 +776,44 @@ func TestLogicalReplicationRefusesANameTakenByAnotherTable(t *testing.T) {
 	require.ErrorContains(t, check("outbox"), `belongs to database `+db)
 }
 
+// A migration that renames the table away and makes it again leaves the
+// earlier table in the publication, under a name that does not fold to
+// the slot's: a relay starts beside it, says so, and streams the new
+// table. Before, a relay that started after such a migration (a restart, a
+// standby taking over) refused, as if the two names folded to one.
+func TestLogicalReplicationStartsBesideAnEarlierTableRenamedAway(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg := captureFixture(t, 1, "E")
+	first := cfg
+	first.Logger = slog.New(slog.DiscardHandler)
+	r, err := relay.New(first)
+	require.NoError(t, err)
+	require.NoError(t, r.Check(ctx), "makes the publication")
+	r.Close()
+	f.Exec(`CREATE TABLE outbox_new (LIKE outbox INCLUDING ALL)`)
+	f.Exec(`ALTER TABLE outbox RENAME TO outbox_old`)
+	f.Exec(`ALTER TABLE outbox_new RENAME TO outbox`)
+
+	var logs lockedBuffer
+	cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	startStreaming(t, cfg)
+	w, err := outbox.NewWriter("outbox")
+	require.NoError(t, err)
+	var ids []string
+	for i := range 3 {
+		e := entry("E", i)
+		require.NoError(t, pgx.BeginFunc(ctx, f.Pool, func(tx pgx.Tx) error { return w.Store(ctx, tx, e) }))
+		ids = append(ids, e.EventID)
+	}
+	msgs := testenv.Broker().Consume(t, f.Topics["E"], 3, 30*time.Second)
+	for i, m := range msgs {
+		require.Equal(t, ids[i], header(m, relay.HeaderEventID))
+	}
+	require.Contains(t, logs.String(), "the publication also publishes tables whose names do not fold to its own")
+	require.Contains(t, logs.String(), "DROP TABLE outbox_old")
+}
+
 // Replicas that start at once each find the publication missing and make
 // it. The one that loses waits behind the other's uncommitted catalog row,
 // then gets a unique violation; it checks again and starts, where it read
