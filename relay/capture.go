@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -348,7 +349,7 @@ func (r *Relay) checkReplicaIdentity(ctx context.Context, oid uint32) error {
 }
 
 // foldsToSlot sorts the other tables a publication named slot publishes
-// (others as SQL names them, with their schemas and names): the first whose
+// (others quoted, with their schemas and names): the first whose
 // name folds to slot, as a relay of it names its slot with or without the
 // schema (SlotName), which would share the slot and the stream; and the
 // rest, whose relay would not. A migration that renames the table away
@@ -357,6 +358,10 @@ func (r *Relay) checkReplicaIdentity(ctx context.Context, oid uint32) error {
 // start beside it.
 func foldsToSlot(database, slot string, others, schemas, names []string) (taken *string, extra []string) {
 	for i, name := range names {
+		if _, err := outbox.ParseTable(schemas[i] + "." + name); err != nil {
+			extra = append(extra, others[i]) // no relay takes a table of that name (upper case, other characters)
+			continue
+		}
 		if outbox.SlotName(database, outbox.Table{Schema: schemas[i], Name: name}) == slot ||
 			outbox.SlotName(database, outbox.Table{Name: name}) == slot {
 			if taken == nil {
@@ -1220,12 +1225,13 @@ type streamState struct {
 	txBytes int // what the kept prefix takes, against the limit
 	txFull  bool
 	txKeep  []int64
-	txDel   []int64
-	// txEarlier are the places in txIDs of the open transaction's inserts
-	// into an earlier table of the table's name (streamedRow.earlier),
-	// without writer deletes: at the commit only those it deleted stay,
-	// to be put back (keptInEarlier).
-	txEarlier []int
+	txDel   []relRow
+	// txRels are, without writer deletes, the relations of txIDs' rows,
+	// and txEarlier says one is an earlier table of the table's name
+	// (streamedRow.earlier): at the commit only the rows of those the
+	// transaction deleted stay, to be put back (keptInEarlier).
+	txRels    []uint32
+	txEarlier bool
 	// txCommit is the position of the open transaction's commit.
 	txCommit pglogrepl.LSN
 	// tuple is the columns of the message decode reads, within it
@@ -1370,7 +1376,8 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 	case *pglogrepl.BeginMessage:
 		s.inTx, s.txIDs, s.txRows, s.txIns, s.txRaw = true, s.txIDs[:0], s.txRows[:0], s.txIns[:0], s.txRaw[:0]
 		s.txXid, s.txCommit = m.Xid, m.FinalLSN
-		s.txKept, s.txBytes, s.txFull, s.txKeep, s.txDel, s.txEarlier = 0, 0, false, nil, s.txDel[:0], s.txEarlier[:0]
+		s.txKept, s.txBytes, s.txFull, s.txKeep, s.txDel = 0, 0, false, nil, s.txDel[:0]
+		s.txRels, s.txEarlier = s.txRels[:0], false
 		s.readAgain()
 	case *pglogrepl.CommitMessage:
 		if len(s.txDel) > 0 {
@@ -1378,7 +1385,7 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 				return err
 			}
 		}
-		if len(s.txEarlier) > 0 {
+		if s.txEarlier {
 			s.keptInEarlier()
 		}
 		s.inTx, s.passed = false, max(s.passed, m.TransactionEndLSN)
@@ -1412,12 +1419,15 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 				s.restore = append(s.restore, back)
 			}
 		}
-		s.txIDs, s.txRows, s.txIns, s.txDel = s.txIDs[:0], s.txRows[:0], s.txIns[:0], s.txDel[:0]
+		s.txIDs, s.txRows, s.txIns, s.txDel, s.txRels = s.txIDs[:0], s.txRows[:0], s.txIns[:0], s.txDel[:0], s.txRels[:0]
 		if cap(s.txRaw) > maxKeptTxRaw {
 			s.txRaw, s.tuple = nil, nil // a large transaction's, not kept while the stream is idle
 		}
-		if cap(s.txDel) > maxKeptTxRaw/8 { // 8 bytes an id
+		if cap(s.txDel) > maxKeptTxRaw/16 { // 16 bytes a row
 			s.txDel = nil
+		}
+		if cap(s.txRels) > maxKeptTxRaw/4 { // 4 bytes a row
+			s.txRels = nil
 		}
 		s.pendLSN = m.TransactionEndLSN
 		if len(s.pending) == 0 && s.carry == nil {
@@ -1439,8 +1449,9 @@ type rawInsert struct {
 	id       int64
 	from, to int
 	names    []string
-	deleted  bool // the transaction deleted the row
-	earlier  bool // of an earlier table of the table's name (streamedRow.earlier)
+	rel      uint32 // its relation
+	deleted  bool   // the transaction deleted the row
+	earlier  bool   // of an earlier table of the table's name (streamedRow.earlier)
 }
 
 // rawInsertSize is what a rawInsert takes beside its tuple, counted
@@ -1494,7 +1505,7 @@ func (s *streamState) keepInsert(id int64, tuple []byte) {
 		copy(raw, s.txRaw)
 		s.txRaw = raw
 	}
-	s.txIns = append(s.txIns, rawInsert{id: id, from: len(s.txRaw), to: len(s.txRaw) + len(tuple), names: s.relNames,
+	s.txIns = append(s.txIns, rawInsert{id: id, rel: s.rel, from: len(s.txRaw), to: len(s.txRaw) + len(tuple), names: s.relNames,
 		earlier: s.rel != s.r.capture.oid.Load()})
 	s.txRaw = append(s.txRaw, tuple...)
 }
@@ -1510,16 +1521,16 @@ func (s *streamState) keepInsert(id int64, tuple []byte) {
 // published by their claim and skipped: each row goes out once, in commit
 // order.
 func (s *streamState) matchDeleted() error {
-	slices.Sort(s.txDel)
+	slices.SortFunc(s.txDel, compareRelRows)
 	s.txDel = slices.Compact(s.txDel)
 	for i := range s.txIns {
-		if _, ok := slices.BinarySearch(s.txDel, s.txIns[i].id); ok {
+		if _, ok := slices.BinarySearchFunc(s.txDel, relRow{rel: s.txIns[i].rel, id: s.txIns[i].id}, compareRelRows); ok {
 			s.txIns[i].deleted = true
 		}
 	}
 	var lost []int64
-	for _, id := range s.txIDs[s.txKept:] {
-		if _, ok := slices.BinarySearch(s.txDel, id); !ok {
+	for i, id := range s.txIDs[s.txKept:] {
+		if _, ok := slices.BinarySearchFunc(s.txDel, relRow{rel: s.txRels[s.txKept+i], id: id}, compareRelRows); !ok {
 			continue
 		}
 		if _, kept := slices.BinarySearch(s.txKeep, id); !kept {
@@ -1655,16 +1666,21 @@ func (s *streamState) decodeRowChange(data []byte) error {
 		// it, so the match is the last row or near it. Before, every delete
 		// scanned the whole transaction: a transaction of 100,000 rows
 		// took seconds, of a million minutes.
+		// By relation too: the tables of the name may share ids (a new
+		// table's start over), and a migration that copies rows into the
+		// table now and deletes them from the earlier one would have
+		// marked the copies deleted, published them from the stream, and
+		// left them in the table for the sweep to publish again.
 		for i := len(s.txRows) - 1; i >= 0; i-- {
-			if s.txRows[i].id == id {
+			if s.txRows[i].id == id && s.txRows[i].rel == rel {
 				s.txRows[i].deleted = true
-				break // a transaction inserts an id once
+				break // a transaction inserts an id once into a table
 			}
 		}
 		if s.cols == nil && len(s.txIDs) > 0 {
 			// Matched with the inserts at the commit (matchDeleted); a
 			// transaction that has inserted nothing deletes earlier rows.
-			s.txDel = append(s.txDel, id)
+			s.txDel = append(s.txDel, relRow{rel: rel, id: id})
 		}
 		return nil
 	}
@@ -1673,7 +1689,7 @@ func (s *streamState) decodeRowChange(data []byte) error {
 		if err != nil {
 			return err
 		}
-		x.earlier = s.rel != s.r.capture.oid.Load()
+		x.rel, x.earlier = s.rel, s.rel != s.r.capture.oid.Load()
 		if _, ok := s.putBack[x.id]; ok && !x.earlier { // the relay puts back into the table now, never an earlier one
 			delete(s.putBack, x.id) // the relay's own insert: the row is in the table
 			return nil
@@ -1685,12 +1701,20 @@ func (s *streamState) decodeRowChange(data []byte) error {
 	if err != nil {
 		return fmt.Errorf("the stream's id %q: %w", cols[s.idCol], err)
 	}
-	if s.rel != s.r.capture.oid.Load() {
-		s.txEarlier = append(s.txEarlier, len(s.txIDs))
-	}
-	s.txIDs = append(s.txIDs, id)
+	s.txEarlier = s.txEarlier || s.rel != s.r.capture.oid.Load()
+	s.txIDs, s.txRels = append(s.txIDs, id), append(s.txRels, s.rel)
 	s.keepInsert(id, tuple) // until the commit, in case the transaction deletes the row
 	return nil
+}
+
+// relRow is a row of a relation the stream takes, by its id.
+type relRow struct {
+	rel uint32
+	id  int64
+}
+
+func compareRelRows(a, b relRow) int {
+	return cmp.Or(cmp.Compare(a.id, b.id), cmp.Compare(a.rel, b.rel))
 }
 
 // keptInEarlier takes out of txIDs, at the open transaction's commit, the
@@ -1700,25 +1724,23 @@ func (s *streamState) decodeRowChange(data []byte) error {
 // publish out of its place. The rows it deleted stay, to be put back into
 // the table now (restore), as with writer deletes (publishDecoded).
 func (s *streamState) keptInEarlier() {
-	deleted := make(map[int64]bool, len(s.txIns))
+	deleted := make(map[relRow]bool, len(s.txIns))
 	for _, x := range s.txIns {
-		if x.earlier && x.deleted {
-			deleted[x.id] = true
+		if x.deleted { // each stays: it is put back (restore, which finds its place by its id)
+			deleted[relRow{rel: x.rel, id: x.id}] = true
 		}
 	}
 	var left []int64
-	kept, e := s.txIDs[:0], 0
+	now := s.r.capture.oid.Load()
+	kept, rels := s.txIDs[:0], s.txRels[:0]
 	for i, id := range s.txIDs {
-		if e < len(s.txEarlier) && s.txEarlier[e] == i {
-			e++
-			if !deleted[id] {
-				left = append(left, id)
-				continue
-			}
+		if rel := s.txRels[i]; rel != now && !deleted[relRow{rel: rel, id: id}] {
+			left = append(left, id)
+			continue
 		}
-		kept = append(kept, id)
+		kept, rels = append(kept, id), append(rels, s.txRels[i])
 	}
-	s.txIDs = kept
+	s.txIDs, s.txRels = kept, rels
 	if len(left) > 0 {
 		s.r.log.Warn(keptInEarlierLog, "ids", left)
 	}

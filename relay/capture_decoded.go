@@ -84,8 +84,9 @@ type streamedRow struct {
 	readable bool
 	// deleted: the transaction that inserted the row deleted it.
 	deleted bool
-	// earlier: the row was inserted into an earlier table of the table's
-	// name, not the table now (tableReplaced).
+	// rel is the relation the row was inserted into; earlier: an earlier
+	// table of the table's name, not the table now (tableReplaced).
+	rel     uint32
 	earlier bool
 	// pendingAt is, for a row to restore (streamState.restore), the place
 	// of its id in streamState.pending.

@@ -715,6 +715,56 @@ func TestStreamKeepsEachRelationItTakes(t *testing.T) {
 	require.False(t, s.restore[1].earlier)
 }
 
+// A delete is matched with the insert of its own table: the tables of the
+// name may share ids (a new table's start over), and a migration copies
+// the rows it keeps into the table now and deletes them from the earlier
+// one in one transaction. Before, a delete matched an insert of either
+// table by id: with writer deletes the copy was published from the stream
+// and again by the sweep; without, a row its writer kept in the earlier
+// table went back into the table now and out.
+func TestStreamMatchesADeleteWithItsOwnTablesInsert(t *testing.T) {
+	cols := []string{"id", "event_id", "aggregate_type", "aggregate_id", "event_type", "payload", "partition_key", "created_at"}
+	row := func(kind byte, rel uint32, id int) []byte {
+		tuple := tupleData(str(fmt.Sprint(id)), str(fmt.Sprintf("0193a0b4-0000-7000-8000-%012d", id)), str("Order"), str("o1"), str("E"),
+			str("{}"), str("o1"), str("2026-12-01 00:00:00+00"))
+		if kind == 'D' {
+			tuple = tupleData(str(fmt.Sprint(id)), nil, nil, nil, nil, nil, nil, nil)
+			return append(binary.BigEndian.AppendUint32([]byte{'D'}, rel), append([]byte{'K'}, tuple...)...)
+		}
+		return append(binary.BigEndian.AppendUint32([]byte{'I'}, rel), append([]byte{'N'}, tuple...)...)
+	}
+	for _, writerDeletes := range []bool{false, true} {
+		t.Run(fmt.Sprintf("writer deletes %v", writerDeletes), func(t *testing.T) {
+			r := &Relay{cfg: Config{Settings: Settings{BatchSize: 100, MaxBatchBytes: 1 << 20, WriterDeletes: writerDeletes}},
+				capture: &captureState{txTupleLimit: maxTxTuples, namespace: "public", relations: map[uint32]bool{7: true, 8: true}},
+				table:   outbox.Table{Schema: "public", Name: "outbox"}, log: slog.New(slog.DiscardHandler)}
+			r.capture.oid.Store(8)
+			s := &streamState{r: r}
+			for _, m := range [][]byte{begin(0x100, 1), relation(8, "public", "outbox", cols...), relation(7, "public", "outbox_old", cols...),
+				row('I', 8, 60), row('D', 7, 60), // copied into the table now, deleted from the earlier one
+				row('I', 7, 61), row('D', 8, 61), // kept in the earlier table; the table now's row 61 deleted
+				row('I', 8, 62), row('D', 8, 62), // deleted by the writer that inserted it
+				commit(0x100)} {
+				require.NoError(t, s.decode(context.Background(), m))
+			}
+			if writerDeletes {
+				deleted := map[int64]bool{}
+				for _, x := range s.pendRows {
+					deleted[x.id] = x.deleted
+				}
+				require.Equal(t, map[int64]bool{60: false, 61: false, 62: true}, deleted, "only the row its own table's delete names is in no table")
+				return
+			}
+			var restored []int64
+			for _, x := range s.restore {
+				restored = append(restored, x.id)
+			}
+			require.Equal(t, []int64{62}, restored, "only the row its own table's delete names is put back")
+			require.Equal(t, []int64{60, 62}, s.pending, "the row kept in the earlier table stays there")
+		})
+	}
+}
+
 // begin and commit are pgoutput's messages of a transaction's begin and
 // commit, for transaction xid whose commit is at lsn.
 func begin(lsn pglogrepl.LSN, xid uint32) []byte {
@@ -1034,4 +1084,22 @@ func TestTheSilenceCheckFindsTheStreamsOwnSession(t *testing.T) {
 	var ended bool
 	require.NoError(t, pool.QueryRow(ctx, sqlEndStreamSession, r.capture.slot, pid, start+1).Scan(&ended))
 	require.False(t, ended, "nor is it ended")
+}
+
+// A publication's other table is refused only when a relay of it would
+// name its slot as this one: by its name with or without its schema, and
+// only when a relay may take it (a plain lower-case name).
+func TestFoldsToSlotRefusesOnlyATableARelayWouldShareTheSlotWith(t *testing.T) {
+	slot := outbox.SlotName("db", outbox.Table{Schema: "a", Name: "b"}) // outbox_db_a_b
+	taken, extra := foldsToSlot("db", slot,
+		[]string{`public."Outbox"`, "public.a_b", "public.outbox_old", "archive.a_b", `"A".b`},
+		[]string{"public", "public", "public", "archive", "A"},
+		[]string{"Outbox", "a_b", "outbox_old", "a_b", "b"})
+	require.NotNil(t, taken)
+	require.Equal(t, "public.a_b", *taken, "a relay of a_b names its slot outbox_db_a_b")
+	require.Equal(t, []string{`public."Outbox"`, "public.outbox_old", `"A".b`}, extra,
+		"no relay takes an upper-case name, and outbox_old folds to another slot; archive.a_b is a second collision, not an extra")
+	taken, extra = foldsToSlot("db", slot, nil, nil, nil)
+	require.Nil(t, taken)
+	require.Empty(t, extra)
 }

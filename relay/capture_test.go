@@ -762,7 +762,7 @@ func TestLogicalReplicationRefusesANameTakenByAnotherTable(t *testing.T) {
 	}
 	require.NoError(t, check("a_b"), "the first makes the publication")
 	err := check("a.b")
-	require.ErrorContains(t, err, `publishes the table a_b too`)
+	require.ErrorContains(t, err, `publishes the table public.a_b too`)
 	require.ErrorContains(t, err, `--capture poll`)
 
 	// A slot of this table's name in another database.
@@ -811,7 +811,7 @@ func TestLogicalReplicationStartsBesideAnEarlierTableRenamedAway(t *testing.T) {
 		require.Equal(t, ids[i], header(m, relay.HeaderEventID))
 	}
 	require.Contains(t, logs.String(), "the publication also publishes tables whose names do not fold to its own")
-	require.Contains(t, logs.String(), "DROP TABLE outbox_old")
+	require.Contains(t, logs.String(), "DROP TABLE public.outbox_old")
 }
 
 // Replicas that start at once each find the publication missing and make

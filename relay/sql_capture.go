@@ -72,12 +72,12 @@ const (
 	sqlEndStreamSession = `SELECT coalesce(bool_or(pg_terminate_backend(a.pid)), false) FROM pg_replication_slots s
         JOIN pg_stat_activity a ON a.pid = s.active_pid
         WHERE s.slot_name = $1 AND s.active_pid = $2::int4 AND (extract(epoch FROM a.backend_start) * 1000000)::int8 = $3::int8`
-	// sqlNameTaken: the other tables the publication $1 publishes (as
-	// SQL names them, their schemas, their names), and the database of
+	// sqlNameTaken: the other tables the publication $1 publishes (their
+	// quoted names, their schemas, their names), and the database of
 	// another database's slot named $1 (NULL when none): slot names are
 	// the cluster's, and two tables whose names differ only in what
 	// SlotName folds (case, '.' and '_') get the same.
-	sqlNameTaken = `SELECT COALESCE(array_agg(c.oid::regclass::text ORDER BY c.oid), '{}'), COALESCE(array_agg(n.nspname::text ORDER BY c.oid), '{}'),
+	sqlNameTaken = `SELECT COALESCE(array_agg(format('%I.%I', n.nspname, c.relname) ORDER BY c.oid), '{}'), COALESCE(array_agg(n.nspname::text ORDER BY c.oid), '{}'),
 			COALESCE(array_agg(c.relname::text ORDER BY c.oid), '{}'),
 		(SELECT database::text FROM pg_replication_slots WHERE slot_name = $1 AND database <> current_database() LIMIT 1)
 		FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid JOIN pg_class c ON c.oid = pr.prrelid
