@@ -357,13 +357,14 @@ func (r *Relay) checkReplicaIdentity(ctx context.Context, oid uint32) error {
 // changes as an earlier table's (tableReplaced); before, a relay refused to
 // start beside it.
 func foldsToSlot(database, slot string, others, schemas, names []string) (taken *string, extra []string) {
+	// A relay takes a table by a plain lower-case name only (ParseTable):
+	// by its name alone (found on its search_path), or with its schema.
+	named := func(t outbox.Table) bool {
+		_, err := outbox.ParseTable(t.String())
+		return err == nil && outbox.SlotName(database, t) == slot
+	}
 	for i, name := range names {
-		if _, err := outbox.ParseTable(schemas[i] + "." + name); err != nil {
-			extra = append(extra, others[i]) // no relay takes a table of that name (upper case, other characters)
-			continue
-		}
-		if outbox.SlotName(database, outbox.Table{Schema: schemas[i], Name: name}) == slot ||
-			outbox.SlotName(database, outbox.Table{Name: name}) == slot {
+		if named(outbox.Table{Name: name}) || named(outbox.Table{Schema: schemas[i], Name: name}) {
 			if taken == nil {
 				taken = &others[i]
 			}
@@ -1226,12 +1227,11 @@ type streamState struct {
 	txFull  bool
 	txKeep  []int64
 	txDel   []relRow
-	// txRels are, without writer deletes, the relations of txIDs' rows,
-	// and txEarlier says one is an earlier table of the table's name
-	// (streamedRow.earlier): at the commit only the rows of those the
-	// transaction deleted stay, to be put back (keptInEarlier).
-	txRels    []uint32
-	txEarlier bool
+	// txRels are, without writer deletes, the relations of txIDs' rows: at
+	// the commit, of the rows of an earlier table of the table's name
+	// (streamedRow.earlier) only those the transaction deleted stay, to be
+	// put back (keptInEarlier).
+	txRels []uint32
 	// txCommit is the position of the open transaction's commit.
 	txCommit pglogrepl.LSN
 	// tuple is the columns of the message decode reads, within it
@@ -1377,7 +1377,7 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 		s.inTx, s.txIDs, s.txRows, s.txIns, s.txRaw = true, s.txIDs[:0], s.txRows[:0], s.txIns[:0], s.txRaw[:0]
 		s.txXid, s.txCommit = m.Xid, m.FinalLSN
 		s.txKept, s.txBytes, s.txFull, s.txKeep, s.txDel = 0, 0, false, nil, s.txDel[:0]
-		s.txRels, s.txEarlier = s.txRels[:0], false
+		s.txRels = s.txRels[:0]
 		s.readAgain()
 	case *pglogrepl.CommitMessage:
 		if len(s.txDel) > 0 {
@@ -1385,8 +1385,12 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 				return err
 			}
 		}
-		if s.txEarlier {
-			s.keptInEarlier()
+		// Which rows are of an earlier table is judged here, once: a
+		// Relation message within the transaction may have replaced the
+		// table (tableReplaced).
+		now := s.r.capture.oid.Load()
+		if slices.ContainsFunc(s.txRels, func(rel uint32) bool { return rel != now }) {
+			s.keptInEarlier(now)
 		}
 		s.inTx, s.passed = false, max(s.passed, m.TransactionEndLSN)
 		if len(s.pending) == 0 && len(s.txIDs) > 0 {
@@ -1398,9 +1402,13 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 			s.pendXids = append(s.pendXids, int64(s.txXid))
 		}
 		for _, x := range s.txRows {
+			x.earlier = x.rel != now
 			s.pendRows, s.pendBytes = append(s.pendRows, x), s.pendBytes+x.size
 		}
-		var at map[int64]int // the ids' places in pending, for rows put back under new ids (restoreDeleted)
+		// The rows' places in pending, for rows put back under new ids
+		// (restoreDeleted): by relation too, as two tables' rows may share
+		// an id.
+		var at map[relRow]int
 		for _, x := range s.txIns {
 			if x.deleted {
 				cols, err := tupleColumns(s.txRaw[x.from:x.to], s.tuple)
@@ -1409,13 +1417,13 @@ func (s *streamState) decode(ctx context.Context, data []byte) error {
 				}
 				s.tuple = cols
 				if at == nil {
-					at = make(map[int64]int, len(s.txIDs))
+					at = make(map[relRow]int, len(s.txIDs))
 					for i, id := range s.txIDs {
-						at[id] = base + i
+						at[relRow{rel: s.txRels[i], id: id}] = base + i
 					}
 				}
 				back := tupleText(x.id, x.names, cols)
-				back.earlier, back.pendingAt = x.earlier, at[x.id]
+				back.rel, back.earlier, back.pendingAt = x.rel, x.rel != now, at[relRow{rel: x.rel, id: x.id}]
 				s.restore = append(s.restore, back)
 			}
 		}
@@ -1451,7 +1459,6 @@ type rawInsert struct {
 	names    []string
 	rel      uint32 // its relation
 	deleted  bool   // the transaction deleted the row
-	earlier  bool   // of an earlier table of the table's name (streamedRow.earlier)
 }
 
 // rawInsertSize is what a rawInsert takes beside its tuple, counted
@@ -1505,8 +1512,7 @@ func (s *streamState) keepInsert(id int64, tuple []byte) {
 		copy(raw, s.txRaw)
 		s.txRaw = raw
 	}
-	s.txIns = append(s.txIns, rawInsert{id: id, rel: s.rel, from: len(s.txRaw), to: len(s.txRaw) + len(tuple), names: s.relNames,
-		earlier: s.rel != s.r.capture.oid.Load()})
+	s.txIns = append(s.txIns, rawInsert{id: id, rel: s.rel, from: len(s.txRaw), to: len(s.txRaw) + len(tuple), names: s.relNames})
 	s.txRaw = append(s.txRaw, tuple...)
 }
 
@@ -1701,7 +1707,6 @@ func (s *streamState) decodeRowChange(data []byte) error {
 	if err != nil {
 		return fmt.Errorf("the stream's id %q: %w", cols[s.idCol], err)
 	}
-	s.txEarlier = s.txEarlier || s.rel != s.r.capture.oid.Load()
 	s.txIDs, s.txRels = append(s.txIDs, id), append(s.txRels, s.rel)
 	s.keepInsert(id, tuple) // until the commit, in case the transaction deletes the row
 	return nil
@@ -1723,15 +1728,16 @@ func compareRelRows(a, b relRow) int {
 // row of their id, if any, is another event's, which the claim would
 // publish out of its place. The rows it deleted stay, to be put back into
 // the table now (restore), as with writer deletes (publishDecoded).
-func (s *streamState) keptInEarlier() {
+//
+// now is the table now's relation.
+func (s *streamState) keptInEarlier(now uint32) {
 	deleted := make(map[relRow]bool, len(s.txIns))
 	for _, x := range s.txIns {
-		if x.deleted { // each stays: it is put back (restore, which finds its place by its id)
+		if x.deleted { // each stays: it is put back (restore, which finds its place by its relation and id)
 			deleted[relRow{rel: x.rel, id: x.id}] = true
 		}
 	}
 	var left []int64
-	now := s.r.capture.oid.Load()
 	kept, rels := s.txIDs[:0], s.txRels[:0]
 	for i, id := range s.txIDs {
 		if rel := s.txRels[i]; rel != now && !deleted[relRow{rel: rel, id: id}] {

@@ -744,23 +744,28 @@ func TestStreamMatchesADeleteWithItsOwnTablesInsert(t *testing.T) {
 				row('I', 8, 60), row('D', 7, 60), // copied into the table now, deleted from the earlier one
 				row('I', 7, 61), row('D', 8, 61), // kept in the earlier table; the table now's row 61 deleted
 				row('I', 8, 62), row('D', 8, 62), // deleted by the writer that inserted it
+				row('I', 7, 70), row('D', 7, 70), row('I', 8, 70), // one id in both tables, the earlier one's deleted
 				commit(0x100)} {
 				require.NoError(t, s.decode(context.Background(), m))
 			}
 			if writerDeletes {
-				deleted := map[int64]bool{}
+				deleted := map[relRow]bool{}
 				for _, x := range s.pendRows {
-					deleted[x.id] = x.deleted
+					deleted[relRow{rel: x.rel, id: x.id}] = x.deleted
 				}
-				require.Equal(t, map[int64]bool{60: false, 61: false, 62: true}, deleted, "only the row its own table's delete names is in no table")
+				require.Equal(t, map[relRow]bool{{8, 60}: false, {7, 61}: false, {8, 62}: true, {7, 70}: true, {8, 70}: false}, deleted,
+					"only the row its own table's delete names is in no table")
 				return
 			}
-			var restored []int64
+			var restored []relRow
+			at := map[relRow]int{}
 			for _, x := range s.restore {
-				restored = append(restored, x.id)
+				restored = append(restored, relRow{rel: x.rel, id: x.id})
+				at[relRow{rel: x.rel, id: x.id}] = x.pendingAt
 			}
-			require.Equal(t, []int64{62}, restored, "only the row its own table's delete names is put back")
-			require.Equal(t, []int64{60, 62}, s.pending, "the row kept in the earlier table stays there")
+			require.Equal(t, []relRow{{8, 62}, {7, 70}}, restored, "only the rows their own table's deletes name are put back")
+			require.Equal(t, []int64{60, 62, 70, 70}, s.pending, "the row kept in the earlier table stays there")
+			require.Equal(t, map[relRow]int{{8, 62}: 1, {7, 70}: 2}, at, "each put back in its own place, the earlier table's 70 before the table now's")
 		})
 	}
 }
@@ -1092,13 +1097,13 @@ func TestTheSilenceCheckFindsTheStreamsOwnSession(t *testing.T) {
 func TestFoldsToSlotRefusesOnlyATableARelayWouldShareTheSlotWith(t *testing.T) {
 	slot := outbox.SlotName("db", outbox.Table{Schema: "a", Name: "b"}) // outbox_db_a_b
 	taken, extra := foldsToSlot("db", slot,
-		[]string{`public."Outbox"`, "public.a_b", "public.outbox_old", "archive.a_b", `"A".b`},
-		[]string{"public", "public", "public", "archive", "A"},
-		[]string{"Outbox", "a_b", "outbox_old", "a_b", "b"})
+		[]string{`public."Outbox"`, "public.a_b", "public.outbox_old", "archive.a_b", `"A".b`, `"MyApp".a_b`},
+		[]string{"public", "public", "public", "archive", "A", "MyApp"},
+		[]string{"Outbox", "a_b", "outbox_old", "a_b", "b", "a_b"})
 	require.NotNil(t, taken)
 	require.Equal(t, "public.a_b", *taken, "a relay of a_b names its slot outbox_db_a_b")
 	require.Equal(t, []string{`public."Outbox"`, "public.outbox_old", `"A".b`}, extra,
-		"no relay takes an upper-case name, and outbox_old folds to another slot; archive.a_b is a second collision, not an extra")
+		"no relay takes an upper-case name, and outbox_old folds to another slot; archive.a_b and \"MyApp\".a_b (a_b on a search path) are collisions too, not extras")
 	taken, extra = foldsToSlot("db", slot, nil, nil, nil)
 	require.Nil(t, taken)
 	require.Empty(t, extra)
