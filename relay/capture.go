@@ -1594,11 +1594,11 @@ func (r *Relay) tableReplaced(ctx context.Context, oid uint32, namespace string)
 		r.capture.relations[oid] = true
 		r.capture.oid.Store(oid)
 		r.log.Warn("the table was replaced by another of its name (dropped or renamed away, then made again and published); the stream takes the new table's inserts",
-			"table", r.table.String(), "oid", oid)
+			"oid", oid) // r.log names the table
 	case namespace == r.capture.namespace && !r.capture.relations[oid]:
 		r.capture.relations[oid] = true
 		r.log.Warn("the stream reads inserts of an earlier table of the table's name (dropped or renamed away, and made again, before this relay started); it publishes the rows their writers deleted, and leaves those they kept in that table",
-			"table", r.table.String(), "oid", oid)
+			"oid", oid)
 	}
 	return nil // otherwise: a table of another schema, or an earlier table taken already
 }
