@@ -174,6 +174,11 @@ CHAOS_REPORT ?= $(CURDIR)/docs/chaos-report.md
 chaos: deps-postgres deps-kafka ## Run random fault scenarios for CHAOS_DURATION (default 10m), of one capture mode only with CHAOS_CAPTURE (as the report's capture column names it), and write CHAOS_REPORT (default docs/chaos-report.md).
 	go test -count=1 -timeout 0 -run '^TestFaults$$' ./relay/ -args -chaos.duration $(CHAOS_DURATION) -chaos.capture "$(CHAOS_CAPTURE)" -chaos.report $(CHAOS_REPORT)
 
+.PHONY: chaos-migrations
+MIGRATION_HISTORIES ?= 100
+chaos-migrations: deps-postgres deps-kafka ## Run MIGRATION_HISTORIES (default 100) random histories of table migrations under logical replication, with writer deletes and without, each of which must lose no event (TestLogicalReplicationLosesNothingThroughMigrations); a failing seed is named in the output.
+	go test -count=1 -timeout 0 -run '^TestLogicalReplicationLosesNothingThroughMigrations$$' ./relay/ -args -migration.random $(MIGRATION_HISTORIES)
+
 .PHONY: bench-quick
 bench-quick: deps-postgres deps-kafka ## A short subset of `make bench` (writes bench/quick.md and bench/quick-results.json).
 	go run ./test/bench -quick $(BENCH_QUICK_FLAGS)

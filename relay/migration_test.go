@@ -2,8 +2,10 @@ package relay_test
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -25,6 +27,10 @@ import (
 // table's inserts out (8 of its 34 events lost in one run).
 var migrationSeeds = []uint64{3, 25}
 
+// migrationRandom is how many random seeds the test runs beside
+// migrationSeeds (make chaos-migrations).
+var migrationRandom = flag.Int("migration.random", 0, "run this many random migration histories of each mode too (make chaos-migrations)")
+
 // No migration that moves the table's unpublished rows loses an event:
 // whatever the order of the writers' events, migrations that replace the
 // table (renamed away and kept, or dropped, the new table's ids starting
@@ -35,8 +41,12 @@ var migrationSeeds = []uint64{3, 25}
 // copy of most of them. Each seed draws one such history.
 func TestLogicalReplicationLosesNothingThroughMigrations(t *testing.T) {
 	t.Parallel()
+	seeds := slices.Clone(migrationSeeds)
+	for range *migrationRandom {
+		seeds = append(seeds, rand.Uint64()%1_000_000)
+	}
 	for _, writerDeletes := range []bool{true, false} {
-		for _, seed := range migrationSeeds {
+		for _, seed := range seeds {
 			t.Run(fmt.Sprintf("writer deletes %v seed %d", writerDeletes, seed), func(t *testing.T) {
 				t.Parallel()
 				migrationScenario(t, seed, writerDeletes)
