@@ -1197,11 +1197,9 @@ type streamState struct {
 	// once an earlier table's message came again (a change to that table
 	// after the table now's message) it left the table now's inserts out.
 	rels map[uint32]streamRelation
-	// rel, idCol, relNames and cols are those of the change being read.
-	rel      uint32
-	idCol    int            // the index of the id column in its tuples
-	relNames []string       // its columns' names, in its tuples' order
-	cols     *streamColumns // with writer deletes: where the columns are
+	// rel and cur are the relation of the change being read (rels[rel]).
+	rel uint32
+	cur streamRelation
 	// With writer deletes: the open transaction's rows, and the committed
 	// rows not yet published (pending's ids).
 	txRows, pendRows []streamedRow
@@ -1512,7 +1510,7 @@ func (s *streamState) keepInsert(id int64, tuple []byte) {
 		copy(raw, s.txRaw)
 		s.txRaw = raw
 	}
-	s.txIns = append(s.txIns, rawInsert{id: id, rel: s.rel, from: len(s.txRaw), to: len(s.txRaw) + len(tuple), names: s.relNames})
+	s.txIns = append(s.txIns, rawInsert{id: id, rel: s.rel, from: len(s.txRaw), to: len(s.txRaw) + len(tuple), names: s.cur.names})
 	s.txRaw = append(s.txRaw, tuple...)
 }
 
@@ -1606,9 +1604,9 @@ func (r *Relay) tableReplaced(ctx context.Context, oid uint32, namespace string)
 // streamRelation is what the stream knows of a relation it takes, from
 // its Relation message.
 type streamRelation struct {
-	idCol int      // the index of the id column in its tuples
-	names []string // its columns' names, in its tuples' order; rows keep theirs
-	cols  *streamColumns
+	idCol int            // the index of the id column in its tuples
+	names []string       // its columns' names, in its tuples' order; rows keep theirs
+	cols  *streamColumns // with writer deletes: where each column the relay reads is
 }
 
 // readRelation reads relation m's columns (with writer deletes, where
@@ -1646,13 +1644,13 @@ func (s *streamState) decodeRowChange(data []byte) error {
 	if !ok {
 		return nil // not a relation the stream takes
 	}
-	s.rel, s.idCol, s.relNames, s.cols = rel, x.idCol, x.names, x.cols
+	s.rel, s.cur = rel, x
 	cols, err := tupleColumns(tuple, s.tuple)
 	if err != nil {
 		return fmt.Errorf("decode pgoutput %q message: %w", data[0], err)
 	}
 	s.tuple = cols
-	if s.idCol >= len(cols) {
+	if s.cur.idCol >= len(cols) {
 		return nil
 	}
 	if data[0] == byte(pglogrepl.MessageTypeDelete) {
@@ -1664,7 +1662,7 @@ func (s *streamState) decodeRowChange(data []byte) error {
 		// the stream, and a row its writer kept is claimed from the table
 		// (publishDecoded). Deletes of earlier rows (published ones) are
 		// not the stream's concern.
-		id, err := strconv.ParseInt(string(cols[s.idCol]), 10, 64)
+		id, err := strconv.ParseInt(string(cols[s.cur.idCol]), 10, 64)
 		if err != nil {
 			return nil // a key without the id: not a row this transaction inserted
 		}
@@ -1683,15 +1681,15 @@ func (s *streamState) decodeRowChange(data []byte) error {
 				break // a transaction inserts an id once into a table
 			}
 		}
-		if s.cols == nil && len(s.txIDs) > 0 {
+		if s.cur.cols == nil && len(s.txIDs) > 0 {
 			// Matched with the inserts at the commit (matchDeleted); a
 			// transaction that has inserted nothing deletes earlier rows.
 			s.txDel = append(s.txDel, relRow{rel: rel, id: id})
 		}
 		return nil
 	}
-	if s.cols != nil {
-		x, err := s.cols.decodeRow(cols)
+	if s.cur.cols != nil {
+		x, err := s.cur.cols.decodeRow(cols)
 		if err != nil {
 			return err
 		}
@@ -1703,9 +1701,9 @@ func (s *streamState) decodeRowChange(data []byte) error {
 		s.txIDs, s.txRows = append(s.txIDs, x.id), append(s.txRows, x)
 		return nil
 	}
-	id, err := strconv.ParseInt(string(cols[s.idCol]), 10, 64)
+	id, err := strconv.ParseInt(string(cols[s.cur.idCol]), 10, 64)
 	if err != nil {
-		return fmt.Errorf("the stream's id %q: %w", cols[s.idCol], err)
+		return fmt.Errorf("the stream's id %q: %w", cols[s.cur.idCol], err)
 	}
 	s.txIDs, s.txRels = append(s.txIDs, id), append(s.txRels, s.rel)
 	s.keepInsert(id, tuple) // until the commit, in case the transaction deletes the row
@@ -1814,7 +1812,7 @@ func (s *streamState) flush(ctx context.Context) error {
 	if len(s.pending) == 0 {
 		return s.settle(ctx)
 	}
-	if s.cols != nil {
+	if s.cur.cols != nil {
 		if err := s.publishDecoded(ctx, s.pendRows); err != nil {
 			return err // nothing confirmed: the stream delivers them again
 		}

@@ -51,8 +51,14 @@ func startStreaming(t *testing.T, cfg relay.Config) *outboxtest.Running {
 // every transaction running on the server, other tests' too.
 func waitStreaming(t *testing.T, x *outboxtest.Running) {
 	t.Helper()
+	waitStreamingWithin(t, x, 30*time.Second)
+}
+
+// waitStreamingWithin waits until relay x streams, up to within.
+func waitStreamingWithin(t *testing.T, x *outboxtest.Running, within time.Duration) {
+	t.Helper()
 	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, x.Reg, "outbox_relay_capture_streaming") == 1 },
-		30*time.Second, 20*time.Millisecond, "the relay streams")
+		within, 20*time.Millisecond, "the relay streams")
 }
 
 // eventIDs are the table's event ids in the order of the SQL ORDER BY order.

@@ -75,8 +75,7 @@ func migrationScenario(t *testing.T, seed uint64, writerDeletes bool) {
 	// Making the slot waits for every transaction running on the server,
 	// other tests' too, some of which hold one open on purpose: in make
 	// test the 30 s of startStreaming were once not enough.
-	require.Eventually(t, func() bool { return outboxtest.MetricValue(t, current.Reg, "outbox_relay_capture_streaming") == 1 },
-		3*time.Minute, 50*time.Millisecond, "the relay streams")
+	waitStreamingWithin(t, current, 3*time.Minute)
 	stored := map[string]bool{}
 	var history []string
 	earlier := 0 // earlier tables kept, outbox_old_1 …
