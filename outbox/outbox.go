@@ -228,10 +228,23 @@ func DeleteOnStoreCondition(slotParam string) string {
       AND CASE WHEN pg_try_advisory_lock_shared(` + key + `) THEN NOT pg_advisory_unlock_shared(` + key + `) ELSE true END`
 }
 
+// WriterDeletesMark is the line a relay with writer deletes adds to the
+// comment of its slot's publication before it streams, and adds again
+// while it streams if the line is gone. A relay without writer deletes that
+// takes the slot later reads it: the slot may then hold events that are in
+// no table, so it keeps the slot past --max-retained-wal until it has
+// streamed past them, and then removes the line. Writers delete only while
+// the publication carries it (DeleteOnStoreConditionFor): a row deleted
+// while it does not, as when the relay's role may not comment on the
+// publication, would be in the slot alone with nothing saying so, and a
+// relay switched away from writer deletes would give the slot up past
+// the limit and lose it.
+const WriterDeletesMark = "outbox-relay: streamed with writer deletes; the slot may hold events that are in no table"
+
 // DeleteOnStoreConditionFor is the condition under which a writer with
 // WithDeleteOnStore deletes its row of table t: DeleteOnStoreCondition,
-// and t is the table the slot's publication (named as the slot) publishes,
-// as the relay reads it: its inserts and deletes (without the deletes a
+// the slot's publication (named as the slot) carries WriterDeletesMark,
+// and t is the table that publication publishes, as the relay reads it: its inserts and deletes (without the deletes a
 // relay switched from writer deletes later cannot tell the rows writers
 // deleted from those it published; the relay checks it at start, and this
 // holds while it streams), every row and every column (no row
@@ -251,6 +264,7 @@ func DeleteOnStoreConditionFor(slotParam string, t Table) string {
 	return DeleteOnStoreCondition(slotParam) + `
       AND EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
         WHERE p.pubname = ` + slotParam + `::text AND pr.prrelid = ` + rel + ` AND p.pubinsert AND p.pubdelete
+          AND ` + QuoteLiteral(WriterDeletesMark) + ` = ANY(string_to_array(obj_description(p.oid, 'pg_publication'), E'\n'))
           AND to_jsonb(pr) ->> 'prqual' IS NULL AND to_jsonb(pr) ->> 'prattrs' IS NULL
           AND (p.pubviaroot OR NOT EXISTS (SELECT 1 FROM pg_class c WHERE c.oid = ` + rel + ` AND c.relkind = 'p')))`
 }

@@ -126,6 +126,10 @@ type captureState struct {
 	role              string // the relay's, on the database
 	// namespace is the table's schema, as the start-up check found it.
 	namespace string
+	// unmarkable: with writer deletes, the relay may not mark the
+	// publication (markWriterDeletes), which it said when the stream
+	// started; the stream's checks do not try again.
+	unmarkable bool
 	// oid is the table's, as the stream last learned it (tableReplaced).
 	oid atomic.Uint32
 	// relations are the relation ids whose inserts the stream takes: the
@@ -747,7 +751,9 @@ func (r *Relay) startReplication(ctx context.Context, conn *pgconn.PgConn, opts 
 		if err := lockWriterDeletes(ctx, conn, r.capture.slot); err != nil {
 			return err
 		}
-		r.markWriterDeletes(ctx) // before the writers delete: they do only while it streams
+		// Before the writers delete: they do only while it streams and the
+		// mark is there.
+		r.capture.unmarkable = !r.markWriterDeletes(ctx)
 	}
 	return pglogrepl.StartReplication(ctx, conn, r.capture.slot, 0, opts)
 }
@@ -2511,7 +2517,8 @@ func (r *Relay) sweepBefore(ctx context.Context, alive func(context.Context) err
 func (r *Relay) checkSlot(ctx context.Context, slot string, holdsDeleted bool) error {
 	var retained int64
 	var status string
-	err := r.own.QueryRow(ctx, sqlSlotState, slot).Scan(&retained, &status)
+	var marked bool
+	err := r.own.QueryRow(ctx, sqlSlotState, slot, r.capture.publication, outbox.WriterDeletesMark).Scan(&retained, &status, &marked)
 	if err != nil {
 		// The stream goes on (it fails on its own if the database is
 		// gone), but the retained-WAL bound is not checked meanwhile.
@@ -2519,6 +2526,14 @@ func (r *Relay) checkSlot(ctx context.Context, slot string, holdsDeleted bool) e
 		return nil
 	}
 	r.m.slotRetainedWAL.Set(float64(retained))
+	if r.cfg.WriterDeletes && !marked && !r.capture.unmarkable {
+		// Removed by hand, or by a relay without writer deletes that
+		// removed it late, after this one had marked it: the writers keep
+		// their rows until it is back.
+		if r.capture.unmarkable = !r.markWriterDeletes(ctx); !r.capture.unmarkable {
+			r.log.Warn("the publication's writer-deletes mark was gone, so the writers kept their rows; marked it again", "publication", r.capture.publication)
+		}
+	}
 	switch {
 	case status == "lost" && holdsDeleted:
 		r.log.Error("PostgreSQL invalidated the replication slot: the events written with writer deletes in the WAL it lost are gone, they were in no table; making a new slot",
@@ -2538,23 +2553,22 @@ func (r *Relay) checkSlot(ctx context.Context, slot string, holdsDeleted bool) e
 	return nil
 }
 
-// writerDeletesMark is the comment a relay with writer deletes gives the
-// slot's publication before it streams (markWriterDeletes): a relay
-// without them that takes the slot later reads it (holdsDeleted).
-const writerDeletesMark = "outbox-relay: streamed with writer deletes; the slot may hold events that are in no table"
-
-// markWriterDeletes gives the publication writerDeletesMark. Only
-// the publication's owner may, and a DBA often makes it: a relay that
-// may not says so, with the fix, and streams all the same, as a relay did
-// before it marked.
-func (r *Relay) markWriterDeletes(ctx context.Context) {
+// markWriterDeletes adds outbox.WriterDeletesMark to the publication's
+// comment; the writers delete only while it is there. Only the
+// publication's owner may, and a DBA often makes it: a relay that may not
+// says so, with the fix, and streams all the same, and the writers keep
+// their rows, which it claims from the table as a relay without writer
+// deletes does. It returns whether the mark is set.
+func (r *Relay) markWriterDeletes(ctx context.Context) bool {
 	// On a connection of the pool: a replication connection of
 	// PostgreSQL 14.0 and 14.1 takes no statement holding a ';'.
-	if _, err := r.own.Exec(ctx, sqlSetNote(r.capture.publication, writerDeletesMark, writerDeletesMark)); err != nil {
-		r.log.Warn("the relay may not mark the publication as streamed with writer deletes, so a relay run without them later (the OutboxRelay switched off writer deletes) would drop the slot past --"+relayconfig.FlagMaxRetainedWAL+" even while it holds events in no table; make the relay's role the publication's owner, or keep the slot within the limit when switching",
+	if _, err := r.own.Exec(ctx, sqlSetNote(r.capture.publication, outbox.WriterDeletesMark, outbox.WriterDeletesMark)); err != nil {
+		r.log.Warn("the relay may not mark the publication as streamed with writer deletes, so the writers keep their rows and the relay claims them from the table, as without writer deletes; make the relay's role the publication's owner",
 			"publication", r.capture.publication, "err", err,
 			"fix", "ALTER PUBLICATION "+pgx.Identifier{r.capture.publication}.Sanitize()+" OWNER TO "+pgx.Identifier{r.capture.role}.Sanitize())
+		return false
 	}
+	return true
 }
 
 // deletedRows is what a relay without writer deletes knows of the events
@@ -2587,7 +2601,7 @@ func (r *Relay) holdsDeleted(ctx context.Context, d *deletedRows, confirmed pglo
 	pub := r.capture.publication
 	if !d.read {
 		var marked bool
-		if err := r.own.QueryRow(ctx, sqlDeletedRowsMark, pub, writerDeletesMark).Scan(&marked, &d.xmax); err != nil {
+		if err := r.own.QueryRow(ctx, sqlDeletedRowsMark, pub, outbox.WriterDeletesMark).Scan(&marked, &d.xmax); err != nil {
 			r.log.Warn("could not read whether the slot was streamed with writer deletes; it is kept until that reads", "publication", pub, "err", err)
 			return true
 		}
@@ -2620,7 +2634,7 @@ func (r *Relay) holdsDeleted(ctx context.Context, d *deletedRows, confirmed pglo
 		return true
 	}
 	d.past = true
-	if _, err := r.own.Exec(ctx, sqlSetNote(pub, writerDeletesMark, "")); err != nil {
+	if _, err := r.own.Exec(ctx, sqlSetNote(pub, outbox.WriterDeletesMark, "")); err != nil {
 		// The next stream reads the mark again, and keeps the slot until
 		// it has streamed past a later position.
 		r.log.Warn("could not remove the writer-deletes mark of the publication", "publication", pub, "err", err,

@@ -89,8 +89,11 @@ const (
 		FROM pg_attribute WHERE attrelid = $1 AND attgenerated <> '' AND attnum > 0 AND NOT attisdropped`
 	// sqlWALSenderTimeout: wal_sender_timeout in seconds (0: none).
 	sqlWALSenderTimeout = `SELECT extract(epoch FROM current_setting('wal_sender_timeout')::interval)::float8`
-	// sqlSlotState: the WAL the slot $1 holds back, in bytes, and its wal_status.
-	sqlSlotState = `SELECT COALESCE(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::bigint, COALESCE(wal_status, '')
+	// sqlSlotState: the WAL the slot $1 holds back, in bytes, its
+	// wal_status, and whether the publication $2's comment has the line $3
+	// (outbox.WriterDeletesMark, sqlSetNote).
+	sqlSlotState = `SELECT COALESCE(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::bigint, COALESCE(wal_status, ''),
+		COALESCE((SELECT $3 = ANY(string_to_array(obj_description(p.oid, 'pg_publication'), E'\n')) FROM pg_publication p WHERE p.pubname = $2), false)
 		FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()`
 	// sqlSweepFence (sweepFence): the oldest running transaction, every
 	// one before it ended (a transaction id's text form, without its
@@ -114,7 +117,7 @@ const (
 	sqlSlotSnapshot = `SELECT (pg_snapshot_xmax(pg_current_snapshot())::text::numeric % 4294967296)::text,
 		ARRAY(SELECT (x::text::numeric % 4294967296)::bigint FROM pg_snapshot_xip(pg_current_snapshot()) x)`
 	// sqlDeletedRowsMark: whether the publication $1's comment has the line
-	// $2 (writerDeletesMark, sqlSetNote), and the first transaction id not
+	// $2 (outbox.WriterDeletesMark, sqlSetNote), and the first transaction id not
 	// yet begun.
 	sqlDeletedRowsMark = `SELECT COALESCE((SELECT $2 = ANY(string_to_array(obj_description(oid, 'pg_publication'), E'\n')) FROM pg_publication WHERE pubname = $1), false),
 		pg_snapshot_xmax(pg_current_snapshot())::text`
@@ -220,7 +223,7 @@ func sqlMarkPublication(pub, lit string) string {
 
 // sqlSetNote replaces, in one statement, the lines of the publication
 // pub's comment that start with prefix by line, or removes them when line
-// is "": the comment holds one line per note (writerDeletesMark,
+// is "": the comment holds one line per note (outbox.WriterDeletesMark,
 // beforeSlotNote), and each note is set or removed without the others.
 func sqlSetNote(pub, prefix, line string) string {
 	return sqlEditNotes(pub, `starts_with(l, `+outbox.QuoteLiteral(prefix)+`)`, line)
