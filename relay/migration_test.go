@@ -72,10 +72,7 @@ func migrationScenario(t *testing.T, seed uint64, writerDeletes bool) {
 	require.NoError(t, err)
 
 	current := outboxtest.Start(t, cfg)
-	// Making the slot waits for every transaction running on the server,
-	// other tests' too, some of which hold one open on purpose: in make
-	// test the 30 s of startStreaming were once not enough.
-	waitStreamingWithin(t, current, 3*time.Minute)
+	waitStreaming(t, current)
 	stored := map[string]bool{}
 	var history []string
 	earlier := 0 // earlier tables kept, outbox_old_1 …
