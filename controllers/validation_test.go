@@ -62,7 +62,7 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		{"batchSize zero", func(s map[string]any) { s["batchSize"] = int64(0) }, []string{"spec.batchSize"}},
 		{"template env sets the relay's own", func(s map[string]any) {
 			s["template"] = map[string]any{"container": map[string]any{"env": []any{map[string]any{"name": "RELAY_BATCH_SIZE", "value": "1"}}}}
-		}, []string{"spec.template.container.env", "RELAY_* variables are the relay's own"}},
+		}, []string{"spec.template.container.env[0].name", "RELAY_BATCH_SIZE: RELAY_* variables are the relay's own"}},
 		{"template env name with =", func(s map[string]any) {
 			s["template"] = map[string]any{"container": map[string]any{"env": []any{
 				map[string]any{"name": "APP_MODE", "value": "1"}, map[string]any{"name": "JAVA_OPTS=-Xmx1g", "value": "1"}}}}
@@ -135,10 +135,10 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 			s["template"] = map[string]any{
 				"pod":       map[string]any{"volumes": []any{map[string]any{"name": "bin", "configMap": map[string]any{"name": "bin", "defaultMode": int64(0o755)}}}},
 				"container": map[string]any{"volumeMounts": []any{map[string]any{"name": "bin", "mountPath": "relay", "subPath": "relay"}}}}
-		}, []string{"spec.template.container.volumeMounts", "mountPath must be absolute"}},
+		}, []string{"spec.template.container.volumeMounts[0]", "mountPath relay must be absolute"}},
 		{"template mount under the relay's directory", func(s map[string]any) {
 			s["template"] = map[string]any{"container": map[string]any{"volumeMounts": []any{map[string]any{"name": "ca", "mountPath": "/etc/relay/tls"}}}}
-		}, []string{"spec.template.container.volumeMounts", "the directory /etc/relay"}},
+		}, []string{"spec.template.container.volumeMounts[0]", "volume ca at /etc/relay/tls: ", "the directory /etc/relay"}},
 		{"template volume of two kinds", func(s map[string]any) {
 			s["template"] = map[string]any{"pod": map[string]any{"volumes": []any{map[string]any{"name": "x", "emptyDir": map[string]any{},
 				"secret": map[string]any{"secretName": "s"}}}}}
@@ -310,7 +310,7 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 			s["template"] = map[string]any{
 				"pod":       map[string]any{"volumes": []any{map[string]any{"name": "bin", "configMap": map[string]any{"name": "bin", "defaultMode": int64(0o755)}}}},
 				"container": map[string]any{"volumeMounts": []any{map[string]any{"name": "bin", "mountPath": c.mount, "subPath": "relay"}}}}
-		}, []string{"spec.template.container.volumeMounts", "the relay's binary /relay are the relay's own"}})
+		}, []string{"spec.template.container.volumeMounts[0]", "volume bin at " + c.mount + ": ", "the relay's binary /relay are the relay's own"}})
 	}
 	// Every label the operator selects the relay pods by, in both places
 	// that add labels; the operator's own annotation in both that add

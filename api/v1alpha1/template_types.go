@@ -106,7 +106,6 @@ type RelayContainerSpec struct {
 	// Env adds environment variables; RELAY_* are the relay's own settings
 	// and Secrets (set them through this OutboxRelay's fields).
 	// +kubebuilder:validation:MaxItems=64
-	// +kubebuilder:validation:XValidation:rule="self.all(e, !e.name.startsWith('RELAY_'))",message="RELAY_* variables are the relay's own settings and Secrets: set them through the OutboxRelay's fields"
 	// +listType=map
 	// +listMapKey=name
 	// +optional
@@ -124,8 +123,8 @@ type RelayContainerSpec struct {
 	// relay's binary (a mount over it would run another program with the
 	// relay's Secrets, past the operator's image allow-list).
 	// +kubebuilder:validation:MaxItems=32
-	// +kubebuilder:validation:XValidation:rule="self.all(m, m.mountPath.startsWith('/'))",message="mountPath must be absolute (start with /): the kubelet would mount a relative path under /"
-	// +kubebuilder:validation:XValidation:rule="self.all(m, m.name != 'kafka-tls' && m.name != 'database-tls' && m.mountPath != '/etc/relay' && !m.mountPath.startsWith('/etc/relay/') && m.mountPath != '/' && m.mountPath != '/relay' && !m.mountPath.startsWith('/relay/'))",message="the volumes kafka-tls and database-tls, the directory /etc/relay and the relay's binary /relay are the relay's own"
+	// +kubebuilder:validation:items:XValidation:rule="self.mountPath.startsWith('/')",message="mountPath must be absolute (start with /): the kubelet would mount a relative path under /",messageExpression="'mountPath ' + self.mountPath + ' must be absolute (start with /): the kubelet would mount a relative path under /'"
+	// +kubebuilder:validation:items:XValidation:rule="self.name != 'kafka-tls' && self.name != 'database-tls' && self.mountPath != '/etc/relay' && !self.mountPath.startsWith('/etc/relay/') && self.mountPath != '/' && self.mountPath != '/relay' && !self.mountPath.startsWith('/relay/')",message="the volumes kafka-tls and database-tls, the directory /etc/relay and the relay's binary /relay are the relay's own",messageExpression="'volume ' + self.name + ' at ' + self.mountPath + ': the volumes kafka-tls and database-tls, the directory /etc/relay and the relay\\'s binary /relay are the relay\\'s own'"
 	// +listType=map
 	// +listMapKey=mountPath
 	// +optional
@@ -159,8 +158,10 @@ type RelayContainerSpec struct {
 // RelayEnvVar is an environment variable of the relay container, as a pod's,
 // with a name the API server accepts in a pod.
 type RelayEnvVar struct {
-	// Name of the variable: printable ASCII characters other than '='.
+	// Name of the variable: printable ASCII characters other than '=', not
+	// starting with RELAY_ (ReservedEnvPrefix).
 	// +kubebuilder:validation:Pattern=`^[ -<>-~]+$`
+	// +kubebuilder:validation:XValidation:rule="!self.startsWith('RELAY_')",message="RELAY_* variables are the relay's own settings and Secrets: set them through the OutboxRelay's fields",messageExpression="self + ': RELAY_* variables are the relay\\'s own settings and Secrets: set them through the OutboxRelay\\'s fields'"
 	Name string `json:"name"`
 	// Value of the variable; $(VAR) expands as in a pod's env. Default "".
 	// +optional
