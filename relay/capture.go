@@ -120,16 +120,21 @@ var errCannotStream = errors.New("cannot stream")
 // more of it (captureState.rereads): the relay streams again at once.
 var errReadAgain = errors.New("reading a transaction again")
 
+// errStreamAgain ends a stream that the relay starts again at once, with
+// nothing failed (keepMarked).
+var errStreamAgain = errors.New("streaming again")
+
 // captureState is what the streaming needs beyond the relay.
 type captureState struct {
 	slot, publication string
 	role              string // the relay's, on the database
 	// namespace is the table's schema, as the start-up check found it.
 	namespace string
-	// unmarkable: with writer deletes, the relay may not mark the
-	// publication (markWriterDeletes), which it said when the stream
-	// started; the stream's checks do not try again.
-	unmarkable bool
+	// lockedDeletes: with writer deletes, the stream marked the
+	// publication and took the writer-deletes lock when it started, so the
+	// writers delete (keepMarked); unmarkedSaid: the stream said that the
+	// mark is gone and it may not set it again.
+	lockedDeletes, unmarkedSaid bool
 	// oid is the table's, as the stream last learned it (tableReplaced).
 	oid atomic.Uint32
 	// relations are the relation ids whose inserts the stream takes: the
@@ -534,7 +539,9 @@ func (r *Relay) checkCapture(ctx context.Context) error {
 	if r.cfg.WriterDeletes {
 		// Each stream marks it again; this says at start-up when the
 		// relay cannot.
-		r.markWriterDeletes(ctx)
+		if err := r.markWriterDeletes(ctx); err != nil {
+			r.warnUnmarked(err)
+		}
 	}
 	return nil
 }
@@ -579,7 +586,7 @@ func (r *Relay) runCapture(ctx context.Context) {
 		switch {
 		case ctx.Err() != nil:
 			return
-		case errors.Is(err, errReadAgain):
+		case errors.Is(err, errReadAgain), errors.Is(err, errStreamAgain):
 			continue // it said why; nothing failed
 		case errors.Is(err, errSlotBusy):
 			backoff = 0
@@ -731,9 +738,10 @@ func (r *Relay) replicationConn(ctx context.Context) (*pgconn.PgConn, error) {
 
 // startReplication starts streaming from the slot on conn. It first takes
 // the slot's capture lock on conn (errSlotBusy when another replica
-// streams or polls in the stream's stead) and, with writer deletes, the
-// slot's writer-deletes lock, which the writers test before they delete
-// (outbox.DeleteOnStoreCondition); both go with the session.
+// streams or polls in the stream's stead) and, with writer deletes once it
+// marked the publication, the slot's writer-deletes lock, which the
+// writers test before they delete (outbox.DeleteOnStoreCondition); both
+// go with the session.
 func (r *Relay) startReplication(ctx context.Context, conn *pgconn.PgConn, opts pglogrepl.StartReplicationOptions) error {
 	if err := r.tryCaptureLock(ctx, conn); err != nil {
 		return err
@@ -747,13 +755,21 @@ func (r *Relay) startReplication(ctx context.Context, conn *pgconn.PgConn, opts 
 			r.capture.streamPID, r.capture.streamStart = int32(pid), start
 		}
 	}
-	if r.cfg.WriterDeletes {
-		if err := lockWriterDeletes(ctx, conn, r.capture.slot); err != nil {
-			return err
+	if c := r.capture; r.cfg.WriterDeletes {
+		// The mark first: the writers delete only while it is there and the
+		// lock is held. A writer in a repeatable-read transaction reads the
+		// mark as its snapshot saw it, which may be before it was removed;
+		// so a relay that may not mark takes no lock, and its writers keep
+		// their rows whatever their snapshot says.
+		c.lockedDeletes, c.unmarkedSaid = false, false
+		if err := r.markWriterDeletes(ctx); err != nil {
+			r.warnUnmarked(err)
+		} else {
+			if err := lockWriterDeletes(ctx, conn, c.slot); err != nil {
+				return err
+			}
+			c.lockedDeletes = true
 		}
-		// Before the writers delete: they do only while it streams and the
-		// mark is there.
-		r.capture.unmarkable = !r.markWriterDeletes(ctx)
 	}
 	return pglogrepl.StartReplication(ctx, conn, r.capture.slot, 0, opts)
 }
@@ -987,10 +1003,16 @@ func (r *Relay) stream(ctx context.Context) error {
 		}
 		if !now.Before(s.nextCheck) {
 			s.nextCheck = now.Add(slotCheckInterval)
-			if err := r.checkSlot(ctx, c.slot, r.cfg.WriterDeletes || r.holdsDeleted(ctx, &s.deleted, s.confirmed)); err != nil {
+			marked, mayMark, err := r.checkSlot(ctx, c.slot, r.cfg.WriterDeletes || r.holdsDeleted(ctx, &s.deleted, s.confirmed))
+			if err != nil {
 				conn.Close(context.WithoutCancel(ctx))
 				r.dropSlot(ctx, c.slot)
 				return err
+			}
+			if r.cfg.WriterDeletes {
+				if err := r.keepMarked(ctx, marked, mayMark); err != nil {
+					return err
+				}
 			}
 		}
 		if len(s.pending) == 0 && !s.inTx {
@@ -2513,34 +2535,26 @@ func (r *Relay) sweepBefore(ctx context.Context, alive func(context.Context) err
 
 // checkSlot reads the slot's retained WAL; a slot past MaxRetainedWAL is
 // given up, unless it holds rows their writers deleted, and a lost one is
-// gone.
-func (r *Relay) checkSlot(ctx context.Context, slot string, holdsDeleted bool) error {
+// gone. It also reads whether the publication carries
+// outbox.WriterDeletesMark and whether the relay may mark it (keepMarked;
+// both true when the read failed: nothing to mend).
+func (r *Relay) checkSlot(ctx context.Context, slot string, holdsDeleted bool) (marked, mayMark bool, err error) {
 	var retained int64
 	var status string
-	var marked bool
-	err := r.own.QueryRow(ctx, sqlSlotState, slot, r.capture.publication, outbox.WriterDeletesMark).Scan(&retained, &status, &marked)
-	if err != nil {
+	if err := r.own.QueryRow(ctx, sqlSlotState, slot, r.capture.publication, outbox.WriterDeletesMark).Scan(&retained, &status, &marked, &mayMark); err != nil {
 		// The stream goes on (it fails on its own if the database is
 		// gone), but the retained-WAL bound is not checked meanwhile.
 		r.log.Warn("could not read the replication slot's state; --max-retained-wal is not checked until it reads", "slot", slot, "err", err)
-		return nil
+		return true, true, nil
 	}
 	r.m.slotRetainedWAL.Set(float64(retained))
-	if r.cfg.WriterDeletes && !marked && !r.capture.unmarkable {
-		// Removed by hand, or by a relay without writer deletes that
-		// removed it late, after this one had marked it: the writers keep
-		// their rows until it is back.
-		if r.capture.unmarkable = !r.markWriterDeletes(ctx); !r.capture.unmarkable {
-			r.log.Warn("the publication's writer-deletes mark was gone, so the writers kept their rows; marked it again", "publication", r.capture.publication)
-		}
-	}
 	switch {
 	case status == "lost" && holdsDeleted:
 		r.log.Error("PostgreSQL invalidated the replication slot: the events written with writer deletes in the WAL it lost are gone, they were in no table; making a new slot",
 			"slot", slot, "fix", "raise max_slot_wal_keep_size, and keep the relay streaming")
-		return fmt.Errorf("%w: PostgreSQL invalidated slot %s (max_slot_wal_keep_size)", errSlotGone, slot)
+		return true, true, fmt.Errorf("%w: PostgreSQL invalidated slot %s (max_slot_wal_keep_size)", errSlotGone, slot)
 	case status == "lost":
-		return fmt.Errorf("%w: PostgreSQL invalidated slot %s (max_slot_wal_keep_size)", errSlotGone, slot)
+		return true, true, fmt.Errorf("%w: PostgreSQL invalidated slot %s (max_slot_wal_keep_size)", errSlotGone, slot)
 	case retained > r.cfg.MaxRetainedWAL && holdsDeleted:
 		// The slot is the only copy of the events it holds back: keep it.
 		r.log.Error("the replication slot holds back more WAL than --max-retained-wal; it is kept, since it holds events written with writer deletes and its WAL is their only copy",
@@ -2548,27 +2562,62 @@ func (r *Relay) checkSlot(ctx context.Context, slot string, holdsDeleted bool) e
 	case retained > r.cfg.MaxRetainedWAL:
 		r.log.Error("the replication slot holds back more WAL than allowed; dropping it and polling",
 			"slot", slot, "retained_bytes", retained, "max", r.cfg.MaxRetainedWAL)
-		return fmt.Errorf("%w: slot %s retained %d bytes of WAL, more than --%s %d", errSlotGone, slot, retained, relayconfig.FlagMaxRetainedWAL, r.cfg.MaxRetainedWAL)
+		return true, true, fmt.Errorf("%w: slot %s retained %d bytes of WAL, more than --%s %d", errSlotGone, slot, retained, relayconfig.FlagMaxRetainedWAL, r.cfg.MaxRetainedWAL)
 	}
-	return nil
+	return marked, mayMark, nil
 }
 
 // markWriterDeletes adds outbox.WriterDeletesMark to the publication's
 // comment; the writers delete only while it is there. Only the
 // publication's owner may, and a DBA often makes it: a relay that may not
-// says so, with the fix, and streams all the same, and the writers keep
-// their rows, which it claims from the table as a relay without writer
-// deletes does. It returns whether the mark is set.
-func (r *Relay) markWriterDeletes(ctx context.Context) bool {
+// streams all the same (warnUnmarked), takes no writer-deletes lock, and
+// the writers keep their rows, which it claims from the table as a relay
+// without writer deletes does.
+func (r *Relay) markWriterDeletes(ctx context.Context) error {
 	// On a connection of the pool: a replication connection of
 	// PostgreSQL 14.0 and 14.1 takes no statement holding a ';'.
-	if _, err := r.own.Exec(ctx, sqlSetNote(r.capture.publication, outbox.WriterDeletesMark, outbox.WriterDeletesMark)); err != nil {
-		r.log.Warn("the relay may not mark the publication as streamed with writer deletes, so the writers keep their rows and the relay claims them from the table, as without writer deletes; make the relay's role the publication's owner",
-			"publication", r.capture.publication, "err", err,
-			"fix", "ALTER PUBLICATION "+pgx.Identifier{r.capture.publication}.Sanitize()+" OWNER TO "+pgx.Identifier{r.capture.role}.Sanitize())
-		return false
+	_, err := r.own.Exec(ctx, sqlSetNote(r.capture.publication, outbox.WriterDeletesMark, outbox.WriterDeletesMark))
+	return err
+}
+
+// warnUnmarked says that the relay may not mark the publication
+// (markWriterDeletes failed with err), with the fix.
+func (r *Relay) warnUnmarked(err error) {
+	r.log.Warn("the relay may not mark the publication as streamed with writer deletes, so the writers keep their rows and the relay claims them from the table, as without writer deletes; make the relay's role the publication's owner",
+		"publication", r.capture.publication, "err", err,
+		"fix", "ALTER PUBLICATION "+pgx.Identifier{r.capture.publication}.Sanitize()+" OWNER TO "+pgx.Identifier{r.capture.role}.Sanitize())
+}
+
+// keepMarked keeps the publication marked while a relay with writer
+// deletes streams; marked and mayMark are what the slot's check read. A
+// mark removed (by hand, or by a relay without writer deletes just before
+// its session ended) is set again at once: the writers keep their rows
+// until it is. A stream that could not mark when it started tries again
+// once its role may (a DBA made it the publication's owner) and ends
+// (errStreamAgain), so that the next one takes the writer-deletes lock
+// and the writers delete. It tries nothing while the role may not: each
+// refusal would be an error in the server's log.
+func (r *Relay) keepMarked(ctx context.Context, marked, mayMark bool) error {
+	c := r.capture
+	if (marked && c.lockedDeletes) || !mayMark {
+		if !marked && c.lockedDeletes && !c.unmarkedSaid {
+			c.unmarkedSaid = true
+			r.log.Warn("the publication's writer-deletes mark is gone and the relay's role may no longer set it, so the writers keep their rows; make the relay's role the publication's owner",
+				"publication", c.publication)
+		}
+		return nil
 	}
-	return true
+	if err := r.markWriterDeletes(ctx); err != nil {
+		r.log.Warn("could not mark the publication as streamed with writer deletes; the writers keep their rows until the relay does", "publication", c.publication, "err", err)
+		return nil
+	}
+	if !c.lockedDeletes {
+		r.log.Info("the relay may mark the publication now; streaming again to take the writer-deletes lock, after which the writers delete", "publication", c.publication)
+		return errStreamAgain
+	}
+	c.unmarkedSaid = false
+	r.log.Warn("the publication's writer-deletes mark was gone, so the writers kept their rows; marked it again", "publication", c.publication)
+	return nil
 }
 
 // deletedRows is what a relay without writer deletes knows of the events
@@ -2634,7 +2683,10 @@ func (r *Relay) holdsDeleted(ctx context.Context, d *deletedRows, confirmed pglo
 		return true
 	}
 	d.past = true
-	if _, err := r.own.Exec(ctx, sqlSetNote(pub, outbox.WriterDeletesMark, "")); err != nil {
+	// Only while this relay's session streams from the slot: one that
+	// ended a moment ago may have let a relay with writer deletes take the
+	// slot and mark it.
+	if _, err := r.own.Exec(ctx, sqlUnmarkWhileStreaming(pub, r.capture.slot, r.capture.streamPID)); err != nil {
 		// The next stream reads the mark again, and keeps the slot until
 		// it has streamed past a later position.
 		r.log.Warn("could not remove the writer-deletes mark of the publication", "publication", pub, "err", err,

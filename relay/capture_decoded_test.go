@@ -386,6 +386,45 @@ func TestWriterDeletesNamesThePublicationAlter(t *testing.T) {
 	require.Equal(t, 1, f.Count(`SELECT count(*) FROM pg_publication WHERE pubname = $1 AND NOT pubdelete`, pub))
 }
 
+// A relay with writer deletes whose role may not mark the publication (a
+// DBA owns it) streams, but takes no writer-deletes lock, so its writers
+// keep their rows, even with a mark left there from before: a writer whose
+// snapshot predates the mark's removal would read it. Before, it held the
+// lock and the writers deleted while nothing could keep the mark there.
+// Once its role owns the publication, it marks it, streams again with the
+// lock, and the writers delete.
+func TestWriterDeletesWaitForARelayThatMayMark(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f, cfg, store := writerDeletesFixture(t, "E")
+	pub := tableSlot(t, f)
+	f.Exec(`CREATE PUBLICATION ` + pub + ` FOR TABLE outbox WITH (publish = 'insert, delete', publish_via_partition_root = true)`)
+	f.Exec(`COMMENT ON PUBLICATION ` + pub + ` IS ` + outbox.QuoteLiteral(outbox.WriterDeletesMark))
+	role := fmt.Sprintf("notowner_%d", time.Now().UnixNano()%1e9)
+	f.Exec(`CREATE ROLE ` + role + ` LOGIN REPLICATION; GRANT SELECT, INSERT, UPDATE ON outbox TO ` + role + `; GRANT ALL ON outbox_held TO ` + role)
+	t.Cleanup(func() { _, _ = f.Pool.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE `+role) })
+	cfg.DSN = strings.Replace(f.DSN, "postgres@", role+"@", 1) // the test cluster trusts local connections
+	var logs lockedBuffer
+	cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	startStreaming(t, cfg)
+	require.Contains(t, logs.String(), `fix="ALTER PUBLICATION \"`+pub+`\" OWNER TO \"`+role+`\""`)
+
+	on, err := outbox.DeletesOnStore(ctx, f.Pool, outbox.Table{Name: "outbox"})
+	require.NoError(t, err)
+	require.False(t, on, "no writer-deletes lock: the writers keep their rows")
+	kept := entry("E", 1)
+	store(kept)
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1`, kept.EventID), "kept")
+
+	f.Exec(`ALTER PUBLICATION ` + pub + ` OWNER TO ` + role)
+	waitDeletesOnStore(t, f, 30*time.Second)
+	gone := entry("E", 2)
+	store(gone)
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1`, gone.EventID), "deleted at commit")
+	seen := consumedIDs(t, f.Topics["E"], 2)
+	require.True(t, seen[kept.EventID] && seen[gone.EventID], "both published: %v", seen)
+}
+
 // A publication changed by hand so that the stream would not carry all of
 // the table (no inserts published, a row filter, a column list) is made
 // whole again by a relay's start-up check; a relay whose role may not
@@ -479,11 +518,21 @@ func TestWriterDeletesOnlyWhileSuchARelayStreams(t *testing.T) {
 	// that the slot holds events in no table, and could give it up, so
 	// writers keep their rows (before, they went on deleting). The relay
 	// marks it again within a check of the slot, and they delete again.
-	f.Exec(`COMMENT ON PUBLICATION ` + tableSlot(t, f) + ` IS NULL`)
+	// The test holds the relay's edits of the comment back meanwhile, so
+	// that it cannot mark it again before the row is stored.
+	slot := tableSlot(t, f)
+	held, err := f.Pool.Acquire(context.Background())
+	require.NoError(t, err)
+	defer held.Release()
+	_, err = held.Exec(context.Background(), `SELECT pg_advisory_lock(`+relay.NotesLock(slot)+`)`)
+	require.NoError(t, err)
+	f.Exec(`COMMENT ON PUBLICATION ` + slot + ` IS NULL`)
 	require.False(t, deletesOnStore())
 	unmarked := entry("E", 5)
 	store(unmarked)
 	require.Equal(t, 1, inTable(unmarked), "no mark: kept")
+	_, err = held.Exec(context.Background(), `SELECT pg_advisory_unlock(`+relay.NotesLock(slot)+`)`)
+	require.NoError(t, err)
 	waitDeletesOnStore(t, f, 30*time.Second)
 	remarked := entry("E", 6)
 	store(remarked)
@@ -497,7 +546,7 @@ func TestWriterDeletesOnlyWhileSuchARelayStreams(t *testing.T) {
 	// relay streams: a relay switched from writer deletes later could not
 	// tell the rows writers deleted from those it published, so writers
 	// keep their rows. Before, they went on deleting.
-	f.Exec(`ALTER PUBLICATION ` + tableSlot(t, f) + ` SET (publish = 'insert')`)
+	f.Exec(`ALTER PUBLICATION ` + slot + ` SET (publish = 'insert')`)
 	require.False(t, deletesOnStore())
 	kept := entry("E", 4)
 	store(kept)

@@ -16,6 +16,7 @@ import (
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -58,9 +59,11 @@ func TestSlotPastMaxRetainedWALIsGivenUp(t *testing.T) {
 	r, err := New(Config{Settings: Settings{DSN: dsn, Brokers: []string{testenv.Broker().Addr()}, Topics: map[string]string{"E": "t"}}})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = r.Close() })
-	require.NoError(t, r.checkSlot(ctx, slot, false), "within the default limit")
+	r.capture = &captureState{slot: slot, publication: slot}
+	_, _, err = r.checkSlot(ctx, slot, false)
+	require.NoError(t, err, "within the default limit")
 	r.cfg.MaxRetainedWAL = 1024
-	err = r.checkSlot(ctx, slot, false)
+	_, _, err = r.checkSlot(ctx, slot, false)
 	require.True(t, errors.Is(err, errSlotGone), "%v", err)
 	require.ErrorContains(t, err, "more than --max-retained-wal 1024")
 	require.Greater(t, testutil.ToFloat64(r.m.slotRetainedWAL), 1024.0)
@@ -1107,4 +1110,62 @@ func TestFoldsToSlotRefusesOnlyATableARelayWouldShareTheSlotWith(t *testing.T) {
 	taken, extra = foldsToSlot("db", slot, nil, nil, nil)
 	require.Nil(t, taken)
 	require.Empty(t, extra)
+}
+
+// A relay without writer deletes removes the writer-deletes mark only
+// while its own session streams from the slot: one whose session ended a
+// moment ago may have let a relay with writer deletes take the slot and
+// mark the publication, and its removal would let the next relay without
+// them give the slot up. Other notes stay.
+func TestMarkIsRemovedOnlyWhileTheRemoverStreams(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dsn, pool := outboxDB(t)
+	pub := fmt.Sprintf("test_unmark_%d", testenv.PG().Port)
+	_, err := pool.Exec(ctx, `CREATE PUBLICATION `+pub)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), `DROP PUBLICATION `+pub) })
+	_, err = pool.Exec(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, pub)
+	require.NoError(t, err)
+	t.Cleanup(func() { // once the walsender below has ended
+		require.Eventually(t, func() bool {
+			_, err := pool.Exec(context.Background(), `SELECT pg_drop_replication_slot($1)`, pub)
+			return err == nil
+		}, 10*time.Second, 20*time.Millisecond)
+	})
+	_, err = pool.Exec(ctx, sqlSetNote(pub, outbox.WriterDeletesMark, outbox.WriterDeletesMark))
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, sqlSetNote(pub, beforeSlotNote, beforeSlotNote+" xmax=1 xip="))
+	require.NoError(t, err)
+	comment := func() string {
+		var c string
+		require.NoError(t, pool.QueryRow(ctx, `SELECT obj_description(oid, 'pg_publication') FROM pg_publication WHERE pubname = $1`, pub).Scan(&c))
+		return c
+	}
+	var pid int32
+	require.NoError(t, pool.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+	_, err = pool.Exec(ctx, sqlUnmarkWhileStreaming(pub, pub, pid))
+	require.NoError(t, err)
+	require.Contains(t, comment(), outbox.WriterDeletesMark, "no session streams from the slot: the mark stays")
+
+	// The slot's session: a replication connection streaming from it.
+	cfg, err := pgconn.ParseConfig(dsn)
+	require.NoError(t, err)
+	cfg.RuntimeParams["replication"] = "database"
+	conn, err := pgconn.ConnectConfig(ctx, cfg)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+	require.NoError(t, pglogrepl.StartReplication(ctx, conn, pub, 0, pglogrepl.StartReplicationOptions{PluginArgs: []string{"proto_version '1'", "publication_names '" + pub + "'"}}))
+	require.Eventually(t, func() bool {
+		var active int32
+		_ = pool.QueryRow(ctx, `SELECT COALESCE(active_pid, 0) FROM pg_replication_slots WHERE slot_name = $1`, pub).Scan(&active)
+		pid = active
+		return active != 0
+	}, 10*time.Second, 10*time.Millisecond)
+	_, err = pool.Exec(ctx, sqlUnmarkWhileStreaming(pub, pub, pid+1))
+	require.NoError(t, err)
+	require.Contains(t, comment(), outbox.WriterDeletesMark, "another session streams: the mark stays")
+	_, err = pool.Exec(ctx, sqlUnmarkWhileStreaming(pub, pub, pid))
+	require.NoError(t, err)
+	require.Equal(t, beforeSlotNote+" xmax=1 xip=", comment(), "the streaming session removes the mark, and only it")
 }

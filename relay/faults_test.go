@@ -659,7 +659,7 @@ func runScenario(t *testing.T, sc scenario) scenarioResult {
 		require.NoError(t, br.Close())
 		if sc.writerDeletes {
 			// As outbox.WithDeleteOnStore does: only while the relay streams.
-			tag, err := tx.Exec(ctx, `DELETE FROM outbox WHERE id = ANY($1) AND `+outbox.DeleteOnStoreCondition("$2"),
+			tag, err := tx.Exec(ctx, `DELETE FROM outbox WHERE id = ANY($1) AND `+outbox.DeleteOnStoreConditionFor("$2", outbox.Table{Name: "outbox"}),
 				idsOf(got), outbox.SlotName(database, outbox.Table{Name: "outbox"}))
 			require.NoError(t, err)
 			writerDeleted.Add(tag.RowsAffected())

@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"strconv"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
@@ -90,10 +91,13 @@ const (
 	// sqlWALSenderTimeout: wal_sender_timeout in seconds (0: none).
 	sqlWALSenderTimeout = `SELECT extract(epoch FROM current_setting('wal_sender_timeout')::interval)::float8`
 	// sqlSlotState: the WAL the slot $1 holds back, in bytes, its
-	// wal_status, and whether the publication $2's comment has the line $3
-	// (outbox.WriterDeletesMark, sqlSetNote).
+	// wal_status, whether the publication $2's comment has the line $3
+	// (outbox.WriterDeletesMark, sqlSetNote), and whether the role may
+	// comment it (has its owner's privileges; a superuser has every
+	// role's).
 	sqlSlotState = `SELECT COALESCE(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::bigint, COALESCE(wal_status, ''),
-		COALESCE((SELECT $3 = ANY(string_to_array(obj_description(p.oid, 'pg_publication'), E'\n')) FROM pg_publication p WHERE p.pubname = $2), false)
+		COALESCE((SELECT $3 = ANY(string_to_array(obj_description(p.oid, 'pg_publication'), E'\n')) FROM pg_publication p WHERE p.pubname = $2), false),
+		COALESCE((SELECT pg_has_role(p.pubowner, 'USAGE') FROM pg_publication p WHERE p.pubname = $2), false)
 		FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()`
 	// sqlSweepFence (sweepFence): the oldest running transaction, every
 	// one before it ended (a transaction id's text form, without its
@@ -235,11 +239,31 @@ func sqlRemoveNote(pub, line string) string {
 	return sqlEditNotes(pub, `l = `+outbox.QuoteLiteral(line), "")
 }
 
+// sqlUnmarkWhileStreaming removes outbox.WriterDeletesMark from the
+// publication pub's comment, but only while the session pid streams from
+// slot.
+func sqlUnmarkWhileStreaming(pub, slot string, pid int32) string {
+	return sqlEditNotesIf(pub, `l = `+outbox.QuoteLiteral(outbox.WriterDeletesMark), "",
+		`EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name::text = `+outbox.QuoteLiteral(slot)+` AND active_pid = `+strconv.Itoa(int(pid))+`)`)
+}
+
+// notesLock is the SQL of the two keys of the advisory lock that
+// serializes the edits of the publication pub's comment.
+func notesLock(pub string) string {
+	return `hashtext('outbox-relay publication notes'), hashtext(` + outbox.QuoteLiteral(pub) + `)`
+}
+
 // sqlEditNotes drops the lines l of the publication pub's comment for
 // which the SQL condition drop holds, and adds line unless it is "". An
 // advisory lock of the publication's name serializes the edits, which
 // read the comment before they write it.
 func sqlEditNotes(pub, drop, line string) string {
+	return sqlEditNotesIf(pub, drop, line, "true")
+}
+
+// sqlEditNotesIf is sqlEditNotes when the SQL condition guard holds once
+// the edit holds the lock, and does nothing otherwise.
+func sqlEditNotesIf(pub, drop, line, guard string) string {
 	lit := "NULL"
 	if line != "" {
 		lit = outbox.QuoteLiteral(line)
@@ -247,12 +271,13 @@ func sqlEditNotes(pub, drop, line string) string {
 	p := outbox.QuoteLiteral(pub)
 	// The notes are the relay's, so none holds the block's quote.
 	return `DO $outbox$ BEGIN
-PERFORM pg_advisory_xact_lock(hashtext('outbox-relay publication notes'), hashtext(` + p + `));
-EXECUTE format('COMMENT ON PUBLICATION %I IS %L', ` + p + `,
+PERFORM pg_advisory_xact_lock(` + notesLock(pub) + `);
+IF ` + guard + ` THEN EXECUTE format('COMMENT ON PUBLICATION %I IS %L', ` + p + `,
 	NULLIF(concat_ws(E'\n', (SELECT string_agg(l, E'\n' ORDER BY n)
 		FROM unnest(string_to_array(obj_description((SELECT oid FROM pg_publication WHERE pubname = ` + p + `), 'pg_publication'), E'\n'))
 			WITH ORDINALITY AS x(l, n)
 		WHERE NOT (` + drop + `)), ` + lit + `), ''));
+END IF;
 END $outbox$`
 }
 

@@ -523,7 +523,7 @@ VALUES ($1, 'Order', $2, $3, jsonb_build_object('seq', $4::int, 'order_id', $2::
 		w.insert = ins
 	}
 	if deletes { // as outbox.WithDeleteOnStore does; $2 is the slot
-		w.deleteAfter = `DELETE FROM outbox WHERE event_id = $1 AND ` + outbox.DeleteOnStoreCondition("$2")
+		w.deleteAfter = `DELETE FROM outbox WHERE event_id = $1 AND ` + outbox.DeleteOnStoreConditionFor("$2", outbox.Table{Name: "outbox"})
 	}
 	return w
 }

@@ -1,0 +1,5 @@
+package relay
+
+// NotesLock is notesLock, for the tests of package relay_test that hold
+// the edits of a publication's comment back.
+var NotesLock = notesLock
