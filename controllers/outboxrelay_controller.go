@@ -3,6 +3,7 @@ package controllers
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -151,14 +152,17 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 	if settled(original.Status, relay.Status, time.Now()) {
 		relay.Status = *original.Status.DeepCopy() // small moves wait for statusRefresh; ensurePodMonitor may still set a condition
 	}
-	if err := r.ensurePodMonitor(ctx, relay); err != nil {
-		return ctrl.Result{}, err
-	}
+	// A PodMonitor that failed is tried again (the error), but the status
+	// is written first: the relay's own state does not wait for it.
+	monitorErr := r.ensurePodMonitor(ctx, relay)
 	r.recordEvents(original, relay, current, deploy, prob)
 	if !equality.Semantic.DeepEqual(original.Status, relay.Status) {
 		if err := r.Status().Patch(ctx, relay, client.MergeFrom(original)); err != nil {
-			return ctrl.Result{}, fmt.Errorf("write status of %s: %w", req.NamespacedName, err)
+			return ctrl.Result{}, errors.Join(fmt.Errorf("write status of %s: %w", req.NamespacedName, err), monitorErr)
 		}
+	}
+	if monitorErr != nil {
+		return ctrl.Result{}, monitorErr
 	}
 	if prob != nil && prob.requeue {
 		return ctrl.Result{RequeueAfter: min(secretRetryInterval, r.secrets.refresh)}, nil

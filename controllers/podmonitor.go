@@ -141,8 +141,11 @@ func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *out
 		r.podMonitors.Delete(key)
 		err := r.deletePodMonitor(ctx, relay)
 		switch {
-		case apierrors.IsForbidden(err):
+		case apierrors.IsForbidden(err), podMonitorRefused(err):
 			off.at, off.reason = time.Now(), outboxv1alpha1.ReasonPodMonitorForbidden
+			if podMonitorRefused(err) {
+				off.reason = outboxv1alpha1.ReasonPodMonitorRefused
+			}
 			off.message = fmt.Sprintf("spec.monitoring.podMonitor is off but the operator may not delete PodMonitor %s: %v", childName(relay), err)
 			r.podMonitors.Store(key, off)
 			set(metav1.ConditionFalse, off.reason, off.message)
@@ -197,10 +200,24 @@ func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *out
 		seen.message = fmt.Sprintf("PodMonitor %s exists and is not controlled by this OutboxRelay; it is left alone", childName(relay))
 		r.podMonitors.Store(key, seen)
 		set(metav1.ConditionFalse, seen.reason, seen.message)
+	case podMonitorRefused(err):
+		seen.at, seen.reason = time.Now(), outboxv1alpha1.ReasonPodMonitorRefused
+		seen.message = fmt.Sprintf("the API server refused PodMonitor %s: %v", childName(relay), err)
+		r.podMonitors.Store(key, seen)
+		set(metav1.ConditionFalse, seen.reason, seen.message)
 	default:
 		return err
 	}
 	return nil
+}
+
+// podMonitorRefused reports whether err is the API server's refusal of a
+// PodMonitor that trying again does not mend (an admission policy or
+// webhook denying it, an invalid field): a condition, tried again after
+// podMonitorProblemRecheck. Other errors (the API server unavailable, a
+// timeout) are returned, and the pass is retried.
+func podMonitorRefused(err error) bool {
+	return apierrors.IsBadRequest(err) || apierrors.IsInvalid(err)
 }
 
 // deletePodMonitor deletes the relay's PodMonitor if the relay controls it.

@@ -134,10 +134,11 @@ func TestPodMonitorFollowsSpec(t *testing.T) {
 	require.Eventually(t, func() bool { return monitoringCondition(t, admin, key) == nil }, eventually, tick)
 }
 
-// TestPodMonitorProblemsAreConditions: a missing CRD or a role without the
-// permission becomes the Monitoring condition (the relay's status is still
-// written), whether the PodMonitor is wanted or no longer wanted; any other
-// error is returned, so the pass is retried.
+// TestPodMonitorProblemsAreConditions: a missing CRD, a role without the
+// permission or the API server's refusal (an admission webhook's, say)
+// becomes the Monitoring condition, whether the PodMonitor is wanted or no
+// longer wanted; any other error is returned, so the pass is retried
+// (TestPodMonitorErrorStillWritesTheStatus).
 func TestPodMonitorProblemsAreConditions(t *testing.T) {
 	t.Parallel()
 	forbidden := apierrors.NewForbidden(schema.GroupResource{Group: "monitoring.coreos.com", Resource: "podmonitors"},
@@ -150,6 +151,7 @@ func TestPodMonitorProblemsAreConditions(t *testing.T) {
 	}{
 		"no CRD":      {err: noCRD, reason: outboxv1alpha1.ReasonPodMonitorCRDMissing},
 		"forbidden":   {err: forbidden, reason: outboxv1alpha1.ReasonPodMonitorForbidden, keptWhenOff: true},
+		"refused":     {err: apierrors.NewBadRequest("admission webhook \"policy.example.com\" denied the request"), reason: outboxv1alpha1.ReasonPodMonitorRefused, keptWhenOff: true},
 		"unavailable": {err: apierrors.NewServiceUnavailable("etcd is slow")},
 	} {
 		t.Run(name, func(t *testing.T) {
@@ -224,6 +226,23 @@ func TestMonitoringConditionWrittenWhenStatusSettled(t *testing.T) {
 	require.Equal(t, metav1.ConditionTrue, monitoringCondition(t, c, key).Status, "the PodMonitor made in a settled pass is reported")
 }
 
+// A PodMonitor that fails for a moment (the API server unavailable) is
+// tried again, but the relay's status is written first. Before, the pass
+// returned before its status patch, so while the PodMonitor kept failing
+// the relay's conditions and backlog stayed as they were.
+func TestPodMonitorErrorStillWritesTheStatus(t *testing.T) {
+	t.Parallel()
+	unavailable := apierrors.NewServiceUnavailable("etcd is slow")
+	c, r, relay := fakeMonitoredRelay(t, func() error { return unavailable })
+	key := client.ObjectKeyFromObject(relay)
+	_, err := r.Reconcile(context.Background(), ctrl.Request{NamespacedName: key})
+	require.ErrorIs(t, err, unavailable, "the pass is retried")
+	var got outboxv1alpha1.OutboxRelay
+	require.NoError(t, c.Get(context.Background(), key, &got))
+	require.Equal(t, got.Generation, got.Status.ObservedGeneration, "the status is written")
+	require.NotNil(t, meta.FindStatusCondition(got.Status.Conditions, outboxv1alpha1.ConditionReady))
+}
+
 // Nor is a PodMonitor the cluster serves no kind for, or the operator may
 // not write, tried at every pass: each try of a kind not served costs a
 // discovery of the API server's groups besides the request. Before, a
@@ -235,6 +254,7 @@ func TestPodMonitorProblemIsNotRetriedAtEveryPass(t *testing.T) {
 		"no CRD": &meta.NoKindMatchError{GroupKind: podMonitorGVK.GroupKind(), SearchedVersions: []string{"v1"}},
 		"forbidden": apierrors.NewForbidden(schema.GroupResource{Group: "monitoring.coreos.com", Resource: "podmonitors"},
 			"orders-relay", errors.New("no RBAC rule allows it")),
+		"refused": apierrors.NewBadRequest("admission webhook denied the request"),
 	} {
 		t.Run(name, func(t *testing.T) {
 			var gets atomic.Int32

@@ -26,4 +26,8 @@ const (
 	// ReasonPodMonitorForbidden: the operator's role does not allow it to
 	// write (or delete) the PodMonitor; its RBAC predates the field.
 	ReasonPodMonitorForbidden = "PodMonitorForbidden"
+	// ReasonPodMonitorRefused: the API server refused the PodMonitor's
+	// write or delete for good (an admission policy or webhook, an invalid
+	// field); the message carries its answer.
+	ReasonPodMonitorRefused = "PodMonitorRefused"
 )
