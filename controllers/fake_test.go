@@ -544,6 +544,60 @@ func TestProblemClearsTheBacklog(t *testing.T) {
 	require.Equal(t, -1.0, s["outbox_operator_lagging"])
 }
 
+// Backlog reads that keep failing do not leave the last reading in status
+// and the gauges for good: once it is older than a manager that reads would
+// still show (backlogRenewal plus lagThreshold), it goes, whether it is this
+// manager's or, after a restart, the previous manager's in status. Before,
+// it stayed for as long as the reads failed, and the alerts judged it.
+func TestFailingReadsClearAnOldReading(t *testing.T) {
+	t.Parallel()
+	old := time.Now().Add(-backlogRenewal - outboxv1alpha1.DefaultLagThreshold - time.Second)
+	for name, restarted := range map[string]bool{"this manager's reading": false, "a previous manager's reading": true} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			c, r, relay, series := fakeObservedRelay(t, nil)
+			ctx := context.Background()
+			key := client.ObjectKeyFromObject(relay)
+			require.Equal(t, 7.0, series()["outbox_operator_backlog_rows"])
+			fail := func(at time.Time) {
+				r.Flow.mu.Lock()
+				defer r.Flow.mu.Unlock()
+				f := r.Flow.relays[key]
+				f.lastErr = "cannot reach PostgreSQL"
+				if restarted {
+					f.latest = nil
+				} else {
+					f.latest.at = at
+				}
+			}
+			if restarted {
+				require.NoError(t, c.Get(ctx, key, relay))
+				relay.Status.Backlog.ObservedAt = metav1.NewTime(time.Now().Add(-time.Minute))
+				require.NoError(t, c.Status().Update(ctx, relay))
+			}
+			fail(time.Now().Add(-time.Minute))
+			_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+			require.NoError(t, err)
+			require.NoError(t, c.Get(ctx, key, relay))
+			require.NotNil(t, relay.Status.Backlog, "a recent reading stays through a failed read")
+			require.Equal(t, 7.0, series()["outbox_operator_backlog_rows"])
+
+			if restarted {
+				relay.Status.Backlog.ObservedAt = metav1.NewTime(old)
+				require.NoError(t, c.Status().Update(ctx, relay))
+			}
+			fail(old)
+			_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+			require.NoError(t, err)
+			require.NoError(t, c.Get(ctx, key, relay))
+			require.Nil(t, relay.Status.Backlog, "an old reading goes")
+			require.NotContains(t, series(), "outbox_operator_backlog_rows", "nor stays in the gauges")
+			lag := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionLagging)
+			require.Equal(t, outboxv1alpha1.ReasonBacklogUnavailable, lag.Reason)
+		})
+	}
+}
+
 // The Kafka TLS volume holds only the keys the relay reads, those the
 // Secret has: a Strimzi KafkaUser Secret also holds user.p12 and
 // user.password, which no relay pod needs. A Secret with none of them

@@ -1,6 +1,7 @@
 package controllers
 
 import (
+	"cmp"
 	"fmt"
 	"strings"
 	"time"
@@ -99,8 +100,7 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 		// (it renews observedAt within backlogRenewal), not one of a relay
 		// paused or left unobserved for longer.
 		if prev != nil && prev.Status != metav1.ConditionUnknown && !obs.retargeted &&
-			prev.ObservedGeneration == relay.Generation && relay.Status.Backlog != nil &&
-			now.Sub(relay.Status.Backlog.ObservedAt.Time) < backlogRenewal+threshold {
+			prev.ObservedGeneration == relay.Generation && readingCurrent(relay, relay.Status.Backlog, now) {
 			return verdict{prev.Status, prev.Reason, prev.Message}
 		}
 		return verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonObserving, "the operator has not read the backlog yet"}
@@ -190,6 +190,14 @@ const lagHysteresis = 10
 // observedAt: an idle relay's status is then rewritten every few minutes,
 // not at every reading.
 const backlogRenewal = 5 * time.Minute
+
+// readingCurrent reports whether reading b (nil: none) is one a manager
+// that reads the backlog would still be showing: observed less than
+// backlogRenewal plus lagThreshold before now. An older one neither
+// vouches for the flow nor stays in status and the gauges.
+func readingCurrent(relay *outboxv1alpha1.OutboxRelay, b *outboxv1alpha1.BacklogStatus, now time.Time) bool {
+	return b != nil && now.Sub(b.ObservedAt.Time) < backlogRenewal+lagThreshold(relay)
+}
 
 // statusRefresh is how long a status whose backlog numbers moved only a
 // little (the age of the oldest row, a tenth of the pending rows or of the
@@ -284,6 +292,12 @@ func computeStatus(relay *outboxv1alpha1.OutboxRelay, deploy *appsv1.Deployment,
 		// is built from): the last reading would stand in status and the
 		// gauges, unchanged at every pass, until the problem is solved,
 		// while Lagging says the backlog is not read.
+		st.Backlog = nil
+	}
+	if obs.err != "" && !readingCurrent(relay, cmp.Or(obs.backlog, relay.Status.Backlog), time.Now()) {
+		// Reads have failed since: the last reading (this manager's, or a
+		// previous manager's in status) would stand in the columns and the
+		// gauges, which alerts judge, for as long as they fail.
 		st.Backlog = nil
 	}
 	st.ObservedGeneration = relay.Generation
