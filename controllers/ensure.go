@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -40,13 +41,50 @@ func (r *OutboxRelayReconciler) images() images {
 	return images{fallback: r.RelayImage, allowed: r.AllowedImages}
 }
 
+// childProblemSeen is the problem the latest write of a relay's children
+// found (a refusal, a name taken, a spec the API server refuses), and
+// what those children were.
+type childProblemSeen struct {
+	children string // childrenOf
+	at       time.Time
+	prob     *problem
+}
+
+// childrenOf says what a relay's children are built from: the relay (its
+// UID and generation) and the desired Deployment (its spec hash, which the
+// Secrets' data feed, and its replicas).
+func childrenOf(relay *outboxv1alpha1.OutboxRelay, desired *appsv1.Deployment) string {
+	return fmt.Sprint(relay.UID, "/", relay.Generation, "/", desired.Annotations[specHashAnnotation], "/", *desired.Spec.Replicas)
+}
+
 // ensureChildren ensures every child from the inputs: s, the relay's
 // settings checked by inputs, and in, the Secrets. current is the
 // relay's Deployment as it runs (nil when none). It returns the Deployment
 // as written, or a nil Deployment and the problem that kept it from writing
-// the children.
+// the children. The same children are not written again within
+// secretRetryInterval of a write that found a problem: every backlog
+// reading wakes the relay, and a thousand relays under one quota or
+// admission policy would otherwise send a refused write each at every
+// reading. A change of the relay or its Secrets, or of the replicas, is
+// written at once.
 func (r *OutboxRelayReconciler) ensureChildren(ctx context.Context, relay *outboxv1alpha1.OutboxRelay, s relayconfig.Command, in secretInputs, current *appsv1.Deployment) (*appsv1.Deployment, *problem, error) {
 	desired := relayDeployment(relay, r.images(), s, in, current)
+	key, children := client.ObjectKeyFromObject(relay), childrenOf(relay, desired)
+	if v, ok := r.childProblems.Load(key); ok {
+		if last := v.(childProblemSeen); last.children == children && time.Since(last.at) < secretRetryInterval {
+			return nil, last.prob, nil
+		}
+	}
+	r.childProblems.Delete(key)
+	deploy, prob, err := r.writeChildren(ctx, relay, desired)
+	if prob != nil {
+		r.childProblems.Store(key, childProblemSeen{children: children, at: time.Now(), prob: prob})
+	}
+	return deploy, prob, err
+}
+
+// writeChildren writes the children, the Deployment as desired.
+func (r *OutboxRelayReconciler) writeChildren(ctx context.Context, relay *outboxv1alpha1.OutboxRelay, desired *appsv1.Deployment) (*appsv1.Deployment, *problem, error) {
 	deploy, err := ensure(ctx, r.Client, r.APIReader, relay, desired, &appsv1.Deployment{},
 		func(cur, want *appsv1.Deployment) bool {
 			// The record of the Secrets' data is written also when the

@@ -3,6 +3,7 @@ package controllers
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -253,6 +254,52 @@ func TestChildRefusedByTheAPIServerIsInTheStatus(t *testing.T) {
 			require.Equal(t, relay.Generation, relay.Status.ObservedGeneration)
 		})
 	}
+}
+
+// A refused child is not written again at every pass: every backlog
+// reading wakes the relay, and a thousand relays under one quota would send
+// a refused write each at every reading. It is tried again after
+// secretRetryInterval, or at once when the relay changes. Before, each
+// pass wrote it again.
+func TestRefusedChildIsNotWrittenAtEveryPass(t *testing.T) {
+	t.Parallel()
+	var creates atomic.Int32
+	refusal := apierrors.NewForbidden(schema.GroupResource{Group: "apps", Resource: "deployments"}, "orders-relay",
+		errors.New("exceeded quota: pods, requested: 1, used: 10, limited: 10"))
+	c, r, relay := fakeRelay(t, interceptor.Funcs{Create: func(ctx context.Context, c client.WithWatch, obj client.Object, opts ...client.CreateOption) error {
+		if _, ok := obj.(*appsv1.Deployment); ok {
+			creates.Add(1)
+			return refusal
+		}
+		return c.Create(ctx, obj, opts...)
+	}}, nil)
+	ctx := context.Background()
+	key := client.ObjectKeyFromObject(relay)
+	reason := func() string {
+		require.NoError(t, c.Get(ctx, key, relay))
+		return meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady).Reason
+	}
+	for range 5 {
+		_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+		require.NoError(t, err)
+		require.Equal(t, outboxv1alpha1.ReasonChildRefused, reason())
+	}
+	require.Equal(t, int32(1), creates.Load(), "written once in five passes")
+
+	v, _ := r.childProblems.Load(key)
+	seen := v.(childProblemSeen)
+	seen.at = seen.at.Add(-secretRetryInterval)
+	r.childProblems.Store(key, seen)
+	_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.Equal(t, int32(2), creates.Load(), "written again after secretRetryInterval")
+
+	relay.Spec.BatchSize = ptr.To[int32](77)
+	require.NoError(t, c.Update(ctx, relay))
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.Equal(t, int32(3), creates.Load(), "written at once for a changed spec")
+	require.Equal(t, outboxv1alpha1.ReasonChildRefused, reason())
 }
 
 // An OutboxRelay deleted with its children orphaned (kubectl delete

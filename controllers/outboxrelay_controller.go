@@ -89,6 +89,10 @@ type OutboxRelayReconciler struct {
 	// podMonitors are the PodMonitors written or found as wanted lately
 	// (ensurePodMonitor), by relay: types.NamespacedName to podMonitorSeen.
 	podMonitors sync.Map
+	// childProblems are the problems the latest writes of the children
+	// found (ensureChildren), by relay: types.NamespacedName to
+	// childProblemSeen.
+	childProblems sync.Map
 }
 
 // Least privilege: status is only patched; finalizers/update lets the owner
@@ -211,6 +215,7 @@ var reconcileToggled = predicate.Funcs{
 func (r *OutboxRelayReconciler) forget(key types.NamespacedName) {
 	r.unobserve(key)
 	r.podMonitors.Delete(key)
+	r.childProblems.Delete(key)
 }
 
 // unobserve stops reading a relay's backlog and drops its gauges: the
