@@ -221,9 +221,9 @@ func (k *byKey) heldUntil(key, eventType string, bucket int32, until time.Time) 
 	}
 }
 
-// backOff: only when Kafka failed everything; otherwise only the failed
-// lanes wait and the rest flows.
-func (k *byKey) backOff(failed, sent int) bool { return failed > 0 && failed == sent }
+// backOff: only when Kafka failed rows and settled none; otherwise only the
+// failed lanes wait and the rest flows.
+func (k *byKey) backOff(failed, settled int) bool { return failed > 0 && settled == 0 }
 
 // holdBack adds to f the (key, type) pairs of the lanes blocked now
 // (dropping expired ones; their rows are behind the cursor). Call it before

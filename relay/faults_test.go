@@ -1447,6 +1447,44 @@ func TestARefusingPartitionsRowsDoNotHoldBackTheTopicsOthers(t *testing.T) {
 	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
 }
 
+// A relay whose rows of one partition are set aside (the partition refuses
+// them) while the others' go out stays ready: Kafka answers, and rows
+// left aside fail /readyz only as rows_waiting, once nothing has gone out
+// for the stall timeout. Before, each batch that tried the refusing
+// partition again, or held a row behind it, reported Kafka unreachable
+// until the next broker probe, so the pod flapped NotReady.
+func TestARefusingPartitionLeavesTheRelayReady(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	c, healthy := refusingPartitionCluster(t)
+	t.Cleanup(func() { healthy.Store(true) })
+	cfg := f.Config()
+	cfg.Brokers, cfg.Topics, cfg.BatchSize, cfg.PublishTimeout = c.ListenAddrs(), map[string]string{"E": "t"}, 20, time.Second
+	cfg.MaxBackoff = 200 * time.Millisecond // the refusing partition is tried again often
+	x := run(t, cfg, nil)
+	insert := func(keys []string) {
+		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+			SELECT gen_random_uuid(), 'Order', k, 'E', '{}', k FROM unnest($1::text[]) k`, keys)
+	}
+	require.True(t, eventually(20*time.Second, func() bool { return x.R.Ready() == nil }), "ready at first: %v", x.R.Ready())
+	insert(keysOnPartition(0, 10))
+	other := keysOnPartition(1, 1)
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	var notReady []string
+	for i, deadline := 0, time.Now().Add(6*time.Second); time.Now().Before(deadline); i++ {
+		if i%10 == 0 {
+			insert(other) // the other partition's rows keep going out
+		}
+		if err := x.R.Ready(); err != nil {
+			notReady = append(notReady, err.Error())
+		}
+		<-tick.C
+	}
+	require.Empty(t, notReady, "ready while the other partition's rows go out")
+	require.Positive(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_set_aside"), "partition 0's rows wait aside")
+}
+
 // A logical-replication relay that polls in the stream's stead (its slot
 // waits for a transaction older than it to end) sets a refusing
 // partition's rows aside as a polling relay does. Before, its claims took

@@ -137,7 +137,7 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 
 	published = make([]int64, 0, len(rows))
 	var transientErr error
-	failed, aside := 0, 0
+	failed, aside, settled := 0, 0, 0 // settled: acknowledged, dead-lettered or held
 	for i, x := range rows {
 		if b.out[i] == staleTime {
 			r.restamp(ctx, b, i)
@@ -151,6 +151,7 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 				r.log.Error("a row was acknowledged after an older row of its key failed; its order may be broken",
 					"id", x.id, "partition_key", x.partitionKey)
 			}
+			settled++
 			published = append(published, x.id)
 			r.m.published.WithLabelValues(r.cfg.Topics[x.eventType]).Inc()
 			r.m.latency.Observe(now.Sub(x.createdAt).Seconds())
@@ -189,6 +190,7 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 				continue
 			}
 			r.m.publishErrors.WithLabelValues("permanent").Inc()
+			settled++
 			if r.deadLetter(ctx, x, b.errs[i]) {
 				published = append(published, x.id)
 				r.stopLane(b, x, i, time.Time{}) // its key's later rows go in the next batch
@@ -211,14 +213,21 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 		r.m.setAside.Set(float64(len(r.aside.rows)))
 	}
 	if transientErr != nil {
-		r.setKafkaErr(transientErr)
+		// Whether the brokers answer is the stats loop's probe's to say:
+		// records fail for a partition's sake (its leader refusing or
+		// hung) while the brokers answer, and /readyz says so only once
+		// nothing goes out for the stall timeout (rows_waiting,
+		// batch_failing). Before, each such batch said Kafka was
+		// unreachable until the next probe, and the pod flapped NotReady
+		// while the other partitions' rows went out.
 		// Polling with no ordering backs off for records Kafka failed, not
 		// for those of a partition set aside, which were not sent: the
 		// claims leave them out until their partition's backoff ends
 		// (asideRows), and the others flow. Partition-key mode backs off
-		// only when nothing went out, aside or not: the next claim, of
-		// other keys, could be all aside again.
-		if r.claimer.backOff(failed-aside, len(msgs)-aside) {
+		// only when nothing went out (settled none): the next claim, of
+		// other keys, could fail all alike. Before, it counted rows its
+		// later rounds skipped behind a failed row as gone out.
+		if r.claimer.backOff(failed-aside, settled) {
 			return published, retry, fmt.Errorf("publish to Kafka: %w", transientErr)
 		}
 		return published, retry, nil // only some keys failed; they wait, the rest flows

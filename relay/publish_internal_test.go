@@ -757,3 +757,32 @@ func TestHeldTableIsReadBesideBrokersThatDoNotAnswer(t *testing.T) {
 	require.NotNil(t, snap, "the held table was read")
 	require.Contains(t, snap.rows, int64(1), "another replica's hold is learned")
 }
+
+// Partition-key mode backs the loop off when Kafka settled no row of a
+// batch, also when the batch took more than one round and its later rounds
+// skipped the rows behind the failed ones. Before, those skipped rows
+// counted as sent, so a batch against brokers that fail every write did
+// not back off, and the loop claimed lane after lane at full speed.
+func TestPartitionKeyModeBacksOffWhenNothingSettled(t *testing.T) {
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "t"))
+	require.NoError(t, err)
+	defer c.Close()
+	r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, PublishTimeout: time.Second, Ordering: OrderingPartitionKey}})
+	var writes int
+	r.writer = writerFunc(func(_ context.Context, msgs ...kafka.Message) error {
+		writes++
+		errs := make(kafka.WriteErrors, len(msgs))
+		for i := range errs {
+			errs[i] = kafka.NotEnoughReplicas
+		}
+		return errs
+	})
+	r.topics.partitions["t"], r.topics.maxBytes["t"] = 1, 1500
+	ev := func(id int64, key string) row {
+		return row{id: id, eventID: fmt.Sprint("e", id), eventType: "E", partitionKey: key, payload: bytes.Repeat([]byte("x"), 600), createdAt: time.Now()}
+	}
+	published, _, err := r.publish(context.Background(), []row{ev(1, "a"), ev(2, "b"), ev(3, "a"), ev(4, "b")})
+	require.Empty(t, published)
+	require.Equal(t, 1, writes, "the second round's rows wait behind their keys' failed rows")
+	require.ErrorIs(t, err, kafka.NotEnoughReplicas, "nothing settled: the loop backs off")
+}

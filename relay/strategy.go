@@ -19,9 +19,11 @@ type claimer interface {
 	// and the lane, not the row, stays out of claims, so that a lane never
 	// flows past its held row.
 	claim(ctx context.Context, tx pgx.Tx, from int64, f claimFilter) (pgx.Rows, error)
-	// backOff says whether transient failures of failed of sent rows make
-	// the whole loop back off (rather than only their keys).
-	backOff(failed, sent int) bool
+	// backOff says whether transient failures of failed rows sent, in a
+	// batch of which Kafka settled (acknowledged, or refused for good)
+	// settled rows, make the whole loop back off (rather than only their
+	// keys).
+	backOff(failed, settled int) bool
 }
 
 // claimLimits bound one claim: rows, and payload and headers bytes.
