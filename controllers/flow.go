@@ -95,8 +95,8 @@ type relayFlow struct {
 	latest     *backlogSample // last successful read
 	lastErr    string         // the last read's failure, "" when it succeeded
 	authFailed bool           // the last read failed to authenticate
-	// retargeted: the target changed (DSN, TLS, login, table) and no read
-	// of the new one has succeeded yet.
+	// retargeted: the target changed (the table, or the database the DSN
+	// connects to) and no read of the new one has succeeded yet.
 	retargeted bool
 	// counters are the recent (time, updated rows) readings for the rate.
 	counters []counterReading
@@ -171,13 +171,31 @@ func (o *FlowObserver) Observe(key types.NamespacedName, target flowTarget) flow
 		o.startLocked(key, f)
 	case f.target.dsn != target.dsn || f.target.tls.digest() != target.tls.digest() || f.target.auth != target.auth || f.target.table != target.table:
 		o.stopLocked(f)
-		f.target, f.latest, f.lastErr, f.counters, f.retargeted = target, nil, "", nil, true
+		if f.target.table != target.table || dsnPlace(f.target.dsn) != dsnPlace(target.dsn) {
+			f.latest, f.lastErr, f.counters, f.retargeted = nil, "", nil, true
+		} // else the same table with new credentials (a password or certificate rotated): what was read of it stands
+		f.target = target
 		o.startLocked(key, f)
 	default:
 		f.target.interval, f.target.dsnSecret, f.target.streams = target.interval, target.dsnSecret, target.streams
 		f.target.topics, f.target.byKey = target.topics, target.byKey
 	}
 	return flowView{sample: f.latest, lastErr: f.lastErr, authFailed: f.authFailed, retargeted: f.retargeted}
+}
+
+// dsnPlace is the database a DSN connects to: its hosts, ports and
+// database, without the user, password or TLS settings, which a rotation
+// of credentials changes. A DSN that does not parse is its own place.
+func dsnPlace(dsn string) string {
+	cfg, err := pgconn.ParseConfig(dsn)
+	if err != nil {
+		return dsn
+	}
+	place := fmt.Sprint(cfg.Host, ":", cfg.Port)
+	for _, f := range cfg.Fallbacks {
+		place += fmt.Sprint(",", f.Host, ":", f.Port)
+	}
+	return place + "/" + cfg.Database
 }
 
 // Forget stops key's observer and closes its pool: the OutboxRelay is gone,

@@ -224,6 +224,34 @@ func TestRetargetedRelayDropsTheOldBacklog(t *testing.T) {
 	require.False(t, o.Observe(key, target).retargeted)
 }
 
+// A DSN whose password (or user) rotated, as Vault's database secrets do
+// every hour, reads the same table: the observer reconnects, and what it
+// read stands. Before, each rotation dropped the backlog from status and
+// the gauges, and Lagging went Unknown until the next reading. Another
+// host or database is another target.
+func TestRotatedCredentialsKeepTheReading(t *testing.T) {
+	t.Parallel()
+	key := types.NamespacedName{Namespace: "shop", Name: "orders"}
+	o := NewFlowObserver()
+	t.Cleanup(func() { o.Forget(key) })
+	table, err := outbox.ParseTable("outbox")
+	require.NoError(t, err)
+	target := flowTarget{dsn: fakeDSN, auth: dbAuth{method: relayconfig.DatabaseAuthPassword}, table: table, interval: 15 * time.Second}
+	o.Observe(key, target)
+	o.record(key, o.relays[key].done, &backlogSample{at: time.Now(), read: 7}, "", false)
+
+	target.dsn = "postgres://relay-v2:rotated@db.example:5432/orders"
+	view := o.Observe(key, target)
+	require.False(t, view.retargeted, "the same database")
+	require.NotNil(t, view.sample, "the reading stands")
+	require.Equal(t, target.dsn, o.relays[key].target.dsn, "the observer reads with the new credentials")
+
+	target.dsn = "postgres://relay-v2:rotated@db.example:5432/refunds"
+	view = o.Observe(key, target)
+	require.True(t, view.retargeted, "another database")
+	require.Nil(t, view.sample)
+}
+
 // A Deployment whose ReplicaSet cannot create pods (a service account that
 // does not exist, a ResourceQuota, a Pod Security refusal) makes the relay
 // Degraded with the Deployment's reason at once. Before, it said "nothing
