@@ -256,6 +256,43 @@ func TestChildRefusedByTheAPIServerIsInTheStatus(t *testing.T) {
 	}
 }
 
+// A pass that read an OutboxRelay older than the API server's (the cache
+// had not seen the last pass's status write yet) does not write the status
+// it computed from it: the patch is made over the resourceVersion it read,
+// conflicts, and the pass runs again shortly. Before, it reset the
+// conditions' transition times, sent their events again, and left out of
+// its patch what it found equal to the old copy.
+func TestStaleReadDoesNotOverwriteTheStatus(t *testing.T) {
+	t.Parallel()
+	var stale atomic.Pointer[outboxv1alpha1.OutboxRelay]
+	c, r, relay := fakeRelay(t, interceptor.Funcs{Get: func(ctx context.Context, c client.WithWatch, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
+		if o, ok := obj.(*outboxv1alpha1.OutboxRelay); ok && stale.Load() != nil {
+			stale.Load().DeepCopyInto(o)
+			return nil
+		}
+		return c.Get(ctx, key, obj, opts...)
+	}}, nil)
+	ctx := context.Background()
+	key := client.ObjectKeyFromObject(relay)
+	before := &outboxv1alpha1.OutboxRelay{}
+	require.NoError(t, c.Get(ctx, key, before)) // no status yet
+	_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	written := &outboxv1alpha1.OutboxRelay{}
+	require.NoError(t, c.Get(ctx, key, written))
+	ready := meta.FindStatusCondition(written.Status.Conditions, outboxv1alpha1.ConditionReady)
+	require.NotNil(t, ready)
+
+	stale.Store(before)
+	res, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.Equal(t, statusConflictRetry, res.RequeueAfter, "the pass runs again")
+	stale.Store(nil)
+	now := &outboxv1alpha1.OutboxRelay{}
+	require.NoError(t, c.Get(ctx, key, now))
+	require.Equal(t, written.ResourceVersion, now.ResourceVersion, "nothing written over the newer status")
+}
+
 // A refused child is not written again at every pass: every backlog
 // reading wakes the relay, and a thousand relays under one quota would send
 // a refused write each at every reading. It is tried again after

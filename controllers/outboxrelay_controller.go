@@ -33,6 +33,10 @@ import (
 // the chart's leaderElection.id names another).
 const LeaderElectionID = "outbox-operator.outbox.dev"
 
+// statusConflictRetry is how soon a pass whose status patch found a newer
+// OutboxRelay than it read runs again, from the cache, which has it by then.
+const statusConflictRetry = time.Second
+
 // secretRetryInterval is how soon a relay waiting for a Secret, or for the
 // API server to take a child it refused (ChildRefused), is looked at again.
 const secretRetryInterval = 30 * time.Second
@@ -159,12 +163,22 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 	// A PodMonitor that failed is tried again (the error), but the status
 	// is written first: the relay's own state does not wait for it.
 	monitorErr := r.ensurePodMonitor(ctx, relay)
-	r.recordEvents(original, relay, current, deploy, prob)
 	if !equality.Semantic.DeepEqual(original.Status, relay.Status) {
-		if err := r.Status().Patch(ctx, relay, client.MergeFrom(original)); err != nil {
+		// Only over the status this pass started from: a pass that read
+		// an OutboxRelay older than the API server's (its own last write
+		// not in the cache yet) would otherwise reset the conditions'
+		// transition times, send their events again, and leave out of its
+		// patch what it found equal to the old copy.
+		err := r.Status().Patch(ctx, relay, client.MergeFromWithOptions(original, client.MergeFromWithOptimisticLock{}))
+		if apierrors.IsConflict(err) {
+			r.recordScaled(relay, current, deploy)
+			return ctrl.Result{RequeueAfter: statusConflictRetry}, monitorErr
+		}
+		if err != nil {
 			return ctrl.Result{}, errors.Join(fmt.Errorf("write status of %s: %w", req.NamespacedName, err), monitorErr)
 		}
 	}
+	r.recordEvents(original, relay, current, deploy, prob)
 	if monitorErr != nil {
 		return ctrl.Result{}, monitorErr
 	}

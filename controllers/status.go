@@ -524,6 +524,15 @@ func (r *OutboxRelayReconciler) recordEvents(before, after *outboxv1alpha1.Outbo
 	case now.Status == metav1.ConditionFalse && was != nil && was.Status == metav1.ConditionTrue:
 		r.Recorder.Eventf(after, nil, corev1.EventTypeNormal, outboxv1alpha1.ReasonCaughtUp, "ObserveBacklog", "%s", now.Message)
 	}
+	r.recordScaled(after, current, written)
+}
+
+// recordScaled emits ScaledUp or ScaledDown when the autoscaler changed the
+// replicas of the Deployment this pass wrote.
+func (r *OutboxRelayReconciler) recordScaled(after *outboxv1alpha1.OutboxRelay, current, written *appsv1.Deployment) {
+	if r.Recorder == nil {
+		return
+	}
 	if after.Spec.Autoscaling != nil && !after.Spec.Suspend && current != nil && written != nil && current.Spec.Replicas != nil &&
 		written.Spec.Replicas != nil && *current.Spec.Replicas != *written.Spec.Replicas {
 		from, to := *current.Spec.Replicas, *written.Spec.Replicas
