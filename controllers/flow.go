@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -183,19 +184,24 @@ func (o *FlowObserver) Observe(key types.NamespacedName, target flowTarget) flow
 	return flowView{sample: f.latest, lastErr: f.lastErr, authFailed: f.authFailed, retargeted: f.retargeted}
 }
 
-// dsnPlace is the database a DSN connects to: its hosts, ports and
-// database, without the user, password or TLS settings, which a rotation
-// of credentials changes. A DSN that does not parse is its own place.
+// dsnPlace is the table a DSN reaches: its hosts and ports, its database,
+// and the search_path and options that say which schema an unqualified
+// table name is in, without the user, password or TLS settings, which a
+// rotation of credentials changes (sslmode prefer lists each host twice,
+// with TLS and without: once here). A DSN that does not parse is its own
+// place.
 func dsnPlace(dsn string) string {
 	cfg, err := pgconn.ParseConfig(dsn)
 	if err != nil {
 		return dsn
 	}
-	place := fmt.Sprint(cfg.Host, ":", cfg.Port)
+	hosts := []string{fmt.Sprint(cfg.Host, ":", cfg.Port)}
 	for _, f := range cfg.Fallbacks {
-		place += fmt.Sprint(",", f.Host, ":", f.Port)
+		if h := fmt.Sprint(f.Host, ":", f.Port); !slices.Contains(hosts, h) {
+			hosts = append(hosts, h)
+		}
 	}
-	return place + "/" + cfg.Database
+	return fmt.Sprint(hosts, "/", cfg.Database, "?search_path=", cfg.RuntimeParams["search_path"], "&options=", cfg.RuntimeParams["options"])
 }
 
 // Forget stops key's observer and closes its pool: the OutboxRelay is gone,

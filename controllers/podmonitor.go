@@ -191,8 +191,8 @@ func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *out
 		set(metav1.ConditionFalse, seen.reason, seen.message)
 	case apierrors.IsForbidden(err):
 		seen.at, seen.reason = time.Now(), outboxv1alpha1.ReasonPodMonitorForbidden
-		seen.message = "spec.monitoring.podMonitor: the operator's role does not allow PodMonitors (get, create, patch, delete on " +
-			"podmonitors.monitoring.coreos.com); apply the role of this operator version"
+		seen.message = "spec.monitoring.podMonitor: the API server forbids the operator's PodMonitor (" + err.Error() + "); if its role does not allow PodMonitors " +
+			"(get, create, patch, delete on podmonitors.monitoring.coreos.com), apply the role of this operator version; a policy or quota that answers 403 says so above"
 		r.podMonitors.Store(key, seen)
 		set(metav1.ConditionFalse, seen.reason, seen.message)
 	case errors.As(err, &conflict):

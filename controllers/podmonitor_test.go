@@ -179,6 +179,9 @@ func TestPodMonitorProblemsAreConditions(t *testing.T) {
 			require.Equal(t, metav1.ConditionFalse, cond.Status)
 			require.Equal(t, tc.reason, cond.Reason)
 			require.EqualValues(t, 3, cond.ObservedGeneration)
+			if tc.reason != outboxv1alpha1.ReasonPodMonitorCRDMissing {
+				require.Contains(t, cond.Message, tc.err.Error(), "the API server's answer, which may be a policy's, not the role's")
+			}
 
 			relay.Spec.Monitoring = nil
 			require.NoError(t, r.ensurePodMonitor(context.Background(), relay))

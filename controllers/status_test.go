@@ -246,7 +246,14 @@ func TestRotatedCredentialsKeepTheReading(t *testing.T) {
 	require.NotNil(t, view.sample, "the reading stands")
 	require.Equal(t, target.dsn, o.relays[key].target.dsn, "the observer reads with the new credentials")
 
-	target.dsn = "postgres://relay-v2:rotated@db.example:5432/refunds"
+	target.dsn = "postgres://relay-v2:again@db.example:5432/orders?sslmode=require"
+	require.False(t, o.Observe(key, target).retargeted, "TLS settings changed: the same database")
+
+	target.dsn = "postgres://relay-v2:again@db.example:5432/orders?search_path=billing"
+	require.True(t, o.Observe(key, target).retargeted, "another search_path: maybe another table")
+	o.record(key, o.relays[key].done, &backlogSample{at: time.Now(), read: 7}, "", false)
+
+	target.dsn = "postgres://relay-v2:rotated@db.example:5432/refunds?search_path=billing"
 	view = o.Observe(key, target)
 	require.True(t, view.retargeted, "another database")
 	require.Nil(t, view.sample)

@@ -210,7 +210,10 @@ func WriterDeletesLock(slot string) string {
 // relay to claim: before the slot exists, an insert is in no WAL a relay
 // reads; while no relay with writer deletes streams, nothing says the slot
 // will be read to the row (a relay without them gives its slot up past
-// --max-retained-wal, one that polls leaves it unread).
+// --max-retained-wal, one that polls leaves it unread). It is the part of
+// the condition a writer runs (DeleteOnStoreConditionFor) that reads the
+// slot and the lock; a relay takes the lock only once it has marked the
+// publication (WriterDeletesMark).
 //
 // Such a relay holds the slot's writer-deletes lock (WriterDeletesLock)
 // exclusively on its replication session from just before it starts
@@ -244,11 +247,12 @@ const WriterDeletesMark = "outbox-relay: streamed with writer deletes; the slot 
 // DeleteOnStoreConditionFor is the condition under which a writer with
 // WithDeleteOnStore deletes its row of table t: DeleteOnStoreCondition,
 // the slot's publication (named as the slot) carries WriterDeletesMark,
-// and t is the table that publication publishes, as the relay reads it: its inserts and deletes (without the deletes a
-// relay switched from writer deletes later cannot tell the rows writers
-// deleted from those it published; the relay checks it at start, and this
-// holds while it streams), every row and every column (no row
-// filter or column list, PostgreSQL 15's; read through to_jsonb, so the
+// and t is the table that publication publishes, as the relay reads it:
+// its inserts and deletes (without the deletes a relay switched from
+// writer deletes later cannot tell the rows writers deleted from those it
+// published; the relay checks it at start, and this holds while it
+// streams), every row and every column (no row filter or column list,
+// PostgreSQL 15's; read through to_jsonb, so the
 // condition also runs on 14, which has neither), and a partitioned table's
 // under the table's own name (publish_via_partition_root). A table dropped
 // and made again, or swapped in by a rename, while a relay streams is in
@@ -271,8 +275,9 @@ func DeleteOnStoreConditionFor(slotParam string, t Table) string {
 
 // DeletesOnStore reports whether a writer with WithDeleteOnStore, connected
 // as db is, would delete the rows it stores in table now
-// (DeleteOnStoreCondition on the table's slot in the connected database,
-// and table is the one its publication publishes). A
+// (DeleteOnStoreConditionFor on the table's slot in the connected database:
+// a relay with writer deletes streams, its publication carries
+// WriterDeletesMark, and table is the one it publishes). A
 // relay's replication session connects before it takes the slot, so a test
 // or a readiness check that waits for writer deletes waits on this, not on
 // the session.

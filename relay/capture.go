@@ -957,6 +957,10 @@ func (r *Relay) stream(ctx context.Context) error {
 	}
 	r.m.captureStreaming.Set(1)
 	defer r.m.captureStreaming.Set(0)
+	if c.lockedDeletes {
+		r.m.captureWriterDeletes.Set(1)
+		defer r.m.captureWriterDeletes.Set(0)
+	}
 	r.log.Info("streaming the table's inserts", "slot", c.slot, "publication", c.publication)
 
 	s := &streamState{r: r, conn: conn, walSenderTimeout: r.walSenderTimeout(ctx)}
@@ -2537,7 +2541,8 @@ func (r *Relay) sweepBefore(ctx context.Context, alive func(context.Context) err
 // given up, unless it holds rows their writers deleted, and a lost one is
 // gone. It also reads whether the publication carries
 // outbox.WriterDeletesMark and whether the relay may mark it (keepMarked;
-// both true when the read failed: nothing to mend).
+// marked and not mayMark when the read failed: nothing to mend, nothing to
+// try).
 func (r *Relay) checkSlot(ctx context.Context, slot string, holdsDeleted bool) (marked, mayMark bool, err error) {
 	var retained int64
 	var status string
@@ -2545,7 +2550,7 @@ func (r *Relay) checkSlot(ctx context.Context, slot string, holdsDeleted bool) (
 		// The stream goes on (it fails on its own if the database is
 		// gone), but the retained-WAL bound is not checked meanwhile.
 		r.log.Warn("could not read the replication slot's state; --max-retained-wal is not checked until it reads", "slot", slot, "err", err)
-		return true, true, nil
+		return true, false, nil
 	}
 	r.m.slotRetainedWAL.Set(float64(retained))
 	switch {
@@ -2686,7 +2691,10 @@ func (r *Relay) holdsDeleted(ctx context.Context, d *deletedRows, confirmed pglo
 	// Only while this relay's session streams from the slot: one that
 	// ended a moment ago may have let a relay with writer deletes take the
 	// slot and mark it.
-	if _, err := r.own.Exec(ctx, sqlUnmarkWhileStreaming(pub, r.capture.slot, r.capture.streamPID)); err != nil {
+	if r.capture.streamPID == 0 {
+		r.log.Warn("could not remove the writer-deletes mark of the publication: the relay could not read its own session's process id, so relays without writer deletes keep the slot past --"+relayconfig.FlagMaxRetainedWAL+" until one removes it",
+			"publication", pub, "fix", sqlMarkPublication(pub, "NULL"))
+	} else if _, err := r.own.Exec(ctx, sqlUnmarkWhileStreaming(pub, r.capture.slot, r.capture.streamPID)); err != nil {
 		// The next stream reads the mark again, and keeps the slot until
 		// it has streamed past a later position.
 		r.log.Warn("could not remove the writer-deletes mark of the publication", "publication", pub, "err", err,

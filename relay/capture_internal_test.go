@@ -1125,6 +1125,8 @@ func TestMarkIsRemovedOnlyWhileTheRemoverStreams(t *testing.T) {
 	_, err := pool.Exec(ctx, `CREATE PUBLICATION `+pub)
 	require.NoError(t, err)
 	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), `DROP PUBLICATION `+pub) })
+	// A slot is the server's, not the database's: one a killed run left.
+	_, _ = pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1`, pub)
 	_, err = pool.Exec(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, pub)
 	require.NoError(t, err)
 	t.Cleanup(func() { // once the walsender below has ended

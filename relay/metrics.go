@@ -35,6 +35,9 @@ type metrics struct {
 	headersSkipped prometheus.Counter
 	// captureStreaming is 1 while this replica streams from the slot.
 	captureStreaming prometheus.Gauge
+	// captureWriterDeletes is 1 while this replica's stream lets the
+	// writers delete (it marked the publication and holds the lock).
+	captureWriterDeletes prometheus.Gauge
 	// captureFallback is 1 while a logical-replication relay polls
 	// because it cannot stream.
 	captureFallback prometheus.Gauge
@@ -139,6 +142,8 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			"reason", dropWaitReasons),
 		captureStreaming: f.gauge("outbox_relay_capture_streaming",
 			"1 while this replica streams the table's inserts from the replication slot (--capture logical-replication); the other replicas wait as standbys."),
+		captureWriterDeletes: f.gauge("outbox_relay_capture_writer_deletes",
+			"1 while this replica streams with --writer-deletes and lets the writers delete their rows: it marked the slot's publication and holds the writer-deletes lock. 0 on every pod while such a relay streams means its role may not mark the publication (it does not own it), so the writers keep their rows and the relay claims them from the table."),
 		captureFallback: f.gauge("outbox_relay_capture_fallback",
 			"1 while this logical-replication replica polls because it cannot stream (the slot was lost or given up, or streaming failed)."),
 		restamped: f.counter("outbox_relay_records_restamped_total",

@@ -625,7 +625,7 @@ func (e *benchEnv) readyRelay(ctx context.Context, topic string, notify bool, ex
 		return nil, err
 	}
 	if writerDeletes(extra) {
-		// Writers delete only while the relay streams (outbox.DeleteOnStoreCondition).
+		// Writers delete only while the relay streams (outbox.DeleteOnStoreConditionFor).
 		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
 			if on, err := outbox.DeletesOnStore(ctx, e.pool, outbox.Table{Name: "outbox"}); err == nil && on {
 				break

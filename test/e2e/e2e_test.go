@@ -835,7 +835,10 @@ func TestLogicalReplicationOnTheNode(t *testing.T) {
 			EXECUTE format('ALTER ROLE %I REPLICATION', r);
 			EXECUTE format('GRANT INSERT ON outbox TO %I', r); -- writer deletes put rows back
 		END LOOP; END $$`))
+	// A DBA makes the publication and gives it to the relay's role, which
+	// marks it before its writers may delete (outbox.WriterDeletesMark).
 	require.NoError(t, stack.Postgres.Exec(ctx, localcluster.OrdersDatabase, `CREATE PUBLICATION `+slot+` FOR TABLE outbox WITH (publish = 'insert, delete')`))
+	require.NoError(t, stack.Postgres.Exec(ctx, localcluster.OrdersDatabase, `ALTER PUBLICATION `+slot+` OWNER TO `+localcluster.RelayRole))
 	dir := manifests(t, func(name string, b []byte) []byte {
 		if name != "outbox_v1alpha1_outboxrelay.yaml" {
 			return b
