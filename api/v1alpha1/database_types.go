@@ -38,7 +38,7 @@ const (
 // DSN names the database user and no password; the token is fetched for
 // each new connection and refreshed before it expires, and the connection
 // must use TLS (spec.database.tls, or sslmode=require or stricter in the
-// DSN). The relay pods get the identity of spec.template.serviceAccountName;
+// DSN). The relay pods get the identity of spec.template.pod.serviceAccountName;
 // the operator's backlog reads use the operator's own.
 // +kubebuilder:validation:XValidation:rule="!has(self.aws) || self.method == 'AWSRDSIAM'",message="spec.database.auth.aws applies only to method AWSRDSIAM",fieldPath=".aws"
 type DatabaseAuth struct {

@@ -14,7 +14,8 @@ const (
 	// ConditionProgressing is True while the relay Deployment rolls out or scales.
 	ConditionProgressing = "Progressing"
 	// ConditionDegraded is True when something needs a human: an invalid spec, a
-	// missing Secret or key, or a Deployment that cannot make progress.
+	// missing Secret or key, a Deployment that cannot make progress, or rows
+	// waiting past spec.lagThreshold (reason Lagging).
 	ConditionDegraded = "Degraded"
 	// ConditionReconciling is True while the relay is not yet where its spec
 	// says (rolling out, scaling, replicas not ready). It and ConditionStalled
@@ -23,7 +24,8 @@ const (
 	// flowing.
 	ConditionReconciling = "Reconciling"
 	// ConditionStalled is True when progress needs a human: an invalid spec,
-	// a missing Secret, a Deployment past its progress deadline.
+	// a missing Secret, a Deployment past its progress deadline, or rows
+	// waiting past spec.lagThreshold with none published (NotPublishing).
 	ConditionStalled = "Stalled"
 	// ConditionLagging is True when the oldest row a relay can claim has
 	// waited longer than spec.lagThreshold; Unknown before the operator first
@@ -521,7 +523,7 @@ type OutboxRelaySpec struct {
 	// +optional
 	BatchSize *int32 `json:"batchSize,omitempty"`
 
-	// MaxBatchBytes is the most payload bytes one claim takes, 65536 (64 KiB)
+	// MaxBatchBytes is the most payload and header bytes one claim takes, 65536 (64 KiB)
 	// to 67108864 (64 MiB); a larger row is claimed alone. Default: 4194304 (4 MiB).
 	// +kubebuilder:default=4194304
 	// +kubebuilder:validation:Minimum=65536
@@ -567,8 +569,9 @@ type OutboxRelaySpec struct {
 	// +optional
 	StallTimeout string `json:"stallTimeout,omitempty"`
 
-	// PollInterval is how long the relay waits after a short batch, a Go
-	// duration between 10ms and 1h. Default: 200ms.
+	// PollInterval is the longest sleep between claims that find nothing
+	// (each such claim in a row doubles the sleep, from linger up to this),
+	// a Go duration between 10ms and 1h. Default: 200ms.
 	// +kubebuilder:default="200ms"
 	// +kubebuilder:validation:MaxLength=64
 	// +kubebuilder:validation:Pattern=`^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
@@ -694,7 +697,8 @@ type OutboxRelaySpec struct {
 	LagThreshold string `json:"lagThreshold,omitempty"`
 
 	// Image is the relay image. Default: the operator's configured relay image.
-	// The operator's --allowed-relay-images may restrict it to some prefixes.
+	// By default only another tag or digest of the operator's relay image is
+	// admitted; the operator's --allowed-relay-images replaces that list.
 	// Whoever sets it runs that image with the Secrets this relay references.
 	// +kubebuilder:validation:MaxLength=512
 	// +optional
