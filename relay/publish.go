@@ -252,9 +252,10 @@ func (r *Relay) partitionsReadAgain(ctx context.Context, b *batch, topic string)
 		b.partitionsRead = map[string]bool{}
 	}
 	r.freshMetadata() // the transport answers a metadata request from its cache, read up to MetadataTTL ago
+	read := r.topics.readStarted()
 	md, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: []string{topic}})
 	if err == nil {
-		r.topics.setPartitions(md)
+		r.topics.setPartitions(read, md)
 	}
 	b.partitionsRead[topic] = err == nil
 	return err == nil

@@ -534,13 +534,14 @@ func (r *Relay) Check(ctx context.Context) (err error) {
 	}
 	r.held.recorded = recorded
 	databaseChecked = true
+	read := r.topics.readStarted()
 	md, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: r.allTopics()})
 	if err != nil {
 		r.setKafkaErr(err)
 		return &UnreachableError{fmt.Errorf("read Kafka metadata from %v: %w", r.cfg.Brokers, err)}
 	}
 	r.setKafkaErr(nil)
-	r.topics.setPartitions(md)
+	r.topics.setPartitions(read, md)
 	exists := map[string]bool{}
 	why := map[string]string{} // the broker's error for a topic it answered about
 	for _, t := range md.Topics {

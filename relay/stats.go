@@ -56,6 +56,7 @@ func (r *Relay) refreshStats(ctx context.Context) {
 // probe is a round trip to a broker besides: before, brokers that had
 // answered once never read as unreachable (readiness, brokersDown).
 func (r *Relay) refreshKafka(ctx context.Context) {
+	read := r.topics.readStarted()
 	md, err := r.client.Metadata(ctx, &kafka.MetadataRequest{Topics: r.allTopics()})
 	if err == nil {
 		_, err = r.client.ApiVersions(ctx, &kafka.ApiVersionsRequest{})
@@ -74,7 +75,7 @@ func (r *Relay) refreshKafka(ctx context.Context) {
 		}
 		return
 	}
-	r.topics.setPartitions(md)
+	r.topics.setPartitions(read, md)
 	r.setKafkaErr(nil)
 	r.brokersDownSince.Store(0)
 	if err := r.topics.refreshLimits(ctx, r.client, r.allTopics(), r.cfg.HeldRetryInterval); err != nil {

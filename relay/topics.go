@@ -31,6 +31,15 @@ type topicState struct {
 	// timestamp (timestampWindow); none when it takes any.
 	oldest     map[string]time.Duration
 	partitions map[string]int // partition counts, from the latest metadata
+	// reads numbers the reads of the brokers' view of the topics
+	// (readStarted); limitsRead and partitionsRead are, per topic, the
+	// number of the read whose answer stands. Reads overlap (the stats loop
+	// every few seconds, a batch's read again before it judges a row), and
+	// an answer that arrives after a later read's is older than it: applied
+	// over it, a limit raised meanwhile went back to the old one, and a row
+	// the topic takes could be dead-lettered as too large.
+	reads                      uint64
+	limitsRead, partitionsRead map[string]uint64
 	compressed bool           // the writer compresses record batches
 	// aloneMax is, when compressed, the most a record may hold uncompressed
 	// (kafka-go's accounting, recordSize) and still be sent, alone, for the
@@ -109,7 +118,7 @@ type topicOutage struct {
 // topicState.aloneMax, read only when compressed.
 func newTopicState(compressed bool, aloneMax int) *topicState {
 	return &topicState{down: outages{}, failing: outages{}, maxBytes: map[string]int{}, oldest: map[string]time.Duration{},
-		partitions: map[string]int{}, compressed: compressed, aloneMax: aloneMax, aside: map[topicPartition]*topicOutage{},
+		partitions: map[string]int{}, limitsRead: map[string]uint64{}, partitionsRead: map[string]uint64{}, compressed: compressed, aloneMax: aloneMax, aside: map[topicPartition]*topicOutage{},
 		refused: map[topicPartition]int{}}
 }
 
@@ -510,6 +519,7 @@ func (s *topicState) tooOld(topic string, at, now time.Time) bool {
 // the window of timestamps it takes (timestampWindow). Unknown topics are
 // marked down, and topics that exist again are tried at once.
 func (s *topicState) refreshLimits(ctx context.Context, c *kafka.Client, topics []string, limit time.Duration) error {
+	read := s.readStarted()
 	req := &kafka.DescribeConfigsRequest{}
 	for _, t := range topics {
 		req.Resources = append(req.Resources, kafka.DescribeConfigRequestResource{
@@ -520,45 +530,67 @@ func (s *topicState) refreshLimits(ctx context.Context, c *kafka.Client, topics 
 	if err != nil {
 		return fmt.Errorf("describe topic configs: %w", err)
 	}
-	now := time.Now()
+	s.setLimits(read, resp, time.Now(), limit)
+	return nil
+}
+
+// readStarted numbers a read of the topics' limits or partitions, taken
+// before its request is sent; the answer is given to setLimits or
+// setPartitions with it.
+func (s *topicState) readStarted() uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.reads++
+	return s.reads
+}
+
+// answers reports whether the answer of read about topic is the newest
+// (seen holds the read whose answer stands), and if so records it.
+func answers(seen map[string]uint64, topic string, read uint64) bool {
+	if seen[topic] > read {
+		return false
+	}
+	seen[topic] = read
+	return true
+}
+
+// setLimits applies the answer of read (refreshLimits) to each topic whose
+// limits no later read has set.
+func (s *topicState) setLimits(read uint64, resp *kafka.DescribeConfigsResponse, now time.Time, limit time.Duration) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	for _, res := range resp.Resources {
+		if !answers(s.limitsRead, res.ResourceName, read) {
+			continue
+		}
 		if res.Error != nil {
 			if errors.Is(res.Error, kafka.UnknownTopicOrPartition) {
-				s.markDown(res.ResourceName, res.Error, now, limit)
+				s.down.mark(res.ResourceName, res.Error, now, limit)
 			}
 			// A limit read before is no longer known: the topic may have
 			// been made again, or its limit raised, meanwhile. Against
 			// a guess a row is held, not dead-lettered (admit). Before,
 			// the last limit read stood for good, and a row the topic
 			// now takes could be dead-lettered.
-			s.mu.Lock()
 			delete(s.maxBytes, res.ResourceName)
-			s.mu.Unlock()
 			continue
 		}
 		configs := map[string]string{}
 		for _, e := range res.ConfigEntries {
 			configs[e.ConfigName] = e.ConfigValue
 		}
-		s.mu.Lock()
 		if d, ok := timestampWindow(configs); ok {
 			s.oldest[res.ResourceName] = d
 		} else {
 			delete(s.oldest, res.ResourceName)
 		}
-		s.mu.Unlock()
-		for _, e := range res.ConfigEntries {
-			if n, err := strconv.Atoi(e.ConfigValue); err == nil && e.ConfigName == "max.message.bytes" && n > 0 {
-				s.mu.Lock()
-				s.maxBytes[res.ResourceName] = n
-				if d, ok := s.down[res.ResourceName]; ok && errors.Is(d.err, kafka.UnknownTopicOrPartition) {
-					d.until = now // it exists again
-				}
-				s.mu.Unlock()
+		if n, err := strconv.Atoi(configs["max.message.bytes"]); err == nil && n > 0 {
+			s.maxBytes[res.ResourceName] = n
+			if d, ok := s.down[res.ResourceName]; ok && errors.Is(d.err, kafka.UnknownTopicOrPartition) {
+				d.until = now // it exists again
 			}
 		}
 	}
-	return nil
 }
 
 // isTopicUnavailable reports errors that concern a whole topic and that an
@@ -594,12 +626,13 @@ func isPermanent(err error) bool {
 	return false
 }
 
-// setPartitions records each topic's partition count from md.
-func (s *topicState) setPartitions(md *kafka.MetadataResponse) {
+// setPartitions records each topic's partition count from md, the answer
+// of read (readStarted), unless a later read has set it.
+func (s *topicState) setPartitions(read uint64, md *kafka.MetadataResponse) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, t := range md.Topics {
-		if t.Error == nil && len(t.Partitions) > 0 {
+		if t.Error == nil && len(t.Partitions) > 0 && answers(s.partitionsRead, t.Name, read) {
 			s.partitions[t.Name] = len(t.Partitions)
 		}
 	}

@@ -1,9 +1,11 @@
 package relay
 
 import (
+	"strconv"
 	"testing"
 	"time"
 
+	"github.com/segmentio/kafka-go"
 	"github.com/stretchr/testify/require"
 )
 
@@ -35,4 +37,52 @@ func TestTimestampWindow(t *testing.T) {
 	require.True(t, s.tooOld("t", now.Add(-59*time.Minute-time.Second), now), "within the last minute of the window: stamped anew")
 	require.False(t, s.tooOld("t", now.Add(-58*time.Minute), now))
 	require.False(t, s.tooOld("other", now.Add(-48*time.Hour), now), "a topic without a window takes any timestamp")
+}
+
+// describedLimit is a broker's answer that topic takes records up to n
+// bytes.
+func describedLimit(topic string, n int) *kafka.DescribeConfigsResponse {
+	return &kafka.DescribeConfigsResponse{Resources: []kafka.DescribeConfigResponseResource{{
+		ResourceName:  topic,
+		ConfigEntries: []kafka.DescribeConfigResponseConfigEntry{{ConfigName: "max.message.bytes", ConfigValue: strconv.Itoa(n)}},
+	}}}
+}
+
+// describedPartitions is a broker's answer that topic has n partitions.
+func describedPartitions(topic string, n int) *kafka.MetadataResponse {
+	return &kafka.MetadataResponse{Topics: []kafka.Topic{{Name: topic, Partitions: make([]kafka.Partition, n)}}}
+}
+
+// An answer about a topic that arrives after the answer of a later read
+// does not undo it. The stats loop reads every topic's limit every few
+// seconds, and a batch reads a topic's limit again before it judges a row
+// too large: when the stats loop's answer, from before the limit was
+// raised, landed after the batch's, the old limit came back, and a later
+// row of the batch that the topic takes went to the dead-letter topic.
+func TestAnOlderAnswerDoesNotUndoANewerOne(t *testing.T) {
+	t.Parallel()
+	s := newTopicState(false, 0)
+	now := time.Now()
+	record := kafka.Message{Topic: "t", Value: make([]byte, 1_500_000)}
+
+	stats := s.readStarted() // the stats loop asks, while the limit is 1 MB
+	again := s.readStarted() // the limit was raised; a batch asks again
+	s.setLimits(again, describedLimit("t", 2_000_000), now, time.Minute)
+	require.NoError(t, s.tooLarge("t", record))
+	s.setLimits(stats, describedLimit("t", 1_000_000), now, time.Minute) // its answer arrives late
+	require.Equal(t, 2_000_000, s.limit("t"))
+	require.NoError(t, s.tooLarge("t", record), "the raised limit stands")
+
+	s.setLimits(s.readStarted(), describedLimit("t", 1_000_000), now, time.Minute) // lowered since: a later read says so
+	require.Equal(t, 1_000_000, s.limit("t"))
+	require.Error(t, s.tooLarge("t", record))
+
+	// Partition counts likewise: a row naming a partition added meanwhile
+	// is not held as invalid on an older count.
+	stats, again = s.readStarted(), s.readStarted()
+	s.setPartitions(again, describedPartitions("t", 8))
+	s.setPartitions(stats, describedPartitions("t", 4))
+	n, ok := s.partitionCount("t")
+	require.True(t, ok)
+	require.Equal(t, 8, n)
 }
