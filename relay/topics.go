@@ -40,7 +40,7 @@ type topicState struct {
 	// the topic takes could be dead-lettered as too large.
 	reads                      uint64
 	limitsRead, partitionsRead map[string]uint64
-	compressed bool           // the writer compresses record batches
+	compressed                 bool // the writer compresses record batches
 	// aloneMax is, when compressed, the most a record may hold uncompressed
 	// (kafka-go's accounting, recordSize) and still be sent, alone, for the
 	// broker to judge: the relay's byte budget per claim
