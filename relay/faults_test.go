@@ -1287,6 +1287,34 @@ func TestARefusedBatchFindsItsCulpritByHalving(t *testing.T) {
 	})
 }
 
+// A dead-letter write that fails in a way a retry may fix holds nothing:
+// the refused row is tried again after the backoff and reaches the
+// dead-letter topic, and its key's later rows go out behind it, in both
+// orderings. Before, it was held as refused with no dead-letter topic for
+// the held-row retry interval, and in partition-key mode its key's later
+// rows waited as long.
+func TestADeadLetterWriteThatTimesOutIsRetriedNotHeld(t *testing.T) {
+	eachMode(t, 1, nil, func(t *testing.T, f *outboxtest.Fixture, cfg relay.Config) {
+		c := faultCluster(t, 1, 1<<20, "orders", "dlq")
+		refusePoison(c, "dlq")
+		// Three writes' worth of attempts (the writer tries a record three
+		// times) find the dead-letter partition without a leader.
+		noLeader := c.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: "dlq", Err: kerr.NotLeaderForPartition, Count: 9})
+		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+			VALUES (gen_random_uuid(), 'Order', 'p', 'E', '{"note": "` + poisonMarker + `"}', 'p')`)
+		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+			SELECT gen_random_uuid(), 'Order', 'p', 'E', jsonb_build_object('n', i), 'p' FROM generate_series(1, 20) i`)
+		cfg.HeldRetryInterval = time.Hour
+		cfg.Brokers, cfg.Topics, cfg.DeadLetterTopic = c.ListenAddrs(), map[string]string{"E": "orders"}, "dlq"
+		x := run(t, cfg, nil)
+		f.WaitDrained(0, 30*time.Second)
+		require.GreaterOrEqual(t, noLeader.Hits(), 4, "a dead-letter write failed")
+		require.Equal(t, 1.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
+		require.Equal(t, 20.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_events_published_total", "topic", "orders"))
+		require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldRefused))
+	})
+}
+
 // halvingSeeds are what TestHalvingKeepsEachKeysOrder runs: 1 to 3,
 // and those that broke a key's order before a half was cut to one record
 // batch per partition.

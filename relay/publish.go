@@ -142,6 +142,7 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 		if b.out[i] == staleTime {
 			r.restamp(ctx, b, i)
 		}
+	decide:
 		switch b.out[i] {
 		case acked:
 			if b.restamped[i] || r.cfg.RecordTimestamp == RecordTimestampCreatedAt && r.topics.tooOld(r.cfg.Topics[x.eventType], x.createdAt, now) {
@@ -190,12 +191,22 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 				continue
 			}
 			r.m.publishErrors.WithLabelValues("permanent").Inc()
-			settled++
-			if r.deadLetter(ctx, x, b.errs[i]) {
+			switch out, err := r.deadLetter(ctx, x, b.errs[i]); out {
+			case acked:
+				settled++
 				published = append(published, x.id)
 				r.stopLane(b, x, i, time.Time{}) // its key's later rows go in the next batch
 				continue
+			case transient:
+				// The dead-letter topic did not answer in time, or its
+				// partition had no leader: the row is tried again after
+				// the backoff of any failed row. Before, it was held as
+				// refused with no dead-letter topic for HeldRetryInterval
+				// (a minute), and its key's later rows waited as long.
+				b.out[i], b.errs[i] = transient, fmt.Errorf("%v; its dead-letter copy failed: %w", b.errs[i], err)
+				goto decide
 			}
+			settled++
 			reason := HeldRefused
 			if errors.Is(b.errs[i], kafka.MessageSizeTooLarge) || errors.As(b.errs[i], new(kafka.MessageTooLargeError)) {
 				reason = HeldTooLarge
@@ -979,11 +990,14 @@ func leaderMoved(err error) bool {
 }
 
 // deadLetter publishes a refused row, payload and all, to the dead-letter
-// topic and reports whether Kafka acknowledged it there. A row that does not
-// fit the dead-letter topic either is not sent (it is held).
-func (r *Relay) deadLetter(ctx context.Context, x row, cause error) bool {
+// topic. It reports acked when Kafka acknowledged it there, transient when
+// the write failed in a way a retry may fix (the row is tried again like
+// any row that failed so), skipped when there is no dead-letter topic, and
+// permanent when the dead-letter topic refused it, is unavailable, or is
+// too small for it (the row is held).
+func (r *Relay) deadLetter(ctx context.Context, x row, cause error) (outcome, error) {
 	if r.cfg.DeadLetterTopic == "" {
-		return false
+		return skipped, nil
 	}
 	m := r.message(x, r.cfg.Topics[x.eventType])
 	m.Headers = append(m.Headers,
@@ -993,7 +1007,7 @@ func (r *Relay) deadLetter(ctx context.Context, x row, cause error) bool {
 	m.WriterData = nil // the row's partition is one of its own topic's; the key's hash chooses here
 	if err := r.topics.tooLarge(m.Topic, m); err != nil {
 		r.log.Error("row fits neither its topic nor the dead-letter topic; it is held", "id", x.id, "event_id", x.eventID, "err", err)
-		return false
+		return permanent, err
 	}
 	// The dead-letter topic's window of timestamps is its own: a row its
 	// topic takes by age can be too old for it. Such a record goes out
@@ -1009,13 +1023,15 @@ func (r *Relay) deadLetter(ctx context.Context, x row, cause error) bool {
 		m.Time = time.Time{}
 		r.write(ctx, []kafka.Message{m}, func(_ int, o outcome, err error) { out, dlErr = o, err })
 	}
-	ok := out == acked
-	if !ok {
+	if out != acked {
 		r.log.Error("dead-letter publish failed", "id", x.id, "event_id", x.eventID, "err", dlErr)
-		return false
+		if out != transient {
+			out = permanent // refused, or the topic is unavailable: the row is held
+		}
+		return out, dlErr
 	}
 	r.m.deadLettered.Inc()
 	r.log.Warn("row refused by Kafka went to the dead-letter topic", "id", x.id, "event_id", x.eventID,
 		"event_type", x.eventType, "dead_letter_topic", r.cfg.DeadLetterTopic, "err", cause)
-	return true
+	return acked, nil
 }
