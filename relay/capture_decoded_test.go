@@ -1201,3 +1201,37 @@ func TestWriterDeletesRetriesEveryRowPutBackBeforeLaterOnes(t *testing.T) {
 	require.Equal(t, len(want)-1, slices.Index(order, later.EventID), "the later event goes out last")
 	require.Equal(t, want, order, "the key's events in commit order")
 }
+
+// A streamed row whose payload and headers column together exceed the
+// largest record its topic takes, though its record fits (the column's
+// JSON spells each header with more bytes than the record carries), is
+// published, as a claim would publish it: it is judged too large by its
+// payload alone, as a claim judges it, and then by its record. Before,
+// it was held as too large "without reading" its payload, and published
+// only once the hold ended and the table's sweep claimed it.
+func TestWriterDeletesJudgesARowBySizeAsAClaimDoes(t *testing.T) {
+	t.Parallel()
+	const limit = 4000
+	f, cfg, store := writerDeletesFixture(t, "E")
+	c := faultCluster(t, 1, limit, "small")
+	cfg.Brokers, cfg.Topics, cfg.HeldRetryInterval = c.ListenAddrs(), map[string]string{"E": "small"}, time.Hour
+	x := startStreaming(t, cfg)
+	e := entry("E", 1)
+	e.Payload = fmt.Appendf(nil, `{"pad": "%s"}`, strings.Repeat("x", 3300))
+	e.Headers = map[string]string{}
+	for i := range outbox.MaxHeaders - 4 {
+		e.Headers[fmt.Sprintf("h%02d", i)] = "v"
+	}
+	headers, err := json.Marshal(e.Headers)
+	require.NoError(t, err)
+	var columns int
+	require.NoError(t, f.Pool.QueryRow(context.Background(), `SELECT octet_length($1::jsonb::text) + octet_length($2::jsonb::text)`,
+		string(e.Payload), string(headers)).Scan(&columns))
+	require.Greater(t, columns, limit, "the columns' text together is over the topic's limit")
+	store(e)
+	require.Zero(t, f.Count(`SELECT count(*) FROM outbox`), "the writer deleted the row")
+	got := readTopics(t, c.ListenAddrs(), 1, "small")
+	require.Len(t, got, 1)
+	require.Equal(t, e.EventID, got[0].eventID)
+	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTooLarge))
+}
