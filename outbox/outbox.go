@@ -264,14 +264,14 @@ const WriterDeletesMark = "outbox-relay: streamed with writer deletes; the slot 
 // a writer in another language must run too
 // (docs/migrating-from-debezium.md). The mark is read from pg_description
 // itself: obj_description is an SQL-language function, which the server
-// parses and plans again at each statement that calls it, in every
-// writer's transaction; the join is planned once, with the statement.
+// plans again at each statement that calls it, in every writer's
+// transaction; the join is planned once, with the statement.
 func DeleteOnStoreConditionFor(slotParam string, t Table) string {
 	rel := `to_regclass(` + QuoteLiteral(t.Quoted()) + `)`
 	return DeleteOnStoreCondition(slotParam) + `
       AND EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
         WHERE p.pubname = ` + slotParam + `::text AND pr.prrelid = ` + rel + ` AND p.pubinsert AND p.pubdelete
-          AND EXISTS (SELECT 1 FROM pg_description d WHERE d.objoid = p.oid AND d.classoid = 'pg_publication'::regclass AND d.objsubid = 0
+          AND EXISTS (SELECT 1 FROM pg_description d WHERE d.objoid = p.oid AND d.classoid = 'pg_catalog.pg_publication'::regclass AND d.objsubid = 0
             AND ` + QuoteLiteral(WriterDeletesMark) + ` = ANY(string_to_array(d.description, E'\n')))
           AND to_jsonb(pr) ->> 'prqual' IS NULL AND to_jsonb(pr) ->> 'prattrs' IS NULL
           AND (p.pubviaroot OR NOT EXISTS (SELECT 1 FROM pg_class c WHERE c.oid = ` + rel + ` AND c.relkind = 'p')))`

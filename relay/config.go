@@ -81,9 +81,9 @@ type Config struct {
 	// after their id was taken, and how often a streaming relay sweeps
 	// for what its stream does not carry. Default 10s.
 	FullRescanInterval time.Duration
-	// HeldRetryInterval is how often held rows (refused by Kafka with no
-	// dead-letter topic, invalid, or of an unavailable topic) are tried
-	// again. Default 1m.
+	// HeldRetryInterval is how often held rows (refused by Kafka and not
+	// dead-lettered, invalid, or of an unavailable topic) are tried again.
+	// Default 1m.
 	HeldRetryInterval time.Duration
 	// MaxBackoff caps the exponential backoff after transient errors. Default 5s.
 	MaxBackoff time.Duration

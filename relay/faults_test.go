@@ -1291,29 +1291,44 @@ func TestARefusedBatchFindsItsCulpritByHalving(t *testing.T) {
 
 // A dead-letter write that fails in a way a retry may fix holds nothing:
 // the refused row is tried again after the backoff and reaches the
-// dead-letter topic, and its key's later rows go out behind it, in both
-// orderings. Before, it was held as refused with no dead-letter topic for
-// the held-row retry interval, and in partition-key mode its key's later
-// rows waited as long.
-func TestADeadLetterWriteThatTimesOutIsRetriedNotHeld(t *testing.T) {
-	eachMode(t, 1, nil, func(t *testing.T, f *outboxtest.Fixture, cfg relay.Config) {
+// dead-letter topic, and its key's other rows reach theirs, with polling
+// in both orderings and with logical replication. Before, it was held as
+// refused with no dead-letter topic for the held-row retry interval, and
+// in partition-key mode its key's later rows waited as long; a first
+// mend, which retried it as a transient failure of its own, stopped its
+// key's lane after the later rows had gone out, and logical replication
+// logged that their order may be broken.
+func TestADeadLetterWriteThatFailsIsRetriedNotHeld(t *testing.T) {
+	test := func(t *testing.T, f *outboxtest.Fixture, cfg relay.Config) {
 		c := faultCluster(t, 1, 1<<20, "orders", "dlq")
 		refusePoison(c, "dlq")
 		// Three writes' worth of attempts (the writer tries a record three
 		// times) find the dead-letter partition without a leader.
 		noLeader := c.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: "dlq", Err: kerr.NotLeaderForPartition, Count: 9})
-		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
-			VALUES (gen_random_uuid(), 'Order', 'p', 'E', '{"note": "` + poisonMarker + `"}', 'p')`)
-		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
-			SELECT gen_random_uuid(), 'Order', 'p', 'E', jsonb_build_object('n', i), 'p' FROM generate_series(1, 20) i`)
+		var logs lockedBuffer
+		cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
 		cfg.HeldRetryInterval = time.Hour
 		cfg.Brokers, cfg.Topics, cfg.DeadLetterTopic = c.ListenAddrs(), map[string]string{"E": "orders"}, "dlq"
 		x := run(t, cfg, nil)
+		if cfg.Capture == relay.CaptureLogicalReplication {
+			waitStreaming(t, x)
+		}
+		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+			SELECT gen_random_uuid(), 'Order', 'p', 'E', CASE WHEN i = 1 THEN '{"note": "` + poisonMarker + `"}' ELSE jsonb_build_object('n', i) END, 'p'
+			FROM generate_series(1, 21) i`)
 		f.WaitDrained(0, 30*time.Second)
 		require.GreaterOrEqual(t, noLeader.Hits(), 4, "a dead-letter write failed")
 		require.Equal(t, 1.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
-		require.Equal(t, 20.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_events_published_total", "topic", "orders"))
+		require.Len(t, readTopics(t, c.ListenAddrs(), 20, "orders"), 20)
 		require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldRefused))
+		require.NotContains(t, logs.String(), "order may be broken")
+		require.NotContains(t, logs.String(), "row held")
+	}
+	t.Run("polling", func(t *testing.T) { eachMode(t, 1, nil, test) })
+	t.Run("logical-replication", func(t *testing.T) {
+		t.Parallel()
+		f, cfg := captureFixture(t, 1)
+		test(t, f, cfg)
 	})
 }
 

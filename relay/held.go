@@ -24,8 +24,10 @@ const (
 	// HeldTooLarge: the record is larger than its topic takes, and there is
 	// no dead-letter topic it fits.
 	HeldTooLarge = outbox.HeldTooLarge
-	// HeldRefused: Kafka refused the record permanently and there is no
-	// dead-letter topic.
+	// HeldRefused: Kafka refused the record permanently, and there is no
+	// dead-letter topic, or the dead-letter topic refused its copy or is
+	// unavailable (a copy that failed in a way a retry may fix holds
+	// nothing: the row is tried again).
 	HeldRefused = outbox.HeldRefused
 )
 

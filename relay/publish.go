@@ -36,6 +36,12 @@ const (
 	refusedWith                // Kafka refused the request that carried it with others; the culprit is unknown
 	topicDown                  // its topic is unavailable
 	staleTime                  // its topic refuses its timestamp (publish sends it again with the publish time)
+	// deadLetterFailed: its topic refused it for itself, and its
+	// dead-letter copy failed in a way a retry may fix (a timeout, no
+	// leader). It is tried again, as a transient failure is, but blames
+	// neither its topic (topicsFailing) nor, outside partition-key mode,
+	// its key's later rows: its record goes to the dead-letter topic.
+	deadLetterFailed
 )
 
 // recordSize is kafka-go's accounting of a record's size, the one its
@@ -142,7 +148,6 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 		if b.out[i] == staleTime {
 			r.restamp(ctx, b, i)
 		}
-	decide:
 		switch b.out[i] {
 		case acked:
 			if b.restamped[i] || r.cfg.RecordTimestamp == RecordTimestampCreatedAt && r.topics.tooOld(r.cfg.Topics[x.eventType], x.createdAt, now) {
@@ -202,9 +207,17 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 				// partition had no leader: the row is tried again after
 				// the backoff of any failed row. Before, it was held as
 				// refused with no dead-letter topic for HeldRetryInterval
-				// (a minute), and its key's later rows waited as long.
-				b.out[i], b.errs[i] = transient, fmt.Errorf("%v; its dead-letter copy failed: %w", b.errs[i], err)
-				goto decide
+				// (a minute), and in partition-key mode its key's later
+				// rows waited as long. Its error names the dead-letter
+				// partition's failure as text (%v): a partition set aside
+				// there is not its own topic's.
+				failed++
+				b.out[i], b.errs[i] = deadLetterFailed, fmt.Errorf("%v; its dead-letter copy failed: %v", b.errs[i], err)
+				transientErr = b.errs[i]
+				if r.lanes != nil {
+					r.lanes.failed(x, i, now)
+				}
+				continue
 			}
 			settled++
 			reason := HeldRefused
@@ -361,7 +374,7 @@ func (r *Relay) bisect(ctx context.Context, b *batch, idx []int) {
 func (b *batch) retry(r *Relay, now time.Time) []int64 {
 	var ids []int64
 	for i, x := range b.rows {
-		if b.out[i] != transient && b.out[i] != skipped || r.held.isHeld(x.id) {
+		if b.out[i] != transient && b.out[i] != skipped && b.out[i] != deadLetterFailed || r.held.isHeld(x.id) {
 			continue
 		}
 		if topic, ok := r.cfg.Topics[x.eventType]; ok && r.topics.available(topic, now) {

@@ -77,6 +77,15 @@ func TestAnOlderAnswerDoesNotUndoANewerOne(t *testing.T) {
 	require.Equal(t, 1_000_000, s.limit("t"))
 	require.Error(t, s.tooLarge("t", record))
 
+	// An older answer that the topic was unknown neither forgets a newer
+	// limit nor marks the topic down.
+	stats, again = s.readStarted(), s.readStarted()
+	s.setLimits(again, describedLimit("t", 2_000_000), now, time.Minute)
+	s.setLimits(stats, &kafka.DescribeConfigsResponse{Resources: []kafka.DescribeConfigResponseResource{{
+		ResourceName: "t", Error: kafka.UnknownTopicOrPartition}}}, now, time.Minute)
+	require.True(t, s.limitKnown("t"))
+	require.True(t, s.available("t", now))
+
 	// Partition counts likewise: a row naming a partition added meanwhile
 	// is not held as invalid on an older count.
 	stats, again = s.readStarted(), s.readStarted()

@@ -697,8 +697,9 @@ type OutboxRelaySpec struct {
 	LagThreshold string `json:"lagThreshold,omitempty"`
 
 	// Image is the relay image. Default: the operator's configured relay image.
-	// By default only another tag or digest of the operator's relay image is
-	// admitted; the operator's --allowed-relay-images replaces that list.
+	// By default only the operator's relay image, or another tag or digest
+	// of it, is admitted; the operator's --allowed-relay-images widens that
+	// to the prefixes it lists (the relay image itself stays admitted).
 	// Whoever sets it runs that image with the Secrets this relay references.
 	// +kubebuilder:validation:MaxLength=512
 	// +optional
@@ -831,8 +832,8 @@ type HeldRows struct {
 	// take (reason too_large).
 	// +optional
 	TooLarge int64 `json:"tooLarge,omitempty"`
-	// Refused rows were refused by Kafka for good, with no dead-letter topic
-	// (reason refused).
+	// Refused rows were refused by Kafka for good, with no dead-letter topic,
+	// or one that refused their copy or is unavailable (reason refused).
 	// +optional
 	Refused int64 `json:"refused,omitempty"`
 	// Blocked rows wait behind a held or invalid row of their partition key
