@@ -69,11 +69,18 @@ type partitionAsideError struct {
 	topicPartition
 	until time.Time
 	cause error
+	// refused: set aside for refusing every record of writes in a row
+	// (setRefused), not for running out the publish timeout.
+	refused bool
 }
 
 func (e *partitionAsideError) Error() string {
-	return fmt.Sprintf("partition %d of topic %s did not answer within the publish timeout; its records wait until %s, then it is tried again: %v",
-		e.partition, e.topic, e.until.Format(time.RFC3339), e.cause)
+	why := "did not answer within the publish timeout"
+	if e.refused {
+		why = "refused every record of writes in a row"
+	}
+	return fmt.Sprintf("partition %d of topic %s %s; its records wait until %s, then it is tried again: %v",
+		e.partition, e.topic, why, e.until.Format(time.RFC3339), e.cause)
 }
 
 func (e *partitionAsideError) Unwrap() error { return e.cause }
@@ -166,7 +173,7 @@ func (s *topicState) asideError(p topicPartition, now time.Time) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if d, ok := s.aside[p]; ok && now.Before(d.until) {
-		return &partitionAsideError{topicPartition: p, until: d.until, cause: d.err}
+		return &partitionAsideError{topicPartition: p, until: d.until, cause: d.err, refused: d.refused}
 	}
 	return nil
 }
@@ -297,7 +304,7 @@ func (s *topicState) behindError(p topicPartition) error {
 	defer s.mu.Unlock()
 	e := &partitionAsideError{topicPartition: p, cause: errors.New("an older row of the record's key waits for this partition")}
 	if d, ok := s.aside[p]; ok {
-		e.until, e.cause = d.until, fmt.Errorf("%w: %w", e.cause, d.err)
+		e.until, e.cause, e.refused = d.until, fmt.Errorf("%w: %w", e.cause, d.err), d.refused
 	}
 	return e
 }

@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"errors"
 	"strconv"
 	"testing"
 	"time"
@@ -94,4 +95,19 @@ func TestAnOlderAnswerDoesNotUndoANewerOne(t *testing.T) {
 	n, ok := s.partitionCount("t")
 	require.True(t, ok)
 	require.Equal(t, 8, n)
+}
+
+// A partition's records wait, while it is set aside, with an error that
+// says why it is: it ran out the publish timeout, or refused every record
+// of writes in a row. Before, both said it did not answer in time.
+func TestAsideErrorSaysWhyThePartitionIsAside(t *testing.T) {
+	t.Parallel()
+	s := newTopicState(false, 0)
+	now := time.Now()
+	hung, refusing := topicPartition{"t", 0}, topicPartition{"t", 1}
+	s.setAside(hung, errors.New("deadline"), now, time.Second, time.Minute)
+	s.setRefused(refusing, kafka.NotLeaderForPartition, now, time.Second)
+	require.ErrorContains(t, s.asideError(hung, now), "did not answer within the publish timeout")
+	require.ErrorContains(t, s.asideError(refusing, now), "refused every record of writes in a row")
+	require.ErrorContains(t, s.behindError(refusing), "refused every record of writes in a row")
 }
