@@ -82,8 +82,9 @@ type Config struct {
 	// for what its stream does not carry. Default 10s.
 	FullRescanInterval time.Duration
 	// HeldRetryInterval is how often held rows (refused by Kafka and not
-	// dead-lettered, invalid, or of an unavailable topic) are tried again.
-	// Default 1m.
+	// dead-lettered, invalid, or of an unavailable topic) are tried again;
+	// a row whose dead-letter copy failed in a way a retry may fix is held
+	// for MaxBackoff instead. Default 1m.
 	HeldRetryInterval time.Duration
 	// MaxBackoff caps the exponential backoff after transient errors. Default 5s.
 	MaxBackoff time.Duration

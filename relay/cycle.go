@@ -426,11 +426,11 @@ func (r *Relay) markAndCommit(b *inFlight) error {
 func (r *Relay) recordHolds(b *inFlight) error {
 	if len(b.holds) > 0 {
 		n := len(b.holds)
-		ids, eventIDs, types, reasons, errs := make([]int64, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+		ids, eventIDs, types, reasons, errs, waits := make([]int64, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]float64, n)
 		for i, h := range b.holds {
-			ids[i], eventIDs[i], types[i], reasons[i], errs[i] = h.id, h.eventID, h.eventType, h.reason, h.err
+			ids[i], eventIDs[i], types[i], reasons[i], errs[i], waits[i] = h.id, h.eventID, h.eventType, h.reason, h.err, h.wait.Seconds()
 		}
-		args := []any{ids, eventIDs, types, reasons, errs, r.cfg.HeldRetryInterval.Seconds()}
+		args := []any{ids, eventIDs, types, reasons, errs, waits}
 		if r.sql.HoldKeepsRedrives {
 			args = append(args, time.Since(b.start).Seconds())
 		}

@@ -1289,16 +1289,18 @@ func TestARefusedBatchFindsItsCulpritByHalving(t *testing.T) {
 	})
 }
 
-// A dead-letter write that fails in a way a retry may fix holds nothing:
-// the refused row is tried again after the backoff and reaches the
-// dead-letter topic, and its key's other rows reach theirs, with polling
-// in both orderings and with logical replication. Before, it was held as
-// refused with no dead-letter topic for the held-row retry interval, and
-// in partition-key mode its key's later rows waited as long; a first
-// mend, which retried it as a transient failure of its own, stopped its
-// key's lane after the later rows had gone out, and logical replication
-// logged that their order may be broken.
-func TestADeadLetterWriteThatFailsIsRetriedNotHeld(t *testing.T) {
+// A dead-letter write that fails in a way a retry may fix holds the refused
+// row for the backoff of a failed row only, in memory and in the held
+// table, and it reaches the dead-letter topic once the copy goes out; its
+// key's other rows reach theirs, with polling in both orderings and with
+// logical replication. Before, it was held for the held-row retry interval
+// (an hour here), and in partition-key mode its key's later rows waited as
+// long. A first mend retried it in place as a transient failure: with
+// logical replication that stopped its key's lane after the later rows had
+// gone out (their order was logged as broken), and it would have made a
+// stream wait for the dead-letter topic.
+func TestAFailedDeadLetterCopyHoldsTheRowForTheBackoffOnly(t *testing.T) {
+	t.Parallel()
 	test := func(t *testing.T, f *outboxtest.Fixture, cfg relay.Config) {
 		c := faultCluster(t, 1, 1<<20, "orders", "dlq")
 		refusePoison(c, "dlq")
@@ -1307,7 +1309,7 @@ func TestADeadLetterWriteThatFailsIsRetriedNotHeld(t *testing.T) {
 		noLeader := c.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: "dlq", Err: kerr.NotLeaderForPartition, Count: 9})
 		var logs lockedBuffer
 		cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil))
-		cfg.HeldRetryInterval = time.Hour
+		cfg.HeldRetryInterval, cfg.MaxBackoff = time.Hour, time.Second
 		cfg.Brokers, cfg.Topics, cfg.DeadLetterTopic = c.ListenAddrs(), map[string]string{"E": "orders"}, "dlq"
 		x := run(t, cfg, nil)
 		if cfg.Capture == relay.CaptureLogicalReplication {
@@ -1316,13 +1318,18 @@ func TestADeadLetterWriteThatFailsIsRetriedNotHeld(t *testing.T) {
 		f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 			SELECT gen_random_uuid(), 'Order', 'p', 'E', CASE WHEN i = 1 THEN '{"note": "` + poisonMarker + `"}' ELSE jsonb_build_object('n', i) END, 'p'
 			FROM generate_series(1, 21) i`)
+		var far, all int
+		require.Eventually(t, func() bool {
+			err := f.Pool.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE retry_at > now() + interval '10 seconds'), count(*) FROM outbox_held`).Scan(&far, &all)
+			return err == nil && all > 0
+		}, 20*time.Second, 5*time.Millisecond, "the row is held while its dead-letter copy fails")
+		require.Zero(t, far, "the held table keeps it for the backoff, not the held-row retry interval")
 		f.WaitDrained(0, 30*time.Second)
 		require.GreaterOrEqual(t, noLeader.Hits(), 4, "a dead-letter write failed")
 		require.Equal(t, 1.0, outboxtest.MetricValue(t, x.Reg, "outbox_relay_dead_lettered_total"))
 		require.Len(t, readTopics(t, c.ListenAddrs(), 20, "orders"), 20)
-		require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldRefused))
 		require.NotContains(t, logs.String(), "order may be broken")
-		require.NotContains(t, logs.String(), "row held")
+		require.Contains(t, logs.String(), "its dead-letter copy failed")
 	}
 	t.Run("polling", func(t *testing.T) { eachMode(t, 1, nil, test) })
 	t.Run("logical-replication", func(t *testing.T) {

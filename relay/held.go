@@ -26,8 +26,8 @@ const (
 	HeldTooLarge = outbox.HeldTooLarge
 	// HeldRefused: Kafka refused the record permanently, and there is no
 	// dead-letter topic, or the dead-letter topic refused its copy or is
-	// unavailable (a copy that failed in a way a retry may fix holds
-	// nothing: the row is tried again).
+	// unavailable (held for Config.MaxBackoff only when the copy failed in
+	// a way a retry may fix).
 	HeldRefused = outbox.HeldRefused
 )
 
@@ -89,6 +89,9 @@ type heldRecord struct {
 	id                         int64
 	eventID, eventType, reason string
 	err                        string
+	// wait is how long from its recording the row is held: the table's
+	// retry_at, which a reload of the table (merge) takes as its end.
+	wait time.Duration
 }
 
 // heldSnapshot is the held table as one replica read it.
@@ -108,7 +111,8 @@ func newHeldRows() *heldRows {
 // hold keeps x out of claims until until, queues its record, and logs it
 // the first time.
 func (h *heldRows) hold(log *slog.Logger, x row, reason string, until time.Time, err error) {
-	h.rows[x.id] = heldRow{reason: reason, until: until, at: time.Now(), key: x.partitionKey, eventType: x.eventType, uncommitted: h.recorded}
+	now := time.Now()
+	h.rows[x.id] = heldRow{reason: reason, until: until, at: now, key: x.partitionKey, eventType: x.eventType, uncommitted: h.recorded}
 	if h.recorded {
 		msg := err.Error()
 		if len(msg) > heldErrorBytes {
@@ -116,7 +120,7 @@ func (h *heldRows) hold(log *slog.Logger, x row, reason string, until time.Time,
 			// and the batch recording the hold would fail at every retry.
 			msg = strings.ToValidUTF8(msg[:heldErrorBytes], "")
 		}
-		h.pending = append(h.pending, heldRecord{id: x.id, eventID: x.eventID, eventType: x.eventType, reason: reason, err: msg})
+		h.pending = append(h.pending, heldRecord{id: x.id, eventID: x.eventID, eventType: x.eventType, reason: reason, err: msg, wait: max(until.Sub(now), 0)})
 	}
 	if h.logged[x.id] {
 		return

@@ -36,12 +36,6 @@ const (
 	refusedWith                // Kafka refused the request that carried it with others; the culprit is unknown
 	topicDown                  // its topic is unavailable
 	staleTime                  // its topic refuses its timestamp (publish sends it again with the publish time)
-	// deadLetterFailed: its topic refused it for itself, and its
-	// dead-letter copy failed in a way a retry may fix (a timeout, no
-	// leader). It is tried again, as a transient failure is, but blames
-	// neither its topic (topicsFailing) nor, outside partition-key mode,
-	// its key's later rows: its record goes to the dead-letter topic.
-	deadLetterFailed
 )
 
 // recordSize is kafka-go's accounting of a record's size, the one its
@@ -196,36 +190,32 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 				continue
 			}
 			r.m.publishErrors.WithLabelValues("permanent").Inc()
-			switch out, err := r.deadLetter(ctx, x, b.errs[i]); out {
-			case acked:
-				settled++
+			settled++
+			out, dlErr := r.deadLetter(ctx, x, b.errs[i])
+			if out == acked {
 				published = append(published, x.id)
 				r.stopLane(b, x, i, time.Time{}) // its key's later rows go in the next batch
 				continue
-			case transient:
-				// The dead-letter topic did not answer in time, or its
-				// partition had no leader: the row is tried again after
-				// the backoff of any failed row. Before, it was held as
-				// refused with no dead-letter topic for HeldRetryInterval
-				// (a minute), and in partition-key mode its key's later
-				// rows waited as long. Its error names the dead-letter
-				// partition's failure as text (%v): a partition set aside
-				// there is not its own topic's.
-				failed++
-				b.out[i], b.errs[i] = deadLetterFailed, fmt.Errorf("%v; its dead-letter copy failed: %v", b.errs[i], err)
-				transientErr = b.errs[i]
-				if r.lanes != nil {
-					r.lanes.failed(x, i, now)
-				}
-				continue
 			}
-			settled++
 			reason := HeldRefused
 			if errors.Is(b.errs[i], kafka.MessageSizeTooLarge) || errors.As(b.errs[i], new(kafka.MessageTooLargeError)) {
 				reason = HeldTooLarge
 			}
-			until := now.Add(r.cfg.HeldRetryInterval)
-			r.held.hold(r.log, x, reason, until, b.errs[i])
+			until, err := now.Add(r.cfg.HeldRetryInterval), b.errs[i]
+			if out == transient {
+				// The dead-letter topic did not answer in time, or its
+				// partition had no leader: a retry may get the copy out,
+				// so the row is held for the longest backoff of a failed
+				// row only. A hold, not a retry in place: a stream does
+				// not wait for it, polling does not back off for it, and
+				// outside partition-key mode its key's later rows do not
+				// wait (its record goes to another topic). Before, it was
+				// held for HeldRetryInterval (a minute), and in
+				// partition-key mode its key's later rows waited as long.
+				until = now.Add(r.cfg.MaxBackoff)
+				err = fmt.Errorf("%w; its dead-letter copy failed (%v), and it is tried again at %s", err, dlErr, until.Format(time.RFC3339))
+			}
+			r.held.hold(r.log, x, reason, until, err)
 			r.stopLane(b, x, i, until)
 		}
 	}
@@ -374,7 +364,7 @@ func (r *Relay) bisect(ctx context.Context, b *batch, idx []int) {
 func (b *batch) retry(r *Relay, now time.Time) []int64 {
 	var ids []int64
 	for i, x := range b.rows {
-		if b.out[i] != transient && b.out[i] != skipped && b.out[i] != deadLetterFailed || r.held.isHeld(x.id) {
+		if b.out[i] != transient && b.out[i] != skipped || r.held.isHeld(x.id) {
 			continue
 		}
 		if topic, ok := r.cfg.Topics[x.eventType]; ok && r.topics.available(topic, now) {

@@ -457,8 +457,8 @@ SELECT count(*), COALESCE(max(id), 0) FROM gone`,
 		CreateHeld:        outbox.HeldDDL(t),
 		AddHeldRedrivenAt: outbox.HeldRedrivenAtDDL(t),
 		Hold: `INSERT INTO ` + h + ` AS h (id, event_id, event_type, reason, error, retry_at)
-    SELECT id, event_id, event_type, reason, error, now() + $6::float8 * interval '1 second'
-    FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[]) AS n(id, event_id, event_type, reason, error)
+    SELECT id, event_id, event_type, reason, error, now() + wait * interval '1 second'
+    FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[], $6::float8[]) AS n(id, event_id, event_type, reason, error, wait)
     ON CONFLICT (id) DO UPDATE SET event_id = EXCLUDED.event_id, event_type = EXCLUDED.event_type, reason = EXCLUDED.reason, error = EXCLUDED.error,
         attempts = CASE WHEN h.event_id = EXCLUDED.event_id THEN h.attempts + 1 ELSE 1 END,
         first_attempt = CASE WHEN h.event_id = EXCLUDED.event_id THEN h.first_attempt ELSE now() END,
