@@ -1234,4 +1234,13 @@ func TestWriterDeletesJudgesARowBySizeAsAClaimDoes(t *testing.T) {
 	require.Len(t, got, 1)
 	require.Equal(t, e.EventID, got[0].eventID)
 	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTooLarge))
+
+	// The relay judged by the topic's limit, not a guess: a payload over it
+	// alone is held.
+	over := entry("E", 2)
+	over.Payload = fmt.Appendf(nil, `{"pad": "%s"}`, strings.Repeat("x", limit))
+	store(over)
+	require.Eventually(t, func() bool {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTooLarge) == 1
+	}, 20*time.Second, 50*time.Millisecond, "a payload over the topic's limit alone is held")
 }

@@ -698,8 +698,9 @@ type OutboxRelaySpec struct {
 
 	// Image is the relay image. Default: the operator's configured relay image.
 	// By default only the operator's relay image, or another tag or digest
-	// of it, is admitted; the operator's --allowed-relay-images widens that
-	// to the prefixes it lists (the relay image itself stays admitted).
+	// of it, is admitted; the operator's --allowed-relay-images replaces
+	// that with the prefixes it lists (the relay image itself stays
+	// admitted).
 	// Whoever sets it runs that image with the Secrets this relay references.
 	// +kubebuilder:validation:MaxLength=512
 	// +optional
