@@ -1243,4 +1243,8 @@ func TestWriterDeletesJudgesARowBySizeAsAClaimDoes(t *testing.T) {
 	require.Eventually(t, func() bool {
 		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTooLarge) == 1
 	}, 20*time.Second, 50*time.Millisecond, "a payload over the topic's limit alone is held")
+	held, err := relay.ListHeld(context.Background(), f.Pool, outbox.Table{Name: "outbox"}, relay.HeldFilter{All: true}, 10)
+	require.NoError(t, err)
+	require.Len(t, held, 1)
+	require.Contains(t, held[0].Error, fmt.Sprintf("a payload of %d bytes", len(`{"pad": ""}`)+limit), "it says what was measured")
 }

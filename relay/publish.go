@@ -427,8 +427,11 @@ func (r *Relay) admit(ctx context.Context, b *batch, i int, now time.Time) (kafk
 		if r.topics.compressed {
 			what = "a compressing relay sends alone (its byte budget per claim, or its topic's limit if larger; raise --max-batch-bytes and redrive the row to publish it)"
 		}
-		r.held.hold(r.log, x, HeldTooLarge, until, fmt.Errorf(
-			"payload and headers of %d bytes, more than %s (%d bytes); held without reading them", x.size, what, r.largestRecord()))
+		err := fmt.Errorf("payload and headers of %d bytes, more than %s (%d bytes); held without reading them", x.size, what, r.largestRecord())
+		if x.payload != nil { // streamed: read, and judged by its payload alone
+			err = fmt.Errorf("a payload of %d bytes, more than %s (%d bytes)", len(x.payload), what, r.largestRecord())
+		}
+		r.held.hold(r.log, x, HeldTooLarge, until, err)
 		r.stopLane(b, x, i, until)
 		return kafka.Message{}, false
 	}
