@@ -115,8 +115,10 @@ func desiredReplicas(relay *outboxv1alpha1.OutboxRelay) int32 {
 }
 
 // relayEnv carries the secrets: the DSN and the SASL credentials, each from a
-// secretKeyRef, never as a value or an argument.
-func relayEnv(relay *outboxv1alpha1.OutboxRelay) []corev1.EnvVar {
+// secretKeyRef, never as a value or an argument; and, for `relay held` and
+// `relay redrive` run by hand in the pod, the table and the database login
+// of settings (HeldEnv), which the relay itself takes from its arguments.
+func relayEnv(relay *outboxv1alpha1.OutboxRelay, settings relayconfig.Command) []corev1.EnvVar {
 	spec := &relay.Spec
 	env := []corev1.EnvVar{secretEnv(relayconfig.EnvDSN, spec.DSNSecretRef.Name,
 		cmp.Or(spec.DSNSecretRef.Key, outboxv1alpha1.DefaultDSNKey))}
@@ -127,6 +129,9 @@ func relayEnv(relay *outboxv1alpha1.OutboxRelay) []corev1.EnvVar {
 			secretEnv(relayconfig.EnvSASLPassword, ref.Name, cmp.Or(ref.PasswordKey, outboxv1alpha1.DefaultSASLPasswordKey)))
 	}
 	env = append(env, corev1.EnvVar{Name: relayconfig.EnvArgsOnly, Value: "true"}) // settings come from the arguments
+	for _, v := range settings.HeldEnv() {
+		env = append(env, corev1.EnvVar{Name: v[0], Value: v[1]})
+	}
 	return append(env, tracingEnv(relay)...)
 }
 
@@ -328,7 +333,7 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, settings rel
 	spec := &relay.Spec
 	image := cmp.Or(spec.Image, img.fallback)
 	args := settings.Args()
-	env := relayEnv(relay)
+	env := relayEnv(relay, settings)
 
 	tmpl := spec.Template
 	if tmpl == nil {

@@ -32,7 +32,7 @@ func TestFormatCompressionAndTracingReachTheRelay(t *testing.T) {
 	require.NoError(t, err)
 	var secrets []corev1.EnvVar
 	plain := map[string]string{}
-	for _, e := range relayEnv(relay) {
+	for _, e := range relayEnv(relay, s) {
 		if e.ValueFrom != nil {
 			secrets = append(secrets, e)
 		} else {
@@ -51,10 +51,11 @@ func TestFormatCompressionAndTracingReachTheRelay(t *testing.T) {
 	require.Equal(t, "urn:orders", got.CloudEventsSource)
 	require.Equal(t, relayconfig.CompressionZstd, got.Compression)
 	require.Equal(t, map[string]string{
-		relayconfig.EnvOTELTracesExporter:       "otlp",
-		relayconfig.EnvOTELExporterOTLPEndpoint: "http://collector.obs:4318",
-		relayconfig.EnvOTELServiceName:          relay.Name + "-relay",
-		relayconfig.EnvArgsOnly:                 "true",
+		relayconfig.EnvOTELTracesExporter:          "otlp",
+		relayconfig.EnvOTELExporterOTLPEndpoint:    "http://collector.obs:4318",
+		relayconfig.EnvOTELServiceName:             relay.Name + "-relay",
+		relayconfig.EnvArgsOnly:                    "true",
+		relayconfig.EnvName(relayconfig.FlagTable): "outbox",
 	}, plain)
 
 	relay.Spec.CloudEventsSource = "not a uri"

@@ -124,9 +124,11 @@ func testSampleCreatesChildren(t *testing.T, c client.Client) {
 	}, specArgs(ct.Args))
 
 	// The DSN reaches the pod only through a secretKeyRef, and the relay
-	// takes no other setting from its environment.
-	require.Len(t, ct.Env, 2)
+	// takes no other setting from its environment; RELAY_TABLE is for
+	// `relay held` and `relay redrive` run by hand in the pod.
+	require.Len(t, ct.Env, 3)
 	require.Equal(t, corev1.EnvVar{Name: "RELAY_ARGS_ONLY", Value: "true"}, ct.Env[1])
+	require.Equal(t, corev1.EnvVar{Name: "RELAY_TABLE", Value: "outbox"}, ct.Env[2])
 	require.Equal(t, "RELAY_DSN", ct.Env[0].Name)
 	require.Empty(t, ct.Env[0].Value)
 	require.Equal(t, &corev1.SecretKeySelector{
@@ -599,7 +601,7 @@ func testKafkaTLSAndSASL(t *testing.T, c client.Client) {
 	require.Equal(t, "kafka-tls", d.Spec.Template.Spec.Volumes[0].Secret.SecretName)
 	env := map[string]corev1.EnvVar{}
 	for _, e := range ct.Env {
-		if e.Name != "RELAY_ARGS_ONLY" {
+		if e.Name != "RELAY_ARGS_ONLY" && e.Name != "RELAY_TABLE" {
 			require.Empty(t, e.Value, "%s comes from a Secret", e.Name)
 		}
 		env[e.Name] = e

@@ -49,7 +49,7 @@ func podEnv(t testing.TB, env []corev1.EnvVar, data map[string]map[string]string
 func relayReads(t testing.TB, relay *outboxv1alpha1.OutboxRelay, in secretInputs) (relayconfig.Command, error) {
 	s, err := relaySettings(relay, in)
 	require.NoError(t, err)
-	return relayconfig.Parse(s.Args(), podEnv(t, relayEnv(relay), testSecretData), io.Discard)
+	return relayconfig.Parse(s.Args(), podEnv(t, relayEnv(relay, s), testSecretData), io.Discard)
 }
 
 // TestSpecRoundTrip: for valid specs, the arguments and environment the
@@ -211,6 +211,32 @@ func TestSpecRoundTrip(t *testing.T) {
 				s.KafkaSASLMechanism, s.KafkaSASLAWSRegion = relayconfig.SASLAWSMSKIAM, "eu-west-1"
 			},
 		},
+		"database TLS with a client certificate": {
+			edit: func(r *outboxv1alpha1.OutboxRelay) {
+				r.Spec.Table = "events.outbox"
+				r.Spec.Database = &outboxv1alpha1.DatabaseSpec{TLS: &outboxv1alpha1.DatabaseTLS{
+					CA:                  outboxv1alpha1.CABundleSource{ConfigMapRef: &outboxv1alpha1.KeyReference{Name: "db-ca", Key: "ca.crt"}},
+					ClientCertSecretRef: &outboxv1alpha1.SecretReference{Name: "db-client"},
+				}}
+			},
+			want: func(s *relayconfig.Command) {
+				s.Table = "events.outbox"
+				s.DatabaseCAFile = "/etc/relay/database-tls/ca.crt"
+				s.DatabaseCertFile, s.DatabaseKeyFile = "/etc/relay/database-tls/tls.crt", "/etc/relay/database-tls/tls.key"
+			},
+		},
+		"database login with an RDS IAM token": {
+			edit: func(r *outboxv1alpha1.OutboxRelay) {
+				r.Spec.Database = &outboxv1alpha1.DatabaseSpec{
+					TLS:  &outboxv1alpha1.DatabaseTLS{CA: outboxv1alpha1.CABundleSource{SecretRef: &outboxv1alpha1.KeyReference{Name: "db-ca", Key: "ca.crt"}}},
+					Auth: &outboxv1alpha1.DatabaseAuth{Method: outboxv1alpha1.DatabaseAuthAWSRDSIAM, AWS: &outboxv1alpha1.AWSDatabaseAuth{Region: "eu-west-1"}},
+				}
+			},
+			want: func(s *relayconfig.Command) {
+				s.DatabaseCAFile = "/etc/relay/database-tls/ca.crt"
+				s.DatabaseAuth, s.DatabaseAuthAWSRegion = relayconfig.DatabaseAuthAWSRDSIAM, "eu-west-1"
+			},
+		},
 		"mutual TLS from a Secret, SASL PLAIN": {
 			edit: func(r *outboxv1alpha1.OutboxRelay) {
 				r.Spec.Kafka.TLS = &outboxv1alpha1.KafkaTLS{SecretRef: &outboxv1alpha1.SecretReference{Name: "tls"}}
@@ -247,6 +273,14 @@ func TestSpecRoundTrip(t *testing.T) {
 		fromPod, err := relayconfig.Parse(ct.Args, podEnv(t, ct.Env, testSecretData), io.Discard)
 		require.NoError(t, err, name)
 		require.Equal(t, want, fromPod, name)
+
+		// `relay held`, run in the pod with no flags, reaches the table
+		// the relay publishes from, and logs in as it does.
+		held, err := relayconfig.ParseHeld(nil, false, podEnv(t, ct.Env, testSecretData), io.Discard)
+		require.NoError(t, err, name)
+		require.Equal(t, want.DSN, held.DSN, name)
+		require.Equal(t, want.Table, held.Table, name)
+		require.Equal(t, want.DatabaseLogin, held.DatabaseLogin, name)
 	}
 }
 
@@ -286,7 +320,7 @@ func FuzzSpecRoundTrip(f *testing.F) {
 			require.Error(t, verdict, "a spec without settings must be refused")
 			return
 		}
-		got, err := relayconfig.Parse(meant.Args(), podEnv(t, relayEnv(relay), testSecretData), io.Discard)
+		got, err := relayconfig.Parse(meant.Args(), podEnv(t, relayEnv(relay, meant), testSecretData), io.Discard)
 		if verdict != nil {
 			return // no pod is built
 		}

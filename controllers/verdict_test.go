@@ -184,6 +184,6 @@ func relayVerdict(t *testing.T, relay *outboxv1alpha1.OutboxRelay) error {
 	if err != nil {
 		return err // the value has no command-line form at all
 	}
-	_, err = relayconfig.Parse(s.Args(), podEnv(t, relayEnv(relay), testSecretData), io.Discard)
+	_, err = relayconfig.Parse(s.Args(), podEnv(t, relayEnv(relay, s), testSecretData), io.Discard)
 	return err
 }

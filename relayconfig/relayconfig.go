@@ -697,6 +697,39 @@ type HeldSettings struct {
 // DefaultHeldLimit is how many rows `relay held` lists by default.
 const DefaultHeldLimit = 100
 
+// registerConnection registers the flags of `relay held` and `relay
+// redrive` that say where and how to connect, the ones they also take from
+// the environment.
+func (s *HeldSettings) registerConnection(fs *flag.FlagSet) {
+	fs.StringVar(&s.DSN, FlagDSN, "", "PostgreSQL connection string (default "+EnvDSN+")")
+	fs.StringVar(&s.Table, FlagTable, DefaultTable, "outbox table, NAME or SCHEMA.NAME")
+	s.DatabaseLogin.register(fs)
+}
+
+// HeldEnv is the environment under which `relay held` and `relay redrive`,
+// run by hand in a pod of the relay s (kubectl exec, no flags), reach its
+// table as it does: each of their connection flags that s's arguments give,
+// as its variable (EnvName), in name order. RELAY_DSN, a Secret, is not
+// among them: the pod has it already. A relay given EnvArgsOnly ignores
+// these variables, and one of an earlier release reads the values its
+// arguments give anyway.
+func (s Command) HeldEnv() [][2]string {
+	given := map[string]string{}
+	for _, a := range s.Args() {
+		name, v, _ := strings.Cut(strings.TrimPrefix(a, "--"), "=")
+		given[name] = v
+	}
+	fs := flag.NewFlagSet("", flag.ContinueOnError)
+	new(HeldSettings).registerConnection(fs)
+	var env [][2]string
+	fs.VisitAll(func(f *flag.Flag) {
+		if v, ok := given[f.Name]; ok && f.Name != FlagDSN {
+			env = append(env, [2]string{EnvName(f.Name), v})
+		}
+	})
+	return env
+}
+
 // ParseHeld reads the command line of `relay held` (redrive false) or
 // `relay redrive` (the arguments after the command), filling --dsn and
 // --table from RELAY_DSN and RELAY_TABLE when not given, as in a relay pod.
@@ -710,14 +743,12 @@ func ParseHeld(args []string, redrive bool, lookupEnv func(string) (string, bool
 	}
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	fs.StringVar(&s.DSN, FlagDSN, "", "PostgreSQL connection string (default "+EnvDSN+")")
-	fs.StringVar(&s.Table, FlagTable, DefaultTable, "outbox table, NAME or SCHEMA.NAME")
-	s.DatabaseLogin.register(fs)
+	s.registerConnection(fs)
 	// Only these flags, where to connect and how, come from the
-	// environment (a relay pod's RELAY_DSN and RELAY_TABLE): which rows to
-	// release is said on the command line alone. Before, a RELAY_ALL or
-	// RELAY_REASON left in the environment widened a redrive to rows
-	// nobody named.
+	// environment (a relay pod's RELAY_DSN, RELAY_TABLE and, when the relay
+	// has them, RELAY_DATABASE_*: HeldEnv): which rows to release is said
+	// on the command line alone. Before, a RELAY_ALL or RELAY_REASON left
+	// in the environment widened a redrive to rows nobody named.
 	fromEnv := map[string]bool{}
 	fs.VisitAll(func(f *flag.Flag) { fromEnv[EnvName(f.Name)] = true })
 	fs.Func(FlagID, "a held row's id (repeatable, or comma-separated)", func(v string) error {
