@@ -481,7 +481,15 @@ func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 	case shape.headers:
 		st = sts.plainHeaders
 	}
-	args := []any{e.EventID, e.AggregateType, e.AggregateID, e.EventType, e.Payload, e.PartitionKey, stored, prop.Fields()}
+	// The payload goes as text to every type but bytea: a connection whose
+	// default_query_exec_mode is exec or simple_protocol (usual behind
+	// PgBouncer) types a parameter by its Go value, and a []byte as bytea,
+	// whose text form a text column kept and json refused.
+	var payload any = string(e.Payload)
+	if shape.payload == "bytea" {
+		payload = e.Payload
+	}
+	args := []any{e.EventID, e.AggregateType, e.AggregateID, e.EventType, payload, e.PartitionKey, stored, prop.Fields()}
 	var (
 		inserted  bool
 		id        int64     // with st.returning

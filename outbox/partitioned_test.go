@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
@@ -359,40 +360,66 @@ func TestStoreWithEachPayloadColumnType(t *testing.T) {
 	f := outboxtest.NewFixture(t, 1)
 	ctx := context.Background()
 	using := map[string]string{"jsonb": "payload", "json": "payload::json", "text": "payload::text", "bytea": "convert_to(payload::text, 'UTF8')"}
-	for _, partitioned := range []bool{false, true} {
-		for _, typ := range []string{"jsonb", "json", "text", "bytea"} {
-			table := outbox.Table{Schema: fmt.Sprintf("%s_%v", typ, partitioned), Name: "outbox"}
-			if partitioned {
-				f.Exec(outbox.PartitionedSchemaDDL(table, outbox.PartitionDay, 1))
-			} else {
-				f.Exec(outbox.SchemaDDL(table))
-			}
-			f.Exec(fmt.Sprintf(`ALTER TABLE %s ALTER COLUMN payload TYPE %s USING %s`, table.Quoted(), typ, using[typ]))
-			w, err := outbox.NewWriter(table.String())
+	// The DSN's default_query_exec_mode (exec and simple_protocol are
+	// usual behind PgBouncer) leaves pgx to type a parameter by its Go
+	// value: a payload passed as []byte went as bytea, so a text column
+	// stored its hex form and json and jsonb refused it.
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
+		cfg := f.Pool.Config()
+		cfg.ConnConfig.DefaultQueryExecMode = mode
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		defer pool.Close()
+		store := func(w *outbox.Writer, e outbox.Entry) error {
+			tx, err := pool.Begin(ctx)
 			require.NoError(t, err)
-			e := entry()
-			e.Payload = []byte(`{"a": 1,  "b": [2]}`)
-			require.NoError(t, storeWith(t, f, w, e), table)
-			require.NoError(t, storeWith(t, f, w, e), "%s: a retried store is a no-op", table)
-			respelled := e
-			respelled.Payload = []byte(`{"b":[2],"a":1}`)
-			if typ == "json" || typ == "jsonb" || typ == "text" && partitioned {
-				require.NoError(t, storeWith(t, f, w, respelled), "%s: the same JSON", table)
-			} else {
-				require.ErrorIs(t, storeWith(t, f, w, respelled), outbox.ErrEventIDConflict, "%s: other bytes", table)
+			defer tx.Rollback(ctx)
+			if err := w.Store(ctx, tx, e); err != nil {
+				return err
 			}
-			other := e
-			other.Payload = []byte(`{"a": 2}`)
-			require.ErrorIs(t, storeWith(t, f, w, other), outbox.ErrEventIDConflict, table)
-			require.Equal(t, 1, f.Count(`SELECT count(*) FROM `+table.Quoted()), table)
-			if typ != "jsonb" {
+			return tx.Commit(ctx)
+		}
+		for _, partitioned := range []bool{false, true} {
+			for _, typ := range []string{"jsonb", "json", "text", "bytea"} {
+				table := outbox.Table{Schema: fmt.Sprintf("%s_%v_%d", typ, partitioned, mode), Name: "outbox"}
+				if partitioned {
+					f.Exec(outbox.PartitionedSchemaDDL(table, outbox.PartitionDay, 1))
+				} else {
+					f.Exec(outbox.SchemaDDL(table))
+				}
+				f.Exec(fmt.Sprintf(`ALTER TABLE %s ALTER COLUMN payload TYPE %s USING %s`, table.Quoted(), typ, using[typ]))
+				w, err := outbox.NewWriter(table.String())
+				require.NoError(t, err)
+				e := entry()
+				e.Payload = []byte(`{"a": 1,  "b": [2]}`)
+				e.Headers = map[string]string{"tenant": "t1"}
+				require.NoError(t, store(w, e), "%s, %v", table, mode)
+				require.NoError(t, store(w, e), "%s, %v: a retried store is a no-op", table, mode)
+				respelled := e
+				respelled.Payload = []byte(`{"b":[2],"a":1}`)
+				if typ == "json" || typ == "jsonb" || typ == "text" && partitioned {
+					require.NoError(t, store(w, respelled), "%s, %v: the same JSON", table, mode)
+				} else {
+					require.ErrorIs(t, store(w, respelled), outbox.ErrEventIDConflict, "%s, %v: other bytes", table, mode)
+				}
+				other := e
+				other.Payload = []byte(`{"a": 2}`)
+				require.ErrorIs(t, store(w, other), outbox.ErrEventIDConflict, "%s, %v", table, mode)
+				require.Equal(t, 1, f.Count(`SELECT count(*) FROM `+table.Quoted()), table)
 				var stored []byte
-				require.NoError(t, f.Pool.QueryRow(ctx, fmt.Sprintf(`SELECT %s FROM %s`,
-					map[bool]string{true: "payload", false: "convert_to(payload::text, 'UTF8')"}[typ == "bytea"], table.Quoted())).Scan(&stored))
-				require.Equal(t, string(e.Payload), string(stored), "%s: stored as given", table)
+				var headers string
+				require.NoError(t, f.Pool.QueryRow(ctx, fmt.Sprintf(`SELECT %s, headers::text FROM %s`,
+					map[bool]string{true: "payload", false: "convert_to(payload::text, 'UTF8')"}[typ == "bytea"], table.Quoted())).Scan(&stored, &headers))
+				want := string(e.Payload)
+				if typ == "jsonb" {
+					want = `{"a": 1, "b": [2]}` // jsonb's own spelling
+				}
+				require.Equal(t, want, string(stored), "%s, %v: stored as given", table, mode)
+				require.Equal(t, `{"tenant": "t1"}`, headers, "%s, %v", table, mode)
 			}
 		}
 	}
+	f.Exec(outbox.SchemaDDL(outbox.Table{Schema: "text_false", Name: "outbox"}))
 	f.Exec(`ALTER TABLE "text_false".outbox ALTER COLUMN payload TYPE varchar`)
 	w, err := outbox.NewWriter("text_false.outbox")
 	require.NoError(t, err)

@@ -806,7 +806,8 @@ func ParseHeld(args []string, redrive bool, lookupEnv func(string) (string, bool
 		}
 		return lookupEnv(k)
 	}
-	if _, err := applyEnv(fs, connection); err != nil {
+	fromEnvSet, err := applyEnv(fs, connection)
+	if err != nil {
 		return s, err
 	}
 	var errs []error
@@ -827,7 +828,20 @@ func ParseHeld(args []string, redrive bool, lookupEnv func(string) (string, bool
 	if redrive && s.All && len(s.IDs)+len(s.Reasons)+len(s.Types) > 0 {
 		errs = append(errs, fmt.Errorf("--%s selects every row; drop --%s, --%s and --%s", FlagAll, FlagID, FlagReason, FlagType))
 	}
+	nameEnv(errs, fromEnvSet)
 	return s, errors.Join(errs...)
+}
+
+// nameEnv names the variable in each error of errs about a flag whose
+// value came from the environment (fromEnv, as applyEnv returns it): the
+// command line a user reads does not hold it.
+func nameEnv(errs []error, fromEnv map[string]bool) {
+	for _, err := range errs {
+		var fe *FieldError
+		if errors.As(err, &fe) && fromEnv[fe.Flag] {
+			fe.Env = EnvName(fe.Flag)
+		}
+	}
 }
 
 // ErrHelp is returned by Parse for -h or --help, after the usage is written.
@@ -920,15 +934,8 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 			s.Brokers = append(s.Brokers, b)
 		}
 	}
-	// A bad value from the environment is named by its variable too: the
-	// command line a user reads does not hold it.
 	errs := Errors(s.Validate())
-	for _, err := range errs {
-		var fe *FieldError
-		if errors.As(err, &fe) && fromEnv[fe.Flag] {
-			fe.Env = EnvName(fe.Flag)
-		}
-	}
+	nameEnv(errs, fromEnv)
 	return s, errors.Join(errs...)
 }
 

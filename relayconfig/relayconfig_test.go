@@ -356,6 +356,18 @@ func TestHeldTakesOnlyTheConnectionFromTheEnvironment(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, relayconfig.DefaultHeldLimit, list.Limit)
 	require.Equal(t, "text", list.Output)
+
+	// A bad value from the environment is named by its variable, which
+	// the command line does not show; the same value given as a flag is
+	// named by the flag alone.
+	vars[relayconfig.EnvName(relayconfig.FlagTable)] = "App.Outbox"
+	vars[relayconfig.EnvName(relayconfig.FlagDatabaseAuthAWSRegion)] = "eu-west-1"
+	_, err = relayconfig.ParseHeld(nil, false, env(vars), nil)
+	require.ErrorContains(t, err, `RELAY_TABLE (--table): table "App.Outbox"`)
+	require.ErrorContains(t, err, "RELAY_DATABASE_AUTH_AWS_REGION (--database-auth-aws-region): applies only to")
+	_, err = relayconfig.ParseHeld([]string{"--table", "App.Outbox"}, false, env(vars), nil)
+	require.ErrorContains(t, err, `--table: table "App.Outbox"`)
+	require.NotContains(t, err.Error(), "RELAY_TABLE")
 }
 
 // The topic map comes from the command line or from the environment,
