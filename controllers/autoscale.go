@@ -31,15 +31,13 @@ func autoscaleBounds(as *outboxv1alpha1.AutoscalingSpec) (lo, hi int32) {
 // stabilization: the most any target asks for (pendingPerReplica: one
 // replica per that many waiting rows; oldestAge: base, the count that ran
 // when b was read, times oldest age / target, as a HorizontalPodAutoscaler
-// scales on a ratio), at least one while a row waits, within the bounds.
-// Without a reading it keeps the running count. When the last read failed (unreadable), at least one
-// replica, whatever an earlier reading said: an operator that cannot see the
-// table must not keep a relay at zero on a stale "nothing waits".
-func recommendReplicas(as *outboxv1alpha1.AutoscalingSpec, b *outboxv1alpha1.BacklogStatus, running, base int32, unreadable bool) int32 {
+// scales on a ratio, and as it does, base itself while the ratio is within
+// ageTolerance of 1), at least one while a row waits or a row is held,
+// within the bounds. Without a reading it keeps the running count. floor
+// is the fewest the relay needs whatever the backlog says (keepOne).
+func recommendReplicas(as *outboxv1alpha1.AutoscalingSpec, b *outboxv1alpha1.BacklogStatus, running, base, floor int32) int32 {
 	lo, hi := autoscaleBounds(as)
-	if unreadable {
-		lo = max(lo, 1)
-	}
+	lo = max(lo, floor)
 	if b == nil {
 		return min(max(running, lo), hi)
 	}
@@ -49,12 +47,44 @@ func recommendReplicas(as *outboxv1alpha1.AutoscalingSpec, b *outboxv1alpha1.Bac
 	}
 	if target, err := time.ParseDuration(as.OldestAge); err == nil && target > 0 && b.Pending > 0 {
 		ratio := b.OldestAge.Seconds() / target.Seconds()
+		if math.Abs(ratio-1) <= ageTolerance {
+			ratio = 1
+		}
 		want = max(want, clampInt32(int64(math.Ceil(float64(max(base, 1))*ratio))))
 	}
-	if b.Pending > 0 {
+	if b.Pending > 0 || heldForARelay(b.Held) > 0 {
 		want = max(want, 1)
 	}
 	return min(max(want, lo), hi)
+}
+
+// ageTolerance is how far the oldest age may be from its target, as a
+// fraction of it, before the age asks for another count: a
+// HorizontalPodAutoscaler's default. Without it an age a little over its
+// target, which more replicas do not lower (one streaming pod, one hot
+// key), asked for one more replica at every reading, up to the maximum.
+const ageTolerance = 0.1
+
+// heldForARelay counts the held rows that only a running relay releases:
+// it retries them (a refused or too-large row, once the topic takes it; an
+// invalid one fixed by hand) and `relay redrive` runs in its pods; the rows
+// blocked behind them follow. An unroutable row waits for the topic map,
+// which no pod changes.
+func heldForARelay(h outboxv1alpha1.HeldRows) int64 {
+	return h.Invalid + h.TooLarge + h.Refused + h.Blocked
+}
+
+// keepOne is the floor of an autoscaled relay's count whatever its backlog
+// says: one pod while the backlog cannot be read (unreadable: an operator
+// that cannot see the table must not keep a relay at zero on a stale
+// "nothing waits"), and one while the relay streams from a replication
+// slot, which holds back the database's WAL while no pod reads it, beyond
+// spec.capture.maxRetainedWAL, which only a streaming pod enforces.
+func keepOne(relay *outboxv1alpha1.OutboxRelay, unreadable bool) int32 {
+	if unreadable || streams(relay) {
+		return 1
+	}
+	return 0
 }
 
 // stabilized is the count to run given the recommendations of the

@@ -40,8 +40,38 @@ func TestRecommendReplicas(t *testing.T) {
 		"both: the higher, within the max": {both, backlog(2500, 40*time.Second), 2, 6, false},
 		"both: the min":                    {both, backlog(0, 0), 4, 2, false},
 	} {
-		require.Equal(t, tc.want, recommendReplicas(tc.as, tc.b, tc.running, tc.running, tc.unreadable), name)
+		floor := int32(0)
+		if tc.unreadable {
+			floor = 1
+		}
+		require.Equal(t, tc.want, recommendReplicas(tc.as, tc.b, tc.running, tc.running, floor), name)
 	}
+
+	// Held rows keep one replica at min 0, as only a running relay retries
+	// them and runs `relay redrive`; unroutable ones do not.
+	held := func(h outboxv1alpha1.HeldRows) *outboxv1alpha1.BacklogStatus {
+		b := backlog(0, 0)
+		b.Held = h
+		return b
+	}
+	for _, h := range []outboxv1alpha1.HeldRows{{Refused: 5}, {TooLarge: 1}, {Invalid: 2}, {Blocked: 3}} {
+		require.Equal(t, int32(1), recommendReplicas(perRow, held(h), 0, 0, 0), "%+v", h)
+	}
+	require.Equal(t, int32(0), recommendReplicas(perRow, held(outboxv1alpha1.HeldRows{Unroutable: 7}), 2, 2, 0))
+
+	// A streaming relay keeps one pod at min 0: with none its slot holds back WAL without bound.
+	lr := unitRelay()
+	lr.Spec.Capture = &outboxv1alpha1.CaptureSpec{Mode: outboxv1alpha1.CaptureLogicalReplication}
+	require.Equal(t, int32(1), recommendReplicas(perRow, backlog(0, 0), 1, 1, keepOne(lr, false)))
+	require.Equal(t, int32(0), recommendReplicas(perRow, backlog(0, 0), 1, 1, keepOne(unitRelay(), false)))
+	require.Equal(t, int32(1), keepOne(unitRelay(), true))
+
+	// An age within a tenth of its target keeps the count (a
+	// HorizontalPodAutoscaler's tolerance): one over it asked for one more
+	// replica at every reading, up to the maximum.
+	require.Equal(t, int32(4), recommendReplicas(byAge, backlog(5, 10500*time.Millisecond), 4, 4, 0))
+	require.Equal(t, int32(4), recommendReplicas(byAge, backlog(5, 9500*time.Millisecond), 4, 4, 0))
+	require.Equal(t, int32(5), recommendReplicas(byAge, backlog(5, 12*time.Second), 4, 4, 0))
 }
 
 func TestStabilized(t *testing.T) {

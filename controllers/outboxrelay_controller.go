@@ -299,7 +299,7 @@ func (r *OutboxRelayReconciler) decideReplicas(key types.NamespacedName, relay *
 	if r.Flow != nil && obs.backlog != nil {
 		base = r.Flow.ratioBase(key, base)
 	}
-	rec := recommendReplicas(as, obs.backlog, max(running, 0), base, obs.err != "" || obs.notRead != "")
+	rec := recommendReplicas(as, obs.backlog, max(running, 0), base, keepOne(relay, obs.err != "" || obs.notRead != ""))
 	if running < 0 || r.Flow == nil || obs.notRead != "" {
 		return rec // nothing to stabilize against (a relay not read is not observed)
 	}

@@ -435,15 +435,16 @@ type KafkaAWS struct {
 }
 
 // AutoscalingSpec sizes the relay from its backlog: the desired replicas
-// are the most any set target asks for, at least one while a row waits,
-// within [minReplicas, maxReplicas]. Scaling up takes effect at once; scaling
+// are the most any set target asks for, at least one while a row waits or
+// is held, within [minReplicas, maxReplicas]. Scaling up takes effect at once; scaling
 // down follows the highest count asked for during scaleDownStabilization.
 // +kubebuilder:validation:XValidation:rule="self.maxReplicas >= (has(self.minReplicas) ? self.minReplicas : 1)",message="spec.autoscaling.maxReplicas must be at least minReplicas",fieldPath=".maxReplicas"
 // +kubebuilder:validation:XValidation:rule="has(self.pendingPerReplica) || has(self.oldestAge)",message="spec.autoscaling needs a target: pendingPerReplica, oldestAge or both"
 type AutoscalingSpec struct {
 	// MinReplicas is the fewest relay pods, 0 allowed: an idle relay then runs
 	// none, and the first waiting row brings one back within one
-	// spec.backlog.interval. Default: 1.
+	// spec.backlog.interval. A relay with held rows (other than unroutable)
+	// or with spec.capture.mode LogicalReplication keeps one. Default: 1.
 	// +kubebuilder:default=1
 	// +kubebuilder:validation:Minimum=0
 	// +optional
