@@ -464,7 +464,9 @@ func (o *FlowObserver) record(key types.NamespacedName, done chan struct{}, s *b
 		f.counters = nil
 	}
 	if sl := s.slot; sl != nil && sl.Exists && !sl.Active {
-		since := metav1.NewTime(s.at)
+		// To the second, as status keeps it: a finer time never equals the
+		// stored one, and each reading would rewrite the status.
+		since := metav1.NewTime(s.at.Truncate(time.Second))
 		if prev := f.latest; prev != nil && prev.slot != nil && prev.slot.InactiveSince != nil {
 			since = *prev.slot.InactiveSince
 		}

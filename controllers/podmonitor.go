@@ -166,7 +166,7 @@ func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *out
 	if v, ok := r.podMonitors.Load(key); ok {
 		last := v.(podMonitorSeen)
 		switch {
-		case last.uid != seen.uid || last.hash != seen.hash:
+		case last.uid != seen.uid || last.hash != seen.hash || last.generation != seen.generation:
 		case last.reason == "" && time.Since(last.at) < podMonitorRecheck:
 			ready()
 			return nil

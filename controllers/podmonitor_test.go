@@ -454,4 +454,17 @@ func TestPodMonitorEditedByHandIsRepaired(t *testing.T) {
 	require.NoError(t, c.Get(ctx, pmKey, again))
 	require.Equal(t, want, again.Object["spec"], "the hand edit is undone")
 	require.Equal(t, metav1.ConditionTrue, monitoringCondition(t, c, key).Status)
+
+	// Deleted by hand, it comes back at the next change of the relay's
+	// spec, one that leaves the PodMonitor as it was, as the docs say.
+	// Before, only a change of the PodMonitor itself brought it back
+	// before podMonitorRecheck.
+	require.NoError(t, c.Delete(ctx, again))
+	require.NoError(t, c.Get(ctx, key, relay))
+	relay.Spec.BatchSize = ptr.To[int32](77)
+	relay.Generation++ // as the API server does; the fake client does not
+	require.NoError(t, c.Update(ctx, relay))
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.NoError(t, c.Get(ctx, pmKey, newPodMonitor()), "made again at the spec change")
 }

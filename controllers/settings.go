@@ -412,7 +412,7 @@ func checkSpec(relay *outboxv1alpha1.OutboxRelay, img images) (relayconfig.Comma
 		errs = append(errs, "spec.image is empty and the operator has no default relay image")
 	case spec.Image != "":
 		if ok, allowed := img.admits(spec.Image); !ok {
-			errs = append(errs, fmt.Sprintf("spec.image %q does not start with an allowed prefix (%s; the operator's --allowed-relay-images widens it, %q admits any image)",
+			errs = append(errs, fmt.Sprintf("spec.image %q does not start with an allowed prefix (%s; the operator's --allowed-relay-images sets them, %q admits any image)",
 				spec.Image, strings.Join(allowed, ", "), AnyImage))
 		}
 	}

@@ -1,6 +1,7 @@
 package controllers
 
 import (
+	"encoding/json"
 	"testing"
 	"time"
 
@@ -108,7 +109,7 @@ func TestNotStreamingOnlyPastTheThreshold(t *testing.T) {
 	o := NewFlowObserver()
 	done := make(chan struct{})
 	o.relays[key] = &relayFlow{done: done, target: flowTarget{interval: 15 * time.Second}}
-	start := time.Now().Add(-5 * time.Minute)
+	start := time.Now().Add(-5 * time.Minute).Truncate(time.Second)
 	read := func(at time.Duration, active bool) *outboxv1alpha1.SlotStatus {
 		s := &backlogSample{at: start.Add(at), slot: &outboxv1alpha1.SlotStatus{Name: "s", Exists: true, Active: active}}
 		o.record(key, done, s, "", false)
@@ -286,4 +287,30 @@ func TestAReplicaFailureIsDegradedAtOnce(t *testing.T) {
 	deploy.Status.Conditions[0].Status = corev1.ConditionFalse
 	st = computeStatus(relay, deploy, nil, observation{})
 	require.False(t, meta.IsStatusConditionTrue(st.Conditions, outboxv1alpha1.ConditionDegraded))
+}
+
+// A relay whose slot nobody streams from reads the same numbers at every
+// reading: its status keeps the stored observedAt, as an idle relay's does,
+// and is not rewritten. Before, the start of the inactive run kept the
+// reading's fraction of a second, which the stored status (to the second)
+// never equalled.
+func TestAnInactiveSlotKeepsTheStoredObservedAt(t *testing.T) {
+	t.Parallel()
+	key := types.NamespacedName{Namespace: "shop", Name: "orders"}
+	o := NewFlowObserver()
+	done := make(chan struct{})
+	o.relays[key] = &relayFlow{done: done, target: flowTarget{interval: 15 * time.Second}}
+	relay := unitRelay()
+	first := time.Now().Add(-time.Minute).Truncate(time.Second).Add(400 * time.Millisecond)
+	reading := func(at time.Time) *outboxv1alpha1.BacklogStatus {
+		s := &backlogSample{at: at, slot: &outboxv1alpha1.SlotStatus{Name: "s", Exists: true}}
+		o.record(key, done, s, "", false)
+		return backlogStatus(relay, s)
+	}
+	raw, err := json.Marshal(reading(first))
+	require.NoError(t, err)
+	var stored outboxv1alpha1.BacklogStatus
+	require.NoError(t, json.Unmarshal(raw, &stored))
+	next := reading(first.Add(20 * time.Second))
+	require.Equal(t, stored.ObservedAt, withObservedAt(&stored, next).ObservedAt)
 }
