@@ -341,3 +341,46 @@ func TestRowsHeldGaugeFollowsTheHeldTableWhileIdle(t *testing.T) {
 	require.Eventually(t, func() bool { return held() == 0 }, 20*time.Second, 50*time.Millisecond,
 		"the next reload of the held table drops the row from the gauge")
 }
+
+// Selectors of different kinds narrow each other and those of one kind
+// add up, as `relay redrive --reason refused --type OrderConfirmed` reads:
+// the refused rows of that type. Before, any row matching any selector was
+// released: every refused row, and every row of the type whatever its
+// reason. No selector selects nothing.
+func TestHeldFiltersNarrowByEachKind(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := outboxtest.NewFixture(t, 1)
+	table := outbox.Table{Name: "outbox"}
+	for _, r := range []struct {
+		id           int64
+		reason, type_ string
+	}{{1, relay.HeldRefused, "A"}, {2, relay.HeldRefused, "B"}, {3, relay.HeldTooLarge, "B"}, {4, relay.HeldInvalidRow, "A"}} {
+		f.Exec(`INSERT INTO outbox_held (id, event_id, event_type, reason, error, retry_at)
+			VALUES ($1, gen_random_uuid(), $2, $3, 'e', now() + interval '1 hour')`, r.id, r.type_, r.reason)
+	}
+	ids := func(filter relay.HeldFilter) []int64 {
+		rows, err := relay.ListHeld(ctx, f.Pool, table, filter, 10)
+		require.NoError(t, err)
+		var out []int64
+		for _, r := range rows {
+			out = append(out, r.ID)
+		}
+		return out
+	}
+	require.Equal(t, []int64{2}, ids(relay.HeldFilter{Reasons: []string{relay.HeldRefused}, Types: []string{"B"}}))
+	require.Equal(t, []int64{1, 2}, ids(relay.HeldFilter{Reasons: []string{relay.HeldRefused}}))
+	require.Equal(t, []int64{1, 2, 4}, ids(relay.HeldFilter{Reasons: []string{relay.HeldRefused, relay.HeldInvalidRow}}))
+	require.Equal(t, []int64{3}, ids(relay.HeldFilter{IDs: []int64{1, 3}, Types: []string{"B"}}))
+	require.Empty(t, ids(relay.HeldFilter{IDs: []int64{1}, Reasons: []string{relay.HeldTooLarge}}))
+	require.Empty(t, ids(relay.HeldFilter{}))
+	require.Equal(t, []int64{1, 2, 3, 4}, ids(relay.HeldFilter{All: true}))
+
+	n, err := relay.Redrive(ctx, f.Pool, table, relay.HeldFilter{Reasons: []string{relay.HeldRefused}, Types: []string{"A"}})
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox_held WHERE retry_at <= now() AND id = 1`))
+	n, err = relay.Redrive(ctx, f.Pool, table, relay.HeldFilter{})
+	require.NoError(t, err)
+	require.Zero(t, n, "no selector releases nothing")
+}

@@ -24,8 +24,10 @@ type HeldRow struct {
 	RetryAt      time.Time `json:"retryAt"`
 }
 
-// HeldFilter selects rows of the held table: those matching any of the
-// ids, reasons or event types, or every row with All.
+// HeldFilter selects rows of the held table: every row with All; else
+// those that match each kind of selector given (one of the ids, if any;
+// one of the reasons, if any; one of the event types, if any), and none
+// when none is given.
 type HeldFilter struct {
 	IDs     []int64
 	Reasons []string

@@ -111,7 +111,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			"Duration of a claim-publish-mark transaction, from begin to commit.", 0.0005, 16),
 		claimDuration: f.histogram("outbox_relay_claim_duration_seconds", "Duration of the claim query.", 0.0001, 16),
 		held: f.gaugeVec("outbox_relay_rows_held",
-			"Unpublished rows the relay holds back, by reason (unroutable: event type not in the topic map; invalid_row: a NULL in a column the relay reads; topic_unavailable: the topic is missing or not writable; too_large: larger than its topic and the dead-letter topic take; refused: refused by Kafka for good, with no dead-letter topic, or one that refused the copy or is unavailable).",
+			"Unpublished rows the relay holds back, by reason (unroutable: event type not in the topic map; invalid_row: a NULL in a column the relay reads, a created_at out of range, or malformed headers; topic_unavailable: the topic is missing or not writable; too_large: larger than its topic and the dead-letter topic take; refused: refused by Kafka for good, with no dead-letter topic, or one that refused the copy or is unavailable).",
 			"reason", heldReasons),
 		deadLettered: f.counter("outbox_relay_dead_lettered_total",
 			"Rows published to the dead-letter topic after a permanent error."),

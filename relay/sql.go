@@ -132,8 +132,14 @@ type SQL struct {
 	Redrive string
 }
 
-// heldWhere is the held table's rows that a HeldFilter ($1..$4) selects.
-const heldWhere = `($4 OR id = ANY($1) OR reason = ANY($2) OR event_type = ANY($3))`
+// heldWhere is the held table's rows that a HeldFilter ($1..$4) selects:
+// every row with $4; else, when any selector is given, the rows that match
+// each kind given (any of its values), as `--reason refused --type E`
+// reads: the refused rows of type E.
+const heldWhere = `($4 OR (COALESCE(cardinality($1::bigint[]), 0) + COALESCE(cardinality($2::text[]), 0) + COALESCE(cardinality($3::text[]), 0) > 0
+        AND (COALESCE(cardinality($1::bigint[]), 0) = 0 OR id = ANY($1))
+        AND (COALESCE(cardinality($2::text[]), 0) = 0 OR reason = ANY($2))
+        AND (COALESCE(cardinality($3::text[]), 0) = 0 OR event_type = ANY($3))))`
 
 // bucketSQL is the key-hash bucket of a row, the same in every replica. A
 // NULL key hashes as ” so the row is claimed (and held as invalid), not

@@ -785,7 +785,7 @@ func ParseHeld(args []string, redrive bool, lookupEnv func(string) (string, bool
 		if errors.Is(err, flag.ErrHelp) {
 			what := "Lists the rows the relays hold back, why, and since when."
 			if redrive {
-				what = "Releases held rows: the relays try them again within seconds. Select them by id, reason or event type, or --all."
+				what = "Releases held rows: the relays try them again within seconds. Select them by id, reason and event type (each kind given narrows the rows; the values of one kind add up), or --all."
 			}
 			fmt.Fprintf(usage, "usage: %s [flags]\n\n%s\n\n", name, what)
 			fs.SetOutput(usage)

@@ -61,15 +61,19 @@ func runHeld(args []string, redrive bool, stdout, stderr io.Writer) int {
 	if f.Empty() {
 		f.All = true
 	}
-	rows, err := relay.ListHeld(ctx, conn, table, f, s.Limit)
+	// One row more than --limit tells whether there are more: exactly
+	// --limit rows are not cut off.
+	rows, err := relay.ListHeld(ctx, conn, table, f, s.Limit+1)
 	if err != nil {
 		fmt.Fprintf(stderr, "%s: %v\n", cmd, err)
 		return 1
 	}
+	more := len(rows) > s.Limit
+	rows = rows[:min(len(rows), s.Limit)]
 	// Cut off at --limit: said on stderr in both outputs, so that the JSON
 	// on stdout stays the array it was.
 	cut := func() {
-		if len(rows) == s.Limit {
+		if more {
 			fmt.Fprintf(stderr, "(the first %d; --%s lists more)\n", s.Limit, relayconfig.FlagLimit)
 		}
 	}

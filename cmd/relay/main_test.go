@@ -332,6 +332,21 @@ func TestHeldAndRedriveSubcommands(t *testing.T) {
 	require.NoError(t, json.Unmarshal(stdout, &listed), "stdout is a JSON array: %s", stdout)
 	require.Len(t, listed, 1)
 	require.Contains(t, stderr.String(), "(the first 1; --limit lists more)")
+	// Exactly --limit rows: none is cut off, and nothing says so.
+	c = exec.Command(outboxtest.RelayBinary(t), "held", "--limit", "2")
+	c.Env = env
+	stderr.Reset()
+	c.Stderr = &stderr
+	listing, err := c.Output()
+	require.NoError(t, err, stderr.String())
+	require.Regexp(t, `(?m)^2\s`, string(listing))
+	require.Empty(t, stderr.String())
+
+	// Kinds of selector narrow each other: the too-large rows of type
+	// Other are none, not the too-large row and every row of Other.
+	out, err = cmd("held", "--reason", "too_large", "--type", "Other")
+	require.NoError(t, err, out)
+	require.NotRegexp(t, `(?m)^[12]\s`, out)
 
 	out, err = cmd("redrive", "--reason", "too_large")
 	require.NoError(t, err, out)
