@@ -126,3 +126,39 @@ func TestTraceContextNeverPushesHeadersOverTheLimit(t *testing.T) {
 	require.NoError(t, err, "what the writer stores, the relay accepts")
 	require.NotContains(t, h, "traceparent")
 }
+
+// fieldless is a propagator that injects a header and names no fields, as
+// a hand-written one may.
+type fieldless struct{}
+
+func (fieldless) Inject(_ context.Context, c propagation.TextMapCarrier) { c.Set("x-trace", "1") }
+func (fieldless) Extract(ctx context.Context, _ propagation.TextMapCarrier) context.Context {
+	return ctx
+}
+func (fieldless) Fields() []string { return nil }
+
+// A propagator whose Fields is nil: a retried store is still the same
+// event, on a plain table and a partitioned one, and other headers under
+// the id still conflict. Before, the nil went as NULL, so a retry on a
+// plain table conflicted and other headers on a partitioned one did not.
+// Not parallel: it sets the global propagator, which the parallel tests,
+// run after it, set again.
+func TestStoreWithAPropagatorWithoutFields(t *testing.T) {
+	prev := otel.GetTextMapPropagator()
+	otel.SetTextMapPropagator(fieldless{})
+	t.Cleanup(func() { otel.SetTextMapPropagator(prev) })
+	for _, partitioned := range []bool{false, true} {
+		f := outboxtest.NewFixture(t, 1)
+		if partitioned {
+			f.Exec(`DROP TABLE outbox`)
+			f.Exec(outbox.PartitionedSchemaDDL(outbox.Table{Name: "outbox"}, outbox.PartitionDay, 1))
+		}
+		e := entry()
+		e.Headers = map[string]string{"tenant": "t1"}
+		require.NoError(t, store(t, f, context.Background(), e))
+		require.NoError(t, store(t, f, context.Background(), e), "partitioned %v: a retry is the same event", partitioned)
+		other := e
+		other.Headers = map[string]string{"tenant": "t2"}
+		require.ErrorIs(t, store(t, f, context.Background(), other), outbox.ErrEventIDConflict, "partitioned %v", partitioned)
+	}
+}

@@ -33,6 +33,11 @@ import (
 type Entry struct {
 	// EventID identifies the event. Storing the same entry twice stores it
 	// once; storing another entry under an existing id is ErrEventIDConflict.
+	// On a plain table that holds while the row does: once the relay
+	// deletes it (retention Delete, or --keep-published-for) the id is free,
+	// and a retry stores the event again (consumers de-duplicate by event
+	// id). A partitioned table's event id table keeps the id for as long as
+	// a partition covers its created_at.
 	// Use NewEventID (UUIDv7: time-ordered, index-friendly).
 	EventID       string
 	AggregateType string
@@ -179,8 +184,13 @@ func WithNotify() WriterOption {
 // the table's slot (SlotName) at that moment (DeleteOnStoreCondition), so
 // events written before the relay first ran, while it is down or while an
 // OutboxRelay is switched to writer deletes are published from the table.
-// A handler retried after its commit stores its event again, as a new row:
-// consumers de-duplicate by event id.
+// Name the table as the relay's --table does: the slot's name (SlotName)
+// is made from that spelling, and a writer of "outbox" beside a relay of
+// "public.outbox" finds no slot streaming and keeps every row.
+// A handler retried after its commit stores its event again, as a new row,
+// on a plain table (consumers de-duplicate by event id); on a partitioned
+// one the event id table still holds the id, and the retry stores nothing
+// (ErrEventIDConflict if its content differs).
 func WithDeleteOnStore() WriterOption {
 	return func(w *Writer) { w.deleteStored = "on" }
 }
@@ -489,7 +499,14 @@ func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 	if shape.payload == "bytea" {
 		payload = e.Payload
 	}
-	args := []any{e.EventID, e.AggregateType, e.AggregateID, e.EventType, payload, e.PartitionKey, stored, prop.Fields()}
+	// The propagator's fields are left out of a retry's comparison; nil
+	// would go as NULL, and jsonb minus NULL is NULL: every retry would
+	// conflict on a plain table, and any headers match on a partitioned one.
+	fields := prop.Fields()
+	if fields == nil {
+		fields = []string{}
+	}
+	args := []any{e.EventID, e.AggregateType, e.AggregateID, e.EventType, payload, e.PartitionKey, stored, fields}
 	var (
 		inserted  bool
 		id        int64     // with st.returning

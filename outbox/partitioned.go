@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
@@ -70,6 +71,12 @@ const QueueTableSettings = `autovacuum_vacuum_scale_factor = 0.01,
 // PARTITION CONCURRENTLY, which a DEFAULT partition rules out.
 func PartitionedSchemaDDL(t Table, period PartitionPeriod, ahead int) string {
 	t.mustBeValid()
+	// period goes into comments and literals of the DDL as written, as
+	// the table's name does: a value other than these is a program's
+	// error, as a bad table name is (the relay's flags check both).
+	if !slices.Contains(PartitionPeriods, period) || ahead < 0 {
+		panic(fmt.Sprintf("outbox: partitioned DDL of period %q and %d partitions ahead (want one of %v, ahead ≥ 0)", period, ahead, PartitionPeriods))
+	}
 	q := t.Quoted()
 	ids := t.EventIDsTable()
 	fn := t.AddPartitionsFunction()
@@ -113,8 +120,10 @@ CREATE INDEX IF NOT EXISTS %[4]s
 -- created. Each is created on its own and then attached, which takes a SHARE
 -- UPDATE EXCLUSIVE lock on the outbox: writers and the relay go on meanwhile.
 -- A row no partition covers cannot be inserted, so run it ahead of time,
--- e.g. hourly from pg_cron:
---   SELECT cron.schedule('%[6]s', '17 * * * *', 'SELECT %[1]s(%[4]d)');
+-- e.g. hourly from pg_cron, in the database pg_cron runs in
+-- (cron.database_name), naming this one (a job name is one job per user):
+--   SELECT cron.schedule_in_database('%[6]s', '17 * * * *',
+--       'SELECT %[1]s(%[4]d)', '<this database>');
 -- There is no DEFAULT partition: the relay detaches old partitions with
 -- DETACH PARTITION CONCURRENTLY, which a DEFAULT partition rules out.
 CREATE OR REPLACE FUNCTION %[1]s(ahead integer DEFAULT %[4]d)
@@ -153,7 +162,7 @@ SELECT %[1]s(%[4]d);
 -- whose range ended longer ago than that and whose rows are all published,
 -- and deletes the event ids of the ranges it dropped.
 `, fn.Quoted(), QuoteLiteral(q), unit, ahead, QuoteLiteral(t.Name[:min(len(t.Name), 63-2-period.nameLength())]+"_p"),
-		fn.Name, period.nameFormat(), strings.ReplaceAll(QueueTableSettings, "\n    ", " "))
+		fn.String(), period.nameFormat(), strings.ReplaceAll(QueueTableSettings, "\n    ", " "))
 	return b.String()
 }
 

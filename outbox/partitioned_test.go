@@ -426,3 +426,21 @@ func TestStoreWithEachPayloadColumnType(t *testing.T) {
 	require.ErrorContains(t, storeWith(t, f, w, entry()),
 		`column payload of "text_false"."outbox" has type character varying; the writer stores into jsonb, json, text or bytea`)
 }
+
+// The DDL takes the period and the count ahead as written, into comments
+// and literals: a period other than the four, or a count below zero, is a
+// program's error, as a bad table name is. The pg_cron job it suggests is
+// named with the table's schema (pg_cron keeps one job per name and user)
+// and runs in the outbox's database.
+func TestPartitionedDDLTakesOnlyItsPeriods(t *testing.T) {
+	t.Parallel()
+	table := outbox.Table{Schema: "billing", Name: "outbox"}
+	require.Panics(t, func() { outbox.PartitionedSchemaDDL(table, "day\n; DROP TABLE x; --", 1) })
+	require.Panics(t, func() { outbox.PartitionedSchemaDDL(table, "year", 1) })
+	require.Panics(t, func() { outbox.PartitionedSchemaDDL(table, outbox.PartitionDay, -1) })
+	for _, p := range outbox.PartitionPeriods {
+		require.NotPanics(t, func() { outbox.PartitionedSchemaDDL(table, p, 0) })
+	}
+	require.Contains(t, outbox.PartitionedSchemaDDL(table, outbox.PartitionDay, 7),
+		`cron.schedule_in_database('billing.outbox_add_partitions', '17 * * * *',`)
+}
