@@ -287,6 +287,7 @@ func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRo
 		moved, err = r.putBack(b, back)
 	}
 	r.held.committed(b.holds, time.Now())
+	r.noteHeldLost(b)
 	if err != nil {
 		return nil, nil, r.dbFailed(err)
 	}

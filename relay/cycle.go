@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // inFlight is a batch that was claimed and published and waits for its mark
@@ -34,9 +35,12 @@ type inFlight struct {
 	published []int64
 	holds     []heldRecord // rows held in this batch, recorded in its transaction
 	unhold    []int64      // published rows whose held record goes
-	perr      error        // publish failures that make the loop back off
-	retry     []int64      // with logical replication capture: rows to publish again first (publish)
-	done      chan error   // the mark and commit's result
+	// heldLost: the held table refused the batch's records (recordHolds),
+	// which the batch committed without; the loop logs it (noteHeldLost).
+	heldLost error
+	perr     error      // publish failures that make the loop back off
+	retry    []int64    // with logical replication capture: rows to publish again first (publish)
+	done     chan error // the mark and commit's result
 }
 
 // Run claims, publishes and marks batches until ctx is cancelled. A batch in
@@ -422,8 +426,66 @@ func (r *Relay) markAndCommit(b *inFlight) error {
 }
 
 // recordHolds writes the batch's holds to the held table and removes the
-// records of its published rows that had been held, in its transaction.
+// records of its published rows that had been held, in its transaction,
+// within a savepoint: a held table that refuses them (dropped, a privilege
+// revoked, a constraint added since the start-up check) loses the records,
+// not the batch. Rolled back, the batch's rows that Kafka acknowledged
+// would go out again, at every retry of a row it holds. The records
+// refused are left in b.heldLost; the holds stay in memory.
 func (r *Relay) recordHolds(b *inFlight) error {
+	if len(b.holds) == 0 && len(b.unhold) == 0 {
+		return nil
+	}
+	sp, err := b.tx.Begin(b.ctx)
+	if err != nil {
+		return fmt.Errorf("record held rows in %s: %w", r.table.HeldTable(), err)
+	}
+	if err := r.writeHolds(b, sp); err != nil {
+		if !heldTableRefused(err) {
+			return err
+		}
+		if rerr := sp.Rollback(b.ctx); rerr != nil {
+			return fmt.Errorf("%w (and rolling its savepoint back: %v)", err, rerr)
+		}
+		b.heldLost = err
+		return nil
+	}
+	if err := sp.Commit(b.ctx); err != nil {
+		return fmt.Errorf("record held rows in %s: %w", r.table.HeldTable(), err)
+	}
+	return nil
+}
+
+// heldTableRefused reports whether err is the held table refusing a
+// statement for what it is, not for the connection's state: a missing
+// table, column or privilege (class 42), a constraint (23), or a value it
+// does not take (22). Another failure fails the batch as before.
+func heldTableRefused(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || len(pgErr.Code) != 5 {
+		return false
+	}
+	switch pgErr.Code[:2] {
+	case "42", "23", "22":
+		return true
+	}
+	return false
+}
+
+// noteHeldLost logs, at most once a minute, that the held table refused a
+// batch's records (b.heldLost). Only the loop calls it.
+func (r *Relay) noteHeldLost(b *inFlight) {
+	if b.heldLost == nil || time.Since(r.heldLostLogged) < time.Minute {
+		return
+	}
+	r.heldLostLogged = time.Now()
+	r.log.Error("the held table refused the records of held rows; they are held in memory only (retried sooner after a reload of the table, not in `relay held` nor the OutboxRelay's status), and the batch's other rows are published",
+		"table", r.table.HeldTable().String(), "err", b.heldLost,
+		"fix", "create the held table with the DDL from `relay schema`, and GRANT SELECT, INSERT, UPDATE, DELETE ON it to the relay's role")
+}
+
+// writeHolds runs recordHolds' statements in tx.
+func (r *Relay) writeHolds(b *inFlight, tx pgx.Tx) error {
 	if len(b.holds) > 0 {
 		n := len(b.holds)
 		ids, eventIDs, types, reasons, errs, waits := make([]int64, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]float64, n)
@@ -434,12 +496,12 @@ func (r *Relay) recordHolds(b *inFlight) error {
 		if r.sql.HoldKeepsRedrives {
 			args = append(args, time.Since(b.start).Seconds())
 		}
-		if _, err := b.tx.Exec(b.ctx, r.sql.Hold, args...); err != nil {
+		if _, err := tx.Exec(b.ctx, r.sql.Hold, args...); err != nil {
 			return fmt.Errorf("record %d held rows in %s: %w", n, r.table.HeldTable(), err)
 		}
 	}
 	if len(b.unhold) > 0 {
-		if _, err := b.tx.Exec(b.ctx, r.sql.Unhold, b.unhold); err != nil {
+		if _, err := tx.Exec(b.ctx, r.sql.Unhold, b.unhold); err != nil {
 			return fmt.Errorf("remove %d published rows from %s: %w", len(b.unhold), r.table.HeldTable(), err)
 		}
 	}
@@ -481,6 +543,7 @@ func (r *Relay) commitAsync(b *inFlight) *inFlight {
 func (r *Relay) finish(b *inFlight) error {
 	err := <-b.done
 	r.held.committed(b.holds, time.Now())
+	r.noteHeldLost(b)
 	if err != nil {
 		r.cur.settled(b.rows, func(int64) bool { return false })
 		return r.dbFailed(err)

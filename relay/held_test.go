@@ -353,7 +353,7 @@ func TestHeldFiltersNarrowByEachKind(t *testing.T) {
 	f := outboxtest.NewFixture(t, 1)
 	table := outbox.Table{Name: "outbox"}
 	for _, r := range []struct {
-		id           int64
+		id            int64
 		reason, type_ string
 	}{{1, relay.HeldRefused, "A"}, {2, relay.HeldRefused, "B"}, {3, relay.HeldTooLarge, "B"}, {4, relay.HeldInvalidRow, "A"}} {
 		f.Exec(`INSERT INTO outbox_held (id, event_id, event_type, reason, error, retry_at)
@@ -383,4 +383,51 @@ func TestHeldFiltersNarrowByEachKind(t *testing.T) {
 	n, err = relay.Redrive(ctx, f.Pool, table, relay.HeldFilter{})
 	require.NoError(t, err)
 	require.Zero(t, n, "no selector releases nothing")
+}
+
+// A held table dropped while the relay runs (or a privilege on it revoked)
+// refuses the records of the rows a batch holds: the batch commits without
+// them, its other rows marked, and each goes out once; the hold stays in
+// memory. Before, the batch rolled back after Kafka acknowledged its other
+// rows, which went out again with the next claim, at every retry of the
+// held row. Re-created, the table takes the records again.
+func TestAHeldTableThatRefusesRecordsLosesThemNotTheBatch(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := outboxtest.NewFixture(t, 1)
+	topic := f.NewTopic("small", 1, "max.message.bytes", "2000")
+	f.Topics["E"] = topic
+	cfg := f.Config()
+	cfg.HeldRetryInterval = 2 * time.Second
+	x := run(t, cfg, nil)
+	require.Eventually(t, func() bool { return x.R.Ready() == nil }, 30*time.Second, 50*time.Millisecond)
+	f.Exec(`DROP TABLE outbox_held`)
+	f.Exec(`INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		SELECT gen_random_uuid(), 'Order', 'k' || g, 'E',
+		       CASE WHEN g = 1 THEN jsonb_build_object('pad', repeat('y', 5000)) ELSE '{}'::jsonb END, 'k' || g
+		FROM generate_series(1, 11) g`)
+	f.WaitDrained(1, 30*time.Second)
+	// Over two retries of the held row, with new rows claimed beside it.
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) {
+		f.Insert(2, 2, "E")
+		f.WaitDrained(1, 30*time.Second)
+	}
+	want := f.Count(`SELECT count(*) FROM outbox WHERE published_at IS NOT NULL`)
+	got := readTopics(t, []string{testenv.Broker().Addr()}, want, topic)
+	seen := map[string]int{}
+	for _, d := range got {
+		seen[d.eventID]++
+	}
+	require.Len(t, seen, want)
+	for id, n := range seen {
+		require.Equal(t, 1, n, "event %s went out %d times", id, n)
+	}
+	require.Equal(t, 1, f.Unpublished(), "the large row stays held")
+
+	f.Exec(outbox.HeldDDL(outbox.Table{Name: "outbox"}))
+	require.Eventually(t, func() bool {
+		held, err := relay.ListHeld(ctx, f.Pool, outbox.Table{Name: "outbox"}, relay.HeldFilter{All: true}, 10)
+		return err == nil && len(held) == 1 && held[0].Reason == relay.HeldTooLarge
+	}, 20*time.Second, 100*time.Millisecond, "recorded again once the table is back")
 }

@@ -64,6 +64,9 @@ type Relay struct {
 	// heldAlterTried: the server answered this process's try to add
 	// redriven_at to the held table (ensureHeldTable), made once.
 	heldAlterTried bool
+	// heldLostLogged is when the loop last logged that the held table
+	// refused a batch's records (noteHeldLost).
+	heldLostLogged time.Time
 	// metadataReset is when freshMetadata last dropped its pools.
 	metadataReset atomic.Pointer[time.Time]
 	m             *metrics
