@@ -49,10 +49,59 @@ func TestStatusReadsRightToKstatus(t *testing.T) {
 		"secret missing":                 {1, deploy(1, 1, 1, 1, 1), &problem{reason: outboxv1alpha1.ReasonSecretNotFound, message: "gone"}, status.FailedStatus},
 		"scaled to zero, pods gone":      {0, deploy(1, 1, 0, 0, 0), nil, status.CurrentStatus},
 		"scaled to zero, pods remaining": {0, deploy(1, 1, 1, 1, 1), nil, status.InProgressStatus},
+		"rolled out, then pods unready":  {1, completed(deploy(1, 1, 1, 1, 0)), nil, status.InProgressStatus},
 	} {
 		relay := unitRelay()
 		relay.Spec.Replicas = ptr.To(tc.replicas)
 		relay.Status = computeStatus(relay, tc.deploy, tc.prob, observation{})
+		obj, err := runtime.DefaultUnstructuredConverter.ToUnstructured(relay)
+		require.NoError(t, err)
+		res, err := status.Compute(&unstructured.Unstructured{Object: obj})
+		require.NoError(t, err, name)
+		require.Equal(t, tc.want, res.Status, "%s: %s", name, res.Message)
+	}
+}
+
+// completed gives d the Progressing condition of a rollout that completed,
+// which the deployment controller leaves as it is when pods turn unready.
+func completed(d *appsv1.Deployment) *appsv1.Deployment {
+	d.Status.Conditions = []appsv1.DeploymentCondition{{Type: appsv1.DeploymentProgressing, Status: "True", Reason: newReplicaSetAvailable}}
+	return d
+}
+
+// Pods that turn unready after their rollout completed (the broker down)
+// are not a rollout: Progressing says the rollout is complete, and rows
+// waiting past the threshold make the relay Stalled (kstatus Failed), with
+// no "rows still flow". Before, Progressing and Reconciling said a rollout
+// was under way, for good, and Stalled said rows still flowed. A first
+// replica still starting is no stall.
+func TestUnreadyPodsAfterARolloutAreNoRollout(t *testing.T) {
+	t.Parallel()
+	d := func(reason string) *appsv1.Deployment {
+		return &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Generation: 1}, Status: appsv1.DeploymentStatus{
+			ObservedGeneration: 1, Replicas: 2, UpdatedReplicas: 2,
+			Conditions: []appsv1.DeploymentCondition{{Type: appsv1.DeploymentProgressing, Status: "True", Reason: reason}},
+		}}
+	}
+	waiting := observation{backlog: &outboxv1alpha1.BacklogStatus{Pending: 10, OldestAge: metav1.Duration{Duration: 10 * time.Minute},
+		PublishedPerMinute: ptr.To[int64](0), ObservedAt: metav1.Now()}}
+	for name, tc := range map[string]struct {
+		deploy                           *appsv1.Deployment
+		want                             status.Status
+		progressing, stalled, reconciling string
+	}{
+		"rolled out, all unready": {d(newReplicaSetAvailable), status.FailedStatus, "False/RolloutComplete", "True/NoReadyReplicas", "False/NoReadyReplicas"},
+		"first rollout starting":  {d("ReplicaSetUpdated"), status.InProgressStatus, "True/RollingOut", "False/AsExpected", "True/RollingOut"},
+	} {
+		relay := unitRelay()
+		relay.Spec.Replicas = ptr.To[int32](2)
+		relay.Status = computeStatus(relay, tc.deploy, nil, waiting)
+		for typ, want := range map[string]string{outboxv1alpha1.ConditionProgressing: tc.progressing,
+			outboxv1alpha1.ConditionStalled: tc.stalled, outboxv1alpha1.ConditionReconciling: tc.reconciling} {
+			c := meta.FindStatusCondition(relay.Status.Conditions, typ)
+			require.Equal(t, want, string(c.Status)+"/"+c.Reason, "%s: %s", name, typ)
+			require.NotContains(t, c.Message, "rows still flow", name)
+		}
 		obj, err := runtime.DefaultUnstructuredConverter.ToUnstructured(relay)
 		require.NoError(t, err)
 		res, err := status.Compute(&unstructured.Unstructured{Object: obj})

@@ -446,14 +446,21 @@ func degradedRule(f *facts) verdict {
 
 // stalledRule: a relay whose ready replicas publish nothing while rows wait
 // past the threshold is Stalled (kstatus: Failed): it runs as specified
-// and moves nothing, and waiting will not fix it. Lagging while rows still
-// flow leaves Stalled False: Ready False makes kstatus say InProgress.
+// and moves nothing, and waiting will not fix it; so is one whose rolled
+// out replicas are all unready (the relay's readiness fails while it
+// cannot publish). Lagging while rows still flow, or while the Deployment
+// starts its first ready replica, leaves Stalled False: Ready False makes
+// kstatus say InProgress.
 func stalledRule(f *facts) verdict {
 	switch {
 	case f.deadline != "":
 		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonProgressDeadlineExceeded, f.deadline}
 	case f.lagging && f.lag.reason == outboxv1alpha1.ReasonNotPublishing:
 		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonNotPublishing, f.lag.message}
+	case f.lagging && f.lag.reason == outboxv1alpha1.ReasonNoReadyReplicas && f.rolledOut && f.desired > 0:
+		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonNoReadyReplicas, f.lag.message + "; the rollout is complete and no replica is ready"}
+	case f.lagging && f.lag.reason == outboxv1alpha1.ReasonNoReadyReplicas:
+		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "no replica is ready while the Deployment rolls out"}
 	case f.lagging:
 		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "rows still flow"}
 	}
@@ -478,15 +485,30 @@ func reconcilingRule(f *facts) verdict {
 }
 
 // rolledOut is the Deployment's own notion of a complete rollout: it has
-// seen its latest spec and every replica is updated and available.
+// seen its latest spec, every replica runs the current template, and each
+// is available, or was when the rollout completed: the Deployment's
+// Progressing condition stays NewReplicaSetAvailable when pods turn
+// unready later (the broker down), which is no rollout; Ready and Stalled
+// say that. Before, such pods read as a rollout under way, for good.
 func rolledOut(d *appsv1.Deployment, desired int32) bool {
 	if d == nil {
 		return false
 	}
 	s := d.Status
-	return s.ObservedGeneration >= d.Generation &&
-		s.UpdatedReplicas == desired && s.Replicas == desired && s.AvailableReplicas == desired
+	if s.ObservedGeneration < d.Generation || s.UpdatedReplicas != desired || s.Replicas != desired {
+		return false
+	}
+	if s.AvailableReplicas == desired {
+		return true
+	}
+	c := deploymentCondition(d, appsv1.DeploymentProgressing)
+	return c != nil && c.Status == corev1.ConditionTrue && c.Reason == newReplicaSetAvailable
 }
+
+// newReplicaSetAvailable is the reason of a Deployment's Progressing
+// condition once its rollout completed (the deployment controller's
+// NewRSAvailableReason).
+const newReplicaSetAvailable = "NewReplicaSetAvailable"
 
 func deploymentCondition(d *appsv1.Deployment, typ appsv1.DeploymentConditionType) *appsv1.DeploymentCondition {
 	if d == nil {
