@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -425,6 +426,15 @@ func testSecretKeyMissing(t *testing.T, c client.Client) {
 	require.Contains(t, meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady).Message, `"url"`)
 	require.True(t, apierrors.IsNotFound(c.Get(ctx, childKey(relay), &appsv1.Deployment{})),
 		"no Deployment is created while the DSN key is missing")
+
+	// An empty value is refused as missing, naming the key, rather than
+	// given to pods that exit at start.
+	update(t, c, secret, func(s *corev1.Secret) { s.Data["url"] = []byte(" \n") })
+	relay = waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return strings.Contains(meta.FindStatusCondition(o.Status.Conditions, outboxv1alpha1.ConditionReady).Message, `"url" (spec.dsnSecretRef.key) is empty`)
+	})
+	require.Equal(t, outboxv1alpha1.ReasonSecretKeyMissing, readyReason(relay))
+	require.True(t, apierrors.IsNotFound(c.Get(ctx, childKey(relay), &appsv1.Deployment{})))
 
 	update(t, c, secret, func(s *corev1.Secret) { s.Data["url"] = []byte("postgres://relay@db/nokey") })
 	d := waitDeployment(t, c, relay, func(*appsv1.Deployment) bool { return true })

@@ -210,7 +210,15 @@ func newConfigMapCache(refresh time.Duration) *secretCache {
 			if err := reader.Get(ctx, key, cm); err != nil {
 				return "", "", nil, err
 			}
-			return cm.UID, cm.ResourceVersion, cm.Data, nil
+			// A key may be in binaryData as well as in data: the kubelet
+			// projects both into the volume, and the API keeps their keys
+			// apart.
+			data := make(map[string]string, len(cm.Data)+len(cm.BinaryData))
+			maps.Copy(data, cm.Data)
+			for k, v := range cm.BinaryData {
+				data[k] = string(v)
+			}
+			return cm.UID, cm.ResourceVersion, data, nil
 		}}
 }
 
@@ -388,6 +396,13 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 		return in, prob, nil
 	}
 	in.DSN = e.values[dsnKey]
+	if strings.TrimSpace(in.DSN) == "" {
+		// The relay exits at start on an empty DSN ("required"): its pods
+		// would crash-loop while the backlog reads said only that PostgreSQL
+		// cannot be reached.
+		return in, &problem{reason: outboxv1alpha1.ReasonSecretKeyMissing, requeue: true,
+			message: fmt.Sprintf("Secret %s's key %q (spec.dsnSecretRef.key) is empty: it must hold the PostgreSQL connection string", ref.Name, dsnKey)}, nil
+	}
 	if tls := relay.Spec.Kafka.TLS; tls != nil && tls.SecretRef != nil {
 		name := tls.SecretRef.Name
 		e, prob, err := get("spec.kafka.tls.secretRef", name, "", kafkaTLSKeys...)

@@ -190,6 +190,15 @@ func TestConfigMapCacheReadsOnce(t *testing.T) {
 		require.Equal(t, "7", e.version)
 	}
 	require.Equal(t, 1, r.reads)
+
+	// A bundle in binaryData is read as the kubelet projects it. Before,
+	// only data was read, and the relay was refused for a missing key.
+	binary := &configMapReader{cm: &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "pg-ca-bin", UID: "b", ResourceVersion: "3"},
+		BinaryData: map[string][]byte{"ca.crt": []byte("PEM\x00")}}}
+	e, err := c.get(context.Background(), binary, types.NamespacedName{Namespace: "ns", Name: "pg-ca-bin"}, "ca.crt")
+	require.NoError(t, err)
+	require.True(t, e.keys["ca.crt"])
+	require.Equal(t, "PEM\x00", e.values["ca.crt"])
 }
 
 // A failed login marks the DSN Secret's entry to be read again; reads of
