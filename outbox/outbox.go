@@ -20,6 +20,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -617,7 +618,8 @@ func (w *Writer) shape(ctx context.Context, tx pgx.Tx) (tableShape, error) {
 
 func (e Entry) validate() error {
 	var errs []error
-	if _, err := uuid.Parse(e.EventID); err != nil {
+	if _, err := uuid.Parse(e.EventID); err != nil || strings.HasPrefix(strings.ToLower(e.EventID), "urn:") {
+		// uuid.Parse takes the urn:uuid: form, which PostgreSQL's uuid refuses.
 		errs = append(errs, fmt.Errorf("EventID %q is not a UUID", e.EventID))
 	}
 	if err := CheckEventType(e.EventType); err != nil {
@@ -625,6 +627,20 @@ func (e Entry) validate() error {
 	}
 	if e.AggregateType == "" {
 		errs = append(errs, errors.New("AggregateType is empty"))
+	}
+	// PostgreSQL's text holds neither a NUL byte nor invalid UTF-8: the
+	// insert would fail with an error that names no field.
+	for _, f := range []struct{ name, v string }{
+		{"EventType", e.EventType}, {"AggregateType", e.AggregateType}, {"AggregateID", e.AggregateID}, {"PartitionKey", e.PartitionKey},
+	} {
+		if strings.IndexByte(f.v, 0) >= 0 || !utf8.ValidString(f.v) {
+			errs = append(errs, fmt.Errorf("%s %q holds a NUL byte or invalid UTF-8, which PostgreSQL's text refuses", f.name, f.v))
+		}
+	}
+	for k, v := range e.Headers {
+		if strings.IndexByte(k, 0) >= 0 || strings.IndexByte(v, 0) >= 0 {
+			errs = append(errs, fmt.Errorf("Headers: header %q holds a NUL byte, which the headers column (jsonb) refuses", k))
+		}
 	}
 	if len(e.Payload) == 0 {
 		errs = append(errs, errors.New("Payload is empty"))

@@ -79,6 +79,21 @@ func TestStoreValidatesTheEntry(t *testing.T) {
 	}
 	require.ErrorContains(t, outbox.Store(ctx, nil, entry()), "tx is nil", "not a panic")
 
+	// What PostgreSQL would refuse with an error naming no field is refused
+	// naming it: a NUL byte or invalid UTF-8 in a text column, a NUL in a
+	// header, the urn:uuid: form of an id (which uuid.Parse takes).
+	for want, edit := range map[string]func(*outbox.Entry){
+		`AggregateID "o\x001" holds a NUL byte`:                 func(e *outbox.Entry) { e.AggregateID = "o\x001" },
+		`PartitionKey "\xff" holds a NUL byte or invalid UTF-8`: func(e *outbox.Entry) { e.PartitionKey = "\xff" },
+		`AggregateType "Or\x00der"`:                             func(e *outbox.Entry) { e.AggregateType = "Or\x00der" },
+		`header "tenant" holds a NUL byte`:                      func(e *outbox.Entry) { e.Headers = map[string]string{"tenant": "t\x00"} },
+		`is not a UUID`:                                         func(e *outbox.Entry) { e.EventID = "urn:uuid:" + outbox.NewEventID() },
+	} {
+		bad := entry()
+		edit(&bad)
+		require.ErrorContains(t, outbox.Store(ctx, tx, bad), want)
+	}
+
 	// A CloudEvents attribute a relay with a CloudEvents format would hold
 	// the row for is refused whatever the format. Before, Store took it.
 	for h, want := range map[string]string{
