@@ -101,7 +101,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 	f := metricSet{reg}
 	return &metrics{
 		published: f.counterVec("outbox_relay_events_published_total",
-			"Outbox rows published to Kafka and marked published, by topic.", "topic"),
+			"Outbox rows Kafka acknowledged (acks=all), by topic; a row published again (its batch's mark failed, a relay restarted) counts again.", "topic"),
 		publishErrors: f.counterVec("outbox_relay_publish_errors_total",
 			"Rows whose publish failed, by reason (transient, permanent, topic_unavailable), and failed database calls (database).", "reason"),
 		batches: f.counter("outbox_relay_batches_total",

@@ -923,7 +923,9 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 	s.KafkaSASLPassword, _ = lookupEnv(EnvSASLPassword)
 	if topicsFile != "" {
 		if err := readTopicsFile(topicsFile, topics); err != nil {
-			return s, fmt.Errorf("--%s: %w", FlagTopicsFile, err)
+			fe := &FieldError{Flag: FlagTopicsFile, Err: err}
+			nameEnv([]error{fe}, fromEnv)
+			return s, fe
 		}
 	}
 	if len(topics) > 0 {
@@ -946,11 +948,22 @@ func (s Command) Validate() error {
 	return errors.Join(append(Errors(s.Settings.Validate()), Errors(s.validateProcess())...)...)
 }
 
+// validPort reports whether p is a port number, 0 to 65535.
+func validPort(p string) bool {
+	n, err := strconv.ParseUint(p, 10, 16)
+	return err == nil && n <= 65535
+}
+
 // validateProcess checks the process's own settings.
 func (s Command) validateProcess() error {
 	var errs []error
 	if !slices.Contains(LogFormats, s.LogFormat) {
 		errs = append(errs, fieldErr(FlagLogFormat, fmt.Errorf("%q is not one of %s", s.LogFormat, strings.Join(LogFormats, ", "))))
+	}
+	// Checked here, so a bad address is refused with the other settings
+	// (exit 2), not when the relay listens on it.
+	if _, port, err := net.SplitHostPort(s.MetricsAddr); err != nil || !validPort(port) {
+		errs = append(errs, fieldErr(FlagMetricsAddr, fmt.Errorf("%q is not [HOST]:PORT with a port of 0 to 65535", s.MetricsAddr)))
 	}
 	if (s.KafkaTLSCertFile == "") != (s.KafkaTLSKeyFile == "") {
 		errs = append(errs, fieldErr(FlagKafkaTLSCertFile, fmt.Errorf("goes together with --%s", FlagKafkaTLSKeyFile)))

@@ -3,6 +3,8 @@ package relayconfig_test
 import (
 	"bytes"
 	"errors"
+	"fmt"
+	"maps"
 	"os"
 	"regexp"
 	"strconv"
@@ -471,4 +473,29 @@ func TestMaxRetainedWALAndEnvironmentErrors(t *testing.T) {
 	_, err = relayconfig.Parse(append(good, "--"+relayconfig.FlagKafkaTLSKeyFile+"=/k.pem"), env(vars), nil)
 	require.ErrorContains(t, err, "--kafka-tls-cert-file: goes together with --kafka-tls-key-file")
 	require.NotContains(t, err.Error(), "RELAY_KAFKA_TLS_CERT_FILE", "with RELAY_ARGS_ONLY the variable was not read")
+}
+
+// A topics file that cannot be read is named by the variable that gave it
+// when it came from the environment; a metrics address that is no
+// [HOST]:PORT is refused with the other settings (the process exits 2),
+// not when the relay listens on it.
+func TestTopicsFileAndMetricsAddrErrorsNameTheirSource(t *testing.T) {
+	t.Parallel()
+	base := map[string]string{relayconfig.EnvDSN: "postgres://x"}
+	vars := maps.Clone(base)
+	vars[relayconfig.EnvName(relayconfig.FlagTopicsFile)] = "/nonexistent/topics.yaml"
+	_, err := relayconfig.Parse([]string{"--brokers=k:9092"}, env(vars), nil)
+	require.ErrorContains(t, err, "RELAY_TOPICS_FILE (--topics-file): open /nonexistent/topics.yaml")
+	_, err = relayconfig.Parse([]string{"--brokers=k:9092", "--topics-file=/nonexistent/topics.yaml"}, env(base), nil)
+	require.ErrorContains(t, err, "--topics-file: open /nonexistent/topics.yaml")
+	require.NotContains(t, err.Error(), "RELAY_TOPICS_FILE")
+
+	for _, addr := range []string{"9090", "localhost:99999", "[::1]", ":http"} {
+		_, err := relayconfig.Parse([]string{"--brokers=k:9092", "--topic=E=t", "--metrics-addr=" + addr}, env(base), nil)
+		require.ErrorContains(t, err, fmt.Sprintf("--metrics-addr: %q is not [HOST]:PORT", addr))
+	}
+	for _, addr := range []string{":9090", "0.0.0.0:0", "[::1]:8080", "localhost:65535"} {
+		_, err := relayconfig.Parse([]string{"--brokers=k:9092", "--topic=E=t", "--metrics-addr=" + addr}, env(base), nil)
+		require.NoError(t, err, addr)
+	}
 }

@@ -6,8 +6,11 @@
 //	relay held --reason too_large
 //	relay redrive --id 42
 //
-// Every flag can also be set by an environment variable RELAY_<FLAG> (upper
-// case, "-" becomes "_"); a flag on the command line wins.
+// Every flag of the relay can also be set by an environment variable
+// RELAY_<FLAG> (upper case, "-" becomes "_"); a flag on the command line
+// wins, and RELAY_ARGS_ONLY=true leaves all but the Secrets' variables
+// unread. `relay held` and `relay redrive` take only their connection
+// flags from the environment, `relay schema` none.
 package main
 
 import (
