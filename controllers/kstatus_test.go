@@ -70,11 +70,14 @@ func completed(d *appsv1.Deployment) *appsv1.Deployment {
 }
 
 // Pods that turn unready after their rollout completed (the broker down)
-// are not a rollout: Progressing says the rollout is complete, and rows
-// waiting past the threshold make the relay Stalled (kstatus Failed), with
-// no "rows still flow". Before, Progressing and Reconciling said a rollout
-// was under way, for good, and Stalled said rows still flowed. A first
-// replica still starting is no stall.
+// are not a rollout: Progressing says the rollout is complete. A relay
+// stalled (NotPublishing) whose replicas then turn unready, as the relay's
+// readiness does after --stall-timeout, stays Stalled (kstatus Failed),
+// with no "rows still flow". Before, Progressing and Reconciling said a
+// rollout was under way, for good, and Stalled turned False saying rows
+// still flowed. Replicas that start (a first rollout, or a resume or
+// scale-up, which leaves the Deployment's Progressing reason as it was)
+// are no stall, however long rows have waited.
 func TestUnreadyPodsAfterARolloutAreNoRollout(t *testing.T) {
 	t.Parallel()
 	d := func(reason string) *appsv1.Deployment {
@@ -85,16 +88,21 @@ func TestUnreadyPodsAfterARolloutAreNoRollout(t *testing.T) {
 	}
 	waiting := observation{backlog: &outboxv1alpha1.BacklogStatus{Pending: 10, OldestAge: metav1.Duration{Duration: 10 * time.Minute},
 		PublishedPerMinute: ptr.To[int64](0), ObservedAt: metav1.Now()}}
+	stalled := []metav1.Condition{{Type: outboxv1alpha1.ConditionStalled, Status: metav1.ConditionTrue, Reason: outboxv1alpha1.ReasonNotPublishing}}
 	for name, tc := range map[string]struct {
-		deploy                           *appsv1.Deployment
-		want                             status.Status
+		deploy                            *appsv1.Deployment
+		before                            []metav1.Condition
+		want                              status.Status
 		progressing, stalled, reconciling string
 	}{
-		"rolled out, all unready": {d(newReplicaSetAvailable), status.FailedStatus, "False/RolloutComplete", "True/NoReadyReplicas", "False/NoReadyReplicas"},
-		"first rollout starting":  {d("ReplicaSetUpdated"), status.InProgressStatus, "True/RollingOut", "False/AsExpected", "True/RollingOut"},
+		"stalled, then unready":   {d(newReplicaSetAvailable), stalled, status.FailedStatus, "False/RolloutComplete", "True/NoReadyReplicas", "False/NoReadyReplicas"},
+		"resumed, pods starting":  {d(newReplicaSetAvailable), nil, status.InProgressStatus, "False/RolloutComplete", "False/AsExpected", "True/DeploymentUnavailable"},
+		"first rollout starting":  {d("ReplicaSetUpdated"), nil, status.InProgressStatus, "True/RollingOut", "False/AsExpected", "True/RollingOut"},
+		"stalled, then a rollout": {d("ReplicaSetUpdated"), stalled, status.InProgressStatus, "True/RollingOut", "False/AsExpected", "True/RollingOut"},
 	} {
 		relay := unitRelay()
 		relay.Spec.Replicas = ptr.To[int32](2)
+		relay.Status.Conditions = tc.before
 		relay.Status = computeStatus(relay, tc.deploy, nil, waiting)
 		for typ, want := range map[string]string{outboxv1alpha1.ConditionProgressing: tc.progressing,
 			outboxv1alpha1.ConditionStalled: tc.stalled, outboxv1alpha1.ConditionReconciling: tc.reconciling} {

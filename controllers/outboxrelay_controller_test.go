@@ -431,7 +431,7 @@ func testSecretKeyMissing(t *testing.T, c client.Client) {
 	// given to pods that exit at start.
 	update(t, c, secret, func(s *corev1.Secret) { s.Data["url"] = []byte(" \n") })
 	relay = waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
-		return strings.Contains(meta.FindStatusCondition(o.Status.Conditions, outboxv1alpha1.ConditionReady).Message, `"url" (spec.dsnSecretRef.key) is empty`)
+		return strings.Contains(meta.FindStatusCondition(o.Status.Conditions, outboxv1alpha1.ConditionReady).Message, `"url" (spec.dsnSecretRef.key) is empty or blank`)
 	})
 	require.Equal(t, outboxv1alpha1.ReasonSecretKeyMissing, readyReason(relay))
 	require.True(t, apierrors.IsNotFound(c.Get(ctx, childKey(relay), &appsv1.Deployment{})))

@@ -401,7 +401,7 @@ func (r *OutboxRelayReconciler) readSecrets(ctx context.Context, relay *outboxv1
 		// would crash-loop while the backlog reads said only that PostgreSQL
 		// cannot be reached.
 		return in, &problem{reason: outboxv1alpha1.ReasonSecretKeyMissing, requeue: true,
-			message: fmt.Sprintf("Secret %s's key %q (spec.dsnSecretRef.key) is empty: it must hold the PostgreSQL connection string", ref.Name, dsnKey)}, nil
+			message: fmt.Sprintf("Secret %s's key %q (spec.dsnSecretRef.key) is empty or blank: it must hold the PostgreSQL connection string", ref.Name, dsnKey)}, nil
 	}
 	if tls := relay.Spec.Kafka.TLS; tls != nil && tls.SecretRef != nil {
 		name := tls.SecretRef.Name

@@ -446,25 +446,35 @@ func degradedRule(f *facts) verdict {
 
 // stalledRule: a relay whose ready replicas publish nothing while rows wait
 // past the threshold is Stalled (kstatus: Failed): it runs as specified
-// and moves nothing, and waiting will not fix it; so is one whose rolled
-// out replicas are all unready (the relay's readiness fails while it
-// cannot publish). Lagging while rows still flow, or while the Deployment
-// starts its first ready replica, leaves Stalled False: Ready False makes
-// kstatus say InProgress.
+// and moves nothing, and waiting will not fix it. It stays Stalled when
+// those replicas then turn unready, as the relay's readiness does once it
+// has published nothing for --stall-timeout, while the rollout is complete
+// (before, it turned False then, saying rows still flowed). Lagging while
+// rows still flow, or while replicas start (a rollout, a scale-up, a
+// resume: the Deployment's Progressing reason does not change for a
+// scale), leaves Stalled False: Ready False makes kstatus say InProgress.
 func stalledRule(f *facts) verdict {
 	switch {
 	case f.deadline != "":
 		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonProgressDeadlineExceeded, f.deadline}
 	case f.lagging && f.lag.reason == outboxv1alpha1.ReasonNotPublishing:
 		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonNotPublishing, f.lag.message}
-	case f.lagging && f.lag.reason == outboxv1alpha1.ReasonNoReadyReplicas && f.rolledOut && f.desired > 0:
-		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonNoReadyReplicas, f.lag.message + "; the rollout is complete and no replica is ready"}
+	case f.lagging && f.lag.reason == outboxv1alpha1.ReasonNoReadyReplicas && f.rolledOut && f.desired > 0 && stalledBefore(f.relay):
+		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonNoReadyReplicas, f.lag.message + "; its replicas published nothing, then turned unready"}
 	case f.lagging && f.lag.reason == outboxv1alpha1.ReasonNoReadyReplicas:
-		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "no replica is ready while the Deployment rolls out"}
+		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "no replica is ready yet"}
 	case f.lagging:
 		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "rows still flow"}
 	}
 	return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "nothing is stalled"}
+}
+
+// stalledBefore reports whether the status relay carries says it was
+// stalled with rows waiting: NotPublishing, or NoReadyReplicas after it.
+func stalledBefore(relay *outboxv1alpha1.OutboxRelay) bool {
+	c := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionStalled)
+	return c != nil && c.Status == metav1.ConditionTrue &&
+		(c.Reason == outboxv1alpha1.ReasonNotPublishing || c.Reason == outboxv1alpha1.ReasonNoReadyReplicas)
 }
 
 // reconcilingRule: kstatus reads Reconciling True until the current

@@ -121,8 +121,9 @@ CREATE INDEX IF NOT EXISTS %[4]s
 -- UPDATE EXCLUSIVE lock on the outbox: writers and the relay go on meanwhile.
 -- A row no partition covers cannot be inserted, so run it ahead of time,
 -- e.g. hourly from pg_cron, in the database pg_cron runs in
--- (cron.database_name), naming this one (a job name is one job per user):
---   SELECT cron.schedule_in_database('%[6]s', '17 * * * *',
+-- (cron.database_name), naming this one, in the job's name too (pg_cron
+-- keeps one job per name and user):
+--   SELECT cron.schedule_in_database('<this database>.%[6]s', '17 * * * *',
 --       'SELECT %[1]s(%[4]d)', '<this database>');
 -- There is no DEFAULT partition: the relay detaches old partitions with
 -- DETACH PARTITION CONCURRENTLY, which a DEFAULT partition rules out.

@@ -430,8 +430,8 @@ func TestStoreWithEachPayloadColumnType(t *testing.T) {
 // The DDL takes the period and the count ahead as written, into comments
 // and literals: a period other than the four, or a count below zero, is a
 // program's error, as a bad table name is. The pg_cron job it suggests is
-// named with the table's schema (pg_cron keeps one job per name and user)
-// and runs in the outbox's database.
+// named with the database and the table's schema (pg_cron keeps one job
+// per name and user) and runs in the outbox's database.
 func TestPartitionedDDLTakesOnlyItsPeriods(t *testing.T) {
 	t.Parallel()
 	table := outbox.Table{Schema: "billing", Name: "outbox"}
@@ -442,5 +442,5 @@ func TestPartitionedDDLTakesOnlyItsPeriods(t *testing.T) {
 		require.NotPanics(t, func() { outbox.PartitionedSchemaDDL(table, p, 0) })
 	}
 	require.Contains(t, outbox.PartitionedSchemaDDL(table, outbox.PartitionDay, 7),
-		`cron.schedule_in_database('billing.outbox_add_partitions', '17 * * * *',`)
+		`cron.schedule_in_database('<this database>.billing.outbox_add_partitions', '17 * * * *',`)
 }

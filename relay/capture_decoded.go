@@ -287,10 +287,10 @@ func (s *streamState) publishDecodedBatch(ctx context.Context, rows []streamedRo
 		moved, err = r.putBack(b, back)
 	}
 	r.held.committed(b.holds, time.Now())
-	r.noteHeldLost(b)
 	if err != nil {
 		return nil, nil, r.dbFailed(err)
 	}
+	r.noteHeldLost(b)
 	retry = moved.apply(retry) // a batch's rows are of one table: their ids are their own
 	if len(back) > 0 {
 		s.remember(moved.apply(backIDs))

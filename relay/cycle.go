@@ -457,19 +457,20 @@ func (r *Relay) recordHolds(b *inFlight) error {
 }
 
 // heldTableRefused reports whether err is the held table refusing a
-// statement for what it is, not for the connection's state: a missing
-// table, column or privilege (class 42), a constraint (23), or a value it
-// does not take (22). Another failure fails the batch as before.
+// statement for what it is, not for the connection's state: the table or
+// a column missing or of another type, a privilege revoked, a constraint
+// (class 23) or a value it does not take (22). Another failure, the
+// relay's own SQL among them, fails the batch as before.
 func heldTableRefused(err error) bool {
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) || len(pgErr.Code) != 5 {
 		return false
 	}
-	switch pgErr.Code[:2] {
-	case "42", "23", "22":
+	switch pgErr.Code {
+	case "42P01", "42501", "42703", "42804": // undefined table, insufficient privilege, undefined column, datatype mismatch
 		return true
 	}
-	return false
+	return pgErr.Code[:2] == "23" || pgErr.Code[:2] == "22"
 }
 
 // noteHeldLost logs, at most once a minute, that the held table refused a
@@ -543,7 +544,6 @@ func (r *Relay) commitAsync(b *inFlight) *inFlight {
 func (r *Relay) finish(b *inFlight) error {
 	err := <-b.done
 	r.held.committed(b.holds, time.Now())
-	r.noteHeldLost(b)
 	if err != nil {
 		r.cur.settled(b.rows, func(int64) bool { return false })
 		return r.dbFailed(err)
@@ -555,6 +555,7 @@ func (r *Relay) finish(b *inFlight) error {
 	r.cur.settled(b.rows, func(id int64) bool {
 		return done[id] || r.aside.has(id) || r.held.isHeld(id)
 	})
+	r.noteHeldLost(b)
 	if b.big {
 		releaseMemory() // the batch's payloads and the publish's buffers
 	}

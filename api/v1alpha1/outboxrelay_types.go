@@ -25,8 +25,8 @@ const (
 	ConditionReconciling = "Reconciling"
 	// ConditionStalled is True when progress needs a human: an invalid spec,
 	// a missing Secret, a Deployment past its progress deadline, or rows
-	// waiting past spec.lagThreshold with none published (NotPublishing) or
-	// no replica ready after a complete rollout (NoReadyReplicas).
+	// waiting past spec.lagThreshold with none published (NotPublishing,
+	// and NoReadyReplicas once those replicas turned unready).
 	ConditionStalled = "Stalled"
 	// ConditionLagging is True when the oldest row a relay can claim has
 	// waited longer than spec.lagThreshold; Unknown before the operator first

@@ -5,8 +5,8 @@
 --               (outbox.dev/reconcile: disabled, condition ReconciliationPaused)
 --   Degraded    Stalled (invalid spec, missing Secret, a child the API
 --               server refused, rollout past its deadline, ready replicas
---               that publish nothing, none ready after a rollout while
---               rows wait), Lagging (rows
+--               that publish nothing, also once they turned unready),
+--               Lagging (rows
 --               wait past spec.lagThreshold), or, once rolled out, a backlog
 --               the operator cannot read
 --   Progressing the operator has not seen this generation, is rolling out or
