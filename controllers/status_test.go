@@ -105,10 +105,7 @@ func TestAFailedReadIsMeasuredAgainstTheLastReading(t *testing.T) {
 // inactive ones began, and a reading that finds a relay streaming ends it.
 func TestNotStreamingOnlyPastTheThreshold(t *testing.T) {
 	t.Parallel()
-	key := types.NamespacedName{Namespace: "shop", Name: "orders"}
-	o := NewFlowObserver()
-	done := make(chan struct{})
-	o.relays[key] = &relayFlow{done: done, target: flowTarget{interval: 15 * time.Second}}
+	o, key, done := observedRelay()
 	start := time.Now().Add(-5 * time.Minute).Truncate(time.Second)
 	read := func(at time.Duration, active bool) *outboxv1alpha1.SlotStatus {
 		s := &backlogSample{at: start.Add(at), slot: &outboxv1alpha1.SlotStatus{Name: "s", Exists: true, Active: active}}
@@ -296,10 +293,7 @@ func TestAReplicaFailureIsDegradedAtOnce(t *testing.T) {
 // never equalled.
 func TestAnInactiveSlotKeepsTheStoredObservedAt(t *testing.T) {
 	t.Parallel()
-	key := types.NamespacedName{Namespace: "shop", Name: "orders"}
-	o := NewFlowObserver()
-	done := make(chan struct{})
-	o.relays[key] = &relayFlow{done: done, target: flowTarget{interval: 15 * time.Second}}
+	o, key, done := observedRelay()
 	relay := unitRelay()
 	first := time.Now().Add(-time.Minute).Truncate(time.Second).Add(400 * time.Millisecond)
 	reading := func(at time.Time) *outboxv1alpha1.BacklogStatus {
@@ -313,4 +307,13 @@ func TestAnInactiveSlotKeepsTheStoredObservedAt(t *testing.T) {
 	require.NoError(t, json.Unmarshal(raw, &stored))
 	next := reading(first.Add(20 * time.Second))
 	require.Equal(t, stored.ObservedAt, withObservedAt(&stored, next).ObservedAt)
+}
+
+// observedRelay is a flow observer with one relay, shop/orders, read every
+// 15 s: record takes its readings with done.
+func observedRelay() (o *FlowObserver, key types.NamespacedName, done chan struct{}) {
+	key = types.NamespacedName{Namespace: "shop", Name: "orders"}
+	o, done = NewFlowObserver(), make(chan struct{})
+	o.relays[key] = &relayFlow{done: done, target: flowTarget{interval: 15 * time.Second}}
+	return o, key, done
 }
