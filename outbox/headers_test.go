@@ -144,9 +144,11 @@ func (fieldless) Fields() []string { return nil }
 // Not parallel: it sets the global propagator, which the parallel tests,
 // run after it, set again.
 func TestStoreWithAPropagatorWithoutFields(t *testing.T) {
-	prev := otel.GetTextMapPropagator()
 	otel.SetTextMapPropagator(fieldless{})
-	t.Cleanup(func() { otel.SetTextMapPropagator(prev) })
+	// Back to a propagator that injects nothing, as the default does:
+	// setting the global one to what GetTextMapPropagator returned, the
+	// global delegate itself, is ignored, and fieldless would stay.
+	t.Cleanup(func() { otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator()) })
 	for _, partitioned := range []bool{false, true} {
 		f := outboxtest.NewFixture(t, 1)
 		if partitioned {

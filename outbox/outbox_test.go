@@ -218,6 +218,14 @@ func TestDeleteOnStoreKeepsTheRowUnlessARelayStreams(t *testing.T) {
 	t.Cleanup(func() { _, _ = f.Pool.Exec(context.Background(), `SELECT pg_drop_replication_slot($1)`, slot) })
 	kept = store()
 	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1`, kept), "a slot nobody streams from: the row stays")
+
+	// With the slot's publication made and marked as a relay with writer
+	// deletes makes it, only the stream itself is missing: the row stays.
+	f.Exec(`CREATE PUBLICATION ` + slot + ` FOR TABLE outbox WITH (publish = 'insert, delete')`)
+	t.Cleanup(func() { _, _ = f.Pool.Exec(context.Background(), `DROP PUBLICATION IF EXISTS `+slot) })
+	f.Exec(`COMMENT ON PUBLICATION ` + slot + ` IS ` + outbox.QuoteLiteral(outbox.WriterDeletesMark))
+	kept = store()
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1`, kept), "a marked publication, a slot nobody streams from: the row stays")
 }
 
 // SlotName is unique per database and table, a valid identifier of at most
