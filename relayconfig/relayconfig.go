@@ -937,6 +937,14 @@ func Parse(args []string, lookupEnv func(string) (string, bool), usage io.Writer
 		}
 	}
 	errs := Errors(s.Validate())
+	// --max-retained-wal bounds a replication slot, which a polling relay
+	// has none of: given to one, it is a mistake to say, as --writer-deletes
+	// is (the operator gives it only with logical replication).
+	given := maps.Clone(fromEnv)
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	if given[FlagMaxRetainedWAL] && s.Capture != CaptureLogicalReplication {
+		errs = append(errs, fieldErr(FlagMaxRetainedWAL, fmt.Errorf("applies only to --%s=%s", FlagCapture, CaptureLogicalReplication)))
+	}
 	nameEnv(errs, fromEnv)
 	return s, errors.Join(errs...)
 }

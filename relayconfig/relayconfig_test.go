@@ -494,6 +494,11 @@ func TestTopicsFileAndMetricsAddrErrorsNameTheirSource(t *testing.T) {
 		_, err := relayconfig.Parse([]string{"--brokers=k:9092", "--topic=E=t", "--metrics-addr=" + addr}, env(base), nil)
 		require.ErrorContains(t, err, fmt.Sprintf("--metrics-addr: %q is not [HOST]:PORT", addr))
 	}
+	// --max-retained-wal bounds a slot, which a polling relay has none of.
+	_, err = relayconfig.Parse([]string{"--brokers=k:9092", "--topic=E=t", "--max-retained-wal=1073741824"}, env(base), nil)
+	require.ErrorContains(t, err, "--max-retained-wal: applies only to --capture=logical-replication")
+	_, err = relayconfig.Parse([]string{"--brokers=k:9092", "--topic=E=t", "--capture=logical-replication", "--max-retained-wal=1073741824"}, env(base), nil)
+	require.NoError(t, err)
 	for _, addr := range []string{":9090", "0.0.0.0:0", "[::1]:8080", "localhost:65535"} {
 		_, err := relayconfig.Parse([]string{"--brokers=k:9092", "--topic=E=t", "--metrics-addr=" + addr}, env(base), nil)
 		require.NoError(t, err, addr)
