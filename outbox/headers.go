@@ -134,13 +134,16 @@ func CloudEventsAttribute(key, value string) (name string, ok bool, err error) {
 	return name, true, nil
 }
 
-// checkEntryHeaders is what Store refuses: CheckHeaders, reserved names,
+// checkEntryHeaders is what Store refuses: CheckHeaders, a NUL byte, reserved names,
 // and CloudEvents attributes a relay would hold the row for.
 func checkEntryHeaders(h map[string]string) error {
 	if err := CheckHeaders(h); err != nil {
 		return err
 	}
 	for _, k := range slices.Sorted(maps.Keys(h)) {
+		if strings.IndexByte(k, 0) >= 0 || strings.IndexByte(h[k], 0) >= 0 {
+			return fmt.Errorf("header %q holds a NUL byte, which the headers column (jsonb) refuses", k)
+		}
 		if IsReservedHeader(k) {
 			continue // said below, with the others
 		}

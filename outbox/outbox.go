@@ -637,11 +637,6 @@ func (e Entry) validate() error {
 			errs = append(errs, fmt.Errorf("%s %q holds a NUL byte or invalid UTF-8, which PostgreSQL's text refuses", f.name, f.v))
 		}
 	}
-	for k, v := range e.Headers {
-		if strings.IndexByte(k, 0) >= 0 || strings.IndexByte(v, 0) >= 0 {
-			errs = append(errs, fmt.Errorf("Headers: header %q holds a NUL byte, which the headers column (jsonb) refuses", k))
-		}
-	}
 	if len(e.Payload) == 0 {
 		errs = append(errs, errors.New("Payload is empty"))
 	}
