@@ -73,35 +73,46 @@ func completed(d *appsv1.Deployment) *appsv1.Deployment {
 // are not a rollout: Progressing says the rollout is complete. A relay
 // stalled (NotPublishing) whose replicas then turn unready, as the relay's
 // readiness does after --stall-timeout, stays Stalled (kstatus Failed),
-// with no "rows still flow". Before, Progressing and Reconciling said a
-// rollout was under way, for good, and Stalled turned False saying rows
-// still flowed. Replicas that start (a first rollout, or a resume or
-// scale-up, which leaves the Deployment's Progressing reason as it was)
-// are no stall, however long rows have waited.
+// with no "rows still flow", also while it scales up; and replicas that
+// no template rollout explains being unready for longer than the
+// Deployment's progress deadline are a stall too. Before, Progressing and
+// Reconciling said a rollout was under way, for good, and Stalled turned
+// False saying rows still flowed. Replicas that start (a first rollout,
+// or a resume, which leaves the Deployment's Progressing reason as it was)
+// are no stall within the deadline, however long rows have waited.
 func TestUnreadyPodsAfterARolloutAreNoRollout(t *testing.T) {
 	t.Parallel()
-	d := func(reason string) *appsv1.Deployment {
+	d := func(reason string, desired int32, unavailableFor time.Duration) *appsv1.Deployment {
 		return &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Generation: 1}, Status: appsv1.DeploymentStatus{
-			ObservedGeneration: 1, Replicas: 2, UpdatedReplicas: 2,
-			Conditions: []appsv1.DeploymentCondition{{Type: appsv1.DeploymentProgressing, Status: "True", Reason: reason}},
+			ObservedGeneration: 1, Replicas: desired, UpdatedReplicas: desired,
+			Conditions: []appsv1.DeploymentCondition{
+				{Type: appsv1.DeploymentProgressing, Status: "True", Reason: reason},
+				{Type: appsv1.DeploymentAvailable, Status: "False", Reason: "MinimumReplicasUnavailable",
+					LastTransitionTime: metav1.NewTime(time.Now().Add(-unavailableFor))},
+			},
 		}}
 	}
+	scaling := d(newReplicaSetAvailable, 2, time.Minute)
+	scaling.Generation = 2 // spec.replicas 2 → 3, not yet observed
 	waiting := observation{backlog: &outboxv1alpha1.BacklogStatus{Pending: 10, OldestAge: metav1.Duration{Duration: 10 * time.Minute},
 		PublishedPerMinute: ptr.To[int64](0), ObservedAt: metav1.Now()}}
 	stalled := []metav1.Condition{{Type: outboxv1alpha1.ConditionStalled, Status: metav1.ConditionTrue, Reason: outboxv1alpha1.ReasonNotPublishing}}
 	for name, tc := range map[string]struct {
 		deploy                            *appsv1.Deployment
 		before                            []metav1.Condition
+		replicas                          int32
 		want                              status.Status
 		progressing, stalled, reconciling string
 	}{
-		"stalled, then unready":   {d(newReplicaSetAvailable), stalled, status.FailedStatus, "False/RolloutComplete", "True/NoReadyReplicas", "False/NoReadyReplicas"},
-		"resumed, pods starting":  {d(newReplicaSetAvailable), nil, status.InProgressStatus, "False/RolloutComplete", "False/AsExpected", "True/DeploymentUnavailable"},
-		"first rollout starting":  {d("ReplicaSetUpdated"), nil, status.InProgressStatus, "True/RollingOut", "False/AsExpected", "True/RollingOut"},
-		"stalled, then a rollout": {d("ReplicaSetUpdated"), stalled, status.InProgressStatus, "True/RollingOut", "False/AsExpected", "True/RollingOut"},
+		"stalled, then unready":          {d(newReplicaSetAvailable, 2, time.Minute), stalled, 2, status.FailedStatus, "False/RolloutComplete", "True/NoReadyReplicas", "False/NoReadyReplicas"},
+		"stalled, then a scale-up":       {scaling, stalled, 3, status.FailedStatus, "True/RollingOut", "True/NoReadyReplicas", "False/NoReadyReplicas"},
+		"resumed, pods starting":         {d(newReplicaSetAvailable, 2, time.Minute), nil, 2, status.InProgressStatus, "False/RolloutComplete", "False/AsExpected", "True/DeploymentUnavailable"},
+		"resumed, unready past deadline": {d(newReplicaSetAvailable, 2, 11*time.Minute), nil, 2, status.FailedStatus, "False/RolloutComplete", "True/NoReadyReplicas", "False/NoReadyReplicas"},
+		"first rollout starting":         {d("ReplicaSetUpdated", 2, 11*time.Minute), nil, 2, status.InProgressStatus, "True/RollingOut", "False/AsExpected", "True/RollingOut"},
+		"stalled, then a rollout":        {d("ReplicaSetUpdated", 2, time.Minute), stalled, 2, status.InProgressStatus, "True/RollingOut", "False/AsExpected", "True/RollingOut"},
 	} {
 		relay := unitRelay()
-		relay.Spec.Replicas = ptr.To[int32](2)
+		relay.Spec.Replicas = ptr.To(tc.replicas)
 		relay.Status.Conditions = tc.before
 		relay.Status = computeStatus(relay, tc.deploy, nil, waiting)
 		for typ, want := range map[string]string{outboxv1alpha1.ConditionProgressing: tc.progressing,

@@ -11,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/equality"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
 )
@@ -309,8 +310,10 @@ func computeStatus(relay *outboxv1alpha1.OutboxRelay, deploy *appsv1.Deployment,
 	}
 	st.Ready = fmt.Sprintf("%d/%d", st.ReadyReplicas, desired)
 
-	f := facts{relay: relay, deploy: deploy, obs: obs, desired: desired, ready: st.ReadyReplicas, rolledOut: rolledOut(deploy, desired)}
-	f.lag = lagging(relay, obs, st.ReadyReplicas, time.Now())
+	now := time.Now()
+	f := facts{relay: relay, deploy: deploy, obs: obs, desired: desired, ready: st.ReadyReplicas, rolledOut: rolledOut(deploy, desired),
+		unreadyPastDeadline: unavailablePastDeadline(deploy, now)}
+	f.lag = lagging(relay, obs, st.ReadyReplicas, now)
 	if prob != nil && obs.backlog == nil {
 		// A problem found before the backlog is read stops the reads; one
 		// found writing the children (a name conflict, a spec the API
@@ -350,9 +353,13 @@ type facts struct {
 	desired   int32
 	ready     int32
 	rolledOut bool
-	lag       verdict // the Lagging condition
-	lagging   bool    // Lagging True, and not suspended
-	deadline  string  // the Deployment's ProgressDeadlineExceeded message, if any
+	// unreadyPastDeadline: no template rollout is under way, and the
+	// Deployment has lacked its available replicas for longer than its
+	// progress deadline (unavailablePastDeadline).
+	unreadyPastDeadline bool
+	lag                 verdict // the Lagging condition
+	lagging             bool    // Lagging True, and not suspended
+	deadline            string  // the Deployment's ProgressDeadlineExceeded message, if any
 	// replicaFailure is the Deployment's ReplicaFailure message, if any:
 	// its ReplicaSet cannot create pods, which no waiting fixes.
 	replicaFailure string
@@ -446,22 +453,28 @@ func degradedRule(f *facts) verdict {
 
 // stalledRule: a relay whose ready replicas publish nothing while rows wait
 // past the threshold is Stalled (kstatus: Failed): it runs as specified
-// and moves nothing, and waiting will not fix it. It stays Stalled when
-// those replicas then turn unready, as the relay's readiness does once it
-// has published nothing for --stall-timeout, while the rollout is complete
-// (before, it turned False then, saying rows still flowed). Lagging while
-// rows still flow, or while replicas start (a rollout, a scale-up, a
-// resume: the Deployment's Progressing reason does not change for a
-// scale), leaves Stalled False: Ready False makes kstatus say InProgress.
+// and moves nothing, and waiting will not fix it. With no replica ready
+// and rows waiting, it is Stalled when no template rollout is under way
+// and either it was stalled already (NotPublishing: the relay's readiness
+// fails once it has published nothing for --stall-timeout), or the
+// Deployment has lacked its available replicas for longer than its
+// progress deadline, the Deployment's own measure of a rollout that
+// failed, which a scale or a resume does not apply (before, such a relay
+// turned Stalled False, saying rows still flowed). Lagging while rows
+// still flow, or while replicas start, leaves Stalled False: Ready False
+// makes kstatus say InProgress.
 func stalledRule(f *facts) verdict {
+	noneReady := f.lagging && f.lag.reason == outboxv1alpha1.ReasonNoReadyReplicas && f.desired > 0
 	switch {
 	case f.deadline != "":
 		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonProgressDeadlineExceeded, f.deadline}
 	case f.lagging && f.lag.reason == outboxv1alpha1.ReasonNotPublishing:
 		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonNotPublishing, f.lag.message}
-	case f.lagging && f.lag.reason == outboxv1alpha1.ReasonNoReadyReplicas && f.rolledOut && f.desired > 0 && stalledBefore(f.relay):
+	case noneReady && templateSettled(f.deploy) && stalledBefore(f.relay):
 		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonNoReadyReplicas, f.lag.message + "; its replicas published nothing, then turned unready"}
-	case f.lagging && f.lag.reason == outboxv1alpha1.ReasonNoReadyReplicas:
+	case noneReady && f.unreadyPastDeadline:
+		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonNoReadyReplicas, f.lag.message + "; none has been ready for longer than the Deployment's progress deadline"}
+	case noneReady:
 		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "no replica is ready yet"}
 	case f.lagging:
 		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "rows still flow"}
@@ -476,6 +489,31 @@ func stalledBefore(relay *outboxv1alpha1.OutboxRelay) bool {
 	return c != nil && c.Status == metav1.ConditionTrue &&
 		(c.Reason == outboxv1alpha1.ReasonNotPublishing || c.Reason == outboxv1alpha1.ReasonNoReadyReplicas)
 }
+
+// templateSettled reports whether no rollout of a pod template is under
+// way: the Deployment's Progressing reason is still that of its last
+// complete rollout. A scale (spec.replicas, a resume, the autoscaler)
+// leaves it so; a new template changes it.
+func templateSettled(d *appsv1.Deployment) bool {
+	c := deploymentCondition(d, appsv1.DeploymentProgressing)
+	return c != nil && c.Status == corev1.ConditionTrue && c.Reason == newReplicaSetAvailable
+}
+
+// unavailablePastDeadline reports whether, with no template rollout under
+// way, the Deployment has said for longer than its progress deadline that
+// it lacks its minimum of available replicas (Available False).
+func unavailablePastDeadline(d *appsv1.Deployment, now time.Time) bool {
+	if !templateSettled(d) {
+		return false
+	}
+	c := deploymentCondition(d, appsv1.DeploymentAvailable)
+	deadline := time.Duration(ptr.Deref(d.Spec.ProgressDeadlineSeconds, defaultProgressDeadlineSeconds)) * time.Second
+	return c != nil && c.Status == corev1.ConditionFalse && now.Sub(c.LastTransitionTime.Time) > deadline
+}
+
+// defaultProgressDeadlineSeconds is a Deployment's progressDeadlineSeconds
+// when it sets none (the API server's default).
+const defaultProgressDeadlineSeconds = 600
 
 // reconcilingRule: kstatus reads Reconciling True until the current
 // template runs on every desired replica and they are ready (a

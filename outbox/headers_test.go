@@ -146,8 +146,9 @@ func (fieldless) Fields() []string { return nil }
 func TestStoreWithAPropagatorWithoutFields(t *testing.T) {
 	otel.SetTextMapPropagator(fieldless{})
 	// Back to a propagator that injects nothing, as the default does:
-	// setting the global one to what GetTextMapPropagator returned, the
-	// global delegate itself, is ignored, and fieldless would stay.
+	// what GetTextMapPropagator returned before is the global delegate,
+	// which the first Set bound to fieldless, so setting it back would keep
+	// fieldless.
 	t.Cleanup(func() { otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator()) })
 	for _, partitioned := range []bool{false, true} {
 		f := outboxtest.NewFixture(t, 1)

@@ -467,7 +467,10 @@ func heldTableRefused(err error) bool {
 		return false
 	}
 	switch pgErr.Code {
-	case "42P01", "42501", "42703", "42804": // undefined table, insufficient privilege, undefined column, datatype mismatch
+	// undefined table, insufficient privilege, undefined column, datatype
+	// mismatch, no unique constraint for ON CONFLICT (a table made again
+	// without its key), not a table, no such schema
+	case "42P01", "42501", "42703", "42804", "42P10", "42809", "3F000":
 		return true
 	}
 	return pgErr.Code[:2] == "23" || pgErr.Code[:2] == "22"

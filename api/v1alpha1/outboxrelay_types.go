@@ -26,7 +26,8 @@ const (
 	// ConditionStalled is True when progress needs a human: an invalid spec,
 	// a missing Secret, a Deployment past its progress deadline, or rows
 	// waiting past spec.lagThreshold with none published (NotPublishing,
-	// and NoReadyReplicas once those replicas turned unready).
+	// and NoReadyReplicas once those replicas turned unready, or when none
+	// has been ready past the Deployment's progress deadline).
 	ConditionStalled = "Stalled"
 	// ConditionLagging is True when the oldest row a relay can claim has
 	// waited longer than spec.lagThreshold; Unknown before the operator first
