@@ -546,11 +546,7 @@ func rolledOut(d *appsv1.Deployment, desired int32) bool {
 	if s.ObservedGeneration < d.Generation || s.UpdatedReplicas != desired || s.Replicas != desired {
 		return false
 	}
-	if s.AvailableReplicas == desired {
-		return true
-	}
-	c := deploymentCondition(d, appsv1.DeploymentProgressing)
-	return c != nil && c.Status == corev1.ConditionTrue && c.Reason == newReplicaSetAvailable
+	return s.AvailableReplicas == desired || templateSettled(d)
 }
 
 // newReplicaSetAvailable is the reason of a Deployment's Progressing
