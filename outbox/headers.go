@@ -135,32 +135,30 @@ func CloudEventsAttribute(key, value string) (name string, ok bool, err error) {
 }
 
 // checkEntryHeaders is what Store refuses: CheckHeaders, a NUL byte, reserved names,
-// and CloudEvents attributes a relay would hold the row for.
+// and CloudEvents attributes a relay would hold the row for. It reports every
+// problem of the entry, each header in sorted order, so a caller mends them in
+// one pass.
 func checkEntryHeaders(h map[string]string) error {
 	if err := CheckHeaders(h); err != nil {
 		return err
 	}
+	var errs []error
+	var reserved []string
 	for _, k := range slices.Sorted(maps.Keys(h)) {
 		if strings.IndexByte(k, 0) >= 0 || strings.IndexByte(h[k], 0) >= 0 {
-			return fmt.Errorf("header %q holds a NUL byte, which the headers column (jsonb) refuses", k)
+			errs = append(errs, fmt.Errorf("header %q holds a NUL byte, which the headers column (jsonb) refuses", k))
 		}
-		if IsReservedHeader(k) {
-			continue // said below, with the others
-		}
-		if _, _, err := CloudEventsAttribute(k, h[k]); err != nil {
-			return err
-		}
-	}
-	var reserved []string
-	for k := range h {
 		if IsReservedHeader(k) {
 			reserved = append(reserved, fmt.Sprintf("%q", k))
+			continue
+		}
+		if _, _, err := CloudEventsAttribute(k, h[k]); err != nil {
+			errs = append(errs, err)
 		}
 	}
 	if len(reserved) > 0 {
-		slices.Sort(reserved)
-		return fmt.Errorf("header names reserved for the relay: %s (event_id, event_type, aggregate_type, aggregate_id, content-type, outbox_*, ce_specversion, ce_id, ce_source, ce_type, ce_time)",
-			strings.Join(reserved, ", "))
+		errs = append(errs, fmt.Errorf("header names reserved for the relay: %s (event_id, event_type, aggregate_type, aggregate_id, content-type, outbox_*, ce_specversion, ce_id, ce_source, ce_type, ce_time)",
+			strings.Join(reserved, ", ")))
 	}
-	return nil
+	return errors.Join(errs...)
 }

@@ -107,6 +107,15 @@ func TestStoreValidatesTheEntry(t *testing.T) {
 		bad.Headers = map[string]string{h: map[string]string{"ce_dataschema": "order.json", "ce_datacontenttype": "json please"}[h]}
 		require.ErrorContains(t, outbox.Store(ctx, tx, bad), want, h)
 	}
+	// Every problem of an entry's headers is reported at once. Before, the
+	// first NUL byte hid a reserved name and a bad CloudEvents attribute.
+	bad = entry()
+	bad.Headers = map[string]string{"event_id": "e\x00", "ce_subject": "", "tenant": "t\x00"}
+	err = outbox.Store(ctx, tx, bad)
+	for _, want := range []string{`header "event_id" holds a NUL byte`, `header "tenant" holds a NUL byte`,
+		"ce_subject: must not be empty", `header names reserved for the relay: "event_id"`} {
+		require.ErrorContains(t, err, want)
+	}
 	good := entry()
 	good.Headers = map[string]string{"ce_tenantid": "t1", "ce_subject": "orders/42", "ce_dataschema": "https://schemas.example/order.json", "tenant": "plain"}
 	require.NoError(t, outbox.Store(ctx, tx, good))
