@@ -133,6 +133,8 @@ func TestDatabaseTokenAuth(t *testing.T) {
 	}
 	_, err = relay.New(cfg)
 	require.ErrorContains(t, err, "connect with TLS", "a token is never sent in plain text")
+	require.ErrorContains(t, err, "--database-auth: ", "the error names the flag that asks for tokens")
+	require.ErrorContains(t, err, "--database-tls-ca-file gives the CA bundle", "and the flag that mends it")
 
 	cfg.DatabaseTLS = &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12}
 	outboxtest.Start(t, cfg)

@@ -31,6 +31,7 @@ import (
 
 	"github.com/outbox-relay/outbox-operator/dbauth"
 	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/relayconfig"
 )
 
 // MessageWriter is the part of *kafka.Writer the relay uses; tests inject faults through it.
@@ -143,7 +144,10 @@ func applyDatabaseLogin(cc *pgx.ConnConfig, t *tls.Config, tokens *dbauth.Source
 		}
 	}
 	if tokens != nil {
-		return dbauth.RequireTLS(&cc.Config)
+		if err := dbauth.RequireTLS(&cc.Config); err != nil {
+			return fmt.Errorf("--%s: %w; --%s gives the CA bundle",
+				relayconfig.FlagDatabaseAuth, err, relayconfig.FlagDatabaseCAFile)
+		}
 	}
 	return nil
 }
