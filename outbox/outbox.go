@@ -139,7 +139,7 @@ type statements struct {
 	sameArgs int
 }
 
-// shapeCache remembers, per database, the shape of the table: whether it
+// shapeCache remembers, per database and search path, the shape of the table: whether it
 // has the headers column (a table made before the column existed keeps
 // working for entries without headers), whether it is partitioned,
 // whether its event-id table exists, and the type of its payload column
@@ -147,7 +147,7 @@ type statements struct {
 // adding the column or replacing the table takes effect without a restart.
 type shapeCache struct {
 	mu sync.Mutex
-	db map[string]tableShape // by host, port and database name
+	db map[string]tableShape // by host, port, database name, user and the DSN's search_path
 }
 
 type tableShape struct {
@@ -589,8 +589,12 @@ func digestSQL(payload string, headers bool) string {
 func (w *Writer) shape(ctx context.Context, tx pgx.Tx) (tableShape, error) {
 	key := ""
 	if c := tx.Conn(); c != nil {
+		// A table name without a schema resolves through the session's
+		// search_path, which the role (ALTER ROLE ... SET) or the DSN sets;
+		// a session that sets it itself after connecting is not told
+		// apart: give such a writer a schema-qualified table.
 		cfg := c.Config()
-		key = fmt.Sprintf("%s:%d/%s", cfg.Host, cfg.Port, cfg.Database)
+		key = fmt.Sprintf("%s:%d/%s user=%q search_path=%q", cfg.Host, cfg.Port, cfg.Database, cfg.User, cfg.RuntimeParams["search_path"])
 	}
 	w.shapes.mu.Lock()
 	st := w.shapes.db[key]

@@ -444,3 +444,37 @@ func TestPartitionedDDLTakesOnlyItsPeriods(t *testing.T) {
 	require.Contains(t, outbox.PartitionedSchemaDDL(table, outbox.PartitionDay, 7),
 		`cron.schedule_in_database('<this database>.billing.outbox_add_partitions', '17 * * * *',`)
 }
+
+// A writer of a table named without a schema caches the shape of the table
+// each search_path finds. Before, the cache was keyed by the database
+// alone, so a session whose search_path found a table made before the
+// headers column stored with the first table's statements, which name the
+// column, and failed.
+func TestTheShapeCacheFollowsTheSearchPath(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	ctx := context.Background()
+	other := outbox.Table{Schema: "other", Name: "outbox"}
+	f.Exec(outbox.SchemaDDL(other))
+	f.Exec(`ALTER TABLE other.outbox DROP COLUMN headers`)
+	cfg := f.Pool.Config()
+	cfg.ConnConfig.RuntimeParams["search_path"] = "other"
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	defer pool.Close()
+
+	w, err := outbox.NewWriter("outbox")
+	require.NoError(t, err)
+	for _, p := range []*pgxpool.Pool{f.Pool, pool} {
+		tx, err := p.Begin(ctx)
+		require.NoError(t, err)
+		err = w.Store(ctx, tx, entry())
+		if err != nil {
+			require.NoError(t, tx.Rollback(ctx))
+		}
+		require.NoError(t, err)
+		require.NoError(t, tx.Commit(ctx))
+	}
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM public.outbox`))
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM other.outbox`))
+}
