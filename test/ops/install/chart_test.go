@@ -509,4 +509,31 @@ func TestChartRefusesBadValues(t *testing.T) {
 		require.ErrorContains(t, err, "values don't meet the specifications of the schema", tc.values)
 		require.ErrorContains(t, err, tc.want, tc.values)
 	}
+
+	// A flag the chart sets from a value of its own is refused in
+	// extraArgs: a second --leader-election-id, say, would name a Lease the
+	// rendered Role does not grant, and the manager would never lead.
+	vals := values(t, nonDefault)
+	for k, v := range values(t, `{leaderElection: {id: payments-outbox}, database: {tokenLogins: true}, extraArgs: []}`) {
+		vals[k] = v
+	}
+	var flags []any
+	for _, v := range []map[string]any{vals, values(t, `{image: {tag: v9.9.9}, metrics: {certSecret: metrics-tls}}`)} {
+		objs, _, err := render(t, v)
+		require.NoError(t, err)
+		containers, found, err := unstructured.NestedSlice(find(t, objs, "Deployment", "").Object, "spec", "template", "spec", "containers")
+		require.NoError(t, err)
+		require.True(t, found)
+		flags = append(flags, containers[0].(map[string]any)["args"].([]any)...)
+	}
+	require.GreaterOrEqual(t, len(flags), 11, "every flag the chart can set: %v", flags)
+	for _, f := range flags {
+		name, _, _ := strings.Cut(f.(string), "=")
+		for _, arg := range []string{name, name + "=x"} {
+			_, _, err := render(t, map[string]any{"image": map[string]any{"tag": "v9.9.9"}, "extraArgs": []any{arg}})
+			require.ErrorContains(t, err, "/extraArgs/0", "%s is the chart's", arg)
+		}
+	}
+	_, _, err := render(t, values(t, `{image: {tag: v9.9.9}, extraArgs: [--leader-elect-extra=1, --zap-log-level=debug]}`))
+	require.NoError(t, err, "a flag that only begins like one of the chart's")
 }
