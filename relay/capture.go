@@ -589,17 +589,22 @@ func (r *Relay) runCapture(ctx context.Context) {
 		case errors.Is(err, errReadAgain), errors.Is(err, errStreamAgain):
 			continue // it said why; nothing failed
 		case errors.Is(err, errSlotBusy):
-			backoff = 0
+			// A failure before this standby time is not one of the stream
+			// this replica may take over: it gets a failing limit of its own.
+			backoff, failingSince = 0, time.Time{}
 			r.m.slotRetainedWAL.Set(0) // another replica streams, and reports it
 
 			r.health.batchDone(time.Now(), 0, 0) // a standby has nothing to do: that is progress
 			r.health.idleUntil(time.Now().Add(standbyRetry))
 			sleep(ctx, standbyRetry)
 		case errors.Is(err, errSlotGone):
-			backoff = 0
+			backoff, failingSince = 0, time.Time{} // the new slot's stream gets a failing limit of its own
 			r.log.Warn("polling until a new replication slot is made", "err", err, "for", fallbackPeriod)
 			r.pollFor(ctx, fallbackPeriod)
 		default:
+			// Its reading of the slot ends with the stream: while it cannot
+			// stream, another replica may, and the alert takes the largest.
+			r.m.slotRetainedWAL.Set(0)
 			backoff = min(max(2*backoff, 100*time.Millisecond), r.cfg.MaxBackoff)
 			now := time.Now()
 			if failingSince.IsZero() {

@@ -313,6 +313,91 @@ func TestIdleStreamIsNoFailingStream(t *testing.T) {
 	require.NotContains(t, logs.String(), "polling, then streaming again")
 }
 
+// A failure before a standby time counts for no stream after it: the relay
+// that takes the slot over again after longer than the failing limit, and
+// whose stream then fails once, streams again. Before, the failing time ran
+// on from the failure before the standby, and it polled at once, in id
+// order.
+func TestStandbyTimeEndsAFailingStream(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	r, pool := captureRelay(t)
+	require.NoError(t, r.Check(ctx))
+	r.capture.failingLimit = 2 * time.Second
+	logs := runLogged(t, r, pool)
+	streams := func(n int) {
+		require.Eventually(t, func() bool {
+			return strings.Count(logs.String(), "streaming the table's inserts") >= n
+		}, 60*time.Second, 20*time.Millisecond, "session %d streams", n)
+	}
+	lock, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer lock.Release()
+	streams(1)
+	// The walsender ends (a failure), and a test session takes the capture
+	// lock before the relay is back: it waits as a standby.
+	require.Eventually(t, func() bool {
+		_, err := pool.Exec(ctx, `SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active`, r.capture.slot)
+		require.NoError(t, err)
+		var locked bool
+		require.NoError(t, lock.QueryRow(ctx, sqlTryCaptureLock(outbox.QuoteLiteral(r.capture.slot))).Scan(&locked))
+		return locked
+	}, 20*time.Second, time.Millisecond, "the test takes the capture lock")
+	require.Contains(t, logs.String(), "streaming failed; streaming again")
+	<-time.After(3 * time.Second) // a standby, longer than the failing limit
+	_, err = lock.Exec(ctx, `SELECT pg_advisory_unlock_all()`)
+	require.NoError(t, err)
+	streams(2)
+	require.Eventually(t, func() bool {
+		var n int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(pg_terminate_backend(active_pid)) FROM pg_replication_slots WHERE slot_name = $1 AND active`,
+			r.capture.slot).Scan(&n))
+		return n == 1
+	}, 20*time.Second, 20*time.Millisecond, "the relay streams from the slot")
+	streams(3)
+	require.NotContains(t, logs.String(), "polling, then streaming again")
+}
+
+// A relay whose stream failed, and that cannot stream again, reports no
+// retained WAL: it reads the slot no more, and another replica that
+// streams reports it (the alert takes the largest). Before, it kept its
+// last reading for as long as it could not stream.
+func TestAFailedStreamReportsNoRetainedWAL(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	r, pool := captureRelay(t)
+	require.NoError(t, r.Check(ctx))
+	logs := runLogged(t, r, pool)
+	conn, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	var db string
+	require.NoError(t, conn.QueryRow(ctx, `SELECT quote_ident(current_database())`).Scan(&db))
+	require.Eventually(t, func() bool {
+		_, err := conn.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+			SELECT gen_random_uuid(), 'O', 'a', 'E', '{}', 'a' FROM generate_series(1, 100)`)
+		require.NoError(t, err)
+		return testutil.ToFloat64(r.m.slotRetainedWAL) > 0
+	}, 30*time.Second, 200*time.Millisecond, "the streaming relay reports the slot's retained WAL")
+
+	// No new session reaches the database: the relay cannot stream again.
+	cc, err := pgx.ParseConfig(r.cfg.DSN)
+	require.NoError(t, err)
+	cc.Database = "postgres"
+	admin, err := pgx.ConnectConfig(ctx, cc)
+	require.NoError(t, err)
+	defer admin.Close(ctx)
+	_, err = admin.Exec(ctx, `ALTER DATABASE `+db+` ALLOW_CONNECTIONS false`)
+	require.NoError(t, err)
+	defer admin.Exec(ctx, `ALTER DATABASE `+db+` ALLOW_CONNECTIONS true`) //nolint:errcheck // the database is dropped after the test
+	_, err = conn.Exec(ctx, `SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active`, r.capture.slot)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "streaming failed") }, 10*time.Second, 20*time.Millisecond)
+	require.Zero(t, testutil.ToFloat64(r.m.slotRetainedWAL))
+	<-time.After(time.Second) // more failed attempts
+	require.Zero(t, testutil.ToFloat64(r.m.slotRetainedWAL))
+}
+
 // runLogged runs r, checked, until the test ends, its slot dropped then,
 // and returns what it logs.
 func runLogged(t *testing.T, r *Relay, pool *pgxpool.Pool) *syncBuffer {
