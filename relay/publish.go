@@ -87,10 +87,11 @@ type batch struct {
 	out   []outcome
 	errs  []error
 	spans []trace.Span // each admitted row's producer span, when tracing
-	// stops, with logical replication capture, are each lane's first row
-	// that did not go out (a lane is a key on a topic, as in partition-key
-	// mode): the later rows of its lane in the batch are not sent, so
-	// that they can go out after it, in commit order (retryIDs).
+	// stops, outside partition-key mode (which keeps lanes of its own),
+	// are each lane's first row that did not go out (a lane is a key on a
+	// topic): the later rows of its lane in the batch are not sent, so
+	// that they go out after it, in id order when polling and in commit
+	// order with logical replication (retry).
 	stops map[lane]int
 	// restamped are the rows sent again with the publish time once their
 	// topic refused their created_at (restamp).
@@ -117,7 +118,7 @@ type batch struct {
 func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int64, err error) {
 	now := time.Now()
 	b := &batch{rows: rows, out: make([]outcome, len(rows)), errs: make([]error, len(rows))}
-	if r.capture != nil && r.lanes == nil {
+	if r.lanes == nil {
 		b.stops = map[lane]int{}
 	}
 	if r.tracer != nil {
@@ -375,9 +376,8 @@ func (b *batch) retry(r *Relay, now time.Time) []int64 {
 }
 
 // stopLane stops row i's lane: until until in partition-key mode
-// (byKey.stop), for the rest of the batch with logical replication
-// capture (batch.stops); otherwise a row that cannot go out holds back
-// nothing else.
+// (byKey.stop), otherwise for the rest of the batch (batch.stops), unless
+// the row is held or dead-lettered.
 func (r *Relay) stopLane(b *batch, x row, i int, until time.Time) {
 	switch {
 	case r.lanes != nil:
@@ -394,7 +394,7 @@ func (r *Relay) stopLane(b *batch, x row, i int, until time.Time) {
 }
 
 // laneStopped reports whether row i waits for an older row of its lane
-// (stopLane); with no lanes no row waits for another.
+// (stopLane).
 func (r *Relay) laneStopped(b *batch, x row, i int) bool {
 	switch {
 	case r.lanes != nil:
@@ -550,18 +550,16 @@ func (r *Relay) admit(ctx context.Context, b *batch, i int, now time.Time) (kafk
 	return m, true
 }
 
-// sendRounds writes the admitted records. In partition-key mode a call
-// carries at most one record batch's worth per topic (its budget), so each
-// partition's share is one batch that succeeds or fails as a whole: were a
-// share split into several batches, a later one could be taken while an
-// earlier one of the same key is refused. The records beyond go in the next
-// round, after the rows of every key and topic that did not go out in an
-// earlier round are left for a later batch.
+// sendRounds writes the admitted records. A call carries at most one
+// record batch's worth per topic (its budget), so each partition's share is
+// one batch that succeeds or fails as a whole: were a share split into
+// several batches, which the writer sends one after the other, a later one
+// could be taken while an earlier one of the same key is refused. The
+// records beyond go in the next round, after the rows of every key and
+// topic that did not go out in an earlier round are left for a later batch.
+// (Per topic, not per partition: a writer whose partition count is newer
+// than the relay's can put two of the relay's partitions in one batch.)
 func (r *Relay) sendRounds(ctx context.Context, b *batch, msgs []kafka.Message, idx []int) {
-	if r.cfg.Ordering != OrderingPartitionKey && b.stops == nil && !slices.ContainsFunc(msgs, r.overBudget) {
-		r.send(ctx, b, msgs, idx) // the writer splits partitions' shares to fit
-		return
-	}
 	type lane struct{ key, topic string }
 	failed := map[lane]bool{}
 	for len(msgs) > 0 {

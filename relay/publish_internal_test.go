@@ -426,17 +426,21 @@ func TestARecordInAMergedBatchIsNotDeadLetteredForAnother(t *testing.T) {
 // batch, and is decided in a later one, after that row. Before, it went to
 // the dead-letter topic ahead of the older row, so the key's rows there
 // could come in reverse order (with logical replication too, which keeps
-// a key's order within a batch the same way).
+// a key's order within a batch the same way; and polling with no ordering).
 func TestATooLargeRowWaitsBehindItsKeysFailedRow(t *testing.T) {
-	for _, mode := range []Ordering{OrderingPartitionKey, OrderingNone} {
-		t.Run(string(mode), func(t *testing.T) {
+	for _, name := range []string{"partition-key", "none", "none-capture"} {
+		t.Run(name, func(t *testing.T) {
+			mode := OrderingNone
+			if name == "partition-key" {
+				mode = OrderingPartitionKey
+			}
 			c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "t", "dlq"))
 			require.NoError(t, err)
 			defer c.Close()
 			r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, DeadLetterTopic: "dlq",
 				PublishTimeout: time.Second, Ordering: mode}})
-			if mode == OrderingNone {
-				r.capture = &captureState{} // logical replication keeps a key's order within a batch
+			if name == "none-capture" {
+				r.capture = &captureState{}
 			}
 			var dead []string
 			r.writer = writerFunc(func(_ context.Context, msgs ...kafka.Message) error {
@@ -461,9 +465,62 @@ func TestATooLargeRowWaitsBehindItsKeysFailedRow(t *testing.T) {
 			require.Empty(t, published)
 			require.Empty(t, dead, "nothing dead-lettered ahead of the key's older row")
 			require.False(t, r.held.isHeld(2), "nor held")
-			if mode == OrderingNone {
+			if name == "none-capture" {
 				require.Equal(t, []int64{1, 2}, retry, "both again, in order")
 			}
+		})
+	}
+}
+
+// A partition's share larger than one record batch goes as several, which
+// kafka-go sends one after the other, each succeeding or failing on its
+// own: when the first fails (its leader moved) and a later one is taken, a
+// key's later rows were published before its earlier ones. The relay sends
+// such a share in rounds of one record batch, and a key whose round failed
+// sends nothing more in the batch, in every mode. Before, polling with no
+// ordering sent the whole share in one call and published rows 3 and 4
+// ahead of 1 and 2.
+func TestAKeysLaterRecordBatchWaitsForItsFailedOne(t *testing.T) {
+	for _, mode := range []string{"none", "none-capture", "partition-key"} {
+		t.Run(mode, func(t *testing.T) {
+			c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "t"))
+			require.NoError(t, err)
+			defer c.Close()
+			ordering := OrderingNone
+			if mode == "partition-key" {
+				ordering = OrderingPartitionKey
+			}
+			r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, PublishTimeout: time.Second, Ordering: ordering}})
+			if mode == "none-capture" {
+				r.capture = &captureState{}
+			}
+			r.topics.partitions["t"], r.topics.maxBytes["t"] = 1, 2000
+			budget := r.topics.budget("t")
+			var calls [][]string
+			// As kafka-go's writer does with a call: a record batch of the
+			// records that fit the budget, then the next; the first fails.
+			r.writer = writerFunc(func(_ context.Context, msgs ...kafka.Message) error {
+				var ids []string
+				errs := make(kafka.WriteErrors, len(msgs))
+				used := 0
+				for i, m := range msgs {
+					ids = append(ids, eventIDOf(m))
+					used += recordSize(m)
+					if used <= budget && len(calls) == 0 {
+						errs[i] = kafka.NotLeaderForPartition
+					}
+				}
+				calls = append(calls, ids)
+				return errs
+			})
+			var rows []row
+			for id := int64(1); id <= 4; id++ {
+				rows = append(rows, row{id: id, eventID: fmt.Sprint("e", id), eventType: "E", partitionKey: "k",
+					payload: bytes.Repeat([]byte("x"), 700), createdAt: time.Now()})
+			}
+			published, _, _ := r.publish(context.Background(), rows)
+			require.Empty(t, published, "no row of the key after its failed ones (calls: %v)", calls)
+			require.Equal(t, []string{"e1", "e2"}, calls[0], "the first record batch")
 		})
 	}
 }
