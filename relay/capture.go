@@ -632,24 +632,46 @@ func (r *Relay) runCapture(ctx context.Context) {
 // walsender), so no other replica streams meanwhile; when another replica
 // holds it, that one publishes, and this one waits as a standby.
 func (r *Relay) pollFor(ctx context.Context, d time.Duration) {
-	conn, err := r.connect(ctx)
-	if err == nil {
-		defer conn.Close(context.WithoutCancel(ctx))
-		err = r.tryCaptureLock(ctx, conn.PgConn())
-	}
-	if err != nil {
-		if errors.Is(err, errSlotBusy) {
-			d = standbyRetry
-			r.health.batchDone(time.Now(), 0, 0) // a standby has nothing to do: that is progress
-		} else {
-			r.log.Warn("cannot take the capture lock to poll in the stream's stead", "err", err, "retry in", d)
-			r.health.batchFailed(time.Now(), err)
-		}
-		r.health.idleUntil(time.Now().Add(d))
-		sleep(ctx, d)
-		return
-	}
 	until := time.Now().Add(d)
+	var backoff time.Duration
+	for ctx.Err() == nil {
+		conn, err := r.connect(ctx)
+		if err == nil {
+			if err = r.tryCaptureLock(ctx, conn.PgConn()); err != nil {
+				conn.Close(context.WithoutCancel(ctx))
+			}
+		}
+		if err == nil {
+			r.pollHolding(ctx, conn, until)
+			conn.Close(context.WithoutCancel(ctx))
+			return
+		}
+		now := time.Now()
+		if errors.Is(err, errSlotBusy) {
+			r.health.batchDone(now, 0, 0) // a standby has nothing to do: that is progress
+			r.health.idleUntil(now.Add(standbyRetry))
+			sleep(ctx, standbyRetry)
+			return
+		}
+		// A refused session or a dropped network may pass: try again within
+		// d, so that rows flow for as much of it as they can. Before, one
+		// failure left them for the whole of d (a minute after a slot was
+		// given up).
+		backoff = min(max(2*backoff, 100*time.Millisecond), r.cfg.MaxBackoff)
+		wait := min(jitter(backoff), until.Sub(now))
+		r.log.Warn("cannot take the capture lock to poll in the stream's stead", "err", err, "retry in", wait)
+		r.health.batchFailed(now, err)
+		r.health.idleUntil(now.Add(wait))
+		sleep(ctx, wait)
+		if !time.Now().Before(until) {
+			return
+		}
+	}
+}
+
+// pollHolding polls until until on behalf of conn's session, which holds
+// the capture lock, or until that session ends.
+func (r *Relay) pollHolding(ctx context.Context, conn *pgx.Conn, until time.Time) {
 	var nextCheck time.Time
 	r.pollInStead(ctx, func() bool {
 		now := time.Now()
@@ -1010,19 +1032,8 @@ func (r *Relay) stream(ctx context.Context) error {
 			s.nextFilter = now.Add(filterRefresh)
 			r.storeFilter(now)
 		}
-		if !now.Before(s.nextCheck) {
-			s.nextCheck = now.Add(slotCheckInterval)
-			marked, mayMark, err := r.checkSlot(ctx, c.slot, r.cfg.WriterDeletes || r.holdsDeleted(ctx, &s.deleted, s.confirmed))
-			if err != nil {
-				conn.Close(context.WithoutCancel(ctx))
-				r.dropSlot(ctx, c.slot)
-				return err
-			}
-			if r.cfg.WriterDeletes {
-				if err := r.keepMarked(ctx, marked, mayMark); err != nil {
-					return err
-				}
-			}
+		if err := s.checkSlotDue(ctx, now); err != nil {
+			return err
 		}
 		if len(s.pending) == 0 && !s.inTx {
 			sweep, err := s.sweepDue(ctx, now)
@@ -1042,8 +1053,11 @@ func (r *Relay) stream(ctx context.Context) error {
 				}
 			}
 			if sweep {
-				s.nextSweep = r.sweepBehind(ctx, s.keepAlive, s.fence)
-				s.fence = nil
+				next, err := r.sweepBehind(ctx, s.keepAlive, s.fence)
+				if err != nil {
+					return err
+				}
+				s.nextSweep, s.fence = next, nil
 			} else if len(due) > 0 {
 				// Held rows due again are tried at once, by id, as polling
 				// tries them with its next claim.
@@ -1907,6 +1921,28 @@ func (s *streamState) settle(ctx context.Context) error {
 	return s.sendStatus(ctx)
 }
 
+// checkSlotDue checks the slot (checkSlot) when its check is due, from the
+// stream's loop or from keepAlive within a sweep or a batch: a slot past
+// MaxRetainedWAL, or lost, ends the stream (errSlotGone) after it is
+// dropped; with writer deletes it keeps the publication marked.
+func (s *streamState) checkSlotDue(ctx context.Context, now time.Time) error {
+	if now.Before(s.nextCheck) {
+		return nil
+	}
+	r, slot := s.r, s.r.capture.slot
+	s.nextCheck = now.Add(slotCheckInterval)
+	marked, mayMark, err := r.checkSlot(ctx, slot, r.cfg.WriterDeletes || r.holdsDeleted(ctx, &s.deleted, s.confirmed))
+	if err != nil {
+		s.conn.Close(context.WithoutCancel(ctx))
+		r.dropSlot(ctx, slot)
+		return err
+	}
+	if r.cfg.WriterDeletes {
+		return r.keepMarked(ctx, marked, mayMark)
+	}
+	return nil
+}
+
 // keepAlive reports the position when it is due while the loop does
 // something other than read the stream: a sweep through a backlog can
 // outlast wal_sender_timeout, after which the server ends a session that
@@ -1925,6 +1961,12 @@ func (s *streamState) keepAlive(ctx context.Context) error {
 		if err := s.sendStatus(ctx); err != nil {
 			return err
 		}
+	}
+	// A sweep can last long (Kafka down, rows piling up, each batch
+	// failing after its retries): the bound on the slot's WAL holds
+	// meanwhile too.
+	if err := s.checkSlotDue(ctx, now); err != nil {
+		return err
 	}
 	if now.Before(s.nextAlive) {
 		return nil
@@ -2465,12 +2507,16 @@ func (r *Relay) sweepIDs(ctx context.Context, from int64, horizon string, before
 // returns when the next sweep is due: after FullRescanInterval, or after
 // sweepRetry when this one failed (the database; Kafka's failures it
 // retries in place, retryIDs): the rows it could not publish wait in the
-// table, and no stream delivers them.
-func (r *Relay) sweepBehind(ctx context.Context, alive func(context.Context) error, f *sweepFence) (next time.Time) {
+// table, and no stream delivers them. It fails only when alive gave the
+// slot up (errSlotGone), which ends the stream.
+func (r *Relay) sweepBehind(ctx context.Context, alive func(context.Context) error, f *sweepFence) (next time.Time, err error) {
 	if err := r.sweepBefore(ctx, alive, f.horizon, nil, f.ids); err != nil {
-		return r.sweepFailed(err)
+		if errors.Is(err, errSlotGone) {
+			return time.Time{}, err // the stream ends: alive gave the slot up
+		}
+		return r.sweepFailed(err), nil
 	}
-	return time.Now().Add(r.cfg.FullRescanInterval)
+	return time.Now().Add(r.cfg.FullRescanInterval), nil
 }
 
 // sweepBeforeSlot is the sweep when streaming starts. It publishes first

@@ -27,6 +27,7 @@ import (
 
 // streamColumns are where the table's columns are in the stream's tuples.
 type streamColumns struct {
+	relation                                 string // namespace.name, for messages
 	names                                    []string
 	id, eventID, aggregateType, aggregateID  int
 	eventType, payload, partitionKey, create int
@@ -38,7 +39,7 @@ type streamColumns struct {
 const byteaOID = 17
 
 func newStreamColumns(m *pglogrepl.RelationMessage, partitionColumn string) (*streamColumns, error) {
-	c := &streamColumns{headers: -1, partition: -1}
+	c := &streamColumns{relation: m.Namespace + "." + m.RelationName, headers: -1, partition: -1}
 	at := map[string]*int{
 		"id": &c.id, "event_id": &c.eventID, "aggregate_type": &c.aggregateType, "aggregate_id": &c.aggregateID,
 		"event_type": &c.eventType, "payload": &c.payload, "partition_key": &c.partitionKey, "created_at": &c.create,
@@ -123,8 +124,11 @@ func (c *streamColumns) decodeRow(cols [][]byte) (streamedRow, error) {
 			x.text[i] = &s
 		}
 	}
-	if len(cols) != len(c.names) || x.text[c.id] == nil {
-		return x, fmt.Errorf("the stream's insert has %d columns, its relation %d, or no id", len(cols), len(c.names))
+	switch {
+	case len(cols) != len(c.names):
+		return x, fmt.Errorf("the stream's insert into %s has %d columns, its relation message %d", c.relation, len(cols), len(c.names))
+	case x.text[c.id] == nil:
+		return x, fmt.Errorf("the stream's insert into %s has a NULL id", c.relation)
 	}
 	id, err := strconv.ParseInt(*x.text[c.id], 10, 64)
 	if err != nil {

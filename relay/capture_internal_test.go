@@ -45,22 +45,8 @@ func outboxDB(t *testing.T) (string, *pgxpool.Pool) {
 func TestSlotPastMaxRetainedWALIsGivenUp(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	dsn, pool := outboxDB(t)
-	slot := fmt.Sprintf("test_given_up_%d", testenv.PG().Port)
-	_, err := pool.Exec(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, slot)
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		_, _ = pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1`, slot)
-	})
-	_, err = pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
-		SELECT gen_random_uuid(), 'O', 'a', 'E', '{}', 'a' FROM generate_series(1, 2000)`)
-	require.NoError(t, err)
-
-	r, err := New(Config{Settings: Settings{DSN: dsn, Brokers: []string{testenv.Broker().Addr()}, Topics: map[string]string{"E": "t"}}})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = r.Close() })
-	r.capture = &captureState{slot: slot, publication: slot}
-	_, _, err = r.checkSlot(ctx, slot, false)
+	r, pool, slot := retainingSlot(t, "test_given_up")
+	_, _, err := r.checkSlot(ctx, slot, false)
 	require.NoError(t, err, "within the default limit")
 	r.cfg.MaxRetainedWAL = 1024
 	_, _, err = r.checkSlot(ctx, slot, false)
@@ -73,6 +59,56 @@ func TestSlotPastMaxRetainedWALIsGivenUp(t *testing.T) {
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&left))
 	require.Zero(t, left, "the slot is dropped")
 	require.Zero(t, testutil.ToFloat64(r.m.slotRetainedWAL), "a dropped slot holds back nothing: the alert that reads the gauge stops")
+}
+
+// A sweep can run for minutes (Kafka down, rows piling up, each batch
+// failing after its retries), calling keepAlive between its batches: the
+// bound on the slot's WAL is checked there too, and a slot past it is
+// given up and dropped. Before, only the stream's loop checked it, so the
+// WAL grew past the bound for as long as a sweep ran.
+func TestKeepAliveChecksTheSlot(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	r, pool, slot := retainingSlot(t, "test_keepalive")
+	conn, err := pgconn.Connect(ctx, r.cfg.DSN)
+	require.NoError(t, err)
+	s := &streamState{r: r, conn: conn, nextStatus: time.Now().Add(time.Hour), nextAlive: time.Now().Add(time.Hour)}
+
+	require.NoError(t, s.keepAlive(ctx), "within the default limit")
+	require.Greater(t, testutil.ToFloat64(r.m.slotRetainedWAL), 1024.0, "it read the slot")
+	r.cfg.MaxRetainedWAL = 1024
+	require.NoError(t, s.keepAlive(ctx), "checked again only after slotCheckInterval")
+	s.nextCheck = time.Now()
+	err = s.keepAlive(ctx)
+	require.ErrorIs(t, err, errSlotGone)
+	require.ErrorContains(t, err, "more than --max-retained-wal 1024")
+	require.True(t, conn.IsClosed(), "the stream's session is closed")
+	var left int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&left))
+	require.Zero(t, left, "the slot is dropped")
+}
+
+// retainingSlot makes a slot named name (and the test server's port)
+// behind 2,000 inserts, and a relay (not started) whose capture state names
+// it.
+func retainingSlot(t *testing.T, name string) (*Relay, *pgxpool.Pool, string) {
+	t.Helper()
+	ctx := context.Background()
+	dsn, pool := outboxDB(t)
+	slot := fmt.Sprintf("%s_%d", name, testenv.PG().Port)
+	_, err := pool.Exec(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, slot)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1`, slot)
+	})
+	_, err = pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		SELECT gen_random_uuid(), 'O', 'a', 'E', '{}', 'a' FROM generate_series(1, 2000)`)
+	require.NoError(t, err)
+	r, err := New(Config{Settings: Settings{DSN: dsn, Brokers: []string{testenv.Broker().Addr()}, Topics: map[string]string{"E": "t"}}})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.Close() })
+	r.capture = &captureState{slot: slot, publication: slot}
+	return r, pool, slot
 }
 
 // captureRelay is a relay with logical replication capture of a database
@@ -371,8 +407,6 @@ func TestAFailedStreamReportsNoRetainedWAL(t *testing.T) {
 	conn, err := pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer conn.Release()
-	var db string
-	require.NoError(t, conn.QueryRow(ctx, `SELECT quote_ident(current_database())`).Scan(&db))
 	require.Eventually(t, func() bool {
 		_, err := conn.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
 			SELECT gen_random_uuid(), 'O', 'a', 'E', '{}', 'a' FROM generate_series(1, 100)`)
@@ -381,21 +415,61 @@ func TestAFailedStreamReportsNoRetainedWAL(t *testing.T) {
 	}, 30*time.Second, 200*time.Millisecond, "the streaming relay reports the slot's retained WAL")
 
 	// No new session reaches the database: the relay cannot stream again.
-	cc, err := pgx.ParseConfig(r.cfg.DSN)
-	require.NoError(t, err)
-	cc.Database = "postgres"
-	admin, err := pgx.ConnectConfig(ctx, cc)
-	require.NoError(t, err)
-	defer admin.Close(ctx)
-	_, err = admin.Exec(ctx, `ALTER DATABASE `+db+` ALLOW_CONNECTIONS false`)
-	require.NoError(t, err)
-	defer admin.Exec(ctx, `ALTER DATABASE `+db+` ALLOW_CONNECTIONS true`) //nolint:errcheck // the database is dropped after the test
+	defer refuseSessions(t, r.cfg.DSN)()
 	_, err = conn.Exec(ctx, `SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active`, r.capture.slot)
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "streaming failed") }, 10*time.Second, 20*time.Millisecond)
 	require.Zero(t, testutil.ToFloat64(r.m.slotRetainedWAL))
 	<-time.After(time.Second) // more failed attempts
 	require.Zero(t, testutil.ToFloat64(r.m.slotRetainedWAL))
+}
+
+// Polling in the stream's stead (a minute after a slot was given up) tries
+// again when its session is refused, within the minute. Before, one
+// refusal left every row unpublished for the whole minute.
+func TestPollingInsteadRetriesARefusedSession(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	r, pool := captureRelay(t)
+	require.NoError(t, r.Check(ctx))
+	logs := &syncBuffer{}
+	r.log = slog.New(slog.NewTextHandler(logs, nil))
+	_, err := pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key)
+		SELECT gen_random_uuid(), 'O', 'a', 'E', '{}', 'a' FROM generate_series(1, 5)`)
+	require.NoError(t, err)
+	allow := refuseSessions(t, r.cfg.DSN)
+	pctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); r.pollFor(pctx, time.Minute) }()
+	defer func() { cancel(); <-done }()
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "cannot take the capture lock") },
+		10*time.Second, 20*time.Millisecond, "the session is refused")
+	allow()
+	require.Eventually(t, func() bool {
+		var n int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE published_at IS NULL`).Scan(&n))
+		return n == 0
+	}, 15*time.Second, 50*time.Millisecond, "published within the minute")
+}
+
+// refuseSessions makes the database of dsn refuse new sessions (those open
+// go on) until the function it returns is called.
+func refuseSessions(t *testing.T, dsn string) (allow func()) {
+	t.Helper()
+	ctx := context.Background()
+	cc, err := pgx.ParseConfig(dsn)
+	require.NoError(t, err)
+	db := pgx.Identifier{cc.Database}.Sanitize()
+	cc.Database = "postgres"
+	admin, err := pgx.ConnectConfig(ctx, cc)
+	require.NoError(t, err)
+	_, err = admin.Exec(ctx, `ALTER DATABASE `+db+` ALLOW_CONNECTIONS false`)
+	require.NoError(t, err)
+	return func() {
+		_, err := admin.Exec(ctx, `ALTER DATABASE `+db+` ALLOW_CONNECTIONS true`)
+		require.NoError(t, err)
+		require.NoError(t, admin.Close(ctx))
+	}
 }
 
 // runLogged runs r, checked, until the test ends, its slot dropped then,
@@ -1255,4 +1329,20 @@ func TestMarkIsRemovedOnlyWhileTheRemoverStreams(t *testing.T) {
 	_, err = pool.Exec(ctx, sqlUnmarkWhileStreaming(pub, pub, pid))
 	require.NoError(t, err)
 	require.Equal(t, beforeSlotNote+" xmax=1 xip=", comment(), "the streaming session removes the mark, and only it")
+}
+
+// A streamed insert the relay cannot read says which of its faults it has,
+// naming the table. Before, one message named both, and no table.
+func TestADecodedRowNamesItsFault(t *testing.T) {
+	rel := &pglogrepl.RelationMessage{Namespace: "shop", RelationName: "outbox"}
+	for _, name := range []string{"id", "event_id", "aggregate_type", "aggregate_id", "event_type", "payload", "partition_key", "created_at"} {
+		rel.Columns = append(rel.Columns, &pglogrepl.RelationMessageColumn{Name: name})
+	}
+	c, err := newStreamColumns(rel, "")
+	require.NoError(t, err)
+	cols := [][]byte{nil, []byte("e"), []byte("O"), []byte("a"), []byte("E"), []byte("{}"), []byte("k"), []byte("2026-01-01 00:00:00+00")}
+	_, err = c.decodeRow(cols)
+	require.EqualError(t, err, "the stream's insert into shop.outbox has a NULL id")
+	_, err = c.decodeRow(cols[:7])
+	require.EqualError(t, err, "the stream's insert into shop.outbox has 7 columns, its relation message 8")
 }
