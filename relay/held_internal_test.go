@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"context"
 	"errors"
 	"io"
 	"log/slog"
@@ -10,6 +11,8 @@ import (
 	"unicode/utf8"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
 // A reload of the held table read after a row was held but before the
@@ -105,4 +108,40 @@ func TestHeldErrorIsCutAtACharacter(t *testing.T) {
 	got := h.take()[0].err
 	require.True(t, utf8.ValidString(got))
 	require.Equal(t, heldErrorBytes-1, len(got))
+}
+
+// A table of the held table's name that a relay did not make (or that lost
+// a column, or its key) is not taken as the held table: holds stay in
+// memory, and the log names what it lacks. Before, every batch that held a
+// row tried to record it there and failed.
+func TestAnUnrelatedHeldTableIsNotTaken(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for name, ddl := range map[string]string{
+		"unrelated":       `DROP TABLE outbox_held; CREATE TABLE outbox_held (id bigint PRIMARY KEY, note text)`,
+		"without a key":   `ALTER TABLE outbox_held DROP CONSTRAINT outbox_held_pkey`,
+		"made by a relay": `SELECT 1`, // the schema's DDL made it
+	} {
+		dsn, pool := outboxDB(t)
+		_, err := pool.Exec(ctx, ddl)
+		require.NoError(t, err, name)
+		r, err := New(Config{Settings: Settings{DSN: dsn, Brokers: []string{testenv.Broker().Addr()}, Topics: map[string]string{"E": "t"}}})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = r.Close() })
+		logs := &syncBuffer{}
+		r.log = slog.New(slog.NewTextHandler(logs, nil))
+		recorded, _, err := r.ensureHeldTable(ctx)
+		require.NoError(t, err, name)
+		switch name {
+		case "unrelated":
+			require.False(t, recorded, name)
+			require.Contains(t, logs.String(), `missing="event_id, event_type, reason, error, attempts, first_attempt, last_attempt, retry_at"`, name)
+		case "without a key":
+			require.False(t, recorded, name)
+			require.Contains(t, logs.String(), `missing="unique index on id"`, name)
+		default:
+			require.True(t, recorded, name)
+			require.NotContains(t, logs.String(), "not one a relay made", name)
+		}
+	}
 }

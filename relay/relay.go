@@ -629,6 +629,14 @@ func (r *Relay) ensureHeldTable(ctx context.Context) (exists, redrivenAt bool, e
 			"fix", "GRANT SELECT, INSERT, UPDATE, DELETE ON "+held.Quoted()+" TO <the relay's role>")
 		return false, false, nil
 	}
+	if missing, err := heldShapeMissing(ctx, r.pool, held); err != nil || len(missing) > 0 {
+		// Another table of that name (not made by a relay, or altered):
+		// every hold recorded there would fail.
+		r.log.Error("the held table is not one a relay made; rows held back are kept in memory only (forgotten on restart, not in the OutboxRelay's status nor in `relay held`)",
+			"table", held.String(), "missing", strings.Join(missing, ", "), "err", err,
+			"fix", "rename that table, or make it with the DDL from `relay schema`")
+		return false, false, nil
+	}
 	if hasRedrivenAt() {
 		return true, true, nil
 	}
@@ -659,6 +667,18 @@ func (r *Relay) ensureHeldTable(ctx context.Context) (exists, redrivenAt bool, e
 	}
 	r.log.Info("added redriven_at to the held table", "table", held.String())
 	return true, true, nil
+}
+
+// heldColumns are the held table's columns a relay reads and writes
+// (outbox.HeldDDL), but redriven_at, which ensureHeldTable adds.
+var heldColumns = []string{"id", "event_id", "event_type", "reason", "error", "attempts", "first_attempt", "last_attempt", "retry_at"}
+
+// heldShapeMissing lists what held lacks of the shape outbox.HeldDDL gives:
+// heldColumns, and the unique index on id.
+func heldShapeMissing(ctx context.Context, db querier, held outbox.Table) ([]string, error) {
+	var missing []string
+	err := db.QueryRow(ctx, sqlHeldShapeMissing, held.Quoted(), heldColumns).Scan(&missing)
+	return missing, err
 }
 
 // heldPrivilegesMissing lists the privileges on held that the relay's
