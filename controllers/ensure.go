@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"regexp"
+	"strconv"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -110,6 +112,9 @@ func (r *OutboxRelayReconciler) writeChildren(ctx context.Context, relay *outbox
 			}
 		})
 	if prob, err := childProblem(err); prob != nil || err != nil {
+		if prob != nil && prob.reason == outboxv1alpha1.ReasonInvalidSpec {
+			prob.message = inRelayTerms(prob.message, desired, relay.Spec.Template)
+		}
 		return nil, prob, err
 	}
 	_, err = ensure(ctx, r.Client, r.APIReader, relay, relayService(relay), &corev1.Service{}, nil,
@@ -200,6 +205,43 @@ func orphanOf(obj client.Object, relay *outboxv1alpha1.OutboxRelay) bool {
 		}
 	}
 	return true
+}
+
+// deploymentPath is a path into a Deployment's pod template that one of
+// an OutboxRelay's fields fills (the list index in group 2, when it has one).
+var deploymentPath = regexp.MustCompile(`spec\.template\.spec\.(containers\[0\]\.(?:envFrom|env|volumeMounts)|volumes|nodeSelector|tolerations|topologySpreadConstraints)(?:\[(\d+)\])?`)
+
+// inRelayTerms rewrites the paths an API server's refusal of Deployment d
+// quotes into the OutboxRelay's fields they came from, the list indexes
+// counted without the relay's own entries, which come first (an env index
+// of the container counted the relay's own variables). A path of the
+// relay's own entries stays as it is.
+func inRelayTerms(msg string, d *appsv1.Deployment, tmpl *outboxv1alpha1.RelayPodTemplate) string {
+	c, pod := &d.Spec.Template.Spec.Containers[0], &d.Spec.Template.Spec
+	fields := map[string]struct {
+		path string
+		own  int // the relay's own entries before the spec's
+	}{
+		"containers[0].env":          {"spec.template.container.env", len(c.Env) - len(containerTemplate(tmpl).Env)},
+		"containers[0].envFrom":      {"spec.template.container.envFrom", len(c.EnvFrom) - len(containerTemplate(tmpl).EnvFrom)},
+		"containers[0].volumeMounts": {"spec.template.container.volumeMounts", len(c.VolumeMounts) - len(containerTemplate(tmpl).VolumeMounts)},
+		"volumes":                    {"spec.template.pod.volumes", len(pod.Volumes) - len(podTemplate(tmpl).Volumes)},
+		"nodeSelector":               {"spec.nodeSelector", 0},
+		"tolerations":                {"spec.tolerations", 0},
+		"topologySpreadConstraints":  {"spec.template.pod.topologySpreadConstraints", 0},
+	}
+	return deploymentPath.ReplaceAllStringFunc(msg, func(p string) string {
+		m := deploymentPath.FindStringSubmatch(p)
+		f := fields[m[1]]
+		if m[2] == "" {
+			return f.path
+		}
+		i, err := strconv.Atoi(m[2])
+		if err != nil || i < f.own {
+			return p
+		}
+		return fmt.Sprintf("%s[%d]", f.path, i-f.own)
+	})
 }
 
 // conflictError: a child's name is taken by an object another owner controls.

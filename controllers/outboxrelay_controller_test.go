@@ -576,6 +576,8 @@ func testInvalidSpec(t *testing.T, c client.Client) {
 		return readyReason(o) == outboxv1alpha1.ReasonInvalidSpec
 	})
 	msg := meta.FindStatusCondition(relay2.Status.Conditions, outboxv1alpha1.ConditionReady).Message
+	require.Contains(t, msg, "spec.template.container.volumeMounts", "the OutboxRelay's field, not the Deployment's")
+	require.NotContains(t, msg, "spec.template.spec.containers")
 	require.Contains(t, msg, "subPath")
 	require.Contains(t, msg, "/abs")
 }

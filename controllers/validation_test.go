@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -690,5 +691,34 @@ func TestEnvNamesAgreeWithThePodRule(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// An API server's refusal of the Deployment names the OutboxRelay's fields,
+// indexed as the spec lists them: the relay's own variables, volumes and
+// mounts come first in the Deployment. Before, env[5] named the spec's
+// first variable.
+func TestInRelayTerms(t *testing.T) {
+	d := &appsv1.Deployment{}
+	d.Spec.Template.Spec.Containers = []corev1.Container{{
+		Env:          make([]corev1.EnvVar, 5+2),
+		VolumeMounts: make([]corev1.VolumeMount, 1+1),
+	}}
+	d.Spec.Template.Spec.Volumes = make([]corev1.Volume, 1+1)
+	tmpl := &outboxv1alpha1.RelayPodTemplate{
+		Pod:       &outboxv1alpha1.RelayPodSpec{Volumes: make([]outboxv1alpha1.RelayVolume, 1)},
+		Container: &outboxv1alpha1.RelayContainerSpec{Env: make([]outboxv1alpha1.RelayEnvVar, 2), VolumeMounts: make([]corev1.VolumeMount, 1)},
+	}
+	for in, want := range map[string]string{
+		`spec.template.spec.containers[0].env[6].name: Invalid value: "a b"`:             `spec.template.container.env[1].name: Invalid value: "a b"`,
+		`spec.template.spec.containers[0].env[2].value: Required`:                        `spec.template.spec.containers[0].env[2].value: Required`,
+		`spec.template.spec.containers[0].envFrom[0].prefix: Invalid`:                    `spec.template.container.envFrom[0].prefix: Invalid`,
+		`spec.template.spec.containers[0].volumeMounts[1].subPath: Invalid value: "/abs"`: `spec.template.container.volumeMounts[0].subPath: Invalid value: "/abs"`,
+		`spec.template.spec.volumes[1].name: Duplicate value`:                            `spec.template.pod.volumes[0].name: Duplicate value`,
+		`spec.template.spec.nodeSelector: Invalid value: "a/b/c"`:                        `spec.nodeSelector: Invalid value: "a/b/c"`,
+		`spec.template.spec.tolerations[0].key: Invalid`:                                 `spec.tolerations[0].key: Invalid`,
+		`spec.replicas: Invalid`:                                                         `spec.replicas: Invalid`,
+	} {
+		require.Equal(t, want, inRelayTerms(in, d, tmpl), in)
 	}
 }
