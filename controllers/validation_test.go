@@ -710,14 +710,14 @@ func TestInRelayTerms(t *testing.T) {
 		Container: &outboxv1alpha1.RelayContainerSpec{Env: make([]outboxv1alpha1.RelayEnvVar, 2), VolumeMounts: make([]corev1.VolumeMount, 1)},
 	}
 	for in, want := range map[string]string{
-		`spec.template.spec.containers[0].env[6].name: Invalid value: "a b"`:             `spec.template.container.env[1].name: Invalid value: "a b"`,
-		`spec.template.spec.containers[0].env[2].value: Required`:                        `spec.template.spec.containers[0].env[2].value: Required`,
-		`spec.template.spec.containers[0].envFrom[0].prefix: Invalid`:                    `spec.template.container.envFrom[0].prefix: Invalid`,
+		`spec.template.spec.containers[0].env[6].name: Invalid value: "a b"`:              `spec.template.container.env[1].name: Invalid value: "a b"`,
+		`spec.template.spec.containers[0].env[2].value: Required`:                         `spec.template.spec.containers[0].env[2].value: Required`,
+		`spec.template.spec.containers[0].envFrom[0].prefix: Invalid`:                     `spec.template.container.envFrom[0].prefix: Invalid`,
 		`spec.template.spec.containers[0].volumeMounts[1].subPath: Invalid value: "/abs"`: `spec.template.container.volumeMounts[0].subPath: Invalid value: "/abs"`,
-		`spec.template.spec.volumes[1].name: Duplicate value`:                            `spec.template.pod.volumes[0].name: Duplicate value`,
-		`spec.template.spec.nodeSelector: Invalid value: "a/b/c"`:                        `spec.nodeSelector: Invalid value: "a/b/c"`,
-		`spec.template.spec.tolerations[0].key: Invalid`:                                 `spec.tolerations[0].key: Invalid`,
-		`spec.replicas: Invalid`:                                                         `spec.replicas: Invalid`,
+		`spec.template.spec.volumes[1].name: Duplicate value`:                             `spec.template.pod.volumes[0].name: Duplicate value`,
+		`spec.template.spec.nodeSelector: Invalid value: "a/b/c"`:                         `spec.nodeSelector: Invalid value: "a/b/c"`,
+		`spec.template.spec.tolerations[0].key: Invalid`:                                  `spec.tolerations[0].key: Invalid`,
+		`spec.replicas: Invalid`:                                                          `spec.replicas: Invalid`,
 	} {
 		require.Equal(t, want, inRelayTerms(in, d, tmpl), in)
 	}
