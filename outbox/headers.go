@@ -135,9 +135,9 @@ func CloudEventsAttribute(key, value string) (name string, ok bool, err error) {
 }
 
 // checkEntryHeaders is what Store refuses: CheckHeaders, a NUL byte, reserved names,
-// and CloudEvents attributes a relay would hold the row for. It reports every
-// problem of the entry, each header in sorted order, so a caller mends them in
-// one pass.
+// and CloudEvents attributes a relay would hold the row for. Past CheckHeaders
+// (which reports its first problem alone), it reports every problem of the
+// entry, each header in sorted order, so a caller mends them in one pass.
 func checkEntryHeaders(h map[string]string) error {
 	if err := CheckHeaders(h); err != nil {
 		return err

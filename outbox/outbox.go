@@ -147,7 +147,7 @@ type statements struct {
 // adding the column or replacing the table takes effect without a restart.
 type shapeCache struct {
 	mu sync.Mutex
-	db map[string]tableShape // by host, port, database name, user and the DSN's search_path
+	db map[string]tableShape // by host, port, database name, user and the DSN's search_path and options
 }
 
 type tableShape struct {
@@ -590,11 +590,13 @@ func (w *Writer) shape(ctx context.Context, tx pgx.Tx) (tableShape, error) {
 	key := ""
 	if c := tx.Conn(); c != nil {
 		// A table name without a schema resolves through the session's
-		// search_path, which the role (ALTER ROLE ... SET) or the DSN sets;
-		// a session that sets it itself after connecting is not told
-		// apart: give such a writer a schema-qualified table.
+		// search_path, which the role (ALTER ROLE ... SET) or the DSN sets
+		// (search_path, or options=-c search_path=...); a session that
+		// sets it itself after connecting is not told apart: give such a
+		// writer a schema-qualified table.
 		cfg := c.Config()
-		key = fmt.Sprintf("%s:%d/%s user=%q search_path=%q", cfg.Host, cfg.Port, cfg.Database, cfg.User, cfg.RuntimeParams["search_path"])
+		key = fmt.Sprintf("%s:%d/%s user=%q search_path=%q options=%q", cfg.Host, cfg.Port, cfg.Database, cfg.User,
+			cfg.RuntimeParams["search_path"], cfg.RuntimeParams["options"])
 	}
 	w.shapes.mu.Lock()
 	st := w.shapes.db[key]

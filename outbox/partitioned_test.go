@@ -463,9 +463,15 @@ func TestTheShapeCacheFollowsTheSearchPath(t *testing.T) {
 	require.NoError(t, err)
 	defer pool.Close()
 
+	cfg = f.Pool.Config()
+	cfg.ConnConfig.RuntimeParams["options"] = "-c search_path=other"
+	viaOptions, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	defer viaOptions.Close()
+
 	w, err := outbox.NewWriter("outbox")
 	require.NoError(t, err)
-	for _, p := range []*pgxpool.Pool{f.Pool, pool} {
+	for _, p := range []*pgxpool.Pool{f.Pool, pool, f.Pool, viaOptions} {
 		tx, err := p.Begin(ctx)
 		require.NoError(t, err)
 		err = w.Store(ctx, tx, entry())
@@ -475,6 +481,6 @@ func TestTheShapeCacheFollowsTheSearchPath(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, tx.Commit(ctx))
 	}
-	require.Equal(t, 1, f.Count(`SELECT count(*) FROM public.outbox`))
-	require.Equal(t, 1, f.Count(`SELECT count(*) FROM other.outbox`))
+	require.Equal(t, 2, f.Count(`SELECT count(*) FROM public.outbox`))
+	require.Equal(t, 2, f.Count(`SELECT count(*) FROM other.outbox`))
 }

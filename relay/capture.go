@@ -575,7 +575,7 @@ const streamFailingLimit = 30 * time.Second
 // streamFailingLimit) polls, so rows flow whatever becomes of the slot.
 func (r *Relay) runCapture(ctx context.Context) {
 	var backoff time.Duration
-	var failingSince time.Time
+	var failingSince, standbySince time.Time
 	for ctx.Err() == nil {
 		began := time.Now()
 		r.health.iteration(began)
@@ -583,15 +583,28 @@ func (r *Relay) runCapture(ctx context.Context) {
 		if r.capture.progressedAt.After(began) {
 			backoff, failingSince = 0, time.Time{}
 		}
+		if !errors.Is(err, errSlotBusy) {
+			standbySince = time.Time{}
+		}
 		switch {
 		case ctx.Err() != nil:
 			return
 		case errors.Is(err, errReadAgain), errors.Is(err, errStreamAgain):
 			continue // it said why; nothing failed
 		case errors.Is(err, errSlotBusy):
-			// A failure before this standby time is not one of the stream
-			// this replica may take over: it gets a failing limit of its own.
-			backoff, failingSince = 0, time.Time{}
+			backoff = 0
+			if standbySince.IsZero() {
+				standbySince = began
+			}
+			if time.Since(standbySince) >= r.capture.failingLimit {
+				// Another replica has streamed for a failing limit: a
+				// failure before is not one of the stream this replica may
+				// take over, which gets a failing limit of its own. A
+				// shorter standby (two replicas whose streams fail alike
+				// take the slot in turns) keeps the failing time running,
+				// or neither would ever poll.
+				failingSince = time.Time{}
+			}
 			r.m.slotRetainedWAL.Set(0) // another replica streams, and reports it
 
 			r.health.batchDone(time.Now(), 0, 0) // a standby has nothing to do: that is progress
@@ -602,13 +615,18 @@ func (r *Relay) runCapture(ctx context.Context) {
 			r.log.Warn("polling until a new replication slot is made", "err", err, "for", fallbackPeriod)
 			r.pollFor(ctx, fallbackPeriod)
 		default:
-			// Its reading of the slot ends with the stream: while it cannot
-			// stream, another replica may, and the alert takes the largest.
-			r.m.slotRetainedWAL.Set(0)
 			backoff = min(max(2*backoff, 100*time.Millisecond), r.cfg.MaxBackoff)
 			now := time.Now()
 			if failingSince.IsZero() {
 				failingSince = now
+			}
+			if now.Sub(failingSince) >= r.capture.failingLimit {
+				// It no longer reads the slot, and its last reading would
+				// stand for good: another replica may stream now, and the
+				// alert takes the largest. A stream that fails and streams
+				// again within the limit keeps it, so the alert, which
+				// needs 5 minutes above its bound, still fires then.
+				r.m.slotRetainedWAL.Set(0)
 			}
 			if now.Sub(failingSince) < r.capture.failingLimit && !errors.Is(err, errCannotStream) {
 				// Polling now would publish in id order what the stream
@@ -2508,11 +2526,12 @@ func (r *Relay) sweepIDs(ctx context.Context, from int64, horizon string, before
 // sweepRetry when this one failed (the database; Kafka's failures it
 // retries in place, retryIDs): the rows it could not publish wait in the
 // table, and no stream delivers them. It fails only when alive gave the
-// slot up (errSlotGone), which ends the stream.
+// slot up (errSlotGone) or asks for a new stream (errStreamAgain), which
+// ends this one.
 func (r *Relay) sweepBehind(ctx context.Context, alive func(context.Context) error, f *sweepFence) (next time.Time, err error) {
 	if err := r.sweepBefore(ctx, alive, f.horizon, nil, f.ids); err != nil {
-		if errors.Is(err, errSlotGone) {
-			return time.Time{}, err // the stream ends: alive gave the slot up
+		if errors.Is(err, errSlotGone) || errors.Is(err, errStreamAgain) {
+			return time.Time{}, err // the stream ends: alive gave the slot up, or it streams again to take the writer-deletes lock
 		}
 		return r.sweepFailed(err), nil
 	}

@@ -379,8 +379,9 @@ func TestStandbyTimeEndsAFailingStream(t *testing.T) {
 		require.NoError(t, lock.QueryRow(ctx, sqlTryCaptureLock(outbox.QuoteLiteral(r.capture.slot))).Scan(&locked))
 		return locked
 	}, 20*time.Second, time.Millisecond, "the test takes the capture lock")
-	require.Contains(t, logs.String(), "streaming failed; streaming again")
-	<-time.After(3 * time.Second) // a standby, longer than the failing limit
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "streaming failed; streaming again") },
+		10*time.Second, 20*time.Millisecond)
+	<-time.After(5 * time.Second) // a standby, longer than the failing limit at two tries
 	_, err = lock.Exec(ctx, `SELECT pg_advisory_unlock_all()`)
 	require.NoError(t, err)
 	streams(2)
@@ -394,15 +395,16 @@ func TestStandbyTimeEndsAFailingStream(t *testing.T) {
 	require.NotContains(t, logs.String(), "polling, then streaming again")
 }
 
-// A relay whose stream failed, and that cannot stream again, reports no
-// retained WAL: it reads the slot no more, and another replica that
-// streams reports it (the alert takes the largest). Before, it kept its
-// last reading for as long as it could not stream.
+// A relay whose stream has failed for the failing limit, and that cannot
+// stream again, reports no retained WAL: it reads the slot no more, and
+// another replica that streams reports it (the alert takes the largest).
+// Before, it kept its last reading for as long as it could not stream.
 func TestAFailedStreamReportsNoRetainedWAL(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	r, pool := captureRelay(t)
 	require.NoError(t, r.Check(ctx))
+	r.capture.failingLimit = time.Second
 	logs := runLogged(t, r, pool)
 	conn, err := pool.Acquire(ctx)
 	require.NoError(t, err)
@@ -415,11 +417,12 @@ func TestAFailedStreamReportsNoRetainedWAL(t *testing.T) {
 	}, 30*time.Second, 200*time.Millisecond, "the streaming relay reports the slot's retained WAL")
 
 	// No new session reaches the database: the relay cannot stream again.
-	defer refuseSessions(t, r.cfg.DSN)()
+	refuseSessions(t, r.cfg.DSN)
 	_, err = conn.Exec(ctx, `SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active`, r.capture.slot)
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "streaming failed") }, 10*time.Second, 20*time.Millisecond)
-	require.Zero(t, testutil.ToFloat64(r.m.slotRetainedWAL))
+	require.Eventually(t, func() bool { return testutil.ToFloat64(r.m.slotRetainedWAL) == 0 },
+		10*time.Second, 20*time.Millisecond, "past the failing limit")
 	<-time.After(time.Second) // more failed attempts
 	require.Zero(t, testutil.ToFloat64(r.m.slotRetainedWAL))
 }
@@ -453,7 +456,7 @@ func TestPollingInsteadRetriesARefusedSession(t *testing.T) {
 }
 
 // refuseSessions makes the database of dsn refuse new sessions (those open
-// go on) until the function it returns is called.
+// go on) until the function it returns is called, or the test ends.
 func refuseSessions(t *testing.T, dsn string) (allow func()) {
 	t.Helper()
 	ctx := context.Background()
@@ -465,11 +468,16 @@ func refuseSessions(t *testing.T, dsn string) (allow func()) {
 	require.NoError(t, err)
 	_, err = admin.Exec(ctx, `ALTER DATABASE `+db+` ALLOW_CONNECTIONS false`)
 	require.NoError(t, err)
-	return func() {
-		_, err := admin.Exec(ctx, `ALTER DATABASE `+db+` ALLOW_CONNECTIONS true`)
-		require.NoError(t, err)
-		require.NoError(t, admin.Close(ctx))
+	var once sync.Once
+	allow = func() {
+		once.Do(func() {
+			_, err := admin.Exec(ctx, `ALTER DATABASE `+db+` ALLOW_CONNECTIONS true`)
+			require.NoError(t, err)
+			require.NoError(t, admin.Close(ctx))
+		})
 	}
+	t.Cleanup(allow)
+	return allow
 }
 
 // runLogged runs r, checked, until the test ends, its slot dropped then,

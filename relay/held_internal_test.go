@@ -120,6 +120,7 @@ func TestAnUnrelatedHeldTableIsNotTaken(t *testing.T) {
 	for name, ddl := range map[string]string{
 		"unrelated":       `DROP TABLE outbox_held; CREATE TABLE outbox_held (id bigint PRIMARY KEY, note text)`,
 		"without a key":   `ALTER TABLE outbox_held DROP CONSTRAINT outbox_held_pkey`,
+		"a deferred key":  `ALTER TABLE outbox_held DROP CONSTRAINT outbox_held_pkey, ADD PRIMARY KEY (id) DEFERRABLE INITIALLY DEFERRED`,
 		"made by a relay": `SELECT 1`, // the schema's DDL made it
 	} {
 		dsn, pool := outboxDB(t)
@@ -136,7 +137,7 @@ func TestAnUnrelatedHeldTableIsNotTaken(t *testing.T) {
 		case "unrelated":
 			require.False(t, recorded, name)
 			require.Contains(t, logs.String(), `missing="event_id, event_type, reason, error, attempts, first_attempt, last_attempt, retry_at"`, name)
-		case "without a key":
+		case "without a key", "a deferred key":
 			require.False(t, recorded, name)
 			require.Contains(t, logs.String(), `missing="unique index on id"`, name)
 		default:

@@ -151,7 +151,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		streamLeftBehind: f.counter("outbox_relay_capture_rows_left_behind_total",
 			"Rows that failed for longer than the stream retries them in place (a minute) and were left in the table for the sweep, which publishes them after later rows of their keys: each a break of commit order."),
 		slotRetainedWAL: f.gauge("outbox_relay_slot_retained_wal_bytes",
-			"WAL the replication slot holds back (pg_current_wal_lsn() - restart_lsn), read by the streaming replica every 5 s (0 on a standby, on a replica whose stream failed, and once the slot is dropped; the operator reads it whoever streams); beyond --max-retained-wal the relay drops the slot and polls."),
+			"WAL the replication slot holds back (pg_current_wal_lsn() - restart_lsn), read by the streaming replica every 5 s (0 on a standby, on a replica whose stream has failed for 30 s, and once the slot is dropped; the operator reads it whoever streams); beyond --max-retained-wal the relay drops the slot and polls."),
 		slotMaxRetainedWAL: f.gauge("outbox_relay_slot_max_retained_wal_bytes",
 			"--max-retained-wal of a logical-replication relay: the retained WAL at which it drops the slot and polls."),
 		headersSkipped: f.counter("outbox_relay_headers_skipped_total",

@@ -629,7 +629,11 @@ func (r *Relay) ensureHeldTable(ctx context.Context) (exists, redrivenAt bool, e
 			"fix", "GRANT SELECT, INSERT, UPDATE, DELETE ON "+held.Quoted()+" TO <the relay's role>")
 		return false, false, nil
 	}
-	if missing, err := heldShapeMissing(ctx, r.pool, held); err != nil || len(missing) > 0 {
+	missing, err = heldShapeMissing(ctx, r.pool, held)
+	if err != nil && checkTransient(err) {
+		return false, false, fmt.Errorf("read the columns of %s: %w", held, err) // Check tries again
+	}
+	if err != nil || len(missing) > 0 {
 		// Another table of that name (not made by a relay, or altered):
 		// every hold recorded there would fail.
 		r.log.Error("the held table is not one a relay made; rows held back are kept in memory only (forgotten on restart, not in the OutboxRelay's status nor in `relay held`)",

@@ -21,11 +21,12 @@ const (
 	sqlPrivilegesMissing = `SELECT COALESCE(array_agg(p ORDER BY o), '{}') FROM unnest($2::text[]) WITH ORDINALITY AS x(p, o)
 		WHERE NOT has_table_privilege(to_regclass($1), p)`
 	// sqlHeldShapeMissing lists what table $1 lacks of the held table's
-	// shape: each of columns $2, and a unique index on id alone (which
-	// recording a hold's ON CONFLICT (id) needs).
+	// shape: each of columns $2, and a unique index on id alone, valid and
+	// not deferred (recording a hold's ON CONFLICT (id) needs one).
 	sqlHeldShapeMissing = `SELECT COALESCE(array_agg(c ORDER BY o), '{}') || CASE WHEN EXISTS (
 			SELECT 1 FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
-			WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indnkeyatts = 1 AND i.indpred IS NULL AND a.attname = 'id')
+			WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indimmediate AND i.indisvalid
+				AND i.indnkeyatts = 1 AND i.indpred IS NULL AND i.indexprs IS NULL AND a.attname = 'id')
 			THEN '{}'::text[] ELSE '{unique index on id}' END
 		FROM unnest($2::text[]) WITH ORDINALITY AS x(c, o)
 		WHERE NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = c AND attnum > 0 AND NOT attisdropped)`
