@@ -209,7 +209,7 @@ func orphanOf(obj client.Object, relay *outboxv1alpha1.OutboxRelay) bool {
 
 // deploymentPath is a path into a Deployment's pod template that one of
 // an OutboxRelay's fields fills (the list index in group 2, when it has one).
-var deploymentPath = regexp.MustCompile(`spec\.template\.spec\.(containers\[0\]\.(?:envFrom|env|volumeMounts)|volumes|nodeSelector|tolerations|topologySpreadConstraints)(?:\[(\d+)\])?`)
+var deploymentPath = regexp.MustCompile(`spec\.template\.spec\.(containers\[0\]\.(?:envFrom|env|volumeMounts|resources|securityContext)|volumes|nodeSelector|tolerations|topologySpreadConstraints|affinity|imagePullSecrets|securityContext|serviceAccountName)(?:\[(\d+)\])?`)
 
 // inRelayTerms rewrites the paths an API server's refusal of Deployment d
 // quotes into the OutboxRelay's fields they came from, the list indexes
@@ -222,13 +222,19 @@ func inRelayTerms(msg string, d *appsv1.Deployment, tmpl *outboxv1alpha1.RelayPo
 		path string
 		own  int // the relay's own entries before the spec's
 	}{
-		"containers[0].env":          {"spec.template.container.env", len(c.Env) - len(containerTemplate(tmpl).Env)},
-		"containers[0].envFrom":      {"spec.template.container.envFrom", len(c.EnvFrom) - len(containerTemplate(tmpl).EnvFrom)},
-		"containers[0].volumeMounts": {"spec.template.container.volumeMounts", len(c.VolumeMounts) - len(containerTemplate(tmpl).VolumeMounts)},
-		"volumes":                    {"spec.template.pod.volumes", len(pod.Volumes) - len(podTemplate(tmpl).Volumes)},
-		"nodeSelector":               {"spec.nodeSelector", 0},
-		"tolerations":                {"spec.tolerations", 0},
-		"topologySpreadConstraints":  {"spec.template.pod.topologySpreadConstraints", 0},
+		"containers[0].env":             {"spec.template.container.env", len(c.Env) - len(containerTemplate(tmpl).Env)},
+		"containers[0].envFrom":         {"spec.template.container.envFrom", len(c.EnvFrom) - len(containerTemplate(tmpl).EnvFrom)},
+		"containers[0].volumeMounts":    {"spec.template.container.volumeMounts", len(c.VolumeMounts) - len(containerTemplate(tmpl).VolumeMounts)},
+		"volumes":                       {"spec.template.pod.volumes", len(pod.Volumes) - len(podTemplate(tmpl).Volumes)},
+		"nodeSelector":                  {"spec.nodeSelector", 0},
+		"tolerations":                   {"spec.tolerations", 0},
+		"topologySpreadConstraints":     {"spec.template.pod.topologySpreadConstraints", 0},
+		"affinity":                      {"spec.affinity", 0},
+		"imagePullSecrets":              {"spec.imagePullSecrets", 0},
+		"securityContext":               {"spec.template.pod.securityContext", 0},
+		"serviceAccountName":            {"spec.template.pod.serviceAccountName", 0},
+		"containers[0].resources":       {"spec.resources", 0},
+		"containers[0].securityContext": {"spec.template.container.securityContext", 0},
 	}
 	return deploymentPath.ReplaceAllStringFunc(msg, func(p string) string {
 		m := deploymentPath.FindStringSubmatch(p)

@@ -718,6 +718,11 @@ func TestInRelayTerms(t *testing.T) {
 		`spec.template.spec.nodeSelector: Invalid value: "a/b/c"`:                         `spec.nodeSelector: Invalid value: "a/b/c"`,
 		`spec.template.spec.tolerations[0].key: Invalid`:                                  `spec.tolerations[0].key: Invalid`,
 		`spec.replicas: Invalid`:                                                          `spec.replicas: Invalid`,
+		`spec.template.spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].values: Required value`: `spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].values: Required value`,
+		`spec.template.spec.containers[0].resources.limits[foo]: Invalid`:                                                                                         `spec.resources.limits[foo]: Invalid`,
+		`spec.template.spec.containers[0].securityContext.runAsUser: Invalid`:                                                                                     `spec.template.container.securityContext.runAsUser: Invalid`,
+		`spec.template.spec.securityContext.runAsUser: Invalid`:                                                                                                   `spec.template.pod.securityContext.runAsUser: Invalid`,
+		`spec.template.spec.initContainers[0].name: Invalid`:                                                                                                      `spec.template.spec.initContainers[0].name: Invalid`,
 	} {
 		require.Equal(t, want, inRelayTerms(in, d, tmpl), in)
 	}

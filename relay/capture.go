@@ -583,7 +583,13 @@ func (r *Relay) runCapture(ctx context.Context) {
 		if r.capture.progressedAt.After(began) {
 			backoff, failingSince = 0, time.Time{}
 		}
-		if !errors.Is(err, errSlotBusy) {
+		if !errors.Is(err, errSlotBusy) && !standbySince.IsZero() {
+			// Standby time is not this replica's failing time: another
+			// replica streamed, or failed on its own. Two replicas whose
+			// streams fail alike each build up their own and poll.
+			if !failingSince.IsZero() {
+				failingSince = failingSince.Add(began.Sub(standbySince))
+			}
 			standbySince = time.Time{}
 		}
 		switch {
@@ -595,15 +601,6 @@ func (r *Relay) runCapture(ctx context.Context) {
 			backoff = 0
 			if standbySince.IsZero() {
 				standbySince = began
-			}
-			if time.Since(standbySince) >= r.capture.failingLimit {
-				// Another replica has streamed for a failing limit: a
-				// failure before is not one of the stream this replica may
-				// take over, which gets a failing limit of its own. A
-				// shorter standby (two replicas whose streams fail alike
-				// take the slot in turns) keeps the failing time running,
-				// or neither would ever poll.
-				failingSince = time.Time{}
 			}
 			r.m.slotRetainedWAL.Set(0) // another replica streams, and reports it
 
