@@ -575,22 +575,17 @@ const streamFailingLimit = 30 * time.Second
 // streamFailingLimit) polls, so rows flow whatever becomes of the slot.
 func (r *Relay) runCapture(ctx context.Context) {
 	var backoff time.Duration
-	var failingSince, standbySince time.Time
+	var failing failingClock
 	for ctx.Err() == nil {
 		began := time.Now()
 		r.health.iteration(began)
 		err := r.stream(ctx)
 		if r.capture.progressedAt.After(began) {
-			backoff, failingSince = 0, time.Time{}
+			backoff = 0
+			failing.reset()
 		}
-		if !errors.Is(err, errSlotBusy) && !standbySince.IsZero() {
-			// Standby time is not this replica's failing time: another
-			// replica streamed, or failed on its own. Two replicas whose
-			// streams fail alike each build up their own and poll.
-			if !failingSince.IsZero() {
-				failingSince = failingSince.Add(began.Sub(standbySince))
-			}
-			standbySince = time.Time{}
+		if !errors.Is(err, errSlotBusy) {
+			failing.active(began)
 		}
 		switch {
 		case ctx.Err() != nil:
@@ -599,25 +594,22 @@ func (r *Relay) runCapture(ctx context.Context) {
 			continue // it said why; nothing failed
 		case errors.Is(err, errSlotBusy):
 			backoff = 0
-			if standbySince.IsZero() {
-				standbySince = began
-			}
+			failing.standby(began)
 			r.m.slotRetainedWAL.Set(0) // another replica streams, and reports it
 
 			r.health.batchDone(time.Now(), 0, 0) // a standby has nothing to do: that is progress
 			r.health.idleUntil(time.Now().Add(standbyRetry))
 			sleep(ctx, standbyRetry)
 		case errors.Is(err, errSlotGone):
-			backoff, failingSince = 0, time.Time{} // the new slot's stream gets a failing limit of its own
+			backoff = 0
+			failing.reset() // the new slot's stream gets a failing limit of its own
 			r.log.Warn("polling until a new replication slot is made", "err", err, "for", fallbackPeriod)
 			r.pollFor(ctx, fallbackPeriod)
 		default:
 			backoff = min(max(2*backoff, 100*time.Millisecond), r.cfg.MaxBackoff)
 			now := time.Now()
-			if failingSince.IsZero() {
-				failingSince = now
-			}
-			if now.Sub(failingSince) >= r.capture.failingLimit {
+			failed := failing.failed(now)
+			if failed >= r.capture.failingLimit {
 				// It no longer reads the slot, and its last reading would
 				// stand for good: another replica may stream now, and the
 				// alert takes the largest. A stream that fails and streams
@@ -625,7 +617,7 @@ func (r *Relay) runCapture(ctx context.Context) {
 				// needs 5 minutes above its bound, still fires then.
 				r.m.slotRetainedWAL.Set(0)
 			}
-			if now.Sub(failingSince) < r.capture.failingLimit && !errors.Is(err, errCannotStream) {
+			if failed < r.capture.failingLimit && !errors.Is(err, errCannotStream) {
 				// Polling now would publish in id order what the stream
 				// publishes in commit order.
 				r.log.Warn("streaming failed; streaming again", "err", err, "in", backoff)
@@ -639,6 +631,50 @@ func (r *Relay) runCapture(ctx context.Context) {
 			r.pollFor(ctx, jitter(backoff))
 		}
 	}
+}
+
+// failingClock measures how long this replica's own stream has been
+// failing, which streamFailingLimit bounds before it polls between its
+// attempts: its attempts, and its waits between them, since the first
+// failure after the stream last worked (reset). Standby time does not
+// count: another replica streamed meanwhile, or failed on its own, and two
+// replicas whose streams fail alike, taking the slot in turns, each build
+// up their own time and poll. Before, a failure before hours of standby
+// counted at the first failure after a takeover, which then polled, in id
+// order.
+type failingClock struct {
+	since        time.Time // the first failure; zero when none
+	standbySince time.Time // the first standby attempt of a run of them; zero when none
+}
+
+func (c *failingClock) reset() { c.since = time.Time{} }
+
+// standby notes an attempt, begun at at, that found another replica
+// holding the slot.
+func (c *failingClock) standby(at time.Time) {
+	if c.standbySince.IsZero() {
+		c.standbySince = at
+	}
+}
+
+// active notes an attempt, begun at at, that was no standby: a standby
+// before it ended then, and its time is taken out.
+func (c *failingClock) active(at time.Time) {
+	if c.standbySince.IsZero() {
+		return
+	}
+	if !c.since.IsZero() {
+		c.since = c.since.Add(at.Sub(c.standbySince))
+	}
+	c.standbySince = time.Time{}
+}
+
+// failed notes a failure at now and returns the failing time.
+func (c *failingClock) failed(now time.Time) time.Duration {
+	if c.since.IsZero() {
+		c.since = now
+	}
+	return now.Sub(c.since)
 }
 
 // pollFor polls for d: the relay's rows flow while it cannot stream. It

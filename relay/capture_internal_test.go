@@ -1354,3 +1354,43 @@ func TestADecodedRowNamesItsFault(t *testing.T) {
 	_, err = c.decodeRow(cols[:7])
 	require.EqualError(t, err, "the stream's insert into shop.outbox has 7 columns, its relation message 8")
 }
+
+// A replica's failing time is its own: standby time between its failures
+// does not count, however long, and two replicas whose streams fail alike
+// each reach the limit and poll.
+func TestFailingClockCountsOnlyTheReplicasOwnTime(t *testing.T) {
+	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	at := func(s float64) time.Time { return t0.Add(time.Duration(s * float64(time.Second))) }
+
+	// One failure, hours of standby, a takeover whose stream fails once:
+	// a second of its own, not hours.
+	var c failingClock
+	c.active(at(0))
+	require.Equal(t, time.Duration(0), c.failed(at(0.1)).Truncate(time.Second))
+	for s := 1.0; s < 7200; s += 1.5 {
+		c.standby(at(s))
+	}
+	c.active(at(7200))
+	require.Equal(t, 1900*time.Millisecond, c.failed(at(7201)), "its wait from the failure to the standby, 0.9 s, and 1 s after it")
+
+	// Two replicas failing alike, in turns: each attempt fails within
+	// 0.1 s, its backoff (doubling to 5 s) counts, the other's turn does
+	// not. The replica's own time passes the 30 s limit.
+	var a failingClock
+	now, backoff, failed := 0.0, 0.1, time.Duration(0)
+	for range 12 {
+		a.active(at(now))
+		failed = a.failed(at(now + 0.1))
+		now += 0.1 + backoff // its own attempt and wait
+		backoff = min(2*backoff, 5)
+		a.standby(at(now)) // the other replica's turn
+		now += 3
+	}
+	require.GreaterOrEqual(t, failed, streamFailingLimit, "its own failing time reaches the limit")
+	require.Less(t, failed, 50*time.Second, "the other's turns are not counted")
+
+	// Progress, or a new slot, starts it again.
+	a.reset()
+	a.active(at(now))
+	require.Equal(t, time.Duration(0), a.failed(at(now)))
+}
