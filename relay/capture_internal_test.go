@@ -315,57 +315,30 @@ func TestStreamFailingAfterItStartsFallsBackToPolling(t *testing.T) {
 // as working, and the second end made the relay poll, in id order.
 func TestIdleStreamIsNoFailingStream(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	r, pool := captureRelay(t)
-	require.NoError(t, r.Check(ctx))
-	r.capture.failingLimit = 2 * time.Second
-	logs := runLogged(t, r, pool)
-	// streams waits for the relay's nth streaming session: an active slot
-	// may still be being made, which waits for every transaction open on
-	// the server (the other tests'), and ending that is a failure to
-	// stream, not the end of a session that streamed.
-	streams := func(n int) {
-		require.Eventually(t, func() bool {
-			return strings.Count(logs.String(), "streaming the table's inserts") >= n
-		}, 60*time.Second, 20*time.Millisecond, "session %d streams", n)
-	}
-	endWalsender := func() {
-		require.Eventually(t, func() bool {
-			var n int
-			require.NoError(t, pool.QueryRow(ctx, `SELECT count(pg_terminate_backend(active_pid)) FROM pg_replication_slots WHERE slot_name = $1 AND active`,
-				r.capture.slot).Scan(&n))
-			return n == 1
-		}, 20*time.Second, 20*time.Millisecond, "a relay streams from the slot")
-	}
+	r, pool, logs := runFailingLimited(t, 2*time.Second)
+	streams := func(n int) { waitStreams(t, logs, n) }
 	streams(1)
-	endWalsender()
+	endWalsender(t, pool, r.capture.slot)
 	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "streaming failed; streaming again") }, 10*time.Second, 20*time.Millisecond)
 	streams(2)
-	endWalsender()
+	endWalsender(t, pool, r.capture.slot)
 	streams(3)
 	<-time.After(3 * time.Second) // a healthy session, longer than the failing limit
-	endWalsender()
+	endWalsender(t, pool, r.capture.slot)
 	<-time.After(time.Second)
 	require.NotContains(t, logs.String(), "polling, then streaming again")
 }
 
-// A failure before a standby time counts for no stream after it: the relay
-// that takes the slot over again after longer than the failing limit, and
-// whose stream then fails once, streams again. Before, the failing time ran
-// on from the failure before the standby, and it polled at once, in id
-// order.
+// Standby time is not failing time: the relay that takes the slot over
+// again after a standby longer than the failing limit, and whose stream
+// then fails once, streams again. Before, the failing time ran on through
+// the standby, and it polled at once, in id order. (failingClock's unit
+// test walks through its other rules.)
 func TestStandbyTimeEndsAFailingStream(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	r, pool := captureRelay(t)
-	require.NoError(t, r.Check(ctx))
-	r.capture.failingLimit = 2 * time.Second
-	logs := runLogged(t, r, pool)
-	streams := func(n int) {
-		require.Eventually(t, func() bool {
-			return strings.Count(logs.String(), "streaming the table's inserts") >= n
-		}, 60*time.Second, 20*time.Millisecond, "session %d streams", n)
-	}
+	r, pool, logs := runFailingLimited(t, 2*time.Second)
+	streams := func(n int) { waitStreams(t, logs, n) }
 	lock, err := pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer lock.Release()
@@ -381,16 +354,11 @@ func TestStandbyTimeEndsAFailingStream(t *testing.T) {
 	}, 20*time.Second, time.Millisecond, "the test takes the capture lock")
 	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "streaming failed; streaming again") },
 		10*time.Second, 20*time.Millisecond)
-	<-time.After(5 * time.Second) // a standby, longer than the failing limit at two tries
+	<-time.After(3 * time.Second) // a standby, longer than the failing limit
 	_, err = lock.Exec(ctx, `SELECT pg_advisory_unlock_all()`)
 	require.NoError(t, err)
 	streams(2)
-	require.Eventually(t, func() bool {
-		var n int
-		require.NoError(t, pool.QueryRow(ctx, `SELECT count(pg_terminate_backend(active_pid)) FROM pg_replication_slots WHERE slot_name = $1 AND active`,
-			r.capture.slot).Scan(&n))
-		return n == 1
-	}, 20*time.Second, 20*time.Millisecond, "the relay streams from the slot")
+	endWalsender(t, pool, r.capture.slot)
 	streams(3)
 	require.NotContains(t, logs.String(), "polling, then streaming again")
 }
@@ -402,10 +370,7 @@ func TestStandbyTimeEndsAFailingStream(t *testing.T) {
 func TestAFailedStreamReportsNoRetainedWAL(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	r, pool := captureRelay(t)
-	require.NoError(t, r.Check(ctx))
-	r.capture.failingLimit = time.Second
-	logs := runLogged(t, r, pool)
+	r, pool, logs := runFailingLimited(t, time.Second)
 	conn, err := pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer conn.Release()
@@ -478,6 +443,38 @@ func refuseSessions(t *testing.T, dsn string) (allow func()) {
 	}
 	t.Cleanup(allow)
 	return allow
+}
+
+// waitStreams waits for the relay logging to logs to begin its nth
+// streaming session: an active slot may still be being made, which waits
+// for every transaction open on the server (the other tests'), and ending
+// that is a failure to stream, not the end of a session that streamed.
+func waitStreams(t *testing.T, logs *syncBuffer, n int) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		return strings.Count(logs.String(), "streaming the table's inserts") >= n
+	}, 60*time.Second, 20*time.Millisecond, "session %d streams", n)
+}
+
+// endWalsender ends the walsender streaming from slot, once one does.
+func endWalsender(t *testing.T, pool *pgxpool.Pool, slot string) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		var n int
+		require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(pg_terminate_backend(active_pid)) FROM pg_replication_slots WHERE slot_name = $1 AND active`,
+			slot).Scan(&n))
+		return n == 1
+	}, 20*time.Second, 20*time.Millisecond, "a relay streams from the slot")
+}
+
+// runFailingLimited runs a captureRelay, checked, whose failing limit is
+// limit, until the test ends, and returns what it logs.
+func runFailingLimited(t *testing.T, limit time.Duration) (*Relay, *pgxpool.Pool, *syncBuffer) {
+	t.Helper()
+	r, pool := captureRelay(t)
+	require.NoError(t, r.Check(context.Background()))
+	r.capture.failingLimit = limit
+	return r, pool, runLogged(t, r, pool)
 }
 
 // runLogged runs r, checked, until the test ends, its slot dropped then,
