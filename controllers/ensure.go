@@ -236,9 +236,21 @@ func inRelayTerms(msg string, d *appsv1.Deployment, tmpl *outboxv1alpha1.RelayPo
 		"containers[0].resources":       {"spec.resources", 0},
 		"containers[0].securityContext": {"spec.template.container.securityContext", 0},
 	}
+	// The security contexts hold the operator's defaults too: a refusal
+	// of one the spec does not set is of those (beside a legacy seccomp
+	// annotation, say), and keeps the Deployment's path.
+	if podTemplate(tmpl).SecurityContext == nil {
+		delete(fields, "securityContext")
+	}
+	if containerTemplate(tmpl).SecurityContext == nil {
+		delete(fields, "containers[0].securityContext")
+	}
 	return deploymentPath.ReplaceAllStringFunc(msg, func(p string) string {
 		m := deploymentPath.FindStringSubmatch(p)
-		f := fields[m[1]]
+		f, ok := fields[m[1]]
+		if !ok {
+			return p
+		}
 		if m[2] == "" {
 			return f.path
 		}

@@ -706,8 +706,9 @@ func TestInRelayTerms(t *testing.T) {
 	}}
 	d.Spec.Template.Spec.Volumes = make([]corev1.Volume, 1+1)
 	tmpl := &outboxv1alpha1.RelayPodTemplate{
-		Pod:       &outboxv1alpha1.RelayPodSpec{Volumes: make([]outboxv1alpha1.RelayVolume, 1)},
-		Container: &outboxv1alpha1.RelayContainerSpec{Env: make([]outboxv1alpha1.RelayEnvVar, 2), VolumeMounts: make([]corev1.VolumeMount, 1)},
+		Pod: &outboxv1alpha1.RelayPodSpec{Volumes: make([]outboxv1alpha1.RelayVolume, 1), SecurityContext: &corev1.PodSecurityContext{}},
+		Container: &outboxv1alpha1.RelayContainerSpec{Env: make([]outboxv1alpha1.RelayEnvVar, 2), VolumeMounts: make([]corev1.VolumeMount, 1),
+			SecurityContext: &corev1.SecurityContext{}},
 	}
 	for in, want := range map[string]string{
 		`spec.template.spec.containers[0].env[6].name: Invalid value: "a b"`:              `spec.template.container.env[1].name: Invalid value: "a b"`,
@@ -725,5 +726,14 @@ func TestInRelayTerms(t *testing.T) {
 		`spec.template.spec.initContainers[0].name: Invalid`:                                                                                                      `spec.template.spec.initContainers[0].name: Invalid`,
 	} {
 		require.Equal(t, want, inRelayTerms(in, d, tmpl), in)
+	}
+	// Without a security context in the spec, a refusal of one is of the
+	// operator's defaults: the Deployment's path stays.
+	tmpl.Pod.SecurityContext, tmpl.Container.SecurityContext = nil, nil
+	for _, in := range []string{
+		`spec.template.spec.securityContext.seccompProfile.type: Forbidden: seccomp type in annotation and field must match`,
+		`spec.template.spec.containers[0].securityContext.seccompProfile.type: Forbidden`,
+	} {
+		require.Equal(t, in, inRelayTerms(in, d, tmpl))
 	}
 }

@@ -585,7 +585,7 @@ func (r *Relay) runCapture(ctx context.Context) {
 			failing.reset()
 		}
 		if !errors.Is(err, errSlotBusy) {
-			failing.active(began)
+			failing.active(began, r.capture.failingLimit)
 		}
 		switch {
 		case ctx.Err() != nil:
@@ -639,9 +639,11 @@ func (r *Relay) runCapture(ctx context.Context) {
 // failure after the stream last worked (reset). Standby time does not
 // count: another replica streamed meanwhile, or failed on its own, and two
 // replicas whose streams fail alike, taking the slot in turns, each build
-// up their own time and poll. Before, a failure before hours of standby
-// counted at the first failure after a takeover, which then polled, in id
-// order.
+// up their own time and poll. A standby as long as the limit starts it
+// again: another replica held the slot that long, which a stream failing
+// alike does not (it polls for a backoff at most). Before, a failure
+// before hours of standby counted at the first failure after a takeover,
+// which then polled, in id order.
 type failingClock struct {
 	since        time.Time // the first failure; zero when none
 	standbySince time.Time // the first standby attempt of a run of them; zero when none
@@ -658,13 +660,17 @@ func (c *failingClock) standby(at time.Time) {
 }
 
 // active notes an attempt, begun at at, that was no standby: a standby
-// before it ended then, and its time is taken out.
-func (c *failingClock) active(at time.Time) {
+// before it ended then, and its time is taken out, or, as long as limit,
+// starts the clock again.
+func (c *failingClock) active(at time.Time, limit time.Duration) {
 	if c.standbySince.IsZero() {
 		return
 	}
-	if !c.since.IsZero() {
-		c.since = c.since.Add(at.Sub(c.standbySince))
+	switch standby := at.Sub(c.standbySince); {
+	case standby >= limit:
+		c.since = time.Time{}
+	case !c.since.IsZero():
+		c.since = c.since.Add(standby)
 	}
 	c.standbySince = time.Time{}
 }

@@ -1359,16 +1359,26 @@ func TestFailingClockCountsOnlyTheReplicasOwnTime(t *testing.T) {
 	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	at := func(s float64) time.Time { return t0.Add(time.Duration(s * float64(time.Second))) }
 
-	// One failure, hours of standby, a takeover whose stream fails once:
-	// a second of its own, not hours.
+	// One failure, a standby shorter than the limit, a takeover whose
+	// stream fails: its own time, not the standby's.
 	var c failingClock
-	c.active(at(0))
-	require.Equal(t, time.Duration(0), c.failed(at(0.1)).Truncate(time.Second))
-	for s := 1.0; s < 7200; s += 1.5 {
+	c.active(at(0), streamFailingLimit)
+	require.Equal(t, time.Duration(0), c.failed(at(0)))
+	for s := 1.0; s < 20; s += 1.5 {
 		c.standby(at(s))
 	}
-	c.active(at(7200))
-	require.Equal(t, 1900*time.Millisecond, c.failed(at(7201)), "its wait from the failure to the standby, 0.9 s, and 1 s after it")
+	c.active(at(20), streamFailingLimit)
+	require.Equal(t, 2*time.Second, c.failed(at(21)), "its wait from the failure to the standby, 1 s, and 1 s after it")
+
+	// Nearly the limit of its own, then hours of standby while another
+	// replica streamed: a takeover whose stream fails starts again.
+	c.failed(at(50))
+	for s := 51.0; s < 7200; s += 1.5 {
+		c.standby(at(s))
+	}
+	c.active(at(7200), streamFailingLimit)
+	require.Equal(t, time.Duration(0), c.failed(at(7201)), "its first failure")
+	require.Equal(t, time.Second, c.failed(at(7202)))
 
 	// Two replicas failing alike, in turns: each attempt fails within
 	// 0.1 s, its backoff (doubling to 5 s) counts, the other's turn does
@@ -1376,7 +1386,7 @@ func TestFailingClockCountsOnlyTheReplicasOwnTime(t *testing.T) {
 	var a failingClock
 	now, backoff, failed := 0.0, 0.1, time.Duration(0)
 	for range 12 {
-		a.active(at(now))
+		a.active(at(now), streamFailingLimit)
 		failed = a.failed(at(now + 0.1))
 		now += 0.1 + backoff // its own attempt and wait
 		backoff = min(2*backoff, 5)
@@ -1388,6 +1398,6 @@ func TestFailingClockCountsOnlyTheReplicasOwnTime(t *testing.T) {
 
 	// Progress, or a new slot, starts it again.
 	a.reset()
-	a.active(at(now))
+	a.active(at(now), streamFailingLimit)
 	require.Equal(t, time.Duration(0), a.failed(at(now)))
 }
