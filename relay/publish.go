@@ -220,8 +220,8 @@ func (r *Relay) publish(ctx context.Context, rows []row) (published, retry []int
 			r.stopLane(b, x, i, until)
 		}
 	}
-	if b.stops != nil {
-		retry = b.retry(r, time.Now())
+	if r.capture != nil && b.stops != nil {
+		retry = b.retry(r, time.Now()) // polling claims them again by itself
 	}
 	if r.setsAside() {
 		r.topicsFailing(b, now)
