@@ -329,6 +329,21 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 		invalidCase{"template annotations config hash", func(s map[string]any) {
 			s["template"] = map[string]any{"metadata": map[string]any{"annotations": map[string]any{configHashAnnotation: "x"}}}
 		}, []string{"spec.template.metadata.annotations", "must not set " + configHashAnnotation}},
+		// The API server refuses a pod whose legacy seccomp annotation
+		// differs from the seccompProfile the operator sets; before, the
+		// OutboxRelay was taken and its Deployment refused.
+		invalidCase{"podAnnotations legacy seccomp", func(s map[string]any) {
+			s["podAnnotations"] = map[string]any{"team": "orders", "seccomp.security.alpha.kubernetes.io/pod": "unconfined"}
+		}, []string{"spec.podAnnotations", "must not set seccomp.security.alpha.kubernetes.io/pod", "spec.template.pod.securityContext.seccompProfile"}},
+		invalidCase{"template annotations legacy container seccomp", func(s map[string]any) {
+			s["template"] = map[string]any{"metadata": map[string]any{"annotations": map[string]any{"container.seccomp.security.alpha.kubernetes.io/relay": "runtime/default"}}}
+		}, []string{"spec.template.metadata.annotations", "must not set container.seccomp.security.alpha.kubernetes.io/relay"}},
+		invalidCase{"podAnnotations apparmor unconfined", func(s map[string]any) {
+			s["podAnnotations"] = map[string]any{"container.apparmor.security.beta.kubernetes.io/relay": "unconfined"}
+		}, []string{"spec.podAnnotations", "must not set container.apparmor.security.beta.kubernetes.io/relay: unconfined breaks Pod Security restricted"}},
+		invalidCase{"template annotations apparmor unconfined", func(s map[string]any) {
+			s["template"] = map[string]any{"metadata": map[string]any{"annotations": map[string]any{"container.apparmor.security.beta.kubernetes.io/relay": "unconfined"}}}
+		}, []string{"spec.template.metadata.annotations", "must not set container.apparmor.security.beta.kubernetes.io/relay"}},
 		invalidCase{"partition column the relay reads", func(s map[string]any) { s["partitionColumn"] = "published_at" },
 			[]string{"spec.partitionColumn: published_at is a column the relay reads for its own purpose"}})
 	require.GreaterOrEqual(t, len(cases), 15)
@@ -369,6 +384,9 @@ func TestAPIServerAcceptsEdgeCases(t *testing.T) {
 		edit func(spec map[string]any)
 	}{
 		{"batchSize 1", func(s map[string]any) { s["batchSize"] = int64(1) }},
+		{"apparmor annotation runtime/default", func(s map[string]any) {
+			s["podAnnotations"] = map[string]any{"container.apparmor.security.beta.kubernetes.io/relay": "runtime/default"}
+		}},
 		{"batchSize 10000", func(s map[string]any) { s["batchSize"] = int64(10000) }},
 		{"pollInterval 10ms", func(s map[string]any) { s["pollInterval"] = "10ms" }},
 		{"pollInterval 1h", func(s map[string]any) { s["pollInterval"] = "1h" }},

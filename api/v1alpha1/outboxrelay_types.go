@@ -749,6 +749,8 @@ type OutboxRelaySpec struct {
 	// PodAnnotations are added to the relay pods; outbox.dev/config-hash
 	// is the operator's.
 	// +kubebuilder:validation:XValidation:rule="!('outbox.dev/config-hash' in self)",message="must not set outbox.dev/config-hash: the operator owns it"
+	// +kubebuilder:validation:XValidation:rule="!self.exists(k, k == 'seccomp.security.alpha.kubernetes.io/pod' || k.startsWith('container.seccomp.security.alpha.kubernetes.io/'))",messageExpression="'must not set ' + self.filter(k, k == 'seccomp.security.alpha.kubernetes.io/pod' || k.startsWith('container.seccomp.security.alpha.kubernetes.io/'))[0] + ': the seccomp annotations are deprecated, and the API server refuses a pod whose annotation differs from its seccompProfile, which the operator sets (RuntimeDefault); set spec.template.pod.securityContext.seccompProfile or spec.template.container.securityContext.seccompProfile'"
+	// +kubebuilder:validation:XValidation:rule="!self.exists(k, k.startsWith('container.apparmor.security.beta.kubernetes.io/') && self[k] == 'unconfined')",messageExpression="'must not set ' + self.filter(k, k.startsWith('container.apparmor.security.beta.kubernetes.io/') && self[k] == 'unconfined')[0] + ': unconfined breaks Pod Security restricted; use runtime/default or localhost/<profile>'"
 	// +optional
 	PodAnnotations map[string]string `json:"podAnnotations,omitempty"`
 
