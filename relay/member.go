@@ -42,10 +42,10 @@ func (r *Relay) join(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("connect membership session: %w", err)
 	}
-	var oid uint32
-	if err := conn.QueryRow(ctx, sqlTableOID, r.table.Quoted()).Scan(&oid); err != nil || oid == 0 {
+	oid, err := tableOID(ctx, conn, r.table)
+	if err != nil {
 		conn.Close(ctx)
-		return fmt.Errorf("resolve table %s: %v", r.table, err)
+		return err
 	}
 	// Lock classes derive from the table's oid: replicas of one table
 	// meet, replicas of different tables never do.

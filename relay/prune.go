@@ -82,9 +82,9 @@ func (pr *pruner) prune(ctx context.Context) error {
 		return fmt.Errorf("connect pruning session: %w", err)
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
-	var oid uint32
-	if err := conn.QueryRow(ctx, sqlTableOID, pr.table.Quoted()).Scan(&oid); err != nil || oid == 0 {
-		return fmt.Errorf("resolve table %s: %v", pr.table, err)
+	oid, err := tableOID(ctx, conn, pr.table)
+	if err != nil {
+		return err
 	}
 	var mine bool
 	if err := conn.QueryRow(ctx, sqlTryLock, int32(oid&0x1fffffff)<<1, pruneKey).Scan(&mine); err != nil {

@@ -744,11 +744,20 @@ func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int
 	groups := map[writeCall][]int{} // indexes into msgs
 	var calls []writeCall
 	partitions := map[string][]int{}
+	at := make([]int, len(msgs)) // each message's partition, -1 when not known
+	named := report
+	report = func(j int, o outcome, err error) {
+		if err != nil {
+			err = &recordError{topicPartition: topicPartition{topic: msgs[j].Topic, partition: at[j]}, bytes: recordSize(msgs[j]), err: err}
+		}
+		named(j, o, err)
+	}
 	for j, m := range msgs {
 		c := writeCall{topicPartition: topicPartition{topic: m.Topic, partition: r.partitionOf(m, partitions)}}
+		at[j] = c.partition
 		if c.partition >= 0 {
 			if err := r.topics.asideError(c.topicPartition, now); err != nil {
-				report(j, transient, err)
+				named(j, transient, err) // it names its partition
 				continue
 			}
 		}
@@ -821,6 +830,25 @@ func (r *Relay) write(ctx context.Context, msgs []kafka.Message, report func(int
 	}
 	wg.Wait()
 }
+
+// recordError is what Kafka answered for one record, with where it went:
+// kafka-go's per-record errors name neither the topic nor the partition,
+// and a log line or a held row's error read "[6] Not Leader For
+// Partition" with nothing to look up.
+type recordError struct {
+	topicPartition // partition -1: the writer's balancer chose it
+	bytes          int
+	err            error
+}
+
+func (e *recordError) Error() string {
+	if e.partition < 0 {
+		return fmt.Sprintf("topic %s, a record of %d bytes: %v", e.topic, e.bytes, e.err)
+	}
+	return fmt.Sprintf("topic %s partition %d, a record of %d bytes: %v", e.topic, e.partition, e.bytes, e.err)
+}
+
+func (e *recordError) Unwrap() error { return e.err }
 
 // writeCall is one call of write: a topic partition's share, through one
 // writer.

@@ -843,3 +843,38 @@ func TestPartitionKeyModeBacksOffWhenNothingSettled(t *testing.T) {
 	require.Equal(t, 1, writes, "the second round's rows wait behind their keys' failed rows")
 	require.ErrorIs(t, err, kafka.NotEnoughReplicas, "nothing settled: the loop backs off")
 }
+
+// What Kafka answers for a record names neither its topic nor its
+// partition ("[19] Not Enough Replicas"): the error the relay returns for
+// a failed batch, logs and records for a held row names both, and the
+// record's size, while still being the broker's error for errors.Is.
+func TestABrokersAnswerNamesTheRecordsTopicAndPartition(t *testing.T) {
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(2, "t"))
+	require.NoError(t, err)
+	defer c.Close()
+	r := kfakeRelay(t, c, Config{Settings: Settings{Topics: map[string]string{"E": "t"}, PublishTimeout: time.Second}})
+	r.held.recorded = true
+	r.topics.partitions["t"] = 2
+	r.writer = writerFunc(func(_ context.Context, msgs ...kafka.Message) error {
+		errs := make(kafka.WriteErrors, len(msgs))
+		for i, m := range msgs {
+			errs[i] = kafka.NotEnoughReplicas
+			if eventIDOf(m) == "refused" {
+				errs[i] = kafka.InvalidRecord
+			}
+		}
+		return errs
+	})
+	rows := []row{
+		{id: 1, eventID: "failing", eventType: "E", partitionKey: keysOn(0, 1)[0], payload: []byte(`{}`), createdAt: time.Now()},
+		{id: 2, eventID: "refused", eventType: "E", partitionKey: keysOn(1, 1)[0], payload: []byte(`{"a":1}`), createdAt: time.Now()},
+	}
+	_, _, err = r.publish(context.Background(), rows)
+	require.ErrorIs(t, err, kafka.NotEnoughReplicas)
+	require.ErrorContains(t, err, "topic t partition 0, a record of ")
+	held := r.held.take()
+	require.Len(t, held, 1)
+	require.Equal(t, int64(2), held[0].id)
+	require.Contains(t, held[0].err, "topic t partition 1, a record of ")
+	require.Contains(t, held[0].err, "Invalid Record")
+}

@@ -74,19 +74,35 @@ func readShape(ctx context.Context, conn querier, t outbox.Table) (tableShape, e
 	return s, nil
 }
 
+// errNoTable: no table has the name, or the role may not see its schema.
+var errNoTable = errors.New("does not exist")
+
+// tableOID is the oid of table t; lock classes derive from it. A missing
+// table is errNoTable, naming it (to_regclass answers NULL, which scanned
+// into a number read "cannot scan NULL").
+func tableOID(ctx context.Context, q querier, t outbox.Table) (uint32, error) {
+	var oid *uint32
+	if err := q.QueryRow(ctx, sqlTableOID, t.Quoted()).Scan(&oid); err != nil {
+		return 0, fmt.Errorf("read the oid of table %s: %w", t, err)
+	}
+	if oid == nil {
+		return 0, fmt.Errorf("table %s %w", t, errNoTable)
+	}
+	return *oid, nil
+}
+
 // CheckSchema verifies that the table exists with the columns and types the
 // relay needs, that the columns it reads are NOT NULL, and that a partial
 // index on published_at IS NULL exists. The error names each problem and
 // the DDL that fixes it.
 func CheckSchema(ctx context.Context, conn querier, t outbox.Table) error {
-	var found *uint32 // NULL when no table has the name
-	if err := conn.QueryRow(ctx, sqlTableOID, t.Quoted()).Scan(&found); err != nil {
-		return fmt.Errorf("read the oid of %s: %w", t, err)
+	oid, err := tableOID(ctx, conn, t)
+	if errors.Is(err, errNoTable) {
+		return fmt.Errorf("%w; create it with the DDL from `relay schema --table %s`", err, t)
 	}
-	if found == nil {
-		return fmt.Errorf("table %s does not exist; create it with the DDL from `relay schema --table %s`", t, t)
+	if err != nil {
+		return err
 	}
-	oid := *found
 	rows, err := conn.Query(ctx, sqlColumns, oid)
 	if err != nil {
 		return fmt.Errorf("read columns of %s: %w", t, err)
