@@ -3,6 +3,7 @@ package relay_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -67,6 +68,45 @@ func TestStartupRefusesNullableColumns(t *testing.T) {
 	err = r.Check(context.Background())
 	require.ErrorContains(t, err, `column payload allows NULL; fix it with: ALTER TABLE "outbox" ALTER COLUMN "payload" SET NOT NULL`)
 	require.ErrorContains(t, err, `ALTER TABLE "outbox" ALTER COLUMN "partition_key" SET NOT NULL`)
+}
+
+// A role that lacks a privilege publishing needs on the outbox table is
+// refused at start-up, naming it and the GRANT. Before, a relay with
+// --on-publish delete on a role that may only update claimed and
+// published each batch, failed to delete it and rolled back: the same
+// rows went to Kafka again at every retry, without end.
+func TestStartupRefusesARoleThatCannotMarkOrDelete(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	f.Insert(5, 5, "E")
+	role := fmt.Sprintf("nodelete_%d", time.Now().UnixNano()%1e9)
+	f.Exec(`CREATE ROLE ` + role + ` LOGIN; GRANT SELECT, UPDATE ON outbox TO ` + role + `; GRANT ALL ON outbox_held TO ` + role)
+	t.Cleanup(func() { _, _ = f.Pool.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE `+role) })
+	check := func(edit func(*relay.Config)) error {
+		cfg := f.Config()
+		cfg.DSN = strings.Replace(f.DSN, "postgres@", role+"@", 1) // the test cluster trusts local connections
+		edit(&cfg)
+		r, err := relay.New(cfg)
+		require.NoError(t, err)
+		defer r.Close()
+		return r.Check(context.Background())
+	}
+	require.NoError(t, check(func(*relay.Config) {}), "marking needs SELECT and UPDATE")
+	err := check(func(c *relay.Config) { c.OnPublish = relay.OnPublishDelete })
+	require.ErrorContains(t, err, "the role "+role+" lacks DELETE on outbox")
+	require.ErrorContains(t, err, "--on-publish delete deletes each row it published")
+	require.ErrorContains(t, err, `GRANT DELETE ON "outbox" TO "`+role+`"`)
+	err = check(func(c *relay.Config) { c.KeepPublishedFor = time.Hour })
+	require.ErrorContains(t, err, "--keep-published-for deletes published rows")
+
+	f.Exec(`REVOKE UPDATE ON outbox FROM ` + role + `; GRANT UPDATE (published_at) ON outbox TO ` + role)
+	require.NoError(t, check(func(*relay.Config) {}), "UPDATE of published_at is enough to mark")
+	f.Exec(`REVOKE UPDATE ON outbox FROM ` + role + `; REVOKE SELECT ON outbox FROM ` + role + `; GRANT SELECT (id, payload) ON outbox TO ` + role)
+	err = check(func(*relay.Config) {})
+	require.ErrorContains(t, err, "lacks SELECT (event_id)")
+	require.ErrorContains(t, err, "UPDATE (published_at)")
+	require.ErrorContains(t, err, `GRANT SELECT, UPDATE ON "outbox" TO "`+role+`"`)
+	require.Equal(t, 5, f.Unpublished(), "nothing was claimed")
 }
 
 // A NULL that appears after start-up (a column altered later) holds its

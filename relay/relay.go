@@ -526,6 +526,9 @@ func (r *Relay) Check(ctx context.Context) (err error) {
 		}
 	}
 	r.shape = shape
+	if err := r.checkTablePrivileges(ctx, headers); err != nil {
+		return err
+	}
 	recorded, redrivenAt, err := r.ensureHeldTable(ctx)
 	if err != nil {
 		return err
@@ -587,6 +590,60 @@ func (r *Relay) Check(ctx context.Context) (err error) {
 		r.log.Warn("could not read the topics' record size limits; assuming Kafka's default", "err", err, "bytes", defaultMaxRecordBytes)
 	}
 	return nil
+}
+
+// checkTablePrivileges refuses to start a relay whose role lacks a
+// privilege on the outbox table that publishing needs: reading the
+// columns, locking the rows it claims (FOR UPDATE needs UPDATE on a
+// column), marking them (UPDATE of published_at) or deleting them
+// (--on-publish delete), and deleting those retention prunes from a plain
+// table. Without one, every batch went out to Kafka and then rolled back
+// at its mark: the same rows were published again at every retry, without
+// end, while the relay looked alive.
+func (r *Relay) checkTablePrivileges(ctx context.Context, headers bool) error {
+	var privs, cols []string
+	need := func(p, c string) { privs, cols = append(privs, p), append(cols, c) }
+	read := append([]string{"id"}, outbox.RequiredColumns()...)
+	read = append(read, "published_at")
+	if headers {
+		read = append(read, "headers")
+	}
+	if c := r.cfg.PartitionColumn; c != "" && !slices.Contains(read, c) {
+		read = append(read, c)
+	}
+	for _, c := range read {
+		need("SELECT", c)
+	}
+	var why []string
+	if r.cfg.OnPublish == OnPublishDelete {
+		need("UPDATE", "*")
+		need("DELETE", "")
+		why = append(why, "--"+relayconfig.FlagOnPublish+" "+string(OnPublishDelete)+" deletes each row it published")
+	} else {
+		need("UPDATE", "published_at")
+		why = append(why, "it marks each row it published (UPDATE of published_at)")
+	}
+	if r.cfg.KeepPublishedFor > 0 && !r.shape.partitioned {
+		need("DELETE", "")
+		why = append(why, "--"+relayconfig.FlagKeepPublishedFor+" deletes published rows")
+	}
+	var role string
+	var missing []string
+	if err := r.pool.QueryRow(ctx, sqlColumnPrivilegesMissing, r.table.Quoted(), privs, cols).Scan(&role, &missing); err != nil {
+		return fmt.Errorf("read the privileges on %s: %w", r.table, err)
+	}
+	if len(missing) == 0 {
+		return nil
+	}
+	var grant []string
+	for _, m := range missing {
+		p, _, _ := strings.Cut(m, " ")
+		if !slices.Contains(grant, p) {
+			grant = append(grant, p)
+		}
+	}
+	return fmt.Errorf("the role %s lacks %s on %s: the relay reads the table, claims rows FOR UPDATE and %s; grant it with: GRANT %s ON %s TO %s",
+		role, strings.Join(missing, ", "), r.table, strings.Join(why, ", and "), strings.Join(grant, ", "), r.table.Quoted(), pgx.Identifier{role}.Sanitize())
 }
 
 // ensureHeldTable creates the held table when it is missing, adds

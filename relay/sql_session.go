@@ -20,6 +20,15 @@ const (
 	// a list is true when any one is held, so each is asked alone).
 	sqlPrivilegesMissing = `SELECT COALESCE(array_agg(p ORDER BY o), '{}') FROM unnest($2::text[]) WITH ORDINALITY AS x(p, o)
 		WHERE NOT has_table_privilege(to_regclass($1), p)`
+	// sqlColumnPrivilegesMissing: the current role, and those of the
+	// privileges $2 on columns $3 of the table whose quoted name is $1 it
+	// lacks, as "PRIVILEGE (column)" ("PRIVILEGE" for a column "", on the
+	// table; column "*": on any one column, as FOR UPDATE needs UPDATE).
+	sqlColumnPrivilegesMissing = `SELECT current_user::text, COALESCE(array_agg(p || CASE WHEN c IN ('', '*') THEN '' ELSE ' (' || c || ')' END ORDER BY o), '{}')
+		FROM unnest($2::text[], $3::text[]) WITH ORDINALITY AS x(p, c, o)
+		WHERE NOT CASE c WHEN '' THEN has_table_privilege(to_regclass($1), p)
+			WHEN '*' THEN has_any_column_privilege(to_regclass($1), p)
+			ELSE has_column_privilege(to_regclass($1), c, p) END`
 	// sqlHeldShapeMissing lists what table $1 lacks of the held table's
 	// shape: each of columns $2, and a unique index on id alone, valid and
 	// not deferred (recording a hold's ON CONFLICT (id) needs one).
@@ -103,7 +112,7 @@ func sqlListen(channel string) string { return "LISTEN " + pgx.Identifier{channe
 // sessionStatements are the statements above by name, for the test that
 // prepares each.
 var sessionStatements = map[string]string{
-	"sqlTableOID": sqlTableOID, "sqlTableSchema": sqlTableSchema, "sqlPrivilegesMissing": sqlPrivilegesMissing, "sqlHasColumn": sqlHasColumn, "sqlColumnType": sqlColumnType, "sqlTableShape": sqlTableShape,
+	"sqlTableOID": sqlTableOID, "sqlTableSchema": sqlTableSchema, "sqlPrivilegesMissing": sqlPrivilegesMissing, "sqlColumnPrivilegesMissing": sqlColumnPrivilegesMissing, "sqlHasColumn": sqlHasColumn, "sqlColumnType": sqlColumnType, "sqlTableShape": sqlTableShape,
 	"sqlColumns": sqlColumns, "sqlHasUnpublishedIndex": sqlHasUnpublishedIndex, "sqlIsPartitioned": sqlIsPartitioned,
 	"sqlServerVersion": sqlServerVersion, "sqlSetSession": sqlSetSession, "sqlBoundWaits": sqlBoundWaits, "sqlUnboundWaits": sqlUnboundWaits, "sqlBitmapScansOn": sqlBitmapScansOn,
 	"sqlLockShared": sqlLockShared, "sqlTryLock": sqlTryLock, "sqlUnlock": sqlUnlock,
