@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	appsv1 "k8s.io/api/apps/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 
@@ -114,4 +115,54 @@ func TestObservedAtRenewal(t *testing.T) {
 	require.Equal(t, t0.Add(15*time.Second), withObservedAt(at(0, 0), at(15*time.Second, 1)).ObservedAt.Time, "new numbers")
 	require.Equal(t, t0.Add(5*time.Minute), withObservedAt(at(0, 0), at(5*time.Minute, 0)).ObservedAt.Time, "renewed")
 	require.Equal(t, t0, withObservedAt(nil, at(0, 0)).ObservedAt.Time)
+}
+
+// While the backlog cannot be read, the autoscaler keeps the running count:
+// the last reading that succeeded, however old, may ask for more replicas,
+// never for fewer. Before, it scaled down on it once the window passed,
+// while rows could pile up unseen.
+func TestAutoscalerKeepsTheCountWhileTheBacklogCannotBeRead(t *testing.T) {
+	t.Parallel()
+	o, key, _ := observedRelay()
+	r := &OutboxRelayReconciler{Flow: o}
+	relay := unitRelay()
+	relay.Spec.Autoscaling = &outboxv1alpha1.AutoscalingSpec{MinReplicas: ptr.To[int32](1), MaxReplicas: 10,
+		PendingPerReplica: ptr.To[int64](1000), ScaleDownStabilization: "0s"}
+	eight := &appsv1.Deployment{Spec: appsv1.DeploymentSpec{Replicas: ptr.To[int32](8)}}
+	low := &outboxv1alpha1.BacklogStatus{Pending: 500}
+	failing := "cannot reach PostgreSQL"
+	require.Equal(t, int32(1), r.decideReplicas(key, relay, observation{backlog: low}, eight), "a current reading scales down")
+	require.Equal(t, int32(8), r.decideReplicas(key, relay, observation{backlog: low, err: failing}, eight), "an old one does not")
+	high := &outboxv1alpha1.BacklogStatus{Pending: 9500}
+	require.Equal(t, int32(10), r.decideReplicas(key, relay, observation{backlog: high, err: failing}, eight), "it may ask for more")
+}
+
+// Autoscaling turned off and on again, or given a longer window, keeps the
+// running count for the window, as when it first began. Before, the
+// history from before let its first low recommendation scale 10 to 1.
+func TestAutoscalingOnAgainStabilizesAnew(t *testing.T) {
+	t.Parallel()
+	o, key, _ := observedRelay()
+	r := &OutboxRelayReconciler{Flow: o}
+	relay := unitRelay()
+	relay.Spec.Autoscaling = &outboxv1alpha1.AutoscalingSpec{MinReplicas: ptr.To[int32](1), MaxReplicas: 10,
+		PendingPerReplica: ptr.To[int64](1000), ScaleDownStabilization: "5m"}
+	ten := &appsv1.Deployment{Spec: appsv1.DeploymentSpec{Replicas: ptr.To[int32](10)}}
+	low := observation{backlog: &outboxv1alpha1.BacklogStatus{Pending: 500}}
+	longAgo := func() {
+		o.relays[key].since, o.relays[key].window, o.relays[key].recs = time.Now().Add(-24*time.Hour), 5*time.Minute, nil
+	}
+	longAgo()
+	require.Equal(t, int32(1), r.decideReplicas(key, relay, low, ten), "a history as long as the window: down at once")
+
+	longAgo()
+	off := relay.DeepCopy()
+	off.Spec.Autoscaling, off.Spec.Replicas = nil, ptr.To[int32](10)
+	require.Equal(t, int32(10), r.decideReplicas(key, off, observation{}, ten))
+	require.Equal(t, int32(10), r.decideReplicas(key, relay, low, ten), "on again: the running count stays for the window")
+
+	longAgo()
+	longer := relay.DeepCopy()
+	longer.Spec.Autoscaling.ScaleDownStabilization = "1h"
+	require.Equal(t, int32(10), r.decideReplicas(key, longer, low, ten), "a longer window has no history that long yet")
 }

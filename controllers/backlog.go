@@ -33,13 +33,15 @@ const backlogQueryTimeout = 5 * time.Second
 // and returns one row per (event type, has a NULL column, held reason) with
 // its count and the age of its oldest row, beside the number of rows read,
 // the last id read, the table's max(id) (one primary-key probe), PostgreSQL's
-// count of the table's updated and deleted rows ($2 is the table's quoted
-// name; summed over the leaf partitions of a partitioned table, where
-// PostgreSQL counts them: a partitioned parent's own counters stay 0), from
-// which the publish rate is derived without scanning published_at (a relay
-// updates a row only to mark it published, and deletes one only once it is
-// published; pruning deletes published rows too), and whether the held
-// table exists ($3, its quoted name).
+// counts of the table's updated rows and of its deleted rows ($2 is the
+// table's quoted name; summed over the leaf partitions of a partitioned
+// table, where PostgreSQL counts them: a partitioned parent's own counters
+// stay 0), from which the publish rate is derived without scanning
+// published_at (a relay that marks updates a row only to mark it
+// published; one that deletes deletes a row only once it is published:
+// flowTarget.deletes says which counts, since pruning deletes rows
+// published long ago and the rate must not take them for publishing), and
+// whether the held table exists ($3, its quoted name).
 //
 // The held reason is the relays' record in the held table (withHeld: it
 // exists; outbox.HeldDDL), or, with byKey (PartitionKey ordering),
@@ -94,9 +96,14 @@ g AS (
 	return sample + groups + `
 SELECT COALESCE((SELECT sum(n) FROM g), 0)::bigint, (SELECT max(last) FROM g)::bigint, (SELECT max(id) FROM ` + q + `)::bigint,
        (SELECT CASE WHEN c.relkind = 'p' THEN
-                   (SELECT COALESCE(sum(pg_stat_get_tuples_updated(t.relid) + pg_stat_get_tuples_deleted(t.relid)), 0)
+                   (SELECT COALESCE(sum(pg_stat_get_tuples_updated(t.relid)), 0)
                     FROM pg_partition_tree(c.oid) t WHERE t.isleaf)
-               ELSE pg_stat_get_tuples_updated(c.oid) + pg_stat_get_tuples_deleted(c.oid) END
+               ELSE pg_stat_get_tuples_updated(c.oid) END
+        FROM pg_class c WHERE c.oid = $2::text::regclass)::bigint,
+       (SELECT CASE WHEN c.relkind = 'p' THEN
+                   (SELECT COALESCE(sum(pg_stat_get_tuples_deleted(t.relid)), 0)
+                    FROM pg_partition_tree(c.oid) t WHERE t.isleaf)
+               ELSE pg_stat_get_tuples_deleted(c.oid) END
         FROM pg_class c WHERE c.oid = $2::text::regclass)::bigint,
        current_setting('track_counts')::bool, to_regclass($3) IS NOT NULL,
        g.event_type, g.invalid, g.held, g.n, g.age
@@ -163,10 +170,11 @@ type backlogSample struct {
 	// beyond is how many ids were issued after the last of them when the
 	// bound was reached (0 otherwise).
 	read, beyond int64
-	// updates is the table's count of updated and deleted rows; tracked is false when
-	// the server does not count (track_counts off).
-	updates int64
-	tracked bool
+	// updated and deleted are the table's counts of updated and of deleted
+	// rows; tracked is false when the server does not count (track_counts
+	// off).
+	updated, deleted int64
+	tracked          bool
 	// heldTable: the held table exists (read it with the next observation).
 	heldTable bool
 	// perMinute is the publish rate over the last minute, nil when unknown;
@@ -226,7 +234,7 @@ func observeBacklog(ctx context.Context, db queryRower, q backlogQuery, bound in
 		var invalid *bool
 		var n *int64
 		var age *float64
-		if err := rows.Scan(&s.read, &lastRead, &maxID, &s.updates, &s.tracked, &s.heldTable, &et, &invalid, &held, &n, &age); err != nil {
+		if err := rows.Scan(&s.read, &lastRead, &maxID, &s.updated, &s.deleted, &s.tracked, &s.heldTable, &et, &invalid, &held, &n, &age); err != nil {
 			return s, fmt.Errorf("read the backlog of %s: %w", table, err)
 		}
 		if n == nil { // no unpublished row: the LEFT JOIN's empty side
@@ -300,6 +308,14 @@ func backlogStatus(relay *outboxv1alpha1.OutboxRelay, s *backlogSample) *outboxv
 // streams reports whether the relay captures with logical replication.
 func streams(relay *outboxv1alpha1.OutboxRelay) bool {
 	return relay.Spec.Capture != nil && relay.Spec.Capture.Mode == outboxv1alpha1.CaptureLogicalReplication
+}
+
+// deletesPublished reports whether a published row of relay is deleted
+// (spec.retention.onPublish Delete, or writer deletes) rather than marked.
+func deletesPublished(relay *outboxv1alpha1.OutboxRelay) bool {
+	c := relay.Spec.Capture
+	return (relay.Spec.Retention != nil && relay.Spec.Retention.OnPublish == outboxv1alpha1.OnPublishDelete) ||
+		(streams(relay) && c.WriterDeletes)
 }
 
 func deref(s *string) string {

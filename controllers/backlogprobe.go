@@ -13,9 +13,11 @@ import (
 // backlog when spec.backlog.interval is not set.
 const DefaultBacklogInterval = outboxv1alpha1.DefaultBacklogInterval
 
-// BacklogProbe reads an outbox table's backlog exactly as an OutboxRelay's
-// observer does — its session settings, its statement, its bound — so that
-// what one read costs the database can be measured (test/bench).
+// BacklogProbe reads an outbox table's backlog with an OutboxRelay
+// observer's session settings, statement and bound, so that what one read
+// costs the database can be measured (test/bench). An observer reads more
+// beside it, which the probe leaves out: the held table's join, once that
+// table exists, and its replication slot's row in pg_replication_slots.
 type BacklogProbe struct {
 	pool  *pgxpool.Pool
 	table outbox.Table

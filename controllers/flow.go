@@ -85,6 +85,10 @@ type flowTarget struct {
 	topics    map[string]outboxv1alpha1.TopicName // the topic map, to tell held rows from pending ones
 	byKey     bool                                // PartitionKey ordering
 	streams   bool                                // LogicalReplication capture: its slot must be read
+	// deletes: the relay deletes the rows it publishes (or the writers
+	// delete them), so its publish rate counts deleted rows; else it counts
+	// updated ones (marks), and pruning's deletes are no publishing.
+	deletes bool
 }
 
 // relayFlow is one OutboxRelay's observer and what it saw.
@@ -104,8 +108,9 @@ type relayFlow struct {
 	// recs are the autoscaler's recent recommendations; since is when the
 	// observer began recommending (a history shorter than the
 	// stabilization window keeps the running count).
-	recs  []recommendation
-	since time.Time
+	recs   []recommendation
+	since  time.Time
+	window time.Duration // the stabilization window recommend last used
 	// based is the reading ratioBase last saw, and base the replicas that
 	// ran when a reconcile first used it.
 	based *backlogSample
@@ -113,8 +118,8 @@ type relayFlow struct {
 }
 
 type counterReading struct {
-	at      time.Time
-	updates int64
+	at        time.Time
+	published int64 // the counter the rate reads (flowTarget.deletes)
 }
 
 // flowView is what Reconcile learns from the observer.
@@ -180,6 +185,10 @@ func (o *FlowObserver) Observe(key types.NamespacedName, target flowTarget) flow
 	default:
 		f.target.interval, f.target.dsnSecret, f.target.streams = target.interval, target.dsnSecret, target.streams
 		f.target.topics, f.target.byKey = target.topics, target.byKey
+		if f.target.deletes != target.deletes {
+			f.counters = nil // another counter: the rate starts again
+		}
+		f.target.deletes = target.deletes
 	}
 	return flowView{sample: f.latest, lastErr: f.lastErr, authFailed: f.authFailed, retargeted: f.retargeted}
 }
@@ -411,9 +420,12 @@ func (o *FlowObserver) recommend(key types.NamespacedName, now time.Time, rec, c
 	if f == nil {
 		return current
 	}
-	if f.since.IsZero() {
+	if f.since.IsZero() || window > f.window {
+		// A history shorter than the window keeps the running count: a
+		// window made longer has none that long yet.
 		f.since = now
 	}
+	f.window = window
 	keep := f.recs[:0]
 	for _, r := range f.recs {
 		if now.Sub(r.at) < window {
@@ -422,6 +434,16 @@ func (o *FlowObserver) recommend(key types.NamespacedName, now time.Time, rec, c
 	}
 	f.recs = append(keep, recommendation{at: now, replicas: rec})
 	return stabilized(f.recs, rec, current, now.Sub(f.since) < window)
+}
+
+// stopRecommending drops key's recommendations: its autoscaling is off
+// (or suspended), and when it is on again its history starts anew.
+func (o *FlowObserver) stopRecommending(key types.NamespacedName) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if f := o.relays[key]; f != nil {
+		f.recs, f.since = nil, time.Time{}
+	}
 }
 
 // ratioBase is the replica count a ratio target (oldestAge) multiplies for
@@ -458,7 +480,11 @@ func (o *FlowObserver) record(key types.NamespacedName, done chan struct{}, s *b
 	}
 	f.lastErr, f.retargeted = "", false
 	if s.tracked {
-		f.counters = appendReading(f.counters, counterReading{at: s.at, updates: s.updates})
+		published := s.updated
+		if f.target.deletes {
+			published = s.deleted
+		}
+		f.counters = appendReading(f.counters, counterReading{at: s.at, published: published})
 		s.perMinute = perMinute(f.counters)
 	} else {
 		f.counters = nil
@@ -483,7 +509,7 @@ func (o *FlowObserver) record(key types.NamespacedName, done chan struct{}, s *b
 // appendReading keeps the readings of the last rate window and one before
 // it. A counter that went down (statistics reset, another database) starts over.
 func appendReading(rs []counterReading, r counterReading) []counterReading {
-	if n := len(rs); n > 0 && r.updates < rs[n-1].updates {
+	if n := len(rs); n > 0 && r.published < rs[n-1].published {
 		rs = nil
 	}
 	rs = append(rs, r)
@@ -505,7 +531,7 @@ func perMinute(rs []counterReading) *int64 {
 	if dt <= 0 {
 		return nil
 	}
-	v := int64(float64(last.updates-first.updates)*float64(rateWindow)/float64(dt) + 0.5)
+	v := int64(float64(last.published-first.published)*float64(rateWindow)/float64(dt) + 0.5)
 	return &v
 }
 

@@ -19,8 +19,11 @@ import (
 // This file is how the backlog observers reach the databases: the
 // connections to one database (host, port and name) are shared by every
 // OutboxRelay on it, whatever its DSN, and capped: a thousand OutboxRelays
-// on one PostgreSQL server hold as many of its connections as a handful do.
-// Reads of one table with the same question are shared too.
+// on one database hold as many of its connections as a handful do. The cap
+// is per database, not per server: relays on many databases of one server
+// (a database per tenant) hold up to the cap on each, while read more often
+// than connIdleTime. Reads of one table with the same question are shared
+// too.
 
 // DefaultConnsPerDatabase is the manager's --backlog-connections-per-database
 // default: how many connections the backlog reads hold to one database.

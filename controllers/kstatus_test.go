@@ -110,6 +110,8 @@ func TestUnreadyPodsAfterARolloutAreNoRollout(t *testing.T) {
 		"resumed, unready past deadline": {d(newReplicaSetAvailable, 2, 11*time.Minute), nil, 2, status.FailedStatus, "False/RolloutComplete", "True/NoReadyReplicas", "False/NoReadyReplicas"},
 		"first rollout starting":         {d("ReplicaSetUpdated", 2, 11*time.Minute), nil, 2, status.InProgressStatus, "True/RollingOut", "False/AsExpected", "True/RollingOut"},
 		"stalled, then a rollout":        {d("ReplicaSetUpdated", 2, time.Minute), stalled, 2, status.InProgressStatus, "True/RollingOut", "False/AsExpected", "True/RollingOut"},
+		// Nothing flows with no replica asked for; before, Stalled said rows still flowed.
+		"scaled to zero, rows waiting": {d(newReplicaSetAvailable, 0, 0), nil, 0, status.InProgressStatus, "False/RolloutComplete", "False/AsExpected", "False/RolloutComplete"},
 	} {
 		relay := unitRelay()
 		relay.Spec.Replicas = ptr.To(tc.replicas)

@@ -270,7 +270,7 @@ func (r *OutboxRelayReconciler) observe(key types.NamespacedName, relay *outboxv
 		return observation{notRead: tokenLoginsOff}
 	}
 	view := r.Flow.Observe(key, flowTarget{dsn: in.DSN, tls: in.DatabaseTLS, auth: auth, dsnSecret: relay.Spec.DSNSecretRef.Name, table: table, interval: interval,
-		topics: relay.Spec.Topics, byKey: relay.Spec.Ordering == outboxv1alpha1.OrderingPartitionKey, streams: streams(relay)})
+		topics: relay.Spec.Topics, byKey: relay.Spec.Ordering == outboxv1alpha1.OrderingPartitionKey, streams: streams(relay), deletes: deletesPublished(relay)})
 	if view.authFailed { // the Secret may hold a new password: read it again
 		r.secrets.stale(types.NamespacedName{Namespace: relay.Namespace, Name: relay.Spec.DSNSecretRef.Name}, secretRetryInterval)
 	}
@@ -287,6 +287,12 @@ func (r *OutboxRelayReconciler) observe(key types.NamespacedName, relay *outboxv
 func (r *OutboxRelayReconciler) decideReplicas(key types.NamespacedName, relay *outboxv1alpha1.OutboxRelay, obs observation, current *appsv1.Deployment) int32 {
 	as := relay.Spec.Autoscaling
 	if as == nil || relay.Spec.Suspend {
+		if r.Flow != nil {
+			// Autoscaling turned on again starts a history of its own:
+			// the recommendations from before, and the time since it
+			// began, would let its first low one scale down at once.
+			r.Flow.stopRecommending(key)
+		}
 		return desiredReplicas(relay)
 	}
 	running := int32(-1) // no Deployment yet: nothing to stabilize against
@@ -300,6 +306,12 @@ func (r *OutboxRelayReconciler) decideReplicas(key types.NamespacedName, relay *
 		base = r.Flow.ratioBase(key, base)
 	}
 	rec := recommendReplicas(as, obs.backlog, max(running, 0), base, keepOne(relay, obs.err != "" || obs.notRead != ""))
+	if obs.err != "" {
+		// The latest read failed: the backlog in hand is the last that
+		// read, however old, and may ask for more, never for fewer than
+		// run (while it cannot be read, the running count stays).
+		rec = max(rec, running)
+	}
 	if running < 0 || r.Flow == nil || obs.notRead != "" {
 		return rec // nothing to stabilize against (a relay not read is not observed)
 	}

@@ -110,8 +110,13 @@ func lagging(relay *outboxv1alpha1.OutboxRelay, obs observation, ready int32, no
 		// than the threshold: one failed read (a timeout, most likely when
 		// the database is overloaded) must not call a stalled relay Ready
 		// until the next reading says it is stalled again.
+		// Under a new generation (a threshold raised, say), only while the
+		// last reading's oldest row, or its unread slot, is still past
+		// this generation's threshold.
 		if prev != nil && !obs.retargeted &&
-			prev.Status == metav1.ConditionTrue && last != nil && now.Sub(last.ObservedAt.Time) < threshold {
+			prev.Status == metav1.ConditionTrue && last != nil && now.Sub(last.ObservedAt.Time) < threshold &&
+			(prev.ObservedGeneration == relay.Generation ||
+				last.OldestAge.Duration+now.Sub(last.ObservedAt.Time) >= threshold || slotUnreadSince(relay, last, now, threshold)) {
 			msg, _, _ := strings.Cut(prev.Message, readingFailed)
 			return verdict{metav1.ConditionTrue, prev.Reason, msg + readingFailed + obs.err}
 		}
@@ -476,6 +481,8 @@ func stalledRule(f *facts) verdict {
 		return verdict{metav1.ConditionTrue, outboxv1alpha1.ReasonNoReadyReplicas, f.lag.message + "; none has been ready for longer than the Deployment's progress deadline"}
 	case noneReady:
 		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "no replica is ready yet"}
+	case f.lagging && f.desired == 0:
+		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "no replica is asked for: rows wait until one runs"}
 	case f.lagging:
 		return verdict{metav1.ConditionFalse, outboxv1alpha1.ReasonAsExpected, "rows still flow"}
 	}

@@ -41,6 +41,17 @@ func TestLaggingOutlivesAFailedReading(t *testing.T) {
 	again.Status.Conditions[0].Message = v.message
 	require.Equal(t, v, lagging(again, failed, 1, now), "a second failure does not grow the message")
 
+	// A new generation that raised the threshold past the last reading's
+	// oldest row: the old verdict does not carry over. Before, Lagging
+	// stayed True, quoting the old threshold, for as long as reads failed.
+	raised := relay(metav1.ConditionTrue, outboxv1alpha1.ReasonNotPublishing, 20*time.Second)
+	raised.Status.Backlog.OldestAge = metav1.Duration{Duration: 5 * time.Minute}
+	raised.Generation, raised.Status.Conditions[0].ObservedGeneration = 2, 1
+	raised.Spec.LagThreshold = "1h"
+	require.Equal(t, verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonBacklogUnavailable, failed.err}, lagging(raised, failed, 1, now))
+	raised.Spec.LagThreshold = "2m"
+	require.Equal(t, metav1.ConditionTrue, lagging(raised, failed, 1, now).status, "still past the new threshold")
+
 	v = lagging(relay(metav1.ConditionTrue, outboxv1alpha1.ReasonNotPublishing, outboxv1alpha1.DefaultLagThreshold), failed, 1, now)
 	require.Equal(t, verdict{metav1.ConditionUnknown, outboxv1alpha1.ReasonBacklogUnavailable, failed.err}, v, "its last reading is as old as the threshold")
 
@@ -316,4 +327,27 @@ func observedRelay() (o *FlowObserver, key types.NamespacedName, done chan struc
 	o, done = NewFlowObserver(), make(chan struct{})
 	o.relays[key] = &relayFlow{done: done, target: flowTarget{interval: 15 * time.Second}}
 	return o, key, done
+}
+
+// The publish rate counts what the relay does to a row it published:
+// marks (updates) in Mark mode, deletes in Delete mode. Pruning deletes
+// rows published long ago: before, a relay that had stopped publishing
+// while its pruner deleted read as FallingBehind ("N published in the
+// last minute"), never NotPublishing.
+func TestPublishRateCountsWhatTheRelayDoes(t *testing.T) {
+	t.Parallel()
+	o, key, done := observedRelay()
+	start := time.Now()
+	read := func(at time.Duration, updated, deleted int64) *int64 {
+		s := &backlogSample{at: start.Add(at), tracked: true, updated: updated, deleted: deleted}
+		o.record(key, done, s, "", false)
+		return s.perMinute
+	}
+	read(0, 100, 50)
+	require.Equal(t, int64(0), *read(time.Minute, 100, 650), "Mark: pruning's deletes are no publishing")
+	require.Equal(t, int64(30), *read(2*time.Minute, 130, 650))
+
+	o.Observe(key, flowTarget{interval: 15 * time.Second, deletes: true})
+	require.Nil(t, read(3*time.Minute, 130, 650), "another counter: the rate starts again")
+	require.Equal(t, int64(40), *read(4*time.Minute, 130, 690), "Delete: the deletes")
 }
