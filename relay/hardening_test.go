@@ -70,6 +70,21 @@ func TestStartupRefusesNullableColumns(t *testing.T) {
 	require.ErrorContains(t, err, `ALTER TABLE "outbox" ALTER COLUMN "partition_key" SET NOT NULL`)
 }
 
+// A plain table without a unique index on id is refused at start-up: the
+// relay marks and prunes by id, and of two rows with one id, the published
+// one's mark or prune took the unpublished one too (lost).
+func TestStartupRefusesATableWithoutAUniqueID(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	f.Exec(`ALTER TABLE outbox DROP CONSTRAINT outbox_pkey`)
+	r, err := relay.New(f.Config())
+	require.NoError(t, err)
+	defer r.Close()
+	require.EqualError(t, r.Check(context.Background()), `table outbox has no unique index on id: the relay claims, marks and prunes rows by id, so of two rows with one id, one published would mark the other published too, and pruning one would delete the other; add it with: ALTER TABLE "outbox" ADD PRIMARY KEY (id)`)
+	f.Exec(`CREATE UNIQUE INDEX outbox_id ON outbox (id)`)
+	require.NoError(t, r.Check(context.Background()))
+}
+
 // A role that lacks a privilege publishing needs on the outbox table is
 // refused at start-up, naming it and the GRANT. Before, a relay with
 // --on-publish delete on a role that may only update claimed and

@@ -144,14 +144,25 @@ func CheckSchema(ctx context.Context, conn querier, t outbox.Table) error {
 	if len(problems) > 0 {
 		return fmt.Errorf("table %s: %s", t, strings.Join(problems, "; "))
 	}
-	var hasIndex bool
+	var partitioned, hasIndex, uniqueID bool
+	if err := conn.QueryRow(ctx, sqlIsPartitioned, oid).Scan(&partitioned); err != nil {
+		return fmt.Errorf("read the kind of %s: %w", t, err)
+	}
+	if !partitioned { // a partitioned table's unique indexes hold its partition key too
+		if err := conn.QueryRow(ctx, sqlHasUniqueID, oid).Scan(&uniqueID); err != nil {
+			return fmt.Errorf("read indexes of %s: %w", t, err)
+		}
+		if !uniqueID {
+			return fmt.Errorf("table %s has no unique index on id: the relay claims, marks and prunes rows by id, so of two rows with one id, one published would mark the other published too, and pruning one would delete the other; add it with: ALTER TABLE %s ADD PRIMARY KEY (id)",
+				t, t.Quoted())
+		}
+	}
 	err = conn.QueryRow(ctx, sqlHasUnpublishedIndex, oid).Scan(&hasIndex)
 	if err != nil {
 		return fmt.Errorf("read indexes of %s: %w", t, err)
 	}
 	if !hasIndex {
-		var partitioned bool
-		if err := conn.QueryRow(ctx, sqlIsPartitioned, oid).Scan(&partitioned); err == nil && partitioned {
+		if partitioned {
 			// CREATE INDEX CONCURRENTLY does not exist for a partitioned table.
 			return fmt.Errorf("table %s has no valid partial index on (id) WHERE published_at IS NULL; without it every claim scans every partition. Create it with: CREATE INDEX %s ON %s (id) WHERE published_at IS NULL (it blocks writes while it builds; to avoid that, create it ON ONLY the table, then CONCURRENTLY on each partition, and ALTER INDEX … ATTACH PARTITION each)",
 				t, pgx.Identifier{t.IndexName()}.Sanitize(), t.Quoted())

@@ -69,6 +69,13 @@ const (
 			WHERE i.indrelid = $1 AND i.indisvalid
 			  AND i.indkey[0] = (SELECT attnum FROM pg_attribute WHERE attrelid = $1 AND attname = 'id')
 			  AND regexp_replace(pg_get_expr(i.indpred, i.indrelid), '[()]', '', 'g') = 'published_at IS NULL')`
+	// sqlHasUniqueID: the table of oid $1 has a valid unique index on id
+	// alone, with no predicate (a primary key, say).
+	sqlHasUniqueID = `SELECT EXISTS (
+			SELECT 1 FROM pg_index i
+			WHERE i.indrelid = $1 AND i.indisunique AND i.indisvalid AND i.indnkeyatts = 1
+			  AND i.indpred IS NULL AND i.indexprs IS NULL
+			  AND i.indkey[0] = (SELECT attnum FROM pg_attribute WHERE attrelid = $1 AND attname = 'id'))`
 	// sqlIsPartitioned: the table of oid $1 is partitioned.
 	sqlIsPartitioned = `SELECT relkind = 'p' FROM pg_class WHERE oid = $1`
 	// sqlServerVersion is server_version_num.
@@ -113,7 +120,7 @@ func sqlListen(channel string) string { return "LISTEN " + pgx.Identifier{channe
 // prepares each.
 var sessionStatements = map[string]string{
 	"sqlTableOID": sqlTableOID, "sqlTableSchema": sqlTableSchema, "sqlPrivilegesMissing": sqlPrivilegesMissing, "sqlColumnPrivilegesMissing": sqlColumnPrivilegesMissing, "sqlHasColumn": sqlHasColumn, "sqlColumnType": sqlColumnType, "sqlTableShape": sqlTableShape,
-	"sqlColumns": sqlColumns, "sqlHasUnpublishedIndex": sqlHasUnpublishedIndex, "sqlIsPartitioned": sqlIsPartitioned,
+	"sqlColumns": sqlColumns, "sqlHasUnpublishedIndex": sqlHasUnpublishedIndex, "sqlHasUniqueID": sqlHasUniqueID, "sqlIsPartitioned": sqlIsPartitioned,
 	"sqlServerVersion": sqlServerVersion, "sqlSetSession": sqlSetSession, "sqlBoundWaits": sqlBoundWaits, "sqlUnboundWaits": sqlUnboundWaits, "sqlBitmapScansOn": sqlBitmapScansOn,
 	"sqlLockShared": sqlLockShared, "sqlTryLock": sqlTryLock, "sqlUnlock": sqlUnlock,
 	"sqlLockHolders": sqlLockHolders, "sqlFreeLocks": sqlFreeLocks, "sqlOldestRunning": sqlOldestRunning, "sqlClaimXid": sqlClaimXid,
