@@ -431,3 +431,35 @@ func TestAHeldTableThatRefusesRecordsLosesThemNotTheBatch(t *testing.T) {
 		return err == nil && len(held) == 1 && held[0].Reason == relay.HeldTooLarge
 	}, 20*time.Second, 100*time.Millisecond, "recorded again once the table is back")
 }
+
+// A held table another session is making (its transaction not ended) makes
+// the relay's own CREATE wait; a lock wait that ran out is waited out as
+// the check's other transient failures are, and the next check records
+// holds in the table. Before, any failure to create the table, a
+// transient one too, left the relay keeping its holds in memory for as
+// long as it ran.
+func TestHeldTableCheckWaitsOutATransientFailure(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := outboxtest.NewFixture(t, 1, "E")
+	f.Exec(`DROP TABLE outbox_held`)
+	other, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer other.Rollback(ctx) //nolint:errcheck // committed below
+	_, err = other.Exec(ctx, outbox.HeldDDL(outbox.Table{Name: "outbox"}))
+	require.NoError(t, err)
+	cfg := f.Config()
+	sep := "?"
+	if strings.Contains(cfg.DSN, "?") {
+		sep = "&"
+	}
+	cfg.DSN += sep + "options=-c%20lock_timeout%3D300"
+	r, err := relay.New(cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.Close() })
+	var unreachable *relay.UnreachableError
+	require.ErrorAs(t, r.Check(ctx), &unreachable)
+	require.NoError(t, other.Commit(ctx))
+	require.NoError(t, r.Check(ctx))
+	require.True(t, relay.HoldsRecorded(r), "holds go to the table")
+}

@@ -653,21 +653,39 @@ func (r *Relay) checkTablePrivileges(ctx context.Context, headers bool) error {
 // on restart and invisible to the operator and to `relay held`.
 func (r *Relay) ensureHeldTable(ctx context.Context) (exists, redrivenAt bool, err error) {
 	held := r.table.HeldTable()
-	heldExists := func() bool {
+	// A read or a create that failed for a reason a retry may not meet (a
+	// connection lost, a lock wait) goes back to Check, which tries again:
+	// before, it was taken for a missing table, or one the role may not
+	// create, and the relay kept its holds in memory for as long as it ran.
+	heldExists := func() (bool, error) {
 		var ok bool
-		return r.pool.QueryRow(ctx, r.sql.HeldExists).Scan(&ok) == nil && ok
+		if err := r.pool.QueryRow(ctx, r.sql.HeldExists).Scan(&ok); err != nil {
+			return false, fmt.Errorf("look for %s: %w", held, err)
+		}
+		return ok, nil
 	}
 	hasRedrivenAt := func() bool {
 		ok, err := hasColumn(ctx, r.pool, held, "redriven_at")
 		return err == nil && ok
 	}
-	if !heldExists() {
+	found, err := heldExists()
+	if err != nil {
+		return false, false, err
+	}
+	if !found {
 		_, err := r.pool.Exec(ctx, r.sql.CreateHeld)
-		if err == nil {
-			r.log.Info("created the held table, where held rows are recorded", "table", held.String())
-			return true, true, nil
+		if err != nil && checkTransient(err) {
+			return false, false, fmt.Errorf("create %s: %w", held, err)
 		}
-		if !heldExists() { // else another replica created it meanwhile
+		if err == nil {
+			r.log.Info("made the held table, where held rows are recorded (unless another replica made it first)", "table", held.String())
+		}
+		// Checked as any found table: CREATE … IF NOT EXISTS does nothing
+		// when another replica made the table meanwhile, and an older one
+		// may lack redriven_at.
+		if found, ferr := heldExists(); ferr != nil {
+			return false, false, ferr
+		} else if !found {
 			r.log.Error("cannot create the held table; rows held back are kept in memory only (forgotten on restart, not in the OutboxRelay's status nor in `relay held`)",
 				"table", held.String(), "err", err, "fix", "create it with the DDL from `relay schema`")
 			return false, false, nil
