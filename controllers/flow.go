@@ -182,6 +182,17 @@ func (o *FlowObserver) Observe(key types.NamespacedName, target flowTarget) flow
 		} // else the same table with new credentials (a password or certificate rotated): what was read of it stands
 		f.target = target
 		o.startLocked(key, f)
+	case target.interval < f.target.interval && f.cancel != nil:
+		// The observer waits out the longer interval before it reads the
+		// new one: a shorter one starts it again, reading at once. Before,
+		// an interval lowered from 1h to 15s took effect up to an hour
+		// later, lag and autoscaling frozen meanwhile.
+		o.stopLocked(f)
+		if f.target.deletes != target.deletes {
+			f.counters = nil
+		}
+		f.target = target
+		o.startLocked(key, f)
 	default:
 		f.target.interval, f.target.dsnSecret, f.target.streams = target.interval, target.dsnSecret, target.streams
 		f.target.topics, f.target.byKey = target.topics, target.byKey

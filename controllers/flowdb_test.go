@@ -329,3 +329,24 @@ func TestTurnsGoByDSNButStarveNone(t *testing.T) {
 		}
 	}
 }
+
+// A backlog interval lowered is read at the new one at once. Before, the
+// observer waited out the wait the old interval had set (up to an hour),
+// lag and autoscaling frozen meanwhile.
+func TestALowerIntervalIsReadAtOnce(t *testing.T) {
+	t.Parallel()
+	dsn, _ := outboxDB(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	o := NewFlowObserver()
+	go func() { _ = o.Start(ctx) }()
+	key := types.NamespacedName{Namespace: "ns", Name: "lowered"}
+	target := flowTarget{dsn: dsn, dsnSecret: "dsn", table: outboxTable, interval: time.Hour}
+	var first *backlogSample
+	require.Eventually(t, func() bool { first = o.Observe(key, target).sample; return first != nil }, 30*time.Second, 10*time.Millisecond)
+	target.interval = 100 * time.Millisecond
+	require.Eventually(t, func() bool {
+		s := o.Observe(key, target).sample
+		return s != nil && s.at.After(first.at)
+	}, 10*time.Second, 10*time.Millisecond, "read again well within the old hour")
+}
