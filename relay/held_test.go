@@ -463,3 +463,27 @@ func TestHeldTableCheckWaitsOutATransientFailure(t *testing.T) {
 	require.NoError(t, r.Check(ctx))
 	require.True(t, relay.HoldsRecorded(r), "holds go to the table")
 }
+
+// A restarted relay reads its holds before its first claim, also when the
+// sweep of the held table's stale records waits (here on a lock): the
+// sweep comes after the load. Before, it came first and took the load's
+// time, and the relay tried its held row again at once.
+func TestHoldsLoadBeforeTheHeldTableSweeps(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := outboxtest.NewFixture(t, 1, "E")
+	f.Insert(2, 1, "E") // ids 1 and 2
+	f.Exec(`UPDATE outbox SET published_at = now() WHERE id = 1`)
+	f.Exec(`INSERT INTO outbox_held (id, event_id, event_type, reason, error, retry_at)
+		SELECT id, event_id, event_type, 'refused', 'refused', now() + interval '1 hour' FROM outbox`)
+	stale, err := f.Pool.Begin(ctx) // keeps the record of published row 1 from the sweep
+	require.NoError(t, err)
+	defer stale.Rollback(ctx) //nolint:errcheck // only holds the lock
+	_, err = stale.Exec(ctx, `SELECT 1 FROM outbox_held WHERE id = 1 FOR UPDATE`)
+	require.NoError(t, err)
+	run(t, f.Config(), nil)
+	msgs, err := testenv.Broker().ConsumeErr(f.Topics["E"], 1, 8*time.Second, 8*time.Second) // past the sweep's 4 s
+	require.NoError(t, err)
+	require.Empty(t, msgs, "the held row waits for its retry_at")
+	require.Equal(t, 1, f.Count(`SELECT attempts FROM outbox_held WHERE id = 2`))
+}

@@ -170,12 +170,19 @@ func (r *Relay) refreshHeld(ctx context.Context) {
 	if !r.held.recorded { // set by Check, before Run starts this loop
 		return
 	}
-	if r.heldRefreshes%heldSweepEvery == 0 { // at start-up, and then every heldSweepEvery
-		if _, err := r.pool.Exec(ctx, r.sql.SweepHeld); err != nil && ctx.Err() == nil {
+	// The sweep comes after the load, whose time it would take: at
+	// start-up, a large sweep made the first load run out its time, and
+	// the restarted relay tried its holds again early.
+	sweep := r.heldRefreshes%heldSweepEvery == 0 // at start-up, and then every heldSweepEvery
+	r.heldRefreshes++
+	defer func() {
+		if !sweep {
+			return
+		}
+		if _, err := r.pool.Exec(ctx, r.sql.SweepHeld); err != nil && !errors.Is(err, context.Canceled) {
 			r.log.Warn("could not sweep the held table", "table", r.table.HeldTable().String(), "err", err)
 		}
-	}
-	r.heldRefreshes++
+	}()
 	at := time.Now()
 	lanes := r.lanes != nil
 	load := r.sql.LoadHeld
@@ -184,7 +191,7 @@ func (r *Relay) refreshHeld(ctx context.Context) {
 	}
 	rows, err := r.pool.Query(ctx, load, heldCacheRows)
 	if err != nil {
-		if ctx.Err() == nil {
+		if !errors.Is(err, context.Canceled) { // a timeout is worth a line: the holds are not known meanwhile
 			r.log.Warn("could not read the held table", "table", r.table.HeldTable().String(), "err", err)
 		}
 		return
@@ -200,13 +207,17 @@ func (r *Relay) refreshHeld(ctx context.Context) {
 		}
 		if err := rows.Scan(dest...); err != nil {
 			rows.Close()
+			r.log.Warn("could not read the held table", "table", r.table.HeldTable().String(), "err", err)
 			return
 		}
 		h.until = at.Add(time.Duration(wait * float64(time.Second)))
 		snap.rows[id] = h
 		snap.last = h.until
 	}
-	if rows.Err() != nil {
+	if err := rows.Err(); err != nil {
+		if !errors.Is(err, context.Canceled) {
+			r.log.Warn("could not read the held table", "table", r.table.HeldTable().String(), "err", err)
+		}
 		return
 	}
 	snap.complete = len(snap.rows) < heldCacheRows
