@@ -3,6 +3,8 @@ package relay
 import (
 	"cmp"
 	"crypto/tls"
+	"errors"
+	"fmt"
 	"log/slog"
 	"time"
 
@@ -73,7 +75,8 @@ type Settings = relayconfig.Settings
 // Config configures a Relay: its Settings, the tuning only the library
 // has, and the live objects of the process. Zero fields take their
 // defaults; New validates the result once and names every bad field and
-// value (each a *relayconfig.FieldError).
+// value (a setting's as a *relayconfig.FieldError, naming its flag; the
+// library's durations by their Config field).
 type Config struct {
 	Settings
 	// FullRescanInterval is how often a claim scans the index from the
@@ -128,6 +131,23 @@ const (
 	DefaultMaxBackoff         = 5 * time.Second
 	DefaultStreamRetryLimit   = time.Minute
 )
+
+// validateTuning refuses a negative duration among the library's own
+// fields (zero takes the default): a negative MaxBackoff made every retry
+// at once, against the database and Kafka, and a negative
+// HeldRetryInterval tried held rows again at every claim.
+func (c Config) validateTuning() error {
+	var errs []error
+	for _, f := range []struct {
+		name string
+		d    time.Duration
+	}{{"FullRescanInterval", c.FullRescanInterval}, {"HeldRetryInterval", c.HeldRetryInterval}, {"MaxBackoff", c.MaxBackoff}, {"StreamRetryLimit", c.StreamRetryLimit}} {
+		if f.d < 0 {
+			errs = append(errs, fmt.Errorf("relay.Config.%s: %s is negative (0 takes the default)", f.name, f.d))
+		}
+	}
+	return errors.Join(errs...)
+}
 
 func (c Config) withDefaults() Config {
 	c.Settings = c.Settings.WithDefaults()

@@ -179,6 +179,9 @@ func NewWithWriter(cfg Config, w MessageWriter) (*Relay, error) {
 }
 
 func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
+	if err := cfg.validateTuning(); err != nil {
+		return nil, err
+	}
 	cfg = cfg.withDefaults()
 	if err := cfg.Settings.Validate(); err != nil {
 		return nil, err
