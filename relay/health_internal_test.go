@@ -106,3 +106,18 @@ func TestPublicationRacesAreTriedAgain(t *testing.T) {
 	require.False(t, publicationRetriable(pg("XX000", "cache lookup failed for relation 1")))
 	require.False(t, publicationRetriable(pg("42501", "must be owner of table outbox")))
 }
+
+// A relay whose start-up check waits for the database is not stalled, also
+// past the stall timeout: /readyz names the database. Before, it said
+// "stalled (no_progress): claimed rows but published none".
+func TestWaitingForTheDatabaseIsNoStall(t *testing.T) {
+	r, err := New(Config{Settings: Settings{DSN: "postgres://u@127.0.0.1:1/db?connect_timeout=1", Brokers: []string{"127.0.0.1:1"},
+		Topics: map[string]string{"E": "t"}}})
+	require.NoError(t, err)
+	defer r.Close()
+	r.health.timeout = time.Second
+	r.health.lastProgress = time.Now().Add(-time.Minute) // made a minute ago, waiting since
+	var unreachable *UnreachableError
+	require.ErrorAs(t, r.Check(context.Background()), &unreachable)
+	require.EqualError(t, r.Ready(), "database: unreachable")
+}

@@ -471,6 +471,10 @@ func (r *Relay) Check(ctx context.Context) (err error) {
 	// for its dependencies is not wedged, and /healthz passes.
 	now := time.Now()
 	r.health.iteration(now)
+	// No claim has run: a wait for the dependencies is no stall, and
+	// /readyz names the one waited for. Before, past the stall timeout it
+	// said "claimed rows but published none".
+	r.health.idle(now)
 	r.health.idleUntil(now.Add(checkTimeout))
 	defer func() { // Run's loop is watched from its end on
 		r.health.iteration(time.Now())
