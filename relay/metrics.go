@@ -24,6 +24,8 @@ type metrics struct {
 	// partitioned table.
 	prunedPartitions prometheus.Counter
 	pruneDuration    prometheus.Histogram
+	// pruneErrors counts the retention passes that failed.
+	pruneErrors prometheus.Counter
 	// partitionDropDelay is, per reason, how long the drop of an old
 	// partition waiting for it is past its time (dropDelays).
 	partitionDropDelay *prometheus.GaugeVec
@@ -135,10 +137,12 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 			"Published rows this replica deleted because they were older than --keep-published-for (on a partitioned table: the rows of the partitions it dropped)."),
 		prunedPartitions: f.counter("outbox_relay_pruned_partitions_total",
 			"Partitions of a partitioned outbox this replica detached and dropped: their range ended more than --keep-published-for ago and all their rows were published."),
+		pruneErrors: f.counter("outbox_relay_prune_errors_total",
+			"Retention passes of this replica that failed (the log says why: a lock wait that ran out, a privilege missing, the database out of reach); the published rows or partitions they were to remove stay until a pass succeeds."),
 		pruneDuration: f.histogram("outbox_relay_prune_duration_seconds",
 			"Duration of one prune step: a transaction of at most --prune-batch-size rows, or on a partitioned table the detach and drop of one partition.", 0.0005, 16),
 		partitionDropDelay: f.gaugeVec("outbox_relay_partition_drop_delay_seconds",
-			"How long ago the drop of the old partition waiting longest became due (its range ended more than --keep-published-for ago), by what it waits for: transactions (a transaction that may have begun before its range ended is still open, idle in transaction, say, or prepared) or slot (the table's replication slot has not confirmed past them); default_partition when the table has a DEFAULT partition, so no partition is dropped. 0 when no drop waits. Set by each replica at its own retention passes (take the max across pods).",
+			"How long ago the drop of the old partition waiting longest became due (its range ended more than --keep-published-for ago), by what it waits for: transactions (a transaction that may have begun before its range ended is still open, idle in transaction, say, or prepared), slot (the table's replication slot has not confirmed past them), unpublished (a row of it is not published yet, held, say) or failing (a step of its drop failed; the log says which); default_partition when the table has a DEFAULT partition, so no partition is dropped. 0 when no drop waits. Set by each replica at its own retention passes (take the max across pods).",
 			"reason", dropWaitReasons),
 		captureStreaming: f.gauge("outbox_relay_capture_streaming",
 			"1 while this replica streams the table's inserts from the replication slot (--capture logical-replication); the other replicas wait as standbys."),

@@ -892,3 +892,36 @@ func TestPartitionDetachDoesNotHideARowFromItsMark(t *testing.T) {
 		})
 	}
 }
+
+// An old partition kept because a row of it is not published (here of a
+// type the topic map lacks) is measured with reason unpublished, so the
+// alert on the gauge fires; one whose drop fails (a lock wait that ran
+// out) with reason failing, and the failed pass is counted. Before, both
+// left the gauge at 0 while the table grew.
+func TestPartitionKeptByAnUnpublishedRowIsMeasured(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := outboxtest.NewFixture(t, 1, "E")
+	end := oldAndNewPartitions(t, f, -2*time.Hour)
+	addDay(f, "outbox_older", end.Add(-48*time.Hour))
+	insertAt(f, 1, 1, end.Add(-time.Hour), false, "Unmapped")
+	insertAt(f, 3, 1, end.Add(-time.Hour), true, "E")
+	insertAt(f, 3, 1, end.Add(-30*time.Hour), true, "E")
+	migration, err := f.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer migration.Rollback(ctx) //nolint:errcheck // only holds the lock
+	_, err = migration.Exec(ctx, `LOCK TABLE outbox_older IN SHARE MODE`) // its detach waits for it
+	require.NoError(t, err)
+	cfg := f.Config()
+	cfg.KeepPublishedFor = time.Minute
+	x := run(t, cfg, nil)
+	delay := func(reason string) float64 {
+		return outboxtest.MetricValue(t, x.Reg, "outbox_relay_partition_drop_delay_seconds", "reason", reason)
+	}
+	require.Eventually(t, func() bool {
+		return delay("unpublished") > time.Hour.Seconds() && delay("failing") > time.Hour.Seconds() &&
+			outboxtest.MetricValue(t, x.Reg, "outbox_relay_prune_errors_total") > 0
+	}, 60*time.Second, 100*time.Millisecond, "both drops are over an hour overdue, and the failed pass counted")
+	require.True(t, attached(t, f, "outbox_old"), "neither is dropped")
+	require.True(t, attached(t, f, "outbox_older"))
+}

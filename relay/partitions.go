@@ -130,6 +130,11 @@ func (pr *pruner) prunePartitions(ctx context.Context, conn *pgx.Conn, parent ui
 	}
 	fences := map[string]*dropFence{}
 	delays := map[string]time.Duration{} // by what the drop waits for, the longest past its time
+	overdue := func(reason string, p partition) {
+		if p.hi != nil {
+			delays[reason] = max(delays[reason], cut.Sub(*p.hi))
+		}
+	}
 	for _, p := range parts {
 		if ctx.Err() != nil {
 			return nil
@@ -141,28 +146,33 @@ func (pr *pruner) prunePartitions(ctx context.Context, conn *pgx.Conn, parent ui
 			waits, err := pr.fenced(ctx, conn, p, slot, fences)
 			if err != nil {
 				errs = append(errs, err)
+				overdue(dropWaitFailing, p)
 				continue
 			}
 			if waits != "" {
-				delays[waits] = max(delays[waits], cut.Sub(*p.hi)) // old: p.hi is set
+				overdue(waits, p)
 				continue
 			}
 			var waiting bool
 			if err := conn.QueryRow(ctx, sqlPartitionWaits(p.name)).Scan(&waiting); err != nil {
 				errs = append(errs, fmt.Errorf("look for unpublished rows in %s: %w", p.name, err))
+				overdue(dropWaitFailing, p)
 				continue
 			}
 			if waiting {
-				continue // never dropped while a row waits
+				overdue(dropWaitUnpublished, p) // never dropped while a row waits
+				continue
 			}
 		}
 		start := time.Now()
 		if err := pr.detach(ctx, conn, parent, p); err != nil {
 			errs = append(errs, err)
+			overdue(dropWaitFailing, p)
 			continue
 		}
 		if err := pr.dropDetached(ctx, conn, p); err != nil {
 			errs = append(errs, err)
+			overdue(dropWaitFailing, p)
 			continue
 		}
 		pr.m.pruneDuration.Observe(time.Since(start).Seconds())
@@ -190,10 +200,16 @@ const (
 	// dropWaitDefault: the table has a DEFAULT partition, beside which no
 	// partition can be detached concurrently, so none is dropped.
 	dropWaitDefault = "default_partition"
+	// dropWaitUnpublished: a row of the partition is not published yet
+	// (held, say): the partition is never dropped while one waits.
+	dropWaitUnpublished = "unpublished"
+	// dropWaitFailing: a step of the drop failed (the relay's log says
+	// which): a lock wait that ran out, a privilege missing.
+	dropWaitFailing = "failing"
 )
 
 // dropWaitReasons are every reason, for the gauge's series.
-var dropWaitReasons = []string{dropWaitTransactions, dropWaitSlot, dropWaitDefault}
+var dropWaitReasons = []string{dropWaitTransactions, dropWaitSlot, dropWaitDefault, dropWaitUnpublished, dropWaitFailing}
 
 // dropDelays sets outbox_relay_partition_drop_delay_seconds from a pass:
 // per reason, how long ago the drop of the partition waiting longest for it

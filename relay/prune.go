@@ -63,6 +63,7 @@ func (pr *pruner) loop(ctx context.Context) {
 	}
 	for ctx.Err() == nil {
 		if err := pr.prune(ctx); err != nil && ctx.Err() == nil {
+			pr.m.pruneErrors.Inc()
 			pr.log.Warn("pruning failed; retrying", "err", err, "in", every)
 		}
 		sleep(ctx, jitter(every))
