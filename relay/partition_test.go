@@ -909,7 +909,7 @@ func TestPartitionKeptByAnUnpublishedRowIsMeasured(t *testing.T) {
 	insertAt(f, 3, 1, end.Add(-30*time.Hour), true, "E")
 	migration, err := f.Pool.Begin(ctx)
 	require.NoError(t, err)
-	defer migration.Rollback(ctx) //nolint:errcheck // only holds the lock
+	defer migration.Rollback(ctx)                                         //nolint:errcheck // only holds the lock
 	_, err = migration.Exec(ctx, `LOCK TABLE outbox_older IN SHARE MODE`) // its detach waits for it
 	require.NoError(t, err)
 	cfg := f.Config()
