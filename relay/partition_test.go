@@ -909,8 +909,9 @@ func TestPartitionKeptByAnUnpublishedRowIsMeasured(t *testing.T) {
 	insertAt(f, 3, 1, end.Add(-30*time.Hour), true, "E")
 	migration, err := f.Pool.Begin(ctx)
 	require.NoError(t, err)
-	defer migration.Rollback(ctx)                                         //nolint:errcheck // only holds the lock
-	_, err = migration.Exec(ctx, `LOCK TABLE outbox_older IN SHARE MODE`) // its detach waits for it
+	defer migration.Rollback(ctx) //nolint:errcheck // only holds the lock
+	// The older partition's detach waits for this lock.
+	_, err = migration.Exec(ctx, `LOCK TABLE outbox_older IN SHARE MODE`)
 	require.NoError(t, err)
 	cfg := f.Config()
 	cfg.KeepPublishedFor = time.Minute
