@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/outbox-relay/outbox-operator/dbauth"
 )
@@ -56,6 +57,34 @@ type database struct {
 	// opened are closed when a connection of their dsnKey opens, for the
 	// observers whose reading is almost due to take it then (FlowObserver.run).
 	opened map[string]chan struct{}
+	// failed is the last read's failure to reach the database (a connect
+	// or a query that failed or ran out its time, not a refusal); nil once
+	// a read succeeds. A read that found no turn while the reads before it
+	// failed so reports that: the turns were slow because the database
+	// is, and more connections would not help.
+	failed error
+}
+
+// noteRead records how a read that had a turn ended: err nil (it read),
+// a refusal (the server answered), or a failure to reach the database.
+func (d *database) noteRead(err error) {
+	var pgErr *pgconn.PgError
+	if err != nil && errors.As(err, &pgErr) && pgErr.Code != "57014" { // answered, unless it canceled a statement that ran out its time
+		return
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.failed = err
+}
+
+// lastFailed is the failure the database's last read that ended met
+// reaching it, nil when that read reached it; a read stays in hand for up
+// to backlogQueryTimeout and more, as long as the wait for a turn, so the
+// one ending just now is as current as a read can tell.
+func (d *database) lastFailed() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.failed
 }
 
 // maxPassedOver is how many later reads may take a turn before a waiting read.
@@ -434,6 +463,11 @@ func (o *FlowObserver) read(ctx context.Context, db *sharedDB, q backlogQuery, b
 		defer cancel()
 		conn, err := db.db.turn(wctx, db.key)
 		if err != nil {
+			if failed := db.db.lastFailed(); failed != nil {
+				// The reads ahead failed to reach the database, each taking
+				// its time out: that, not their number, is why.
+				return backlogSample{}, fmt.Errorf("read the backlog of %s: %w (%w)", q.table, failed, errNoTurn)
+			}
 			return backlogSample{}, fmt.Errorf("read the backlog of %s: %w", q.table, errNoTurn)
 		}
 		defer db.db.done(db.key) // after put: the connection goes with the turn
@@ -443,10 +477,12 @@ func (o *FlowObserver) read(ctx context.Context, db *sharedDB, q backlogQuery, b
 		if conn == nil {
 			conn, err = db.db.conn(rctx, db.key, db.cfg, db.tokens)
 			if err != nil {
+				db.db.noteRead(err)
 				return backlogSample{}, fmt.Errorf("read the backlog of %s: %w", q.table, err)
 			}
 		}
 		s, err := observeBacklog(rctx, conn, q, bound)
+		db.db.noteRead(err)
 		db.db.put(db.key, conn)
 		if err != nil {
 			return s, err

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -349,4 +350,52 @@ func TestALowerIntervalIsReadAtOnce(t *testing.T) {
 		s := o.Observe(key, target).sample
 		return s != nil && s.at.After(first.at)
 	}, 10*time.Second, 10*time.Millisecond, "read again well within the old hour")
+}
+
+// A database that does not answer makes each read take its connect
+// timeout, so the reads behind them find no turn: they say the database
+// cannot be reached, as the reads ahead of them found, not that the
+// connections were busy (whose advice, more connections, would add load
+// to a database that is down).
+func TestASilentDatabaseIsNotCalledBusy(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	go func() { // accepts and never answers
+		var held []net.Conn
+		defer func() {
+			for _, c := range held {
+				_ = c.Close()
+			}
+		}()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			held = append(held, c)
+		}
+	}()
+	o := NewFlowObserver()
+	o.ConnsPerDatabase = 1
+	db, err := o.acquire("postgres://u:p@"+ln.Addr().String()+"/orders?sslmode=disable", nil, dbAuth{})
+	require.NoError(t, err)
+	defer o.release(db)
+	// The first read fails once its connect runs out its time.
+	_, err = o.read(context.Background(), db, backlogQuery{table: outbox.Table{Name: "first"}}, 10, 100*time.Millisecond)
+	require.Equal(t, "cannot reach PostgreSQL with the DSN in Secret orders-dsn (the operator's log has the error)", backlogError(err, "orders-dsn"))
+	const readers = 3 // each takes its connect timeout: the last ones wait past backlogQueryTimeout
+	msgs := make(chan string, readers)
+	for i := range readers {
+		go func() {
+			_, err := o.read(context.Background(), db, backlogQuery{table: outbox.Table{Name: fmt.Sprintf("t%d", i)}}, 10, 100*time.Millisecond)
+			msgs <- backlogError(err, "orders-dsn")
+		}()
+	}
+	for range readers {
+		msg := <-msgs
+		require.NotContains(t, msg, "busy")
+		require.Contains(t, msg, "cannot reach PostgreSQL with the DSN in Secret orders-dsn")
+	}
 }
