@@ -107,25 +107,32 @@ func (pr *pruner) prune(ctx context.Context) error {
 		}
 		return pr.prunePartitions(ctx, conn, oid)
 	}
-	after := int64(indexStart)
+	// A walk in id order, a batch of rows at a time, up to the first batch
+	// with no row old enough: past it, rows are kept (ids follow creation
+	// but for transactions that ran long, whose rows a later walk takes).
+	after, deleted := int64(indexStart), int64(0)
 	for ctx.Err() == nil {
 		start := time.Now()
-		var n, last int64
-		if err := conn.QueryRow(ctx, pr.sql.Prune, after, pr.cfg.KeepPublishedFor.Seconds(), pr.cfg.PruneBatchSize).Scan(&n, &last); err != nil {
+		var n, last, old int64
+		if err := conn.QueryRow(ctx, pr.sql.Prune, after, pr.cfg.KeepPublishedFor.Seconds(), pr.cfg.PruneBatchSize).Scan(&n, &last, &old); err != nil {
 			return fmt.Errorf("prune %s: %w", pr.table, err)
 		}
 		pr.m.pruneDuration.Observe(time.Since(start).Seconds())
 		pr.m.pruned.Add(float64(n))
-		if n == 0 {
-			if after == indexStart {
+		deleted += n
+		if old == 0 { // past the old rows
+			if deleted == 0 {
 				return nil // nothing old enough
 			}
-			after = indexStart // rows skipped (held by others) are looked at again
+			// Rows skipped (held by others) are looked at again.
+			after, deleted = indexStart, 0
 			sleep(ctx, jitter(pruneEvery))
 			continue
 		}
 		after = last
-		sleep(ctx, pr.cfg.PrunePause)
+		if n > 0 {
+			sleep(ctx, pr.cfg.PrunePause)
+		}
 	}
 	return nil
 }

@@ -71,10 +71,15 @@ type SQL struct {
 	// Partitioned: built WithPartitions; Mark and Delete take the rows'
 	// created_at ($4) and the batch's created_at bounds ($2, $3).
 	Partitioned bool
-	// Prune deletes up to $3 published rows with ids above $1 published more
-	// than $2 seconds ago, skipping rows another transaction holds, and
-	// returns the count and the highest id deleted. It never touches an
-	// unpublished row: published_at is NULL there.
+	// Prune looks at the $3 rows with the ids above $1 and deletes those
+	// published more than $2 seconds ago, skipping rows another
+	// transaction holds. It returns the count deleted, the highest id
+	// looked at ($1 when none), and how many of them were created or
+	// published more than $2 seconds ago: none, and the walk is past the
+	// old rows. It never touches an unpublished row: published_at is NULL
+	// there. Bounded so: a statement that looked for $3 rows to delete
+	// read every row kept after the old ones, the whole table at each
+	// pass once they were gone.
 	Prune string
 	// BacklogByType counts unpublished rows per event type, up to $1 rows
 	// in all (NULL event types count under NULL).
@@ -443,13 +448,18 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
     LIMIT $5`,
 		Mark:   `UPDATE ` + q + ` SET published_at = now() WHERE ` + marked,
 		Delete: `DELETE FROM ` + q + ` WHERE ` + marked,
-		Prune: `WITH doomed AS (
+		Prune: `WITH chunk AS (
+    SELECT id, published_at < now() - $2::float8 * interval '1 second' AS due,
+           created_at < now() - $2::float8 * interval '1 second' AS old
+    FROM ` + q + `
+    WHERE id > $1
+    ORDER BY id LIMIT $3),
+doomed AS (
     SELECT id FROM ` + q + `
-    WHERE id > $1 AND published_at < now() - $2::float8 * interval '1 second'
-    ORDER BY id LIMIT $3
+    WHERE id = ANY(ARRAY(SELECT id FROM chunk WHERE due)) AND published_at < now() - $2::float8 * interval '1 second'
     FOR UPDATE SKIP LOCKED),
-gone AS (DELETE FROM ` + q + ` WHERE id IN (SELECT id FROM doomed) RETURNING id)
-SELECT count(*), COALESCE(max(id), 0) FROM gone`,
+gone AS (DELETE FROM ` + q + ` WHERE id = ANY(ARRAY(SELECT id FROM doomed)) RETURNING id)
+SELECT (SELECT count(*) FROM gone), COALESCE((SELECT max(id) FROM chunk), $1), (SELECT count(*) FROM chunk WHERE old OR due)`,
 		BacklogByType: `SELECT event_type, count(*) FROM (SELECT event_type FROM ` + q + ` WHERE published_at IS NULL LIMIT $1) s GROUP BY 1`,
 		// A created_at out of range is left out: its row is held, and
 		// before PostgreSQL 17 now() - 'infinity' fails the statement.

@@ -1,0 +1,73 @@
+package relay
+
+import (
+	"context"
+	"encoding/json"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/outbox-relay/outbox-operator/outbox"
+)
+
+// A prune statement reads the old rows and one batch past them, not the
+// rows kept after them: before, looking for a batch of rows to delete, it
+// read every kept row (20,000 here) at each pass, the whole table once the
+// old rows were gone.
+func TestPruneReadsTheOldRowsAndOneBatch(t *testing.T) {
+	ctx := context.Background()
+	_, pool := outboxDB(t)
+	insert := func(n int, age string) {
+		_, err := pool.Exec(ctx, `INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at, published_at)
+			SELECT gen_random_uuid(), 'Order', 'o', 'E', '{}', 'k', now() - $2::interval, now() - $2::interval FROM generate_series(1, $1)`, n, age)
+		require.NoError(t, err)
+	}
+	insert(3, "2 hours")
+	insert(20000, "0 seconds")
+	_, err := pool.Exec(ctx, `ANALYZE outbox`)
+	require.NoError(t, err)
+	prune := NewSQL(outbox.Table{Name: "outbox"}).Prune
+	// pass reads the plan of a prune (rolled back), then prunes.
+	pass := func(after int64) (deleted, old int64, read float64) {
+		tx, err := pool.Begin(ctx)
+		require.NoError(t, err)
+		var plan string
+		require.NoError(t, tx.QueryRow(ctx, "EXPLAIN (ANALYZE, FORMAT JSON) "+prune, after, 3600.0, 1000).Scan(&plan))
+		require.NoError(t, tx.Rollback(ctx))
+		var nodes []struct{ Plan planNode }
+		require.NoError(t, json.Unmarshal([]byte(plan), &nodes))
+		var last int64
+		require.NoError(t, pool.QueryRow(ctx, prune, after, 3600.0, 1000).Scan(&deleted, &last, &old))
+		return deleted, old, nodes[0].Plan.rowsRead("outbox")
+	}
+	deleted, old, read := pass(indexStart)
+	require.Equal(t, int64(3), deleted)
+	require.Equal(t, int64(3), old)
+	require.LessOrEqual(t, read, 1100.0, "the old rows and a batch")
+	deleted, old, read = pass(indexStart)
+	require.Zero(t, deleted)
+	require.Zero(t, old, "past the old rows: the walk ends")
+	require.LessOrEqual(t, read, 1100.0, "one batch, not the kept rows")
+}
+
+// planNode is a node of EXPLAIN (ANALYZE, FORMAT JSON).
+type planNode struct {
+	Relation string     `json:"Relation Name"`
+	Rows     float64    `json:"Actual Rows"`
+	Loops    float64    `json:"Actual Loops"`
+	Removed  float64    `json:"Rows Removed by Filter"`
+	Plans    []planNode `json:"Plans"`
+}
+
+// rowsRead sums the rows the plan's scans of table read: returned, and
+// removed by their filter.
+func (n planNode) rowsRead(table string) float64 {
+	sum := 0.0
+	if n.Relation == table {
+		sum += n.Rows*n.Loops + n.Removed
+	}
+	for _, c := range n.Plans {
+		sum += c.rowsRead(table)
+	}
+	return sum
+}
