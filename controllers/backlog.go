@@ -310,12 +310,12 @@ func streams(relay *outboxv1alpha1.OutboxRelay) bool {
 	return relay.Spec.Capture != nil && relay.Spec.Capture.Mode == outboxv1alpha1.CaptureLogicalReplication
 }
 
-// deletesPublished reports whether a published row of relay is deleted
-// (spec.retention.onPublish Delete, or writer deletes) rather than marked.
+// deletesPublished reports whether relay deletes the rows it published
+// (spec.retention.onPublish Delete) rather than marks them. With writer
+// deletes the rows the writers delete never wait in the table: those that
+// do (kept while no such relay streamed) the relay marks, or deletes.
 func deletesPublished(relay *outboxv1alpha1.OutboxRelay) bool {
-	c := relay.Spec.Capture
-	return (relay.Spec.Retention != nil && relay.Spec.Retention.OnPublish == outboxv1alpha1.OnPublishDelete) ||
-		(streams(relay) && c.WriterDeletes)
+	return relay.Spec.Retention != nil && relay.Spec.Retention.OnPublish == outboxv1alpha1.OnPublishDelete
 }
 
 func deref(s *string) string {

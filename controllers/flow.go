@@ -179,6 +179,8 @@ func (o *FlowObserver) Observe(key types.NamespacedName, target flowTarget) flow
 		o.stopLocked(f)
 		if f.target.table != target.table || dsnPlace(f.target.dsn) != dsnPlace(target.dsn) {
 			f.latest, f.lastErr, f.counters, f.retargeted = nil, "", nil, true
+		} else if f.target.deletes != target.deletes {
+			f.counters = nil // another counter: the rate starts again
 		} // else the same table with new credentials (a password or certificate rotated): what was read of it stands
 		f.target = target
 		o.startLocked(key, f)
@@ -249,7 +251,10 @@ func (o *FlowObserver) startLocked(key types.NamespacedName, f *relayFlow) {
 	}
 	ctx, cancel := context.WithCancel(o.ctx)
 	f.cancel, f.done = cancel, make(chan struct{})
-	go o.run(ctx, key, f.target, f.done)
+	// An observer started again on the same table (a shorter interval,
+	// credentials rotated) knows whether its held table exists: without
+	// it, its first reading counted the held rows as pending.
+	go o.run(ctx, key, f.target, f.done, f.latest != nil && f.latest.heldTable)
 }
 
 // stopLocked cancels f's observer without waiting: its pool closes as the
@@ -262,7 +267,7 @@ func (o *FlowObserver) stopLocked(f *relayFlow) {
 }
 
 // run reads the backlog at once and then every interval until ctx ends.
-func (o *FlowObserver) run(ctx context.Context, key types.NamespacedName, target flowTarget, done chan struct{}) {
+func (o *FlowObserver) run(ctx context.Context, key types.NamespacedName, target flowTarget, done chan struct{}, withHeld bool) {
 	defer close(done)
 	log := ctrl.LoggerFrom(ctx).WithValues("outboxrelay", key)
 	db, err := o.acquire(target.dsn, target.tls, target.auth)
@@ -283,7 +288,7 @@ func (o *FlowObserver) run(ctx context.Context, key types.NamespacedName, target
 	due, early := time.Now(), time.Duration(0)
 	reads := 0
 	lastLogged := ""
-	withHeld := false // the first read finds out whether the held table exists
+	// Unless known, the first read finds out whether the held table exists.
 	for {
 		if !readingDue(ctx, db, due, early) {
 			return

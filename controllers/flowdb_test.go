@@ -331,25 +331,39 @@ func TestTurnsGoByDSNButStarveNone(t *testing.T) {
 	}
 }
 
-// A backlog interval lowered is read at the new one at once. Before, the
+// A backlog interval lowered is read at the new one at once, with what
+// the observer knew: a held row stays held, not pending. Before, the
 // observer waited out the wait the old interval had set (up to an hour),
 // lag and autoscaling frozen meanwhile.
 func TestALowerIntervalIsReadAtOnce(t *testing.T) {
 	t.Parallel()
-	dsn, _ := outboxDB(t)
+	dsn, db := outboxDB(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
+	_, err := db.Exec(ctx, outbox.HeldDDL(outboxTable))
+	require.NoError(t, err)
+	insertRows(t, db, 1, "OrderConfirmed", time.Hour)
+	_, err = db.Exec(ctx, `INSERT INTO outbox_held (id, event_id, event_type, reason, error, retry_at)
+		SELECT id, event_id, event_type, 'refused', 'refused', now() + interval '1 hour' FROM outbox`)
+	require.NoError(t, err)
 	o := NewFlowObserver()
 	go func() { _ = o.Start(ctx) }()
 	key := types.NamespacedName{Namespace: "ns", Name: "lowered"}
-	target := flowTarget{dsn: dsn, dsnSecret: "dsn", table: outboxTable, interval: time.Hour}
+	target := flowTarget{dsn: dsn, dsnSecret: "dsn", table: outboxTable, interval: time.Hour,
+		topics: map[string]outboxv1alpha1.TopicName{"OrderConfirmed": "orders"}}
 	var first *backlogSample
 	require.Eventually(t, func() bool { first = o.Observe(key, target).sample; return first != nil }, 30*time.Second, 10*time.Millisecond)
+	relay, _ := minimalRelay("ns", "lowered")
+	require.True(t, first.heldTable, "the first reading finds the held table")
 	target.interval = 100 * time.Millisecond
+	var again *backlogSample
 	require.Eventually(t, func() bool {
-		s := o.Observe(key, target).sample
-		return s != nil && s.at.After(first.at)
+		again = o.Observe(key, target).sample
+		return again != nil && again.at.After(first.at)
 	}, 10*time.Second, 10*time.Millisecond, "read again well within the old hour")
+	b := backlogStatus(relay, again)
+	require.Zero(t, b.Pending, "the held row is not pending")
+	require.Equal(t, int64(1), b.Held.Refused)
 }
 
 // A database that does not answer makes each read take its connect

@@ -336,8 +336,8 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 			s["podAnnotations"] = map[string]any{"team": "orders", "seccomp.security.alpha.kubernetes.io/pod": "unconfined"}
 		}, []string{"spec.podAnnotations", "must not set seccomp.security.alpha.kubernetes.io/pod", "spec.template.pod.securityContext.seccompProfile"}},
 		invalidCase{"template annotations legacy container seccomp", func(s map[string]any) {
-			s["template"] = map[string]any{"metadata": map[string]any{"annotations": map[string]any{"container.seccomp.security.alpha.kubernetes.io/relay": "runtime/default"}}}
-		}, []string{"spec.template.metadata.annotations", "must not set container.seccomp.security.alpha.kubernetes.io/relay"}},
+			s["template"] = map[string]any{"metadata": map[string]any{"annotations": map[string]any{"container.seccomp.security.alpha.kubernetes.io/relay": "localhost/profile.json"}}}
+		}, []string{"spec.template.metadata.annotations", "must not set container.seccomp.security.alpha.kubernetes.io/relay to other than runtime/default"}},
 		invalidCase{"podAnnotations apparmor unconfined", func(s map[string]any) {
 			s["podAnnotations"] = map[string]any{"container.apparmor.security.beta.kubernetes.io/relay": "unconfined"}
 		}, []string{"spec.podAnnotations", "must not set container.apparmor.security.beta.kubernetes.io/relay: unconfined breaks Pod Security restricted"}},
@@ -384,6 +384,9 @@ func TestAPIServerAcceptsEdgeCases(t *testing.T) {
 		edit func(spec map[string]any)
 	}{
 		{"batchSize 1", func(s map[string]any) { s["batchSize"] = int64(1) }},
+		{"legacy seccomp annotation runtime/default, as the operator's", func(s map[string]any) {
+			s["podAnnotations"] = map[string]any{"seccomp.security.alpha.kubernetes.io/pod": "runtime/default"}
+		}},
 		{"apparmor annotation runtime/default", func(s map[string]any) {
 			s["podAnnotations"] = map[string]any{"container.apparmor.security.beta.kubernetes.io/relay": "runtime/default"}
 		}},

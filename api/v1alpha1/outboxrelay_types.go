@@ -749,7 +749,8 @@ type OutboxRelaySpec struct {
 	// PodAnnotations are added to the relay pods; outbox.dev/config-hash
 	// is the operator's.
 	// +kubebuilder:validation:XValidation:rule="!('outbox.dev/config-hash' in self)",message="must not set outbox.dev/config-hash: the operator owns it"
-	// +kubebuilder:validation:XValidation:rule="!self.exists(k, k == 'seccomp.security.alpha.kubernetes.io/pod' || k.startsWith('container.seccomp.security.alpha.kubernetes.io/'))",messageExpression="'must not set ' + self.filter(k, k == 'seccomp.security.alpha.kubernetes.io/pod' || k.startsWith('container.seccomp.security.alpha.kubernetes.io/'))[0] + ': the seccomp annotations are deprecated, and the API server refuses a pod whose annotation differs from its seccompProfile, which the operator sets (RuntimeDefault); set spec.template.pod.securityContext.seccompProfile or spec.template.container.securityContext.seccompProfile'"
+	// +kubebuilder:validation:XValidation:rule="!('seccomp.security.alpha.kubernetes.io/pod' in self) || self['seccomp.security.alpha.kubernetes.io/pod'] in ['runtime/default', 'docker/default']",message="must not set seccomp.security.alpha.kubernetes.io/pod to other than runtime/default: the seccomp annotations are deprecated, and the API server refuses a pod whose annotation differs from its seccompProfile, which the operator sets (RuntimeDefault); set spec.template.pod.securityContext.seccompProfile"
+	// +kubebuilder:validation:XValidation:rule="!('container.seccomp.security.alpha.kubernetes.io/relay' in self) || self['container.seccomp.security.alpha.kubernetes.io/relay'] in ['runtime/default', 'docker/default']",message="must not set container.seccomp.security.alpha.kubernetes.io/relay to other than runtime/default: the seccomp annotations are deprecated, and the API server refuses a pod whose annotation differs from its container's seccompProfile, which the operator sets (RuntimeDefault); set spec.template.container.securityContext.seccompProfile"
 	// +kubebuilder:validation:XValidation:rule="!self.exists(k, k.startsWith('container.apparmor.security.beta.kubernetes.io/') && self[k] == 'unconfined')",messageExpression="'must not set ' + self.filter(k, k.startsWith('container.apparmor.security.beta.kubernetes.io/') && self[k] == 'unconfined')[0] + ': unconfined breaks Pod Security restricted; use runtime/default or localhost/<profile>'"
 	// +optional
 	PodAnnotations map[string]string `json:"podAnnotations,omitempty"`
@@ -804,10 +805,11 @@ type BacklogStatus struct {
 	// PublishedPerMinute is the number of rows published over the last
 	// minute (scaled to a minute while the operator has read for less than
 	// one), from the difference of PostgreSQL's count of the table's updated
-	// and deleted rows between reads: the relays update a row only to mark it
-	// published and delete one only once it is published (retention Delete),
-	// so no table scan is needed; rows pruned in the minute count too. Absent
-	// until two reads exist, or when the server does not count (track_counts off).
+	// rows between reads (of its deleted rows with retention.onPublish
+	// Delete): the relays update a row only to mark it published and delete
+	// one only once it is published, so no table scan is needed; rows pruned
+	// are not counted for a relay that marks. Absent until two reads exist,
+	// or when the server does not count (track_counts off).
 	// +optional
 	PublishedPerMinute *int64 `json:"publishedPerMinute,omitempty"`
 
