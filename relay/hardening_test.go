@@ -122,6 +122,15 @@ func TestStartupRefusesARoleThatCannotMarkOrDelete(t *testing.T) {
 	require.ErrorContains(t, err, "UPDATE (published_at)")
 	require.ErrorContains(t, err, `GRANT SELECT, UPDATE ON "outbox" TO "`+role+`"`)
 	require.Equal(t, 5, f.Unpublished(), "nothing was claimed")
+
+	// Column grants of every column the relay reads: polling with no
+	// ordering reads only those; a partition-key claim locks rows by their
+	// ctid, which only a grant on the table allows.
+	f.Exec(`GRANT SELECT (id, event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at, published_at, headers), UPDATE (published_at) ON outbox TO ` + role)
+	require.NoError(t, check(func(*relay.Config) {}))
+	err = check(func(c *relay.Config) { c.Ordering = relay.OrderingPartitionKey })
+	require.ErrorContains(t, err, "lacks SELECT (ctid)")
+	require.ErrorContains(t, err, `GRANT SELECT ON "outbox"`)
 }
 
 // A NULL that appears after start-up (a column altered later) holds its

@@ -618,6 +618,12 @@ func (r *Relay) checkTablePrivileges(ctx context.Context, headers bool) error {
 	if c := r.cfg.PartitionColumn; c != "" && !slices.Contains(read, c) {
 		read = append(read, c)
 	}
+	if r.cfg.Ordering == OrderingPartitionKey && !r.shape.partitioned {
+		read = append(read, "ctid") // its claim locks the rows it read by their heap address
+	}
+	if r.cfg.Capture == CaptureLogicalReplication {
+		read = append(read, "xmin") // its sweep takes the rows of transactions before a horizon
+	}
 	for _, c := range read {
 		need("SELECT", c)
 	}
