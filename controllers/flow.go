@@ -85,9 +85,10 @@ type flowTarget struct {
 	topics    map[string]outboxv1alpha1.TopicName // the topic map, to tell held rows from pending ones
 	byKey     bool                                // PartitionKey ordering
 	streams   bool                                // LogicalReplication capture: its slot must be read
-	// deletes: the relay deletes the rows it publishes (or the writers
-	// delete them), so its publish rate counts deleted rows; else it counts
-	// updated ones (marks), and pruning's deletes are no publishing.
+	// deletes: the relay deletes the rows it publishes, so its publish
+	// rate counts deleted rows; else it counts updated ones (marks), and
+	// pruning's deletes are no publishing. With writer deletes the rows the
+	// writers delete are counted by neither: only those kept in the table.
 	deletes bool
 }
 

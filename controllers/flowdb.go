@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"strconv"
 	"sync"
 	"time"
@@ -57,33 +58,45 @@ type database struct {
 	// opened are closed when a connection of their dsnKey opens, for the
 	// observers whose reading is almost due to take it then (FlowObserver.run).
 	opened map[string]chan struct{}
-	// failed is the last read's failure to reach the database (a connect
-	// or a query that failed or ran out its time, not a refusal); nil once
-	// a read succeeds. A read that found no turn while the reads before it
+	// failed is the last read's failure to reach the database (its
+	// connection could not be made or was lost, or ran out its time), at
+	// failedAt; nil once a read reaches it (the server answered, also with
+	// a refusal). A read that found no turn while the reads before it
 	// failed so reports that: the turns were slow because the database
-	// is, and more connections would not help.
-	failed error
+	// is, and more connections would not help. What one DSN's settings
+	// cause (TLS, a token, a password) is that DSN's, and not recorded.
+	failed   error
+	failedAt time.Time
 }
 
 // noteRead records how a read that had a turn ended: err nil (it read),
 // a refusal (the server answered), or a failure to reach the database.
 func (d *database) noteRead(err error) {
 	var pgErr *pgconn.PgError
-	if err != nil && errors.As(err, &pgErr) && pgErr.Code != "57014" { // answered, unless it canceled a statement that ran out its time
-		return
+	var netErr net.Error
+	reached := err == nil || errors.As(err, &pgErr)
+	unreachable := !reached && (errors.As(err, &netErr) || errors.Is(err, context.DeadlineExceeded) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || pgconn.Timeout(err))
+	if !reached && !unreachable {
+		return // the DSN's own (TLS, a token): says nothing of the database
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	d.failed = err
+	if reached {
+		d.failed = nil
+		return
+	}
+	d.failed, d.failedAt = err, time.Now()
 }
 
-// lastFailed is the failure the database's last read that ended met
-// reaching it, nil when that read reached it; a read stays in hand for up
-// to backlogQueryTimeout and more, as long as the wait for a turn, so the
-// one ending just now is as current as a read can tell.
-func (d *database) lastFailed() error {
+// failedWithin is the failure the database's last read that ended met
+// reaching it, if it ended within the last window, else nil.
+func (d *database) failedWithin(window time.Duration) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if d.failed == nil || time.Since(d.failedAt) > window {
+		return nil
+	}
 	return d.failed
 }
 
@@ -463,7 +476,9 @@ func (o *FlowObserver) read(ctx context.Context, db *sharedDB, q backlogQuery, b
 		defer cancel()
 		conn, err := db.db.turn(wctx, db.key)
 		if err != nil {
-			if failed := db.db.lastFailed(); failed != nil {
+			// Within two intervals: a read holds its turn for up to
+			// backlogQueryTimeout and more, as long as this wait.
+			if failed := db.db.failedWithin(4 * max(fresh, backlogQueryTimeout)); failed != nil {
 				// The reads ahead failed to reach the database, each taking
 				// its time out: that, not their number, is why.
 				return backlogSample{}, fmt.Errorf("read the backlog of %s: %w (%w)", q.table, failed, errNoTurn)

@@ -34,6 +34,11 @@ type pruner struct {
 	m       *metrics
 	log     *slog.Logger
 
+	// walkedAll is when a walk of a plain table last went to its end (not
+	// only past the old rows): ids that do not follow creation (ranges of
+	// their own, a sequence counting down) put old rows after young ones.
+	walkedAll time.Time
+
 	warnedDefault bool // the DEFAULT partition that stops partition drops was logged
 	// fences are what each old partition waits for before it is detached
 	// (fenced), by partitionKey; those of partitions gone are forgotten.
@@ -69,6 +74,9 @@ func (pr *pruner) loop(ctx context.Context) {
 		sleep(ctx, jitter(every))
 	}
 }
+
+// fullWalkEvery is how often a walk of a plain table goes to its end.
+const fullWalkEvery = 10 * time.Minute
 
 // restoreEvery is how often, with retention off, a replica looks for
 // partitions a pruner detached and did not drop (restoreDetached): only a
@@ -108,9 +116,12 @@ func (pr *pruner) prune(ctx context.Context) error {
 		return pr.prunePartitions(ctx, conn, oid)
 	}
 	// A walk in id order, a batch of rows at a time, up to the first batch
-	// with no row old enough: past it, rows are kept (ids follow creation
-	// but for transactions that ran long, whose rows a later walk takes).
+	// with no row old enough: past it, rows are kept, as ids follow
+	// creation, but for transactions that ran long, whose rows a later
+	// walk takes. Every fullWalkEvery a walk goes to the table's end, for
+	// ids that do not follow creation.
 	after, deleted := int64(indexStart), int64(0)
+	all := time.Since(pr.walkedAll) >= fullWalkEvery
 	for ctx.Err() == nil {
 		start := time.Now()
 		var n, last, old int64
@@ -120,7 +131,10 @@ func (pr *pruner) prune(ctx context.Context) error {
 		pr.m.pruneDuration.Observe(time.Since(start).Seconds())
 		pr.m.pruned.Add(float64(n))
 		deleted += n
-		if old == 0 { // past the old rows
+		if old == 0 && (!all || last == after) { // past the old rows, or at the table's end
+			if all {
+				pr.walkedAll, all = time.Now(), false
+			}
 			if deleted == 0 {
 				return nil // nothing old enough
 			}
@@ -130,9 +144,9 @@ func (pr *pruner) prune(ctx context.Context) error {
 			continue
 		}
 		after = last
-		if n > 0 {
-			sleep(ctx, pr.cfg.PrunePause)
-		}
+		// Paced also through batches it deleted nothing of (a backlog
+		// of old rows not yet published): each read a batch.
+		sleep(ctx, pr.cfg.PrunePause)
 	}
 	return nil
 }

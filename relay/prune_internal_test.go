@@ -4,10 +4,12 @@ import (
 	"context"
 	"encoding/json"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/outbox-relay/outbox-operator/outbox"
+	"github.com/outbox-relay/outbox-operator/test/testenv"
 )
 
 // A prune statement reads the old rows and one batch past them, not the
@@ -70,4 +72,48 @@ func (n planNode) rowsRead(table string) float64 {
 		sum += c.rowsRead(table)
 	}
 	return sum
+}
+
+// A walk goes on through a batch of old rows it cannot delete (a backlog
+// not yet published) to the old published rows after it, and stops past
+// the old rows; every fullWalkEvery it goes to the table's end, for old
+// rows whose ids come after young ones (ids given by hand, in ranges).
+func TestPruneWalksThroughOldRowsAndNowAndThenToTheEnd(t *testing.T) {
+	ctx := context.Background()
+	dsn, pool := outboxDB(t)
+	insert := func(from, to int, age string, published bool) {
+		_, err := pool.Exec(ctx, `INSERT INTO outbox (id, event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at, published_at)
+			OVERRIDING SYSTEM VALUE SELECT g, gen_random_uuid(), 'Order', 'o', 'E', '{}', 'k', now() - $3::interval, CASE WHEN $4 THEN now() - $3::interval END
+			FROM generate_series($1::bigint, $2::bigint) g`, from, to, age, published)
+		require.NoError(t, err)
+	}
+	insert(1, 3, "2 hours", true)
+	insert(4, 1503, "2 hours", false) // more than a batch, old, not published
+	insert(1504, 1506, "2 hours", true)
+	insert(1507, 3506, "0 seconds", true)
+	insert(10001, 10003, "2 hours", true) // after young rows
+	r, err := New(Config{Settings: Settings{DSN: dsn, Brokers: []string{testenv.Broker().Addr()}, Topics: map[string]string{"E": "t"},
+		KeepPublishedFor: time.Hour}})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.Close() })
+	require.NoError(t, r.Check(ctx))
+	pr := r.newPruner()
+	left := func(from, to int) (n int) {
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE id BETWEEN $1 AND $2`, from, to).Scan(&n))
+		return n
+	}
+	pr.walkedAll = time.Now()
+	require.NoError(t, pr.prune(ctx))
+	require.Zero(t, left(1, 3))
+	require.Zero(t, left(1504, 1506), "past the batch of old unpublished rows")
+	require.Equal(t, 1500, left(4, 1503), "never an unpublished row")
+	require.Equal(t, 2000, left(1507, 3506))
+	require.Equal(t, 3, left(10001, 10003), "the walk stopped past the old rows")
+
+	pr.walkedAll = time.Time{} // a full walk is due
+	require.NoError(t, pr.prune(ctx))
+	require.Zero(t, left(10001, 10003), "a full walk takes them")
+	require.Equal(t, 2000, left(1507, 3506))
+	require.Equal(t, 1500, left(4, 1503))
+	require.WithinDuration(t, time.Now(), pr.walkedAll, time.Minute)
 }

@@ -618,8 +618,8 @@ func (r *Relay) checkTablePrivileges(ctx context.Context, headers bool) error {
 	if c := r.cfg.PartitionColumn; c != "" && !slices.Contains(read, c) {
 		read = append(read, c)
 	}
-	if r.cfg.Ordering == OrderingPartitionKey && !r.shape.partitioned {
-		read = append(read, "ctid") // its claim locks the rows it read by their heap address
+	if r.cfg.Ordering == OrderingPartitionKey {
+		read = append(read, "ctid") // its claim reads the rows' heap addresses (and on a plain table locks by them)
 	}
 	if r.cfg.Capture == CaptureLogicalReplication {
 		read = append(read, "xmin") // its sweep takes the rows of transactions before a horizon

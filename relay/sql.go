@@ -452,14 +452,14 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
     SELECT id, published_at < now() - $2::float8 * interval '1 second' AS due,
            created_at < now() - $2::float8 * interval '1 second' AS old
     FROM ` + q + `
-    WHERE id > $1
+    WHERE id > $1::bigint
     ORDER BY id LIMIT $3),
 doomed AS (
     SELECT id FROM ` + q + `
     WHERE id = ANY(ARRAY(SELECT id FROM chunk WHERE due)) AND published_at < now() - $2::float8 * interval '1 second'
     FOR UPDATE SKIP LOCKED),
 gone AS (DELETE FROM ` + q + ` WHERE id = ANY(ARRAY(SELECT id FROM doomed)) RETURNING id)
-SELECT (SELECT count(*) FROM gone), COALESCE((SELECT max(id) FROM chunk), $1), (SELECT count(*) FROM chunk WHERE old OR due)`,
+SELECT (SELECT count(*) FROM gone), COALESCE((SELECT max(id) FROM chunk), $1::bigint), (SELECT count(*) FROM chunk WHERE old OR due)`,
 		BacklogByType: `SELECT event_type, count(*) FROM (SELECT event_type FROM ` + q + ` WHERE published_at IS NULL LIMIT $1) s GROUP BY 1`,
 		// A created_at out of range is left out: its row is held, and
 		// before PostgreSQL 17 now() - 'infinity' fails the statement.
