@@ -74,8 +74,14 @@ type database struct {
 func (d *database) noteRead(err error) {
 	var pgErr *pgconn.PgError
 	var netErr net.Error
-	reached := err == nil || errors.As(err, &pgErr)
-	unreachable := !reached && (errors.As(err, &netErr) || errors.Is(err, context.DeadlineExceeded) ||
+	var opErr *net.OpError
+	// A statement canceled by statement_timeout (57014) was answered, by a
+	// database too slow to read.
+	timedOut := errors.As(err, &pgErr) && pgErr.Code == "57014"
+	reached := err == nil || (errors.As(err, &pgErr) && !timedOut)
+	own := errors.Is(err, dbauth.ErrNoToken) || errors.Is(err, dbauth.ErrPlainText) ||
+		(errors.As(err, &opErr) && opErr.Op == "remote error") // the server refused this DSN's TLS
+	unreachable := !reached && !own && (timedOut || errors.As(err, &netErr) || errors.Is(err, context.DeadlineExceeded) ||
 		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || pgconn.Timeout(err))
 	if !reached && !unreachable {
 		return // the DSN's own (TLS, a token): says nothing of the database

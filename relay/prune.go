@@ -34,10 +34,11 @@ type pruner struct {
 	m       *metrics
 	log     *slog.Logger
 
-	// walkedAll is when a walk of a plain table last went to its end (not
-	// only past the old rows): ids that do not follow creation (ranges of
-	// their own, a sequence counting down) put old rows after young ones.
-	walkedAll time.Time
+	// tail is where the last pass's look past the old rows of a plain
+	// table ended (tailBatches): ids that do not follow creation (ranges
+	// of their own, a sequence counting down) put old rows after young
+	// ones, which the walks from the head never reach.
+	tail int64
 
 	warnedDefault bool // the DEFAULT partition that stops partition drops was logged
 	// fences are what each old partition waits for before it is detached
@@ -47,7 +48,7 @@ type pruner struct {
 
 // newPruner is r's pruner, once Check has read the table.
 func (r *Relay) newPruner() *pruner {
-	return &pruner{table: r.table, cfg: r.cfg, sql: r.sql, shape: r.shape, connect: r.connect, m: r.m, log: r.log}
+	return &pruner{table: r.table, cfg: r.cfg, sql: r.sql, shape: r.shape, connect: r.connect, m: r.m, log: r.log, tail: indexStart}
 }
 
 // loop deletes published rows older than KeepPublishedFor (on a
@@ -75,8 +76,42 @@ func (pr *pruner) loop(ctx context.Context) {
 	}
 }
 
-// fullWalkEvery is how often a walk of a plain table goes to its end.
-const fullWalkEvery = 10 * time.Minute
+// tailBatches is how many batches past the old rows each pass looks at.
+const tailBatches = 10
+
+// pruneBatch looks at the batch of rows after id after and deletes those
+// old enough (SQL.Prune).
+func (pr *pruner) pruneBatch(ctx context.Context, conn *pgx.Conn, after int64) (deleted, last, old int64, err error) {
+	start := time.Now()
+	if err := conn.QueryRow(ctx, pr.sql.Prune, after, pr.cfg.KeepPublishedFor.Seconds(), pr.cfg.PruneBatchSize).Scan(&deleted, &last, &old); err != nil {
+		return 0, 0, 0, fmt.Errorf("prune %s: %w", pr.table, err)
+	}
+	pr.m.pruneDuration.Observe(time.Since(start).Seconds())
+	pr.m.pruned.Add(float64(deleted))
+	return deleted, last, old, nil
+}
+
+// pruneTail looks at tailBatches batches from where the last pass's look
+// ended (from head on, the end of the rows this pass walked, when that is
+// further), wrapping at the table's end, and deletes what is old enough.
+func (pr *pruner) pruneTail(ctx context.Context, conn *pgx.Conn, head int64) (int64, error) {
+	after, deleted := max(pr.tail, head), int64(0)
+	for range tailBatches {
+		n, last, _, err := pr.pruneBatch(ctx, conn, after)
+		if err != nil {
+			return deleted, err
+		}
+		deleted += n
+		if last == after { // the table's end: the next pass starts from its head
+			after = indexStart
+			break
+		}
+		after = last
+		sleep(ctx, pr.cfg.PrunePause)
+	}
+	pr.tail = after
+	return deleted, nil
+}
 
 // restoreEvery is how often, with retention off, a replica looks for
 // partitions a pruner detached and did not drop (restoreDetached): only a
@@ -118,35 +153,30 @@ func (pr *pruner) prune(ctx context.Context) error {
 	// A walk in id order, a batch of rows at a time, up to the first batch
 	// with no row old enough: past it, rows are kept, as ids follow
 	// creation, but for transactions that ran long, whose rows a later
-	// walk takes. Every fullWalkEvery a walk goes to the table's end, for
-	// ids that do not follow creation.
+	// walk takes. Then tailBatches more, from where the last pass's ended,
+	// for ids that do not follow creation: the whole table in turn.
 	after, deleted := int64(indexStart), int64(0)
-	all := time.Since(pr.walkedAll) >= fullWalkEvery
 	for ctx.Err() == nil {
-		start := time.Now()
-		var n, last, old int64
-		if err := conn.QueryRow(ctx, pr.sql.Prune, after, pr.cfg.KeepPublishedFor.Seconds(), pr.cfg.PruneBatchSize).Scan(&n, &last, &old); err != nil {
-			return fmt.Errorf("prune %s: %w", pr.table, err)
+		n, last, old, err := pr.pruneBatch(ctx, conn, after)
+		if err != nil {
+			return err
 		}
-		pr.m.pruneDuration.Observe(time.Since(start).Seconds())
-		pr.m.pruned.Add(float64(n))
 		deleted += n
-		if old == 0 && (!all || last == after) { // past the old rows, or at the table's end
-			if all {
-				pr.walkedAll, all = time.Now(), false
-			}
-			if deleted == 0 {
-				return nil // nothing old enough
-			}
-			// Rows skipped (held by others) are looked at again.
-			after, deleted = indexStart, 0
-			sleep(ctx, jitter(pruneEvery))
+		sleep(ctx, pr.cfg.PrunePause) // paced also through batches it deleted nothing of: each read a batch
+		if old > 0 {
+			after = last
 			continue
 		}
-		after = last
-		// Paced also through batches it deleted nothing of (a backlog
-		// of old rows not yet published): each read a batch.
-		sleep(ctx, pr.cfg.PrunePause)
+		n, err = pr.pruneTail(ctx, conn, last)
+		if err != nil {
+			return err
+		}
+		if deleted += n; deleted == 0 {
+			return nil // nothing old enough
+		}
+		// Rows skipped (held by others) are looked at again.
+		after, deleted = indexStart, 0
+		sleep(ctx, jitter(pruneEvery))
 	}
 	return nil
 }

@@ -76,9 +76,11 @@ func (n planNode) rowsRead(table string) float64 {
 
 // A walk goes on through a batch of old rows it cannot delete (a backlog
 // not yet published) to the old published rows after it, and stops past
-// the old rows; every fullWalkEvery it goes to the table's end, for old
-// rows whose ids come after young ones (ids given by hand, in ranges).
-func TestPruneWalksThroughOldRowsAndNowAndThenToTheEnd(t *testing.T) {
+// the old rows; each pass then looks at tailBatches more batches, from
+// where the last pass's look ended, so old rows whose ids come after young
+// ones (ids given by hand, in ranges) are reached in turn, at a bounded
+// cost per pass.
+func TestPruneWalksThroughOldRowsAndTheRestInTurn(t *testing.T) {
 	ctx := context.Background()
 	dsn, pool := outboxDB(t)
 	insert := func(from, to int, age string, published bool) {
@@ -90,10 +92,10 @@ func TestPruneWalksThroughOldRowsAndNowAndThenToTheEnd(t *testing.T) {
 	insert(1, 3, "2 hours", true)
 	insert(4, 1503, "2 hours", false) // more than a batch, old, not published
 	insert(1504, 1506, "2 hours", true)
-	insert(1507, 3506, "0 seconds", true)
-	insert(10001, 10003, "2 hours", true) // after young rows
+	insert(1507, 13506, "0 seconds", true) // twelve batches of young rows
+	insert(20001, 20003, "2 hours", true)  // old rows after them
 	r, err := New(Config{Settings: Settings{DSN: dsn, Brokers: []string{testenv.Broker().Addr()}, Topics: map[string]string{"E": "t"},
-		KeepPublishedFor: time.Hour}})
+		KeepPublishedFor: time.Hour, PrunePause: time.Millisecond}})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = r.Close() })
 	require.NoError(t, r.Check(ctx))
@@ -102,18 +104,21 @@ func TestPruneWalksThroughOldRowsAndNowAndThenToTheEnd(t *testing.T) {
 		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE id BETWEEN $1 AND $2`, from, to).Scan(&n))
 		return n
 	}
-	pr.walkedAll = time.Now()
+	conn, err := pr.connect(ctx)
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	n, err := pr.pruneTail(ctx, conn, 2506)
+	require.NoError(t, err)
+	require.Zero(t, n, "ten batches on: not yet at the old rows after the young ones")
+	require.Equal(t, int64(12506), pr.tail)
+	n, err = pr.pruneTail(ctx, conn, 2506)
+	require.NoError(t, err)
+	require.Equal(t, int64(3), n, "the next pass's look reaches them")
+	require.Equal(t, int64(indexStart), pr.tail, "and, at the table's end, starts again from its head")
+
 	require.NoError(t, pr.prune(ctx))
 	require.Zero(t, left(1, 3))
 	require.Zero(t, left(1504, 1506), "past the batch of old unpublished rows")
 	require.Equal(t, 1500, left(4, 1503), "never an unpublished row")
-	require.Equal(t, 2000, left(1507, 3506))
-	require.Equal(t, 3, left(10001, 10003), "the walk stopped past the old rows")
-
-	pr.walkedAll = time.Time{} // a full walk is due
-	require.NoError(t, pr.prune(ctx))
-	require.Zero(t, left(10001, 10003), "a full walk takes them")
-	require.Equal(t, 2000, left(1507, 3506))
-	require.Equal(t, 1500, left(4, 1503))
-	require.WithinDuration(t, time.Now(), pr.walkedAll, time.Minute)
+	require.Equal(t, 12000, left(1507, 13506))
 }
