@@ -7,6 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 	appsv1 "k8s.io/api/apps/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
 
 	outboxv1alpha1 "github.com/outbox-relay/outbox-operator/api/v1alpha1"
@@ -123,12 +124,8 @@ func TestObservedAtRenewal(t *testing.T) {
 // while rows could pile up unseen.
 func TestAutoscalerKeepsTheCountWhileTheBacklogCannotBeRead(t *testing.T) {
 	t.Parallel()
-	o, key, _ := observedRelay()
-	r := &OutboxRelayReconciler{Flow: o}
-	relay := unitRelay()
-	relay.Spec.Autoscaling = &outboxv1alpha1.AutoscalingSpec{MinReplicas: ptr.To[int32](1), MaxReplicas: 10,
-		PendingPerReplica: ptr.To[int64](1000), ScaleDownStabilization: "0s"}
-	eight := &appsv1.Deployment{Spec: appsv1.DeploymentSpec{Replicas: ptr.To[int32](8)}}
+	_, key, r, relay := autoscaledRelay("0s")
+	eight := running(8)
 	low := &outboxv1alpha1.BacklogStatus{Pending: 500}
 	failing := "cannot reach PostgreSQL"
 	require.Equal(t, int32(1), r.decideReplicas(key, relay, observation{backlog: low}, eight), "a current reading scales down")
@@ -142,12 +139,8 @@ func TestAutoscalerKeepsTheCountWhileTheBacklogCannotBeRead(t *testing.T) {
 // history from before let its first low recommendation scale 10 to 1.
 func TestAutoscalingOnAgainStabilizesAnew(t *testing.T) {
 	t.Parallel()
-	o, key, _ := observedRelay()
-	r := &OutboxRelayReconciler{Flow: o}
-	relay := unitRelay()
-	relay.Spec.Autoscaling = &outboxv1alpha1.AutoscalingSpec{MinReplicas: ptr.To[int32](1), MaxReplicas: 10,
-		PendingPerReplica: ptr.To[int64](1000), ScaleDownStabilization: "5m"}
-	ten := &appsv1.Deployment{Spec: appsv1.DeploymentSpec{Replicas: ptr.To[int32](10)}}
+	o, key, r, relay := autoscaledRelay("5m")
+	ten := running(10)
 	low := observation{backlog: &outboxv1alpha1.BacklogStatus{Pending: 500}}
 	longAgo := func() {
 		o.relays[key].since, o.relays[key].window, o.relays[key].recs = time.Now().Add(-24*time.Hour), 5*time.Minute, nil
@@ -165,4 +158,19 @@ func TestAutoscalingOnAgainStabilizesAnew(t *testing.T) {
 	longer := relay.DeepCopy()
 	longer.Spec.Autoscaling.ScaleDownStabilization = "1h"
 	require.Equal(t, int32(10), r.decideReplicas(key, longer, low, ten), "a longer window has no history that long yet")
+}
+
+// autoscaledRelay is an observed relay autoscaled from 1 to 10 replicas,
+// one per 1000 pending rows, scaling down after window, and its reconciler.
+func autoscaledRelay(window string) (*FlowObserver, types.NamespacedName, *OutboxRelayReconciler, *outboxv1alpha1.OutboxRelay) {
+	o, key, _ := observedRelay()
+	relay := unitRelay()
+	relay.Spec.Autoscaling = &outboxv1alpha1.AutoscalingSpec{MinReplicas: ptr.To[int32](1), MaxReplicas: 10,
+		PendingPerReplica: ptr.To[int64](1000), ScaleDownStabilization: window}
+	return o, key, &OutboxRelayReconciler{Flow: o}, relay
+}
+
+// running is a Deployment asked to run n replicas.
+func running(n int32) *appsv1.Deployment {
+	return &appsv1.Deployment{Spec: appsv1.DeploymentSpec{Replicas: ptr.To(n)}}
 }
