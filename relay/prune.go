@@ -76,7 +76,8 @@ func (pr *pruner) loop(ctx context.Context) {
 	}
 }
 
-// tailBatches is how many batches past the old rows each pass looks at.
+// tailBatches is how many batches past the old rows each pass looks at,
+// beyond as many as its walk from the head took.
 const tailBatches = 10
 
 // pruneBatch looks at the batch of rows after id after and deletes those
@@ -91,12 +92,12 @@ func (pr *pruner) pruneBatch(ctx context.Context, conn *pgx.Conn, after int64) (
 	return deleted, last, old, nil
 }
 
-// pruneTail looks at tailBatches batches from where the last pass's look
+// pruneTail looks at batches batches from where the last pass's look
 // ended (from head on, the end of the rows this pass walked, when that is
 // further), wrapping at the table's end, and deletes what is old enough.
-func (pr *pruner) pruneTail(ctx context.Context, conn *pgx.Conn, head int64) (int64, error) {
+func (pr *pruner) pruneTail(ctx context.Context, conn *pgx.Conn, head int64, batches int) (int64, error) {
 	after, deleted := max(pr.tail, head), int64(0)
-	for range tailBatches {
+	for range batches {
 		n, last, _, err := pr.pruneBatch(ctx, conn, after)
 		if err != nil {
 			return deleted, err
@@ -155,19 +156,22 @@ func (pr *pruner) prune(ctx context.Context) error {
 	// creation, but for transactions that ran long, whose rows a later
 	// walk takes. Then tailBatches more, from where the last pass's ended,
 	// for ids that do not follow creation: the whole table in turn.
-	after, deleted := int64(indexStart), int64(0)
+	after, deleted, batches := int64(indexStart), int64(0), 0
 	for ctx.Err() == nil {
 		n, last, old, err := pr.pruneBatch(ctx, conn, after)
 		if err != nil {
 			return err
 		}
-		deleted += n
+		deleted, batches = deleted+n, batches+1
 		sleep(ctx, pr.cfg.PrunePause) // paced also through batches it deleted nothing of: each read a batch
 		if old > 0 {
 			after = last
 			continue
 		}
-		n, err = pr.pruneTail(ctx, conn, last)
+		// As many batches more as the walk from the head took, and
+		// tailBatches: the look gains on the head's end however fast rows
+		// age past it.
+		n, err = pr.pruneTail(ctx, conn, last, tailBatches+batches)
 		if err != nil {
 			return err
 		}
@@ -175,7 +179,7 @@ func (pr *pruner) prune(ctx context.Context) error {
 			return nil // nothing old enough
 		}
 		// Rows skipped (held by others) are looked at again.
-		after, deleted = indexStart, 0
+		after, deleted, batches = indexStart, 0, 0
 		sleep(ctx, jitter(pruneEvery))
 	}
 	return nil

@@ -77,9 +77,10 @@ func (n planNode) rowsRead(table string) float64 {
 // A walk goes on through a batch of old rows it cannot delete (a backlog
 // not yet published) to the old published rows after it, and stops past
 // the old rows; each pass then looks at tailBatches more batches, from
-// where the last pass's look ended, so old rows whose ids come after young
-// ones (ids given by hand, in ranges) are reached in turn, at a bounded
-// cost per pass.
+// where the last pass's look ended (and as many as its walk from the head
+// took, so the look gains on the head however fast rows age), so old rows
+// whose ids come after young ones (ids given by hand, in ranges) are
+// reached in turn, at a bounded cost per pass.
 func TestPruneWalksThroughOldRowsAndTheRestInTurn(t *testing.T) {
 	ctx := context.Background()
 	dsn, pool := outboxDB(t)
@@ -107,11 +108,11 @@ func TestPruneWalksThroughOldRowsAndTheRestInTurn(t *testing.T) {
 	conn, err := pr.connect(ctx)
 	require.NoError(t, err)
 	defer conn.Close(ctx)
-	n, err := pr.pruneTail(ctx, conn, 2506)
+	n, err := pr.pruneTail(ctx, conn, 2506, tailBatches)
 	require.NoError(t, err)
 	require.Zero(t, n, "ten batches on: not yet at the old rows after the young ones")
 	require.Equal(t, int64(12506), pr.tail)
-	n, err = pr.pruneTail(ctx, conn, 2506)
+	n, err = pr.pruneTail(ctx, conn, 2506, tailBatches)
 	require.NoError(t, err)
 	require.Equal(t, int64(3), n, "the next pass's look reaches them")
 	require.Equal(t, int64(indexStart), pr.tail, "and, at the table's end, starts again from its head")
