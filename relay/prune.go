@@ -35,7 +35,7 @@ type pruner struct {
 	log     *slog.Logger
 
 	// tail is where the last pass's look past the old rows of a plain
-	// table ended (tailBatches): ids that do not follow creation (ranges
+	// table ended (pruneTail): ids that do not follow creation (ranges
 	// of their own, a sequence counting down) put old rows after young
 	// ones, which the walks from the head never reach.
 	tail int64
@@ -154,8 +154,9 @@ func (pr *pruner) prune(ctx context.Context) error {
 	// A walk in id order, a batch of rows at a time, up to the first batch
 	// with no row old enough: past it, rows are kept, as ids follow
 	// creation, but for transactions that ran long, whose rows a later
-	// walk takes. Then tailBatches more, from where the last pass's ended,
-	// for ids that do not follow creation: the whole table in turn.
+	// walk takes. Then a look further on, from where the last pass's
+	// ended (pruneTail), for ids that do not follow creation: the whole
+	// table in turn.
 	after, deleted, batches := int64(indexStart), int64(0), 0
 	for ctx.Err() == nil {
 		n, last, old, err := pr.pruneBatch(ctx, conn, after)
