@@ -305,13 +305,14 @@ func (r *OutboxRelayReconciler) decideReplicas(key types.NamespacedName, relay *
 	if r.Flow != nil && obs.backlog != nil {
 		base = r.Flow.ratioBase(key, base)
 	}
-	rec := recommendReplicas(as, obs.backlog, max(running, 0), base, keepOne(relay, obs.err != "" || obs.notRead != ""))
+	floor := keepOne(relay, obs.err != "" || obs.notRead != "")
 	if obs.err != "" {
 		// The latest read failed: the backlog in hand is the last that
 		// read, however old, and may ask for more, never for fewer than
 		// run (while it cannot be read, the running count stays).
-		rec = max(rec, running)
+		floor = max(floor, running)
 	}
+	rec := recommendReplicas(as, obs.backlog, max(running, 0), base, floor)
 	if running < 0 || r.Flow == nil || obs.notRead != "" {
 		return rec // nothing to stabilize against (a relay not read is not observed)
 	}

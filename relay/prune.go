@@ -77,7 +77,7 @@ func (pr *pruner) loop(ctx context.Context) {
 }
 
 // tailBatches is how many batches past the old rows each pass looks at,
-// beyond as many as its walk from the head took.
+// beyond as many as its walk from the head deleted from.
 const tailBatches = 10
 
 // pruneBatch looks at the batch of rows after id after and deletes those
@@ -157,22 +157,25 @@ func (pr *pruner) prune(ctx context.Context) error {
 	// walk takes. Then a look further on, from where the last pass's
 	// ended (pruneTail), for ids that do not follow creation: the whole
 	// table in turn.
-	after, deleted, batches := int64(indexStart), int64(0), 0
+	after, deleted, moved := int64(indexStart), int64(0), 0
 	for ctx.Err() == nil {
 		n, last, old, err := pr.pruneBatch(ctx, conn, after)
 		if err != nil {
 			return err
 		}
-		deleted, batches = deleted+n, batches+1
+		deleted += n
+		if n > 0 {
+			moved++ // the old rows' edge moves on by about a batch
+		}
 		sleep(ctx, pr.cfg.PrunePause) // paced also through batches it deleted nothing of: each read a batch
 		if old > 0 {
 			after = last
 			continue
 		}
-		// As many batches more as the walk from the head took, and
-		// tailBatches: the look gains on the head's end however fast rows
-		// age past it.
-		n, err = pr.pruneTail(ctx, conn, last, tailBatches+batches)
+		// As many batches more as the walk from the head deleted from,
+		// and tailBatches: the look gains on the old rows' edge however
+		// fast rows age past it.
+		n, err = pr.pruneTail(ctx, conn, last, tailBatches+moved)
 		if err != nil {
 			return err
 		}
@@ -180,7 +183,7 @@ func (pr *pruner) prune(ctx context.Context) error {
 			return nil // nothing old enough
 		}
 		// Rows skipped (held by others) are looked at again.
-		after, deleted, batches = indexStart, 0, 0
+		after, deleted, moved = indexStart, 0, 0
 		sleep(ctx, jitter(pruneEvery))
 	}
 	return nil

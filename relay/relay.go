@@ -103,7 +103,7 @@ type Relay struct {
 	wake             chan struct{} // a notification arrived (--notify)
 
 	// Owned by the stats loop.
-	heldRefreshes int
+	heldSweeps int
 }
 
 // claimFilter is what the last claim left out, so the stall check counts
@@ -179,11 +179,9 @@ func NewWithWriter(cfg Config, w MessageWriter) (*Relay, error) {
 }
 
 func newRelay(cfg Config, w MessageWriter) (*Relay, error) {
-	if err := cfg.validateTuning(); err != nil {
-		return nil, err
-	}
+	tuning := cfg.validateTuning()
 	cfg = cfg.withDefaults()
-	if err := cfg.Settings.Validate(); err != nil {
+	if err := errors.Join(tuning, cfg.Settings.Validate()); err != nil {
 		return nil, err
 	}
 	table, _ := outbox.ParseTable(cfg.Table)

@@ -38,7 +38,7 @@ func (r *Relay) statsLoop(ctx context.Context) {
 const statsTimeout = 4 * time.Second
 
 func (r *Relay) refreshStats(ctx context.Context) {
-	for _, refresh := range []func(context.Context){r.refreshKafka, r.refreshBacklog, r.refreshHeld} {
+	for _, refresh := range []func(context.Context){r.refreshKafka, r.refreshBacklog, r.refreshHeld, r.sweepHeld} {
 		rctx, cancel := context.WithTimeout(ctx, statsTimeout)
 		refresh(rctx)
 		cancel()
@@ -163,26 +163,31 @@ func (r *Relay) refreshBacklog(ctx context.Context) {
 // held table's records of rows published meanwhile.
 const heldSweepEvery = 12
 
+// sweepHeld removes, every heldSweepEvery stats refreshes (the first at
+// the stats loop's start), the held table's records of rows published or
+// gone. A refresh of its own, with its own time: before, it ran with the
+// held table's load, before it, and a slow sweep made a restarted relay's
+// first load run out its time, so it tried its holds again at once.
+func (r *Relay) sweepHeld(ctx context.Context) {
+	if !r.held.recorded {
+		return
+	}
+	sweep := r.heldSweeps%heldSweepEvery == 0
+	r.heldSweeps++
+	if !sweep {
+		return
+	}
+	if _, err := r.pool.Exec(ctx, r.sql.SweepHeld); err != nil && !errors.Is(err, context.Canceled) {
+		r.log.Warn("could not sweep the held table", "table", r.table.HeldTable().String(), "err", err)
+	}
+}
+
 // refreshHeld reloads the held table for the loop to merge (what other
-// replicas held, what `relay redrive` released) and, every heldSweepEvery
-// refreshes, removes the records of rows that are published or gone.
+// replicas held, what `relay redrive` released).
 func (r *Relay) refreshHeld(ctx context.Context) {
 	if !r.held.recorded { // set by Check, before Run starts this loop
 		return
 	}
-	// The sweep comes after the load, whose time it would take: at
-	// start-up, a large sweep made the first load run out its time, and
-	// the restarted relay tried its holds again early.
-	sweep := r.heldRefreshes%heldSweepEvery == 0 // at start-up, and then every heldSweepEvery
-	r.heldRefreshes++
-	defer func() {
-		if !sweep {
-			return
-		}
-		if _, err := r.pool.Exec(ctx, r.sql.SweepHeld); err != nil && !errors.Is(err, context.Canceled) {
-			r.log.Warn("could not sweep the held table", "table", r.table.HeldTable().String(), "err", err)
-		}
-	}()
 	at := time.Now()
 	lanes := r.lanes != nil
 	load := r.sql.LoadHeld
