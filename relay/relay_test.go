@@ -710,6 +710,32 @@ func TestByteaPayloadIsSizedByItsLength(t *testing.T) {
 	require.Zero(t, outboxtest.MetricValue(t, x.Reg, "outbox_relay_rows_held", "reason", relay.HeldTooLarge))
 }
 
+// A table whose id is an integer (the start-up check takes one) is
+// claimed, published and pruned in every mode. Before, each claim from the
+// start of the index compared the id with the lowest bigint, sent as an
+// integer, which pgx refused to encode: the relay published nothing.
+func TestAnIntegerIDIsPublishedAndPruned(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []string{"none", "partition-key", "logical-replication"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			f, cfg := modeFixture(t, mode)
+			f.Exec(`ALTER TABLE outbox ALTER COLUMN id TYPE integer`)
+			f.Insert(5, 2, "E")
+			want := f.EventIDs("")
+			cfg.KeepPublishedFor = time.Minute
+			r := run(t, cfg, nil)
+			f.WaitDrained(0, 30*time.Second)
+			counts, _ := outboxtest.Deliveries(t, 5, f.Topics["E"])
+			outboxtest.RequireAtLeastOnce(t, want, counts)
+
+			f.Exec(`UPDATE outbox SET published_at = published_at - interval '1 hour'`)
+			require.Eventually(t, func() bool { return f.Count(`SELECT count(*) FROM outbox`) == 0 }, 30*time.Second, 50*time.Millisecond,
+				"pruned: %v rows", outboxtest.MetricValue(t, r.Reg, "outbox_relay_pruned_rows_total"))
+		})
+	}
+}
+
 // Rows with an id of 0 or below (a sequence that starts there, ids given
 // by hand) are claimed and pruned like any other, in either ordering and
 // swept when streaming. Before, claims, sweeps and the pruner started after

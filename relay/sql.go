@@ -430,18 +430,18 @@ func NewSQL(t outbox.Table, opts ...SQLOption) SQL {
 		HoldKeepsRedrives: o.heldRedrivenAt,
 		Claim: budgeted(`SELECT `+cols+`
     FROM `+q+`
-    WHERE published_at IS NULL AND id > $1 AND event_type = ANY($2) AND id <> ALL($3)
+    WHERE published_at IS NULL AND id > $1::bigint AND event_type = ANY($2) AND id <> ALL($3)
     ORDER BY id
     LIMIT $4
     FOR UPDATE SKIP LOCKED`, "$5", "$6", payloadLength(o)),
-		ClaimBuckets: claimFenced(q, cols, `published_at IS NULL AND id > $1 AND id <> ALL($2) AND NOT `+waitingPair("$3", "$4")+`
+		ClaimBuckets: claimFenced(q, cols, `published_at IS NULL AND id > $1::bigint AND id <> ALL($2) AND NOT `+waitingPair("$3", "$4")+`
       AND `+bucketSQL+` = ANY($5) AND (event_type IS NULL OR event_type = ANY($9))`, o),
 		ClaimIDs:        claimIDs(cols, q, o, "FOR UPDATE SKIP LOCKED"),
 		ClaimIDsWaiting: claimIDs(cols, q, o, "FOR UPDATE"),
 		// age(xmin) > age($2): xmin precedes $2 (age counts back from the
 		// newest transaction, and a frozen xmin is the oldest of all).
 		SweepIDs: `SELECT id FROM ` + q + `
-    WHERE published_at IS NULL AND id > $1 AND event_type = ANY($3) AND id <> ALL($4)
+    WHERE published_at IS NULL AND id > $1::bigint AND event_type = ANY($3) AND id <> ALL($4)
       AND (age(xmin) > age($2::text::xid)
            OR (age(xmin) > age($6::text::xid) AND xmin::text::bigint <> ALL($7::bigint[])))
     ORDER BY id
