@@ -722,16 +722,7 @@ func TestAnIntegerIDIsPublishedAndPruned(t *testing.T) {
 			f, cfg := modeFixture(t, mode)
 			f.Exec(`ALTER TABLE outbox ALTER COLUMN id TYPE integer`)
 			f.Insert(5, 2, "E")
-			want := f.EventIDs("")
-			cfg.KeepPublishedFor = time.Minute
-			r := run(t, cfg, nil)
-			f.WaitDrained(0, 30*time.Second)
-			counts, _ := outboxtest.Deliveries(t, 5, f.Topics["E"])
-			outboxtest.RequireAtLeastOnce(t, want, counts)
-
-			f.Exec(`UPDATE outbox SET published_at = published_at - interval '1 hour'`)
-			require.Eventually(t, func() bool { return f.Count(`SELECT count(*) FROM outbox`) == 0 }, 30*time.Second, 50*time.Millisecond,
-				"pruned: %v rows", outboxtest.MetricValue(t, r.Reg, "outbox_relay_pruned_rows_total"))
+			requirePublishedThenPruned(t, f, cfg)
 		})
 	}
 }
@@ -751,17 +742,25 @@ func TestRowsWithIdsAtOrBelowZeroArePublishedAndPruned(t *testing.T) {
 				SELECT i, gen_random_uuid(), 'Order', 'o' || i, 'E', '{}', 'o' || i
 				FROM unnest(ARRAY[-9223372036854775807, -5, 0]::bigint[]) i`)
 			f.Insert(2, 2, "E")
-			want := f.EventIDs("")
-			require.Len(t, want, 5)
-			cfg.KeepPublishedFor = time.Minute
-			r := run(t, cfg, nil)
-			f.WaitDrained(0, 30*time.Second)
-			counts, _ := outboxtest.Deliveries(t, 5, f.Topics["E"])
-			outboxtest.RequireAtLeastOnce(t, want, counts)
-
-			f.Exec(`UPDATE outbox SET published_at = published_at - interval '1 hour'`)
-			require.Eventually(t, func() bool { return f.Count(`SELECT count(*) FROM outbox`) == 0 }, 30*time.Second, 50*time.Millisecond,
-				"pruned: %v rows", outboxtest.MetricValue(t, r.Reg, "outbox_relay_pruned_rows_total"))
+			requirePublishedThenPruned(t, f, cfg)
 		})
 	}
+}
+
+// requirePublishedThenPruned runs a relay with retention on f's five rows
+// of type E: each reaches Kafka, and once published an hour ago each is
+// pruned.
+func requirePublishedThenPruned(t *testing.T, f *outboxtest.Fixture, cfg relay.Config) {
+	t.Helper()
+	want := f.EventIDs("")
+	require.Len(t, want, 5)
+	cfg.KeepPublishedFor = time.Minute
+	r := run(t, cfg, nil)
+	f.WaitDrained(0, 30*time.Second)
+	counts, _ := outboxtest.Deliveries(t, 5, f.Topics["E"])
+	outboxtest.RequireAtLeastOnce(t, want, counts)
+
+	f.Exec(`UPDATE outbox SET published_at = published_at - interval '1 hour'`)
+	require.Eventually(t, func() bool { return f.Count(`SELECT count(*) FROM outbox`) == 0 }, 30*time.Second, 50*time.Millisecond,
+		"pruned: %v rows", outboxtest.MetricValue(t, r.Reg, "outbox_relay_pruned_rows_total"))
 }
