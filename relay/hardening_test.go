@@ -133,6 +133,48 @@ func TestStartupRefusesARoleThatCannotMarkOrDelete(t *testing.T) {
 	require.ErrorContains(t, err, `GRANT SELECT ON "outbox"`)
 }
 
+// Retention on a partitioned table detaches and drops partitions, which
+// only the table's owner may, and deletes their event ids: a role that
+// may publish but not that is refused at start-up, naming the owner and
+// each grant (before, the relay started and never pruned anything).
+func TestStartupRefusesPartitionedRetentionItCannotDo(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1, "E")
+	partitioned(t, f)
+	role := fmt.Sprintf("noowner_%d", time.Now().UnixNano()%1e9)
+	f.Exec(`CREATE ROLE ` + role + ` LOGIN; GRANT SELECT, UPDATE ON outbox TO ` + role + `; GRANT ALL ON outbox_held TO ` + role)
+	t.Cleanup(func() { _, _ = f.Pool.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE `+role) })
+	check := func(keep time.Duration) error {
+		cfg := f.Config()
+		cfg.DSN = strings.Replace(f.DSN, "postgres@", role+"@", 1) // the test cluster trusts local connections
+		cfg.KeepPublishedFor = keep
+		r, err := relay.New(cfg)
+		require.NoError(t, err)
+		defer r.Close()
+		return r.Check(context.Background())
+	}
+	require.NoError(t, check(0), "publishing alone needs no ownership")
+	err := check(time.Hour)
+	require.ErrorContains(t, err, "the role "+role+" lacks the ownership of outbox (owned by postgres) and SELECT (event_id), SELECT (created_at), DELETE on outbox_event_ids")
+	require.ErrorContains(t, err, `make the role own the table and its partitions (ALTER TABLE "outbox" OWNER TO "`+role+`", and each partition); GRANT SELECT, DELETE ON "outbox_event_ids" TO "`+role+`"`)
+	require.NotContains(t, err.Error(), `GRANT "postgres"`, "a superuser's membership is never the advice")
+	require.NotContains(t, err.Error(), "claims rows FOR UPDATE", "it may publish")
+
+	f.Exec(`GRANT SELECT, DELETE ON outbox_event_ids TO ` + role)
+	err = check(time.Hour)
+	require.ErrorContains(t, err, "lacks the ownership of outbox (owned by postgres):")
+	require.NotContains(t, err.Error(), "outbox_event_ids TO")
+
+	owner := role + "_owner"
+	f.Exec(`CREATE ROLE ` + owner + `; ALTER TABLE outbox OWNER TO ` + owner)
+	require.ErrorContains(t, check(time.Hour), `GRANT "`+owner+`" TO "`+role+`" (the role gets every privilege of `+owner+`), or make the role own`)
+	f.Exec(`GRANT ` + owner + ` TO ` + role)
+	t.Cleanup(func() {
+		_, _ = f.Pool.Exec(context.Background(), `ALTER TABLE outbox OWNER TO postgres; DROP OWNED BY `+owner+`; DROP ROLE `+owner)
+	})
+	require.NoError(t, check(time.Hour), "a member of the owning role may detach")
+}
+
 // A NULL that appears after start-up (a column altered later) holds its
 // row alone (invalid_row): never a tombstone, never a failed claim for
 // everyone; rows of other keys flow, in both ordering modes.

@@ -604,10 +604,13 @@ func (r *Relay) Check(ctx context.Context) (err error) {
 // (--on-publish delete), and deleting those retention prunes from a plain
 // table. Without one, every batch went out to Kafka and then rolled back
 // at its mark: the same rows were published again at every retry, without
-// end, while the relay looked alive.
+// end, while the relay looked alive. Retention on a partitioned table
+// needs the table's ownership (to detach its partitions) and the deletes
+// of the event-id table; without them nothing was ever pruned, which only
+// a metric said.
 func (r *Relay) checkTablePrivileges(ctx context.Context, headers bool) error {
-	var privs, cols []string
-	need := func(p, c string) { privs, cols = append(privs, p), append(cols, c) }
+	var need []privilege
+	on := func(t outbox.Table, p, c string) { need = append(need, privilege{t, p, c}) }
 	read := append([]string{"id"}, outbox.RequiredColumns()...)
 	read = append(read, "published_at")
 	if headers {
@@ -623,38 +626,136 @@ func (r *Relay) checkTablePrivileges(ctx context.Context, headers bool) error {
 		read = append(read, "xmin") // its sweep takes the rows of transactions before a horizon
 	}
 	for _, c := range read {
-		need("SELECT", c)
+		on(r.table, "SELECT", c)
 	}
 	var why []string
 	if r.cfg.OnPublish == OnPublishDelete {
-		need("UPDATE", "*")
-		need("DELETE", "")
+		on(r.table, "UPDATE", "*")
+		on(r.table, "DELETE", "")
 		why = append(why, "--"+relayconfig.FlagOnPublish+" "+string(OnPublishDelete)+" deletes each row it published")
 	} else {
-		need("UPDATE", "published_at")
+		on(r.table, "UPDATE", "published_at")
 		why = append(why, "it marks each row it published (UPDATE of published_at)")
 	}
+	dropsPartitions := r.cfg.KeepPublishedFor > 0 && r.shape.partitioned
 	if r.cfg.KeepPublishedFor > 0 && !r.shape.partitioned {
-		need("DELETE", "")
+		on(r.table, "DELETE", "")
 		why = append(why, "--"+relayconfig.FlagKeepPublishedFor+" deletes published rows")
 	}
-	var role string
-	var missing []string
-	if err := r.pool.QueryRow(ctx, sqlColumnPrivilegesMissing, r.table.Quoted(), privs, cols).Scan(&role, &missing); err != nil {
-		return fmt.Errorf("read the privileges on %s: %w", r.table, err)
-	}
-	if len(missing) == 0 {
-		return nil
-	}
-	var grant []string
-	for _, m := range missing {
-		p, _, _ := strings.Cut(m, " ")
-		if !slices.Contains(grant, p) {
-			grant = append(grant, p)
+	ids := r.table.EventIDsTable()
+	if dropsPartitions {
+		on(r.table, privOwner, "")
+		if r.shape.eventIDs {
+			on(ids, "SELECT", "event_id")
+			on(ids, "SELECT", "created_at")
+			on(ids, "DELETE", "")
 		}
 	}
-	return fmt.Errorf("the role %s lacks %s on %s: the relay reads the table, claims rows FOR UPDATE and %s; grant it with: GRANT %s ON %s TO %s",
-		role, strings.Join(missing, ", "), r.table, strings.Join(why, ", and "), strings.Join(grant, ", "), r.table.Quoted(), pgx.Identifier{role}.Sanitize())
+	role, missing, err := privilegesMissing(ctx, r.pool, need)
+	if err != nil {
+		return fmt.Errorf("read the privileges on %s: %w", r.table, err)
+	}
+	var onTable, forRetention []privilege
+	for _, p := range missing {
+		if p.table == r.table && p.priv != privOwner {
+			onTable = append(onTable, p)
+		} else {
+			forRetention = append(forRetention, p)
+		}
+	}
+	grantee := pgx.Identifier{role}.Sanitize()
+	var errs []error
+	if len(onTable) > 0 {
+		errs = append(errs, fmt.Errorf("the role %s lacks %s on %s: the relay reads the table, claims rows FOR UPDATE and %s; grant it with: %s",
+			role, privilegeList(onTable), r.table, strings.Join(why, ", and "), grant(onTable, grantee)))
+	}
+	if len(forRetention) > 0 {
+		var lacks, fix []string
+		var onIDs []privilege
+		for _, p := range forRetention {
+			if p.priv == privOwner {
+				var owner string
+				var super bool
+				if err := r.pool.QueryRow(ctx, sqlTableOwner, r.table.Quoted()).Scan(&owner, &super); err != nil {
+					return fmt.Errorf("read the owner of %s: %w", r.table, err)
+				}
+				lacks = append(lacks, "the ownership of "+r.table.String()+" (owned by "+owner+")")
+				own := "make the role own the table and its partitions (ALTER TABLE " + r.table.Quoted() + " OWNER TO " + grantee + ", and each partition)"
+				if !super { // a superuser's membership is never the advice
+					own = "GRANT " + pgx.Identifier{owner}.Sanitize() + " TO " + grantee + " (the role gets every privilege of " + owner + "), or " + own
+				}
+				fix = append(fix, own)
+				continue
+			}
+			onIDs = append(onIDs, p)
+		}
+		if len(onIDs) > 0 {
+			lacks = append(lacks, privilegeList(onIDs)+" on "+ids.String())
+			fix = append(fix, grant(onIDs, grantee))
+		}
+		errs = append(errs, fmt.Errorf("the role %s lacks %s: --%s on a partitioned table detaches and drops its old partitions, which only the table's owner may, and deletes their event ids from %s; fix it with: %s",
+			role, strings.Join(lacks, " and "), relayconfig.FlagKeepPublishedFor, ids, strings.Join(fix, "; ")))
+	}
+	return errors.Join(errs...)
+}
+
+// privOwner, as a privilege, is a table's ownership.
+const privOwner = "OWNER"
+
+// privilege is one privilege the relay's role needs on a table: on the
+// table (column ""), on one column, on any one column ("*"), or the
+// table's ownership (privOwner).
+type privilege struct {
+	table        outbox.Table
+	priv, column string
+}
+
+// String is the privilege as an error names it: "SELECT (event_id)",
+// "DELETE".
+func (p privilege) String() string {
+	if p.column == "" || p.column == "*" {
+		return p.priv
+	}
+	return p.priv + " (" + p.column + ")"
+}
+
+// privilegesMissing returns the current role, and those of need it lacks.
+func privilegesMissing(ctx context.Context, db querier, need []privilege) (string, []privilege, error) {
+	tables, privs, cols := make([]string, len(need)), make([]string, len(need)), make([]string, len(need))
+	for i, p := range need {
+		tables[i], privs[i], cols[i] = p.table.Quoted(), p.priv, p.column
+	}
+	var role string
+	var ordinals []int64
+	if err := db.QueryRow(ctx, sqlPrivilegesMissing, tables, privs, cols).Scan(&role, &ordinals); err != nil {
+		return "", nil, err
+	}
+	missing := make([]privilege, len(ordinals))
+	for i, o := range ordinals {
+		missing[i] = need[o-1]
+	}
+	return role, missing, nil
+}
+
+// privilegeList names privileges, comma-separated.
+func privilegeList(ps []privilege) string {
+	names := make([]string, len(ps))
+	for i, p := range ps {
+		names[i] = p.String()
+	}
+	return strings.Join(names, ", ")
+}
+
+// grant is the GRANT of ps (on one table) to grantee, each privilege on the
+// whole table.
+func grant(ps []privilege, grantee string) string {
+	var names []string
+	for _, p := range ps {
+		if !slices.Contains(names, p.priv) {
+			names = append(names, p.priv)
+		}
+	}
+	return "GRANT " + strings.Join(names, ", ") + " ON " + ps[0].table.Quoted() + " TO " + grantee
 }
 
 // ensureHeldTable creates the held table when it is missing, adds
@@ -774,9 +875,19 @@ func heldShapeMissing(ctx context.Context, db querier, held outbox.Table) ([]str
 // heldPrivilegesMissing lists the privileges on held that the relay's
 // role needs and lacks: it reads, records, updates and removes holds.
 func heldPrivilegesMissing(ctx context.Context, db querier, held outbox.Table) ([]string, error) {
-	var missing []string
-	err := db.QueryRow(ctx, sqlPrivilegesMissing, held.Quoted(), heldPrivileges).Scan(&missing)
-	return missing, err
+	need := make([]privilege, len(heldPrivileges))
+	for i, p := range heldPrivileges {
+		need[i] = privilege{table: held, priv: p}
+	}
+	_, missing, err := privilegesMissing(ctx, db, need)
+	if err != nil {
+		return nil, err
+	}
+	names := make([]string, len(missing))
+	for i, p := range missing {
+		names[i] = p.priv
+	}
+	return names, nil
 }
 
 // heldPrivileges are the privileges the relay's role needs on the held table.

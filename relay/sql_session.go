@@ -15,20 +15,22 @@ const (
 	// sqlTableOID is the oid of the table whose quoted name is $1, NULL
 	// when it does not exist; lock classes derive from it.
 	sqlTableOID = `SELECT to_regclass($1)::oid`
-	// sqlPrivilegesMissing: those of the privileges $2 the current role
-	// lacks on the table whose quoted name is $1 (has_table_privilege with
-	// a list is true when any one is held, so each is asked alone).
-	sqlPrivilegesMissing = `SELECT COALESCE(array_agg(p ORDER BY o), '{}') FROM unnest($2::text[]) WITH ORDINALITY AS x(p, o)
-		WHERE NOT has_table_privilege(to_regclass($1), p)`
-	// sqlColumnPrivilegesMissing: the current role, and those of the
-	// privileges $2 on columns $3 of the table whose quoted name is $1 it
-	// lacks, as "PRIVILEGE (column)" ("PRIVILEGE" for a column "", on the
-	// table; column "*": on any one column, as FOR UPDATE needs UPDATE).
-	sqlColumnPrivilegesMissing = `SELECT current_user::text, COALESCE(array_agg(p || CASE WHEN c IN ('', '*') THEN '' ELSE ' (' || c || ')' END ORDER BY o), '{}')
-		FROM unnest($2::text[], $3::text[]) WITH ORDINALITY AS x(p, c, o)
-		WHERE NOT CASE c WHEN '' THEN has_table_privilege(to_regclass($1), p)
-			WHEN '*' THEN has_any_column_privilege(to_regclass($1), p)
-			ELSE has_column_privilege(to_regclass($1), c, p) END`
+	// sqlPrivilegesMissing: the current role, and the ordinals (from 1) of
+	// the privileges it lacks of those listed as table $1[i] (a quoted
+	// name), privilege $2[i] and column $3[i]: "" for the table, "*" for any
+	// one column (FOR UPDATE needs UPDATE on one), privilege OWNER for the
+	// table's ownership (as a member of the owning role). A table that does
+	// not exist lacks nothing here. has_table_privilege with a list is true
+	// when any one is held, so each is asked alone.
+	sqlPrivilegesMissing = `SELECT current_user::text, COALESCE(array_agg(o ORDER BY o), '{}')
+		FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS x(t, p, c, o)
+		WHERE NOT CASE WHEN p = 'OWNER' THEN (SELECT pg_has_role(relowner, 'USAGE') FROM pg_class WHERE oid = to_regclass(t))
+			WHEN c = '' THEN has_table_privilege(to_regclass(t), p)
+			WHEN c = '*' THEN has_any_column_privilege(to_regclass(t), p)
+			ELSE has_column_privilege(to_regclass(t), c, p) END`
+	// sqlTableOwner: the owner of the table whose quoted name is $1, and
+	// whether it is a superuser.
+	sqlTableOwner = `SELECT r.rolname::text, r.rolsuper FROM pg_class c JOIN pg_roles r ON r.oid = c.relowner WHERE c.oid = to_regclass($1)`
 	// sqlHeldShapeMissing lists what table $1 lacks of the held table's
 	// shape: each of columns $2, and a unique index on id alone, valid and
 	// not deferred (recording a hold's ON CONFLICT (id) needs one).
@@ -119,7 +121,7 @@ func sqlListen(channel string) string { return "LISTEN " + pgx.Identifier{channe
 // sessionStatements are the statements above by name, for the test that
 // prepares each.
 var sessionStatements = map[string]string{
-	"sqlTableOID": sqlTableOID, "sqlTableSchema": sqlTableSchema, "sqlPrivilegesMissing": sqlPrivilegesMissing, "sqlColumnPrivilegesMissing": sqlColumnPrivilegesMissing, "sqlHasColumn": sqlHasColumn, "sqlColumnType": sqlColumnType, "sqlTableShape": sqlTableShape,
+	"sqlTableOID": sqlTableOID, "sqlTableSchema": sqlTableSchema, "sqlPrivilegesMissing": sqlPrivilegesMissing, "sqlTableOwner": sqlTableOwner, "sqlHasColumn": sqlHasColumn, "sqlColumnType": sqlColumnType, "sqlTableShape": sqlTableShape,
 	"sqlColumns": sqlColumns, "sqlHasUnpublishedIndex": sqlHasUnpublishedIndex, "sqlHasUniqueID": sqlHasUniqueID, "sqlIsPartitioned": sqlIsPartitioned,
 	"sqlServerVersion": sqlServerVersion, "sqlSetSession": sqlSetSession, "sqlBoundWaits": sqlBoundWaits, "sqlUnboundWaits": sqlUnboundWaits, "sqlBitmapScansOn": sqlBitmapScansOn,
 	"sqlLockShared": sqlLockShared, "sqlTryLock": sqlTryLock, "sqlUnlock": sqlUnlock,
