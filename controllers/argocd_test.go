@@ -15,6 +15,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 	lua "github.com/yuin/gopher-lua"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"sigs.k8s.io/yaml"
 
@@ -321,4 +322,23 @@ func TestArgoCDHealthTestdata(t *testing.T) {
 	for _, want := range []string{"Healthy", "Progressing", "Degraded", "Suspended"} {
 		require.True(t, seen[want], "no recorded OutboxRelay is %s", want)
 	}
+}
+
+// A suspended relay whose pods still run (stopping, or a Deployment the
+// operator could not scale down) is not Suspended yet: the conditions say
+// what is going on. Before, Argo CD showed Suspended from spec alone.
+func TestArgoCDHealthSuspendedOnceNoPodRuns(t *testing.T) {
+	t.Parallel()
+	relay := &outboxv1alpha1.OutboxRelay{}
+	relay.Generation = 2
+	relay.Spec.Suspend = true
+	relay.Status.ObservedGeneration = 2
+	relay.Status.Replicas = 2
+	relay.Status.Conditions = []metav1.Condition{{Type: outboxv1alpha1.ConditionReconciling, Status: metav1.ConditionTrue,
+		Reason: "ScalingDown", Message: "2 replicas run, 0 desired"}}
+	status, msg := argoHealth(t, relay)
+	require.Equal(t, "Progressing", status, msg)
+	relay.Status.Replicas = 0
+	status, _ = argoHealth(t, relay)
+	require.Equal(t, "Suspended", status)
 }

@@ -17,6 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
+	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -152,6 +153,11 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 			return ctrl.Result{}, err
 		}
 	}
+	if prob != nil {
+		if deploy, err = r.scaleDownOnly(ctx, relay, current); err != nil {
+			return ctrl.Result{}, err
+		}
+	}
 	if deploy == nil { // children left as they are: report the Deployment that runs
 		deploy = current
 	}
@@ -194,6 +200,30 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 		return ctrl.Result{RequeueAfter: r.secrets.refresh}, nil
 	}
 	return ctrl.Result{RequeueAfter: max(time.Until(in.Due), 0) + secretDueMargin}, nil
+}
+
+// scaleDownOnly applies fewer replicas than run (spec.suspend, kubectl
+// scale, the autoscaler) to the relay's Deployment while its children
+// cannot be written as desired (a Secret missing, a template the API
+// server refuses): an on-call's suspend stops the pods whatever else is
+// wrong. Before, the replicas rode in the same write as the template, and
+// status said 0 desired while every pod ran on. More replicas wait: new
+// pods would start from a template the operator cannot bring up to date.
+// It returns the Deployment it scaled, nil when it changed nothing.
+func (r *OutboxRelayReconciler) scaleDownOnly(ctx context.Context, relay *outboxv1alpha1.OutboxRelay, current *appsv1.Deployment) (*appsv1.Deployment, error) {
+	want := desiredReplicas(relay)
+	if current == nil || !metav1.IsControlledBy(current, relay) || ptr.Deref(current.Spec.Replicas, 1) <= want {
+		return nil, nil
+	}
+	d := current.DeepCopy()
+	d.Spec.Replicas = ptr.To(want)
+	if err := r.Patch(ctx, d, client.MergeFromWithOptions(current, client.MergeFromWithOptimisticLock{})); err != nil {
+		return nil, fmt.Errorf("scale %s/%s down to %d replicas: %w", d.Namespace, d.Name, want, err)
+	}
+	if err := r.ensurePDB(ctx, relay); err != nil { // none below two replicas
+		return nil, fmt.Errorf("scale %s/%s down to %d replicas: %w", d.Namespace, d.Name, want, err)
+	}
+	return d, nil
 }
 
 // paused reports a relay whose reconciliation is disabled: only the

@@ -533,6 +533,30 @@ func testSuspend(t *testing.T, c client.Client) {
 	waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
 		return readyReason(o) == outboxv1alpha1.ReasonDeploymentUnavailable && o.Status.Ready == "0/3"
 	})
+
+	// While its children cannot be written (here the DSN key is gone),
+	// fewer replicas still reach the Deployment, suspend too; more wait
+	// until they can be. Before, the pods ran on whatever was asked.
+	update(t, c, secret, func(s *corev1.Secret) { s.Data = map[string][]byte{"other": []byte("x")} })
+	waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return readyReason(o) == outboxv1alpha1.ReasonSecretKeyMissing
+	})
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.Replicas = ptr.To[int32](2) })
+	waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return *d.Spec.Replicas == 2 })
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.Suspend = true })
+	waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return *d.Spec.Replicas == 0 })
+	require.Eventually(t, func() bool {
+		return apierrors.IsNotFound(c.Get(ctx, childKey(relay), &policyv1.PodDisruptionBudget{}))
+	}, eventually, tick, "no PDB while suspended")
+	update(t, c, relay, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.Suspend = false })
+	waitRelay(t, c, key(relay), func(o *outboxv1alpha1.OutboxRelay) bool {
+		return o.Status.ObservedGeneration == o.Generation && o.Status.DesiredReplicas == 2
+	})
+	d := &appsv1.Deployment{}
+	require.NoError(t, c.Get(ctx, childKey(relay), d))
+	require.Equal(t, int32(0), *d.Spec.Replicas, "no pods of a template the operator cannot write")
+	update(t, c, secret, func(s *corev1.Secret) { s.Data = map[string][]byte{"dsn": []byte("postgres://relay@db/suspended")} })
+	waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return *d.Spec.Replicas == 2 })
 }
 
 func testInvalidSpec(t *testing.T, c client.Client) {

@@ -1,7 +1,7 @@
 -- Argo CD health check for outbox.dev/OutboxRelay, read from the conditions
 -- the operator writes. Install it as resource.customizations.health.outbox.dev_OutboxRelay
 -- in argocd-cm (docs/operator.md shows the snippet).
---   Suspended   spec.suspend is true, or reconciliation is paused
+--   Suspended   spec.suspend is true and no pod runs, or reconciliation is paused
 --               (outbox.dev/reconcile: disabled, condition ReconciliationPaused)
 --   Degraded    Stalled (invalid spec, missing Secret, a child the API
 --               server refused, rollout past its deadline, ready replicas
@@ -34,7 +34,13 @@ local function describe(c)
   return text
 end
 
-if obj.spec ~= nil and obj.spec.suspend == true then
+-- Suspended once no pod runs: while pods still stop (or the operator
+-- cannot scale the Deployment down) the conditions below say so.
+local running = 0
+if obj.status ~= nil and obj.status.replicas ~= nil then
+  running = obj.status.replicas
+end
+if obj.spec ~= nil and obj.spec.suspend == true and running == 0 then
   hs.status = "Suspended"
   hs.message = "spec.suspend is true: the relay runs no pods"
   return hs
