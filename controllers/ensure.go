@@ -92,11 +92,17 @@ func (r *OutboxRelayReconciler) writeChildren(ctx context.Context, relay *outbox
 			// The record of the Secrets' data is written also when the
 			// template stays (a Deployment an earlier operator wrote).
 			rec, ok := want.Annotations[secretVersionsAnnotation]
-			return *cur.Spec.Replicas != *want.Spec.Replicas || (ok && cur.Annotations[secretVersionsAnnotation] != rec)
+			return *cur.Spec.Replicas != *want.Spec.Replicas || cur.Spec.Paused || (ok && cur.Annotations[secretVersionsAnnotation] != rec)
 		},
 		deploymentOwned,
 		func(cur, want *appsv1.Deployment) {
 			cur.Spec.Replicas = want.Spec.Replicas
+			// Paused (kubectl rollout pause) would hold back every later
+			// change of the template, a Secret's rotation too, with no
+			// condition ever Stalled (the progress deadline is not checked
+			// while paused): outbox.dev/reconcile: disabled is the way to
+			// keep the operator's hands off.
+			cur.Spec.Paused = false
 			cur.Spec.RevisionHistoryLimit = want.Spec.RevisionHistoryLimit
 			restarted, wasRestarted := cur.Spec.Template.Annotations[restartedAtAnnotation]
 			cur.Spec.Template = *want.Spec.Template.DeepCopy()

@@ -266,6 +266,10 @@ func testSpecChanges(t *testing.T, c client.Client, r *OutboxRelayReconciler) {
 	require.NoError(t, c.Get(ctx, childKey(relay), d))
 	update(t, c, d, func(d *appsv1.Deployment) { d.Spec.Replicas = ptr.To[int32](7) })
 	want := waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return *d.Spec.Replicas == 3 })
+	// kubectl rollout pause is undone: a paused Deployment rolls out no
+	// later change (a Secret's rotation, a topic), never Stalled.
+	update(t, c, d, func(d *appsv1.Deployment) { d.Spec.Paused = true })
+	waitDeployment(t, c, relay, func(d *appsv1.Deployment) bool { return !d.Spec.Paused })
 
 	// Hand edits of what the operator owns are put back, whatever field
 	// they touch: the pod template, the Service's selector.
