@@ -14,6 +14,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
 	"github.com/outbox-relay/outbox-operator/examples/orderservice/orders"
@@ -329,26 +330,64 @@ func TestTableThatIsItsOwnDerivedTableIsRefused(t *testing.T) {
 	}
 }
 
-// The DDL runs again as the owner of the schema and the table, a role
-// without the database's CREATE privilege (as the example service runs it
-// at every start). Before, CREATE SCHEMA IF NOT EXISTS asked for that
-// privilege even with the schema there, and the second run failed.
+// The DDL runs again, at every start of a writer as the example service
+// runs it, as the tables' owner without the schema's CREATE privilege,
+// and while a writer's transaction is open: it makes only what is
+// missing. Before, CREATE TABLE IF NOT EXISTS asked for the schema's
+// CREATE even when the table existed, and CREATE INDEX IF NOT EXISTS
+// locked the table against writes (SHARE) before finding the index: it
+// waited for every open writer, and every write queued behind it.
 func TestSchemaDDLRunsAgainAsTheTablesOwner(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f := outboxtest.NewFixture(t, 1)
-	table, err := outbox.ParseTable("app.outbox")
+	plain, err := outbox.ParseTable("app.outbox")
 	require.NoError(t, err)
-	f.Exec(outbox.SchemaDDL(table))
+	parted, err := outbox.ParseTable("app.parted")
+	require.NoError(t, err)
+	ddl := map[outbox.Table]string{plain: outbox.SchemaDDL(plain), parted: outbox.PartitionedSchemaDDL(parted, outbox.PartitionDay, 1)}
 	role := fmt.Sprintf("owner_%d", time.Now().UnixNano()%1e9)
-	f.Exec(`CREATE ROLE ` + role + ` LOGIN; ALTER SCHEMA app OWNER TO ` + role + `; ALTER TABLE app.outbox OWNER TO ` + role +
-		`; ALTER TABLE app.outbox_held OWNER TO ` + role)
+	f.Exec(`CREATE ROLE ` + role + ` LOGIN`)
 	t.Cleanup(func() { _, _ = f.Pool.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE `+role) })
+	for _, d := range ddl {
+		f.Exec(d)
+	}
+	// The role owns every table (partitions too) and the function, and
+	// may use the schema, not create in it.
+	f.Exec(`DO $$ DECLARE r regclass; BEGIN
+		FOR r IN SELECT oid::regclass FROM pg_class WHERE relnamespace = 'app'::regnamespace AND relkind IN ('r', 'p') LOOP
+			EXECUTE format('ALTER TABLE %s OWNER TO ` + role + `', r); END LOOP; END $$`)
+	f.Exec(`GRANT USAGE ON SCHEMA app TO ` + role + `; ALTER FUNCTION ` + parted.AddPartitionsFunction().Quoted() + `(integer) OWNER TO ` + role)
 	conn, err := pgx.Connect(ctx, strings.Replace(f.DSN, "postgres@", role+"@", 1)) // the test cluster trusts local connections
 	require.NoError(t, err)
 	defer conn.Close(ctx)
-	_, err = conn.Exec(ctx, outbox.SchemaDDL(table))
+	_, err = conn.Exec(ctx, `SET statement_timeout = '5s'`) // a wait for the writer's lock ends the DDL
 	require.NoError(t, err)
+	admin, err := f.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer admin.Release()
+	_, err = admin.Exec(ctx, `SET statement_timeout = '5s'`)
+	require.NoError(t, err)
+	// CREATE OR REPLACE FUNCTION asks for the schema's CREATE privilege:
+	// the partitioned DDL runs again as a role that may create there.
+	for _, c := range []struct {
+		table outbox.Table
+		db    interface {
+			Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
+		}
+	}{{plain, conn}, {parted, admin}} {
+		writer, err := f.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer writer.Rollback(ctx) //nolint:errcheck // a failed test leaves it open
+		w, err := outbox.NewWriter(c.table.String())
+		require.NoError(t, err)
+		require.NoError(t, w.Store(ctx, writer, entry()))
+		_, err = c.db.Exec(ctx, ddl[c.table])
+		require.NoError(t, err, "%s: the DDL again, a writer's transaction open", c.table)
+		require.NoError(t, writer.Commit(ctx))
+	}
+	_, err = conn.Exec(ctx, `CREATE TABLE app.other (id int)`)
+	require.ErrorContains(t, err, "permission denied for schema app", "the role may create nothing there")
 	_, err = conn.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS app`)
 	require.ErrorContains(t, err, "permission denied for database", "what the DDL ran before")
 }

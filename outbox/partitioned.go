@@ -84,35 +84,38 @@ func PartitionedSchemaDDL(t Table, period PartitionPeriod, ahead int) string {
 	if t.Schema != "" {
 		b.WriteString(createSchema(t.Schema))
 	}
+	idsIndex := cut63("ix_" + ids.Name + "_created_at")
+	// Each statement runs only when what it makes is missing: the DDL is
+	// safe to run again, as the tables' owner, at every start of a writer.
 	fmt.Fprintf(&b, `-- The outbox, range-partitioned by created_at. A partitioned table's
 -- primary key must include the partition key, hence (id, created_at); id is
 -- unique by itself all the same, drawn from one identity sequence.
-CREATE TABLE IF NOT EXISTS %[1]s (
-`+columnDDL+`,
-    PRIMARY KEY (id, created_at)
-) PARTITION BY RANGE (created_at);
-
+%s
 -- event_id is unique across partitions through this table: the writer
 -- (outbox.Store) inserts the event id here in the same statement as the row,
 -- with a digest of the entry that tells a retried store (a no-op) from
 -- another event under the same id (an error). An id stays here until no
 -- partition covers its created_at: the relay deletes it after dropping the
 -- partition.
-CREATE TABLE IF NOT EXISTS %[2]s (
+%s%s
+-- The relay claims through this index only (one per partition): it holds
+-- just the unpublished rows.
+%s
+-- The rows relays hold back and why (`+"`relay held`, `relay redrive`"+`).
+%s`, ifNoTable(t, fmt.Sprintf(`CREATE TABLE %s (
+`+columnDDL+`,
+    PRIMARY KEY (id, created_at)
+) PARTITION BY RANGE (created_at)`, q)),
+		ifNoTable(ids, fmt.Sprintf(`CREATE TABLE %s (
     event_id   uuid        PRIMARY KEY,
     created_at timestamptz NOT NULL,
     digest     bytea       NOT NULL
-);
-CREATE INDEX IF NOT EXISTS %[3]s ON %[2]s (created_at);
-
--- The relay claims through this index only (one per partition): it holds
--- just the unpublished rows.
-CREATE INDEX IF NOT EXISTS %[4]s
-    ON %[1]s (id)
-    WHERE published_at IS NULL;
-
--- The rows relays hold back and why (`+"`relay held`, `relay redrive`"+`).
-%[5]s`, q, ids.Quoted(), pgx.Identifier{cut63("ix_" + ids.Name + "_created_at")}.Sanitize(), pgx.Identifier{t.IndexName()}.Sanitize(), HeldDDL(t))
+)`, ids.Quoted())),
+		ifNoIndex(ids, idsIndex, fmt.Sprintf(`CREATE INDEX %s ON %s (created_at)`, pgx.Identifier{idsIndex}.Sanitize(), ids.Quoted())),
+		ifNoIndex(t, t.IndexName(), fmt.Sprintf(`CREATE INDEX %s
+    ON %s (id)
+    WHERE published_at IS NULL`, pgx.Identifier{t.IndexName()}.Sanitize(), q)),
+		HeldDDL(t))
 	unit := string(period)
 	fmt.Fprintf(&b, `
 -- %[1]s(ahead) creates the partitions of the current %[3]s (UTC)
@@ -147,11 +150,19 @@ BEGIN
         lo := first + i * interval '1 %[3]s';
         part := %[5]s || to_char(lo, '%[7]s');
         CONTINUE WHEN to_regclass(format('%%I.%%I', nsp, part)) IS NOT NULL;
-        EXECUTE format('CREATE TABLE %%I.%%I (LIKE %%s INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING STORAGE) WITH (%[8]s)',
-            nsp, part, parent);
-        EXECUTE format('ALTER TABLE %%s ATTACH PARTITION %%I.%%I FOR VALUES FROM (%%L) TO (%%L)',
-            parent, nsp, part, lo AT TIME ZONE 'UTC', (lo + interval '1 %[3]s') AT TIME ZONE 'UTC');
-        made := made + 1;
+        BEGIN
+            EXECUTE format('CREATE TABLE %%I.%%I (LIKE %%s INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING STORAGE) WITH (%[8]s)',
+                nsp, part, parent);
+            EXECUTE format('ALTER TABLE %%s ATTACH PARTITION %%I.%%I FOR VALUES FROM (%%L) TO (%%L)',
+                parent, nsp, part, lo AT TIME ZONE 'UTC', (lo + interval '1 %[3]s') AT TIME ZONE 'UTC');
+            made := made + 1;
+        EXCEPTION WHEN invalid_object_definition THEN
+            -- A partition of another name or period (made by hand, by a
+            -- partition manager, or under another --partition-period)
+            -- covers part of this range: its rows go there, and the
+            -- periods after it are still made.
+            RAISE NOTICE '%%: %%; not made', part, SQLERRM;
+        END;
     END LOOP;
     RETURN made;
 END

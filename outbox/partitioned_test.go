@@ -245,6 +245,20 @@ func TestAddPartitionsFunction(t *testing.T) {
 	require.Zero(t, made, "partitions that exist are left alone")
 	require.NoError(t, writer.Commit(ctx))
 	require.Equal(t, 1, f.Count(`SELECT count(*) FROM p_day.outbox`))
+
+	// Partitions of another name or period (here the DDL's own under
+	// --partition-period day, then hour) are left where they cover the
+	// range, and the periods after them are made. Before, the first
+	// overlap failed the whole call, every time, and no partition ahead
+	// was made: writers failed once the last one ended.
+	f.Exec(outbox.PartitionedSchemaDDL(day, outbox.PartitionHour, 0))
+	var covered int // the hours from this one to the end of the day partitions' range
+	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT extract(epoch FROM max(upper) - date_trunc('hour', now()))::int / 3600 FROM (
+		SELECT (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'TO \(''([^'']*)''\)'))[1]::timestamptz AS upper
+		FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'p_day.outbox'::regclass) b`).Scan(&covered))
+	require.NoError(t, f.Pool.QueryRow(ctx, fmt.Sprintf(`SELECT %s(%d)`, day.AddPartitionsFunction().Quoted(), covered+2)).Scan(&made))
+	require.Equal(t, 3, made, "the hours after the day partitions")
+	require.Equal(t, 3, f.Count(`SELECT count(*) FROM pg_inherits WHERE inhparent = 'p_day.outbox'::regclass AND inhrelid::regclass::text ~ '^p_day\.outbox_p[0-9]{10}$'`), "hour partitions")
 }
 
 // scannedRelations are the outbox's relations (its partitions) a JSON plan

@@ -188,7 +188,7 @@ func HeldDDL(t Table) string {
 	for i, r := range HeldReasons {
 		reasons[i] = QuoteLiteral(r)
 	}
-	return fmt.Sprintf(`CREATE TABLE IF NOT EXISTS %s (
+	return ifNoTable(t.HeldTable(), fmt.Sprintf(`CREATE TABLE %s (
     id            bigint      PRIMARY KEY,
     event_id      text        NOT NULL,
     event_type    text        NOT NULL,
@@ -199,8 +199,54 @@ func HeldDDL(t Table) string {
     last_attempt  timestamptz NOT NULL DEFAULT now(),
     retry_at      timestamptz NOT NULL,
     %s
-);
-`, t.HeldTable().Quoted(), strings.Join(reasons, ", "), heldRedrivenAt)
+)`, t.HeldTable().Quoted(), strings.Join(reasons, ", "), heldRedrivenAt))
+}
+
+// ifNoTable is ddl, run only when table t does not exist. CREATE TABLE IF
+// NOT EXISTS asks for the schema's CREATE privilege even when the table
+// exists, so a table's owner without it could not run the DDL again (the
+// example service runs it at every start).
+func ifNoTable(t Table, ddl string) string {
+	return fmt.Sprintf("DO $$ BEGIN\n    IF to_regclass(%s) IS NULL THEN\n%s;\n    END IF;\nEND $$;\n",
+		QuoteLiteral(t.Quoted()), indent(ddl))
+}
+
+// ifNoIndex is ddl, run only when table t has no index named index. CREATE
+// INDEX IF NOT EXISTS locks the table against writes (SHARE) before it
+// finds the index: run again at every start, it waited for every open
+// writer transaction, and every write queued behind it.
+func ifNoIndex(t Table, index, ddl string) string {
+	return fmt.Sprintf(`DO $$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid
+                   WHERE x.indrelid = to_regclass(%s) AND i.relname = %s) THEN
+%s;
+    END IF;
+END $$;
+`, QuoteLiteral(t.Quoted()), QuoteLiteral(index), indent(ddl))
+}
+
+// ifSettingsDiffer is ALTER TABLE t SET (settings), run only when t's
+// storage parameters lack one of settings ("name = value", comma-separated):
+// run again, it would rewrite the catalog and lock out autovacuum.
+func ifSettingsDiffer(t Table, settings string) string {
+	var want []string
+	for _, kv := range strings.Split(settings, ",") {
+		k, v, _ := strings.Cut(kv, "=")
+		want = append(want, QuoteLiteral(strings.TrimSpace(k)+"="+strings.TrimSpace(v)))
+	}
+	return fmt.Sprintf(`DO $$ BEGIN
+    IF NOT (SELECT COALESCE(reloptions, '{}') @> ARRAY[%s]::text[] FROM pg_class WHERE oid = to_regclass(%s)) THEN
+        ALTER TABLE %s SET (
+            %s
+        );
+    END IF;
+END $$;
+`, strings.Join(want, ", "), QuoteLiteral(t.Quoted()), t.Quoted(), strings.ReplaceAll(settings, "\n    ", "\n            "))
+}
+
+// indent indents each line of ddl by eight spaces.
+func indent(ddl string) string {
+	return "        " + strings.ReplaceAll(ddl, "\n", "\n        ")
 }
 
 // heldRedrivenAt is the held table's redriven_at column: when `relay
@@ -286,30 +332,28 @@ func SchemaDDL(t Table) string {
 	if t.Schema != "" {
 		b.WriteString(createSchema(t.Schema))
 	}
-	fmt.Fprintf(&b, `CREATE TABLE IF NOT EXISTS %[1]s (
+	// Each statement runs only when what it makes is missing: the DDL is
+	// safe to run again, as the table's owner, at every start of a writer.
+	b.WriteString(ifNoTable(t, fmt.Sprintf(`CREATE TABLE %s (
 `+columnDDL+`,
     PRIMARY KEY (id),
     UNIQUE (event_id)
-);
-
+)`, q)))
+	fmt.Fprintf(&b, `
 -- The relay claims through this index only: it holds just the unpublished rows.
-CREATE INDEX IF NOT EXISTS %[2]s
-    ON %[1]s (id)
-    WHERE published_at IS NULL;
-
+%s
 -- Every row is inserted, updated once (published_at, never a HOT update
 -- because the column is in the index predicate) and later deleted:
 -- vacuum early and often so dead index entries do not pile up.
-ALTER TABLE %[1]s SET (
-    `+QueueTableSettings+`
-);
-
+%s
 -- Prune published rows periodically (e.g. from pg_cron), in small batches:
--- DELETE FROM %[1]s WHERE id IN (
---     SELECT id FROM %[1]s WHERE published_at < now() - interval '1 day' LIMIT 10000);
+-- DELETE FROM %[3]s WHERE id IN (
+--     SELECT id FROM %[3]s WHERE published_at < now() - interval '1 day' LIMIT 10000);
 
 -- The rows relays hold back and why (`+"`relay held`, `relay redrive`"+`).
-%[3]s`, q, idx, HeldDDL(t))
+%[4]s`, ifNoIndex(t, t.IndexName(), fmt.Sprintf(`CREATE INDEX %s
+    ON %s (id)
+    WHERE published_at IS NULL`, idx, q)), ifSettingsDiffer(t, QueueTableSettings), q, HeldDDL(t))
 	return b.String()
 }
 
