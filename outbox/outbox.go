@@ -39,7 +39,10 @@ type Entry struct {
 	// and a retry stores the event again (consumers de-duplicate by event
 	// id). A partitioned table's event id table keeps the id for as long as
 	// a partition covers its created_at.
-	// Use NewEventID (UUIDv7: time-ordered, index-friendly).
+	// Use NewEventID (UUIDv7: time-ordered, index-friendly). Any spelling
+	// of a UUID is taken (upper case, braces, no hyphens) and stored, and
+	// compared, in its canonical form (lower case, hyphenated): in a text
+	// event_id column two spellings of one id are one event.
 	EventID       string
 	AggregateType string
 	AggregateID   string
@@ -165,8 +168,9 @@ type WriterOption func(*Writer)
 // WithNotify makes the writer notify the table's channel (Table.NotifyChannel)
 // in each transaction that stores an event, so a relay run with --notify
 // claims it within milliseconds instead of at its next poll. PostgreSQL
-// delivers a notification at commit and takes a database-wide lock to do so,
-// which serializes the commits of every transaction that notifies: it costs
+// delivers a notification at commit and takes a lock to do so that is one
+// for the whole server, every database on it, which serializes the commits
+// of every transaction that notifies, whatever its database: it costs
 // writers throughput (docs/benchmarks.md measures how much). Polling still
 // runs, so nothing is lost when a notification is.
 func WithNotify() WriterOption {
@@ -435,6 +439,7 @@ func (w *Writer) Store(ctx context.Context, tx pgx.Tx, e Entry) error {
 	if err := e.validate(); err != nil {
 		return err
 	}
+	e.EventID = uuid.MustParse(e.EventID).String() // validate parsed it
 	prop := otel.GetTextMapPropagator()
 	headers := make(propagation.MapCarrier, len(e.Headers)+2)
 	prop.Inject(ctx, headers)

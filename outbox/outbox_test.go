@@ -391,3 +391,29 @@ func TestSchemaDDLRunsAgainAsTheTablesOwner(t *testing.T) {
 	_, err = conn.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS app`)
 	require.ErrorContains(t, err, "permission denied for database", "what the DDL ran before")
 }
+
+// An event id is stored in its canonical form: in a text event_id column,
+// its upper-case or braced spelling is the same event (a retry is a no-op,
+// another entry a conflict), and the row carries the canonical id. Before,
+// each spelling was stored as another event.
+func TestEventIDSpellingsAreOneEvent(t *testing.T) {
+	t.Parallel()
+	f := outboxtest.NewFixture(t, 1)
+	ctx := context.Background()
+	f.Exec(`ALTER TABLE outbox ALTER COLUMN event_id TYPE text`)
+	e := entry()
+	for _, id := range []string{strings.ToUpper(e.EventID), "{" + e.EventID + "}", strings.ReplaceAll(e.EventID, "-", "")} {
+		e.EventID = id
+		require.NoError(t, pgx.BeginFunc(ctx, f.Pool, func(tx pgx.Tx) error { return outbox.Store(ctx, tx, e) }), id)
+	}
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox`))
+	require.Equal(t, 1, f.Count(`SELECT count(*) FROM outbox WHERE event_id = $1`, canonical(e.EventID)), "the row carries the canonical id")
+	other := e
+	other.Payload = []byte(`{"a":2}`)
+	other.EventID = strings.ToUpper(canonical(e.EventID))
+	err := pgx.BeginFunc(ctx, f.Pool, func(tx pgx.Tx) error { return outbox.Store(ctx, tx, other) })
+	require.ErrorIs(t, err, outbox.ErrEventIDConflict)
+}
+
+// canonical is id as uuid.UUID prints it.
+func canonical(id string) string { return uuid.MustParse(id).String() }
