@@ -527,6 +527,9 @@ func TestChartRefusesBadValues(t *testing.T) {
 		flags = append(flags, containers[0].(map[string]any)["args"].([]any)...)
 	}
 	require.GreaterOrEqual(t, len(flags), 11, "every flag the chart can set: %v", flags)
+	// And those it sets through the environment, or grants RBAC for: the
+	// Lease's namespace is the release's (the leader-election Role's).
+	flags = append(flags, "--relay-image", "--digest-key-secret", "--leader-election-namespace")
 	for _, f := range flags {
 		name, _, _ := strings.Cut(f.(string), "=")
 		for _, arg := range []string{name, name + "=x"} {
