@@ -75,6 +75,17 @@ func TestAPIServerRefusesInvalidManifests(t *testing.T) {
 			s["template"] = map[string]any{"container": map[string]any{"envFrom": []any{
 				map[string]any{"prefix": "CFG=", "configMapRef": map[string]any{"name": "app"}}}}}
 		}, []string{`spec.template.container.envFrom[0].prefix: Invalid value: "CFG="`}},
+		{"template env with value and valueFrom", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"env": []any{map[string]any{"name": "APP_MODE", "value": "1",
+				"valueFrom": map[string]any{"fieldRef": map[string]any{"fieldPath": "metadata.name"}}}}}}
+		}, []string{"spec.template.container.env[0]", "APP_MODE: value and valueFrom are exclusive"}},
+		{"template envFrom without a source", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"envFrom": []any{map[string]any{"prefix": "CFG_"}}}}
+		}, []string{"spec.template.container.envFrom[0]", "exactly one of configMapRef and secretRef"}},
+		{"template envFrom with both sources", func(s map[string]any) {
+			s["template"] = map[string]any{"container": map[string]any{"envFrom": []any{map[string]any{
+				"configMapRef": map[string]any{"name": "app"}, "secretRef": map[string]any{"name": "app"}}}}}
+		}, []string{"spec.template.container.envFrom[0]", "exactly one of configMapRef and secretRef"}},
 		{"OAUTHBEARER without TLS", func(s map[string]any) {
 			kafka(s)["sasl"] = map[string]any{"mechanism": "OAUTHBEARER", "oauth": map[string]any{"tokenFile": "/t"}}
 		}, []string{"spec.kafka.sasl.mechanism", "OAUTHBEARER sends a bearer token in clear text"}},

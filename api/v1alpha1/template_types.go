@@ -160,6 +160,7 @@ type RelayContainerSpec struct {
 
 // RelayEnvVar is an environment variable of the relay container, as a pod's,
 // with a name the API server accepts in a pod.
+// +kubebuilder:validation:XValidation:rule="!has(self.valueFrom) || !has(self.value) || self.value == ''",message="value and valueFrom are exclusive: set one",messageExpression="self.name + ': value and valueFrom are exclusive: set one'"
 type RelayEnvVar struct {
 	// Name of the variable: printable ASCII characters other than '=', not
 	// starting with RELAY_ (ReservedEnvPrefix).
@@ -183,6 +184,7 @@ func (e RelayEnvVar) EnvVar() corev1.EnvVar {
 // RelayEnvFromSource adds the keys of a ConfigMap or Secret to the relay
 // container's environment, as a pod's envFrom, with a prefix the API server
 // accepts in a pod.
+// +kubebuilder:validation:XValidation:rule="has(self.configMapRef) != has(self.secretRef)",message="exactly one of configMapRef and secretRef"
 type RelayEnvFromSource struct {
 	// Prefix put before each key to make the variable's name: printable
 	// ASCII characters other than '='.
