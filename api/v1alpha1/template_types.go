@@ -160,7 +160,7 @@ type RelayContainerSpec struct {
 
 // RelayEnvVar is an environment variable of the relay container, as a pod's,
 // with a name the API server accepts in a pod.
-// +kubebuilder:validation:XValidation:rule="!has(self.valueFrom) || !has(self.value) || self.value == ''",message="value and valueFrom are exclusive: set one",messageExpression="self.name + ': value and valueFrom are exclusive: set one'"
+// +kubebuilder:validation:XValidation:rule="!has(self.valueFrom) || !has(self.value) || size(self.value) == 0",message="value and valueFrom are exclusive: set one",messageExpression="self.name + ': value and valueFrom are exclusive: set one'"
 type RelayEnvVar struct {
 	// Name of the variable: printable ASCII characters other than '=', not
 	// starting with RELAY_ (ReservedEnvPrefix).
