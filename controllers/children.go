@@ -13,6 +13,7 @@ import (
 	"maps"
 	"slices"
 	"strings"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -62,8 +63,9 @@ const (
 	// metricsPortName names the relay's metrics/health port.
 	metricsPortName = "metrics"
 
-	// The relay exits within ~10s of SIGTERM; 30s leaves room for a slow broker.
-	terminationGracePeriodSeconds = 30
+	// shutdownMargin is what the relay's exit may take after its last
+	// batch (relayconfig.BatchDeadline): closing its producer and sessions.
+	shutdownMargin = 5 * time.Second
 	// nonRootID is the distroless nonroot user and group.
 	nonRootID = 65532
 
@@ -329,6 +331,14 @@ func kafkaTLSItems(in secretInputs) []corev1.KeyToPath {
 // relay's settings that checkSpec built and checked. in is what the
 // referenced Secrets provide; current is the Deployment as it runs (nil
 // when none), which decides the rollout strategy.
+// terminationGracePeriodSeconds outlasts the relay's shutdown, which waits
+// for the batch in flight (relayconfig.BatchDeadline): 30 s at the default
+// publish timeout. A shorter one killed a batch published to Kafka before
+// its mark, to be published again.
+func terminationGracePeriodSeconds(publishTimeout time.Duration) int64 {
+	return int64((relayconfig.BatchDeadline(publishTimeout) + shutdownMargin + time.Second - 1) / time.Second)
+}
+
 func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, settings relayconfig.Command, in secretInputs, current *appsv1.Deployment) *appsv1.Deployment {
 	spec := &relay.Spec
 	image := cmp.Or(spec.Image, img.fallback)
@@ -390,7 +400,7 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, settings rel
 		AutomountServiceAccountToken:  cmp.Or(podTemplate(tmpl).AutomountServiceAccountToken, ptr.To(false)),
 		TopologySpreadConstraints:     slices.Clone(podTemplate(tmpl).TopologySpreadConstraints),
 		EnableServiceLinks:            ptr.To(false),
-		TerminationGracePeriodSeconds: ptr.To[int64](terminationGracePeriodSeconds),
+		TerminationGracePeriodSeconds: ptr.To(terminationGracePeriodSeconds(settings.PublishTimeout)),
 		ImagePullSecrets:              slices.Clone(spec.ImagePullSecrets),
 		NodeSelector:                  maps.Clone(spec.NodeSelector),
 		Tolerations:                   slices.Clone(spec.Tolerations),

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	appsv1 "k8s.io/api/apps/v1"
@@ -591,4 +592,16 @@ func TestRelayDeploymentDatabaseTLS(t *testing.T) {
 	require.Equal(t, dbTLSMountPath, c.VolumeMounts[0].MountPath)
 	require.Subset(t, c.Args, []string{"--database-tls-ca-file=/etc/relay/database-tls/ca.crt",
 		"--database-tls-cert-file=/etc/relay/database-tls/tls.crt", "--database-tls-key-file=/etc/relay/database-tls/tls.key"})
+}
+
+// The relay pods' grace period outlasts the relay's shutdown, which waits
+// for the batch in flight, at every publish timeout the relay takes; at
+// the default it stays 30 s, so an operator upgrade rolls no pod for it.
+func TestGracePeriodOutlastsTheBatchInFlight(t *testing.T) {
+	t.Parallel()
+	for _, p := range []time.Duration{relayconfig.MinPublishTimeout, relayconfig.DefaultPublishTimeout, 17*time.Second + time.Millisecond, relayconfig.MaxPublishTimeout} {
+		grace := time.Duration(terminationGracePeriodSeconds(p)) * time.Second
+		require.GreaterOrEqual(t, grace, relayconfig.BatchDeadline(p)+shutdownMargin, p)
+	}
+	require.Equal(t, int64(30), terminationGracePeriodSeconds(relayconfig.DefaultPublishTimeout))
 }

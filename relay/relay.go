@@ -295,7 +295,7 @@ const minServerVersion = 140000
 const checkTimeout = 30 * time.Second
 
 // batchDeadline bounds one batch from begin to commit, even after SIGTERM.
-func batchDeadline(cfg Config) time.Duration { return cfg.PublishTimeout + 15*time.Second }
+func batchDeadline(cfg Config) time.Duration { return relayconfig.BatchDeadline(cfg.PublishTimeout) }
 
 // statementTimeout bounds each statement of the relay's sessions.
 const statementTimeout = 30 * time.Second

@@ -287,10 +287,13 @@ const (
 	DefaultPublishTimeout = 10 * time.Second
 	MinPublishTimeout     = time.Second
 	MaxPublishTimeout     = 5 * time.Minute
-	DefaultMaxInFlight    = 2
-	MinMaxInFlight        = 1
-	MaxMaxInFlight        = 2
-	DefaultOnPublish      = OnPublishMark
+	// BatchCommitMargin is what a batch may take beyond its publish
+	// (BatchDeadline): its claim, its mark and its commit.
+	BatchCommitMargin  = 15 * time.Second
+	DefaultMaxInFlight = 2
+	MinMaxInFlight     = 1
+	MaxMaxInFlight     = 2
+	DefaultOnPublish   = OnPublishMark
 	// DefaultKeepPublishedFor 0 keeps published rows forever.
 	DefaultKeepPublishedFor = time.Duration(0)
 	MinKeepPublishedFor     = time.Minute
@@ -1583,4 +1586,13 @@ func checkWriterDeletes(on bool, c Capture) error {
 		return fmt.Errorf("needs --%s %s: a polling relay never sees rows deleted in the transaction that inserts them", FlagCapture, CaptureLogicalReplication)
 	}
 	return nil
+}
+
+// BatchDeadline bounds one batch of a relay whose publish timeout is
+// publishTimeout, from its begin to its commit, also after SIGTERM: the
+// relay's shutdown waits for it, and the pods' termination grace period
+// must outlast it, or a batch published to Kafka is killed before its mark
+// and published again.
+func BatchDeadline(publishTimeout time.Duration) time.Duration {
+	return publishTimeout + BatchCommitMargin
 }
