@@ -416,13 +416,13 @@ func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, settings rel
 	}
 	if items := kafkaTLSItems(in); spec.Kafka.TLS != nil && spec.Kafka.TLS.SecretRef != nil && len(items) > 0 {
 		podSpec.Volumes = []corev1.Volume{{
-			Name: "kafka-tls",
+			Name: outboxv1alpha1.ReservedVolume,
 			VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
 				SecretName: spec.Kafka.TLS.SecretRef.Name, Items: items, DefaultMode: ptr.To[int32](0o440),
 			}},
 		}}
 		podSpec.Containers[0].VolumeMounts = []corev1.VolumeMount{{
-			Name: "kafka-tls", MountPath: tlsMountPath, ReadOnly: true,
+			Name: outboxv1alpha1.ReservedVolume, MountPath: tlsMountPath, ReadOnly: true,
 		}}
 	}
 

@@ -17,7 +17,7 @@ import (
 )
 
 // tlsMountPath is where the Kafka TLS Secret is mounted in a relay pod.
-const tlsMountPath = "/etc/relay/tls"
+const tlsMountPath = outboxv1alpha1.ReservedMountDir + "/tls"
 
 // relayBinary is the relay's program in its image.
 const relayBinary = "/relay"
@@ -28,7 +28,7 @@ const relayBinary = "/relay"
 // mounts under /etc/relay, or the root. The API's rule refuses the plain
 // spellings; this refuses the others ("//relay", "/etc/relay/./tls").
 func ownPath(p string) bool {
-	const etc = "/etc/relay"
+	const etc = outboxv1alpha1.ReservedMountDir
 	return p == "/" || p == relayBinary || p == etc || strings.HasPrefix(p, etc+"/")
 }
 
@@ -45,7 +45,7 @@ var kafkaTLSKeys = []string{outboxv1alpha1.DefaultCAKey, corev1.TLSCertKey, core
 
 // dbTLSMountPath is where spec.database.tls's CA (ca.crt) and client
 // certificate (tls.crt, tls.key) are mounted in a relay pod.
-const dbTLSMountPath = "/etc/relay/database-tls"
+const dbTLSMountPath = outboxv1alpha1.ReservedMountDir + "/" + outboxv1alpha1.ReservedDatabaseVolume
 
 // orderings maps the API's ordering modes to the relay's.
 var orderings = map[outboxv1alpha1.OrderingMode]relayconfig.Ordering{

@@ -254,3 +254,20 @@ func TestEnvNamePatternIsTheAPIServers(t *testing.T) {
 		require.Equal(t, len(k8s) == 0 || v == "", prefix.MatchString(v), "prefix %q: the API server says %v", v, k8s)
 	}
 }
+
+// TestCRDKeepsTheRelaysOwnNames: the names the template may not use are
+// the constants the operator builds the pods with (the markers must be
+// literals).
+func TestCRDKeepsTheRelaysOwnNames(t *testing.T) {
+	t.Parallel()
+	spec := committedSchema(t).at(t, "spec")
+	require.Equal(t, relayconfig.EnvPrefix, outboxv1alpha1.ReservedEnvPrefix, "the relay's environment")
+	require.Contains(t, spec.at(t, "template.container.env.[].name").rules(), "!self.startsWith('"+outboxv1alpha1.ReservedEnvPrefix+"')")
+	vols := strings.Join(spec.at(t, "template.pod.volumes").rules(), " ")
+	mounts := strings.Join(spec.at(t, "template.container.volumeMounts.[]").rules(), " ")
+	for _, name := range []string{outboxv1alpha1.ReservedVolume, outboxv1alpha1.ReservedDatabaseVolume} {
+		require.Contains(t, vols, "v.name != '"+name+"'")
+		require.Contains(t, mounts, "self.name != '"+name+"'")
+	}
+	require.Contains(t, mounts, "self.mountPath != '"+outboxv1alpha1.ReservedMountDir+"' && !self.mountPath.startsWith('"+outboxv1alpha1.ReservedMountDir+"/')")
+}
