@@ -96,6 +96,13 @@ func selectorLabels(relay *outboxv1alpha1.OutboxRelay) map[string]string {
 	return map[string]string{labelName: "outbox-relay", labelInstance: relay.Name}
 }
 
+// OwnLabel reports whether key is a label the operator sets on a relay's
+// objects (commonLabels).
+func OwnLabel(key string) bool {
+	_, own := commonLabels(&outboxv1alpha1.OutboxRelay{})[key]
+	return own
+}
+
 func commonLabels(relay *outboxv1alpha1.OutboxRelay) map[string]string {
 	l := selectorLabels(relay)
 	l[labelComponent] = "relay"

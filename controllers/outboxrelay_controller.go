@@ -59,6 +59,10 @@ type OutboxRelayReconciler struct {
 	Recorder events.EventRecorder
 	// RelayImage is the relay image for OutboxRelays that name none.
 	RelayImage string
+	// PodMonitorLabels are added to each relay's PodMonitor: those the
+	// cluster's Prometheus selects PodMonitors by (kube-prometheus-stack's
+	// release=<name>, say). The relay's own labels win.
+	PodMonitorLabels map[string]string
 	// AllowedImages are the prefixes an OutboxRelay's spec.image must start
 	// with; empty admits RelayImage's repository, AnyImage any image.
 	// RelayImage is always allowed.

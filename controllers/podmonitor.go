@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
+	"strings"
 	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -83,7 +86,9 @@ func newPodMonitor() *unstructured.Unstructured {
 // relayPodMonitor is the PodMonitor that scrapes a relay's pods: the metrics
 // port, job="outbox-relay" (the value of the pods' app.kubernetes.io/name) and
 // outboxrelay=<name>, the labels config/prometheus and config/grafana use.
-func relayPodMonitor(relay *outboxv1alpha1.OutboxRelay) *unstructured.Unstructured {
+// extra are the labels the Prometheus that should scrape it selects
+// PodMonitors by (--relay-podmonitor-labels); the relay's own labels win.
+func relayPodMonitor(relay *outboxv1alpha1.OutboxRelay, extra map[string]string) *unstructured.Unstructured {
 	selector := map[string]any{}
 	for k, v := range selectorLabels(relay) {
 		selector[k] = v
@@ -104,7 +109,12 @@ func relayPodMonitor(relay *outboxv1alpha1.OutboxRelay) *unstructured.Unstructur
 	u := newPodMonitor()
 	u.SetNamespace(relay.Namespace)
 	u.SetName(childName(relay))
-	u.SetLabels(commonLabels(relay))
+	labels := maps.Clone(extra)
+	if labels == nil {
+		labels = map[string]string{}
+	}
+	maps.Copy(labels, commonLabels(relay))
+	u.SetLabels(labels)
 	u.SetAnnotations(map[string]string{specHashAnnotation: hashOf(spec)})
 	u.Object["spec"] = spec
 	return u
@@ -156,11 +166,14 @@ func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *out
 		meta.RemoveStatusCondition(&relay.Status.Conditions, outboxv1alpha1.ConditionMonitoring)
 		return nil
 	}
-	want := relayPodMonitor(relay)
+	want := relayPodMonitor(relay, r.PodMonitorLabels)
 	key := client.ObjectKeyFromObject(relay)
 	ready := func() {
+		// Whether a Prometheus scrapes it is its podMonitorSelector's say,
+		// which the operator cannot read: the condition names the labels.
 		set(metav1.ConditionTrue, outboxv1alpha1.ReasonPodMonitorReady,
-			fmt.Sprintf("PodMonitor %s scrapes the relay pods (job=%q, outboxrelay=%q)", childName(relay), relayJob, relay.Name))
+			fmt.Sprintf("PodMonitor %s selects the relay pods (job=%q, outboxrelay=%q); a Prometheus whose podMonitorSelector matches its labels %s scrapes them",
+				childName(relay), relayJob, relay.Name, labelList(want.GetLabels())))
 	}
 	seen := podMonitorSeen{uid: relay.UID, hash: want.GetAnnotations()[specHashAnnotation], generation: relay.Generation}
 	if v, ok := r.podMonitors.Load(key); ok {
@@ -236,4 +249,13 @@ func (r *OutboxRelayReconciler) deletePodMonitor(ctx context.Context, relay *out
 		return fmt.Errorf("delete PodMonitor %s: %w", childName(relay), err)
 	}
 	return nil
+}
+
+// labelList is labels as k=v, comma-separated, in key order.
+func labelList(labels map[string]string) string {
+	var kv []string
+	for _, k := range slices.Sorted(maps.Keys(labels)) {
+		kv = append(kv, k+"="+labels[k])
+	}
+	return strings.Join(kv, ",")
 }

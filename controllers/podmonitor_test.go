@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -37,11 +38,16 @@ func podMonitorCRD() string {
 func TestRelayPodMonitor(t *testing.T) {
 	t.Parallel()
 	relay := &outboxv1alpha1.OutboxRelay{ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "orders"}}
-	pm := relayPodMonitor(relay)
+	pm := relayPodMonitor(relay, nil)
 	require.Equal(t, podMonitorGVK, pm.GroupVersionKind())
 	require.Equal(t, "shop", pm.GetNamespace())
 	require.Equal(t, "orders-relay", pm.GetName())
 	require.Equal(t, commonLabels(relay), pm.GetLabels())
+	extra := map[string]string{"release": "prometheus", labelName: "other"}
+	labels := relayPodMonitor(relay, extra).GetLabels()
+	require.Equal(t, "prometheus", labels["release"])
+	require.Equal(t, commonLabels(relay)[labelName], labels[labelName], "the relay's own labels win")
+	require.Equal(t, "other", extra[labelName], "the flag's map is not written")
 	require.NotEmpty(t, pm.GetAnnotations()[specHashAnnotation])
 	sel, _, _ := unstructured.NestedStringMap(pm.Object, "spec", "selector", "matchLabels")
 	require.Equal(t, selectorLabels(relay), sel, "the relay's pods, and only them")
@@ -80,7 +86,9 @@ func TestPodMonitorFollowsSpec(t *testing.T) {
 		require.Eventually(t, func() bool { return apierrors.IsNotFound(admin.Get(ctx, client.ObjectKeyFromObject(crd), crd)) },
 			eventually, tick, "the PodMonitor CRD is gone")
 	}
-	r, _ := startManager(t)
+	// The labels a Prometheus selects PodMonitors by (--relay-podmonitor-labels).
+	selected := map[string]string{"release": "prometheus"}
+	r, _, _ := runManager(t, testManager{digestKey: newDigestKeySecret(t), podMonitorLabels: selected})
 	ns := newNamespace(t, admin)
 	require.NoError(t, admin.Create(ctx, &corev1.Secret{
 		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "dsn"}, StringData: map[string]string{"dsn": "postgres://x"},
@@ -113,10 +121,12 @@ func TestPodMonitorFollowsSpec(t *testing.T) {
 	pmKey := client.ObjectKey{Namespace: ns, Name: "orders-relay"}
 	require.Eventually(t, func() bool { return admin.Get(ctx, pmKey, pm) == nil }, eventually, tick, "the PodMonitor is created")
 	require.True(t, metav1.IsControlledBy(pm, relay), "owned by the relay, so it goes with it")
-	require.Equal(t, relayPodMonitor(relay).Object["spec"], pm.Object["spec"])
+	require.Equal(t, relayPodMonitor(relay, nil).Object["spec"], pm.Object["spec"])
+	require.Equal(t, "prometheus", pm.GetLabels()["release"], "the label the Prometheus selects by")
 	require.Eventually(t, func() bool {
 		c := monitoringCondition(t, admin, key)
-		return c != nil && c.Status == metav1.ConditionTrue && c.Reason == outboxv1alpha1.ReasonPodMonitorReady
+		return c != nil && c.Status == metav1.ConditionTrue && c.Reason == outboxv1alpha1.ReasonPodMonitorReady &&
+			strings.Contains(c.Message, "podMonitorSelector matches its labels") && strings.Contains(c.Message, "release=prometheus")
 	}, eventually, tick)
 	require.NoError(t, admin.Get(ctx, pmKey, pm)) // as the pass left it: with its live hash
 
@@ -431,7 +441,7 @@ func TestPodMonitorEditedByHandIsRepaired(t *testing.T) {
 	pm := newPodMonitor()
 	require.NoError(t, c.Get(ctx, pmKey, pm))
 	want := pm.Object["spec"]
-	require.Equal(t, relayPodMonitor(relay).Object["spec"], want)
+	require.Equal(t, relayPodMonitor(relay, nil).Object["spec"], want)
 
 	recheck()
 	again := newPodMonitor()

@@ -103,6 +103,8 @@ type testManager struct {
 	namespaces []string
 	// digestKey is the reconciler's DigestKeySecret.
 	digestKey types.NamespacedName
+	// podMonitorLabels are the reconciler's PodMonitorLabels.
+	podMonitorLabels map[string]string
 }
 
 // runManager runs a manager as startManager does, until stop (which waits
@@ -127,12 +129,13 @@ func runManager(t *testing.T, tm testManager) (r *OutboxRelayReconciler, mgr ctr
 	metrics, err := NewMetrics(prometheus.NewRegistry())
 	require.NoError(t, err)
 	r = &OutboxRelayReconciler{
-		Client:        mgr.GetClient(),
-		Recorder:      mgr.GetEventRecorder("outbox-operator"),
-		RelayImage:    testImage,
-		AllowedImages: []string{allowedPrefix},
-		Flow:          newTestFlowObserver(),
-		Metrics:       metrics,
+		Client:           mgr.GetClient(),
+		Recorder:         mgr.GetEventRecorder("outbox-operator"),
+		RelayImage:       testImage,
+		AllowedImages:    []string{allowedPrefix},
+		PodMonitorLabels: tm.podMonitorLabels,
+		Flow:             newTestFlowObserver(),
+		Metrics:          metrics,
 		// testDatabaseTokenAuth logs in with the operator's (fake) identity.
 		DatabaseTokenLogins: true,
 		// Secrets are read again this often: how soon a rotation rolls the pods.

@@ -62,7 +62,9 @@ type config struct {
 	// digestKeySecret keeps the key of the digests recorded on the relays'
 	// Deployments; zero: none (the key lives as long as the process).
 	digestKeySecret types.NamespacedName
-	zap             zap.Options
+	// podMonitorLabels are added to each relay's PodMonitor.
+	podMonitorLabels map[string]string
+	zap              zap.Options
 }
 
 // parseConfig reads the flags, with RELAY_IMAGE, DIGEST_KEY_SECRET,
@@ -115,6 +117,11 @@ func parseConfig(args []string, getenv func(string) string) (config, error) {
 			"only relays whose values changed; the operator fills it when it is empty, and needs get and update on it.\n"+
 			"Empty: a key of the process's own, and a restart rolls, once, each relay one of whose Secrets was written\n"+
 			"since its pods last rolled (env DIGEST_KEY_SECRET).")
+	var podMonitorLabels string
+	fs.StringVar(&podMonitorLabels, "relay-podmonitor-labels", "",
+		"Labels (KEY=VALUE, comma-separated) added to the PodMonitor of each OutboxRelay with spec.monitoring.podMonitor:\n"+
+			"those the cluster's Prometheus selects PodMonitors by (kube-prometheus-stack: release=<its release>).\n"+
+			"Without them such a Prometheus scrapes no relay pod.")
 	fs.BoolVar(&cfg.printVersion, "version", false, "Print the version and exit.")
 	cfg.zap = zap.Options{Development: false} // JSON logs
 	cfg.zap.BindFlags(fs)
@@ -149,9 +156,37 @@ func parseConfig(args []string, getenv func(string) string) (config, error) {
 		}
 		cfg.digestKeySecret = types.NamespacedName{Namespace: ns, Name: name}
 	}
+	labels, err := parseLabels(podMonitorLabels)
+	if err != nil {
+		return cfg, fmt.Errorf("--relay-podmonitor-labels: %w", err)
+	}
+	cfg.podMonitorLabels = labels
 	cfg.allowedImages = splitList(allowed)
 	cfg.namespaces = splitList(getenv("WATCH_NAMESPACE"))
 	return cfg, nil
+}
+
+// parseLabels reads KEY=VALUE pairs, comma-separated, each a valid label;
+// the keys the operator labels its children with are its own.
+func parseLabels(s string) (map[string]string, error) {
+	labels := map[string]string{}
+	for _, kv := range splitList(s) {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok {
+			return nil, fmt.Errorf("%q is not KEY=VALUE", kv)
+		}
+		if errs := validation.IsQualifiedName(k); len(errs) > 0 {
+			return nil, fmt.Errorf("%q: the key is not a label key: %s", kv, strings.Join(errs, "; "))
+		}
+		if errs := validation.IsValidLabelValue(v); len(errs) > 0 {
+			return nil, fmt.Errorf("%q: the value is not a label value: %s", kv, strings.Join(errs, "; "))
+		}
+		if controllers.OwnLabel(k) {
+			return nil, fmt.Errorf("%q: %s is a label the operator sets on the relay's objects", kv, k)
+		}
+		labels[k] = v
+	}
+	return labels, nil
 }
 
 // splitList splits a comma-separated list, dropping blanks.
@@ -229,13 +264,14 @@ func run(ctx context.Context, cfg config, restCfg *rest.Config, tweaks ...func(*
 	flow := controllers.NewFlowObserver()
 	flow.ConnsPerDatabase = cfg.connsPerDatabase
 	r := &controllers.OutboxRelayReconciler{
-		Client:        mgr.GetClient(),
-		APIReader:     mgr.GetAPIReader(),
-		Recorder:      mgr.GetEventRecorder("outbox-operator"),
-		RelayImage:    cfg.relayImage,
-		AllowedImages: cfg.allowedImages,
-		Flow:          flow,
-		Metrics:       metrics,
+		Client:           mgr.GetClient(),
+		APIReader:        mgr.GetAPIReader(),
+		Recorder:         mgr.GetEventRecorder("outbox-operator"),
+		RelayImage:       cfg.relayImage,
+		PodMonitorLabels: cfg.podMonitorLabels,
+		AllowedImages:    cfg.allowedImages,
+		Flow:             flow,
+		Metrics:          metrics,
 
 		DatabaseTokenLogins: cfg.databaseTokenLogins,
 

@@ -89,6 +89,21 @@ func TestParseConfig(t *testing.T) {
 	_, err = parseConfig([]string{"--backlog-connections-per-database=0"}, env(nil))
 	require.ErrorContains(t, err, "--backlog-connections-per-database: 0 is outside 1..100")
 
+	// The labels of the relays' PodMonitors: valid labels, none of the
+	// operator's own.
+	cfg, err = parseConfig([]string{"--relay-podmonitor-labels= release=prometheus,, team=payments "}, env(nil))
+	require.NoError(t, err)
+	require.Equal(t, map[string]string{"release": "prometheus", "team": "payments"}, cfg.podMonitorLabels)
+	for bad, want := range map[string]string{
+		"release":                         `"release" is not KEY=VALUE`,
+		"bad key=x":                       `"bad key=x": the key is not a label key`,
+		"release=not valid":               `"release=not valid": the value is not a label value`,
+		"app.kubernetes.io/managed-by=me": `"app.kubernetes.io/managed-by=me": app.kubernetes.io/managed-by is a label the operator sets`,
+	} {
+		_, err = parseConfig([]string{"--relay-podmonitor-labels=" + bad}, env(nil))
+		require.ErrorContains(t, err, "--relay-podmonitor-labels: "+want, bad)
+	}
+
 	// The digest key's Secret: by name in the pod's namespace, as the
 	// installs set it, or namespace/name; none by default.
 	require.Zero(t, cfg.digestKeySecret)

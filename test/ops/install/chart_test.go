@@ -156,6 +156,7 @@ serviceAccount: {annotations: {example.com/role: outbox}}
 metrics: {port: 9443, secure: false}
 monitoring:
   podMonitor: {enabled: true, labels: {release: prometheus}, interval: 30s}
+  relayPodMonitorLabels: {release: prometheus, team: payments}
   prometheusRule: {enabled: true, labels: {release: prometheus}}
   grafanaDashboard: {enabled: true}
 `
@@ -340,7 +341,7 @@ func TestChartNonDefaultValues(t *testing.T) {
 	require.Equal(t, image, c["image"])
 	require.Equal(t, "Always", c["imagePullPolicy"])
 	require.Equal(t, []any{"--leader-elect", "--metrics-bind-address=:9443", "--metrics-secure=false", "--health-probe-bind-address=:8081",
-		"--allowed-relay-images=registry.example/outbox/,ghcr.io/outbox-relay/", "--zap-log-level=debug"}, c["args"])
+		"--relay-podmonitor-labels=release=prometheus,team=payments", "--allowed-relay-images=registry.example/outbox/,ghcr.io/outbox-relay/", "--zap-log-level=debug"}, c["args"])
 	e := env(t, c)
 	require.Equal(t, "registry.example/outbox/relay:v2", e["RELAY_IMAGE"])
 	require.Equal(t, "shop,billing", e["WATCH_NAMESPACE"])
