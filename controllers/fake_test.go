@@ -728,3 +728,52 @@ func TestKafkaTLSVolumeHoldsOnlyTheKeysRead(t *testing.T) {
 		})
 	}
 }
+
+// A scale-down the API server refuses while the relay's children cannot be
+// written is reported with the relay's problem, and the pass writes the
+// status all the same: before, the pass ended on the error and the status
+// never said what was wrong.
+func TestRefusedScaleDownIsReportedInTheStatus(t *testing.T) {
+	t.Parallel()
+	refuse := false
+	c, r, relay := fakeRelay(t, interceptor.Funcs{
+		Patch: func(ctx context.Context, c client.WithWatch, obj client.Object, patch client.Patch, opts ...client.PatchOption) error {
+			if _, ok := obj.(*appsv1.Deployment); ok && refuse {
+				return apierrors.NewForbidden(appsv1.Resource("deployments"), obj.GetName(), errors.New("denied by policy"))
+			}
+			return c.Patch(ctx, obj, patch, opts...)
+		},
+	}, func(o *outboxv1alpha1.OutboxRelay) { o.Spec.Replicas = ptr.To[int32](3) })
+	ctx := context.Background()
+	key := client.ObjectKeyFromObject(relay)
+	_, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.EqualValues(t, 3, *fakeDeployment(t, c, relay).Spec.Replicas)
+
+	secret := &corev1.Secret{}
+	require.NoError(t, c.Get(ctx, types.NamespacedName{Namespace: "shop", Name: "dsn"}, secret))
+	secret.Data = map[string][]byte{"other": []byte("x")} // the DSN key is gone: a problem
+	require.NoError(t, c.Update(ctx, secret))
+	r.secrets = newSecretCache(0, nil)
+	require.NoError(t, c.Get(ctx, key, relay))
+	relay.Spec.Suspend = true
+	require.NoError(t, c.Update(ctx, relay))
+	refuse = true
+	res, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err, "the refused scale-down is reported, not returned")
+	require.Positive(t, res.RequeueAfter)
+	require.EqualValues(t, 3, *fakeDeployment(t, c, relay).Spec.Replicas)
+	require.NoError(t, c.Get(ctx, key, relay))
+	ready := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady)
+	require.NotNil(t, ready)
+	require.Equal(t, outboxv1alpha1.ReasonSecretKeyMissing, ready.Reason)
+	require.Contains(t, ready.Message, "scaling Deployment orders-relay down to 0 replicas failed")
+	require.Contains(t, ready.Message, "denied by policy")
+
+	refuse = false
+	_, err = r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
+	require.NoError(t, err)
+	require.EqualValues(t, 0, *fakeDeployment(t, c, relay).Spec.Replicas, "scaled down once allowed")
+	require.NoError(t, c.Get(ctx, key, relay))
+	require.NotContains(t, meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady).Message, "failed")
+}

@@ -158,9 +158,7 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 		}
 	}
 	if prob != nil {
-		if deploy, err = r.scaleDownOnly(ctx, relay, current); err != nil {
-			return ctrl.Result{}, err
-		}
+		deploy, prob = r.scaleDownOnly(ctx, relay, current, prob)
 	}
 	if deploy == nil { // children left as they are: report the Deployment that runs
 		deploy = current
@@ -213,21 +211,33 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 // wrong. Before, the replicas rode in the same write as the template, and
 // status said 0 desired while every pod ran on. More replicas wait: new
 // pods would start from a template the operator cannot bring up to date.
-// It returns the Deployment it scaled, nil when it changed nothing.
-func (r *OutboxRelayReconciler) scaleDownOnly(ctx context.Context, relay *outboxv1alpha1.OutboxRelay, current *appsv1.Deployment) (*appsv1.Deployment, error) {
+// It returns the Deployment it scaled (nil when it changed nothing) and
+// the problem to report: a failed write (a policy refusing it, a cache
+// behind the API server's copy) is added to a copy of prob's message and
+// tried again soon. The status, which says what is wrong, is written all
+// the same.
+func (r *OutboxRelayReconciler) scaleDownOnly(ctx context.Context, relay *outboxv1alpha1.OutboxRelay, current *appsv1.Deployment, prob *problem) (*appsv1.Deployment, *problem) {
 	want := desiredReplicas(relay)
 	if current == nil || !metav1.IsControlledBy(current, relay) || ptr.Deref(current.Spec.Replicas, 1) <= want {
-		return nil, nil
+		return nil, prob
 	}
 	d := current.DeepCopy()
 	d.Spec.Replicas = ptr.To(want)
-	if err := r.Patch(ctx, d, client.MergeFromWithOptions(current, client.MergeFromWithOptimisticLock{})); err != nil {
-		return nil, fmt.Errorf("scale %s/%s down to %d replicas: %w", d.Namespace, d.Name, want, err)
+	err := r.Patch(ctx, d, client.MergeFromWithOptions(current, client.MergeFromWithOptimisticLock{}))
+	scaled := err == nil
+	if scaled {
+		err = r.ensurePDB(ctx, relay) // none below two replicas
 	}
-	if err := r.ensurePDB(ctx, relay); err != nil { // none below two replicas
-		return nil, fmt.Errorf("scale %s/%s down to %d replicas: %w", d.Namespace, d.Name, want, err)
+	if err != nil {
+		failed := *prob // the children's problem may be a cached one: it is not written
+		failed.message += fmt.Sprintf("; scaling Deployment %s down to %d replicas failed: %v", d.Name, want, err)
+		failed.requeue = true
+		prob = &failed
 	}
-	return d, nil
+	if !scaled {
+		return nil, prob
+	}
+	return d, prob
 }
 
 // paused reports a relay whose reconciliation is disabled: only the
