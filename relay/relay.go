@@ -601,13 +601,15 @@ func (r *Relay) Check(ctx context.Context) (err error) {
 // privilege on the outbox table that publishing needs: reading the
 // columns, locking the rows it claims (FOR UPDATE needs UPDATE on a
 // column), marking them (UPDATE of published_at) or deleting them
-// (--on-publish delete), and deleting those retention prunes from a plain
-// table. Without one, every batch went out to Kafka and then rolled back
-// at its mark: the same rows were published again at every retry, without
-// end, while the relay looked alive. Retention on a partitioned table
-// needs the table's ownership (to detach its partitions) and the deletes
-// of the event-id table; without them nothing was ever pruned, which only
-// a metric said.
+// (--on-publish delete). Without one, every batch went out to Kafka and
+// then rolled back at its mark: the same rows were published again at
+// every retry, without end, while the relay looked alive. What retention
+// needs (DELETE on a plain table; on a partitioned one the table's
+// ownership, to detach its partitions, and the deletes of the event-id
+// table) is logged as an error instead, naming the grants: the relay
+// publishes, and prunes nothing until they are given (each failed pass
+// counted in outbox_relay_prune_errors_total). Refused, a relay that
+// published before an upgrade would stop publishing for want of pruning.
 func (r *Relay) checkTablePrivileges(ctx context.Context, headers bool) error {
 	var need []privilege
 	on := func(t outbox.Table, p, c string) { need = append(need, privilege{t, p, c}) }
@@ -637,13 +639,12 @@ func (r *Relay) checkTablePrivileges(ctx context.Context, headers bool) error {
 		on(r.table, "UPDATE", "published_at")
 		why = append(why, "it marks each row it published (UPDATE of published_at)")
 	}
-	dropsPartitions := r.cfg.KeepPublishedFor > 0 && r.shape.partitioned
-	if r.cfg.KeepPublishedFor > 0 && !r.shape.partitioned {
+	publishing := len(need)
+	if r.cfg.KeepPublishedFor > 0 && !r.shape.partitioned && r.cfg.OnPublish != OnPublishDelete {
 		on(r.table, "DELETE", "")
-		why = append(why, "--"+relayconfig.FlagKeepPublishedFor+" deletes published rows")
 	}
 	ids := r.table.EventIDsTable()
-	if dropsPartitions {
+	if r.cfg.KeepPublishedFor > 0 && r.shape.partitioned {
 		on(r.table, privOwner, "")
 		if r.shape.eventIDs {
 			on(ids, "SELECT", "event_id")
@@ -657,21 +658,20 @@ func (r *Relay) checkTablePrivileges(ctx context.Context, headers bool) error {
 	}
 	var onTable, forRetention []privilege
 	for _, p := range missing {
-		if p.table == r.table && p.priv != privOwner {
+		if slices.Index(need, p) < publishing {
 			onTable = append(onTable, p)
 		} else {
 			forRetention = append(forRetention, p)
 		}
 	}
 	grantee := pgx.Identifier{role}.Sanitize()
-	var errs []error
 	if len(onTable) > 0 {
-		errs = append(errs, fmt.Errorf("the role %s lacks %s on %s: the relay reads the table, claims rows FOR UPDATE and %s; grant it with: %s",
-			role, privilegeList(onTable), r.table, strings.Join(why, ", and "), grant(onTable, grantee)))
+		return fmt.Errorf("the role %s lacks %s on %s: the relay reads the table, claims rows FOR UPDATE and %s; grant it with: %s",
+			role, privilegeList(onTable), r.table, strings.Join(why, ", and "), grant(onTable, grantee))
 	}
 	if len(forRetention) > 0 {
 		var lacks, fix []string
-		var onIDs []privilege
+		var onIDs, onOutbox []privilege
 		for _, p := range forRetention {
 			if p.priv == privOwner {
 				var owner string
@@ -687,16 +687,29 @@ func (r *Relay) checkTablePrivileges(ctx context.Context, headers bool) error {
 				fix = append(fix, own)
 				continue
 			}
-			onIDs = append(onIDs, p)
+			if p.table == r.table {
+				onOutbox = append(onOutbox, p)
+			} else {
+				onIDs = append(onIDs, p)
+			}
+		}
+		what := "deletes published rows"
+		if len(onOutbox) > 0 {
+			lacks = append(lacks, privilegeList(onOutbox)+" on "+r.table.String())
+			fix = append(fix, grant(onOutbox, grantee))
+		}
+		if r.shape.partitioned {
+			what = "detaches and drops old partitions, which only the table's owner may, and deletes their event ids from " + ids.String()
 		}
 		if len(onIDs) > 0 {
 			lacks = append(lacks, privilegeList(onIDs)+" on "+ids.String())
 			fix = append(fix, grant(onIDs, grantee))
 		}
-		errs = append(errs, fmt.Errorf("the role %s lacks %s: --%s on a partitioned table detaches and drops its old partitions, which only the table's owner may, and deletes their event ids from %s; fix it with: %s",
-			role, strings.Join(lacks, " and "), relayconfig.FlagKeepPublishedFor, ids, strings.Join(fix, "; ")))
+		r.log.Error("the relay's role cannot prune: it publishes, and retention removes nothing until the role may",
+			"role", role, "lacks", strings.Join(lacks, " and "), "why", "--"+relayconfig.FlagKeepPublishedFor+" "+what,
+			"fix", strings.Join(fix, "; "))
 	}
-	return errors.Join(errs...)
+	return nil
 }
 
 // privOwner, as a privilege, is a table's ownership.
