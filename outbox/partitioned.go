@@ -130,6 +130,18 @@ func PartitionedSchemaDDL(t Table, period PartitionPeriod, ahead int) string {
 --       'SELECT %[1]s(%[4]d)', '<this database>');
 -- There is no DEFAULT partition: the relay detaches old partitions with
 -- DETACH PARTITION CONCURRENTLY, which a DEFAULT partition rules out.
+CREATE OR REPLACE FUNCTION %[9]s(parent regclass, nsp text, part text, lo timestamp, hi timestamp)
+RETURNS void
+LANGUAGE plpgsql
+AS $add$
+BEGIN
+    EXECUTE format('CREATE TABLE %%I.%%I (LIKE %%s INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING STORAGE) WITH (%[8]s)',
+        nsp, part, parent);
+    EXECUTE format('ALTER TABLE %%s ATTACH PARTITION %%I.%%I FOR VALUES FROM (%%L) TO (%%L)',
+        parent, nsp, part, lo AT TIME ZONE 'UTC', hi AT TIME ZONE 'UTC');
+END
+$add$;
+
 CREATE OR REPLACE FUNCTION %[1]s(ahead integer DEFAULT %[4]d)
 RETURNS integer
 LANGUAGE plpgsql
@@ -139,30 +151,44 @@ DECLARE
     parent regclass := %[2]s::regclass;
     nsp    text;
     first  timestamp := date_trunc('%[3]s', now() AT TIME ZONE 'UTC');
-    lo     timestamp;
+    p_lo   timestamp;
+    p_hi   timestamp;
+    cur    timestamp;
     part   text;
+    cover  record;
     made   integer := 0;
 BEGIN
     -- One caller at a time: two would try to create the same partitions.
     PERFORM pg_advisory_xact_lock(hashtext('add partitions ' || parent::oid::text));
     SELECT n.nspname INTO nsp FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = parent;
     FOR i IN 0..ahead LOOP
-        lo := first + i * interval '1 %[3]s';
-        part := %[5]s || to_char(lo, '%[7]s');
-        CONTINUE WHEN to_regclass(format('%%I.%%I', nsp, part)) IS NOT NULL;
-        BEGIN
-            EXECUTE format('CREATE TABLE %%I.%%I (LIKE %%s INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING STORAGE) WITH (%[8]s)',
-                nsp, part, parent);
-            EXECUTE format('ALTER TABLE %%s ATTACH PARTITION %%I.%%I FOR VALUES FROM (%%L) TO (%%L)',
-                parent, nsp, part, lo AT TIME ZONE 'UTC', (lo + interval '1 %[3]s') AT TIME ZONE 'UTC');
+        p_lo := first + i * interval '1 %[3]s';
+        p_hi := p_lo + interval '1 %[3]s';
+        -- Each stretch of [p_lo, p_hi) no partition covers gets one: a
+        -- partition of another name or period (made by hand, by a
+        -- partition manager, or under another --partition-period) keeps
+        -- what it covers, and no stretch is left without one.
+        cur := p_lo;
+        FOR cover IN SELECT b.blo, b.bhi FROM (
+                SELECT COALESCE((regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \(''([^'']*)''\)'))[1]::timestamptz AT TIME ZONE 'UTC', '-infinity') AS blo,
+                       COALESCE((regexp_match(pg_get_expr(c.relpartbound, c.oid), 'TO \(''([^'']*)''\)'))[1]::timestamptz AT TIME ZONE 'UTC', 'infinity') AS bhi
+                FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+                WHERE i.inhparent = parent AND pg_get_expr(c.relpartbound, c.oid) <> 'DEFAULT') b
+            WHERE b.bhi > p_lo AND b.blo < p_hi ORDER BY b.blo LOOP
+            IF cover.blo > cur THEN
+                PERFORM %[9]s(parent, nsp, left(%[5]s, 47) || to_char(cur, 'YYYYMMDD"t"HH24MISS'), cur, cover.blo);
+                made := made + 1;
+            END IF;
+            cur := greatest(cur, cover.bhi);
+        END LOOP;
+        IF cur < p_hi THEN
+            part := %[5]s || to_char(p_lo, '%[7]s');
+            IF cur > p_lo THEN
+                part := left(%[5]s, 47) || to_char(cur, 'YYYYMMDD"t"HH24MISS');
+            END IF;
+            PERFORM %[9]s(parent, nsp, part, cur, p_hi);
             made := made + 1;
-        EXCEPTION WHEN invalid_object_definition THEN
-            -- A partition of another name or period (made by hand, by a
-            -- partition manager, or under another --partition-period)
-            -- covers part of this range: its rows go there, and the
-            -- periods after it are still made.
-            RAISE NOTICE '%%: %%; not made', part, SQLERRM;
-        END;
+        END IF;
     END LOOP;
     RETURN made;
 END
@@ -174,7 +200,7 @@ SELECT %[1]s(%[4]d);
 -- whose range ended longer ago than that and whose rows are all published,
 -- and deletes the event ids of the ranges it dropped.
 `, fn.Quoted(), QuoteLiteral(q), unit, ahead, QuoteLiteral(t.Name[:min(len(t.Name), 63-2-period.nameLength())]+"_p"),
-		fn.String(), period.nameFormat(), strings.ReplaceAll(QueueTableSettings, "\n    ", " "))
+		fn.String(), period.nameFormat(), strings.ReplaceAll(QueueTableSettings, "\n    ", " "), t.Suffixed("_add_partition").Quoted())
 	return b.String()
 }
 

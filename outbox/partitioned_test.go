@@ -247,18 +247,37 @@ func TestAddPartitionsFunction(t *testing.T) {
 	require.Equal(t, 1, f.Count(`SELECT count(*) FROM p_day.outbox`))
 
 	// Partitions of another name or period (here the DDL's own under
-	// --partition-period day, then hour) are left where they cover the
-	// range, and the periods after them are made. Before, the first
-	// overlap failed the whole call, every time, and no partition ahead
-	// was made: writers failed once the last one ended.
+	// --partition-period day, then hour) keep what they cover, and every
+	// stretch they leave gets a partition. Before, the first overlap failed
+	// the whole call, every time, and no partition ahead was made: writers
+	// failed once the last one ended.
 	f.Exec(outbox.PartitionedSchemaDDL(day, outbox.PartitionHour, 0))
-	var covered int // the hours from this one to the end of the day partitions' range
-	require.NoError(t, f.Pool.QueryRow(ctx, `SELECT extract(epoch FROM max(upper) - date_trunc('hour', now()))::int / 3600 FROM (
-		SELECT (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'TO \(''([^'']*)''\)'))[1]::timestamptz AS upper
-		FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'p_day.outbox'::regclass) b`).Scan(&covered))
-	require.NoError(t, f.Pool.QueryRow(ctx, fmt.Sprintf(`SELECT %s(%d)`, day.AddPartitionsFunction().Quoted(), covered+2)).Scan(&made))
+	// In one statement, so that the hour the function starts at is the
+	// hour the count starts at: the hours to the end of the day partitions,
+	// and two more.
+	require.NoError(t, f.Pool.QueryRow(ctx, fmt.Sprintf(`SELECT %s((SELECT extract(epoch FROM max(upper) - date_trunc('hour', now() AT TIME ZONE 'UTC'))::int / 3600 + 2 FROM (
+		SELECT (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'TO \(''([^'']*)''\)'))[1]::timestamptz AT TIME ZONE 'UTC' AS upper
+		FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'p_day.outbox'::regclass) b))`, day.AddPartitionsFunction().Quoted())).Scan(&made))
 	require.Equal(t, 3, made, "the hours after the day partitions")
 	require.Equal(t, 3, f.Count(`SELECT count(*) FROM pg_inherits WHERE inhparent = 'p_day.outbox'::regclass AND inhrelid::regclass::text ~ '^p_day\.outbox_p[0-9]{10}$'`), "hour partitions")
+
+	// The other way round: hour partitions cover part of today, and the day
+	// DDL fills today's stretches before and after them, then tomorrow.
+	// Every half hour of both days takes a row.
+	mix := outbox.Table{Schema: "p_mix", Name: "outbox"}
+	f.Exec(outbox.PartitionedSchemaDDL(mix, outbox.PartitionHour, 2))
+	f.Exec(outbox.PartitionedSchemaDDL(mix, outbox.PartitionDay, 1))
+	require.Zero(t, f.Count(`SELECT count(*) FROM generate_series(date_trunc('day', now() AT TIME ZONE 'UTC'),
+			date_trunc('day', now() AT TIME ZONE 'UTC') + interval '47 hours 30 minutes', interval '30 minutes') t
+		WHERE NOT EXISTS (SELECT 1 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'p_mix.outbox'::regclass
+			AND t >= (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \(''([^'']*)''\)'))[1]::timestamptz AT TIME ZONE 'UTC'
+			AND t < (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'TO \(''([^'']*)''\)'))[1]::timestamptz AT TIME ZONE 'UTC')`),
+		"no stretch of today or tomorrow without a partition")
+	f.Exec(`INSERT INTO p_mix.outbox (event_id, aggregate_type, aggregate_id, event_type, payload, partition_key, created_at)
+		SELECT gen_random_uuid(), 'Order', 'o', 'E', '{}', 'o', t AT TIME ZONE 'UTC'
+		FROM generate_series(date_trunc('day', now() AT TIME ZONE 'UTC'),
+			date_trunc('day', now() AT TIME ZONE 'UTC') + interval '47 hours 30 minutes', interval '30 minutes') t`)
+	require.Equal(t, 96, f.Count(`SELECT count(*) FROM p_mix.outbox`))
 }
 
 // scannedRelations are the outbox's relations (its partitions) a JSON plan
