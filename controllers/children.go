@@ -334,10 +334,6 @@ func kafkaTLSItems(in secretInputs) []corev1.KeyToPath {
 	return items
 }
 
-// relayDeployment builds the desired relay Deployment from settings, the
-// relay's settings that checkSpec built and checked. in is what the
-// referenced Secrets provide; current is the Deployment as it runs (nil
-// when none), which decides the rollout strategy.
 // terminationGracePeriodSeconds outlasts the relay's shutdown, which waits
 // for the batch in flight (relayconfig.BatchDeadline): 30 s at the default
 // publish timeout. A shorter one killed a batch published to Kafka before
@@ -346,6 +342,10 @@ func terminationGracePeriodSeconds(publishTimeout time.Duration) int64 {
 	return int64((relayconfig.BatchDeadline(publishTimeout) + shutdownMargin + time.Second - 1) / time.Second)
 }
 
+// relayDeployment builds the desired relay Deployment from settings, the
+// relay's settings that checkSpec built and checked. in is what the
+// referenced Secrets provide; current is the Deployment as it runs (nil
+// when none), which decides the rollout strategy.
 func relayDeployment(relay *outboxv1alpha1.OutboxRelay, img images, settings relayconfig.Command, in secretInputs, current *appsv1.Deployment) *appsv1.Deployment {
 	spec := &relay.Spec
 	image := cmp.Or(spec.Image, img.fallback)

@@ -334,9 +334,10 @@ func TestTableThatIsItsOwnDerivedTableIsRefused(t *testing.T) {
 // runs it, as the tables' owner without the schema's CREATE privilege,
 // and while a writer's transaction is open: it makes only what is
 // missing. Before, CREATE TABLE IF NOT EXISTS asked for the schema's
-// CREATE even when the table existed, and CREATE INDEX IF NOT EXISTS
-// locked the table against writes (SHARE) before finding the index: it
-// waited for every open writer, and every write queued behind it.
+// CREATE even when the table existed, CREATE INDEX IF NOT EXISTS locked
+// the table against writes (SHARE) before finding the index: it waited
+// for every open writer, and every write queued behind it; and ALTER TABLE
+// … SET of the storage parameters waited for autovacuum.
 func TestSchemaDDLRunsAgainAsTheTablesOwner(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -382,6 +383,10 @@ func TestSchemaDDLRunsAgainAsTheTablesOwner(t *testing.T) {
 		w, err := outbox.NewWriter(c.table.String())
 		require.NoError(t, err)
 		require.NoError(t, w.Store(ctx, writer, entry()))
+		// The lock a running autovacuum holds, which ALTER TABLE … SET
+		// waits for.
+		_, err = writer.Exec(ctx, `LOCK TABLE `+c.table.Quoted()+` IN SHARE UPDATE EXCLUSIVE MODE`)
+		require.NoError(t, err)
 		_, err = c.db.Exec(ctx, ddl[c.table])
 		require.NoError(t, err, "%s: the DDL again, a writer's transaction open", c.table)
 		require.NoError(t, writer.Commit(ctx))

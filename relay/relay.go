@@ -805,9 +805,9 @@ func (r *Relay) ensureHeldTable(ctx context.Context) (exists, redrivenAt bool, e
 		if err == nil {
 			r.log.Info("made the held table, where held rows are recorded (unless another replica made it first)", "table", held.String())
 		}
-		// Checked as any found table: CREATE … IF NOT EXISTS does nothing
-		// when another replica made the table meanwhile, and an older one
-		// may lack redriven_at.
+		// Checked as any found table: another replica may have made it
+		// meanwhile (this create then failed, the name taken), and an
+		// older one may lack redriven_at.
 		if found, ferr := heldExists(); ferr != nil {
 			return false, false, ferr
 		} else if !found {

@@ -1,7 +1,8 @@
 -- Argo CD health check for outbox.dev/OutboxRelay, read from the conditions
 -- the operator writes. Install it as resource.customizations.health.outbox.dev_OutboxRelay
 -- in argocd-cm (docs/operator.md shows the snippet).
---   Suspended   spec.suspend is true and no pod runs, or reconciliation is paused
+--   Suspended   spec.suspend is true and the Deployment counts no replica,
+--               or reconciliation is paused
 --               (outbox.dev/reconcile: disabled, condition ReconciliationPaused)
 --   Degraded    Stalled (invalid spec, missing Secret, a child the API
 --               server refused, rollout past its deadline, ready replicas
@@ -34,8 +35,10 @@ local function describe(c)
   return text
 end
 
--- Suspended once no pod runs: while pods still stop (or the operator
--- cannot scale the Deployment down) the conditions below say so.
+-- Suspended once the Deployment counts no replica (status.replicas, which
+-- leaves out pods still terminating within their grace period): until
+-- then, or while the operator cannot scale it down, the conditions below
+-- say what goes on.
 local running = 0
 if obj.status ~= nil and obj.status.replicas ~= nil then
   running = obj.status.replicas
