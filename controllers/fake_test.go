@@ -762,6 +762,7 @@ func TestRefusedScaleDownIsReportedInTheStatus(t *testing.T) {
 	res, err := r.Reconcile(ctx, ctrl.Request{NamespacedName: key})
 	require.NoError(t, err, "the refused scale-down is reported, not returned")
 	require.Positive(t, res.RequeueAfter)
+	require.LessOrEqual(t, res.RequeueAfter, secretRetryInterval, "tried again soon")
 	require.EqualValues(t, 3, *fakeDeployment(t, c, relay).Spec.Replicas)
 	require.NoError(t, c.Get(ctx, key, relay))
 	ready := meta.FindStatusCondition(relay.Status.Conditions, outboxv1alpha1.ConditionReady)

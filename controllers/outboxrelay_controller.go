@@ -218,24 +218,35 @@ func (r *OutboxRelayReconciler) Reconcile(ctx context.Context, req ctrl.Request)
 // the same.
 func (r *OutboxRelayReconciler) scaleDownOnly(ctx context.Context, relay *outboxv1alpha1.OutboxRelay, current *appsv1.Deployment, prob *problem) (*appsv1.Deployment, *problem) {
 	want := desiredReplicas(relay)
+	failed := func(what string, err error) *problem {
+		p := *prob // the children's problem may be a cached one: it is not written
+		p.message += fmt.Sprintf("; %s failed: %v", what, err)
+		p.requeue = true
+		return &p
+	}
+	if want < 2 {
+		// The PodDisruptionBudget goes below two replicas, at every pass
+		// (after a scale-down whose PDB delete failed, say).
+		if err := r.ensurePDB(ctx, relay); err != nil {
+			prob = failed("deleting the PodDisruptionBudget", err)
+		}
+	}
 	if current == nil || !metav1.IsControlledBy(current, relay) || ptr.Deref(current.Spec.Replicas, 1) <= want {
 		return nil, prob
 	}
-	d := current.DeepCopy()
+	// The cached copy may predate this pass's own write of the Deployment
+	// (its Service or PDB failed after it): read it again.
+	fresh := &appsv1.Deployment{}
+	if err := r.APIReader.Get(ctx, client.ObjectKeyFromObject(current), fresh); err != nil {
+		return nil, failed(fmt.Sprintf("reading Deployment %s to scale it down to %d replicas", current.Name, want), err)
+	}
+	if !metav1.IsControlledBy(fresh, relay) || ptr.Deref(fresh.Spec.Replicas, 1) <= want {
+		return fresh, prob
+	}
+	d := fresh.DeepCopy()
 	d.Spec.Replicas = ptr.To(want)
-	err := r.Patch(ctx, d, client.MergeFromWithOptions(current, client.MergeFromWithOptimisticLock{}))
-	scaled := err == nil
-	if scaled {
-		err = r.ensurePDB(ctx, relay) // none below two replicas
-	}
-	if err != nil {
-		failed := *prob // the children's problem may be a cached one: it is not written
-		failed.message += fmt.Sprintf("; scaling Deployment %s down to %d replicas failed: %v", d.Name, want, err)
-		failed.requeue = true
-		prob = &failed
-	}
-	if !scaled {
-		return nil, prob
+	if err := r.Patch(ctx, d, client.MergeFromWithOptions(fresh, client.MergeFromWithOptimisticLock{})); err != nil {
+		return nil, failed(fmt.Sprintf("scaling Deployment %s down to %d replicas", d.Name, want), err)
 	}
 	return d, prob
 }

@@ -131,14 +131,23 @@ func PartitionedSchemaDDL(t Table, period PartitionPeriod, ahead int) string {
 -- There is no DEFAULT partition: the relay detaches old partitions with
 -- DETACH PARTITION CONCURRENTLY, which a DEFAULT partition rules out.
 CREATE OR REPLACE FUNCTION %[9]s(parent regclass, nsp text, part text, lo timestamp, hi timestamp)
-RETURNS void
+RETURNS boolean
 LANGUAGE plpgsql
+SET datestyle = 'ISO, MDY'
+SET timezone = 'UTC'
 AS $add$
 BEGIN
     EXECUTE format('CREATE TABLE %%I.%%I (LIKE %%s INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING STORAGE) WITH (%[8]s)',
         nsp, part, parent);
     EXECUTE format('ALTER TABLE %%s ATTACH PARTITION %%I.%%I FOR VALUES FROM (%%L) TO (%%L)',
         parent, nsp, part, lo AT TIME ZONE 'UTC', hi AT TIME ZONE 'UTC');
+    RETURN true;
+EXCEPTION WHEN duplicate_table OR invalid_object_definition THEN
+    -- A table of that name that is no partition (detached by hand), or a
+    -- partition attached meanwhile by someone else: the other periods
+    -- are still made.
+    RAISE WARNING 'partition %% of %% from %% to %% not made: %%', part, parent, lo, hi, SQLERRM;
+    RETURN false;
 END
 $add$;
 
@@ -146,6 +155,9 @@ CREATE OR REPLACE FUNCTION %[1]s(ahead integer DEFAULT %[4]d)
 RETURNS integer
 LANGUAGE plpgsql
 SET lock_timeout = '1min'
+-- Partition bounds are read back as text: in ISO, with numeric offsets.
+SET datestyle = 'ISO, MDY'
+SET timezone = 'UTC'
 AS $add$
 DECLARE
     parent regclass := %[2]s::regclass;
@@ -175,8 +187,7 @@ BEGIN
                 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
                 WHERE i.inhparent = parent AND pg_get_expr(c.relpartbound, c.oid) <> 'DEFAULT') b
             WHERE b.bhi > p_lo AND b.blo < p_hi ORDER BY b.blo LOOP
-            IF cover.blo > cur THEN
-                PERFORM %[9]s(parent, nsp, left(%[5]s, 47) || to_char(cur, 'YYYYMMDD"t"HH24MISS'), cur, cover.blo);
+            IF cover.blo > cur AND %[9]s(parent, nsp, left(%[5]s, 47) || to_char(cur, 'YYYYMMDD"t"HH24MISS'), cur, cover.blo) THEN
                 made := made + 1;
             END IF;
             cur := greatest(cur, cover.bhi);
@@ -186,8 +197,9 @@ BEGIN
             IF cur > p_lo THEN
                 part := left(%[5]s, 47) || to_char(cur, 'YYYYMMDD"t"HH24MISS');
             END IF;
-            PERFORM %[9]s(parent, nsp, part, cur, p_hi);
-            made := made + 1;
+            IF %[9]s(parent, nsp, part, cur, p_hi) THEN
+                made := made + 1;
+            END IF;
         END IF;
     END LOOP;
     RETURN made;

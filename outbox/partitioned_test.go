@@ -266,7 +266,16 @@ func TestAddPartitionsFunction(t *testing.T) {
 	// Every half hour of both days takes a row.
 	mix := outbox.Table{Schema: "p_mix", Name: "outbox"}
 	f.Exec(outbox.PartitionedSchemaDDL(mix, outbox.PartitionHour, 2))
-	f.Exec(outbox.PartitionedSchemaDDL(mix, outbox.PartitionDay, 1))
+	// Run where bounds print otherwise: the function reads them in ISO and UTC.
+	styled, err := f.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer styled.Release()
+	_, err = styled.Exec(ctx, `SET datestyle = 'German'; SET timezone = 'Asia/Kolkata'`)
+	require.NoError(t, err)
+	_, err = styled.Exec(ctx, outbox.PartitionedSchemaDDL(mix, outbox.PartitionDay, 1))
+	require.NoError(t, err)
+	_, err = styled.Exec(ctx, `RESET datestyle; RESET timezone`)
+	require.NoError(t, err)
 	require.Zero(t, f.Count(`SELECT count(*) FROM generate_series(date_trunc('day', now() AT TIME ZONE 'UTC'),
 			date_trunc('day', now() AT TIME ZONE 'UTC') + interval '47 hours 30 minutes', interval '30 minutes') t
 		WHERE NOT EXISTS (SELECT 1 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'p_mix.outbox'::regclass

@@ -674,10 +674,9 @@ func (r *Relay) checkTablePrivileges(ctx context.Context, headers bool) error {
 		var onIDs, onOutbox []privilege
 		for _, p := range forRetention {
 			if p.priv == privOwner {
-				var owner string
-				var super bool
+				owner, super := "its owner", true // unread: advice without the owner's name
 				if err := r.pool.QueryRow(ctx, sqlTableOwner, r.table.Quoted()).Scan(&owner, &super); err != nil {
-					return fmt.Errorf("read the owner of %s: %w", r.table, err)
+					r.log.Warn("could not read the table's owner", "table", r.table.String(), "err", err)
 				}
 				lacks = append(lacks, "the ownership of "+r.table.String()+" (owned by "+owner+")")
 				own := "make the role own the table and its partitions (ALTER TABLE " + r.table.Quoted() + " OWNER TO " + grantee + ", and each partition)"

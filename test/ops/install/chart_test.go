@@ -504,6 +504,9 @@ func TestChartRefusesBadValues(t *testing.T) {
 		{`{metrics: {readers: [{name: prometheus}]}}`, "/metrics/readers/0"},
 		{`{podDisruptionBudget: {minAvailable: half}}`, "/podDisruptionBudget/minAvailable"},
 		{`{podLabels: {app.kubernetes.io/name: other}}`, "invalid propertyName 'app.kubernetes.io/name'"},
+		{`{monitoring: {relayPodMonitorLabels: {app.kubernetes.io/managed-by: me}}}`, "invalid propertyName 'app.kubernetes.io/managed-by'"},
+		{`{monitoring: {relayPodMonitorLabels: {"bad key": x}}}`, "invalid propertyName 'bad key'"},
+		{`{monitoring: {relayPodMonitorLabels: {release: "not valid"}}}`, "/monitoring/relayPodMonitorLabels/release"},
 	} {
 		_, _, err := render(t, values(t, tc.values))
 		require.Error(t, err, tc.values)
