@@ -5,14 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"maps"
-	"slices"
-	"strings"
 	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
@@ -173,7 +172,7 @@ func (r *OutboxRelayReconciler) ensurePodMonitor(ctx context.Context, relay *out
 		// which the operator cannot read: the condition names the labels.
 		set(metav1.ConditionTrue, outboxv1alpha1.ReasonPodMonitorReady,
 			fmt.Sprintf("PodMonitor %s selects the relay pods (job=%q, outboxrelay=%q); a Prometheus whose podMonitorSelector matches its labels %s scrapes them",
-				childName(relay), relayJob, relay.Name, labelList(want.GetLabels())))
+				childName(relay), relayJob, relay.Name, labels.Set(want.GetLabels())))
 	}
 	seen := podMonitorSeen{uid: relay.UID, hash: want.GetAnnotations()[specHashAnnotation], generation: relay.Generation}
 	if v, ok := r.podMonitors.Load(key); ok {
@@ -249,13 +248,4 @@ func (r *OutboxRelayReconciler) deletePodMonitor(ctx context.Context, relay *out
 		return fmt.Errorf("delete PodMonitor %s: %w", childName(relay), err)
 	}
 	return nil
-}
-
-// labelList is labels as k=v, comma-separated, in key order.
-func labelList(labels map[string]string) string {
-	var kv []string
-	for _, k := range slices.Sorted(maps.Keys(labels)) {
-		kv = append(kv, k+"="+labels[k])
-	}
-	return strings.Join(kv, ",")
 }
